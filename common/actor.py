@@ -1,0 +1,129 @@
+"""The actor runtime every process runs on.
+
+An actor binds one inbox, registers one handler per message type, and runs one short loop:
+wait for a message, drain whatever else is queued, dispatch each through the table, then
+give the actor an `on_idle` turn (where the scheduler plans its next step). It answers
+`Ping` with `Pong`, reports `Ready` once started, and stops cleanly on SIGTERM, SIGINT or a
+`Shutdown` message. An unknown message is logged and counted; a handler error is logged and
+never kills the loop (the handler itself fails the one request it was about).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import signal
+from collections.abc import Callable
+from typing import Any
+
+from common.config import Config, ConfigError
+from common.ipc import Inbox, Outbox
+from common.messages import Ping, Pong, Ready, Shutdown
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Any], Any]
+
+
+class Actor:
+    """Base of every shuttle process. Subclasses fill `handlers` and override the hooks."""
+
+    name = "actor"
+
+    def __init__(self, config: Config, inbox_addr: str | None = None) -> None:
+        self.config = config
+        self.inbox_addr = inbox_addr or config.addr(self.name)
+        self.handlers: dict[type, Handler] = {Ping: self._on_ping, Shutdown: self._on_shutdown}
+        self.num_unknown_messages = 0
+        self.num_handler_errors = 0
+        self._outboxes: dict[str, Outbox] = {}
+        self._main_task: asyncio.Task[None] | None = None
+        self.inbox: Inbox | None = None
+
+    # hooks ---------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Connect peers, load what the actor needs; runs before Ready is sent."""
+
+    def ready_info(self) -> dict[str, Any]:
+        return {}
+
+    def ready_targets(self) -> list[str]:
+        """Inboxes told when this actor is ready (the supervisor, when there is one)."""
+        try:
+            return [self.config.addr("supervisor")]
+        except ConfigError:
+            return []
+
+    async def on_idle(self) -> None:
+        """Called after each drained batch of messages."""
+
+    async def stop(self) -> None:
+        """Release resources; runs once when the loop ends."""
+
+    # runtime -------------------------------------------------------------------------------
+    def outbox(self, addrs: str | list[str]) -> Outbox:
+        key = addrs if isinstance(addrs, str) else ",".join(addrs)
+        box = self._outboxes.get(key)
+        if box is None:
+            box = self._outboxes[key] = Outbox(addrs)
+        return box
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._main_task = asyncio.current_task()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        self.inbox = Inbox(self.inbox_addr)
+        try:
+            await self.start()
+            ready = Ready(name=self.inbox_name, info=self.ready_info())
+            for target in self.ready_targets():
+                self.outbox(target).send(ready)
+            log.info("ready", extra={"addr": self.inbox.addr})
+            await self._loop()
+        except asyncio.CancelledError:
+            pass
+        finally:
+            await self.stop()
+            self.inbox.close()
+            for box in self._outboxes.values():
+                box.close()
+            log.info("stopped")
+
+    @property
+    def inbox_name(self) -> str:
+        return self.name
+
+    async def _loop(self) -> None:
+        assert self.inbox is not None
+        while True:
+            await self.dispatch(await self.inbox.recv())
+            while (msg := self.inbox.recv_nowait()) is not None:
+                await self.dispatch(msg)
+            await self.on_idle()
+
+    async def dispatch(self, msg: Any) -> None:
+        handler = self.handlers.get(type(msg))
+        if handler is None:
+            self.num_unknown_messages += 1
+            log.warning("unknown message %s", type(msg).__name__)
+            return
+        try:
+            result = handler(msg)
+            if inspect.isawaitable(result):
+                await result
+        except Exception:
+            self.num_handler_errors += 1
+            log.exception("handler for %s failed", type(msg).__name__)
+
+    def request_stop(self) -> None:
+        if self._main_task is not None and not self._main_task.done():
+            self._main_task.cancel()
+
+    def _on_ping(self, msg: Ping) -> None:
+        self.outbox(msg.reply_to).send(Pong(name=self.inbox_name, nonce=msg.nonce))
+
+    def _on_shutdown(self, msg: Shutdown) -> None:
+        log.info("shutdown requested: %s", msg.reason)
+        self.request_stop()

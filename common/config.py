@@ -1,0 +1,211 @@
+"""One frozen dataclass tree for every process; each field is a flag and a SHUTTLE_* env var.
+
+Precedence: command-line flag > environment (`SHUTTLE_MAX_NUM_SEQS=32`) > default. Flags are
+named as vLLM names them where it has one (`--max-num-seqs`, `--block-size`, ...). The
+supervisor writes the resolved tree to `<run_dir>/config.json` and every child process reads
+it back, so all processes agree on one config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+_ENV_PREFIX = "SHUTTLE_"
+
+
+def _field(default: Any, help: str) -> Any:
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    model: str = _field("", "Hugging Face folder of a Llama-family model (default: SmolLM2)")
+    served_model_name: str = _field("", "name clients use (default: the folder's name)")
+    dtype: str = _field("float32", "weights and KV dtype: float32 | bfloat16")
+    device: str = _field("cpu", "cpu | cuda")
+    max_model_len: int = _field(0, "longest prompt + output in tokens (0: the model's own)")
+    seed: int = _field(0, "seed for unseeded sampling")
+    num_threads: int = _field(0, "torch threads in the worker (0: all cores)")
+    attention_backend: str = _field("auto", "auto | torch | triton")
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in ("float32", "bfloat16"), "dtype", "float32 or bfloat16")
+        _check(self.device in ("cpu", "cuda"), "device", "cpu or cuda")
+        _check(self.max_model_len >= 0, "max_model_len", ">= 0")
+        _check(self.num_threads >= 0, "num_threads", ">= 0")
+        _check(self.attention_backend in ("auto", "torch", "triton"), "attention_backend",
+               "auto, torch or triton")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = _field(16, "tokens per KV block")
+    kv_cache_memory: float = _field(1.0, "KV cache size in GiB on CPU")
+    gpu_memory_utilization: float = _field(0.9, "fraction of GPU memory for weights + KV")
+
+    def __post_init__(self) -> None:
+        _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", "a power of 2 <= 128")
+        _check(self.kv_cache_memory > 0, "kv_cache_memory", "> 0")
+        _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "in (0, 1]")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = _field(64, "most sequences in one step")
+    max_num_batched_tokens: int = _field(512, "token budget of one step (chunked prefill)")
+    max_waiting: int = _field(1024, "most queued requests before overload (429)")
+
+    def __post_init__(self) -> None:
+        _check(self.max_num_seqs >= 1, "max_num_seqs", ">= 1")
+        _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1")
+        _check(self.max_waiting >= 1, "max_waiting", ">= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    host: str = _field("127.0.0.1", "HTTP bind address")
+    port: int = _field(8000, "HTTP port (0: pick a free one)")
+    api_key: str = _field("", "clients must send 'Authorization: Bearer KEY' when set")
+    num_tokenizers: int = _field(1, "tokenizer processes")
+    run_dir: str = _field("", "folder for ipc sockets and the resolved config (default: temp)")
+    ready_timeout: float = _field(600.0, "seconds to wait for every process to be ready")
+    log_level: str = _field("info", "debug | info | warning | error")
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.port < 65536, "port", "0..65535")
+        _check(self.num_tokenizers >= 1, "num_tokenizers", ">= 1")
+        _check(self.log_level in ("debug", "info", "warning", "error"), "log_level",
+               "debug, info, warning or error")
+
+
+@dataclasses.dataclass(frozen=True)
+class AddressConfig:
+    """Inbox address of each actor. Empty: `ipc://<run_dir>/<name>.sock` on this host."""
+
+    gateway_addr: str = _field("", "gateway inbox (e.g. tcp://gateway:5550)")
+    scheduler_addr: str = _field("", "scheduler inbox")
+    worker_addr: str = _field("", "worker inbox")
+    detokenizer_addr: str = _field("", "detokenizer inbox")
+    tokenizer_addrs: str = _field("", "comma-separated tokenizer inboxes")
+    supervisor_addr: str = _field("", "supervisor inbox (ready and health reports)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    server: ServerConfig = dataclasses.field(default_factory=ServerConfig)
+    addresses: AddressConfig = dataclasses.field(default_factory=AddressConfig)
+
+    def addr(self, name: str) -> str:
+        """Inbox address of actor `name` (gateway, scheduler, worker, detokenizer, supervisor)."""
+        explicit = getattr(self.addresses, f"{name}_addr", "")
+        return explicit or self._ipc(name)
+
+    def tokenizer_addrs(self) -> list[str]:
+        if self.addresses.tokenizer_addrs:
+            return [a.strip() for a in self.addresses.tokenizer_addrs.split(",") if a.strip()]
+        return [self._ipc(f"tokenizer-{i}") for i in range(self.server.num_tokenizers)]
+
+    def _ipc(self, name: str) -> str:
+        if not self.server.run_dir:
+            raise ValueError(f"no address for {name}: set --run-dir or --{name}-addr")
+        return f"ipc://{self.server.run_dir}/{name}.sock"
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(dataclasses.asdict(self), option=orjson.OPT_INDENT_2)
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Config:
+        return from_mapping(orjson.loads(data))
+
+    def replace(self, **sections: Mapping[str, Any]) -> Config:
+        """A copy with some leaf fields changed: cfg.replace(server={"port": 0})."""
+        return dataclasses.replace(
+            self,
+            **{s: dataclasses.replace(getattr(self, s), **v) for s, v in sections.items()},
+        )
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _check(ok: bool, name: str, expected: str) -> None:
+    if not ok:
+        raise ConfigError(f"--{name.replace('_', '-')} must be {expected}")
+
+
+def _sections() -> list[tuple[str, type]]:
+    hints = typing.get_type_hints(Config)
+    return [(f.name, hints[f.name]) for f in dataclasses.fields(Config)]
+
+
+def _leaf_type(section: type, name: str) -> type:
+    return typing.get_type_hints(section)[name]
+
+
+def from_mapping(data: Mapping[str, Mapping[str, Any]]) -> Config:
+    return Config(**{name: sec(**data.get(name, {})) for name, sec in _sections()})
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per config field (defaults are resolved later, env included)."""
+    parser.add_argument("--config-file", type=Path, default=None,
+                        help="start from this JSON config (as written by the supervisor)")
+    for sec_name, sec in _sections():
+        group = parser.add_argument_group(sec_name)
+        for f in dataclasses.fields(sec):
+            flag = "--" + f.name.replace("_", "-")
+            typ = _leaf_type(sec, f.name)
+            kwargs: dict[str, Any] = {"dest": f"{sec_name}.{f.name}", "default": argparse.SUPPRESS,
+                                      "help": f"{f.metadata.get('help', '')} (default: {f.default!r}; "
+                                              f"env {_ENV_PREFIX}{f.name.upper()})"}
+            if typ is bool:
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                kwargs["type"] = typ
+            group.add_argument(flag, **kwargs)
+
+
+def from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = None) -> Config:
+    """Resolve: config file, then SHUTTLE_* env, then flags."""
+    env = os.environ if env is None else env
+    cfg_file = getattr(ns, "config_file", None)
+    data: dict[str, dict[str, Any]] = (
+        orjson.loads(Path(cfg_file).read_bytes()) if cfg_file else {}
+    )
+    flags = vars(ns)
+    for sec_name, sec in _sections():
+        values = data.setdefault(sec_name, {})
+        for f in dataclasses.fields(sec):
+            typ = _leaf_type(sec, f.name)
+            env_val = env.get(_ENV_PREFIX + f.name.upper())
+            if env_val is not None and not cfg_file:
+                values[f.name] = _parse(typ, env_val, f.name)
+            if f"{sec_name}.{f.name}" in flags:
+                values[f.name] = flags[f"{sec_name}.{f.name}"]
+    return from_mapping(data)
+
+
+def _parse(typ: Any, raw: str, name: str) -> Any:
+    if isinstance(typ, types.UnionType):
+        typ = next(t for t in typing.get_args(typ) if t is not type(None))
+    try:
+        if typ is bool:
+            if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(raw)
+            return raw.lower() in ("1", "true", "yes")
+        return typ(raw)
+    except ValueError:
+        raise ConfigError(f"{_ENV_PREFIX}{name.upper()}={raw!r} is not a valid {typ.__name__}") from None

@@ -1,0 +1,86 @@
+"""Typed ZeroMQ sockets for asyncio: business code sends and receives messages, never frames.
+
+Every actor binds one PULL `Inbox`; whoever talks to it connects a PUSH `Outbox`. An Outbox
+connected to several addresses round-robins between them (how the gateway spreads requests
+over tokenizer processes).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from common import codec
+
+log = logging.getLogger(__name__)
+
+_HWM = 100_000  # messages queued per peer before send fails; far above any real backlog
+
+
+def _context() -> zmq.asyncio.Context:
+    return zmq.asyncio.Context.instance()
+
+
+class Inbox:
+    """The actor's one receiving socket (PULL, bound)."""
+
+    def __init__(self, addr: str) -> None:
+        self.addr = addr
+        self.num_bad_frames = 0
+        self._sock = _context().socket(zmq.PULL)
+        self._sock.setsockopt(zmq.RCVHWM, _HWM)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(addr)
+        self._sync = zmq.Socket.shadow(self._sock.underlying)  # for non-blocking drains
+        if addr.startswith("tcp://") and addr.endswith(":0"):
+            self.addr = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    async def recv(self) -> Any:
+        """The next well-formed message; bad frames are logged, counted and skipped."""
+        while True:
+            msg = self._decode(await self._sock.recv())
+            if msg is not None:
+                return msg
+
+    def recv_nowait(self) -> Any | None:
+        """A message if one is queued now, else None."""
+        while True:
+            try:
+                frame = self._sync.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return None
+            msg = self._decode(frame)
+            if msg is not None:
+                return msg
+
+    def _decode(self, frame: bytes) -> Any | None:
+        try:
+            return codec.decode(frame)
+        except codec.CodecError as e:
+            self.num_bad_frames += 1
+            log.warning("dropped a bad frame", extra={"error": str(e), "addr": self.addr})
+            return None
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class Outbox:
+    """A sending socket (PUSH) connected to one or more inboxes; send never blocks."""
+
+    def __init__(self, addrs: str | list[str]) -> None:
+        self.addrs = [addrs] if isinstance(addrs, str) else list(addrs)
+        self._sock = zmq.Context.instance().socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.SNDHWM, _HWM)
+        self._sock.setsockopt(zmq.LINGER, 2000)  # flush on close, but never hang shutdown
+        for addr in self.addrs:
+            self._sock.connect(addr)
+
+    def send(self, msg: Any) -> None:
+        self._sock.send(codec.encode(msg), zmq.NOBLOCK)
+
+    def close(self) -> None:
+        self._sock.close()

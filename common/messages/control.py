@@ -1,0 +1,53 @@
+"""Control messages any actor may receive: health, readiness, shutdown, abort, stats."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from common.codec import message
+
+
+@message("ping")
+class Ping:
+    reply_to: str  # address of the asker's inbox
+    nonce: int
+
+
+@message("pong")
+class Pong:
+    name: str
+    nonce: int
+
+
+@message("ready")
+class Ready:
+    """Sent once by an actor when it can serve; `info` holds what it learned at start-up."""
+
+    name: str
+    info: dict[str, Any]
+
+
+@message("shutdown")
+class Shutdown:
+    reason: str = ""
+
+
+@message("abort")
+class Abort:
+    """End these requests (cancel, client gone, stop string, timeout): one path for all."""
+
+    request_ids: list[str]
+    reason: int  # FinishReason
+
+
+@message("stats_query")
+class StatsQuery:
+    reply_to: str
+    query_id: int
+
+
+@message("stats")
+class Stats:
+    name: str
+    query_id: int
+    data: dict[str, Any]

@@ -1,0 +1,15 @@
+"""detokenizer -> gateway: text deltas, ready to stream."""
+
+from __future__ import annotations
+
+from common.codec import message
+
+
+@message("output_batch")
+class OutputBatch:
+    request_ids: list[str]  # [num_reqs]
+    texts: list[str]  # [num_reqs] new text since the last batch
+    token_ids: list[list[int]]  # [num_reqs][*] new token ids
+    finish_reasons: list[int]  # [num_reqs] FinishReason, 0 while running
+    num_prompt_tokens: list[int]  # [num_reqs]
+    num_output_tokens: list[int]  # [num_reqs] so far

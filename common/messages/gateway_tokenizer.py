@@ -1,0 +1,32 @@
+"""gateway -> tokenizer: a request to tokenise and validate; anyone -> gateway: its rejection."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from common.codec import message
+from common.messages.types import SamplingParams
+
+
+@message("generate")
+class GenerateRequest:
+    """One client request, as the gateway parsed it. Exactly one of the prompt fields is set."""
+
+    request_id: str
+    model: str
+    sampling: SamplingParams
+    prompt: str | None = None  # /v1/completions text
+    messages: list[dict[str, Any]] | None = None  # /v1/chat/completions, rendered by template
+    prompt_token_ids: list[int] | None = None  # pre-tokenised prompt
+    add_generation_prompt: bool = True
+    arrival_time: float = 0.0  # time.time() at the gateway
+
+
+@message("request_error")
+class RequestError:
+    """A request refused before or during scheduling; the gateway answers it with `status`."""
+
+    request_id: str
+    status: int  # HTTP status: 400 bad input, 404 unknown model, 429 overload, 503 down
+    message: str
+    param: str | None = None  # the offending field, when there is one

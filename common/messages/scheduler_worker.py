@@ -1,0 +1,50 @@
+"""scheduler <-> worker: step plans as diffs, and their sampled tokens.
+
+A request's prompt and sampling parameters travel once (`new_*`); afterwards a step names
+only what changed. The worker keeps per request: all token ids (prompt + sampled), its
+block table, and how many tokens are in the KV cache. For each scheduled request it
+computes `token_ids[num_computed : num_computed + num_new]`; if that reaches the end of the
+known tokens, it samples one token and appends it.
+
+    block table of a request, block_size 4, 10 tokens computed:
+    [ b7 | b2 | b9 ]   slots: b7*4+0..3, b2*4+0..3, b9*4+0..1 used
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from common.codec import message
+from common.messages.types import SamplingParams
+
+
+@message("step_plan")
+class StepPlan:
+    step_id: int
+    # requests the worker has not seen yet, in any order
+    new_req_ids: list[str] = dataclasses.field(default_factory=list)  # [num_new]
+    new_prompt_token_ids: list[list[int]] = dataclasses.field(default_factory=list)  # [num_new][*]
+    new_sampling: list[SamplingParams] = dataclasses.field(default_factory=list)  # [num_new]
+    # requests to forget before this step runs (finished, cancelled)
+    finished_req_ids: list[str] = dataclasses.field(default_factory=list)
+    # requests whose KV was dropped (recompute preemption): block table and count reset to 0,
+    # token ids kept; they come back later with num_computed_tokens == 0
+    preempted_req_ids: list[str] = dataclasses.field(default_factory=list)
+    # the batch, in order
+    req_ids: list[str] = dataclasses.field(default_factory=list)  # [num_reqs]
+    num_computed_tokens: list[int] = dataclasses.field(default_factory=list)  # [num_reqs]
+    num_new_tokens: list[int] = dataclasses.field(default_factory=list)  # [num_reqs]
+    new_block_ids: list[list[int]] = dataclasses.field(default_factory=list)  # [num_reqs][*]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+@message("step_result")
+class StepResult:
+    step_id: int
+    req_ids: list[str]  # [num_sampled] requests that sampled a token this step
+    token_ids: list[int]  # [num_sampled]
+    forward_s: float = 0.0  # worker time for the step, model + sampling
+    error: str = ""  # set when the step failed: its requests are failed, not retried

@@ -1,0 +1,17 @@
+"""tokenizer -> scheduler: a validated, tokenised request."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from common.codec import message
+from common.messages.types import SamplingParams
+
+
+@message("tokenized")
+class TokenizedRequest:
+    request_id: str
+    prompt_token_ids: list[int]  # [num_prompt_tokens]
+    sampling: SamplingParams
+    eos_token_ids: list[int] = dataclasses.field(default_factory=list)
+    arrival_time: float = 0.0

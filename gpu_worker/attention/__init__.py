@@ -1,0 +1,68 @@
+"""Attention backends behind one interface; `torch` runs everywhere and is the CPU default."""
+
+from __future__ import annotations
+
+import abc
+from typing import ClassVar
+
+import torch
+
+from gpu_worker.attention.metadata import AttentionMetadata, build_metadata
+
+
+class AttentionBackend(abc.ABC):
+    """Stores a step's new K/V into the paged cache and attends over each request's context.
+
+    One instance serves every layer of a model. `build_metadata` runs once per step and may
+    add backend-specific fields (masks, index lists) to the common metadata; `forward` runs
+    once per layer with that metadata and the layer's cache
+    `kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim]`.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(
+        self,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} heads do not split into {num_kv_heads} KV heads")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = device
+        self.scale = head_dim**-0.5
+
+    def build_metadata(self, common: AttentionMetadata) -> AttentionMetadata:
+        """Per-step extras for this backend; the common metadata alone by default."""
+        return common
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Store k/v at meta.slot_mapping, then attend; returns the attention output."""
+
+
+def create_backend(name: str, **kwargs: object) -> AttentionBackend:
+    """The backend called `name`, constructed with AttentionBackend's keyword arguments."""
+    from gpu_worker.attention.torch_backend import TorchAttentionBackend
+
+    backends: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}
+    if name not in backends:
+        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(backends)}")
+    return backends[name](**kwargs)  # type: ignore[arg-type]
+
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "build_metadata", "create_backend"]

@@ -1,0 +1,90 @@
+"""The paged KV cache: one tensor for all layers, sized from a memory budget.
+
+    kv [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
+
+A token's slot is `block_id * block_size + offset`; the scheduler owns which blocks a
+request holds, the worker only reads and writes the slots it is told.
+"""
+
+from __future__ import annotations
+
+import torch
+
+GIB = 1 << 30
+
+
+def bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """K and V of one block across every layer."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return num_layers * 2 * block_size * num_kv_heads * head_dim * itemsize
+
+
+def cuda_kv_budget_bytes(device: torch.device, gpu_memory_utilization: float) -> int:
+    """A fraction of the memory still free on the GPU once the weights are loaded."""
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    torch.cuda.empty_cache()
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free * gpu_memory_utilization)
+
+
+class KVCache:
+    """The KV tensor of a model, zero-filled so padded slots never hold NaN."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need at least one block of one slot, got {num_blocks}x{block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        # zeros, not empty: a masked score of 0 times a NaN from stale memory is still NaN
+        self.tensor = torch.zeros(shape, dtype=dtype, device=device)
+
+    @classmethod
+    def from_budget(
+        cls,
+        budget_bytes: int,
+        *,
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> KVCache:
+        """As many blocks as fit in `budget_bytes`; fails if not even one does."""
+        per_block = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+        num_blocks = budget_bytes // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"KV budget of {budget_bytes} bytes holds no block of {per_block} bytes"
+            )
+        return cls(
+            num_layers=num_layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            device=device,
+        )
+
+    def layer(self, i: int) -> torch.Tensor:
+        """[2, num_blocks, block_size, num_kv_heads, head_dim], a view."""
+        return self.tensor[i]
+
+    @property
+    def num_bytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()

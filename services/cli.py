@@ -1,0 +1,26 @@
+"""The `shuttle` command: `shuttle serve [flags]` (see `shuttle serve --help`)."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: shuttle serve [flags]   (shuttle serve --help lists them)")
+        return 0 if argv else 2
+    if argv[0] == "serve":
+        from services.launch import serve
+
+        return serve(argv[1:])
+    if argv[0] == "prepare-model":
+        from gpu_worker.prepare_model import main as prepare
+
+        return prepare(argv[1:])
+    print(f"shuttle: unknown command {argv[0]!r}; try 'shuttle serve'", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from services.detokenizer.main import main
+
+sys.exit(main())

@@ -1,0 +1,96 @@
+"""The gateway process: HTTP (FastAPI on uvicorn) and the ZeroMQ side, in one event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import uvicorn
+
+from common.actor import Actor
+from common.config import Config
+from common.messages import OutputBatch, RequestError, Stats
+from services.gateway.zmq_client import ZmqEngineClient
+
+log = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: the actor owns SIGTERM/SIGINT."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[no-untyped-def]
+        yield
+
+    def install_signal_handlers(self) -> None:  # older uvicorn
+        pass
+
+
+class GatewayActor(Actor):
+    name = "gateway"
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.port = 0
+        self.handlers.update({
+            OutputBatch: self._on_outputs,
+            RequestError: self._on_error,
+            Stats: self._on_stats,
+        })
+
+    async def start(self) -> None:
+        from services.gateway.app import create_app
+
+        self.engine = ZmqEngineClient(
+            tokenizers=self.outbox(self.config.tokenizer_addrs()),
+            scheduler=self.outbox(self.config.addr("scheduler")),
+            inbox_addr=self.inbox_addr,
+        )
+        app = create_app(self.engine, api_key=self.config.server.api_key or None)
+        uv_config = uvicorn.Config(app, host=self.config.server.host, port=self.config.server.port,
+                                   loop="none", log_config=None, access_log=False,
+                                   timeout_graceful_shutdown=5)
+        self.server = _Server(uv_config)
+        self.server_task = asyncio.create_task(self.server.serve())
+        self.info_task = asyncio.create_task(self._learn_model())
+        while not self.server.started:
+            if self.server_task.done():
+                self.server_task.result()
+                raise RuntimeError(f"cannot serve HTTP on {self.config.server.host}:"
+                                   f"{self.config.server.port}")
+            await asyncio.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        log.info("HTTP on %s:%d", self.config.server.host, self.port)
+
+    async def _learn_model(self) -> None:
+        """Ask the scheduler what it serves until it knows (the worker may still be loading)."""
+        while True:
+            try:
+                stats = await self.engine.stats(timeout=1.0)
+            except TimeoutError:
+                continue
+            if stats.get("ready"):
+                self.engine.set_model_info(stats["model"])
+                return
+            await asyncio.sleep(0.2)
+
+    def ready_info(self) -> dict[str, Any]:
+        return {"host": self.config.server.host, "port": self.port}
+
+    async def stop(self) -> None:
+        if hasattr(self, "server"):
+            self.server.should_exit = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.server_task, 10)
+            self.info_task.cancel()
+
+    def _on_outputs(self, msg: OutputBatch) -> None:
+        self.engine.on_outputs(msg)
+
+    def _on_error(self, msg: RequestError) -> None:
+        self.engine.on_error(msg)
+
+    def _on_stats(self, msg: Stats) -> None:
+        self.engine.on_stats(msg)

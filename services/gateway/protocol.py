@@ -1,0 +1,375 @@
+"""OpenAI request bodies for /v1/chat/completions and /v1/completions, and their conversion
+to a `GenerateRequest`.
+
+Parsing is strict about types (a string "5" is not an integer, `true` is not a number,
+NaN and infinities are refused) and lenient about presence: unknown fields are ignored,
+since OpenAI clients send extras, and `null` means "use the default", as OpenAI treats it.
+Every refusal is a `RequestRejected` whose message starts with the field it names.
+
+Defaults:
+- `max_tokens`: 16 for completions (OpenAI's legacy default); for chat, the model's context
+  length, which the tokenizer clamps to what fits after the prompt.
+- `temperature` 1.0, `top_p` 1.0, `top_k` off (-1 or 0), `n` 1, `stream` false.
+
+Limits: at most `MAX_STOP` stop strings of 1..`MAX_STOP_CHARS` characters each. Not yet
+supported, refused with a clear message: `n` > 1, `best_of` > 1, `echo`, `suffix`,
+`logprobs`, non-zero presence/frequency penalties, `repetition_penalty` other than 1.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
+
+from common.messages import GenerateRequest, SamplingParams
+
+MAX_STOP = 64  # stop strings per request
+MAX_STOP_CHARS = 256  # characters per stop string
+MAX_STOP_TOKEN_IDS = 64
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+_INT32_MAX = 2**31 - 1
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1  # orjson carries 64-bit ints
+
+_STRICT = ConfigDict(strict=True, extra="ignore")
+
+MaxTokens = Annotated[int, Field(ge=1, le=_INT32_MAX)]
+Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+TopK = Annotated[int, Field(ge=-1, le=_INT32_MAX)]
+Seed = Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+TokenId = Annotated[int, Field(ge=0, le=_INT32_MAX)]
+
+
+class RequestRejected(Exception):
+    """A request the gateway refuses with `status`; `message` starts with the field it names."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+
+
+def _refuse(message: str) -> PydanticCustomError:
+    return PydanticCustomError("unsupported", message)
+
+
+class StreamOptions(BaseModel):
+    """OpenAI's `stream_options`."""
+
+    model_config = _STRICT
+    include_usage: bool | None = None
+
+
+class _CommonRequest(BaseModel):
+    """Fields shared by both endpoints."""
+
+    model_config = _STRICT
+
+    model: str | None = None  # None: the served model
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None  # vLLM extension; -1 or 0 = off
+    seed: Seed | None = None
+    stop: list[str] = Field(default_factory=list)  # also a single str, see _stop_list
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    n: Annotated[int, Field(ge=1)] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = None  # vLLM extension
+    user: str | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, value: Any) -> list[str]:
+        stops = [value] if isinstance(value, str) else [] if value is None else value
+        if not isinstance(stops, list):
+            raise PydanticCustomError("stop_type", "must be a string or a list of strings")
+        if len(stops) > MAX_STOP:
+            raise PydanticCustomError("stop_count", f"at most {MAX_STOP} stop strings")
+        for s in stops:
+            if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_CHARS:
+                raise PydanticCustomError(
+                    "stop_item", f"each stop string must be 1..{MAX_STOP_CHARS} characters"
+                )
+        return stops
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int | None) -> int | None:
+        if value is not None and value > 1:
+            raise _refuse("n > 1 is not supported yet")
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _zero_penalty(cls, value: float | None) -> float | None:
+        if value:
+            raise _refuse("only 0 is supported for now")
+        return value
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _unit_penalty(cls, value: float | None) -> float | None:
+        if value is not None and value != 1.0:
+            raise _refuse("only 1 is supported for now")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _sampling(
+        self, max_tokens: int | None, field: str, default: int, max_model_len: int
+    ) -> SamplingParams:
+        limit = max_tokens if max_tokens is not None else default
+        if limit > max_model_len:
+            raise RequestRejected(
+                f"{field}: must be <= {max_model_len} (the model's context length), got {limit}",
+                field,
+            )
+        return SamplingParams(
+            max_tokens=limit,
+            temperature=1.0 if self.temperature is None else float(self.temperature),
+            top_p=1.0 if self.top_p is None else float(self.top_p),
+            top_k=max(self.top_k or 0, 0),
+            seed=self.seed,
+            stop=list(self.stop),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=bool(self.ignore_eos),
+        )
+
+
+def _content_text(value: Any) -> str:
+    """A message's content as one string: a string, or the texts of its parts joined."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise PydanticCustomError("content_type", "must be a string or a list of text parts")
+    texts = []
+    for i, part in enumerate(value):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise PydanticCustomError(
+                "content_part",
+                'part {index} must be {"type": "text", "text": <string>}; '
+                "only text parts are supported",
+                {"index": i},
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+class ChatMessage(BaseModel):
+    """One chat message; content is normalised to a string."""
+
+    model_config = _STRICT
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str
+    name: str | None = None
+
+    _check_content = field_validator("content", mode="before")(_content_text)
+
+    def as_dict(self) -> dict[str, Any]:
+        # "developer" is OpenAI's newer name for "system"; chat templates know only "system"
+        role = "system" if self.role == "developer" else self.role
+        out: dict[str, Any] = {"role": role, "content": self.content}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class ChatCompletionRequest(_CommonRequest):
+    """Body of POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: MaxTokens | None = None  # OpenAI's newer name for max_tokens
+    add_generation_prompt: bool | None = None  # vLLM extension
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: bool | None) -> bool | None:
+        if value:
+            raise _refuse("logprobs are not supported yet")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, value: int | None) -> int | None:
+        if value:
+            raise _refuse("logprobs are not supported yet")
+        return value
+
+    def to_generate_request(
+        self, request_id: str, model: str, max_model_len: int
+    ) -> GenerateRequest:
+        # as vLLM does: the newer name wins when both are given
+        field = "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        return GenerateRequest(
+            request_id=request_id,
+            model=model,
+            sampling=self._sampling(max_tokens, field, max_model_len, max_model_len),
+            messages=[m.as_dict() for m in self.messages],
+            add_generation_prompt=self.add_generation_prompt is not False,
+            arrival_time=time.time(),
+        )
+
+
+def _prompt(value: Any) -> str | list[int]:
+    """A prompt: a string, a list of token ids, or a list holding exactly one of those."""
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(p, str) for p in value):
+        raise _refuse(f"a batch of {len(value)} prompts is not supported; send one per request")
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+        value = value[0]
+    if isinstance(value, str):
+        if not value:
+            raise PydanticCustomError("prompt_empty", "must not be empty")
+        return value
+    if not isinstance(value, list):
+        raise PydanticCustomError("prompt_type", "must be a string or a list of token ids")
+    if not value:
+        raise PydanticCustomError("prompt_empty", "must not be empty")
+    for t in value:
+        if type(t) is not int or not 0 <= t <= _INT32_MAX:
+            raise PydanticCustomError(
+                "prompt_token", "token ids must be integers in [0, {limit}]", {"limit": _INT32_MAX}
+            )
+    return value
+
+
+class CompletionRequest(_CommonRequest):
+    """Body of POST /v1/completions."""
+
+    prompt: Any
+    echo: bool | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    _check_prompt = field_validator("prompt", mode="before")(_prompt)
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool | None) -> bool | None:
+        if value:
+            raise _refuse("echo=true is not supported")
+        return value
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: int | None) -> int | None:
+        if value is not None:
+            raise _refuse("logprobs are not supported yet")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, value: int | None) -> int | None:
+        if value is not None and value > 1:
+            raise _refuse("best_of > 1 is not supported yet")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise _refuse("suffix is not supported")
+        return value
+
+    def to_generate_request(
+        self, request_id: str, model: str, max_model_len: int
+    ) -> GenerateRequest:
+        sampling = self._sampling(
+            self.max_tokens, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS, max_model_len
+        )
+        is_text = isinstance(self.prompt, str)
+        return GenerateRequest(
+            request_id=request_id,
+            model=model,
+            sampling=sampling,
+            prompt=self.prompt if is_text else None,
+            prompt_token_ids=None if is_text else list(self.prompt),
+            arrival_time=time.time(),
+        )
+
+
+R = TypeVar("R", bound=BaseModel)
+
+
+def parse_request(cls: type[R], body: bytes) -> R:
+    """Validate a JSON body; raise RequestRejected naming the first offending field."""
+    try:
+        return cls.model_validate_json(body)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        message, param = describe_error(errors[0])
+        if len(errors) > 1:
+            message += f" (and {len(errors) - 1} more error(s))"
+        raise RequestRejected(message, param) from None
+
+
+def field_path(loc: tuple[Any, ...]) -> str:
+    """("messages", 0, "role") -> "messages[0].role"."""
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else f".{part}" if path else str(part)
+    return path
+
+
+def describe_error(error: Any) -> tuple[str, str | None]:
+    """One pydantic error as ("<field>: <what is wrong>", field)."""
+    kind, ctx = error["type"], error.get("ctx") or {}
+    if kind == "json_invalid":
+        return f"body: is not valid JSON ({ctx.get('error', '')})", None
+    param = field_path(error["loc"]) or None
+    what = _WHAT.get(kind)
+    text = what.format(**ctx) if what else error["msg"]
+    if kind in _SHOW_INPUT:
+        text += f", got {_json_repr(error.get('input'))}"
+    return f"{param or 'body'}: {text}", param
+
+
+_WHAT = {
+    "missing": "is required",
+    "greater_than_equal": "must be >= {ge}",
+    "greater_than": "must be > {gt}",
+    "less_than_equal": "must be <= {le}",
+    "less_than": "must be < {lt}",
+    "int_type": "must be an integer",
+    "float_type": "must be a number",
+    "bool_type": "must be a boolean",
+    "string_type": "must be a string",
+    "list_type": "must be a list",
+    "model_type": "must be a JSON object",
+    "dict_type": "must be a JSON object",
+    "finite_number": "must be a finite number",
+    "literal_error": "must be one of {expected}",
+    "too_short": "must have at least {min_length} item(s)",
+    "too_long": "must have at most {max_length} item(s)",
+}
+_SHOW_INPUT = set(_WHAT) - {"missing", "too_short", "too_long"}
+
+
+def _json_repr(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return f"string {value[:40]!r}"
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "a list"
+    return repr(value)

@@ -1,0 +1,111 @@
+"""The real EngineClient: requests go out over ZeroMQ, deltas come back into per-request queues."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from common.ipc import Outbox
+from common.messages import (
+    Abort,
+    FinishReason,
+    GenerateRequest,
+    OutputBatch,
+    RequestError,
+    Stats,
+    StatsQuery,
+)
+from services.gateway.engine_client import OutputDelta, RequestFailed
+
+log = logging.getLogger(__name__)
+
+
+class ZmqEngineClient:
+    """Keeps one queue per in-flight request; the gateway actor feeds them from its inbox."""
+
+    def __init__(self, tokenizers: Outbox, scheduler: Outbox, inbox_addr: str) -> None:
+        self.tokenizers = tokenizers
+        self.scheduler = scheduler
+        self.inbox_addr = inbox_addr
+        self.model_info: dict[str, Any] = {}
+        self.model_name = ""
+        self.system_fingerprint = ""
+        self.max_model_len = 0
+        self._queues: dict[str, asyncio.Queue[OutputDelta | RequestFailed]] = {}
+        self._stats_waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._query_ids = itertools.count()
+
+    def is_ready(self) -> bool:
+        return bool(self.model_info)
+
+    def set_model_info(self, info: dict[str, Any]) -> None:
+        self.model_info = info
+        self.model_name = info["model_name"]
+        self.system_fingerprint = info.get("weights_version", "")
+        self.max_model_len = info["max_model_len"]
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[OutputDelta]:
+        rid = request.request_id
+        if rid in self._queues:
+            raise RequestFailed(400, f"X-Request-Id: request id {rid!r} is already in flight",
+                                "X-Request-Id")
+        queue: asyncio.Queue[OutputDelta | RequestFailed] = asyncio.Queue()
+        self._queues[rid] = queue
+        finished = False
+        try:
+            self.tokenizers.send(request)
+            while True:
+                item = await queue.get()
+                if isinstance(item, RequestFailed):
+                    finished = True
+                    raise item
+                finished = item.finish_reason != FinishReason.NONE
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:  # the client went away or the caller stopped reading
+                self.scheduler.send(Abort(request_ids=[rid], reason=int(FinishReason.CANCELLED)))
+            # state goes only after the abort is sent (DESIGN §8)
+            self._queues.pop(rid, None)
+
+    async def abort(self, request_id: str) -> None:
+        self.scheduler.send(Abort(request_ids=[request_id], reason=int(FinishReason.CANCELLED)))
+
+    async def stats(self, timeout: float = 5.0) -> dict[str, Any]:
+        qid = next(self._query_ids)
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._stats_waiters[qid] = fut
+        try:
+            self.scheduler.send(StatsQuery(reply_to=self.inbox_addr, query_id=qid))
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._stats_waiters.pop(qid, None)
+
+    # fed by the gateway actor ---------------------------------------------------------------
+    def on_outputs(self, msg: OutputBatch) -> None:
+        for i, rid in enumerate(msg.request_ids):
+            queue = self._queues.get(rid)
+            if queue is not None:
+                queue.put_nowait(OutputDelta(
+                    text=msg.texts[i], token_ids=msg.token_ids[i],
+                    finish_reason=FinishReason(msg.finish_reasons[i]),
+                    num_prompt_tokens=msg.num_prompt_tokens[i],
+                    num_output_tokens=msg.num_output_tokens[i]))
+
+    def on_error(self, msg: RequestError) -> None:
+        queue = self._queues.get(msg.request_id)
+        if queue is not None:
+            queue.put_nowait(RequestFailed(msg.status, msg.message, msg.param))
+
+    def on_stats(self, msg: Stats) -> None:
+        fut = self._stats_waiters.get(msg.query_id)
+        if fut is not None and not fut.done():
+            fut.set_result(msg.data)

@@ -1,0 +1,178 @@
+"""`shuttle serve`: start every process on this host, wait until each is ready, supervise.
+
+    supervisor ─spawns─▶ worker, scheduler, detokenizer, tokenizer×N, gateway
+        ▲                    │ each sends Ready to the supervisor's inbox once started
+        └────────────────────┘
+
+On SIGINT/SIGTERM, or when a child dies, every child gets SIGTERM (SIGKILL after a grace
+period) and the run directory with its ipc sockets is removed: no orphans, no stale files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import zmq
+
+from common import codec
+from common.config import Config, ConfigError, add_flags, from_args
+from common.messages import Ready
+
+_GRACE_S = 10.0
+
+
+class Supervisor:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.children: dict[str, subprocess.Popen[bytes]] = {}
+        self.ready: dict[str, dict] = {}
+        self._stop = False
+        ctx = zmq.Context.instance()
+        self.inbox = ctx.socket(zmq.PULL)
+        self.inbox.setsockopt(zmq.LINGER, 0)
+        self.inbox.bind(config.addr("supervisor"))
+
+    def specs(self) -> list[tuple[str, list[str]]]:
+        base = [sys.executable, "-m"]
+        cfg = ["--config-file", str(Path(self.config.server.run_dir) / "config.json")]
+        specs = [
+            ("worker", [*base, "gpu_worker", *cfg]),
+            ("scheduler", [*base, "services.scheduler", *cfg]),
+            ("detokenizer", [*base, "services.detokenizer", *cfg]),
+        ]
+        specs += [(f"tokenizer-{i}", [*base, "services.tokenizer", *cfg, "--index", str(i)])
+                  for i in range(self.config.server.num_tokenizers)]
+        specs.append(("gateway", [*base, "services.gateway", *cfg]))
+        return specs
+
+    def start(self) -> None:
+        for name, cmd in self.specs():
+            self.children[name] = subprocess.Popen(cmd, cwd=_repo_root())
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.config.server.ready_timeout
+        while len(self.ready) < len(self.children):
+            self._check_children()
+            if self._stop:
+                raise KeyboardInterrupt
+            if time.monotonic() > deadline:
+                missing = sorted(set(self.children) - set(self.ready))
+                raise TimeoutError(f"not ready after {self.config.server.ready_timeout}s: {missing}")
+            if self.inbox.poll(200):
+                msg = codec.decode(self.inbox.recv())
+                if isinstance(msg, Ready):
+                    self.ready[msg.name] = msg.info
+        self._wait_healthy(deadline)
+
+    def _wait_healthy(self, deadline: float) -> None:
+        url = f"http://{self._client_host()}:{self.port}/health"
+        while time.monotonic() < deadline and not self._stop:
+            self._check_children()
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError("gateway never reported healthy")
+
+    @property
+    def port(self) -> int:
+        return int(self.ready["gateway"]["port"])
+
+    def _client_host(self) -> str:
+        host = self.config.server.host
+        return "127.0.0.1" if host in ("0.0.0.0", "") else host
+
+    def _check_children(self) -> None:
+        for name, proc in self.children.items():
+            if proc.poll() is not None:
+                raise ChildDied(f"{name} exited with code {proc.returncode}")
+
+    def supervise(self) -> None:
+        while not self._stop:
+            self._check_children()
+            time.sleep(0.2)
+
+    def request_stop(self, *_: object) -> None:
+        self._stop = True
+
+    def shutdown(self) -> None:
+        for proc in self.children.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + _GRACE_S
+        for proc in self.children.values():
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.inbox.close(linger=0)
+
+
+class ChildDied(RuntimeError):
+    pass
+
+
+def _repo_root() -> str:
+    return str(Path(__file__).resolve().parent.parent)
+
+
+def prepare(config: Config) -> Config:
+    """Resolve the model folder (converting the default model once) and the run directory."""
+    from gpu_worker.worker import resolve_model_path
+
+    path = resolve_model_path(config)
+    run_dir = config.server.run_dir or tempfile.mkdtemp(prefix="shuttle-")
+    return config.replace(
+        model={"model": str(path), "served_model_name": config.model.served_model_name or path.name},
+        server={"run_dir": run_dir},
+    )
+
+
+def serve(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="shuttle serve", description="serve a model")
+    add_flags(parser)
+    args = parser.parse_args(argv)
+    try:
+        config = prepare(from_args(args))
+    except ConfigError as e:
+        parser.error(str(e))
+    run_dir = Path(config.server.run_dir)
+    created_run_dir = not args.__dict__.get("server.run_dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_bytes(config.to_json())
+    sup = Supervisor(config)
+    signal.signal(signal.SIGTERM, sup.request_stop)
+    signal.signal(signal.SIGINT, sup.request_stop)
+    code = 0
+    try:
+        sup.start()
+        sup.wait_ready()
+        print(f"shuttle: serving {config.model.served_model_name} on "
+              f"http://{sup._client_host()}:{sup.port} (pid {os.getpid()})", flush=True)
+        sup.supervise()
+    except KeyboardInterrupt:
+        pass
+    except (ChildDied, TimeoutError) as e:
+        print(f"shuttle: {e}; stopping", file=sys.stderr, flush=True)
+        code = 1
+    finally:
+        sup.shutdown()
+        if created_run_dir:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        else:
+            for sock in run_dir.glob("*.sock"):
+                sock.unlink(missing_ok=True)
+    return code

@@ -1,0 +1,5 @@
+import sys
+
+from services.tokenizer.main import main
+
+sys.exit(main())
