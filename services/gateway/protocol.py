@@ -7,8 +7,8 @@ since OpenAI clients send extras, and `null` means "use the default", as OpenAI 
 Every refusal is a `RequestRejected` whose message starts with the field it names.
 
 Defaults:
-- `max_tokens`: 16 for completions (OpenAI's legacy default); for chat, the model's context
-  length, which the tokenizer clamps to what fits after the prompt.
+- `max_tokens`: 16 for completions (OpenAI's legacy default); for chat 0, meaning as many as
+  fit in the model's context after the prompt (the tokenizer resolves it).
 - `temperature` 1.0, `top_p` 1.0, `top_k` off (-1 or 0), `n` 1, `stream` false.
 
 Limits: at most `MAX_STOP` stop strings of 1..`MAX_STOP_CHARS` characters each. Not yet
@@ -82,6 +82,7 @@ class _CommonRequest(BaseModel):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None  # vLLM extension
+    return_token_ids: bool | None = None  # vLLM extension: output token ids in the answer
     user: str | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
@@ -219,7 +220,7 @@ class ChatCompletionRequest(_CommonRequest):
         return GenerateRequest(
             request_id=request_id,
             model=model,
-            sampling=self._sampling(max_tokens, field, max_model_len, max_model_len),
+            sampling=self._sampling(max_tokens, field, 0, max_model_len),
             messages=[m.as_dict() for m in self.messages],
             add_generation_prompt=self.add_generation_prompt is not False,
             arrival_time=time.time(),

@@ -1,0 +1,256 @@
+"""The model runner: applies a StepPlan's diffs to per-request state, runs the model, samples.
+
+Per request the runner keeps all token ids (prompt + sampled), the block table, how many
+tokens are in the KV cache, the sampling parameters and a generator. A step:
+
+    drop finished -> reset preempted -> add new -> for each scheduled request: append its new
+    blocks, compute token_ids[num_computed : num_computed + num_new], and if that reaches the
+    end of its tokens, sample one token and append it.
+
+The batch is reordered internally so single-token decodes come first (the attention backend
+runs them as one batch); results go back in the plan's order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from typing import Any
+
+import torch
+
+from common.messages.scheduler_worker import StepPlan, StepResult
+from common.messages.types import SamplingParams
+from gpu_worker.attention import AttentionMetadata, build_metadata, create_backend
+from gpu_worker.kv_cache import GIB, KVCache, cuda_kv_budget_bytes
+from gpu_worker.models.llama import LlamaConfig
+from gpu_worker.models.loader import eos_token_ids, load_model, read_hf_config, weights_version
+from gpu_worker.sampling import make_generator, sample
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass
+class RequestState:
+    """What the worker remembers about one request between steps."""
+
+    token_ids: list[int]  # prompt + sampled so far
+    params: SamplingParams
+    generator: torch.Generator | None  # None for greedy requests
+    block_table: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+
+
+@dataclasses.dataclass
+class _Batch:
+    """One step's model inputs (decodes first) and who samples, in plan order."""
+
+    input_ids: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [S] packed index of each sampling request's last token
+    sampling_req_ids: list[str]  # [S]
+    sampling_states: list[RequestState]  # [S]
+
+
+class ModelRunner:
+    """Owns the weights, the KV cache and every request's worker-side state."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        block_size: int = 16,
+        kv_cache_memory_gib: float = 1.0,
+        num_blocks: int | None = None,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        attention_backend: str = "torch",
+        num_threads: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+    ) -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        self.model_path = model_path
+        self.dtype = DTYPES[dtype]
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self._init_model(attention_backend, max_model_len)
+        self._init_kv_cache(kv_cache_memory_gib, num_blocks, gpu_memory_utilization)
+        self._rng = random.Random(seed)
+        self._requests: dict[str, RequestState] = {}
+
+    def _init_model(self, attention_backend: str, max_model_len: int | None) -> None:
+        hf_config = read_hf_config(self.model_path)
+        self.config = LlamaConfig.from_hf(hf_config)
+        limit = self.config.max_position_embeddings
+        self.max_model_len = min(limit, max_model_len) if max_model_len else limit
+        self.backend = create_backend(
+            attention_backend,
+            num_heads=self.config.num_heads,
+            num_kv_heads=self.config.num_kv_heads,
+            head_dim=self.config.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.model = load_model(
+            self.model_path,
+            self.backend,
+            dtype=self.dtype,
+            device=self.device,
+            max_positions=self.max_model_len,
+        )
+        self.eos_token_ids = eos_token_ids(self.model_path, hf_config)
+        self.weights_version = weights_version(self.model_path)
+
+    def _init_kv_cache(
+        self, memory_gib: float, num_blocks: int | None, gpu_memory_utilization: float
+    ) -> None:
+        layout = dict(
+            num_layers=self.config.num_layers,
+            block_size=self.block_size,
+            num_kv_heads=self.config.num_kv_heads,
+            head_dim=self.config.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        if num_blocks is not None:
+            self.kv_cache = KVCache(num_blocks=num_blocks, **layout)  # type: ignore[arg-type]
+        else:
+            if self.device.type == "cuda":
+                budget = cuda_kv_budget_bytes(self.device, gpu_memory_utilization)
+            else:
+                budget = int(memory_gib * GIB)
+            self.kv_cache = KVCache.from_budget(budget, **layout)  # type: ignore[arg-type]
+        self.num_blocks = self.kv_cache.num_blocks
+
+    def model_info(self) -> dict[str, Any]:
+        """What the worker tells the scheduler at start-up (the Ready message's info)."""
+        return {
+            "model_type": self.config.model_type,
+            "num_layers": self.config.num_layers,
+            "num_kv_heads": self.config.num_kv_heads,
+            "head_dim": self.config.head_dim,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "max_model_len": self.max_model_len,
+            "vocab_size": self.config.vocab_size,
+            "eos_token_ids": list(self.eos_token_ids),
+            "weights_version": self.weights_version,
+            "device": str(self.device),
+        }
+
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Apply the plan's diffs, run its batch, and return the sampled tokens."""
+        start = time.perf_counter()
+        self._apply_diffs(plan)
+        if not plan.req_ids:
+            return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[])
+        batch = self._prepare_batch(plan)
+        with torch.inference_mode():
+            logits = self.model(
+                batch.input_ids,
+                batch.meta.positions,
+                self.kv_cache.tensor,
+                batch.meta,
+                batch.logits_indices,
+            )
+            states = batch.sampling_states
+            token_ids = sample(logits, [s.params for s in states], [s.generator for s in states])
+        for state, token_id in zip(states, token_ids, strict=True):
+            state.token_ids.append(token_id)
+        return StepResult(
+            step_id=plan.step_id,
+            req_ids=batch.sampling_req_ids,
+            token_ids=token_ids,
+            forward_s=time.perf_counter() - start,
+        )
+
+    def _apply_diffs(self, plan: StepPlan) -> None:
+        for req_id in plan.finished_req_ids:
+            self._requests.pop(req_id, None)  # idempotent: a repeat or unknown id is fine
+        for req_id in plan.preempted_req_ids:
+            state = self._requests[req_id]
+            state.block_table = []
+            state.num_computed = 0
+        new = zip(plan.new_req_ids, plan.new_prompt_token_ids, plan.new_sampling, strict=True)
+        for req_id, prompt, params in new:
+            if req_id in self._requests:
+                raise ValueError(f"request {req_id} is already running on the worker")
+            if not prompt:
+                raise ValueError(f"request {req_id} has an empty prompt")
+            generator = make_generator(params, self._rng, self.device)
+            self._requests[req_id] = RequestState(list(prompt), params, generator)
+
+    def _prepare_batch(self, plan: StepPlan) -> _Batch:
+        num_reqs = len(plan.req_ids)
+        if not (
+            len(plan.num_computed_tokens) == len(plan.num_new_tokens) == len(plan.new_block_ids)
+            == num_reqs
+        ):
+            raise ValueError(f"step {plan.step_id}: batch fields differ in length")
+        if len(set(plan.req_ids)) != num_reqs:
+            raise ValueError(f"step {plan.step_id}: a request is scheduled twice")
+        # decodes first (stable), so the backend sees them as one contiguous batch
+        order = sorted(range(num_reqs), key=lambda i: plan.num_new_tokens[i] != 1)
+        input_ids: list[int] = []
+        last_token_index: dict[int, int] = {}
+        states = [self._schedule(plan, i) for i in order]
+        for i, state in zip(order, states, strict=True):
+            num_computed, num_new = plan.num_computed_tokens[i], plan.num_new_tokens[i]
+            input_ids.extend(state.token_ids[num_computed : num_computed + num_new])
+            last_token_index[i] = len(input_ids) - 1
+        meta = build_metadata(
+            [plan.num_computed_tokens[i] for i in order],
+            [plan.num_new_tokens[i] for i in order],
+            [s.block_table for s in states],
+            self.block_size,
+            self.device,
+        )
+        for state, i in zip(states, order, strict=True):
+            state.num_computed += plan.num_new_tokens[i]
+        sampling = [i for i in range(num_reqs) if self._samples(plan.req_ids[i])]
+        return _Batch(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64).to(self.device),
+            meta=self.backend.build_metadata(meta),
+            logits_indices=torch.tensor([last_token_index[i] for i in sampling]).to(self.device),
+            sampling_req_ids=[plan.req_ids[i] for i in sampling],
+            sampling_states=[self._requests[plan.req_ids[i]] for i in sampling],
+        )
+
+    def _samples(self, req_id: str) -> bool:
+        """After this step's tokens are counted: has the request computed all it knows?"""
+        state = self._requests[req_id]
+        return state.num_computed == len(state.token_ids)
+
+    def _schedule(self, plan: StepPlan, i: int) -> RequestState:
+        """Check the plan's view of request i against ours; append its new blocks."""
+        req_id = plan.req_ids[i]
+        state = self._requests.get(req_id)
+        if state is None:
+            raise ValueError(f"step {plan.step_id}: unknown request {req_id}")
+        num_computed, num_new = plan.num_computed_tokens[i], plan.num_new_tokens[i]
+        if num_computed != state.num_computed:
+            raise ValueError(
+                f"request {req_id}: plan says {num_computed} tokens computed, worker has "
+                f"{state.num_computed}"
+            )
+        end = num_computed + num_new
+        if num_new < 1 or end > len(state.token_ids) or end > self.max_model_len:
+            raise ValueError(
+                f"request {req_id}: cannot compute tokens [{num_computed}, {end}) of "
+                f"{len(state.token_ids)} known (max_model_len {self.max_model_len})"
+            )
+        bad = [b for b in plan.new_block_ids[i] if not 0 <= b < self.num_blocks]
+        if bad:
+            raise ValueError(f"request {req_id}: block ids {bad} outside [0, {self.num_blocks})")
+        state.block_table.extend(plan.new_block_ids[i])
+        return state

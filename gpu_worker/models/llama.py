@@ -1,0 +1,308 @@
+"""The Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+A decoder-only transformer with pre-norm residual blocks:
+
+    x = embed(tokens)
+    for each layer:  x = x + attn(rmsnorm(x));  x = x + mlp(rmsnorm(x))
+    logits = lm_head(rmsnorm(x))                 (only at the positions that sample)
+
+Attention uses rotary position embeddings (rotate-half / "neox" layout as in HF Llama) and
+grouped-query heads; Qwen2 adds q/k/v biases, Qwen3 an RMSNorm per head on q and k before
+rotary. q/k/v are one fused matmul and gate/up another (the loader concatenates weights).
+Tokens of every request in the step are packed into one [T] sequence; the attention backend
+and its metadata (passed in, per step) keep requests apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_worker.attention import AttentionBackend, AttentionMetadata
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """The few numbers our model needs, read from a Hugging Face config.json."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None  # llama3 parameters, None for plain rope
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> LlamaConfig:
+        model_type = cfg.get("model_type", "")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
+        num_heads = cfg["num_attention_heads"]
+        attention_bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(cfg),
+            rope_scaling=_rope_scaling(cfg),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+        )
+
+
+def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
+    """transformers 5 keeps rope settings in rope_parameters, older configs in rope_scaling."""
+    return cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+
+
+def _rope_theta(cfg: dict[str, Any]) -> float:
+    return float(cfg.get("rope_theta") or _rope_params(cfg).get("rope_theta") or 10000.0)
+
+
+def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
+    params = _rope_params(cfg)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial rotary embeddings are not supported")
+    if rope_type == "default":
+        return None
+    if rope_type != "llama3":
+        raise ValueError(f"rope_type {rope_type!r} is not supported (default, llama3)")
+    return params
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2], with Llama 3.1's wavelength-dependent scaling."""
+    # on the CPU explicitly, as HF does, even while the loader builds modules on "meta"
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    low_freq_factor, high_freq_factor = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # long wavelengths are divided by factor, short ones kept, the band between interpolated
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 like HF, then cast back."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates q and k by position; cos/sin tables are precomputed for every position."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        device: torch.device,
+        is_neox_style: bool = True,
+    ) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling).to(device)
+        positions = torch.arange(max_positions, device=device, dtype=torch.float)
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.is_neox_style = is_neox_style
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # [T, 1, head_dim // 2]: one angle per pair, shared by every head
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.is_neox_style:  # pairs are (i, i + d/2): HF's rotate_half
+            x1, x2 = x.chunk(2, dim=-1)
+            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        x1, x2 = x[..., 0::2], x[..., 1::2]  # pairs are (2i, 2i + 1): GPT-J
+        return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention; the backend stores K/V and attends over the cache."""
+
+    def __init__(
+        self, cfg: LlamaConfig, rotary: RotaryEmbedding, backend: AttentionBackend
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary  # shared by every layer; not owned
+        self.backend = backend
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = self.backend.forward(q, k, v, kv_cache, meta)
+        return self.o_proj(o.reshape(num_tokens, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up as one matmul."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(
+            cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias
+        )
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP, each added to the residual stream."""
+
+    def __init__(
+        self, cfg: LlamaConfig, rotary: RotaryEmbedding, backend: AttentionBackend
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rotary, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, the decoder layers and the final norm (module names follow HF)."""
+
+    def __init__(
+        self, cfg: LlamaConfig, rotary: RotaryEmbedding, backend: AttentionBackend
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, kv_cache[i], meta)
+        return x  # before the final norm, which only the sampled positions need
+
+
+class LlamaForCausalLM(nn.Module):
+    """The model plus its LM head; forward returns float32 logits for chosen positions."""
+
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        backend: AttentionBackend,
+        *,
+        max_positions: int,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.config = cfg
+        # built on `device` explicitly: the loader constructs the rest on "meta"
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device
+        )
+        self.model = LlamaModel(cfg, self.rotary, backend)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,  # [S] which of the T tokens sample
+    ) -> torch.Tensor:  # [S, vocab_size] float32
+        hidden = self.model(input_ids, positions, kv_cache, meta)
+        hidden = self.model.norm(hidden[logits_indices])
+        return self.lm_head(hidden).float()

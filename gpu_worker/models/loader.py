@@ -1,0 +1,113 @@
+"""Load a local Hugging Face folder (config.json + *.safetensors) into our Llama model.
+
+The checkpoint's separate q/k/v and gate/up projections are concatenated into the fused
+`qkv_proj` and `gate_up_proj` weights our model uses; a tied LM head reuses the embedding.
+The model is built on the "meta" device and the loaded tensors are assigned to it, so the
+weights are never initialised and then overwritten.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from gpu_worker.attention import AttentionBackend
+from gpu_worker.models.llama import LlamaConfig, LlamaForCausalLM
+
+_MIB = 1 << 20
+
+
+def read_hf_config(folder: str | Path) -> dict[str, Any]:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder} has no config.json: not a Hugging Face model folder")
+    return json.loads(path.read_text())
+
+
+def safetensors_files(folder: str | Path) -> list[Path]:
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder} has no *.safetensors weights")
+    return files
+
+
+def eos_token_ids(folder: str | Path, hf_config: dict[str, Any]) -> list[int]:
+    """EOS ids from config.json and generation_config.json together, sorted."""
+    ids: set[int] = set()
+    sources = [hf_config]
+    gen_path = Path(folder) / "generation_config.json"
+    if gen_path.is_file():
+        sources.append(json.loads(gen_path.read_text()))
+    for source in sources:
+        value = source.get("eos_token_id")
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(int(v) for v in value)
+    return sorted(ids)
+
+
+def weights_version(folder: str | Path) -> str:
+    """16 hex chars of sha256 over each weights file's name, size, first and last MiB.
+
+    Cheap on multi-GB checkpoints, yet any re-export or fine-tune changes it.
+    """
+    digest = hashlib.sha256()
+    for path in safetensors_files(folder):
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with path.open("rb") as f:
+            digest.update(f.read(_MIB))
+            f.seek(max(0, size - _MIB))
+            digest.update(f.read(_MIB))
+    return digest.hexdigest()[:16]
+
+
+def fuse_weights(weights: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
+    """HF names -> ours: q/k/v into qkv_proj, gate/up into gate_up_proj."""
+    out = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
+    for i in range(cfg.num_layers):
+        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        for kind in ("weight", "bias"):
+            _concat(out, [f"{attn}{p}_proj.{kind}" for p in "qkv"], f"{attn}qkv_proj.{kind}")
+            gate_up = [f"{mlp}{p}_proj.{kind}" for p in ("gate", "up")]
+            _concat(out, gate_up, f"{mlp}gate_up_proj.{kind}")
+    return out
+
+
+def _concat(weights: dict[str, torch.Tensor], names: list[str], fused: str) -> None:
+    if not any(n in weights for n in names):
+        return
+    missing = [n for n in names if n not in weights]
+    if missing:
+        raise KeyError(f"checkpoint has some of {names} but not {missing}")
+    weights[fused] = torch.cat([weights.pop(n) for n in names], dim=0)
+
+
+def load_model(
+    folder: str | Path,
+    backend: AttentionBackend,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+) -> LlamaForCausalLM:
+    """Build the model for `folder` on `device` in `dtype`, ready for inference."""
+    cfg = LlamaConfig.from_hf(read_hf_config(folder))
+    weights: dict[str, torch.Tensor] = {}
+    for path in safetensors_files(folder):
+        weights.update(load_file(str(path), device="cpu"))
+    weights = fuse_weights(weights, cfg)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, backend, max_positions=max_positions, device=device)
+    # pop as we go: a dtype or device change never holds two copies of the whole model
+    converted = {name: weights.pop(name).to(device=device, dtype=dtype) for name in list(weights)}
+    if cfg.tie_word_embeddings or "lm_head.weight" not in converted:
+        converted["lm_head.weight"] = converted["model.embed_tokens.weight"]
+    model.load_state_dict(converted, strict=True, assign=True)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,430 @@
+"""The gateway's HTTP front end: OpenAI-compatible routes over an `EngineClient`.
+
+    POST /v1/chat/completions   POST /v1/completions   (streaming or not)
+    GET  /v1/models             GET  /health
+
+Every error is OpenAI-shaped, `{"error": {"message", "type", "param", "code"}}`, with a 4xx
+that names the field (never FastAPI's 422). A request keeps one id from the first byte to
+the last: the client's `X-Request-Id` if valid, else a fresh one; the response echoes it in
+that header and as the body's `id`.
+
+A request ends in the engine whenever its HTTP exchange ends: the engine's delta iterator is
+closed (which aborts the request there) when a client disconnects, a stream is dropped, or a
+handler fails, in a `finally` that cancellation cannot skip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Literal, TypeVar
+
+import anyio
+import orjson
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from common.messages import FinishReason
+from services.gateway import sse
+from services.gateway.engine_client import EngineClient, OutputDelta, RequestFailed
+from services.gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestRejected,
+    describe_error,
+    parse_request,
+)
+
+log = logging.getLogger("shuttle.gateway")
+
+KEEPALIVE_S = 15.0  # an SSE comment after this long without a delta keeps proxies patient
+REQUEST_ID_HEADER = "X-Request-Id"
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_CLIENT_GONE = 499  # nginx's "client closed request"; nobody reads it, logs do
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    409: "ConflictError",
+    413: "RequestTooLargeError",
+    429: "RateLimitError",
+    _CLIENT_GONE: "ClientClosedRequest",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its (non-streamed) answer was ready."""
+
+
+def create_app(engine: EngineClient, *, api_key: str | None = None) -> FastAPI:
+    """The HTTP app; with `api_key`, every /v1 route wants `Authorization: Bearer <key>`."""
+    app = FastAPI(title="shuttle", docs_url=None, redoc_url=None)
+    _install_error_handlers(app)
+    routes = OpenAIRoutes(engine)
+    auth = [Depends(_require_key(api_key))] if api_key else []
+    v1 = APIRouter(prefix="/v1", dependencies=auth)
+    v1.add_api_route("/chat/completions", routes.chat_completions, methods=["POST"])
+    v1.add_api_route("/completions", routes.completions, methods=["POST"])
+    v1.add_api_route("/models", routes.models, methods=["GET"])
+    app.include_router(v1)
+    app.add_api_route("/health", routes.health, methods=["GET"])
+    return app
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Api:
+    kind: Literal["chat", "completion"]
+    id_prefix: str
+    body: type[ChatCompletionRequest] | type[CompletionRequest]
+
+
+_CHAT = _Api("chat", "chatcmpl-", ChatCompletionRequest)
+_COMPLETION = _Api("completion", "cmpl-", CompletionRequest)
+
+
+class OpenAIRoutes:
+    """The route handlers, bound to one engine."""
+
+    def __init__(self, engine: EngineClient) -> None:
+        self.engine = engine
+        self.created = int(time.time())
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, _CHAT)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, _COMPLETION)
+
+    async def models(self) -> Response:
+        card = {
+            "id": self.engine.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "shuttle",
+            "root": self.engine.model_name,
+            "max_model_len": self.engine.max_model_len,
+            "version": self.engine.system_fingerprint,
+        }
+        return _json({"object": "list", "data": [card]})
+
+    async def health(self) -> Response:
+        if self.engine.is_ready():
+            return _json({"status": "ok"})
+        return _json({"status": "not ready"}, 503)
+
+    async def _generate(self, request: Request, api: _Api) -> Response:
+        request_id = _request_id(request, api.id_prefix)
+        body = parse_request(api.body, await request.body())
+        engine = self.engine
+        if body.model is not None and body.model != engine.model_name:
+            raise RequestRejected(f"model: the model `{body.model}` does not exist", "model", 404)
+        if not engine.is_ready():
+            raise RequestRejected("the engine is not ready yet", None, 503)
+        generate = body.to_generate_request(request_id, engine.model_name, engine.max_model_len)
+        reply = _Reply(
+            api.kind, request_id, engine.model_name, int(time.time()), engine.system_fingerprint
+        )
+        reader = DeltaReader(engine.generate(generate))
+        headers = {REQUEST_ID_HEADER: request_id}
+        handed_off = False
+        try:
+            if body.stream:
+                # the first delta before the first byte: a refusal is still an HTTP status
+                first = await until_disconnected(request, reader.next())
+                handed_off = True
+                stream = sse_stream(reader, first, reply, body.include_usage)
+                return SseResponse(stream, headers=headers | _SSE_HEADERS)
+            text, last, ids = await until_disconnected(request, collect(reader))
+            return _json(reply.body(text, last, ids if body.return_token_ids else None),
+                         headers=headers)
+        finally:
+            if not handed_off:
+                await close_shielded(reader)
+
+
+def _request_id(request: Request, prefix: str) -> str:
+    request_id = request.headers.get(REQUEST_ID_HEADER)
+    if request_id is None:
+        request_id = prefix + uuid.uuid4().hex
+    elif not _REQUEST_ID.fullmatch(request_id):
+        raise RequestRejected(
+            f"{REQUEST_ID_HEADER}: must be 1..128 characters of [A-Za-z0-9._:-]",
+            REQUEST_ID_HEADER,
+        )
+    request.state.request_id = request_id  # the error handlers echo it too
+    return request_id
+
+
+def _require_key(api_key: str) -> Callable[[Request], Awaitable[None]]:
+    expected = f"Bearer {api_key}".encode()
+
+    async def require_key(request: Request) -> None:
+        got = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(got, expected):  # constant time: no key guessing by timing
+            raise RequestRejected(
+                "invalid or missing API key; send 'Authorization: Bearer <key>'", None, 401
+            )
+
+    return require_key
+
+
+# --- reading the engine ---------------------------------------------------------------------
+
+
+class DeltaReader:
+    """Reads one request's deltas, each in a task of its own, so that a wait can time out
+    (keep-alive) or lose a race with a disconnect without cancelling the engine mid-read."""
+
+    def __init__(self, deltas: AsyncIterator[OutputDelta]) -> None:
+        self._deltas = deltas
+        self._pending: asyncio.Task[OutputDelta | None] | None = None
+
+    async def next(self, timeout: float | None = None) -> OutputDelta:
+        """The next delta. Raises TimeoutError if none came within `timeout` (the read goes
+        on, the next call picks it up) and RequestFailed if the engine failed the request."""
+        if self._pending is None:
+            self._pending = asyncio.create_task(_next_or_none(self._deltas))
+        done, _ = await asyncio.wait({self._pending}, timeout=timeout)
+        if not done:
+            raise TimeoutError
+        task, self._pending = self._pending, None
+        delta = task.result()
+        if delta is None:
+            raise RequestFailed(500, "the engine ended the stream without a finish reason")
+        return delta
+
+    async def aclose(self) -> None:
+        """Stop reading and close the engine's iterator, which aborts the request there."""
+        task, self._pending = self._pending, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task})
+            if not task.cancelled():
+                task.exception()  # retrieved, so asyncio does not log it as lost
+        aclose = getattr(self._deltas, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+async def _next_or_none(deltas: AsyncIterator[OutputDelta]) -> OutputDelta | None:
+    return await anext(deltas, None)
+
+
+async def close_shielded(reader: DeltaReader) -> None:
+    # this often runs while the request is being cancelled; the engine must still hear of it
+    with anyio.CancelScope(shield=True):
+        await reader.aclose()
+
+
+async def collect(reader: DeltaReader) -> tuple[str, OutputDelta, list[int]]:
+    """All the text and token ids of a request, and its last delta (finish, counts)."""
+    parts: list[str] = []
+    ids: list[int] = []
+    while True:
+        delta = await reader.next()
+        parts.append(delta.text)
+        ids.extend(delta.token_ids)
+        if delta.finish_reason != FinishReason.NONE:
+            return "".join(parts), delta, ids
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`; if the client disconnects first, cancel it and raise ClientGone."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.create_task(_wait_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        task.cancel()  # no-ops on finished tasks
+        gone.cancel()
+        await asyncio.wait({task, gone})
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    # the body has been read, so the next ASGI message is the disconnect (when it comes)
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+# --- writing the answer ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Reply:
+    """What every chunk or body of one response repeats, and how to build them."""
+
+    kind: Literal["chat", "completion"]
+    request_id: str
+    model: str
+    created: int
+    fingerprint: str
+
+    def head(self) -> list[bytes]:
+        if self.kind == "chat":
+            return [self._event({"role": "assistant", "content": ""}, "", None)]
+        return []
+
+    def text(self, text: str) -> bytes:
+        return self._event({"content": text}, text, None)
+
+    def finish(self, reason: FinishReason) -> bytes:
+        return self._event({}, "", reason.openai)
+
+    def usage(self, last: OutputDelta) -> bytes:
+        counts = (last.num_prompt_tokens, last.num_output_tokens)
+        ids = (self.request_id, self.model, self.created)
+        return sse.sse_event(sse.usage_chunk(self.kind, *ids, *counts, self.fingerprint))
+
+    def _event(self, delta: dict[str, Any], text: str, finish: str | None) -> bytes:
+        ids = (self.request_id, self.model, self.created)
+        if self.kind == "chat":
+            return sse.sse_event(sse.chat_chunk(*ids, delta, finish, self.fingerprint))
+        return sse.sse_event(sse.completion_chunk(*ids, text, finish, self.fingerprint))
+
+    def body(self, text: str, last: OutputDelta, token_ids: list[int] | None) -> dict[str, Any]:
+        """The non-streamed answer (with the output token ids when asked for)."""
+        choice: dict[str, Any] = {"index": 0}
+        if self.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice |= {"logprobs": None, "finish_reason": last.finish_reason.openai}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        prompt, output = last.num_prompt_tokens, last.num_output_tokens
+        return {
+            "id": self.request_id,
+            "object": "chat.completion" if self.kind == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.fingerprint,
+            "choices": [choice],
+            "usage": dict(
+                prompt_tokens=prompt, completion_tokens=output, total_tokens=prompt + output
+            ),
+        }
+
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def sse_stream(
+    reader: DeltaReader, first: OutputDelta, reply: _Reply, include_usage: bool
+) -> AsyncIterator[bytes]:
+    """The SSE body: [role chunk], text chunks, finish chunk, [usage chunk], [DONE].
+    A failure after the first byte becomes an error event, still followed by [DONE]."""
+    try:
+        for event in reply.head():
+            yield event
+        delta = first
+        while True:
+            if delta.text:
+                yield reply.text(delta.text)
+            if delta.finish_reason != FinishReason.NONE:
+                break
+            while True:
+                try:
+                    delta = await reader.next(KEEPALIVE_S)
+                    break
+                except TimeoutError:
+                    yield sse.sse_comment("keep-alive")
+        yield reply.finish(delta.finish_reason)
+        if include_usage:
+            yield reply.usage(delta)
+    except RequestFailed as e:
+        yield sse.sse_event(sse.error_chunk(e.message, _error_type(e.status), e.status, e.param))
+    except Exception:
+        log.exception("stream %s failed", reply.request_id)
+        yield sse.sse_event(sse.error_chunk("internal error", _error_type(500), 500))
+    finally:
+        await close_shielded(reader)
+    yield sse.SSE_DONE
+
+
+class SseResponse(StreamingResponse):
+    """A text/event-stream response that always closes its body generator, so the engine
+    hears of the end even when the client leaves between two chunks (servers on ASGI 2.4
+    raise from send() and would leave the generator to the garbage collector)."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except ClientDisconnect:  # a client leaving mid-stream is routine, not an app error
+            log.debug("client left stream %s", self.headers.get(REQUEST_ID_HEADER))
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+# --- errors ---------------------------------------------------------------------------------
+
+
+def _error_type(status: int) -> str:
+    return _ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError")
+
+
+def error_response(
+    request: Request, status: int, message: str, param: str | None = None
+) -> Response:
+    """An OpenAI-shaped error, echoing the request id when it is known."""
+    body = {"message": message, "type": _error_type(status), "param": param, "code": status}
+    headers = {}
+    if (request_id := getattr(request.state, "request_id", None)) is not None:
+        headers[REQUEST_ID_HEADER] = request_id
+    if status in (429, 503):
+        headers["Retry-After"] = "1"
+    return _json({"error": body}, status, headers)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def rejected(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestRejected | RequestFailed)
+        return error_response(request, exc.status, exc.message, exc.param)
+
+    async def invalid(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        error = dict(exc.errors()[0])
+        error["loc"] = tuple(error.get("loc", ()))[1:]  # drop "body" / "header" / "query"
+        message, param = describe_error(error)
+        return error_response(request, 400, message, param)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return error_response(request, exc.status_code, str(exc.detail))
+
+    async def client_gone(request: Request, exc: Exception) -> Response:
+        return error_response(request, _CLIENT_GONE, "client closed the request")
+
+    async def internal(request: Request, exc: Exception) -> Response:
+        return error_response(request, 500, "internal error")
+
+    app.add_exception_handler(RequestRejected, rejected)
+    app.add_exception_handler(RequestFailed, rejected)
+    app.add_exception_handler(RequestValidationError, invalid)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(ClientGone, client_gone)
+    app.add_exception_handler(Exception, internal)
+
+
+def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(obj), status, headers, media_type="application/json")

@@ -1,0 +1,31 @@
+"""Greedy reference tokens from `transformers` on the same weights (fp32, KV cache, no EOS)."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+
+@functools.lru_cache(maxsize=4)
+def _hf_model(path: str):  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.eval()
+
+
+@torch.inference_mode()
+def hf_greedy(model_dir: str | Path, prompt_ids: list[int], num_new: int) -> list[int]:
+    """Argmax decoding with transformers' own forward and KV cache; never stops at EOS."""
+    model = _hf_model(str(model_dir))
+    ids = torch.tensor([prompt_ids])
+    out = model(input_ids=ids, use_cache=True)
+    past, tokens = out.past_key_values, []
+    for _ in range(num_new):
+        nxt = int(out.logits[0, -1].argmax())
+        tokens.append(nxt)
+        out = model(input_ids=torch.tensor([[nxt]]), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+    return tokens

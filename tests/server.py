@@ -1,0 +1,92 @@
+"""Start a real `shuttle serve` (all processes) on an ephemeral port, and always clean it up."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+_SERVING = re.compile(r"serving (\S+) on (http://\S+)")
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen[str], url: str, model: str, run_dir: Path,
+                 log_path: Path) -> None:
+        self.proc = proc
+        self.url = url
+        self.model = model
+        self.run_dir = run_dir
+        self.log_path = log_path
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def client(self, timeout: float = 120.0) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=timeout)
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@contextmanager
+def running_server(*flags: str, timeout: float = 300.0) -> Iterator[Server]:
+    """`shuttle serve --port 0 FLAGS...`; yields once it answers, stops it on exit."""
+    tmp = Path(tempfile.mkdtemp(prefix="shuttle-test-"))
+    run_dir = tmp / "run"
+    log_path = tmp / "server.log"
+    cmd = [sys.executable, "-m", "services.cli", "serve", "--port", "0",
+           "--run-dir", str(run_dir), "--kv-cache-memory", "0.5", *flags]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    log_file = log_path.open("w")
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=log_file, text=True,
+                            env=env, start_new_session=True)
+    found: list[tuple[str, str]] = []
+    reader = threading.Thread(target=_read_banner, args=(proc, found), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while not found:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start (exit {proc.returncode}):\n"
+                                   + log_path.read_text(errors="replace")[-4000:])
+            time.sleep(0.1)
+        model, url = found[0]
+        yield Server(proc, url, model, run_dir, log_path)
+    finally:
+        _stop(proc)
+        log_file.close()
+
+
+def _read_banner(proc: subprocess.Popen[str], found: list[tuple[str, str]]) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        m = _SERVING.search(line)
+        if m and not found:
+            found.append((m.group(1), m.group(2)))
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            pass
+    # whatever is left in the session (children included) goes
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()

@@ -1,0 +1,460 @@
+"""The gateway's HTTP front end against a scripted fake engine, in process (no sockets)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from common.messages import FinishReason, GenerateRequest
+from services.gateway import app as app_module
+from services.gateway.app import SseResponse, create_app
+from services.gateway.engine_client import OutputDelta, RequestFailed
+from services.gateway.sse import parse_sse
+
+MODEL = "test-model"
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+HANG = "hang"  # script step: wait until cancelled
+STOP, LENGTH = FinishReason.STOP, FinishReason.LENGTH
+
+
+def delta(text: str, finish: FinishReason = FinishReason.NONE, n: int = 1) -> OutputDelta:
+    return OutputDelta(text, [7] * n, finish, num_prompt_tokens=5, num_output_tokens=n)
+
+
+class FakeEngine:
+    """Yields a script of deltas (default: the prompt's words echoed back, then STOP);
+    a script step may be an exception to raise, HANG, or a float to sleep."""
+
+    model_name = MODEL
+    system_fingerprint = "v-test"
+    max_model_len = 256
+
+    def __init__(self, script: list[Any] | None = None) -> None:
+        self.script = script
+        self.ready = True
+        self.requests: list[GenerateRequest] = []
+        self.aborted: list[str] = []
+        self.started = asyncio.Event()
+
+    def is_ready(self) -> bool:
+        return self.ready
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[OutputDelta]:
+        self.requests.append(request)
+        self.started.set()
+        finished = False
+        try:
+            for step in self.script if self.script is not None else self._echo(request):
+                if isinstance(step, Exception):
+                    raise step
+                if step == HANG:
+                    await asyncio.Event().wait()
+                elif isinstance(step, float):
+                    await asyncio.sleep(step)
+                else:
+                    finished = step.finish_reason != FinishReason.NONE
+                    yield step
+        except (GeneratorExit, asyncio.CancelledError):
+            if not finished:  # closed before the end: the real client sends an Abort
+                self.aborted.append(request.request_id)
+            raise
+
+    def _echo(self, request: GenerateRequest) -> list[OutputDelta]:
+        if request.messages:
+            words = request.messages[-1]["content"].split()
+        else:
+            words = (request.prompt or "").split() or list(map(str, request.prompt_token_ids))
+        steps = [delta(" " + w, n=i + 1) for i, w in enumerate(words)]
+        return [*steps[:-1], delta(steps[-1].text, STOP, len(words))]
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def run(engine: FakeEngine, method: str, url: str, api_key: str | None = None, **kw: Any):
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=create_app(engine, api_key=api_key))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.request(method, url, **kw)
+
+    return asyncio.run(go())
+
+
+def chat_body(**extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hello big world"}]} | extra
+
+
+def error_of(resp: httpx.Response, status: int) -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == status
+    return error
+
+
+# --- happy paths -----------------------------------------------------------------------------
+
+
+def test_chat_stream_framing() -> None:
+    engine = FakeEngine()
+    body = chat_body(stream=True, stream_options={"include_usage": True})
+    resp = run(engine, "POST", CHAT, json=body)
+    assert resp.status_code == 200
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    rid = resp.headers["x-request-id"]
+    assert rid.startswith("chatcmpl-")
+    events = parse_sse(resp.content)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["id"] == rid and c["object"] == "chat.completion.chunk" for c in chunks)
+    assert all(c["model"] == MODEL and c["system_fingerprint"] == "v-test" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    texts = [c["choices"][0]["delta"]["content"] for c in chunks[1:4]]
+    assert texts == [" hello", " big", " world"]
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:4])
+    assert chunks[4]["choices"] == [
+        {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
+    ]
+    assert chunks[5]["choices"] == []
+    assert chunks[5]["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert len(chunks) == 6
+
+
+def test_completion_stream_without_usage_and_client_request_id() -> None:
+    engine = FakeEngine([delta("a"), delta(""), delta("b", LENGTH, 2)])
+    resp = run(
+        engine,
+        "POST",
+        COMPLETIONS,
+        json={"prompt": "x", "stream": True},
+        headers={"X-Request-Id": "my-id.1:2"},
+    )
+    assert resp.headers["x-request-id"] == "my-id.1:2"
+    assert engine.requests[0].request_id == "my-id.1:2"
+    events = parse_sse(resp.content)
+    assert [e["choices"][0]["text"] for e in events[:-1]] == ["a", "b", ""]
+    assert [e["choices"][0]["finish_reason"] for e in events[:-1]] == [None, None, "length"]
+    assert {e["object"] for e in events[:-1]} == {"text_completion"}
+    assert events[-1] == "[DONE]"
+
+
+def test_chat_non_streaming_shape_and_request_conversion() -> None:
+    engine = FakeEngine()
+    body = chat_body(
+        temperature=0,
+        top_p=0.5,
+        top_k=-1,
+        seed=3,
+        stop="x",
+        max_completion_tokens=9,
+        some_unknown_extra={"ignored": True},
+    )
+    resp = run(engine, "POST", CHAT, json=body)
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    assert out["id"] == resp.headers["x-request-id"]
+    assert out["object"] == "chat.completion"
+    assert out["model"] == MODEL and out["system_fingerprint"] == "v-test"
+    assert out["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": " hello big world"},
+            "logprobs": None,
+            "finish_reason": "stop",
+        }
+    ]
+    assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    sampling = engine.requests[0].sampling
+    assert (sampling.temperature, sampling.top_p, sampling.top_k) == (0.0, 0.5, 0)
+    assert (sampling.seed, sampling.stop, sampling.max_tokens) == (3, ["x"], 9)
+    assert engine.requests[0].messages == [{"role": "user", "content": "hello big world"}]
+
+
+def test_completion_non_streaming_defaults() -> None:
+    engine = FakeEngine()
+    resp = run(engine, "POST", COMPLETIONS, json={"prompt": ["one two"]})
+    out = resp.json()
+    assert out["object"] == "text_completion" and out["id"].startswith("cmpl-")
+    assert out["choices"][0]["text"] == " one two"
+    assert engine.requests[0].prompt == "one two"
+    assert engine.requests[0].sampling.max_tokens == 16  # OpenAI's legacy default
+    run(engine, "POST", COMPLETIONS, json={"prompt": [1, 2, 3], "stream": False})
+    assert engine.requests[1].prompt_token_ids == [1, 2, 3]
+    assert engine.requests[1].prompt is None
+    run(engine, "POST", CHAT, json=chat_body())
+    assert engine.requests[2].sampling.max_tokens == 0  # chat: as many as fit (tokenizer)
+
+
+def test_models_and_health() -> None:
+    engine = FakeEngine()
+    models = run(engine, "GET", "/v1/models").json()
+    assert models["object"] == "list"
+    (card,) = models["data"]
+    assert (card["id"], card["object"], card["owned_by"]) == (MODEL, "model", "shuttle")
+    assert (card["max_model_len"], card["version"]) == (256, "v-test")
+    assert run(engine, "GET", "/health").json() == {"status": "ok"}
+    error = error_of(run(engine, "GET", "/v1/nothing-here"), 404)
+    assert error["type"] == "NotFoundError"
+    error_of(run(engine, "GET", CHAT), 405)
+    engine.ready = False
+    assert run(engine, "GET", "/health").status_code == 503
+    error_of(run(engine, "POST", CHAT, json=chat_body()), 503)
+
+
+def test_openai_client_in_process() -> None:
+    openai = pytest.importorskip("openai")
+    # openai 3 speaks through httpx2, older releases through httpx: use the one it imports
+    http_lib = getattr(openai._base_client, "httpx2", httpx)
+    engine = FakeEngine()
+
+    async def go() -> tuple[Any, list[Any]]:
+        transport = http_lib.ASGITransport(app=create_app(engine, api_key="k"))
+        http = http_lib.AsyncClient(transport=transport)
+        client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="k", http_client=http)
+        messages = [{"role": "user", "content": "hi there"}]
+        full = await client.chat.completions.create(model=MODEL, messages=messages)
+        stream = await client.chat.completions.create(model=MODEL, messages=messages, stream=True)
+        return full, [c async for c in stream]
+
+    full, chunks = asyncio.run(go())
+    assert full.choices[0].message.content == " hi there"
+    assert full.usage.total_tokens == 7
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == " hi there"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+# --- refusals --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "words"),
+    [
+        ({"model": MODEL}, "messages", "required"),
+        (chat_body(messages=[]), "messages", "at least 1"),
+        (chat_body(messages="hi"), "messages", "list"),
+        (chat_body(messages=[{"role": "bot", "content": "x"}]), "messages[0].role", "one of"),
+        (chat_body(messages=[{"role": "user", "content": 3}]), "messages[0].content", "string"),
+        (chat_body(max_tokens=0), "max_tokens", ">= 1"),
+        (chat_body(max_tokens="5"), "max_tokens", "integer"),
+        (chat_body(max_tokens=True), "max_tokens", "integer"),
+        (chat_body(max_tokens=10_000), "max_tokens", "<= 256"),
+        (chat_body(temperature=-0.1), "temperature", ">= 0"),
+        (chat_body(temperature=2.5), "temperature", "<= 2"),
+        (chat_body(top_p=0), "top_p", "> 0"),
+        (chat_body(top_p=1.01), "top_p", "<= 1"),
+        (chat_body(n=2), "n", "n > 1 is not supported"),
+        (chat_body(stream="yes"), "stream", "boolean"),
+        (chat_body(stop=["a", ""]), "stop", "1..256"),
+        (chat_body(stop=["s"] * 65), "stop", "at most 64"),
+        (chat_body(presence_penalty=0.5), "presence_penalty", "only 0"),
+        (chat_body(logprobs=True), "logprobs", "not supported"),
+        ({"prompt": ""}, "prompt", "empty"),
+        ({"prompt": ["a", "b"]}, "prompt", "batch"),
+        ({"prompt": [1, -2]}, "prompt", "token ids"),
+        ({"prompt": "x", "echo": True}, "echo", "not supported"),
+    ],
+)
+def test_invalid_fields_are_400_naming_the_field(
+    body: dict[str, Any], field: str, words: str
+) -> None:
+    url = COMPLETIONS if "prompt" in body else CHAT
+    engine = FakeEngine()
+    error = error_of(run(engine, "POST", url, json=body), 400)
+    assert error["param"] == field
+    assert error["message"].startswith(f"{field}: ")
+    assert words in error["message"]
+    assert error["type"] == "BadRequestError"
+    assert engine.requests == []  # nothing unvalidated reaches the engine
+
+
+def test_nan_is_refused() -> None:
+    content = b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}'
+    error = error_of(run(FakeEngine(), "POST", CHAT, content=content), 400)
+    assert error["param"] == "temperature" and "finite" in error["message"]
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"", b"[1, 2]"])
+def test_malformed_body_is_400_naming_the_body(content: bytes) -> None:
+    error = error_of(run(FakeEngine(), "POST", CHAT, content=content), 400)
+    assert error["message"].startswith("body: ")
+
+
+@pytest.mark.parametrize("request_id", ["", "a b", "x" * 129, "é"])
+def test_bad_request_id_header(request_id: str) -> None:
+    headers = {"X-Request-Id": request_id.encode()}
+    error = error_of(run(FakeEngine(), "POST", CHAT, json=chat_body(), headers=headers), 400)
+    assert error["param"] == "X-Request-Id" and "128" in error["message"]
+
+
+def test_unknown_model_is_404() -> None:
+    resp = run(FakeEngine(), "POST", CHAT, json=chat_body(model="gpt-9"))
+    error = error_of(resp, 404)
+    assert error["param"] == "model" and "gpt-9" in error["message"]
+    assert error["type"] == "NotFoundError"
+    assert resp.headers["x-request-id"].startswith("chatcmpl-")
+
+
+def test_api_key() -> None:
+    engine = FakeEngine()
+    error = error_of(run(engine, "POST", CHAT, api_key="s3cret", json=chat_body()), 401)
+    assert "API key" in error["message"]
+    wrong = {"Authorization": "Bearer nope"}
+    error_of(run(engine, "GET", "/v1/models", api_key="s3cret", headers=wrong), 401)
+    good = {"Authorization": "Bearer s3cret"}
+    assert run(engine, "GET", "/v1/models", api_key="s3cret", headers=good).status_code == 200
+    assert run(engine, "GET", "/health", api_key="s3cret").status_code == 200
+
+
+# --- engine failures ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("status", "retry"), [(429, "1"), (503, "1"), (400, None)])
+def test_failure_before_first_delta_is_an_http_status(status: int, retry: str | None) -> None:
+    for stream in (True, False):
+        engine = FakeEngine([RequestFailed(status, "prompt: too long", "prompt")])
+        resp = run(engine, "POST", CHAT, json=chat_body(stream=stream))
+        error = error_of(resp, status)
+        assert error["message"] == "prompt: too long" and error["param"] == "prompt"
+        assert resp.headers.get("retry-after") == retry
+        assert resp.headers["x-request-id"] == engine.requests[0].request_id
+
+
+def test_failure_mid_stream_is_an_error_event_then_done() -> None:
+    engine = FakeEngine([delta("a"), RequestFailed(503, "worker died")])
+    resp = run(engine, "POST", CHAT, json=chat_body(stream=True))
+    assert resp.status_code == 200
+    events = parse_sse(resp.content)
+    assert events[1]["choices"][0]["delta"] == {"content": "a"}
+    assert events[2] == {
+        "error": {
+            "message": "worker died",
+            "type": "ServiceUnavailableError",
+            "param": None,
+            "code": 503,
+        }
+    }
+    assert events[3:] == ["[DONE]"]
+
+
+def test_keepalive_comment_while_engine_is_quiet(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(app_module, "KEEPALIVE_S", 0.01)
+    engine = FakeEngine([delta("a"), 0.3, delta("b", STOP, 2)])
+    resp = run(engine, "POST", COMPLETIONS, json={"prompt": "x", "stream": True})
+    assert b"\n: keep-alive\n\n" in resp.content
+    events = parse_sse(resp.content)
+    assert [e["choices"][0]["text"] for e in events[:-1]] == ["a", "b", ""]
+
+
+# --- disconnects -------------------------------------------------------------------------------
+
+
+def _scope(path: str, spec_version: str) -> dict[str, Any]:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": spec_version},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"host", b"test"),
+            (b"content-type", b"application/json"),
+            (b"x-request-id", b"gone-1"),
+        ],
+        "client": ("127.0.0.1", 1),
+        "server": ("test", 80),
+    }
+
+
+async def _call_then_leave(engine: FakeEngine, body: bytes, spec: str, leave: str) -> list[Any]:
+    """Call the app directly, as a server would; the client leaves once the engine started
+    and, for a stream, the first chunk went out: by a disconnect message (`leave` "receive")
+    or by send() raising (`leave` "send", what ASGI 2.4 servers do)."""
+    app, sent, first_chunk = create_app(engine), [], asyncio.Event()
+    is_stream = b'"stream": true' in body
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        if messages:
+            return messages.pop()
+        await engine.started.wait()
+        if is_stream:
+            await first_chunk.wait()
+        if leave == "send":
+            await asyncio.Event().wait()  # a 2.4 server never says
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body" and message.get("body"):
+            if leave == "send" and first_chunk.is_set():
+                raise OSError("connection reset by peer")
+            first_chunk.set()
+        sent.append(message)
+
+    await asyncio.wait_for(app(_scope(CHAT, spec), receive, send), 5)
+    # checked before asyncio.run ends, whose clean-up would close a forgotten generator
+    assert engine.aborted == ["gone-1"]
+    return sent
+
+
+@pytest.mark.parametrize(("spec", "leave"), [("2.3", "receive"), ("2.4", "send")])
+def test_stream_disconnect_aborts_in_engine(spec: str, leave: str) -> None:
+    engine = FakeEngine([delta("a"), delta("b"), HANG])
+    body = b'{"messages": [{"role": "user", "content": "x"}], "stream": true}'
+    sent = asyncio.run(_call_then_leave(engine, body, spec, leave))
+    assert engine.aborted == ["gone-1"]
+    assert sent[0]["status"] == 200
+
+
+def test_non_streaming_disconnect_aborts_in_engine() -> None:
+    engine = FakeEngine([delta("a"), HANG])
+    body = b'{"messages": [{"role": "user", "content": "x"}]}'
+    sent = asyncio.run(_call_then_leave(engine, body, "2.3", "receive"))
+    assert engine.aborted == ["gone-1"]
+    assert sent[0]["status"] == 499
+
+
+def test_disconnect_while_waiting_for_first_delta_aborts() -> None:
+    engine = FakeEngine([HANG])
+    body = b'{"messages": [{"role": "user", "content": "x"}], "stream": false}'
+    sent = asyncio.run(_call_then_leave(engine, body, "2.3", "receive"))
+    assert engine.aborted == ["gone-1"] and sent[0]["status"] == 499
+
+
+def test_finished_request_is_not_aborted() -> None:
+    engine = FakeEngine()
+    run(engine, "POST", CHAT, json=chat_body(stream=True))
+    run(engine, "POST", CHAT, json=chat_body())
+    assert len(engine.requests) == 2 and engine.aborted == []
+
+
+def test_sse_response_closes_its_body_when_send_fails() -> None:
+    # ASGI 2.4 servers raise from send() when the client is gone; the body must be closed then
+    # and there, not whenever the garbage collector gets to it
+    closed = []
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            yield b"data: 1\n\n"
+            yield b"data: 2\n\n"
+        finally:
+            closed.append(True)
+
+    async def go() -> list[bool]:
+        response = SseResponse(body())
+
+        async def send(message: dict[str, Any]) -> None:
+            if message.get("body"):
+                raise OSError("connection reset by peer")
+
+        await response(_scope(CHAT, "2.4"), asyncio.Event().wait, send)
+        return list(closed)  # `response` still holds the generator here
+
+    assert asyncio.run(go()) == [True]
