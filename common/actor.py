@@ -38,7 +38,8 @@ class Actor:
         self.num_unknown_messages = 0
         self.num_handler_errors = 0
         self._outboxes: dict[str, Outbox] = {}
-        self._main_task: asyncio.Task[None] | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+        self._stopping = False
         self.inbox: Inbox | None = None
 
     # hooks ---------------------------------------------------------------------------------
@@ -71,19 +72,15 @@ class Actor:
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
-        self._main_task = asyncio.current_task()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
         self.inbox = Inbox(self.inbox_addr)
         try:
-            await self.start()
-            ready = Ready(name=self.inbox_name, info=self.ready_info())
-            for target in self.ready_targets():
-                self.outbox(target).send(ready)
-            log.info("ready", extra={"addr": self.inbox.addr})
-            await self._loop()
+            if not self._stopping:
+                self._loop_task = asyncio.create_task(self._serve())
+                await self._loop_task
         except asyncio.CancelledError:
-            pass
+            pass  # stop requested: the serving task was cancelled, not this one
         finally:
             await self.stop()
             self.inbox.close()
@@ -95,8 +92,13 @@ class Actor:
     def inbox_name(self) -> str:
         return self.name
 
-    async def _loop(self) -> None:
+    async def _serve(self) -> None:
         assert self.inbox is not None
+        await self.start()
+        ready = Ready(name=self.inbox_name, info=self.ready_info())
+        for target in self.ready_targets():
+            self.outbox(target).send(ready)
+        log.info("ready", extra={"addr": self.inbox.addr})
         while True:
             await self.dispatch(await self.inbox.recv())
             while (msg := self.inbox.recv_nowait()) is not None:
@@ -118,8 +120,9 @@ class Actor:
             log.exception("handler for %s failed", type(msg).__name__)
 
     def request_stop(self) -> None:
-        if self._main_task is not None and not self._main_task.done():
-            self._main_task.cancel()
+        self._stopping = True
+        if self._loop_task is not None and not self._loop_task.done():
+            self._loop_task.cancel()
 
     def _on_ping(self, msg: Ping) -> None:
         self.outbox(msg.reply_to).send(Pong(name=self.inbox_name, nonce=msg.nonce))

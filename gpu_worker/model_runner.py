@@ -148,6 +148,10 @@ class ModelRunner:
     def num_requests(self) -> int:
         return len(self._requests)
 
+    def drop(self, req_id: str) -> None:
+        """Forget a request (idempotent), e.g. after its step failed."""
+        self._requests.pop(req_id, None)
+
     def execute(self, plan: StepPlan) -> StepResult:
         """Apply the plan's diffs, run its batch, and return the sampled tokens."""
         start = time.perf_counter()
@@ -193,7 +197,9 @@ class ModelRunner:
     def _prepare_batch(self, plan: StepPlan) -> _Batch:
         num_reqs = len(plan.req_ids)
         if not (
-            len(plan.num_computed_tokens) == len(plan.num_new_tokens) == len(plan.new_block_ids)
+            len(plan.num_computed_tokens)
+            == len(plan.num_new_tokens)
+            == len(plan.new_block_ids)
             == num_reqs
         ):
             raise ValueError(f"step {plan.step_id}: batch fields differ in length")
@@ -221,7 +227,9 @@ class ModelRunner:
         return _Batch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64).to(self.device),
             meta=self.backend.build_metadata(meta),
-            logits_indices=torch.tensor([last_token_index[i] for i in sampling]).to(self.device),
+            logits_indices=torch.tensor(
+                [last_token_index[i] for i in sampling], dtype=torch.int64, device=self.device
+            ),
             sampling_req_ids=[plan.req_ids[i] for i in sampling],
             sampling_states=[self._requests[plan.req_ids[i]] for i in sampling],
         )

@@ -45,8 +45,10 @@ def _gguf_path() -> Path:
 
 
 def _is_complete(folder: Path) -> bool:
-    return (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file() and any(
-        folder.glob("*.safetensors")
+    return (
+        (folder / "config.json").is_file()
+        and (folder / "tokenizer.json").is_file()
+        and any(folder.glob("*.safetensors"))
     )
 
 

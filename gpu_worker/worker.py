@@ -73,6 +73,7 @@ class WorkerActor(Actor):
             log.exception("step %d failed", plan.step_id, extra={"step_id": plan.step_id})
             for req_id in plan.req_ids:
                 self.runner.drop(req_id)
-            result = StepResult(step_id=plan.step_id, req_ids=[], token_ids=[],
-                                error=f"{type(e).__name__}: {e}")
+            result = StepResult(
+                step_id=plan.step_id, req_ids=[], token_ids=[], error=f"{type(e).__name__}: {e}"
+            )
         self.scheduler.send(result)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from pathlib import Path
 
 import torch
@@ -20,12 +21,13 @@ def _hf_model(path: str):  # type: ignore[no-untyped-def]
 def hf_greedy(model_dir: str | Path, prompt_ids: list[int], num_new: int) -> list[int]:
     """Argmax decoding with transformers' own forward and KV cache; never stops at EOS."""
     model = _hf_model(str(model_dir))
-    ids = torch.tensor([prompt_ids])
-    out = model(input_ids=ids, use_cache=True)
-    past, tokens = out.past_key_values, []
+    # transformers 5.x renames `past_key_values` to `cache` in forward()
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
+    tokens: list[int] = []
     for _ in range(num_new):
         nxt = int(out.logits[0, -1].argmax())
         tokens.append(nxt)
-        out = model(input_ids=torch.tensor([[nxt]]), past_key_values=past, use_cache=True)
-        past = out.past_key_values
+        past = getattr(out, "cache", None) or out.past_key_values
+        out = model(input_ids=torch.tensor([[nxt]]), use_cache=True, **{key: past})
     return tokens

@@ -156,14 +156,16 @@ class RotaryEmbedding(nn.Module):
         self.is_neox_style = is_neox_style
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # [T, 1, head_dim // 2]: one angle per pair, shared by every head
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        """cos and sin [T, 1, head_dim // 2] for the step's tokens: one angle per pair."""
+        return (
+            self.cos[positions].unsqueeze(1).to(dtype),
+            self.sin[positions].unsqueeze(1).to(dtype),
+        )
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim] rotated pair by pair."""
         if self.is_neox_style:  # pairs are (i, i + d/2): HF's rotate_half
             x1, x2 = x.chunk(2, dim=-1)
             return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
@@ -178,24 +180,22 @@ class Attention(nn.Module):
         self, cfg: LlamaConfig, rotary: RotaryEmbedding, backend: AttentionBackend
     ) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-        )
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rotary = rotary  # shared by every layer; not owned
+        self.rotate = rotary.rotate  # a bound method: the module stays owned by the model
         self.backend = backend
 
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -206,7 +206,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotate(q, *rope), self.rotate(k, *rope)
         o = self.backend.forward(q, k, v, kv_cache, meta)
         return self.o_proj(o.reshape(num_tokens, -1))
 
@@ -216,9 +216,7 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(
-            cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias
-        )
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -241,11 +239,11 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -253,12 +251,21 @@ class LlamaModel(nn.Module):
     """Embedding, the decoder layers and the final norm (module names follow HF)."""
 
     def __init__(
-        self, cfg: LlamaConfig, rotary: RotaryEmbedding, backend: AttentionBackend
+        self,
+        cfg: LlamaConfig,
+        backend: AttentionBackend,
+        *,
+        max_positions: int,
+        device: torch.device,
     ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # built on `device` explicitly: the loader constructs the rest on "meta"
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device
+        )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_layers)
+            DecoderLayer(cfg, self.rotary, backend) for _ in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -270,8 +277,9 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, x.dtype)  # once per step, shared by every layer
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, kv_cache[i], meta)
+            x = layer(x, rope, kv_cache[i], meta)
         return x  # before the final norm, which only the sampled positions need
 
 
@@ -288,11 +296,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.config = cfg
-        # built on `device` explicitly: the loader constructs the rest on "meta"
-        self.rotary = RotaryEmbedding(
-            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device
-        )
-        self.model = LlamaModel(cfg, self.rotary, backend)
+        self.model = LlamaModel(cfg, backend, max_positions=max_positions, device=device)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(

@@ -16,7 +16,7 @@ from tests.server import running_server
 NUM_NEW = 32
 TEXTS = [
     "The capital of France is",
-    "Write a haiku about the sea.",
+    "Write a haiku about the sea and the wind.",
     "def fibonacci(n):\n    ",
     "List three primary colours:\n1.",
     "Once upon a time, in a village at the edge of a dark forest, there lived an old "
