@@ -1,0 +1,67 @@
+"""`shuttle serve` starts every process, and stopping it leaves no process and no ipc file."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.server import running_server
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purposes
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split()[2] != "Z"
+
+
+def _wait_gone(pids: list[int], timeout: float = 30.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+def test_sigterm_stops_every_process_and_removes_sockets() -> None:
+    with running_server("--num-tokenizers", "2") as server:
+        kids = _children(server.proc.pid)
+        assert len(kids) == 6  # worker, scheduler, detokenizer, 2 tokenizers, gateway
+        socks = sorted(p.name for p in server.run_dir.glob("*.sock"))
+        assert socks == sorted(["worker.sock", "scheduler.sock", "detokenizer.sock",
+                                "tokenizer-0.sock", "tokenizer-1.sock", "gateway.sock",
+                                "supervisor.sock"])
+        assert httpx.get(server.url + "/health").status_code == 200
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(30) == 0
+        assert _wait_gone(kids) == []
+        assert list(server.run_dir.glob("*.sock")) == []
+
+
+def test_children_die_with_a_killed_supervisor() -> None:
+    with running_server() as server:
+        kids = _children(server.proc.pid)
+        assert len(kids) == 5
+        server.proc.send_signal(signal.SIGKILL)
+        server.proc.wait(10)
+        assert _wait_gone(kids) == []
+
+
+def test_a_dead_child_stops_the_whole_server() -> None:
+    with running_server() as server:
+        kids = _children(server.proc.pid)
+        os.kill(kids[0], signal.SIGKILL)
+        assert server.proc.wait(30) == 1
+        assert _wait_gone(kids) == []
