@@ -62,8 +62,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     """
     vocab_size = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=False, stable=True)
-    k = [kk if 0 < kk < vocab_size else vocab_size for kk in top_k]
-    k = torch.tensor(k, device=logits.device)
+    k_values = [k if 0 < k < vocab_size else vocab_size for k in top_k]
+    k = torch.tensor(k_values, device=logits.device)
     kth_largest = sorted_logits.gather(1, (vocab_size - k)[:, None])
     sorted_logits.masked_fill_(sorted_logits < kth_largest, float("-inf"))
     p = torch.tensor(top_p, device=logits.device, dtype=logits.dtype)

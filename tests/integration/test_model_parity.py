@@ -292,22 +292,32 @@ def test_seeded_request_is_reproducible_alone_and_in_a_batch(tiny_llama) -> None
     assert len(set(alone)) > 3  # it really sampled
 
 
+def _plan_a(step: int, computed: int, new: int, blocks: list[int], first: bool) -> StepPlan:
+    """A one-request plan for request "a" (prompt [5, 6, 7]), sent as new when `first`."""
+    intro = dict(new_req_ids=["a"], new_prompt_token_ids=[[5, 6, 7]], new_sampling=[GREEDY])
+    return StepPlan(
+        step,
+        **(intro if first else {}),
+        req_ids=["a"],
+        num_computed_tokens=[computed],
+        num_new_tokens=[new],
+        new_block_ids=[blocks],
+    )
+
+
 def test_plan_that_disagrees_with_the_worker_is_rejected(tiny_llama) -> None:
     runner = ModelRunner(str(tiny_llama), num_blocks=16, block_size=4)
-    new = dict(new_req_ids=["a"], new_prompt_token_ids=[[5, 6, 7]], new_sampling=[GREEDY])
     with pytest.raises(ValueError, match="cannot hold"):
-        runner.execute(StepPlan(0, **new, req_ids=["a"], num_computed_tokens=[0],
-                                num_new_tokens=[3], new_block_ids=[[]]))  # fmt: skip
+        runner.execute(_plan_a(0, 0, 3, [], first=True))
     runner = ModelRunner(str(tiny_llama), num_blocks=16, block_size=4)
-    result = runner.execute(StepPlan(0, **new, req_ids=["a"], num_computed_tokens=[0],
-                                     num_new_tokens=[2], new_block_ids=[[3]]))  # fmt: skip
+    result = runner.execute(_plan_a(0, 0, 2, [3], first=True))
     assert result.req_ids == []  # a prefill chunk that does not reach the end samples nothing
     with pytest.raises(ValueError, match="computed"):
-        runner.execute(StepPlan(1, req_ids=["a"], num_computed_tokens=[0], num_new_tokens=[1],
-                                new_block_ids=[[]]))  # fmt: skip
+        runner.execute(_plan_a(1, 0, 1, [], first=False))
     with pytest.raises(ValueError, match="cannot compute"):
-        runner.execute(StepPlan(2, req_ids=["a"], num_computed_tokens=[2], num_new_tokens=[2],
-                                new_block_ids=[[]]))  # fmt: skip
+        runner.execute(_plan_a(2, 2, 2, [], first=False))
+    with pytest.raises(ValueError, match="outside"):
+        runner.execute(_plan_a(3, 2, 1, [16], first=False))
 
 
 def test_kv_blocks_are_sized_from_the_memory_budget(tiny_llama) -> None:
@@ -318,11 +328,25 @@ def test_kv_blocks_are_sized_from_the_memory_budget(tiny_llama) -> None:
 
 
 def test_config_reads_legacy_rope_fields() -> None:
-    base = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16,
-                num_hidden_layers=1, num_attention_heads=2)  # fmt: skip
-    legacy = dict(base, rope_theta=5e5, rope_scaling=dict(
-        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-        original_max_position_embeddings=8192))  # fmt: skip
+    base = dict(
+        model_type="llama",
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+    )
+    legacy = dict(
+        base,
+        rope_theta=5e5,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+    )
     cfg = LlamaConfig.from_hf(legacy)
     assert cfg.rope_theta == 5e5 and cfg.rope_scaling is not None and cfg.num_kv_heads == 2
     cfg = LlamaConfig.from_hf(dict(base, rope_parameters=dict(rope_theta=1e6, rope_type="default")))
