@@ -51,11 +51,14 @@ class CacheConfig:
     block_size: int = _field(16, "tokens per KV block")
     kv_cache_memory: float = _field(1.0, "KV cache size in GiB on CPU")
     gpu_memory_utilization: float = _field(0.9, "fraction of GPU memory for weights + KV")
+    swap_space: float = _field(1.0, "host memory in GiB for swapped-out KV (preemption swap)")
+    enable_prefix_caching: bool = _field(True, "share KV of common prompt prefixes")
 
     def __post_init__(self) -> None:
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", "a power of 2 <= 128")
         _check(self.kv_cache_memory > 0, "kv_cache_memory", "> 0")
         _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "in (0, 1]")
+        _check(self.swap_space >= 0, "swap_space", ">= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +66,23 @@ class SchedulerConfig:
     max_num_seqs: int = _field(64, "most sequences in one step")
     max_num_batched_tokens: int = _field(512, "token budget of one step (chunked prefill)")
     max_waiting: int = _field(1024, "most queued requests before overload (429)")
+    scheduling_policy: str = _field("fcfs", "fcfs | priority (lower `priority` first)")
+    preemption_mode: str = _field("recompute", "recompute | swap (KV to host memory)")
+    batch_policy: str = _field("continuous", "continuous | static | dynamic")
+    batch_window: float = _field(0.05, "dynamic batching: seconds to collect a batch")
+    static_batch_timeout: float = _field(1.0, "static batching: most seconds to wait for a "
+                                               "full batch")
+    async_scheduling: bool = _field(True, "plan step N+1 while the worker runs step N")
 
     def __post_init__(self) -> None:
+        _check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy",
+               "fcfs or priority")
+        _check(self.preemption_mode in ("recompute", "swap"), "preemption_mode",
+               "recompute or swap")
+        _check(self.batch_policy in ("continuous", "static", "dynamic"), "batch_policy",
+               "continuous, static or dynamic")
+        _check(self.batch_window >= 0 and self.static_batch_timeout >= 0, "batch_window",
+               ">= 0 (and --static-batch-timeout too)")
         _check(self.max_num_seqs >= 1, "max_num_seqs", ">= 1")
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1")
         _check(self.max_waiting >= 1, "max_waiting", ">= 1")
@@ -75,6 +93,9 @@ class ServerConfig:
     host: str = _field("127.0.0.1", "HTTP bind address")
     port: int = _field(8000, "HTTP port (0: pick a free one)")
     api_key: str = _field("", "clients must send 'Authorization: Bearer KEY' when set")
+    grpc_port: int = _field(-1, "gRPC port on --host (-1: no gRPC server, 0: pick a free one)")
+    admin_token: str = _field("", "admin API (HTTP /admin, gRPC Admin) wants 'Authorization: "
+                                  "Bearer TOKEN'; empty: admin calls are refused")
     num_tokenizers: int = _field(1, "tokenizer processes")
     run_dir: str = _field("", "folder for ipc sockets and the resolved config (default: temp)")
     ready_timeout: float = _field(600.0, "seconds to wait for every process to be ready")
@@ -82,6 +103,7 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         _check(0 <= self.port < 65536, "port", "0..65535")
+        _check(-1 <= self.grpc_port < 65536, "grpc_port", "-1 (off) or 0..65535")
         _check(self.num_tokenizers >= 1, "num_tokenizers", ">= 1")
         _check(self.log_level in ("debug", "info", "warning", "error"), "log_level",
                "debug, info, warning or error")

@@ -51,6 +51,7 @@ class KVCache:
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         # zeros, not empty: a masked score of 0 times a NaN from stale memory is still NaN
         self.tensor = torch.zeros(shape, dtype=dtype, device=device)
+        self.host: torch.Tensor | None = None
 
     @classmethod
     def from_budget(
@@ -80,6 +81,30 @@ class KVCache:
             dtype=dtype,
             device=device,
         )
+
+    def allocate_host(self, budget_bytes: int) -> int:
+        """A host-memory pool for swapped-out blocks (pinned when the cache is on CUDA)."""
+        per_block = self.tensor[:, :, 0].numel() * self.tensor.element_size()
+        n = budget_bytes // per_block
+        shape = (*self.tensor.shape[:2], n, *self.tensor.shape[3:])
+        pin = self.tensor.device.type == "cuda"
+        self.host = torch.zeros(shape, dtype=self.tensor.dtype, pin_memory=pin) if n else None
+        return n
+
+    def swap_out(self, src: list[int], dst: list[int]) -> None:
+        """Device blocks src[i] -> host blocks dst[i], every layer, K and V."""
+        assert self.host is not None and len(src) == len(dst)
+        self.host[:, :, dst] = self.tensor[:, :, src].to("cpu")
+
+    def swap_in(self, src: list[int], dst: list[int]) -> None:
+        """Host blocks src[i] -> device blocks dst[i]."""
+        assert self.host is not None and len(src) == len(dst)
+        self.tensor[:, :, dst] = self.host[:, :, src].to(self.tensor.device)
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Device blocks src[i] -> dst[i] (copy-on-write of shared blocks)."""
+        assert len(src) == len(dst)
+        self.tensor[:, :, dst] = self.tensor[:, :, src]
 
     def layer(self, i: int) -> torch.Tensor:
         """[2, num_blocks, block_size, num_kv_heads, head_dim], a view."""

@@ -3,7 +3,8 @@
 Per request the runner keeps all token ids (prompt + sampled), the block table, how many
 tokens are in the KV cache, the sampling parameters and a generator. A step:
 
-    drop finished -> reset preempted -> add new -> for each scheduled request: append its new
+    drop finished -> swap out -> reset preempted -> add new -> swap in -> copy-on-write ->
+    for each scheduled request: append its new
     blocks, compute token_ids[num_computed : num_computed + num_new], and if that reaches the
     end of its tokens, sample one token and append it.
 
@@ -70,6 +71,7 @@ class ModelRunner:
         attention_backend: str = "torch",
         num_threads: int | None = None,
         gpu_memory_utilization: float = 0.9,
+        swap_space_gib: float = 0.0,
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -81,6 +83,7 @@ class ModelRunner:
         self.block_size = block_size
         self._init_model(attention_backend, max_model_len)
         self._init_kv_cache(kv_cache_memory_gib, num_blocks, gpu_memory_utilization)
+        self.num_host_blocks = self.kv_cache.allocate_host(int(swap_space_gib * GIB))
         self._rng = random.Random(seed)
         self._requests: dict[str, RequestState] = {}
 
@@ -142,6 +145,7 @@ class ModelRunner:
             "vocab_size": self.config.vocab_size,
             "eos_token_ids": list(self.eos_token_ids),
             "weights_version": self.weights_version,
+            "num_host_blocks": self.num_host_blocks,
             "device": str(self.device),
         }
 
@@ -181,6 +185,8 @@ class ModelRunner:
     def _apply_diffs(self, plan: StepPlan) -> None:
         for req_id in plan.finished_req_ids:
             self._requests.pop(req_id, None)  # idempotent: a repeat or unknown id is fine
+        if plan.swap_out_src:  # before anything can overwrite the blocks being saved
+            self.kv_cache.swap_out(plan.swap_out_src, plan.swap_out_dst)
         for req_id in plan.preempted_req_ids:
             state = self._requests[req_id]
             state.block_table = []
@@ -193,6 +199,15 @@ class ModelRunner:
                 raise ValueError(f"request {req_id} has an empty prompt")
             generator = make_generator(params, self._rng, self.device)
             self._requests[req_id] = RequestState(list(prompt), params, generator)
+        if plan.swap_in_src:
+            self.kv_cache.swap_in(plan.swap_in_src, plan.swap_in_dst)
+        if plan.copy_src:
+            self.kv_cache.copy_blocks(plan.copy_src, plan.copy_dst)
+            for req_id, index, dst in zip(plan.copy_req_ids, plan.copy_index, plan.copy_dst,
+                                          strict=True):
+                table = self._requests[req_id].block_table
+                if index < len(table):  # else the table arrives whole, with dst, this step
+                    table[index] = dst
 
     def _prepare_batch(self, plan: StepPlan) -> _Batch:
         num_reqs = len(plan.req_ids)
@@ -246,6 +261,9 @@ class ModelRunner:
         if state is None:
             raise ValueError(f"step {plan.step_id}: unknown request {req_id}")
         num_computed, num_new = plan.num_computed_tokens[i], plan.num_new_tokens[i]
+        if not state.block_table and num_computed <= len(state.token_ids):
+            # new or preempted: KV it starts with comes from prefix hits, a fork or a swap-in
+            state.num_computed = num_computed
         if num_computed != state.num_computed:
             raise ValueError(
                 f"request {req_id}: plan says {num_computed} tokens computed, worker has "

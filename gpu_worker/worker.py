@@ -10,6 +10,7 @@ from typing import Any
 from common.actor import Actor
 from common.config import Config, ConfigError
 from common.messages import StepPlan, StepResult
+from common.model_facts import position_config, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +53,18 @@ class WorkerActor(Actor):
             seed=m.seed,
             attention_backend="torch" if m.attention_backend == "auto" else m.attention_backend,
             num_threads=m.num_threads or None,
+            swap_space_gib=(c.swap_space if self.config.scheduler.preemption_mode == "swap"
+                            else 0.0),
         )
         self.scheduler = self.outbox(self.config.addr("scheduler"))
         log.info("model loaded: %s", self.runner.model_info())
 
     def ready_info(self) -> dict[str, Any]:
         info = dict(self.runner.model_info())
+        path = resolve_model_path(self.config)
         info["model_name"] = served_model_name(self.config)
+        info["tokenizer_fingerprint"] = tokenizer_fingerprint(path)
+        info["position_config"] = position_config(path)
         info["pid"] = os.getpid()
         return info
 

@@ -90,6 +90,11 @@ class Supervisor:
     def port(self) -> int:
         return int(self.ready["gateway"]["port"])
 
+    def grpc_banner(self) -> str:
+        """The banner's gRPC part: ' grpc HOST:PORT', or '' when the gateway serves none."""
+        port = self.ready["gateway"].get("grpc_port")
+        return "" if port is None else f" grpc {self._client_host()}:{port}"
+
     def _client_host(self) -> str:
         host = self.config.server.host
         return "127.0.0.1" if host in ("0.0.0.0", "") else host
@@ -161,7 +166,8 @@ def serve(argv: list[str] | None = None) -> int:
         sup.start()
         sup.wait_ready()
         print(f"shuttle: serving {config.model.served_model_name} on "
-              f"http://{sup._client_host()}:{sup.port} (pid {os.getpid()})", flush=True)
+              f"http://{sup._client_host()}:{sup.port} (pid {os.getpid()}){sup.grpc_banner()}",
+              flush=True)
         sup.supervise()
     except KeyboardInterrupt:
         pass

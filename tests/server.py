@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import signal
@@ -17,14 +18,15 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parent.parent
-_SERVING = re.compile(r"serving (\S+) on (http://\S+)")
+_SERVING = re.compile(r"serving (\S+) on (http://\S+)(?:.* grpc (\S+))?")
 
 
 class Server:
     def __init__(self, proc: subprocess.Popen[str], url: str, model: str, run_dir: Path,
-                 log_path: Path) -> None:
+                 log_path: Path, grpc_addr: str | None = None) -> None:
         self.proc = proc
         self.url = url
+        self.grpc_addr = grpc_addr  # "HOST:PORT" when started with --grpc-port
         self.model = model
         self.run_dir = run_dir
         self.log_path = log_path
@@ -51,8 +53,8 @@ def running_server(*flags: str, timeout: float = 300.0) -> Iterator[Server]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     log_file = log_path.open("w")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=log_file, text=True,
-                            env=env, start_new_session=True)
-    found: list[tuple[str, str]] = []
+                            env=env, start_new_session=True, preexec_fn=_die_with_parent)
+    found: list[tuple[str, str, str | None]] = []
     reader = threading.Thread(target=_read_banner, args=(proc, found), daemon=True)
     reader.start()
     try:
@@ -62,19 +64,24 @@ def running_server(*flags: str, timeout: float = 300.0) -> Iterator[Server]:
                 raise RuntimeError(f"server did not start (exit {proc.returncode}):\n"
                                    + log_path.read_text(errors="replace")[-4000:])
             time.sleep(0.1)
-        model, url = found[0]
-        yield Server(proc, url, model, run_dir, log_path)
+        model, url, grpc_addr = found[0]
+        yield Server(proc, url, model, run_dir, log_path, grpc_addr)
     finally:
         _stop(proc)
         log_file.close()
 
 
-def _read_banner(proc: subprocess.Popen[str], found: list[tuple[str, str]]) -> None:
+def _die_with_parent() -> None:
+    """If the test process is killed outright, its server goes too (Linux PDEATHSIG)."""
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)
+
+
+def _read_banner(proc: subprocess.Popen[str], found: list[tuple[str, str, str | None]]) -> None:
     assert proc.stdout is not None
     for line in proc.stdout:
         m = _SERVING.search(line)
         if m and not found:
-            found.append((m.group(1), m.group(2)))
+            found.append((m.group(1), m.group(2), m.group(3)))
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:

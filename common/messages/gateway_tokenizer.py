@@ -20,6 +20,8 @@ class GenerateRequest:
     prompt_token_ids: list[int] | None = None  # pre-tokenised prompt
     add_generation_prompt: bool = True
     arrival_time: float = 0.0  # time.time() at the gateway
+    priority: int = 0  # with --scheduling-policy priority: lower runs first
+    timeout: float | None = None  # seconds from arrival; then finish reason `timeout`
 
 
 @message("request_error")

@@ -35,6 +35,19 @@ class StepPlan:
     num_computed_tokens: list[int] = dataclasses.field(default_factory=list)  # [num_reqs]
     num_new_tokens: list[int] = dataclasses.field(default_factory=list)  # [num_reqs]
     new_block_ids: list[list[int]] = dataclasses.field(default_factory=list)  # [num_reqs][*]
+    # (a request whose table is empty on the worker, new or preempted, gets its whole table
+    # here, and its num_computed_tokens is taken as given: prefix hits, forks, swap-ins)
+    # KV copies, done before the step computes, in this order:
+    swap_out_src: list[int] = dataclasses.field(default_factory=list)  # [n] device blocks
+    swap_out_dst: list[int] = dataclasses.field(default_factory=list)  # [n] host blocks
+    swap_in_src: list[int] = dataclasses.field(default_factory=list)  # [m] host blocks
+    swap_in_dst: list[int] = dataclasses.field(default_factory=list)  # [m] device blocks
+    # copy-on-write: request copy_req_ids[j] replaces table[copy_index[j]] (block
+    # copy_src[j], shared) by copy_dst[j], a private copy of it
+    copy_req_ids: list[str] = dataclasses.field(default_factory=list)  # [c]
+    copy_index: list[int] = dataclasses.field(default_factory=list)  # [c]
+    copy_src: list[int] = dataclasses.field(default_factory=list)  # [c]
+    copy_dst: list[int] = dataclasses.field(default_factory=list)  # [c]
 
     @property
     def num_tokens(self) -> int:

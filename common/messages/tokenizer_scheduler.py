@@ -15,3 +15,5 @@ class TokenizedRequest:
     sampling: SamplingParams
     eos_token_ids: list[int] = dataclasses.field(default_factory=list)
     arrival_time: float = 0.0
+    priority: int = 0  # with --scheduling-policy priority: lower runs first
+    timeout: float | None = None  # seconds from arrival; then finish reason `timeout`

@@ -45,6 +45,7 @@ class SamplingParams:
     stop: list[str] = dataclasses.field(default_factory=list)  # stop strings, not emitted
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
+    n: int = 1  # sequences per request; they share the prompt's KV blocks
 
     @property
     def is_greedy(self) -> bool:

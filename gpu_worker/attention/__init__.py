@@ -20,6 +20,8 @@ class AttentionBackend(abc.ABC):
     """
 
     name: ClassVar[str]
+    # a decode step reads only device tensors (no host numbers): CUDA graphs can capture it
+    supports_cuda_graphs: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -55,14 +57,40 @@ class AttentionBackend(abc.ABC):
         """Store k/v at meta.slot_mapping, then attend; returns the attention output."""
 
 
+BACKEND_NAMES = ("auto", "torch", "triton")
+
+
+def resolve_backend_name(name: str, device: torch.device | str) -> str:
+    """`auto` -> `triton` on CUDA when triton is installed, else `torch`; others unchanged."""
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown attention backend {name!r}; known: {list(BACKEND_NAMES)}")
+    if name != "auto":
+        return name
+    from gpu_worker.kernels import triton_available
+
+    return "triton" if torch.device(device).type == "cuda" and triton_available() else "torch"
+
+
 def create_backend(name: str, **kwargs: object) -> AttentionBackend:
-    """The backend called `name`, constructed with AttentionBackend's keyword arguments."""
-    from gpu_worker.attention.torch_backend import TorchAttentionBackend
+    """The backend called `name` (or `auto`, resolved for kwargs["device"]), constructed
+    with AttentionBackend's keyword arguments. Only the triton backend imports triton."""
+    if name == "auto":
+        name = resolve_backend_name(name, kwargs["device"])  # type: ignore[arg-type]
+    if name == "torch":
+        from gpu_worker.attention.torch_backend import TorchAttentionBackend
 
-    backends: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}
-    if name not in backends:
-        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(backends)}")
-    return backends[name](**kwargs)  # type: ignore[arg-type]
+        return TorchAttentionBackend(**kwargs)
+    if name == "triton":
+        from gpu_worker.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(**kwargs)
+    raise ValueError(f"unknown attention backend {name!r}; known: {list(BACKEND_NAMES)}")
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "build_metadata", "create_backend"]
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "build_metadata",
+    "create_backend",
+    "resolve_backend_name",
+]

@@ -1,11 +1,12 @@
-"""The gateway process: HTTP (FastAPI on uvicorn) and the ZeroMQ side, in one event loop."""
+"""The gateway process: HTTP (FastAPI on uvicorn), gRPC (grpc.aio, with --grpc-port) and the
+ZeroMQ side, in one event loop."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
@@ -13,6 +14,9 @@ from common.actor import Actor
 from common.config import Config
 from common.messages import OutputBatch, RequestError, Stats
 from services.gateway.zmq_client import ZmqEngineClient
+
+if TYPE_CHECKING:
+    from services.gateway.grpc_server import GrpcGateway
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +38,8 @@ class GatewayActor(Actor):
     def __init__(self, config: Config) -> None:
         super().__init__(config)
         self.port = 0
+        self.grpc: GrpcGateway | None = None
+        self.grpc_port = 0
         self.handlers.update({
             OutputBatch: self._on_outputs,
             RequestError: self._on_error,
@@ -48,7 +54,9 @@ class GatewayActor(Actor):
             scheduler=self.outbox(self.config.addr("scheduler")),
             inbox_addr=self.inbox_addr,
         )
-        app = create_app(self.engine, api_key=self.config.server.api_key or None)
+        server = self.config.server
+        app = create_app(self.engine, api_key=server.api_key or None,
+                         admin_token=server.admin_token or None)
         uv_config = uvicorn.Config(app, host=self.config.server.host, port=self.config.server.port,
                                    loop="none", log_config=None, access_log=False,
                                    timeout_graceful_shutdown=5)
@@ -63,6 +71,18 @@ class GatewayActor(Actor):
             await asyncio.sleep(0.02)
         self.port = self.server.servers[0].sockets[0].getsockname()[1]
         log.info("HTTP on %s:%d", self.config.server.host, self.port)
+        if server.grpc_port >= 0:
+            await self._start_grpc()
+
+    async def _start_grpc(self) -> None:
+        from services.gateway.grpc_server import GrpcGateway
+
+        server = self.config.server
+        self.grpc = GrpcGateway(self.engine, host=server.host, port=server.grpc_port,
+                                api_key=server.api_key or None,
+                                admin_token=server.admin_token or None)
+        self.grpc_port = await self.grpc.start()
+        log.info("gRPC on %s:%d", server.host, self.grpc_port)
 
     async def _learn_model(self) -> None:
         """Ask the scheduler what it serves until it knows (the worker may still be loading)."""
@@ -77,13 +97,21 @@ class GatewayActor(Actor):
             await asyncio.sleep(0.2)
 
     def ready_info(self) -> dict[str, Any]:
-        return {"host": self.config.server.host, "port": self.port}
+        info: dict[str, Any] = {"host": self.config.server.host, "port": self.port}
+        if self.grpc is not None:
+            info["grpc_port"] = self.grpc_port
+        return info
 
     async def stop(self) -> None:
+        # both front ends drain at once: streams in flight get the same grace on each
+        draining = []
         if hasattr(self, "server"):
             self.server.should_exit = True
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.server_task, 10)
+            draining.append(asyncio.wait_for(self.server_task, 10))
+        if self.grpc is not None:
+            draining.append(self.grpc.stop(grace=5))
+        await asyncio.gather(*draining, return_exceptions=True)
+        if hasattr(self, "info_task"):
             self.info_task.cancel()
 
     def _on_outputs(self, msg: OutputBatch) -> None:

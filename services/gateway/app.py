@@ -19,7 +19,6 @@ import asyncio
 import dataclasses
 import hmac
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -36,8 +35,10 @@ from starlette.types import Receive, Scope, Send
 
 from common.messages import FinishReason
 from services.gateway import sse
+from services.gateway.admin import admin_router
 from services.gateway.engine_client import EngineClient, OutputDelta, RequestFailed
 from services.gateway.protocol import (
+    REQUEST_ID_PATTERN,
     ChatCompletionRequest,
     CompletionRequest,
     RequestRejected,
@@ -49,7 +50,7 @@ log = logging.getLogger("shuttle.gateway")
 
 KEEPALIVE_S = 15.0  # an SSE comment after this long without a delta keeps proxies patient
 REQUEST_ID_HEADER = "X-Request-Id"
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_REQUEST_ID = REQUEST_ID_PATTERN
 _CLIENT_GONE = 499  # nginx's "client closed request"; nobody reads it, logs do
 _ERROR_TYPES = {
     400: "BadRequestError",
@@ -71,8 +72,11 @@ class ClientGone(Exception):
     """The client disconnected before its (non-streamed) answer was ready."""
 
 
-def create_app(engine: EngineClient, *, api_key: str | None = None) -> FastAPI:
-    """The HTTP app; with `api_key`, every /v1 route wants `Authorization: Bearer <key>`."""
+def create_app(
+    engine: EngineClient, *, api_key: str | None = None, admin_token: str | None = None
+) -> FastAPI:
+    """The HTTP app; with `api_key`, every /v1 route wants `Authorization: Bearer <key>`;
+    /admin routes want the admin token (and are all refused without one)."""
     app = FastAPI(title="shuttle", docs_url=None, redoc_url=None)
     _install_error_handlers(app)
     routes = OpenAIRoutes(engine)
@@ -83,6 +87,7 @@ def create_app(engine: EngineClient, *, api_key: str | None = None) -> FastAPI:
     v1.add_api_route("/models", routes.models, methods=["GET"])
     app.include_router(v1)
     app.add_api_route("/health", routes.health, methods=["GET"])
+    app.include_router(admin_router(engine, admin_token))  # type: ignore[arg-type]  # stats()
     return app
 
 

@@ -18,6 +18,7 @@ supported, refused with a clear message: `n` > 1, `best_of` > 1, `echo`, `suffix
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -32,6 +33,9 @@ MAX_STOP_TOKEN_IDS = 64
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 _INT32_MAX = 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1  # orjson carries 64-bit ints
+
+# a client-chosen request id (X-Request-Id, gRPC request_id): safe in logs and headers
+REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 _STRICT = ConfigDict(strict=True, extra="ignore")
 
@@ -313,11 +317,24 @@ def parse_request(cls: type[R], body: bytes) -> R:
     try:
         return cls.model_validate_json(body)
     except ValidationError as e:
-        errors = e.errors(include_url=False)
-        message, param = describe_error(errors[0])
-        if len(errors) > 1:
-            message += f" (and {len(errors) - 1} more error(s))"
-        raise RequestRejected(message, param) from None
+        raise _rejection(e) from None
+
+
+def validate_request(cls: type[R], data: dict[str, Any]) -> R:
+    """Validate a body already decoded (the gRPC front end builds it from a proto message)
+    by the same rules and with the same messages as `parse_request`."""
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        raise _rejection(e) from None
+
+
+def _rejection(e: ValidationError) -> RequestRejected:
+    errors = e.errors(include_url=False)
+    message, param = describe_error(errors[0])
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more error(s))"
+    return RequestRejected(message, param)
 
 
 def field_path(loc: tuple[Any, ...]) -> str:

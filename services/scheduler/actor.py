@@ -1,13 +1,18 @@
 """The scheduler process: owns the queues and the KV block accounting; never touches tensors.
 
-One step is in flight at a time: plan -> worker -> result -> plan. Messages that arrive while
-the worker computes (new requests, aborts) are applied before the next plan.
+Up to two steps are in flight with `--async-scheduling` (one without): step N+1 is planned
+and sent while the worker computes step N; its decode inputs are the tokens step N samples,
+resolved on the worker. Messages that arrive meanwhile (new requests, aborts) are applied
+before the next plan. A stop seen one step late costs one discarded token, nothing more.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 import time
+from collections import deque
 from typing import Any
 
 from common.actor import Actor
@@ -20,18 +25,27 @@ from common.messages import (
     RequestError,
     Stats,
     StatsQuery,
-    StepPlan,
     StepResult,
     TokenBatch,
     TokenizedRequest,
 )
-from services.scheduler.block_manager import BlockManager
-from services.scheduler.policy import Scheduler, SchedulerOutput
+from common.model_facts import cache_root
+from services.scheduler.block_manager import BlockManager, HostBlockPool
+from services.scheduler.plan import to_plan
+from services.scheduler.policy import PolicyConfig, Scheduler
 from services.scheduler.request import Request
 
 log = logging.getLogger(__name__)
 
 _PROMPT_TAIL = 6  # prompt tokens the detokenizer needs to space the first output word
+_TICK_S = 0.05  # how often deadlines and batch windows are looked at
+
+
+@dataclasses.dataclass
+class _InFlight:
+    step_id: int
+    req_ids: list[str]
+    sent_at: float
 
 
 class SchedulerActor(Actor):
@@ -41,10 +55,11 @@ class SchedulerActor(Actor):
         super().__init__(config)
         self.policy: Scheduler | None = None
         self.worker_info: dict[str, Any] = {}
-        self.step_in_flight: int | None = None
-        self.step_req_ids: list[str] = []
-        self.step_started = 0.0
+        self.in_flight: deque[_InFlight] = deque()
+        self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
+        self.groups: dict[str, list[str]] = {}  # n > 1: request id -> its sequences' ids
         self.num_steps = 0
+        self.step_counter = 0
         self.step_time_s = 0.0
         self.worker_time_s = 0.0
         self.handlers.update({
@@ -62,6 +77,11 @@ class SchedulerActor(Actor):
         assert self.inbox is not None
         while not self.worker_info:  # the worker's Ready sizes the block pool
             await self.dispatch(await self.inbox.recv())
+        self.ticker = asyncio.create_task(self._tick())
+
+    async def stop(self) -> None:
+        if hasattr(self, "ticker"):
+            self.ticker.cancel()
 
     def ready_info(self) -> dict[str, Any]:
         return dict(self.worker_info)
@@ -70,73 +90,108 @@ class SchedulerActor(Actor):
     def _on_ready(self, msg: Ready) -> None:
         if msg.name != "worker":
             return
-        info = msg.info
+        info, s = msg.info, self.config.scheduler
         if self.policy is not None:
             log.warning("worker re-announced itself; resetting the block pool")
         self.worker_info = info
-        blocks = BlockManager(info["num_blocks"], info["block_size"])
+        blocks = BlockManager(info["num_blocks"], info["block_size"],
+                              enable_prefix_caching=self.config.cache.enable_prefix_caching)
         self.max_model_len = min(info["max_model_len"], info["num_blocks"] * info["block_size"])
-        self.policy = Scheduler(
-            blocks,
-            max_num_seqs=self.config.scheduler.max_num_seqs,
-            max_num_batched_tokens=self.config.scheduler.max_num_batched_tokens,
-        )
-        self.step_in_flight = None
+        self.cache_root = cache_root(info["model_name"], info["weights_version"],
+                                     info.get("tokenizer_fingerprint", ""),
+                                     info.get("position_config", ""))
+        self.policy = Scheduler(blocks, PolicyConfig(
+            max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+            scheduling_policy=s.scheduling_policy, preemption_mode=s.preemption_mode,
+            batch_policy=s.batch_policy, batch_window=s.batch_window,
+            static_batch_timeout=s.static_batch_timeout),
+            host_pool=HostBlockPool(info.get("num_host_blocks", 0)))
+        self.in_flight.clear()
         log.info("worker ready: %d blocks of %d tokens", info["num_blocks"], info["block_size"])
 
     def _on_tokenized(self, msg: TokenizedRequest) -> None:
         assert self.policy is not None
-        if self.policy.num_waiting >= self.config.scheduler.max_waiting:
+        s = self.config.scheduler
+        if self.policy.num_waiting >= s.max_waiting:
             self._reject(msg.request_id, 429, f"server overloaded: {self.policy.num_waiting} "
-                         f"requests waiting (max_waiting={self.config.scheduler.max_waiting})")
+                         f"requests waiting (max_waiting={s.max_waiting}); retry later")
             return
-        total = len(msg.prompt_token_ids) + msg.sampling.max_tokens
         if len(msg.prompt_token_ids) >= self.max_model_len:
             self._reject(msg.request_id, 400, f"prompt has {len(msg.prompt_token_ids)} tokens; "
                          f"this server holds at most {self.max_model_len - 1}", "messages")
             return
-        req = Request(msg.request_id, msg.prompt_token_ids, msg.sampling, msg.eos_token_ids,
-                      max_model_len=self.max_model_len, arrival_time=msg.arrival_time)
-        try:
-            self.policy.add(req)
-        except ValueError as e:
-            self._reject(msg.request_id, 400, str(e), "X-Request-Id")
+        if msg.request_id in self.policy.requests or msg.request_id in self.groups:
+            self._reject(msg.request_id, 400, f"request id {msg.request_id!r} is already in "
+                         "flight", "X-Request-Id")
             return
+        reqs = self._sequences(msg)
+        for req in reqs:
+            self.policy.add(req)
         self.detokenizer.send(DetokNew(
-            request_ids=[req.request_id], stop=[list(msg.sampling.stop)],
-            num_prompt_tokens=[req.num_prompt_tokens],
-            prompt_tails=[req.prompt_token_ids[-_PROMPT_TAIL:]]))
-        log.debug("admitted %d + %d tokens", req.num_prompt_tokens, total - req.num_prompt_tokens,
-                  extra={"request_id": req.request_id})
+            request_ids=[r.request_id for r in reqs], stop=[list(msg.sampling.stop)] * len(reqs),
+            num_prompt_tokens=[len(msg.prompt_token_ids)] * len(reqs),
+            prompt_tails=[msg.prompt_token_ids[-_PROMPT_TAIL:]] * len(reqs)))
+
+    def _sequences(self, msg: TokenizedRequest) -> list[Request]:
+        """One Request, or for n > 1 a leader and n - 1 forks named `<id>#<i>`."""
+        n = msg.sampling.n
+        ids = [msg.request_id] if n == 1 else [f"{msg.request_id}#{i}" for i in range(n)]
+        reqs: list[Request] = []
+        for i, rid in enumerate(ids):
+            sampling = msg.sampling
+            if sampling.seed is not None and i:
+                sampling = dataclasses.replace(sampling, seed=sampling.seed + i)
+            reqs.append(Request(rid, msg.prompt_token_ids, sampling, msg.eos_token_ids,
+                                max_model_len=self.max_model_len, arrival_time=msg.arrival_time,
+                                cache_root=self.cache_root, priority=msg.priority,
+                                timeout=msg.timeout, fork_of=reqs[0] if i else None))
+        if n > 1:
+            self.groups[msg.request_id] = ids
+        return reqs
 
     def _on_abort(self, msg: Abort) -> None:
         assert self.policy is not None
         reason = FinishReason(msg.reason)
-        aborted = [r for rid in msg.request_ids if (r := self.policy.abort(rid, reason))]
-        if aborted:
+        ids = [sid for rid in msg.request_ids for sid in self.groups.get(rid, [rid])]
+        self._finished(r for sid in ids if (r := self.policy.abort(sid, reason)))
+
+    def _finished(self, reqs: Any) -> None:
+        """Tell the detokenizer that these requests ended without a new token."""
+        reqs = list(reqs)
+        if reqs:
             self.detokenizer.send(TokenBatch(
-                request_ids=[r.request_id for r in aborted], token_ids=[[] for _ in aborted],
-                finish_reasons=[int(reason)] * len(aborted)))
+                request_ids=[r.request_id for r in reqs], token_ids=[[] for _ in reqs],
+                finish_reasons=[int(r.finish_reason) for r in reqs]))
+            self._forget_groups(reqs)
+
+    def _forget_groups(self, reqs: list[Request]) -> None:
+        for r in reqs:
+            rid, sep, _ = r.request_id.rpartition("#")
+            if sep and rid in self.groups and not any(
+                    sid in self.policy.requests for sid in self.groups[rid]):  # type: ignore[union-attr]
+                del self.groups[rid]
 
     def _on_step_result(self, msg: StepResult) -> None:
         assert self.policy is not None
-        if msg.step_id != self.step_in_flight:
-            log.warning("stale step result %d", msg.step_id)
+        if not self.in_flight or msg.step_id != self.in_flight[0].step_id:
+            log.warning("unexpected step result %d", msg.step_id)
             return
-        self.step_in_flight = None
+        step = self.in_flight.popleft()
         if msg.error:
             log.error("step %d failed on the worker: %s", msg.step_id, msg.error)
-            self._on_abort(Abort(request_ids=self.step_req_ids, reason=int(FinishReason.ERROR)))
+            self._on_abort(Abort(request_ids=step.req_ids, reason=int(FinishReason.ERROR)))
             return
         self.num_steps += 1
-        self.step_time_s += time.perf_counter() - self.step_started
+        self.step_time_s += time.perf_counter() - step.sent_at
         self.worker_time_s += msg.forward_s
         results = self.policy.update(msg.req_ids, msg.token_ids)
         if results:
             self.detokenizer.send(TokenBatch(
                 request_ids=[r.request_id for r, _, _ in results],
                 token_ids=[[t] for _, t, _ in results],
-                finish_reasons=[int(f) for _, _, f in results]))
+                finish_reasons=[int(f) for _, _, f in results],
+                num_cached_tokens=[r.num_cached_tokens for r, _, _ in results]))
+            self._forget_groups([r for r, _, f in results if f != FinishReason.NONE])
 
     def _on_stats_query(self, msg: StatsQuery) -> None:
         self.outbox(msg.reply_to).send(Stats(name=self.name, query_id=msg.query_id,
@@ -145,17 +200,29 @@ class SchedulerActor(Actor):
     # the step -----------------------------------------------------------------------------
     async def on_idle(self) -> None:
         policy = self.policy
-        if policy is None or self.step_in_flight is not None or not policy.has_work():
-            if policy is not None and self.step_in_flight is None and not policy.has_work():
-                policy.check_integrity()
+        if policy is None:
             return
-        out = policy.schedule()
-        if out.is_empty:
-            return
-        self.step_in_flight = self.num_steps
-        self.step_started = time.perf_counter()
-        self.step_req_ids = [s.request.request_id for s in out.scheduled]
-        self.worker.send(_to_plan(self.step_in_flight, out))
+        while len(self.in_flight) < self.max_in_flight and policy.has_work():
+            out = policy.schedule()
+            if out.is_empty:
+                break
+            self.step_counter += 1
+            step = _InFlight(self.step_counter, [s.request.request_id for s in out.scheduled],
+                             time.perf_counter())
+            self.in_flight.append(step)
+            self.worker.send(to_plan(step.step_id, out))
+        if not self.in_flight and not policy.has_work():
+            policy.check_integrity()  # whenever idle: every block accounted for
+
+    async def _tick(self) -> None:
+        """Deadlines (timeouts) and batch windows need time, not messages, to pass."""
+        while True:
+            await asyncio.sleep(_TICK_S)
+            if self.policy is None:
+                continue
+            self._finished(self.policy.expire())
+            if self.policy.has_work():
+                await self.on_idle()
 
     def _reject(self, request_id: str, status: int, message: str, param: str | None = None) -> None:
         log.info("rejected: %s", message, extra={"request_id": request_id})
@@ -166,33 +233,26 @@ class SchedulerActor(Actor):
         p = self.policy
         if p is None:
             return {"ready": False}
+        b = p.blocks
         return {
             "ready": True,
             "num_waiting": p.num_waiting,
             "num_running": p.num_running,
-            "num_total_blocks": p.blocks.num_blocks,
-            "num_free_blocks": p.blocks.num_free_blocks,
-            "kv_cache_usage": p.blocks.usage,
+            "num_swapped": sum(1 for r in p.waiting if r.is_swapped),
+            "num_total_blocks": b.num_blocks,
+            "num_free_blocks": b.num_free_blocks,
+            "num_cached_blocks": b.num_cached_blocks,
+            "num_used_blocks": b.num_used_blocks,
+            "kv_cache_usage": b.usage,
+            "prefix_cache_queries": b.num_cached_queries,
+            "prefix_cache_hits": b.num_cached_hits,
             "num_preemptions": p.num_preemptions,
+            "num_swaps": p.num_swaps,
             "num_steps": self.num_steps,
             "num_computed_tokens": p.num_computed_tokens_total,
             "mean_step_s": self.step_time_s / max(1, self.num_steps),
             "mean_worker_s": self.worker_time_s / max(1, self.num_steps),
-            "step_in_flight": self.step_in_flight is not None,
+            "num_steps_in_flight": len(self.in_flight),
+            "request_ids": sorted(p.requests),
             "model": self.worker_info,
         }
-
-
-def _to_plan(step_id: int, out: SchedulerOutput) -> StepPlan:
-    return StepPlan(
-        step_id=step_id,
-        new_req_ids=[r.request_id for r in out.new_requests],
-        new_prompt_token_ids=[r.prompt_token_ids for r in out.new_requests],
-        new_sampling=[r.sampling for r in out.new_requests],
-        finished_req_ids=out.finished_req_ids,
-        preempted_req_ids=out.preempted_req_ids,
-        req_ids=[s.request.request_id for s in out.scheduled],
-        num_computed_tokens=[s.num_computed_tokens for s in out.scheduled],
-        num_new_tokens=[s.num_new_tokens for s in out.scheduled],
-        new_block_ids=[s.new_block_ids for s in out.scheduled],
-    )

@@ -1,36 +1,62 @@
-"""Paged KV block accounting: a free list, reference counts, one block table per request.
+"""Paged KV block accounting with a versioned prefix cache and copy-on-write.
 
     request r1, block_size 4, 10 tokens:   table [7, 2, 9]
       block 7: t0 t1 t2 t3 | block 2: t4 t5 t6 t7 | block 9: t8 t9 .. ..
+               full, hashed           full, hashed           partial, private
 
-Blocks are only ids here; the worker owns the tensors. Reference counts leave room for
-shared (prefix-cached, copy-on-write) blocks: a block returns to the free list when its
-count drops to zero. Invariant: free + referenced = total, and each referenced block's count
-equals the number of tables that hold it.
+Blocks are only ids here; the worker owns the tensors. Every block is in exactly one state:
+
+    free       ref 0, no hash         on the free list
+    cached     ref 0, hashed          in the LRU; reusable by a prefix hit, evicted (oldest
+                                      first) only when a fresh block is needed
+    used       ref >= 1               in that many block tables
+
+so free + cached + used = total. A full block is hashed as a chain,
+`h_i = H(h_{i-1}, tokens of block i)`, whose root `h_-1` is the request's cache root:
+H(model id, weights version, tokenizer fingerprint, rope config). A new model version has
+another root, so no block computed by the old weights can match. A hit is confirmed by
+comparing token ids, never by the hash alone. Shared blocks are read-only: before a request
+writes into a block that another table also holds (a fork for `n > 1`), the block is copied
+(copy-on-write; the worker copies the KV).
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self._free: deque[int] = deque(range(num_blocks))
+        self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks with no user
         self._ref_counts = [0] * num_blocks
+        self._hash_of: list[int | None] = [None] * num_blocks
+        self._tokens_of: list[tuple[int, ...] | None] = [None] * num_blocks
+        self._by_hash: dict[int, int] = {}
         self.block_tables: dict[str, list[int]] = {}
+        self._chains: dict[str, list[int]] = {}  # per request: hashes of its full blocks
+        self.num_cached_queries = 0  # prompt tokens looked up in the prefix cache
+        self.num_cached_hits = 0  # of which found
+        self.num_evictions = 0
 
+    # capacity -----------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a new allocation can take: free ones and cached ones nobody uses."""
+        return len(self._free) + len(self._lru)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._lru)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
 
     @property
     def usage(self) -> float:
@@ -45,38 +71,179 @@ class BlockManager:
         return max(0, self.num_blocks_for(num_tokens) - have)
 
     def can_allocate(self, num_blocks: int, reserve: int = 0) -> bool:
-        return num_blocks + reserve <= len(self._free)
+        return num_blocks + reserve <= self.num_free_blocks
 
+    def is_shared(self, req_id: str, position: int) -> bool:
+        """Does writing token `position` of req_id land in a block another table holds?"""
+        table = self.block_tables.get(req_id, ())
+        index = position // self.block_size
+        return index < len(table) and self._ref_counts[table[index]] > 1
+
+    # prefix cache -------------------------------------------------------------------------
+    def match_prefix(self, root: int, token_ids: list[int]) -> list[int]:
+        """Cached blocks holding the longest prefix of `token_ids` (no references taken).
+
+        The block holding the last token is never matched: its token must be computed
+        again to sample from, and a block being written must not be shared.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        bs, parent, hits = self.block_size, root, []
+        for i in range((len(token_ids) - 1) // bs):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            parent = hash((parent, tokens))
+            block = self._by_hash.get(parent)
+            if block is None or self._tokens_of[block] != tokens:
+                break
+            hits.append(block)
+        return hits
+
+    def num_hit_blocks_to_take(self, hits: list[int]) -> int:
+        """How many of `hits` now sit in the LRU (taking them lowers the free count)."""
+        return sum(1 for b in hits if self._ref_counts[b] == 0)
+
+    def take_prefix(self, req_id: str, root: int, hits: list[int], num_prompt_tokens: int) -> None:
+        """Start req_id's table with the matched blocks; count the lookup."""
+        assert req_id not in self.block_tables or not self.block_tables[req_id]
+        for b in hits:
+            self._ref(b)
+        self.block_tables[req_id] = list(hits)
+        self._chains[req_id] = [self._hash_of[b] for b in hits]  # type: ignore[misc]
+        self.num_cached_queries += num_prompt_tokens
+        self.num_cached_hits += len(hits) * self.block_size
+
+    def cache_full_blocks(self, req_id: str, root: int, token_ids: list[int],
+                          num_computed: int) -> None:
+        """Hash the request's blocks that `num_computed` tokens have filled, so later
+        requests can share them."""
+        if not self.enable_prefix_caching:
+            return
+        table, chain, bs = self.block_tables[req_id], self._chains.setdefault(req_id, []), \
+            self.block_size
+        for i in range(len(chain), num_computed // bs):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = hash((chain[-1] if chain else root, tokens))
+            chain.append(h)
+            block = table[i]
+            if self._hash_of[block] is None and h not in self._by_hash:
+                self._hash_of[block], self._tokens_of[block] = h, tokens
+                self._by_hash[h] = block
+
+    # allocation ---------------------------------------------------------------------------
     def allocate(self, req_id: str, num_tokens: int) -> list[int]:
         """Grow the request's table to hold `num_tokens`; return the blocks added."""
         need = self.num_new_blocks(req_id, num_tokens)
-        if need > len(self._free):
-            raise MemoryError(f"{req_id} needs {need} blocks, {len(self._free)} free")
-        new_ids = [self._free.popleft() for _ in range(need)]
-        for b in new_ids:
-            self._ref_counts[b] += 1
+        if need > self.num_free_blocks:
+            raise MemoryError(f"{req_id} needs {need} blocks, {self.num_free_blocks} free")
+        new_ids = [self._fresh() for _ in range(need)]
         self.block_tables.setdefault(req_id, []).extend(new_ids)
         return new_ids
 
+    def copy_on_write(self, req_id: str, position: int) -> tuple[int, int, int] | None:
+        """Before writing token `position`: if its block is shared, give req_id a private
+        copy. Returns (index in table, source block, new block) for the worker, or None."""
+        table = self.block_tables[req_id]
+        index = position // self.block_size
+        if index >= len(table) or self._ref_counts[table[index]] <= 1:
+            return None
+        if not self.can_allocate(1):
+            raise MemoryError(f"{req_id} needs a block to copy, none free")
+        src, dst = table[index], self._fresh()
+        self._unref(src)
+        table[index] = dst
+        chain = self._chains.get(req_id)
+        if chain is not None:
+            del chain[index:]
+        return index, src, dst
+
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> list[int]:
+        """Share the parent's blocks that hold its first `num_tokens` tokens with a child."""
+        shared = self.block_tables[parent_id][: self.num_blocks_for(num_tokens)]
+        for b in shared:
+            self._ref(b)
+        self.block_tables[child_id] = list(shared)
+        full = num_tokens // self.block_size
+        self._chains[child_id] = list(self._chains.get(parent_id, [])[:full])
+        return list(shared)
+
     def free(self, req_id: str) -> int:
-        """Release the request's blocks (idempotent); return how many went back to the list."""
+        """Release the request's blocks (idempotent); return how many no longer have a user."""
         table = self.block_tables.pop(req_id, None)
+        self._chains.pop(req_id, None)
         if not table:
             return 0
-        released = 0
-        for b in reversed(table):  # tail first: the head blocks are the likeliest to be shared
-            self._ref_counts[b] -= 1
-            if self._ref_counts[b] == 0:
-                self._free.append(b)
-                released += 1
-        return released
+        # tail first: in the LRU, a chain's head outlives its tail, as a prefix should
+        return sum(self._unref(b) for b in reversed(table))
 
+    def _fresh(self) -> int:
+        if self._free:
+            block = self._free.popleft()
+        else:
+            block, _ = self._lru.popitem(last=False)  # least recently used cached block
+            del self._by_hash[self._hash_of[block]]  # type: ignore[arg-type]
+            self._hash_of[block] = self._tokens_of[block] = None
+            self.num_evictions += 1
+        self._ref_counts[block] = 1
+        return block
+
+    def _ref(self, block: int) -> None:
+        if self._ref_counts[block] == 0:
+            del self._lru[block]
+        self._ref_counts[block] += 1
+
+    def _unref(self, block: int) -> bool:
+        self._ref_counts[block] -= 1
+        if self._ref_counts[block]:
+            return False
+        if self._hash_of[block] is not None:
+            self._lru[block] = None
+        else:
+            self._free.append(block)
+        return True
+
+    # checks -------------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Raise AssertionError if any block is lost, double-freed or miscounted."""
+        """Raise AssertionError if any block is lost, double-owned or miscounted."""
         held = Counter(b for table in self.block_tables.values() for b in table)
-        free = set(self._free)
+        free, lru = set(self._free), set(self._lru)
         assert len(free) == len(self._free), "a block is on the free list twice"
+        assert not free & lru, "a block is both free and cached"
         for b in range(self.num_blocks):
             assert self._ref_counts[b] == held.get(b, 0), f"block {b} refcount is off"
-            assert (b in free) == (self._ref_counts[b] == 0), f"block {b} is lost or double-owned"
-        assert len(free) + sum(1 for c in self._ref_counts if c) == self.num_blocks
+            idle = self._ref_counts[b] == 0
+            assert idle == (b in free or b in lru), f"block {b} is lost or double-owned"
+            assert (b in lru) <= (self._hash_of[b] is not None), f"cached block {b} has no hash"
+            if self._hash_of[b] is not None:
+                assert self._by_hash.get(self._hash_of[b]) == b, f"block {b} hash map is off"
+        assert len(self._by_hash) == sum(h is not None for h in self._hash_of)
+        assert len(free) + len(lru) + sum(1 for c in self._ref_counts if c) == self.num_blocks
+        for req_id, chain in self._chains.items():
+            assert len(chain) <= len(self.block_tables.get(req_id, ())), req_id
+
+
+class HostBlockPool:
+    """Host-memory blocks for swapped-out requests (`--preemption-mode swap`)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise MemoryError(f"{n} host blocks wanted, {len(self._free)} free")
+        return [self._free.popleft() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(blocks)
+
+    def check_integrity(self, held: list[int]) -> None:
+        assert len(set(held)) == len(held), "a host block is held twice"
+        assert not set(held) & set(self._free), "a held host block is also free"
+        assert len(held) + len(self._free) == self.num_blocks, "a host block is lost"

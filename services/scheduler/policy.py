@@ -1,28 +1,35 @@
-"""Continuous batching: what runs in the next step.
+"""Continuous batching over a paged KV cache: what runs in the next step.
 
 There is no prefill phase. Each request has `num_computed_tokens` and a target
-(`num_tokens`: prompt plus what it has generated). A step fills a token budget
+(`num_tokens`: prompt, generated and pending tokens). A step fills a token budget
 (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`):
 
-1. running requests first, oldest first: one token for a decode, a chunk of the rest of
-   the prompt for a prefill (chunked prefill);
-2. when a running request needs a block and none is free, the newest running request is
-   preempted (its blocks freed, its tokens kept; it recomputes later from the waiting
-   queue's head);
-3. then waiting requests, first come first served, while the budget, the sequence cap and
-   the free blocks (less a small watermark kept for running decodes) allow.
+1. running requests first, in order: one token for a decode, a chunk of the rest of the
+   prompt for a prefill (chunked prefill);
+2. when a running request needs a block and none is free, a not-yet-scheduled running
+   request is preempted (the newest, or the lowest priority): `recompute` frees its blocks
+   and keeps its tokens; `swap` copies its blocks to host memory first;
+3. then waiting requests (FCFS or by priority) while the batch policy admits them and the
+   budget, the cap and the free blocks (the whole prompt, less prefix-cache hits, plus a
+   small watermark) allow. A swapped request comes back by copying its blocks in; a fork
+   (`n > 1`) shares its leader's prompt blocks.
 
-A request that finishes (EOS, length, stop string, abort) frees its blocks at once; the
-worker is told to drop its state in the next plan.
+A request that finishes (EOS, length, stop string, abort, timeout) frees its blocks at once;
+the worker is told to drop its state in the next plan. Every block is reused only by a
+later plan, and the worker runs plans in order, so a block freed while a step is in flight
+is never overwritten before that step is done.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
+import time
+from collections.abc import Callable
 
 from common.messages import FinishReason
-from services.scheduler.block_manager import BlockManager
+from services.scheduler.batching import BatchGate
+from services.scheduler.block_manager import BlockManager, HostBlockPool
+from services.scheduler.queues import WaitingQueue
 from services.scheduler.request import Request, Status
 
 
@@ -32,14 +39,19 @@ class ScheduledReq:
     num_new_tokens: int
     new_block_ids: list[int]
     num_computed_tokens: int  # before this step
+    samples: bool  # the step reaches the request's last known token and samples the next
 
 
 @dataclasses.dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledReq]
-    new_requests: list[Request]  # first time the worker sees them
-    finished_req_ids: list[str]  # the worker drops these before the step
-    preempted_req_ids: list[str]
+    scheduled: list[ScheduledReq] = dataclasses.field(default_factory=list)
+    new_requests: list[Request] = dataclasses.field(default_factory=list)
+    finished_req_ids: list[str] = dataclasses.field(default_factory=list)
+    preempted_req_ids: list[str] = dataclasses.field(default_factory=list)
+    swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (gpu, host)
+    swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (host, gpu)
+    copies: list[tuple[str, int, int, int]] = dataclasses.field(default_factory=list)
+    # copy-on-write: (request, index in its table, source block, new block)
 
     @property
     def num_tokens(self) -> int:
@@ -50,48 +62,68 @@ class SchedulerOutput:
         return not (self.scheduled or self.finished_req_ids or self.preempted_req_ids)
 
 
-@dataclasses.dataclass
-class Finished:
-    request: Request
-    reason: FinishReason
+@dataclasses.dataclass(frozen=True)
+class PolicyConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    watermark: float = 0.01
+    scheduling_policy: str = "fcfs"  # fcfs | priority
+    preemption_mode: str = "recompute"  # recompute | swap
+    batch_policy: str = "continuous"  # continuous | static | dynamic
+    batch_window: float = 0.05
+    static_batch_timeout: float = 1.0
 
 
 class Scheduler:
-    def __init__(
-        self,
-        block_manager: BlockManager,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        watermark: float = 0.01,
-    ) -> None:
-        self.blocks = block_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.num_watermark_blocks = int(watermark * block_manager.num_blocks)
-        self.waiting: deque[Request] = deque()
+    def __init__(self, blocks: BlockManager, config: PolicyConfig = PolicyConfig(),
+                 host_pool: HostBlockPool | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if config.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"unknown preemption mode {config.preemption_mode!r}")
+        self.blocks = blocks
+        self.config = config
+        self.host_pool = host_pool or HostBlockPool(0)
+        self.clock = clock
+        self.num_watermark_blocks = int(config.watermark * blocks.num_blocks)
+        self.gate = BatchGate(config.batch_policy, config.max_num_seqs, config.batch_window,
+                              config.static_batch_timeout)
+        self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self._queued_at: dict[str, float] = {}
         self._finished_for_worker: list[str] = []
         self.num_preemptions = 0
+        self.num_swaps = 0
         self.num_computed_tokens_total = 0
 
     # queue changes ---------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
-            raise ValueError(f"duplicate request id {req.request_id}")
+            raise ValueError(f"request id {req.request_id!r} is already in flight")
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        self._queued_at[req.request_id] = self.clock()
+        self.waiting.push(req)
 
     def abort(self, req_id: str, reason: FinishReason) -> Request | None:
         """Finish a request wherever it is; idempotent. Returns it if it was live."""
         req = self.requests.get(req_id)
-        if req is None or req.is_finished:
+        if req is None:
             return None
         self._finish(req, reason)
         return req
 
+    def expire(self, now_wall: float | None = None) -> list[Request]:
+        """Finish every request past its deadline (finish reason `timeout`)."""
+        now_wall = time.time() if now_wall is None else now_wall
+        late = [r for r in self.requests.values() if r.deadline is not None
+                and r.deadline <= now_wall]
+        for req in late:
+            self._finish(req, FinishReason.TIMEOUT)
+        return late
+
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._finished_for_worker)
+        return bool(self._finished_for_worker) or any(
+            r.num_tokens_to_compute for r in self.running) or bool(self.waiting)
 
     @property
     def num_waiting(self) -> int:
@@ -101,12 +133,21 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    def seconds_until_admission(self) -> float | None:
+        """When a waiting request may be admitted by time alone (batch windows)."""
+        if not self.waiting:
+            return None
+        return self.gate.next_deadline(len(self.running), self._oldest_wait())
+
+    def _oldest_wait(self) -> float:
+        return self.clock() - min(self._queued_at[r.request_id] for r in self.waiting)
+
     # the step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput([], [], self._finished_for_worker, [])
+        out = SchedulerOutput(finished_req_ids=self._finished_for_worker)
         self._finished_for_worker = []
-        budget = self._schedule_running(out, self.max_num_batched_tokens)
-        if not out.preempted_req_ids:
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted_req_ids and self.waiting:
             self._schedule_waiting(out, budget)
         for s in out.scheduled:
             if not s.request.is_known_to_worker:
@@ -119,62 +160,166 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens_to_compute, budget)
-            if not self._reserve(req, req.num_computed_tokens + num_new, out):
-                break  # req itself was preempted; everything after it too
-            out.scheduled.append(self._take(req, num_new))
+            if num_new == 0:
+                i += 1
+                continue
+            if not self._reserve(req, i, req.num_computed_tokens + num_new, out):
+                break  # req itself was preempted
+            out.scheduled.append(self._take(req, num_new, out))
             budget -= num_new
             i += 1
         return budget
 
-    def _reserve(self, req: Request, num_tokens: int, out: SchedulerOutput) -> bool:
-        """Make room for req's blocks by preempting the newest running requests."""
+    def _reserve(self, req: Request, index: int, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Make room for req's blocks by preempting running requests not yet scheduled."""
         need = self.blocks.num_new_blocks(req.request_id, num_tokens)
+        need += self.blocks.is_shared(req.request_id, req.num_computed_tokens)
         while not self.blocks.can_allocate(need):
-            victim = self.running.pop()
+            victim = self._pick_victim(index)
+            self.running.remove(victim)
             self._preempt(victim, out)
             if victim is req:
                 return False
         return True
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            num_new = min(req.num_tokens_to_compute, budget)
-            need = self.blocks.num_new_blocks(req.request_id, num_new)
-            if not self.blocks.can_allocate(need, reserve=self.num_watermark_blocks):
-                break
-            self.waiting.popleft()
-            req.status = Status.RUNNING
-            self.running.append(req)
-            out.scheduled.append(self._take(req, num_new))
-            budget -= num_new
-
-    def _take(self, req: Request, num_new: int) -> ScheduledReq:
-        before = req.num_computed_tokens
-        new_blocks = self.blocks.allocate(req.request_id, before + num_new)
-        req.num_computed_tokens += num_new
-        self.num_computed_tokens_total += num_new
-        return ScheduledReq(req, num_new, new_blocks, before)
+    def _pick_victim(self, index: int) -> Request:
+        """The newest (FCFS) or lowest-priority request among those not yet scheduled."""
+        candidates = self.running[index:]
+        if self.config.scheduling_policy == "priority":
+            return max(candidates, key=lambda r: (r.priority, r.arrival_seq))
+        return candidates[-1]
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        table = self.blocks.block_tables.get(req.request_id, [])
+        swap = (self.config.preemption_mode == "swap" and req.num_pending == 0
+                and self.host_pool.can_allocate(len(table)))
+        if swap:
+            host = self.host_pool.allocate(len(table))
+            out.swap_out.extend(zip(table, host, strict=True))
+            req.host_blocks = host
+            self.num_swaps += 1
+        else:
+            req.num_computed_tokens = 0
+            req.num_cached_tokens = 0
         self.blocks.free(req.request_id)
-        req.num_computed_tokens = 0
+        req.worker_has_table = False
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.push_front(req)
         if req.is_known_to_worker:
             out.preempted_req_ids.append(req.request_id)
 
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        allowed = self.gate.num_admissible(len(self.running), len(self.waiting),
+                                           self._oldest_wait())
+        while (self.waiting and budget > 0 and allowed > 0
+               and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting.peek()
+            num_new = self._admit(req, budget, out)
+            if num_new == 0:
+                break
+            self.waiting.pop()
+            self.gate.admitted()
+            allowed -= 1
+            req.status = Status.RUNNING
+            self.running.append(req)
+            out.scheduled.append(self._take(req, num_new, out))
+            budget -= num_new
+
+    def _admit(self, req: Request, budget: int, out: SchedulerOutput) -> int:
+        """Give req the blocks it starts with (prefix hits, a fork, swapped-in copies);
+        return the tokens it computes this step, or 0 if it cannot start now."""
+        if req.fork_of is not None:
+            return self._admit_fork(req, budget)
+        if req.is_swapped:
+            return self._admit_swapped(req, budget, out)
+        bm, rid = self.blocks, req.request_id
+        hits = bm.match_prefix(req.cache_root, req.all_token_ids)
+        cached, take = len(hits) * bm.block_size, bm.num_hit_blocks_to_take(hits)
+        n = min(req.num_tokens - cached, budget)
+        whole = bm.num_blocks_for(req.num_tokens) - len(hits) + take
+        chunk = bm.num_blocks_for(cached + n) - len(hits) + take
+        if n <= 0 or not self._fits(whole, chunk):
+            return 0
+        bm.take_prefix(rid, req.cache_root, hits, req.num_prompt_tokens)
+        req.num_computed_tokens = req.num_cached_tokens = cached
+        return n
+
+    def _admit_swapped(self, req: Request, budget: int, out: SchedulerOutput) -> int:
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        need = self.blocks.num_blocks_for(req.num_computed_tokens + n)
+        if n <= 0 or not self._fits(need, need):
+            return 0
+        gpu = self.blocks.allocate(req.request_id, req.num_computed_tokens)
+        assert req.host_blocks is not None and len(gpu) == len(req.host_blocks)
+        out.swap_in.extend(zip(req.host_blocks, gpu, strict=True))
+        self.host_pool.free(req.host_blocks)
+        req.host_blocks = None
+        return n
+
+    def _fits(self, whole: int, chunk: int) -> bool:
+        """Admit when the whole prompt fits beside the watermark; on an idle server, when
+        the first chunk fits (so a prompt as large as the pool is never stuck)."""
+        return self.blocks.can_allocate(whole, reserve=self.num_watermark_blocks) or (
+            not self.running and self.blocks.can_allocate(chunk))
+
+    def _admit_fork(self, req: Request, budget: int) -> int:
+        """n > 1: share the leader's prompt blocks once it has computed all but the last
+        prompt token; each sequence computes that token itself and samples its own."""
+        leader, bm = req.fork_of, self.blocks
+        assert leader is not None
+        k = req.num_prompt_tokens - 1
+        if leader.is_finished or leader.is_swapped or k == 0:
+            req.fork_of = None  # the leader cannot share: start alone
+            return self._admit(req, budget, SchedulerOutput())
+        if leader.status != Status.RUNNING or leader.num_computed_tokens < k:
+            return 0  # wait for the leader's prefill
+        # blocks past the shared ones, plus one for the copy of a shared partial block
+        need = bm.num_blocks_for(req.num_tokens) - bm.num_blocks_for(k) + 1
+        if not self._fits(need, need):
+            return 0
+        bm.fork(leader.request_id, req.request_id, k)
+        req.num_computed_tokens = req.num_cached_tokens = k
+        req.fork_of = None
+        return min(req.num_tokens - k, budget)
+
+    def _take(self, req: Request, num_new: int, out: SchedulerOutput) -> ScheduledReq:
+        before = req.num_computed_tokens
+        copy = self.blocks.copy_on_write(req.request_id, before)
+        if copy is not None:
+            out.copies.append((req.request_id, *copy))
+        table_len = len(self.blocks.block_tables.get(req.request_id, ()))
+        self.blocks.allocate(req.request_id, before + num_new)
+        table = self.blocks.block_tables[req.request_id]
+        # the worker's table is empty for a new or preempted request: send all of it
+        new_blocks = table[table_len:] if req.worker_has_table else list(table)
+        req.worker_has_table = True
+        req.num_computed_tokens += num_new
+        self.num_computed_tokens_total += num_new
+        samples = req.num_computed_tokens == req.num_tokens
+        if samples:
+            req.num_pending += 1  # its token counts from now on, known when the step ends
+        known = len(req.prompt_token_ids) + len(req.output_token_ids)
+        self.blocks.cache_full_blocks(req.request_id, req.cache_root, req.all_token_ids,
+                                      min(req.num_computed_tokens, known))
+        return ScheduledReq(req, num_new, new_blocks, before, samples)
+
     # results ------------------------------------------------------------------------------
-    def update(self, req_ids: list[str], token_ids: list[int]) -> list[tuple[Request, int, FinishReason]]:
-        """Apply a step's sampled tokens; return (request, token, finish reason) for live ones."""
+    def update(self, req_ids: list[str], token_ids: list[int]
+               ) -> list[tuple[Request, int, FinishReason]]:
+        """Apply a step's sampled tokens; return (request, token, finish reason) for live
+        ones. A finished request's late token (a stop seen one step late) is dropped."""
         results = []
         for req_id, token in zip(req_ids, token_ids, strict=True):
             req = self.requests.get(req_id)
-            if req is None or req.is_finished or req.status != Status.RUNNING:
-                continue  # aborted or preempted while the step ran: the token is dropped
+            if req is None:
+                continue
             reason = req.append_token(token)
+            if req.status == Status.RUNNING:
+                self.blocks.cache_full_blocks(
+                    req_id, req.cache_root, req.all_token_ids,
+                    min(req.num_computed_tokens, len(req.all_token_ids)))
             if reason != FinishReason.NONE:
                 self._finish(req, reason)
             results.append((req, token, reason))
@@ -185,19 +330,26 @@ class Scheduler:
             self.running.remove(req)
         elif req.status == Status.WAITING:
             self.waiting.remove(req)
+        if req.host_blocks is not None:
+            self.host_pool.free(req.host_blocks)
+            req.host_blocks = None
         req.status = Status.FINISHED
         req.finish_reason = reason
         self.blocks.free(req.request_id)
         del self.requests[req.request_id]
+        self._queued_at.pop(req.request_id, None)
         if req.is_known_to_worker:
             self._finished_for_worker.append(req.request_id)
 
     def check_integrity(self) -> None:
         self.blocks.check_integrity()
+        self.host_pool.check_integrity(
+            [b for r in self.waiting if r.host_blocks for b in r.host_blocks])
         live = {r.request_id for r in self.running} | {r.request_id for r in self.waiting}
         assert live == set(self.requests), "a request is lost or in two queues"
         assert len(self.running) + len(self.waiting) == len(self.requests)
         for req_id in self.blocks.block_tables:
             assert req_id in self.requests, f"finished request {req_id} still holds blocks"
         for r in self.waiting:
-            assert r.num_computed_tokens == 0 or r.request_id in self.blocks.block_tables
+            assert r.request_id not in self.blocks.block_tables or not \
+                self.blocks.block_tables[r.request_id], f"waiting {r.request_id} holds blocks"

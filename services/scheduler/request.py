@@ -1,15 +1,18 @@
-"""The scheduler's record of one request (no tensors: the worker holds those)."""
+"""The scheduler's record of one sequence (no tensors: the worker holds those)."""
 
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 
 from common.messages import FinishReason, SamplingParams
 
+_arrivals = itertools.count()
+
 
 class Status(enum.IntEnum):
-    WAITING = 0
+    WAITING = 0  # new, or preempted (recompute: no KV; swap: KV in host memory)
     RUNNING = 1
     FINISHED = 2
 
@@ -18,7 +21,9 @@ class Request:
     """Tokens so far, how many are in the KV cache, and why it ends.
 
     There is no prefill phase: a request computes tokens until `num_computed_tokens`
-    reaches `num_tokens`; the step that reaches it samples the next token.
+    reaches `num_tokens`; the step that reaches it samples the next token. With overlapped
+    scheduling that token is `pending` until its step's result arrives, but it already
+    counts in `num_tokens`: the worker resolves it before the next step runs.
     """
 
     def __init__(
@@ -29,17 +34,31 @@ class Request:
         eos_token_ids: list[int] | tuple[int, ...] = (),
         max_model_len: int = 1 << 30,
         arrival_time: float | None = None,
+        *,
+        cache_root: int = 0,
+        priority: int = 0,
+        timeout: float | None = None,
+        fork_of: Request | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling = sampling
         self.output_token_ids: list[int] = []
+        self.num_pending = 0  # sampled in a step whose result has not arrived yet
         self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache
         self.status = Status.WAITING
         self.finish_reason = FinishReason.NONE
         self.is_known_to_worker = False
+        self.worker_has_table = False  # False when new or preempted: the next plan sends it all
+        self.host_blocks: list[int] | None = None  # set while swapped out
         self.num_preemptions = 0
+        self.cache_root = cache_root
+        self.priority = priority
+        self.arrival_seq = next(_arrivals)
         self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.deadline = None if timeout is None else self.arrival_time + timeout
+        self.fork_of = fork_of  # n > 1: share this leader's prompt blocks once computed
         self.max_total_tokens = min(max_model_len, len(prompt_token_ids) + sampling.max_tokens)
         self._stop_ids = frozenset(sampling.stop_token_ids) | (
             frozenset() if sampling.ignore_eos else frozenset(eos_token_ids)
@@ -51,22 +70,36 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
 
     @property
     def num_tokens_to_compute(self) -> int:
+        """Tokens to compute next; 0 when every token it may still produce is spoken for."""
+        if self.num_tokens >= self.max_total_tokens:
+            return 0
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """The known tokens (pending ones are not known yet)."""
+        return self.prompt_token_ids + self.output_token_ids
 
     @property
     def is_finished(self) -> bool:
         return self.status == Status.FINISHED
 
+    @property
+    def is_swapped(self) -> bool:
+        return self.host_blocks is not None
+
     def append_token(self, token_id: int) -> FinishReason:
         """Record a sampled token; return why the request is now finished, or NONE."""
+        if self.num_pending:
+            self.num_pending -= 1
         self.output_token_ids.append(token_id)
         if token_id in self._stop_ids:
             return FinishReason.STOP
-        if self.num_tokens >= self.max_total_tokens:
+        if len(self.prompt_token_ids) + len(self.output_token_ids) >= self.max_total_tokens:
             return FinishReason.LENGTH
         return FinishReason.NONE
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -12,6 +10,7 @@ from typing import Any
 from common.actor import Actor
 from common.config import Config
 from common.messages import GenerateRequest, RequestError, TokenizedRequest
+from common.model_facts import load_model_facts, tokenizer_fingerprint
 from services.tokenizer.validate import (
     InvalidRequest,
     check_sampling,
@@ -20,33 +19,6 @@ from services.tokenizer.validate import (
 )
 
 log = logging.getLogger(__name__)
-
-
-def load_model_facts(model_dir: Path, max_model_len_override: int = 0) -> dict[str, Any]:
-    """What the tokenizer needs from config.json and generation_config.json."""
-    cfg = json.loads((model_dir / "config.json").read_text())
-    gen_path = model_dir / "generation_config.json"
-    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-    eos: set[int] = set()
-    for src in (cfg.get("eos_token_id"), gen.get("eos_token_id")):
-        if isinstance(src, int):
-            eos.add(src)
-        elif isinstance(src, list):
-            eos.update(int(x) for x in src)
-    max_len = int(cfg.get("max_position_embeddings", 2048))
-    if max_model_len_override:
-        max_len = min(max_len, max_model_len_override)
-    return {"eos_token_ids": sorted(eos), "max_model_len": max_len,
-            "vocab_size": int(cfg["vocab_size"])}
-
-
-def tokenizer_fingerprint(model_dir: Path) -> str:
-    h = hashlib.sha256()
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        path = model_dir / name
-        if path.is_file():
-            h.update(name.encode() + b"\0" + path.read_bytes())
-    return h.hexdigest()[:16]
 
 
 class TokenizerActor(Actor):
@@ -96,6 +68,8 @@ class TokenizerActor(Actor):
             sampling=dataclasses.replace(req.sampling, max_tokens=max_tokens),
             eos_token_ids=self.facts["eos_token_ids"],
             arrival_time=req.arrival_time,
+            priority=req.priority,
+            timeout=req.timeout,
         )
 
     def _prompt_ids(self, req: GenerateRequest) -> list[int]:

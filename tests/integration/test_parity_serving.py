@@ -57,7 +57,7 @@ def _complete(client, model: str, prompt: list[int]) -> list[int]:  # type: igno
 
 
 def _serve_all(server, prompts: list[list[int]], together: bool) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    with server.client() as client:
+    with server.client(timeout=900) as client:
         if not together:
             return [_complete(client, server.model, p) for p in prompts]
         with ThreadPoolExecutor(len(prompts)) as pool:

@@ -10,25 +10,26 @@ from hypothesis import strategies as st
 
 from common.messages import FinishReason, SamplingParams
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.policy import Scheduler
+from services.scheduler.policy import PolicyConfig, Scheduler
 from services.scheduler.request import Request, Status
 
 
 def _req(rid: str, prompt_len: int, max_tokens: int = 4, eos: tuple[int, ...] = ()) -> Request:
-    return Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens,
+    base = 1000 * (sum(map(ord, rid)) % 97)  # distinct prompts: no accidental prefix hits
+    return Request(rid, list(range(base + 1, base + prompt_len + 1)), SamplingParams(max_tokens=max_tokens,
                    temperature=0.0), eos_token_ids=eos)
 
 
-def _sched(num_blocks: int = 64, block_size: int = 4, seqs: int = 8, budget: int = 32) -> Scheduler:
-    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs=seqs,
-                     max_num_batched_tokens=budget, watermark=0.0)
+def _sched(num_blocks: int = 64, block_size: int = 4, seqs: int = 8, budget: int = 32,
+           **kw: object) -> Scheduler:
+    cfg = PolicyConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, watermark=0.0, **kw)
+    return Scheduler(BlockManager(num_blocks, block_size), cfg)
 
 
 def _run_step(s: Scheduler, token: int = 7) -> dict[str, int]:
     """Plan a step and feed back one token for each request that reached its end."""
     out = s.schedule()
-    sampled = [x.request.request_id for x in out.scheduled
-               if x.num_computed_tokens + x.num_new_tokens == x.request.num_tokens]
+    sampled = [x.request.request_id for x in out.scheduled if x.samples]
     s.update(sampled, [token] * len(sampled))
     return {x.request.request_id: x.num_new_tokens for x in out.scheduled}
 
@@ -141,8 +142,7 @@ def test_random_workload_keeps_invariants_and_finishes_everything(
                 assert len(s.blocks.block_tables[x.request.request_id]) * 4 >= (
                     x.num_computed_tokens + x.num_new_tokens)
             assert out.num_tokens <= budget
-            sampled = [x.request.request_id for x in out.scheduled
-                       if x.num_computed_tokens + x.num_new_tokens == x.request.num_tokens]
+            sampled = [x.request.request_id for x in out.scheduled if x.samples]
             toks = [rng.choice([0, 5, 6]) for _ in sampled]
             for rid, t in zip(sampled, toks, strict=True):
                 produced[rid].append(t)

@@ -1,0 +1,157 @@
+"""Extend (prefill) attention in Triton over the paged cache; see the package docstring."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from gpu_worker.kernels import check_device, dot_precision, next_power_of_2
+
+_LOG2E = math.log2(math.e)
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr,
+    cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    qk_scale,  # scale * log2(e): scores in log2 units, softmax by exp2
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cache_kv,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_h,
+    stride_bt,
+    q_per_kv,
+    block_size,
+    head_dim,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    r = tl.program_id(0)
+    head = tl.program_id(1)
+    m_block = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + r)
+    q_len = tl.load(query_start_loc_ptr + r + 1) - q_start
+    if m_block * BLOCK_M < q_len:  # requests shorter than the longest launch idle programs
+        seq_len = tl.load(seq_lens_ptr + r)
+        num_computed = seq_len - q_len
+        kv_head = head // q_per_kv
+        rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < q_len
+        d = tl.arange(0, BLOCK_D)
+        d_mask = d < head_dim
+        q_offs = (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :]
+        q = tl.load(q_ptr + q_offs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+        query_pos = num_computed + rows
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        bt_row = block_tables_ptr + r * stride_bt
+        # the last key any row of this tile may see (causal)
+        end = tl.minimum(seq_len, num_computed + (m_block + 1) * BLOCK_M)
+        for n0 in range(0, end, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            pos_mask = pos < end
+            block = tl.load(bt_row + pos // block_size, mask=pos_mask, other=0).to(tl.int64)
+            offs = block * stride_cache_block + (pos % block_size) * stride_cache_slot
+            offs = offs + kv_head * stride_cache_h
+            kv_mask = pos_mask[:, None] & d_mask[None, :]
+            k = tl.load(cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(
+                cache_ptr + stride_cache_kv + offs[:, None] + d[None, :], mask=kv_mask, other=0.0
+            )
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            visible = pos_mask[None, :] & (pos[None, :] <= query_pos[:, None])
+            qk = tl.where(visible, qk, float("-inf"))
+            # key 0 is visible to every row, so m_new is finite from the first tile on
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.math.exp2(qk - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        o = acc / l_i[:, None]
+        o_offs = (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :]
+        o_mask = row_mask[:, None] & d_mask[None, :]
+        tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+def extend_tiles(head_dim: int, element_size: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D): 64 query rows; K/V tiles of 32 tokens when a row is wide
+    (fp32, 128 dims) so two pipeline stages fit in shared memory; 16 at least for tl.dot."""
+    block_d = max(16, next_power_of_2(head_dim))
+    return 64, 64 if block_d * element_size <= 256 else 32, block_d
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    out: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> None:
+    assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, f"kv_cache {tuple(kv_cache.shape)}"
+    assert kv_cache.is_contiguous(), "kv_cache must be contiguous"
+    num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+    assert q.dim() == 3 and q.shape[2] == head_dim, f"q {tuple(q.shape)}, head_dim {head_dim}"
+    assert q.shape[1] % num_kv_heads == 0, f"{q.shape[1]} heads, {num_kv_heads} KV heads"
+    assert q.stride(2) == 1, "q needs a contiguous head_dim"
+    assert q.dtype == kv_cache.dtype, f"q is {q.dtype}, cache {kv_cache.dtype}"
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1, "bad out"
+    num_reqs = seq_lens.shape[0]
+    assert seq_lens.dim() == 1 and seq_lens.dtype == torch.int32, "bad seq_lens"
+    assert query_start_loc.shape == (num_reqs + 1,), "query_start_loc needs R + 1 entries"
+    assert query_start_loc.dtype == torch.int32, "query_start_loc must be int32"
+    assert block_tables.dim() == 2 and block_tables.shape[0] == num_reqs, "bad block_tables"
+    assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1, "bad block_tables"
+    check_device(q, kv_cache, out, block_tables, query_start_loc, seq_lens)
+
+
+def extend_attention(
+    q: torch.Tensor,  # [T, num_heads, head_dim], head_dim contiguous
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], contiguous
+    block_tables: torch.Tensor,  # [R, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [R + 1] int32, absolute rows of q (need not start at 0)
+    seq_lens: torch.Tensor,  # [R] int32, context including the new tokens
+    scale: float,
+    *,
+    max_query_len: int,  # the longest request's new tokens (a host number: sizes the grid)
+    out: torch.Tensor | None = None,  # [T, num_heads, head_dim]; rows outside requests kept
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of the requests' new tokens over their paged context (K/V stored)."""
+    out = torch.empty_like(q) if out is None else out
+    _check_inputs(q, kv_cache, out, block_tables, query_start_loc, seq_lens)
+    num_reqs = seq_lens.shape[0]
+    if num_reqs == 0 or max_query_len == 0:
+        return out
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    default_m, default_n, block_d = extend_tiles(head_dim, q.element_size())
+    block_m, block_n = block_m or default_m, block_n or default_n
+    grid = (num_reqs, num_heads, triton.cdiv(max_query_len, block_m))
+    _extend_kernel[grid](
+        q, kv_cache, out, block_tables, query_start_loc, seq_lens, scale * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_tables.stride(0),
+        num_heads // num_kv_heads, block_size, head_dim,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,38 @@
+"""Paged decode attention in plain float32 torch: the ground truth for `kernel.paged_decode`."""
+
+from __future__ import annotations
+
+import torch
+
+
+def gather_context(
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [max_blocks] int32
+    seq_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one sequence's first `seq_len` tokens: [seq_len, num_kv_heads, head_dim]."""
+    block_size = kv_cache.shape[2]
+    num_blocks = -(-seq_len // block_size)
+    blocks = block_table[:num_blocks].long()
+    k = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
+    v = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
+    return k.float(), v.float()
+
+
+def paged_decode_reference(
+    q: torch.Tensor,  # [B, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32, tokens of context (the new one included)
+    scale: float,
+) -> torch.Tensor:  # [B, num_heads, head_dim] float32
+    """softmax(q K^T * scale) V per sequence, in float32, with GQA by repeating K/V heads."""
+    num_heads, num_kv_heads = q.shape[1], kv_cache.shape[3]
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        k, v = gather_context(kv_cache, block_tables[b], seq_len)
+        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [L, H, D]
+        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[b].float(), k) * scale
+        out[b] = torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), v)
+    return out

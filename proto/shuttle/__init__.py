@@ -1,0 +1,1 @@
+"""Generated packages of the shuttle protos (see proto/__init__.py)."""

@@ -1,0 +1,150 @@
+"""shuttle.v1 messages to and from the engine's types, by the HTTP API's rules.
+
+A `GenerateRequest` proto is turned into the body the HTTP API would have received and
+validated by the very same pydantic models (services/gateway/protocol.py), so both APIs
+accept, default and refuse exactly alike. Only the field names in messages differ, renamed
+to the proto's: `prompt` -> `text` | `token_ids.ids`, `messages` -> `chat.messages`,
+`X-Request-Id` -> `request_id`.
+
+    HTTP status   gRPC status
+    400           INVALID_ARGUMENT      404  NOT_FOUND        429  RESOURCE_EXHAUSTED
+    401           UNAUTHENTICATED       503  UNAVAILABLE      other 4xx INVALID_ARGUMENT,
+                                                             5xx INTERNAL
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import grpc
+
+from common.messages import FinishReason, GenerateRequest
+from proto import shuttle_pb2 as pb
+from services.gateway.engine_client import EngineClient, OutputDelta
+from services.gateway.protocol import (
+    REQUEST_ID_PATTERN,
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestRejected,
+    validate_request,
+)
+
+REQUEST_ID_PREFIX = "gen-"
+_OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
+_STATUS_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+# the HTTP API's field names -> the proto's, per kind of prompt
+_COMMON_RENAMES = {"X-Request-Id": "request_id"}
+_RENAMES = {
+    "text": {"prompt": "text"} | _COMMON_RENAMES,
+    "token_ids": {"prompt": "token_ids.ids"} | _COMMON_RENAMES,
+    "chat": {"messages": "chat.messages"} | _COMMON_RENAMES,
+    None: _COMMON_RENAMES,
+}
+
+
+def status_code(http_status: int) -> grpc.StatusCode:
+    """The gRPC status for an HTTP status of the engine or the validation."""
+    code = _STATUS_CODES.get(http_status)
+    if code is not None:
+        return code
+    return grpc.StatusCode.INVALID_ARGUMENT if http_status < 500 else grpc.StatusCode.INTERNAL
+
+
+def renames_for(request: pb.GenerateRequest) -> dict[str, str]:
+    """How this request's fields are named in the proto, for error messages."""
+    return _RENAMES[request.WhichOneof("prompt")]
+
+
+def rename_field(message: str, param: str | None, renames: dict[str, str]) -> str:
+    """'messages[0].role: must be ...' -> 'chat.messages[0].role: must be ...'."""
+    if not param:
+        return message
+    for old, new in renames.items():
+        if param == old or param.startswith((old + "[", old + ".")):
+            if message.startswith(param):
+                return new + message[len(old) :]
+            return message
+    return message
+
+
+def request_id_of(request: pb.GenerateRequest) -> str:
+    """The client's id if valid (RequestRejected if not), else a fresh one."""
+    if not request.request_id:
+        return REQUEST_ID_PREFIX + uuid.uuid4().hex
+    check_request_id(request.request_id)
+    return request.request_id
+
+
+def check_request_id(request_id: str) -> None:
+    if not REQUEST_ID_PATTERN.fullmatch(request_id):
+        raise RequestRejected(
+            "request_id: must be 1..128 characters of [A-Za-z0-9._:-]", "request_id"
+        )
+
+
+def to_generate_request(
+    request: pb.GenerateRequest, request_id: str, engine: EngineClient
+) -> GenerateRequest:
+    """Validate as the HTTP API would and build the engine's request.
+
+    Raises RequestRejected (status 400, 404 or 503) with the HTTP API's message; the caller
+    renames its field with `rename_field`."""
+    body = validate_request(*_http_body(request))
+    if body.model is not None and body.model != engine.model_name:
+        raise RequestRejected(f"model: the model `{body.model}` does not exist", "model", 404)
+    if not engine.is_ready():
+        raise RequestRejected("the engine is not ready yet", None, 503)
+    return body.to_generate_request(request_id, engine.model_name, engine.max_model_len)
+
+
+def _http_body(
+    request: pb.GenerateRequest,
+) -> tuple[type[ChatCompletionRequest] | type[CompletionRequest], dict[str, Any]]:
+    """The JSON body the HTTP API would have received for this request (unset = absent)."""
+    data: dict[str, Any] = {f: getattr(request, f) for f in _OPTIONAL_FIELDS if request.HasField(f)}
+    if request.model:
+        data["model"] = request.model
+    if request.stop:
+        data["stop"] = list(request.stop)
+    if request.stop_token_ids:
+        data["stop_token_ids"] = list(request.stop_token_ids)
+    kind = request.WhichOneof("prompt")
+    if kind is None:
+        raise RequestRejected("prompt: one of text, chat or token_ids is required", "prompt")
+    if kind != "chat":
+        data["prompt"] = request.text if kind == "text" else list(request.token_ids.ids)
+        return CompletionRequest, data
+    data["messages"] = [_chat_message(m) for m in request.chat.messages]
+    if request.chat.HasField("add_generation_prompt"):
+        data["add_generation_prompt"] = request.chat.add_generation_prompt
+    return ChatCompletionRequest, data
+
+
+def _chat_message(message: pb.ChatMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.HasField("name"):
+        out["name"] = message.name
+    return out
+
+
+def to_response(request_id: str, delta: OutputDelta, fingerprint: str) -> pb.GenerateResponse:
+    """One streamed message; the last (finish reason set) also carries usage and version."""
+    response = pb.GenerateResponse(
+        request_id=request_id, text=delta.text, token_ids=delta.token_ids
+    )
+    if delta.finish_reason != FinishReason.NONE:
+        # the proto enum's numbers are the engine's FinishReason values
+        response.finish_reason = int(delta.finish_reason)  # type: ignore[assignment]
+        prompt, output = delta.num_prompt_tokens, delta.num_output_tokens
+        response.usage.prompt_tokens = prompt
+        response.usage.completion_tokens = output
+        response.usage.total_tokens = prompt + output
+        response.system_fingerprint = fingerprint
+    return response

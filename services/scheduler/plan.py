@@ -1,0 +1,29 @@
+"""SchedulerOutput -> StepPlan: the diff the worker applies (pure, no sockets)."""
+
+from __future__ import annotations
+
+from common.messages import StepPlan
+from services.scheduler.policy import SchedulerOutput
+
+
+def to_plan(step_id: int, out: SchedulerOutput) -> StepPlan:
+    return StepPlan(
+        step_id=step_id,
+        new_req_ids=[r.request_id for r in out.new_requests],
+        new_prompt_token_ids=[r.prompt_token_ids for r in out.new_requests],
+        new_sampling=[r.sampling for r in out.new_requests],
+        finished_req_ids=out.finished_req_ids,
+        preempted_req_ids=out.preempted_req_ids,
+        req_ids=[s.request.request_id for s in out.scheduled],
+        num_computed_tokens=[s.num_computed_tokens for s in out.scheduled],
+        num_new_tokens=[s.num_new_tokens for s in out.scheduled],
+        new_block_ids=[s.new_block_ids for s in out.scheduled],
+        swap_out_src=[g for g, _ in out.swap_out],
+        swap_out_dst=[h for _, h in out.swap_out],
+        swap_in_src=[h for h, _ in out.swap_in],
+        swap_in_dst=[g for _, g in out.swap_in],
+        copy_req_ids=[c[0] for c in out.copies],
+        copy_index=[c[1] for c in out.copies],
+        copy_src=[c[2] for c in out.copies],
+        copy_dst=[c[3] for c in out.copies],
+    )

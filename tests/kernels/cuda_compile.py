@@ -1,0 +1,102 @@
+"""Compile every kernel for a CUDA architecture without a GPU (Triton's bundled ptxas).
+
+    TRITON_INTERPRET=0 python -m tests.kernels.cuda_compile 90 80
+
+The interpreter runs kernels as Python and so misses what only the compiler checks (tl.dot
+tile sizes, types, shared memory). This compiles the launch configurations the launchers
+pick, for the model shapes of tools/gpu-check, and prints one JSON line per kernel with
+its shared memory. Must run in a process where TRITON_INTERPRET is unset or 0.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.compiler import compile as triton_compile
+
+from gpu_worker.kernels import dot_precision, next_power_of_2
+from gpu_worker.kernels.extend_attention import kernel as extend
+from gpu_worker.kernels.kv_store import kernel as kv_store
+from gpu_worker.kernels.paged_decode import kernel as decode
+from gpu_worker.kernels.rmsnorm import kernel as rmsnorm
+from gpu_worker.kernels.rotary import kernel as rotary
+
+DTYPES = {"bf16": 2, "fp32": 4}  # name: element size
+SHAPES = ((9, 3, 64), (32, 8, 128))  # heads, KV heads, head_dim
+FLOAT_ARGS = ("qk_scale", "eps")
+
+
+def _compile(fn: Any, arch: int, pointers: dict[str, str], constexprs: dict[str, Any],
+             **options: int) -> dict[str, Any]:  # fmt: skip
+    signature = {
+        name: "constexpr" if name in constexprs
+        else pointers.get(name, "fp32" if name in FLOAT_ARGS else "i32")
+        for name in fn.arg_names
+    }  # fmt: skip
+    start = time.monotonic()
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    compiled = triton_compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    seconds = round(time.monotonic() - start, 1)
+    return {"kernel": fn.__name__, "arch": arch, **{k: str(v) for k, v in constexprs.items()},
+            "shared_bytes": compiled.metadata.shared, "s": seconds}  # fmt: skip
+
+
+def _attention(arch: int, dt: str, heads: int, kv_heads: int, head_dim: int) -> list[dict]:
+    import torch
+
+    precision = dot_precision(torch.float32 if dt == "fp32" else torch.bfloat16)
+    block_h, block_n, block_d = decode.decode_tiles(heads // kv_heads, head_dim, DTYPES[dt])
+    cache = {"cache_ptr": f"*{dt}", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32"}
+    split = {"q_ptr": f"*{dt}", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", **cache}
+    merge = {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "seq_lens_ptr": "*i32",
+             "out_ptr": f"*{dt}"}  # fmt: skip
+    block_m, ext_n, _ = extend.extend_tiles(head_dim, DTYPES[dt])
+    ext = {"q_ptr": f"*{dt}", "out_ptr": f"*{dt}", "query_start_loc_ptr": "*i32", **cache}
+    tiles = dict(NUM_SPLITS=16, BLOCK_N=block_n, BLOCK_D=block_d)
+    return [
+        _compile(decode._decode_split_kernel, arch, split,
+                 dict(**tiles, BLOCK_H=block_h, DOT_PRECISION=precision),
+                 num_warps=4, num_stages=2),
+        _compile(decode._decode_merge_kernel, arch, merge, tiles, num_warps=4),
+        _compile(extend._extend_kernel, arch, ext,
+                 dict(BLOCK_M=block_m, BLOCK_N=ext_n, BLOCK_D=block_d, DOT_PRECISION=precision),
+                 num_warps=4, num_stages=2),
+    ]  # fmt: skip
+
+
+def _elementwise(arch: int, dt: str) -> list[dict]:
+    heads, kv_heads, head_dim = SHAPES[-1]
+    kv = {"k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "cache_ptr": f"*{dt}", "slot_ptr": "*i64"}
+    norm = {n: f"*{dt}" for n in ("x_ptr", "residual_ptr", "weight_ptr", "out_ptr",
+                                  "residual_out_ptr")}  # fmt: skip
+    rope = {"positions_ptr": "*i64", "q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "cos_ptr": "*fp32",
+            "sin_ptr": "*fp32"}  # fmt: skip
+    return [
+        _compile(kv_store._store_kv_kernel, arch, kv,
+                 dict(BLOCK_H=next_power_of_2(kv_heads), BLOCK_D=head_dim)),
+        _compile(rmsnorm._rms_norm_kernel, arch, norm, dict(HAS_RESIDUAL=True, BLOCK=4096),
+                 num_warps=16),
+        _compile(rotary._rotary_kernel, arch, rope,
+                 dict(HAS_K=True, BLOCK_HQ=heads, BLOCK_HK=kv_heads, BLOCK_HALF=head_dim // 2)),
+    ]  # fmt: skip
+
+
+def main(archs: list[int]) -> int:
+    for i, arch in enumerate(archs):
+        # the first architecture gets every variant, the others the bf16 production ones
+        for dt in DTYPES if i == 0 else ("bf16",):
+            for shape in SHAPES:
+                for row in _attention(arch, dt, *shape):
+                    print(json.dumps({"dtype": dt, "shape": list(shape), **row}), flush=True)
+            for row in _elementwise(arch, dt):
+                print(json.dumps({"dtype": dt, **row}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main([int(a) for a in sys.argv[1:]] or [90]))

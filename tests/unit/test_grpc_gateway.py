@@ -1,0 +1,433 @@
+"""The gateway's gRPC front end against the scripted fake engine, on a loopback port in this
+process: conversion, validation identical to HTTP, status mapping, cancellation, auth,
+health and reflection."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from proto import shuttle_pb2 as pb
+from proto import shuttle_pb2_grpc as pb_grpc
+from services.gateway.engine_client import RequestFailed
+from services.gateway.grpc_server import GrpcGateway
+from tests.unit.test_gateway_app import CHAT, COMPLETIONS, HANG, LENGTH, MODEL, FakeEngine, delta
+from tests.unit.test_gateway_app import run as run_http
+
+Code = grpc.StatusCode
+TOKEN = "admin-secret"
+
+
+@contextlib.asynccontextmanager
+async def serving(engine: FakeEngine, **kw: Any) -> AsyncIterator[grpc.aio.Channel]:
+    gateway = GrpcGateway(engine, host="127.0.0.1", port=0, health_poll_s=0.02, **kw)  # type: ignore[arg-type]
+    port = await gateway.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield channel
+    finally:
+        await gateway.stop(grace=0)
+
+
+def run(engine: FakeEngine, test: Callable[[grpc.aio.Channel], Awaitable[Any]], **kw: Any) -> Any:
+    async def go() -> Any:
+        async with serving(engine, **kw) as channel:
+            return await test(channel)
+
+    return asyncio.run(go())
+
+
+async def generate(channel: grpc.aio.Channel, **fields: Any) -> list[pb.GenerateResponse]:
+    return [r async for r in pb_grpc.ShuttleStub(channel).Generate(pb.GenerateRequest(**fields))]
+
+
+def refusal(engine: FakeEngine, **fields: Any) -> grpc.aio.AioRpcError:
+    async def test(channel: grpc.aio.Channel) -> grpc.aio.AioRpcError:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await generate(channel, **fields)
+        return info.value
+
+    return run(engine, test)
+
+
+async def eventually(check: Callable[[], bool], timeout: float = 5.0) -> None:
+    for _ in range(int(timeout / 0.01)):
+        if check():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not met in time")
+
+
+# --- Generate --------------------------------------------------------------------------------
+
+
+def test_generate_streams_deltas_then_finish_and_usage() -> None:
+    engine = FakeEngine()
+
+    async def test(channel: grpc.aio.Channel) -> None:
+        call = pb_grpc.ShuttleStub(channel).Generate(
+            pb.GenerateRequest(request_id="my-id.1", text="hello big world")
+        )
+        out = [r async for r in call]
+        assert ("x-request-id", "my-id.1") in list(await call.initial_metadata())
+        assert [r.text for r in out] == [" hello", " big", " world"]
+        assert [list(r.token_ids) for r in out] == [[7], [7, 7], [7, 7, 7]]
+        assert {r.request_id for r in out} == {"my-id.1"}
+        assert [r.finish_reason for r in out] == [0, 0, pb.FINISH_REASON_STOP]
+        assert not out[0].HasField("usage") and out[0].system_fingerprint == ""
+        assert (out[-1].usage.prompt_tokens, out[-1].usage.completion_tokens) == (5, 3)
+        assert out[-1].usage.total_tokens == 8 and out[-1].system_fingerprint == "v-test"
+
+    run(engine, test)
+    assert engine.requests[0].prompt == "hello big world" and not engine.aborted
+
+
+def test_requests_convert_as_the_http_api_converts_them() -> None:
+    engine = FakeEngine()
+    chat = pb.Chat(
+        messages=[
+            pb.ChatMessage(role="developer", content="be brief", name="a"),
+            pb.ChatMessage(role="user", content="hi there"),
+        ],
+        add_generation_prompt=False,
+    )
+
+    async def test(channel: grpc.aio.Channel) -> None:
+        await generate(channel, text="a b", model=MODEL)
+        await generate(
+            channel,
+            token_ids=pb.TokenIds(ids=[1, 2, 3]),
+            temperature=0.0,
+            top_p=0.5,
+            top_k=-1,
+            seed=3,
+            stop=["x"],
+            stop_token_ids=[9],
+            max_tokens=9,
+            ignore_eos=True,
+        )
+        out = await generate(channel, chat=chat)
+        assert out[0].request_id.startswith("gen-")
+
+    run(engine, test)
+    text, ids, chatted = engine.requests
+    assert text.prompt == "a b" and text.sampling.max_tokens == 16  # as /v1/completions
+    assert text.sampling.temperature == 1.0 and text.sampling.seed is None
+    assert ids.prompt_token_ids == [1, 2, 3] and ids.prompt is None
+    s = ids.sampling
+    assert (s.temperature, s.top_p, s.top_k, s.seed, s.max_tokens) == (0.0, 0.5, 0, 3, 9)
+    assert (s.stop, s.stop_token_ids, s.ignore_eos) == (["x"], [9], True)
+    assert chatted.messages == [
+        {"role": "system", "content": "be brief", "name": "a"},
+        {"role": "user", "content": "hi there"},
+    ]
+    assert chatted.sampling.max_tokens == 0 and chatted.add_generation_prompt is False
+
+
+_USER = {"role": "user", "content": "hi"}
+# (proto fields, HTTP path, HTTP body, HTTP headers, HTTP field -> proto field)
+_BAD_INPUTS = [
+    ({"text": "x", "temperature": 3.0}, COMPLETIONS, {"prompt": "x", "temperature": 3.0}, {}, {}),
+    ({"text": "x", "top_p": 0.0}, COMPLETIONS, {"prompt": "x", "top_p": 0.0}, {}, {}),
+    ({"text": "x", "top_k": -2}, COMPLETIONS, {"prompt": "x", "top_k": -2}, {}, {}),
+    ({"text": "x", "max_tokens": 0}, COMPLETIONS, {"prompt": "x", "max_tokens": 0}, {}, {}),
+    ({"text": "x", "max_tokens": 999}, COMPLETIONS, {"prompt": "x", "max_tokens": 999}, {}, {}),
+    (
+        {"text": "x", "temperature": float("nan")},
+        None,
+        None,
+        {},
+        "temperature: must be a finite number, got nan",
+    ),
+    ({"text": "x", "stop": [""]}, COMPLETIONS, {"prompt": "x", "stop": [""]}, {}, {}),
+    ({"text": "x", "stop": ["s"] * 65}, COMPLETIONS, {"prompt": "x", "stop": ["s"] * 65}, {}, {}),
+    (
+        {"text": "x", "stop_token_ids": [1] * 65},
+        COMPLETIONS,
+        {"prompt": "x", "stop_token_ids": [1] * 65},
+        {},
+        {},
+    ),
+    (
+        {"text": "x", "stop_token_ids": [2**31]},
+        COMPLETIONS,
+        {"prompt": "x", "stop_token_ids": [2**31]},
+        {},
+        {},
+    ),
+    ({"text": ""}, COMPLETIONS, {"prompt": ""}, {}, {"prompt": "text"}),
+    ({"token_ids": pb.TokenIds()}, COMPLETIONS, {"prompt": []}, {}, {"prompt": "token_ids.ids"}),
+    (
+        {"token_ids": pb.TokenIds(ids=[2**31])},
+        COMPLETIONS,
+        {"prompt": [2**31]},
+        {},
+        {"prompt": "token_ids.ids"},
+    ),
+    ({"chat": pb.Chat()}, CHAT, {"messages": []}, {}, {"messages": "chat.messages"}),
+    (
+        {"chat": pb.Chat(messages=[pb.ChatMessage(role="robot", content="x")])},
+        CHAT,
+        {"messages": [{"role": "robot", "content": "x"}]},
+        {},
+        {"messages": "chat.messages"},
+    ),
+    (
+        {"request_id": "bad id", "text": "x"},
+        COMPLETIONS,
+        {"prompt": "x"},
+        {"X-Request-Id": "bad id"},
+        {"X-Request-Id": "request_id"},
+    ),
+    ({}, None, None, {}, "prompt: one of text, chat or token_ids is required"),
+]
+
+
+@pytest.mark.parametrize("fields,path,body,headers,renames", _BAD_INPUTS)
+def test_bad_input_is_refused_as_http_refuses_it(
+    fields: dict[str, Any],
+    path: str | None,
+    body: dict[str, Any] | None,
+    headers: dict[str, str],
+    renames: dict[str, str] | str,
+) -> None:
+    engine = FakeEngine()
+    error = refusal(engine, **fields)
+    assert error.code() == Code.INVALID_ARGUMENT
+    if isinstance(renames, str):
+        expected = renames
+    else:
+        http = run_http(engine, "POST", path, json=body, headers=headers)  # type: ignore[arg-type]
+        assert http.status_code == 400
+        expected = http.json()["error"]["message"]
+        for old, new in renames.items():
+            expected = new + expected[len(old) :] if expected.startswith(old) else expected
+    assert error.details() == expected
+    assert not engine.requests
+
+
+def test_unknown_model_and_not_ready() -> None:
+    engine = FakeEngine()
+    error = refusal(engine, text="x", model="nope")
+    assert (error.code(), error.details()) == (
+        Code.NOT_FOUND,
+        "model: the model `nope` does not exist",
+    )
+    engine.ready = False
+    error = refusal(engine, text="x")
+    assert (error.code(), error.details()) == (Code.UNAVAILABLE, "the engine is not ready yet")
+
+
+@pytest.mark.parametrize(
+    "status,code",
+    [
+        (400, Code.INVALID_ARGUMENT),
+        (404, Code.NOT_FOUND),
+        (429, Code.RESOURCE_EXHAUSTED),
+        (503, Code.UNAVAILABLE),
+        (500, Code.INTERNAL),
+    ],
+)
+def test_engine_failures_map_to_status_codes(status: int, code: grpc.StatusCode) -> None:
+    engine = FakeEngine([delta("a"), RequestFailed(status, f"went wrong {status}")])
+    error = refusal(engine, text="x")
+    assert (error.code(), error.details()) == (code, f"went wrong {status}")
+
+
+def test_engine_refusals_name_the_proto_field() -> None:
+    failure = RequestFailed(400, "prompt: token id 99999 is outside the vocabulary", "prompt")
+    error = refusal(FakeEngine([failure]), token_ids=pb.TokenIds(ids=[99999]))
+    assert error.details() == "token_ids.ids: token id 99999 is outside the vocabulary"
+    failure = RequestFailed(
+        400, "X-Request-Id: request id 'r' is already in flight", "X-Request-Id"
+    )
+    error = refusal(FakeEngine([failure]), text="x", request_id="r")
+    assert error.details() == "request_id: request id 'r' is already in flight"
+
+
+def test_a_stream_ending_without_finish_is_internal() -> None:
+    error = refusal(FakeEngine([delta("a")]), text="x")
+    assert error.code() == Code.INTERNAL
+
+
+# --- ending a call early ---------------------------------------------------------------------
+
+
+def test_client_cancel_aborts_the_request() -> None:
+    engine = FakeEngine([delta("a"), HANG])
+
+    async def test(channel: grpc.aio.Channel) -> None:
+        call = pb_grpc.ShuttleStub(channel).Generate(pb.GenerateRequest(request_id="c1", text="x"))
+        assert (await call.read()).text == "a"
+        call.cancel()
+        await eventually(lambda: engine.aborted == ["c1"])
+
+    run(engine, test)
+
+
+def test_deadline_aborts_the_request() -> None:
+    engine = FakeEngine([HANG])
+
+    async def test(channel: grpc.aio.Channel) -> None:
+        stub = pb_grpc.ShuttleStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await generate_with_timeout(stub, 0.3)
+        assert info.value.code() == Code.DEADLINE_EXCEEDED
+        await eventually(lambda: engine.aborted == ["d1"])
+
+    run(engine, test)
+
+
+async def generate_with_timeout(stub: pb_grpc.ShuttleStub, timeout: float) -> None:
+    async for _ in stub.Generate(pb.GenerateRequest(request_id="d1", text="x"), timeout=timeout):
+        pass
+
+
+def test_cancel_rpc_and_list_models() -> None:
+    engine = FakeEngine()
+
+    async def test(channel: grpc.aio.Channel) -> None:
+        stub = pb_grpc.ShuttleStub(channel)
+        assert await stub.Cancel(pb.CancelRequest(request_id="r-9")) == pb.CancelResponse()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Cancel(pb.CancelRequest(request_id=""))
+        assert info.value.code() == Code.INVALID_ARGUMENT
+        assert info.value.details().startswith("request_id: ")
+        models = (await stub.ListModels(pb.ListModelsRequest())).models
+        assert [(m.id, m.max_model_len, m.version) for m in models] == [(MODEL, 256, "v-test")]
+
+    run(engine, test)
+    assert engine.aborted == ["r-9"]
+
+
+# --- auth ------------------------------------------------------------------------------------
+
+
+def _bearer(token: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),)
+
+
+def test_api_key_guards_the_shuttle_service() -> None:
+    async def test(channel: grpc.aio.Channel) -> None:
+        stub = pb_grpc.ShuttleStub(channel)
+        for metadata in ((), _bearer("wrong")):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.ListModels(pb.ListModelsRequest(), metadata=metadata)
+            assert info.value.code() == Code.UNAUTHENTICATED
+        await stub.ListModels(pb.ListModelsRequest(), metadata=_bearer("k"))
+
+    run(FakeEngine(), test, api_key="k")
+
+
+def test_admin_wants_the_admin_token() -> None:
+    engine = FakeEngine()
+
+    async def test(channel: grpc.aio.Channel) -> None:
+        admin = pb_grpc.AdminStub(channel)
+        for metadata in ((), _bearer("wrong"), _bearer("k")):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await admin.CancelRequest(pb.AdminCancelRequest(request_id="a"), metadata=metadata)
+            assert info.value.code() == Code.UNAUTHENTICATED
+            assert "admin token" in info.value.details()
+        await admin.CancelRequest(pb.AdminCancelRequest(request_id="a1"), metadata=_bearer(TOKEN))
+        for call in (
+            admin.SwapModel(pb.SwapModelRequest(model="/m"), metadata=_bearer(TOKEN)),
+            admin.ListRequests(pb.ListRequestsRequest(), metadata=_bearer(TOKEN)),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call
+            assert info.value.code() == Code.UNIMPLEMENTED
+
+    run(engine, test, api_key="k", admin_token=TOKEN)
+    assert engine.aborted == ["a1"]
+
+
+def test_admin_is_closed_without_a_configured_token() -> None:
+    async def test(channel: grpc.aio.Channel) -> None:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await pb_grpc.AdminStub(channel).ListRequests(
+                pb.ListRequestsRequest(), metadata=_bearer("")
+            )
+        assert info.value.code() == Code.UNAUTHENTICATED
+        assert "no admin token is configured" in info.value.details()
+
+    run(FakeEngine(), test)
+
+
+# --- health and reflection -------------------------------------------------------------------
+
+
+def test_health_follows_engine_readiness() -> None:
+    engine = FakeEngine()
+    engine.ready = False
+
+    async def status(stub: health_pb2_grpc.HealthStub, service: str) -> int:
+        return (await stub.Check(health_pb2.HealthCheckRequest(service=service))).status
+
+    async def test(channel: grpc.aio.Channel) -> None:
+        stub = health_pb2_grpc.HealthStub(channel)
+        serving, not_serving = (
+            health_pb2.HealthCheckResponse.SERVING,
+            health_pb2.HealthCheckResponse.NOT_SERVING,
+        )
+        for service in ("", "shuttle.v1.Shuttle", "shuttle.v1.Admin"):
+            await eventually_status(stub, service, not_serving)
+        engine.ready = True
+        for service in ("", "shuttle.v1.Shuttle"):
+            await eventually_status(stub, service, serving)
+        engine.ready = False  # the worker went away
+        await eventually_status(stub, "", not_serving)
+        assert await status(stub, "shuttle.v1.Shuttle") == not_serving
+
+    async def eventually_status(stub: health_pb2_grpc.HealthStub, service: str, want: int) -> None:
+        for _ in range(200):
+            if await status(stub, service) == want:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"{service!r} never became {want}")
+
+    run(engine, test)
+
+
+def test_reflection_lists_the_services() -> None:
+    async def test(channel: grpc.aio.Channel) -> list[str]:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        async for answer in stub.ServerReflectionInfo(iter([request])):
+            return sorted(s.name for s in answer.list_services_response.service)
+        return []
+
+    assert run(FakeEngine(), test) == sorted(
+        [
+            "shuttle.v1.Shuttle",
+            "shuttle.v1.Admin",
+            "grpc.health.v1.Health",
+            "grpc.reflection.v1alpha.ServerReflection",
+        ]
+    )
+
+
+def test_unused_port_conflict_fails_loudly() -> None:
+    async def go() -> None:
+        first = GrpcGateway(FakeEngine(), host="127.0.0.1", port=0)  # type: ignore[arg-type]
+        port = await first.start()
+        try:
+            second = GrpcGateway(FakeEngine(), host="127.0.0.1", port=port)  # type: ignore[arg-type]
+            with pytest.raises(RuntimeError, match="cannot serve gRPC"):
+                await second.start()
+        finally:
+            await first.stop(grace=0)
+
+    asyncio.run(go())
+
+
+def test_length_finish_reason_number() -> None:
+    out = run(FakeEngine([delta("a", LENGTH)]), lambda ch: generate(ch, text="x"))
+    assert [r.finish_reason for r in out] == [pb.FINISH_REASON_LENGTH]
