@@ -35,7 +35,9 @@ class ModelConfig:
     max_model_len: int = _field(0, "longest prompt + output in tokens (0: the model's own)")
     seed: int = _field(0, "seed for unseeded sampling")
     num_threads: int = _field(0, "torch threads in the worker (0: all cores)")
-    attention_backend: str = _field("auto", "auto | torch | triton")
+    attention_backend: str = _field("auto", "auto | torch | triton (auto: triton on CUDA)")
+    enforce_eager: bool = _field(False, "never capture CUDA graphs")
+    max_graph_batch_size: int = _field(64, "largest decode batch captured as a CUDA graph")
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("float32", "bfloat16"), "dtype", "float32 or bfloat16")

@@ -24,6 +24,7 @@ import torch
 from common.messages.scheduler_worker import StepPlan, StepResult
 from common.messages.types import SamplingParams
 from gpu_worker.attention import AttentionMetadata, build_metadata, create_backend
+from gpu_worker.cuda_graphs import maybe_capture_graphs, run_model
 from gpu_worker.kv_cache import GIB, KVCache, cuda_kv_budget_bytes
 from gpu_worker.models.llama import LlamaConfig
 from gpu_worker.models.loader import eos_token_ids, load_model, read_hf_config, weights_version
@@ -72,6 +73,8 @@ class ModelRunner:
         num_threads: int | None = None,
         gpu_memory_utilization: float = 0.9,
         swap_space_gib: float = 0.0,
+        enforce_eager: bool | None = None,
+        max_graph_batch_size: int = 64,
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -84,6 +87,12 @@ class ModelRunner:
         self._init_model(attention_backend, max_model_len)
         self._init_kv_cache(kv_cache_memory_gib, num_blocks, gpu_memory_utilization)
         self.num_host_blocks = self.kv_cache.allocate_host(int(swap_space_gib * GIB))
+        # CUDA graphs for decode steps; eager on CPU, or when asked
+        self.graphs = maybe_capture_graphs(
+            self.model, self.backend, self.kv_cache.tensor, block_size=block_size,
+            max_model_len=self.max_model_len,
+            enforce_eager=(self.device.type != "cuda") if enforce_eager is None else enforce_eager,
+            max_graph_batch_size=max_graph_batch_size)
         self._rng = random.Random(seed)
         self._requests: dict[str, RequestState] = {}
 
@@ -107,6 +116,10 @@ class ModelRunner:
             device=self.device,
             max_positions=self.max_model_len,
         )
+        if self.backend.name == "triton":  # fused RMSNorm / rotary kernels in the layers
+            from gpu_worker.kernels.fused_layers import use_triton_layers
+
+            use_triton_layers(self.model)
         self.eos_token_ids = eos_token_ids(self.model_path, hf_config)
         self.weights_version = weights_version(self.model_path)
 
@@ -164,13 +177,8 @@ class ModelRunner:
             return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[])
         batch = self._prepare_batch(plan)
         with torch.inference_mode():
-            logits = self.model(
-                batch.input_ids,
-                batch.meta.positions,
-                self.kv_cache.tensor,
-                batch.meta,
-                batch.logits_indices,
-            )
+            logits = run_model(self.model, self.graphs, batch.input_ids, self.kv_cache.tensor,
+                               batch.meta, batch.logits_indices)
             states = batch.sampling_states
             token_ids = sample(logits, [s.params for s in states], [s.generator for s in states])
         for state, token_id in zip(states, token_ids, strict=True):

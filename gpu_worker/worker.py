@@ -51,7 +51,9 @@ class WorkerActor(Actor):
             kv_cache_memory_gib=c.kv_cache_memory,
             max_model_len=m.max_model_len or None,
             seed=m.seed,
-            attention_backend="torch" if m.attention_backend == "auto" else m.attention_backend,
+            attention_backend=m.attention_backend,
+            enforce_eager=m.enforce_eager or None,
+            max_graph_batch_size=m.max_graph_batch_size,
             num_threads=m.num_threads or None,
             swap_space_gib=(c.swap_space if self.config.scheduler.preemption_mode == "swap"
                             else 0.0),

@@ -24,7 +24,7 @@ import contextlib
 import functools
 import hmac
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -35,7 +35,7 @@ from common.messages import FinishReason
 from proto import shuttle_pb2 as pb
 from proto import shuttle_pb2_grpc as pb_grpc
 from services.gateway.admin import check_admin_token
-from services.gateway.engine_client import EngineClient, RequestFailed
+from services.gateway.engine_client import EngineClient, OutputDelta, RequestFailed
 from services.gateway.grpc_protocol import (
     check_request_id,
     rename_field,
@@ -131,7 +131,10 @@ class ShuttleServicer(pb_grpc.ShuttleServicer):
             raise GrpcError(status_code(e.status), message) from None
 
     async def _stream(
-        self, request_id: str, deltas: Any, context: grpc.aio.ServicerContext
+        self,
+        request_id: str,
+        deltas: AsyncIterator[OutputDelta],
+        context: grpc.aio.ServicerContext,
     ) -> None:
         fingerprint = self.engine.system_fingerprint
         try:
@@ -143,7 +146,9 @@ class ShuttleServicer(pb_grpc.ShuttleServicer):
         finally:
             # cancelled (client gone, deadline) or failed: closing aborts it in the engine;
             # after a finish this is a no-op
-            await deltas.aclose()
+            aclose = getattr(deltas, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
     @_statuses
     async def Cancel(

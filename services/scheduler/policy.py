@@ -95,6 +95,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swaps = 0
         self.num_computed_tokens_total = 0
+        self.num_schedules = 0
 
     # queue changes ---------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -144,6 +145,7 @@ class Scheduler:
 
     # the step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self.num_schedules += 1
         out = SchedulerOutput(finished_req_ids=self._finished_for_worker)
         self._finished_for_worker = []
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
@@ -191,8 +193,9 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         table = self.blocks.block_tables.get(req.request_id, [])
-        swap = (self.config.preemption_mode == "swap" and req.num_pending == 0
-                and self.host_pool.can_allocate(len(table)))
+        # a token still pending from the step in flight is fine: the copy-out runs after that
+        # step on the worker, and the request is not scheduled again before its result
+        swap = self.config.preemption_mode == "swap" and self.host_pool.can_allocate(len(table))
         if swap:
             host = self.host_pool.allocate(len(table))
             out.swap_out.extend(zip(table, host, strict=True))
@@ -273,7 +276,10 @@ class Scheduler:
         if leader.is_finished or leader.is_swapped or k == 0:
             req.fork_of = None  # the leader cannot share: start alone
             return self._admit(req, budget, SchedulerOutput())
-        if leader.status != Status.RUNNING or leader.num_computed_tokens < k:
+        # KV copies run before a step computes, so only KV of earlier steps may be shared
+        ready = (leader.computed_before_step if leader.scheduled_in == self.num_schedules
+                 else leader.num_computed_tokens)
+        if leader.status != Status.RUNNING or ready < k:
             return 0  # wait for the leader's prefill
         # blocks past the shared ones, plus one for the copy of a shared partial block
         need = bm.num_blocks_for(req.num_tokens) - bm.num_blocks_for(k) + 1
@@ -286,6 +292,7 @@ class Scheduler:
 
     def _take(self, req: Request, num_new: int, out: SchedulerOutput) -> ScheduledReq:
         before = req.num_computed_tokens
+        req.scheduled_in, req.computed_before_step = self.num_schedules, before
         copy = self.blocks.copy_on_write(req.request_id, before)
         if copy is not None:
             out.copies.append((req.request_id, *copy))

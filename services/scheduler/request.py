@@ -53,6 +53,8 @@ class Request:
         self.worker_has_table = False  # False when new or preempted: the next plan sends it all
         self.host_blocks: list[int] | None = None  # set while swapped out
         self.num_preemptions = 0
+        self.scheduled_in = -1  # the last schedule() that gave it tokens
+        self.computed_before_step = 0  # num_computed_tokens before that step
         self.cache_root = cache_root
         self.priority = priority
         self.arrival_seq = next(_arrivals)
