@@ -8,6 +8,11 @@ that names the field (never FastAPI's 422). A request keeps one id from the firs
 the last: the client's `X-Request-Id` if valid, else a fresh one; the response echoes it in
 that header and as the body's `id`.
 
+With `n` > 1 the engine interleaves the deltas of n sequences (`OutputDelta.index`); the
+answer has n choices, and a stream carries one choice per chunk, as OpenAI's does: the chat
+role chunks of every index first, then text and finish chunks per index as they come, then
+usage (prompt counted once, outputs summed) and [DONE] once the last sequence finished.
+
 A request ends in the engine whenever its HTTP exchange ends: the engine's delta iterator is
 closed (which aborts the request there) when a client disconnects, a stream is dropped, or a
 handler fails, in a `finally` that cancellation cannot skip.
@@ -142,7 +147,12 @@ class OpenAIRoutes:
             raise RequestRejected("the engine is not ready yet", None, 503)
         generate = body.to_generate_request(request_id, engine.model_name, engine.max_model_len)
         reply = _Reply(
-            api.kind, request_id, engine.model_name, int(time.time()), engine.system_fingerprint
+            api.kind,
+            request_id,
+            engine.model_name,
+            int(time.time()),
+            engine.system_fingerprint,
+            generate.sampling.n,
         )
         reader = DeltaReader(engine.generate(generate))
         headers = {REQUEST_ID_HEADER: request_id}
@@ -154,9 +164,8 @@ class OpenAIRoutes:
                 handed_off = True
                 stream = sse_stream(reader, first, reply, body.include_usage)
                 return SseResponse(stream, headers=headers | _SSE_HEADERS)
-            text, last, ids = await until_disconnected(request, collect(reader))
-            return _json(reply.body(text, last, ids if body.return_token_ids else None),
-                         headers=headers)
+            choices, usage = await until_disconnected(request, collect(reader))
+            return _json(reply.body(choices, usage, bool(body.return_token_ids)), headers=headers)
         finally:
             if not handed_off:
                 await close_shielded(reader)
@@ -236,16 +245,50 @@ async def close_shielded(reader: DeltaReader) -> None:
         await reader.aclose()
 
 
-async def collect(reader: DeltaReader) -> tuple[str, OutputDelta, list[int]]:
-    """All the text and token ids of a request, and its last delta (finish, counts)."""
-    parts: list[str] = []
-    ids: list[int] = []
+@dataclasses.dataclass(slots=True)
+class Choice:
+    """One sequence's whole output, gathered from its deltas."""
+
+    index: int
+    parts: list[str] = dataclasses.field(default_factory=list)
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: FinishReason = FinishReason.NONE
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+class Usage:
+    """A request's token counts: the prompt once (its sequences share it), outputs summed."""
+
+    def __init__(self) -> None:
+        self.num_prompt_tokens = 0
+        self._num_output_tokens: dict[int, int] = {}  # index -> that sequence's count so far
+
+    def add(self, delta: OutputDelta) -> None:
+        self.num_prompt_tokens = delta.num_prompt_tokens
+        self._num_output_tokens[delta.index] = delta.num_output_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self._num_output_tokens.values())
+
+
+async def collect(reader: DeltaReader) -> tuple[list[Choice], Usage]:
+    """Every sequence's text, token ids and finish reason (by index), and the usage."""
+    choices: dict[int, Choice] = {}
+    usage = Usage()
     while True:
         delta = await reader.next()
-        parts.append(delta.text)
-        ids.extend(delta.token_ids)
+        usage.add(delta)
+        choice = choices.setdefault(delta.index, Choice(delta.index))
+        choice.parts.append(delta.text)
+        choice.token_ids.extend(delta.token_ids)
         if delta.finish_reason != FinishReason.NONE:
-            return "".join(parts), delta, ids
+            choice.finish_reason = delta.finish_reason
+        if delta.last:
+            return sorted(choices.values(), key=lambda c: c.index), usage
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -281,47 +324,53 @@ class _Reply:
     model: str
     created: int
     fingerprint: str
+    n: int = 1  # choices (sequences) in the answer
 
     def head(self) -> list[bytes]:
+        """The chat stream's role chunks, one per choice, before any text."""
         if self.kind == "chat":
-            return [self._event({"role": "assistant", "content": ""}, "", None)]
+            role = {"role": "assistant", "content": ""}
+            return [self._event(role, "", None, index) for index in range(self.n)]
         return []
 
-    def text(self, text: str) -> bytes:
-        return self._event({"content": text}, text, None)
+    def text(self, text: str, index: int = 0) -> bytes:
+        return self._event({"content": text}, text, None, index)
 
-    def finish(self, reason: FinishReason) -> bytes:
-        return self._event({}, "", reason.openai)
+    def finish(self, reason: FinishReason, index: int = 0) -> bytes:
+        return self._event({}, "", reason.openai, index)
 
-    def usage(self, last: OutputDelta) -> bytes:
-        counts = (last.num_prompt_tokens, last.num_output_tokens)
+    def usage(self, usage: Usage) -> bytes:
+        counts = (usage.num_prompt_tokens, usage.num_output_tokens)
         ids = (self.request_id, self.model, self.created)
         return sse.sse_event(sse.usage_chunk(self.kind, *ids, *counts, self.fingerprint))
 
-    def _event(self, delta: dict[str, Any], text: str, finish: str | None) -> bytes:
+    def _event(self, delta: dict[str, Any], text: str, finish: str | None, index: int) -> bytes:
         ids = (self.request_id, self.model, self.created)
         if self.kind == "chat":
-            return sse.sse_event(sse.chat_chunk(*ids, delta, finish, self.fingerprint))
-        return sse.sse_event(sse.completion_chunk(*ids, text, finish, self.fingerprint))
+            return sse.sse_event(sse.chat_chunk(*ids, delta, finish, self.fingerprint, index))
+        return sse.sse_event(sse.completion_chunk(*ids, text, finish, self.fingerprint, index))
 
-    def body(self, text: str, last: OutputDelta, token_ids: list[int] | None) -> dict[str, Any]:
-        """The non-streamed answer (with the output token ids when asked for)."""
-        choice: dict[str, Any] = {"index": 0}
+    def _choice(self, choice: Choice, with_token_ids: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {"index": choice.index}
         if self.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text}
+            out["message"] = {"role": "assistant", "content": choice.text}
         else:
-            choice["text"] = text
-        choice |= {"logprobs": None, "finish_reason": last.finish_reason.openai}
-        if token_ids is not None:
-            choice["token_ids"] = token_ids
-        prompt, output = last.num_prompt_tokens, last.num_output_tokens
+            out["text"] = choice.text
+        out |= {"logprobs": None, "finish_reason": choice.finish_reason.openai}
+        if with_token_ids:
+            out["token_ids"] = choice.token_ids
+        return out
+
+    def body(self, choices: list[Choice], usage: Usage, with_token_ids: bool) -> dict[str, Any]:
+        """The non-streamed answer (with the output token ids when asked for)."""
+        prompt, output = usage.num_prompt_tokens, usage.num_output_tokens
         return {
             "id": self.request_id,
             "object": "chat.completion" if self.kind == "chat" else "text_completion",
             "created": self.created,
             "model": self.model,
             "system_fingerprint": self.fingerprint,
-            "choices": [choice],
+            "choices": [self._choice(c, with_token_ids) for c in choices],
             "usage": dict(
                 prompt_tokens=prompt, completion_tokens=output, total_tokens=prompt + output
             ),
@@ -334,16 +383,20 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 async def sse_stream(
     reader: DeltaReader, first: OutputDelta, reply: _Reply, include_usage: bool
 ) -> AsyncIterator[bytes]:
-    """The SSE body: [role chunk], text chunks, finish chunk, [usage chunk], [DONE].
+    """The SSE body: [role chunks], text and finish chunks per choice, [usage chunk], [DONE].
     A failure after the first byte becomes an error event, still followed by [DONE]."""
     try:
         for event in reply.head():
             yield event
+        usage = Usage()
         delta = first
         while True:
+            usage.add(delta)
             if delta.text:
-                yield reply.text(delta.text)
+                yield reply.text(delta.text, delta.index)
             if delta.finish_reason != FinishReason.NONE:
+                yield reply.finish(delta.finish_reason, delta.index)
+            if delta.last:
                 break
             while True:
                 try:
@@ -351,9 +404,8 @@ async def sse_stream(
                     break
                 except TimeoutError:
                     yield sse.sse_comment("keep-alive")
-        yield reply.finish(delta.finish_reason)
         if include_usage:
-            yield reply.usage(delta)
+            yield reply.usage(usage)
     except RequestFailed as e:
         yield sse.sse_event(sse.error_chunk(e.message, _error_type(e.status), e.status, e.param))
     except Exception:

@@ -15,13 +15,21 @@ from common.messages import FinishReason, GenerateRequest
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class OutputDelta:
-    """What one request produced since the previous delta."""
+    """What one sequence of a request produced since its previous delta.
+
+    A request with `n` > 1 streams the deltas of its n sequences interleaved, told apart by
+    `index`; each sequence finishes once (its own `finish_reason`), and `last` marks the delta
+    after which the request has nothing more to say (every sequence finished). For n = 1,
+    `last` is simply `finish_reason != NONE`.
+    """
 
     text: str
     token_ids: list[int]
-    finish_reason: FinishReason  # NONE while running
+    finish_reason: FinishReason  # NONE while this sequence runs
     num_prompt_tokens: int
-    num_output_tokens: int  # so far
+    num_output_tokens: int  # of this sequence, so far
+    last: bool  # the request's final delta: every sequence has finished
+    index: int = 0  # which sequence, 0..n-1
 
 
 class RequestFailed(Exception):
@@ -42,7 +50,7 @@ class EngineClient(Protocol):
     def is_ready(self) -> bool: ...
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[OutputDelta]:
-        """Stream deltas until one carries a finish reason. Raises RequestFailed.
+        """Stream deltas until the one marked `last`. Raises RequestFailed.
 
         Closing the iterator early (client gone) aborts the request in the engine.
         """

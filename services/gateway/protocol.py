@@ -11,9 +11,15 @@ Defaults:
   fit in the model's context after the prompt (the tokenizer resolves it).
 - `temperature` 1.0, `top_p` 1.0, `top_k` off (-1 or 0), `n` 1, `stream` false.
 
-Limits: at most `MAX_STOP` stop strings of 1..`MAX_STOP_CHARS` characters each. Not yet
-supported, refused with a clear message: `n` > 1, `best_of` > 1, `echo`, `suffix`,
-`logprobs`, non-zero presence/frequency penalties, `repetition_penalty` other than 1.
+Limits: at most `MAX_STOP` stop strings of 1..`MAX_STOP_CHARS` characters each; `n` (choices
+per request, sampled as sequences that share the prompt's KV blocks) at most `MAX_N`;
+`best_of` only equal to `n`. Not yet supported, refused with a clear message: `echo`,
+`suffix`, `logprobs`, non-zero presence/frequency penalties, `repetition_penalty` other than 1.
+
+vLLM extensions: `top_k`, `ignore_eos`, `return_token_ids`, `stop_token_ids`,
+`add_generation_prompt` (chat), `priority` (int, default 0: lower is served first when the
+server runs `--scheduling-policy priority`, ignored otherwise) and `timeout` (seconds, at most
+`MAX_TIMEOUT_S`: past it the request ends with finish reason "timeout").
 """
 
 from __future__ import annotations
@@ -22,7 +28,14 @@ import re
 import time
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from common.messages import GenerateRequest, SamplingParams
@@ -31,6 +44,8 @@ MAX_STOP = 64  # stop strings per request
 MAX_STOP_CHARS = 256  # characters per stop string
 MAX_STOP_TOKEN_IDS = 64
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+MAX_N = 16  # choices per request: each is a sequence holding its own KV blocks
+MAX_TIMEOUT_S = 86400.0  # a day
 _INT32_MAX = 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1  # orjson carries 64-bit ints
 
@@ -46,6 +61,9 @@ TopK = Annotated[int, Field(ge=-1, le=_INT32_MAX)]
 Seed = Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 TokenId = Annotated[int, Field(ge=0, le=_INT32_MAX)]
+NumChoices = Annotated[int, Field(ge=1, le=MAX_N)]
+Priority = Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)]
+Timeout = Annotated[float, Field(gt=0.0, le=MAX_TIMEOUT_S, allow_inf_nan=False)]
 
 
 class RequestRejected(Exception):
@@ -82,7 +100,7 @@ class _CommonRequest(BaseModel):
     seed: Seed | None = None
     stop: list[str] = Field(default_factory=list)  # also a single str, see _stop_list
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
-    n: Annotated[int, Field(ge=1)] | None = None
+    n: NumChoices | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None  # vLLM extension
@@ -91,6 +109,8 @@ class _CommonRequest(BaseModel):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
+    priority: Priority | None = None  # vLLM extension: lower first (priority scheduling)
+    timeout: Timeout | None = None  # vLLM-style extension: seconds until finish "timeout"
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -106,13 +126,6 @@ class _CommonRequest(BaseModel):
                     "stop_item", f"each stop string must be 1..{MAX_STOP_CHARS} characters"
                 )
         return stops
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, value: int | None) -> int | None:
-        if value is not None and value > 1:
-            raise _refuse("n > 1 is not supported yet")
-        return value
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -150,7 +163,12 @@ class _CommonRequest(BaseModel):
             stop=list(self.stop),
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=bool(self.ignore_eos),
+            n=self.n or 1,
         )
+
+    def _scheduling(self) -> dict[str, Any]:
+        """The GenerateRequest fields that steer the scheduler rather than sampling."""
+        return {"priority": self.priority or 0, "timeout": self.timeout}
 
 
 def _content_text(value: Any) -> str:
@@ -228,6 +246,7 @@ class ChatCompletionRequest(_CommonRequest):
             messages=[m.as_dict() for m in self.messages],
             add_generation_prompt=self.add_generation_prompt is not False,
             arrival_time=time.time(),
+            **self._scheduling(),
         )
 
 
@@ -259,7 +278,7 @@ class CompletionRequest(_CommonRequest):
     prompt: Any
     echo: bool | None = None
     logprobs: int | None = None
-    best_of: int | None = None
+    best_of: Annotated[int, Field(ge=1)] | None = None  # only = n: no ranking of choices
     suffix: str | None = None
 
     _check_prompt = field_validator("prompt", mode="before")(_prompt)
@@ -280,9 +299,13 @@ class CompletionRequest(_CommonRequest):
 
     @field_validator("best_of")
     @classmethod
-    def _no_best_of(cls, value: int | None) -> int | None:
-        if value is not None and value > 1:
-            raise _refuse("best_of > 1 is not supported yet")
+    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        # `n` is declared (so validated) first; when it failed, that error is the one reported
+        if value is None or "n" not in info.data:
+            return value
+        n = info.data["n"] or 1
+        if value != n:
+            raise _refuse(f"only best_of = n ({n}) is supported, got {value}")
         return value
 
     @field_validator("suffix")
@@ -306,6 +329,7 @@ class CompletionRequest(_CommonRequest):
             prompt=self.prompt if is_text else None,
             prompt_token_ids=None if is_text else list(self.prompt),
             arrival_time=time.time(),
+            **self._scheduling(),
         )
 
 

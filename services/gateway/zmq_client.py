@@ -1,4 +1,9 @@
-"""The real EngineClient: requests go out over ZeroMQ, deltas come back into per-request queues."""
+"""The real EngineClient: requests go out over ZeroMQ, deltas come back into per-request queues.
+
+A request with n > 1 comes back as n sequences named `<id>#<i>` (the scheduler forks them);
+their deltas go into the queue of `<id>` tagged with index i, and the request ends when the
+last of them finishes. Client-chosen ids never hold '#', so the name cannot be ambiguous.
+"""
 
 from __future__ import annotations
 
@@ -23,6 +28,38 @@ from services.gateway.engine_client import OutputDelta, RequestFailed
 log = logging.getLogger(__name__)
 
 
+def split_sequence_id(sequence_id: str) -> tuple[str, int]:
+    """Split "req#2" into ("req", 2); a plain request id is its own sequence 0."""
+    request_id, sep, index = sequence_id.rpartition("#")
+    if sep and index.isdigit():
+        return request_id, int(index)
+    return sequence_id, 0
+
+
+class _Stream:
+    """One in-flight request: its queue, and which of its sequences are still running."""
+
+    def __init__(self, n: int) -> None:
+        self.queue: asyncio.Queue[OutputDelta | RequestFailed] = asyncio.Queue()
+        self.running = set(range(n))
+
+    def put(self, msg: OutputBatch, i: int, index: int) -> None:
+        finish = FinishReason(msg.finish_reasons[i])
+        if finish != FinishReason.NONE:
+            self.running.discard(index)
+        self.queue.put_nowait(
+            OutputDelta(
+                text=msg.texts[i],
+                token_ids=msg.token_ids[i],
+                finish_reason=finish,
+                num_prompt_tokens=msg.num_prompt_tokens[i],
+                num_output_tokens=msg.num_output_tokens[i],
+                last=not self.running,
+                index=index,
+            )
+        )
+
+
 class ZmqEngineClient:
     """Keeps one queue per in-flight request; the gateway actor feeds them from its inbox."""
 
@@ -34,7 +71,7 @@ class ZmqEngineClient:
         self.model_name = ""
         self.system_fingerprint = ""
         self.max_model_len = 0
-        self._queues: dict[str, asyncio.Queue[OutputDelta | RequestFailed]] = {}
+        self._streams: dict[str, _Stream] = {}
         self._stats_waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._query_ids = itertools.count()
 
@@ -49,32 +86,34 @@ class ZmqEngineClient:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._queues)
+        return len(self._streams)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[OutputDelta]:
         rid = request.request_id
-        if rid in self._queues:
-            raise RequestFailed(400, f"X-Request-Id: request id {rid!r} is already in flight",
-                                "X-Request-Id")
-        queue: asyncio.Queue[OutputDelta | RequestFailed] = asyncio.Queue()
-        self._queues[rid] = queue
+        if rid in self._streams:
+            raise RequestFailed(
+                400, f"X-Request-Id: request id {rid!r} is already in flight", "X-Request-Id"
+            )
+        stream = _Stream(request.sampling.n)
+        self._streams[rid] = stream
         finished = False
         try:
             self.tokenizers.send(request)
             while True:
-                item = await queue.get()
+                item = await stream.queue.get()
                 if isinstance(item, RequestFailed):
                     finished = True
                     raise item
-                finished = item.finish_reason != FinishReason.NONE
+                finished = item.last
                 yield item
                 if finished:
                     return
         finally:
             if not finished:  # the client went away or the caller stopped reading
+                # one Abort for the request id: the scheduler aborts all its sequences
                 self.scheduler.send(Abort(request_ids=[rid], reason=int(FinishReason.CANCELLED)))
             # state goes only after the abort is sent (DESIGN §8)
-            self._queues.pop(rid, None)
+            self._streams.pop(rid, None)
 
     async def abort(self, request_id: str) -> None:
         self.scheduler.send(Abort(request_ids=[request_id], reason=int(FinishReason.CANCELLED)))
@@ -91,19 +130,17 @@ class ZmqEngineClient:
 
     # fed by the gateway actor ---------------------------------------------------------------
     def on_outputs(self, msg: OutputBatch) -> None:
-        for i, rid in enumerate(msg.request_ids):
-            queue = self._queues.get(rid)
-            if queue is not None:
-                queue.put_nowait(OutputDelta(
-                    text=msg.texts[i], token_ids=msg.token_ids[i],
-                    finish_reason=FinishReason(msg.finish_reasons[i]),
-                    num_prompt_tokens=msg.num_prompt_tokens[i],
-                    num_output_tokens=msg.num_output_tokens[i]))
+        for i, sequence_id in enumerate(msg.request_ids):
+            rid, index = split_sequence_id(sequence_id)
+            stream = self._streams.get(rid)
+            if stream is not None:  # else: finished or aborted, its late outputs are moot
+                stream.put(msg, i, index)
 
     def on_error(self, msg: RequestError) -> None:
-        queue = self._queues.get(msg.request_id)
-        if queue is not None:
-            queue.put_nowait(RequestFailed(msg.status, msg.message, msg.param))
+        # an error about one sequence fails the whole request
+        stream = self._streams.get(split_sequence_id(msg.request_id)[0])
+        if stream is not None:
+            stream.queue.put_nowait(RequestFailed(msg.status, msg.message, msg.param))
 
     def on_stats(self, msg: Stats) -> None:
         fut = self._stats_waiters.get(msg.query_id)

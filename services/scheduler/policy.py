@@ -273,8 +273,8 @@ class Scheduler:
         leader, bm = req.fork_of, self.blocks
         assert leader is not None
         k = req.num_prompt_tokens - 1
-        if leader.is_finished or leader.is_swapped or k == 0:
-            req.fork_of = None  # the leader cannot share: start alone
+        if leader.is_finished or leader.is_swapped or leader.status == Status.WAITING or k == 0:
+            req.fork_of = None  # the leader cannot share now (never waits behind it): alone
             return self._admit(req, budget, SchedulerOutput())
         # KV copies run before a step computes, so only KV of earlier steps may be shared
         ready = (leader.computed_before_step if leader.scheduled_in == self.num_schedules

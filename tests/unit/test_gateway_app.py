@@ -22,8 +22,16 @@ HANG = "hang"  # script step: wait until cancelled
 STOP, LENGTH = FinishReason.STOP, FinishReason.LENGTH
 
 
-def delta(text: str, finish: FinishReason = FinishReason.NONE, n: int = 1) -> OutputDelta:
-    return OutputDelta(text, [7] * n, finish, num_prompt_tokens=5, num_output_tokens=n)
+def delta(
+    text: str,
+    finish: FinishReason = FinishReason.NONE,
+    n: int = 1,
+    index: int = 0,
+    last: bool | None = None,
+) -> OutputDelta:
+    """Sequence `index`'s delta, its n-th token; `last` defaults to n = 1's rule (finished)."""
+    last = finish != FinishReason.NONE if last is None else last
+    return OutputDelta(text, [7] * n, finish, 5, n, last=last, index=index)
 
 
 class FakeEngine:
@@ -57,7 +65,7 @@ class FakeEngine:
                 elif isinstance(step, float):
                     await asyncio.sleep(step)
                 else:
-                    finished = step.finish_reason != FinishReason.NONE
+                    finished = step.last
                     yield step
         except (GeneratorExit, asyncio.CancelledError):
             if not finished:  # closed before the end: the real client sends an Abort
@@ -227,6 +235,85 @@ def test_openai_client_in_process() -> None:
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+# --- n > 1: several choices per request ---------------------------------------------------------
+
+# two sequences interleaved; #1 finishes first, #0's finish is the request's last delta
+TWO = [
+    delta("x", index=1),
+    delta("a", index=0),
+    delta("y", LENGTH, 2, index=1, last=False),
+    delta("b", STOP, 2, index=0, last=True),
+]
+
+
+def test_n_non_streaming_choices_by_index_and_summed_usage() -> None:
+    for url, body in ((CHAT, chat_body(n=2)), (COMPLETIONS, {"prompt": "p", "n": 2})):
+        resp = run(FakeEngine(TWO), "POST", url, json=body | {"return_token_ids": True})
+        out = resp.json()
+        key = "message" if url == CHAT else "text"
+        texts = [c[key] for c in out["choices"]]
+        if url == CHAT:
+            texts = [m["content"] for m in texts]
+        assert [c["index"] for c in out["choices"]] == [0, 1]
+        assert texts == ["ab", "xy"]
+        assert [c["finish_reason"] for c in out["choices"]] == ["stop", "length"]
+        assert [c["token_ids"] for c in out["choices"]] == [[7] * 3] * 2
+        assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
+
+
+def test_n_chat_stream_one_choice_per_chunk() -> None:
+    body = chat_body(n=2, stream=True, stream_options={"include_usage": True})
+    events = parse_sse(run(FakeEngine(TWO), "POST", CHAT, json=body).content)
+    assert events[-1] == "[DONE]"
+    choices = [
+        (c["index"], c["delta"], c["finish_reason"]) for e in events[:-2] for c in e["choices"]
+    ]
+    assert all(len(e["choices"]) == 1 for e in events[:-2])
+    role = {"role": "assistant", "content": ""}
+    assert choices == [
+        (0, role, None),
+        (1, role, None),
+        (1, {"content": "x"}, None),
+        (0, {"content": "a"}, None),
+        (1, {"content": "y"}, None),
+        (1, {}, "length"),
+        (0, {"content": "b"}, None),
+        (0, {}, "stop"),
+    ]
+    assert events[-2]["choices"] == []
+    assert events[-2]["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
+
+
+def test_n_completion_stream_ends_on_the_last_sequence() -> None:
+    engine = FakeEngine([*TWO[:3], 0.01, TWO[3]])
+    events = parse_sse(
+        run(engine, "POST", COMPLETIONS, json={"prompt": "p", "n": 2, "stream": True}).content
+    )
+    choices = [
+        (c["index"], c["text"], c["finish_reason"]) for e in events[:-1] for c in e["choices"]
+    ]
+    assert choices == [
+        (1, "x", None),
+        (0, "a", None),
+        (1, "y", None),
+        (1, "", "length"),
+        (0, "b", None),
+        (0, "", "stop"),
+    ]
+    assert events[-1] == "[DONE]" and engine.aborted == []
+
+
+def test_n_priority_timeout_reach_the_engine() -> None:
+    engine = FakeEngine(TWO)
+    body = {"prompt": "p", "n": 2, "best_of": 2, "priority": -3, "timeout": 1.5}
+    assert run(engine, "POST", COMPLETIONS, json=body).status_code == 200
+    engine.script = None  # the echo, for the n = 1 requests below
+    run(engine, "POST", CHAT, json=chat_body(n=None, priority=None, timeout=None))
+    run(engine, "POST", CHAT, json=chat_body(n=1, priority=7, timeout=2))
+    got = [(r.sampling.n, r.priority, r.timeout) for r in engine.requests]
+    assert got == [(2, -3, 1.5), (1, 0, None), (1, 7, 2.0)]
+
+
 # --- refusals --------------------------------------------------------------------------------
 
 
@@ -246,7 +333,17 @@ def test_openai_client_in_process() -> None:
         (chat_body(temperature=2.5), "temperature", "<= 2"),
         (chat_body(top_p=0), "top_p", "> 0"),
         (chat_body(top_p=1.01), "top_p", "<= 1"),
-        (chat_body(n=2), "n", "n > 1 is not supported"),
+        (chat_body(n=17), "n", "<= 16"),
+        (chat_body(n=0), "n", ">= 1"),
+        (chat_body(n=2.0), "n", "integer"),
+        ({"prompt": "x", "n": 2, "best_of": 3}, "best_of", "best_of = n (2)"),
+        ({"prompt": "x", "best_of": 2}, "best_of", "best_of = n (1)"),
+        (chat_body(priority="1"), "priority", "integer"),
+        (chat_body(priority=1.5), "priority", "integer"),
+        (chat_body(timeout=0), "timeout", "> 0"),
+        (chat_body(timeout=86401), "timeout", "<= 86400"),
+        (chat_body(timeout="5"), "timeout", "number"),
+        (chat_body(timeout=True), "timeout", "number"),
         (chat_body(stream="yes"), "stream", "boolean"),
         (chat_body(stop=["a", ""]), "stop", "1..256"),
         (chat_body(stop=["s"] * 65), "stop", "at most 64"),
