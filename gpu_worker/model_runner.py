@@ -42,6 +42,22 @@ class RequestState:
     generator: torch.Generator | None  # None for greedy requests
     block_table: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
+    version: str = ""  # the model version that serves it, for its whole life
+
+
+@dataclasses.dataclass
+class ModelVersion:
+    """One loaded set of weights; several can share the KV pool when their layout matches."""
+
+    model: torch.nn.Module
+    graphs: Any
+    config: LlamaConfig
+    path: str
+    eos_token_ids: list[int]
+
+
+class IncompatibleModel(ValueError):
+    """The new model's KV layout differs from the pool's (swap it in drain mode)."""
 
 
 @dataclasses.dataclass
@@ -93,6 +109,9 @@ class ModelRunner:
             max_model_len=self.max_model_len,
             enforce_eager=(self.device.type != "cuda") if enforce_eager is None else enforce_eager,
             max_graph_batch_size=max_graph_batch_size)
+        self.versions[self.weights_version] = ModelVersion(
+            self.model, self.graphs, self.config, self.model_path, list(self.eos_token_ids))
+        self.default_version = self.weights_version
         self._rng = random.Random(seed)
         self._requests: dict[str, RequestState] = {}
 
@@ -122,6 +141,7 @@ class ModelRunner:
             use_triton_layers(self.model)
         self.eos_token_ids = eos_token_ids(self.model_path, hf_config)
         self.weights_version = weights_version(self.model_path)
+        self.versions: dict[str, ModelVersion] = {}
 
     def _init_kv_cache(
         self, memory_gib: float, num_blocks: int | None, gpu_memory_utilization: float
@@ -162,6 +182,51 @@ class ModelRunner:
             "device": str(self.device),
         }
 
+    # model versions (hot swap) -------------------------------------------------------------
+    def load_version(self, path: str, version: str = "") -> str:
+        """Load another model beside the served ones, sharing the KV pool; returns its
+        version (default: a hash of its weight files). Raises IncompatibleModel when its KV
+        layout differs from the pool's."""
+        hf_config = read_hf_config(path)
+        config = LlamaConfig.from_hf(hf_config)
+        have = (self.config.num_layers, self.config.num_kv_heads, self.config.head_dim)
+        want = (config.num_layers, config.num_kv_heads, config.head_dim)
+        if want != have:
+            raise IncompatibleModel(f"{path} has KV layout (layers, kv heads, head dim) {want}, "
+                                    f"the pool holds {have}: swap it in drain mode")
+        version = version or weights_version(path)
+        if version in self.versions:
+            raise ValueError(f"model version {version!r} is already loaded")
+        backend = create_backend(self.backend.name, num_heads=config.num_heads,
+                                 num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                                 dtype=self.dtype, device=self.device)
+        model = load_model(path, backend, dtype=self.dtype, device=self.device,
+                           max_positions=self.max_model_len)
+        graphs = maybe_capture_graphs(
+            model, backend, self.kv_cache.tensor, block_size=self.block_size,
+            max_model_len=self.max_model_len, enforce_eager=self.graphs is None,
+            max_graph_batch_size=getattr(self.graphs, "max_batch_size", 0))
+        self.versions[version] = ModelVersion(model, graphs, config, path,
+                                              eos_token_ids(path, hf_config))
+        return version
+
+    def set_default_version(self, version: str) -> None:
+        """New requests without an explicit version run on `version` from now on."""
+        loaded = self.versions[version]
+        self.default_version = version
+        self.model, self.graphs, self.config = loaded.model, loaded.graphs, loaded.config
+        self.model_path, self.weights_version = loaded.path, version
+        self.eos_token_ids = loaded.eos_token_ids
+
+    def unload_version(self, version: str) -> None:
+        """Free a version's weights once no request uses it."""
+        if version == self.default_version:
+            raise ValueError(f"version {version!r} is the default; switch first")
+        users = [r for r, st in self._requests.items() if st.version == version]
+        if users:
+            raise ValueError(f"version {version!r} still serves {len(users)} requests")
+        del self.versions[version]
+
     def num_requests(self) -> int:
         return len(self._requests)
 
@@ -175,20 +240,33 @@ class ModelRunner:
         self._apply_diffs(plan)
         if not plan.req_ids:
             return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[])
-        batch = self._prepare_batch(plan)
-        with torch.inference_mode():
-            logits = run_model(self.model, self.graphs, batch.input_ids, self.kv_cache.tensor,
-                               batch.meta, batch.logits_indices)
-            states = batch.sampling_states
-            token_ids = sample(logits, [s.params for s in states], [s.generator for s in states])
-        for state, token_id in zip(states, token_ids, strict=True):
-            state.token_ids.append(token_id)
+        sampled: dict[str, int] = {}
+        for version, indices in self._by_version(plan).items():  # one forward per version
+            batch = self._prepare_batch(plan, indices)
+            loaded = self.versions[version]
+            with torch.inference_mode():
+                logits = run_model(loaded.model, loaded.graphs, batch.input_ids,
+                                   self.kv_cache.tensor, batch.meta, batch.logits_indices)
+                states = batch.sampling_states
+                tokens = sample(logits, [s.params for s in states], [s.generator for s in states])
+            for state, rid, token_id in zip(states, batch.sampling_req_ids, tokens, strict=True):
+                state.token_ids.append(token_id)
+                sampled[rid] = token_id
+        order = [rid for rid in plan.req_ids if rid in sampled]
         return StepResult(
             step_id=plan.step_id,
-            req_ids=batch.sampling_req_ids,
-            token_ids=token_ids,
+            req_ids=order,
+            token_ids=[sampled[rid] for rid in order],
             forward_s=time.perf_counter() - start,
         )
+
+    def _by_version(self, plan: StepPlan) -> dict[str, list[int]]:
+        groups: dict[str, list[int]] = {}
+        for i, rid in enumerate(plan.req_ids):
+            state = self._requests.get(rid)
+            version = state.version if state is not None else self.default_version
+            groups.setdefault(version, []).append(i)
+        return groups
 
     def _apply_diffs(self, plan: StepPlan) -> None:
         for req_id in plan.finished_req_ids:
@@ -199,14 +277,21 @@ class ModelRunner:
             state = self._requests[req_id]
             state.block_table = []
             state.num_computed = 0
-        new = zip(plan.new_req_ids, plan.new_prompt_token_ids, plan.new_sampling, strict=True)
-        for req_id, prompt, params in new:
+        versions = plan.new_versions or [""] * len(plan.new_req_ids)
+        new = zip(plan.new_req_ids, plan.new_prompt_token_ids, plan.new_sampling, versions,
+                  strict=True)
+        for req_id, prompt, params, version in new:
             if req_id in self._requests:
                 raise ValueError(f"request {req_id} is already running on the worker")
             if not prompt:
                 raise ValueError(f"request {req_id} has an empty prompt")
             generator = make_generator(params, self._rng, self.device)
-            self._requests[req_id] = RequestState(list(prompt), params, generator)
+            version = version or self.default_version
+            if version not in self.versions:
+                raise ValueError(f"request {req_id} wants model version {version!r}, loaded: "
+                                 f"{sorted(self.versions)}")
+            self._requests[req_id] = RequestState(list(prompt), params, generator,
+                                                  version=version)
         if plan.swap_in_src:
             self.kv_cache.swap_in(plan.swap_in_src, plan.swap_in_dst)
         if plan.copy_src:
@@ -217,7 +302,8 @@ class ModelRunner:
                 if index < len(table):  # else the table arrives whole, with dst, this step
                     table[index] = dst
 
-    def _prepare_batch(self, plan: StepPlan) -> _Batch:
+    def _prepare_batch(self, plan: StepPlan, indices: list[int]) -> _Batch:
+        """The packed inputs of the scheduled requests `indices` (one model version)."""
         num_reqs = len(plan.req_ids)
         if not (
             len(plan.num_computed_tokens)
@@ -229,7 +315,7 @@ class ModelRunner:
         if len(set(plan.req_ids)) != num_reqs:
             raise ValueError(f"step {plan.step_id}: a request is scheduled twice")
         # decodes first (stable), so the backend sees them as one contiguous batch
-        order = sorted(range(num_reqs), key=lambda i: plan.num_new_tokens[i] != 1)
+        order = sorted(indices, key=lambda i: plan.num_new_tokens[i] != 1)
         input_ids: list[int] = []
         last_token_index: dict[int, int] = {}
         states = [self._schedule(plan, i) for i in order]
@@ -246,7 +332,7 @@ class ModelRunner:
         )
         for state, i in zip(states, order, strict=True):
             state.num_computed += plan.num_new_tokens[i]
-        sampling = [i for i in range(num_reqs) if self._samples(plan.req_ids[i])]
+        sampling = [i for i in indices if self._samples(plan.req_ids[i])]
         return _Batch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64).to(self.device),
             meta=self.backend.build_metadata(meta),

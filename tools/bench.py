@@ -60,12 +60,16 @@ def _range(text: str) -> tuple[int, int]:
     return int(lo), int(hi or lo)
 
 
-def make_workload(n: int, input_len: str, output_len: str, vocab: int, seed: int) -> Workload:
+def make_workload(n: int, input_len: str, output_len: str, vocab: int, seed: int,
+                  shared_prefix: int = 0) -> Workload:
+    """Random prompts; with `shared_prefix`, every prompt starts with the same tokens (a
+    system prompt), followed by its own random part of `input_len` tokens."""
     rng = random.Random(seed)
     (ilo, ihi), (olo, ohi) = _range(input_len), _range(output_len)
     # ids from the middle of the vocabulary: ordinary word pieces, no special tokens
-    prompts = [[rng.randrange(1000, vocab - 1000) for _ in range(rng.randint(ilo, ihi))]
-               for _ in range(n)]
+    word = lambda: rng.randrange(1000, vocab - 1000)  # noqa: E731
+    prefix = [word() for _ in range(shared_prefix)]
+    prompts = [prefix + [word() for _ in range(rng.randint(ilo, ihi))] for _ in range(n)]
     return Workload(prompts, [rng.randint(olo, ohi) for _ in range(n)])
 
 
@@ -215,6 +219,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--input-len", default="128", help="N or LO:HI prompt tokens")
     p.add_argument("--output-len", default="64", help="N or LO:HI output tokens")
+    p.add_argument("--shared-prefix", type=int, default=0,
+                   help="tokens of a system prompt every request starts with")
     p.add_argument("--concurrency", type=int, default=0, help="most in flight (0: all)")
     p.add_argument("--rate", type=float, default=float("inf"), help="Poisson arrivals per s")
     p.add_argument("--seed", type=int, default=0)
@@ -224,6 +230,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--server-flags", default="", help="flags for the shuttle server started here")
     p.add_argument("--json", default="", help="write the results here")
+    p.add_argument("--admin-token", default="", help="read shuttle's /admin/stats after the run")
     return p.parse_args(argv)
 
 
@@ -238,22 +245,29 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = args.model_dir or str(prepare_default_model())
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
-    wl = make_workload(args.num_prompts, args.input_len, args.output_len, vocab, args.seed)
+    wl = make_workload(args.num_prompts, args.input_len, args.output_len, vocab, args.seed,
+                       args.shared_prefix)
     flags = ["--dtype", args.dtype, "--num-threads", str(threads), *shlex.split(args.server_flags)]
+    server_stats: dict[str, Any] = {}
     if args.url:
         timings, dur, peak = asyncio.run(_load(args.url, args, wl))
+        server_stats = _server_stats(args.url, args.admin_token)
     else:
         from tests.server import running_server
 
-        with running_server("--model", model_dir, *flags) as server:
+        token = args.admin_token or "bench"
+        with running_server("--model", model_dir, "--admin-token", token, *flags) as server:
             timings, dur, peak = asyncio.run(_load(server.url, args, wl))
+            server_stats = _server_stats(server.url, token)
     result = {
         "workload": {"num_prompts": args.num_prompts, "input_len": args.input_len,
                      "output_len": args.output_len, "prompt_tokens": wl.num_prompt_tokens,
                      "output_tokens": wl.num_output_tokens, "concurrency": args.concurrency,
+                     "shared_prefix": args.shared_prefix,
                      "rate": args.rate, "dtype": args.dtype, "threads": threads,
                      "server_flags": " ".join(flags) if not args.url else "external"},
         "shuttle": summarize(timings, dur, peak, wl),
+        "server_stats": server_stats,
         "baselines": [hf_baseline(b, model_dir, wl, args.hf_batch_size, args.dtype, threads)
                       for b in filter(None, args.baseline.split(","))],
     }
@@ -261,6 +275,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0 if result["shuttle"]["failed"] == 0 else 1
+
+
+def _server_stats(url: str, token: str) -> dict[str, Any]:
+    """The scheduler's counters after the run (shuttle only; {} elsewhere)."""
+    if not token:
+        return {}
+    try:
+        r = httpx.get(url + "/admin/stats", headers={"Authorization": f"Bearer {token}"})
+        stats = r.json() if r.status_code == 200 else {}
+    except httpx.HTTPError:
+        return {}
+    stats.pop("model", None)
+    stats.pop("request_ids", None)
+    return stats
 
 
 async def _load(url: str, args: argparse.Namespace, wl: Workload) -> tuple[list[Timing], float, int]:

@@ -44,6 +44,7 @@ class Abort:
 class StatsQuery:
     reply_to: str
     query_id: int
+    what: str = "stats"  # "stats": counters; "requests": every live request, one row each
 
 
 @message("stats")

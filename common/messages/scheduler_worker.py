@@ -13,6 +13,7 @@ known tokens, it samples one token and appends it.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from common.codec import message
 from common.messages.types import SamplingParams
@@ -25,6 +26,8 @@ class StepPlan:
     new_req_ids: list[str] = dataclasses.field(default_factory=list)  # [num_new]
     new_prompt_token_ids: list[list[int]] = dataclasses.field(default_factory=list)  # [num_new][*]
     new_sampling: list[SamplingParams] = dataclasses.field(default_factory=list)  # [num_new]
+    new_versions: list[str] = dataclasses.field(default_factory=list)  # [num_new] model version
+    # ("" or absent: the worker's default version)
     # requests to forget before this step runs (finished, cancelled)
     finished_req_ids: list[str] = dataclasses.field(default_factory=list)
     # requests whose KV was dropped (recompute preemption): block table and count reset to 0,
@@ -61,3 +64,28 @@ class StepResult:
     token_ids: list[int]  # [num_sampled]
     forward_s: float = 0.0  # worker time for the step, model + sampling
     error: str = ""  # set when the step failed: its requests are failed, not retried
+
+
+@message("load_model")
+class LoadModel:
+    """scheduler -> worker: load a model version. `overlap`: beside the served ones (same KV
+    layout); `drain`: replace everything (the scheduler has drained all requests first)."""
+
+    path: str
+    version: str  # "" = a hash of the weight files
+    mode: str  # overlap | drain
+
+
+@message("model_loaded")
+class ModelLoaded:
+    """worker -> scheduler: the answer to LoadModel; `error` set when it failed (the old
+    model goes on serving). `info` is the new version's model info (a Ready's info)."""
+
+    version: str
+    info: dict[str, Any]
+    error: str = ""
+
+
+@message("unload_model")
+class UnloadModel:
+    version: str

@@ -33,7 +33,7 @@ from common.model_facts import cache_root
 from services.scheduler.block_manager import BlockManager, HostBlockPool
 from services.scheduler.plan import to_plan
 from services.scheduler.policy import PolicyConfig, Scheduler
-from services.scheduler.request import Request
+from services.scheduler.request import Request, Status
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,10 @@ class SchedulerActor(Actor):
         self.step_counter = 0
         self.step_time_s = 0.0
         self.worker_time_s = 0.0
+        # result-to-result intervals of back-to-back steps, against the worker's own time
+        self.interval_s = self.interval_forward_s = self._last_result_at = 0.0
+        self.num_intervals = 0
+        self._busy_since_last_result = False
         self.handlers.update({
             TokenizedRequest: self._on_tokenized,
             StepResult: self._on_step_result,
@@ -182,8 +186,14 @@ class SchedulerActor(Actor):
             self._on_abort(Abort(request_ids=step.req_ids, reason=int(FinishReason.ERROR)))
             return
         self.num_steps += 1
-        self.step_time_s += time.perf_counter() - step.sent_at
+        now = time.perf_counter()
+        self.step_time_s += now - step.sent_at
         self.worker_time_s += msg.forward_s
+        if self._busy_since_last_result:  # back-to-back steps: the gap is scheduling cost
+            self.interval_s += now - self._last_result_at
+            self.interval_forward_s += msg.forward_s
+            self.num_intervals += 1
+        self._last_result_at = now
         results = self.policy.update(msg.req_ids, msg.token_ids)
         if results:
             self.detokenizer.send(TokenBatch(
@@ -194,8 +204,26 @@ class SchedulerActor(Actor):
             self._forget_groups([r for r, _, f in results if f != FinishReason.NONE])
 
     def _on_stats_query(self, msg: StatsQuery) -> None:
-        self.outbox(msg.reply_to).send(Stats(name=self.name, query_id=msg.query_id,
-                                             data=self.stats()))
+        data = self.request_rows() if msg.what == "requests" else self.stats()
+        self.outbox(msg.reply_to).send(Stats(name=self.name, query_id=msg.query_id, data=data))
+
+    def request_rows(self) -> dict[str, Any]:
+        """GET /admin/requests: id, state, tokens so far, age of every live request."""
+        if self.policy is None:
+            return {"requests": []}
+        now = time.time()
+        rows = [{
+            "id": r.request_id,
+            "state": _state_name(r),
+            "num_prompt_tokens": r.num_prompt_tokens,
+            "num_output_tokens": len(r.output_token_ids),
+            "num_computed_tokens": r.num_computed_tokens,
+            "num_cached_tokens": r.num_cached_tokens,
+            "num_blocks": len(self.policy.blocks.block_tables.get(r.request_id, ())),
+            "priority": r.priority,
+            "age_s": round(now - r.arrival_time, 3),
+        } for r in sorted(self.policy.requests.values(), key=lambda r: r.arrival_seq)]
+        return {"requests": rows}
 
     # the step -----------------------------------------------------------------------------
     async def on_idle(self) -> None:
@@ -211,6 +239,7 @@ class SchedulerActor(Actor):
                              time.perf_counter())
             self.in_flight.append(step)
             self.worker.send(to_plan(step.step_id, out))
+        self._busy_since_last_result = bool(self.in_flight)
         if not self.in_flight and not policy.has_work():
             policy.check_integrity()  # whenever idle: every block accounted for
 
@@ -253,6 +282,17 @@ class SchedulerActor(Actor):
             "mean_step_s": self.step_time_s / max(1, self.num_steps),
             "mean_worker_s": self.worker_time_s / max(1, self.num_steps),
             "num_steps_in_flight": len(self.in_flight),
+            "mean_step_interval_s": self.interval_s / max(1, self.num_intervals),
+            "mean_step_forward_s": self.interval_forward_s / max(1, self.num_intervals),
             "request_ids": sorted(p.requests),
             "model": self.worker_info,
         }
+
+
+def _state_name(r: Request) -> str:
+    """waiting | prefill | decoding | preempted | swapped"""
+    if r.is_swapped:
+        return "swapped"
+    if r.status == Status.WAITING:
+        return "preempted" if r.num_preemptions else "waiting"
+    return "prefill" if r.num_computed_tokens < r.num_prompt_tokens else "decoding"

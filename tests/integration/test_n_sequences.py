@@ -30,7 +30,7 @@ def test_greedy_chat_choices_equal_the_single_answer(server: Server, client: ope
 
 
 def test_streamed_choices_equal_the_non_streamed(server: Server, client: openai.OpenAI) -> None:
-    args = dict(model=server.model, prompt=PROMPT, max_tokens=16, temperature=0.0, n=2)
+    args = dict(model=server.model, prompt=PROMPT, max_tokens=10, temperature=0.0, n=2)
     whole = client.completions.create(  # type: ignore[call-overload]
         **args, extra_body={"return_token_ids": True}
     )
@@ -56,10 +56,10 @@ def test_streamed_choices_equal_the_non_streamed(server: Server, client: openai.
 
 
 def test_seeded_sampling_repeats(server: Server, client: openai.OpenAI) -> None:
-    args = dict(model=server.model, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=7, n=2)
+    args = dict(model=server.model, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=7, n=2)
     first = client.completions.create(**args)  # type: ignore[call-overload]
     second = client.completions.create(**args)  # type: ignore[call-overload]
     assert [c.text for c in first.choices] == [c.text for c in second.choices]
     assert len(first.choices) == 2
     total = first.usage.completion_tokens
-    assert total == second.usage.completion_tokens and 2 <= total <= 24
+    assert total == second.usage.completion_tokens and 2 <= total <= 16
