@@ -96,6 +96,8 @@ class ServerConfig:
     port: int = _field(8000, "HTTP port (0: pick a free one)")
     api_key: str = _field("", "clients must send 'Authorization: Bearer KEY' when set")
     grpc_port: int = _field(-1, "gRPC port on --host (-1: no gRPC server, 0: pick a free one)")
+    model_root: str = _field("", "hot swap loads only folders under this one (empty: any "
+                                 "local folder)")
     admin_token: str = _field("", "admin API (HTTP /admin, gRPC Admin) wants 'Authorization: "
                                   "Bearer TOKEN'; empty: admin calls are refused")
     num_tokenizers: int = _field(1, "tokenizer processes")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from pathlib import Path
@@ -9,7 +10,7 @@ from typing import Any
 
 from common.actor import Actor
 from common.config import Config, ConfigError
-from common.messages import StepPlan, StepResult
+from common.messages import LoadModel, ModelLoaded, StepPlan, StepResult, UnloadModel
 from common.model_facts import position_config, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -37,14 +38,20 @@ class WorkerActor(Actor):
     def __init__(self, config: Config) -> None:
         super().__init__(config)
         self.runner: Any = None
-        self.handlers[StepPlan] = self._on_step_plan
+        self.handlers.update({StepPlan: self._on_step_plan, LoadModel: self._on_load_model,
+                              UnloadModel: self._on_unload_model})
 
     async def start(self) -> None:
+        self.runner = self._build(str(resolve_model_path(self.config)))
+        self.scheduler = self.outbox(self.config.addr("scheduler"))
+        log.info("model loaded: %s", self.runner.model_info())
+
+    def _build(self, path: str) -> Any:
         from gpu_worker.model_runner import ModelRunner
 
         m, c = self.config.model, self.config.cache
-        self.runner = ModelRunner(
-            str(resolve_model_path(self.config)),
+        return ModelRunner(
+            path,
             dtype=m.dtype,
             device=m.device,
             block_size=c.block_size,
@@ -58,12 +65,13 @@ class WorkerActor(Actor):
             swap_space_gib=(c.swap_space if self.config.scheduler.preemption_mode == "swap"
                             else 0.0),
         )
-        self.scheduler = self.outbox(self.config.addr("scheduler"))
-        log.info("model loaded: %s", self.runner.model_info())
 
     def ready_info(self) -> dict[str, Any]:
+        return self.model_info()
+
+    def model_info(self) -> dict[str, Any]:
         info = dict(self.runner.model_info())
-        path = resolve_model_path(self.config)
+        path = Path(self.runner.model_path)
         info["model_name"] = served_model_name(self.config)
         info["tokenizer_fingerprint"] = tokenizer_fingerprint(path)
         info["position_config"] = position_config(path)
@@ -72,6 +80,45 @@ class WorkerActor(Actor):
 
     def ready_targets(self) -> list[str]:
         return [*super().ready_targets(), self.config.addr("scheduler")]
+
+    def _on_load_model(self, msg: LoadModel) -> None:
+        """Hot swap: load beside the served versions (overlap) or instead of them (drain)."""
+        try:
+            if msg.mode == "overlap":
+                version = self.runner.load_version(msg.path, msg.version)
+                self.runner.set_default_version(version)
+            else:
+                self._replace(msg.path, msg.version)
+            reply = ModelLoaded(version=self.runner.default_version, info=self.model_info())
+        except Exception as e:  # a bad folder, bad weights, a layout mismatch: old one serves
+            log.exception("loading %s failed", msg.path)
+            reply = ModelLoaded(version=msg.version, info={}, error=f"{type(e).__name__}: {e}")
+        self.scheduler.send(reply)
+
+    def _replace(self, path: str, version: str) -> None:
+        """Drain mode: only one copy fits, so free the old runner first; if the new one
+        cannot be built, rebuild the old one and re-raise."""
+        from gpu_worker.models.loader import read_hf_config
+
+        read_hf_config(path)  # fail before freeing anything when the folder is unusable
+        old_path, old_version = self.runner.model_path, self.runner.default_version
+        self.runner = None
+        gc.collect()
+        try:
+            self.runner = self._build(path)
+        except Exception:
+            self.runner = self._build(old_path)
+            _relabel(self.runner, old_version)
+            raise
+        if version:
+            _relabel(self.runner, version)
+
+    def _on_unload_model(self, msg: UnloadModel) -> None:
+        try:
+            self.runner.unload_version(msg.version)
+            gc.collect()
+        except (KeyError, ValueError) as e:
+            log.warning("cannot unload %s: %s", msg.version, e)
 
     def _on_step_plan(self, plan: StepPlan) -> None:
         try:
@@ -85,3 +132,11 @@ class WorkerActor(Actor):
                 step_id=plan.step_id, req_ids=[], token_ids=[], error=f"{type(e).__name__}: {e}"
             )
         self.scheduler.send(result)
+
+
+def _relabel(runner: Any, version: str) -> None:
+    """Give the runner's only model version an operator-chosen label."""
+    old = runner.default_version
+    if version != old:
+        runner.versions[version] = runner.versions.pop(old)
+        runner.set_default_version(version)

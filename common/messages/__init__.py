@@ -9,16 +9,33 @@ from common.messages import (  # noqa: F401
     tokenizer_scheduler,
     types,
 )
-from common.messages.control import Abort, Ping, Pong, Ready, Shutdown, Stats, StatsQuery
+from common.messages.control import (
+    Abort,
+    Ping,
+    Pong,
+    Ready,
+    Shutdown,
+    Stats,
+    StatsQuery,
+    SwapModel,
+    SwapResult,
+)
 from common.messages.detokenizer_gateway import OutputBatch
 from common.messages.gateway_tokenizer import GenerateRequest, RequestError
 from common.messages.scheduler_detokenizer import DetokNew, TokenBatch
-from common.messages.scheduler_worker import StepPlan, StepResult
+from common.messages.scheduler_worker import (
+    LoadModel,
+    ModelLoaded,
+    StepPlan,
+    StepResult,
+    UnloadModel,
+)
 from common.messages.tokenizer_scheduler import TokenizedRequest
 from common.messages.types import FinishReason, SamplingParams
 
 __all__ = [
     "Abort", "DetokNew", "FinishReason", "GenerateRequest", "OutputBatch", "Ping", "Pong",
     "Ready", "RequestError", "SamplingParams", "Shutdown", "Stats", "StatsQuery", "StepPlan",
-    "StepResult", "TokenBatch", "TokenizedRequest",
+    "StepResult", "TokenBatch", "TokenizedRequest", "SwapModel", "SwapResult", "LoadModel",
+    "ModelLoaded", "UnloadModel",
 ]

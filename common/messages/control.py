@@ -52,3 +52,27 @@ class Stats:
     name: str
     query_id: int
     data: dict[str, Any]
+
+
+@message("swap_model")
+class SwapModel:
+    """gateway -> scheduler: serve another model version (DESIGN §9)."""
+
+    ticket: int
+    reply_to: str
+    path: str  # a Hugging Face folder, already checked against --model-root
+    version: str = ""  # label; "" = a hash of the weight files
+    mode: str = "overlap"  # overlap | drain
+
+
+@message("swap_result")
+class SwapResult:
+    """scheduler -> gateway: how a swap ended."""
+
+    ticket: int
+    ok: bool
+    version: str = ""
+    previous_version: str = ""
+    mode: str = ""
+    duration_s: float = 0.0
+    error: str = ""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from common.codec import message
 
 
@@ -13,3 +15,5 @@ class OutputBatch:
     finish_reasons: list[int]  # [num_reqs] FinishReason, 0 while running
     num_prompt_tokens: list[int]  # [num_reqs]
     num_output_tokens: list[int]  # [num_reqs] so far
+    versions: list[str] = dataclasses.field(default_factory=list)  # [num_reqs] model version
+    # that serves each request ("" when unknown); the gateway's system_fingerprint

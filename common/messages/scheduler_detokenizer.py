@@ -26,3 +26,5 @@ class TokenBatch:
     token_ids: list[list[int]]  # [num_reqs][*]
     finish_reasons: list[int]  # [num_reqs] FinishReason
     num_cached_tokens: list[int] = dataclasses.field(default_factory=list)  # [num_reqs]
+    versions: list[str] = dataclasses.field(default_factory=list)  # [num_reqs] model version
+    # that serves each request ("" when unknown); the gateway's system_fingerprint

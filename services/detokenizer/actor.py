@@ -14,11 +14,12 @@ log = logging.getLogger(__name__)
 
 
 class _Stream:
-    __slots__ = ("detok", "num_prompt_tokens")
+    __slots__ = ("detok", "num_prompt_tokens", "version")
 
     def __init__(self, detok: IncrementalDetokenizer, num_prompt_tokens: int) -> None:
         self.detok = detok
         self.num_prompt_tokens = num_prompt_tokens
+        self.version = ""  # the model version serving it, once the scheduler says
 
 
 class DetokenizerActor(Actor):
@@ -44,13 +45,15 @@ class DetokenizerActor(Actor):
             self.streams[rid] = _Stream(detok, n)
 
     def _on_tokens(self, msg: TokenBatch) -> None:
-        out = OutputBatch([], [], [], [], [], [])
+        out = OutputBatch([], [], [], [], [], [], [])
         stopped: list[str] = []
-        for rid, ids, reason in zip(msg.request_ids, msg.token_ids, msg.finish_reasons,
-                                    strict=True):
+        versions = msg.versions or [""] * len(msg.request_ids)
+        for rid, ids, reason, version in zip(msg.request_ids, msg.token_ids, msg.finish_reasons,
+                                             versions, strict=True):
             stream = self.streams.get(rid)
             if stream is None:
                 continue  # finished already (a stop string); late tokens are dropped
+            stream.version = version or stream.version
             text, stop_hit = stream.detok.add(ids, final=reason != FinishReason.NONE)
             if stop_hit and reason == FinishReason.NONE:
                 reason = FinishReason.STOP
@@ -63,6 +66,7 @@ class DetokenizerActor(Actor):
             out.finish_reasons.append(int(reason))
             out.num_prompt_tokens.append(stream.num_prompt_tokens)
             out.num_output_tokens.append(len(stream.detok.output_token_ids))
+            out.versions.append(stream.version)
         if out.request_ids:
             self.gateway.send(out)
         if stopped:  # the scheduler ends them now, so no step is spent after the stop

@@ -12,7 +12,7 @@ import uvicorn
 
 from common.actor import Actor
 from common.config import Config
-from common.messages import OutputBatch, RequestError, Stats
+from common.messages import OutputBatch, RequestError, Stats, SwapResult
 from services.gateway.zmq_client import ZmqEngineClient
 
 if TYPE_CHECKING:
@@ -44,6 +44,7 @@ class GatewayActor(Actor):
             OutputBatch: self._on_outputs,
             RequestError: self._on_error,
             Stats: self._on_stats,
+            SwapResult: self._on_swap_result,
         })
 
     async def start(self) -> None:
@@ -56,7 +57,8 @@ class GatewayActor(Actor):
         )
         server = self.config.server
         app = create_app(self.engine, api_key=server.api_key or None,
-                         admin_token=server.admin_token or None)
+                         admin_token=server.admin_token or None,
+                         model_root=server.model_root or None)
         uv_config = uvicorn.Config(app, host=self.config.server.host, port=self.config.server.port,
                                    loop="none", log_config=None, access_log=False,
                                    timeout_graceful_shutdown=5)
@@ -80,12 +82,14 @@ class GatewayActor(Actor):
         server = self.config.server
         self.grpc = GrpcGateway(self.engine, host=server.host, port=server.grpc_port,
                                 api_key=server.api_key or None,
-                                admin_token=server.admin_token or None)
+                                admin_token=server.admin_token or None,
+                         model_root=server.model_root or None)
         self.grpc_port = await self.grpc.start()
         log.info("gRPC on %s:%d", server.host, self.grpc_port)
 
     async def _learn_model(self) -> None:
-        """Ask the scheduler what it serves until it knows (the worker may still be loading)."""
+        """Ask the scheduler what it serves, until it knows (the worker may still be
+        loading), then every second: the version and a swap in progress change."""
         while True:
             try:
                 stats = await self.engine.stats(timeout=1.0)
@@ -93,8 +97,8 @@ class GatewayActor(Actor):
                 continue
             if stats.get("ready"):
                 self.engine.set_model_info(stats["model"])
-                return
-            await asyncio.sleep(0.2)
+                self.engine.swap_status = stats.get("swap")
+            await asyncio.sleep(1.0 if self.engine.is_ready() else 0.2)
 
     def ready_info(self) -> dict[str, Any]:
         info: dict[str, Any] = {"host": self.config.server.host, "port": self.port}
@@ -122,3 +126,6 @@ class GatewayActor(Actor):
 
     def _on_stats(self, msg: Stats) -> None:
         self.engine.on_stats(msg)
+
+    def _on_swap_result(self, msg: SwapResult) -> None:
+        self.engine.on_swap_result(msg)

@@ -78,7 +78,8 @@ class ClientGone(Exception):
 
 
 def create_app(
-    engine: EngineClient, *, api_key: str | None = None, admin_token: str | None = None
+    engine: EngineClient, *, api_key: str | None = None, admin_token: str | None = None,
+    model_root: str | None = None,
 ) -> FastAPI:
     """The HTTP app; with `api_key`, every /v1 route wants `Authorization: Bearer <key>`;
     /admin routes want the admin token (and are all refused without one)."""
@@ -92,7 +93,7 @@ def create_app(
     v1.add_api_route("/models", routes.models, methods=["GET"])
     app.include_router(v1)
     app.add_api_route("/health", routes.health, methods=["GET"])
-    app.include_router(admin_router(engine, admin_token))  # type: ignore[arg-type]  # stats()
+    app.include_router(admin_router(engine, admin_token, model_root))  # type: ignore[arg-type]  # stats()
     return app
 
 
@@ -129,6 +130,7 @@ class OpenAIRoutes:
             "root": self.engine.model_name,
             "max_model_len": self.engine.max_model_len,
             "version": self.engine.system_fingerprint,
+            "swap_in_progress": getattr(self.engine, "swap_status", None),
         }
         return _json({"object": "list", "data": [card]})
 
@@ -162,9 +164,12 @@ class OpenAIRoutes:
                 # the first delta before the first byte: a refusal is still an HTTP status
                 first = await until_disconnected(request, reader.next())
                 handed_off = True
+                # system_fingerprint: the model version that serves this request
+                reply = dataclasses.replace(reply, fingerprint=first.version or reply.fingerprint)
                 stream = sse_stream(reader, first, reply, body.include_usage)
                 return SseResponse(stream, headers=headers | _SSE_HEADERS)
             choices, usage = await until_disconnected(request, collect(reader))
+            reply = dataclasses.replace(reply, fingerprint=reader.version or reply.fingerprint)
             return _json(reply.body(choices, usage, bool(body.return_token_ids)), headers=headers)
         finally:
             if not handed_off:
@@ -207,6 +212,7 @@ class DeltaReader:
     def __init__(self, deltas: AsyncIterator[OutputDelta]) -> None:
         self._deltas = deltas
         self._pending: asyncio.Task[OutputDelta | None] | None = None
+        self.version = ""  # the model version named by the deltas read so far
 
     async def next(self, timeout: float | None = None) -> OutputDelta:
         """The next delta. Raises TimeoutError if none came within `timeout` (the read goes
@@ -220,6 +226,7 @@ class DeltaReader:
         delta = task.result()
         if delta is None:
             raise RequestFailed(500, "the engine ended the stream without a finish reason")
+        self.version = delta.version or self.version
         return delta
 
     async def aclose(self) -> None:

@@ -30,6 +30,7 @@ class OutputDelta:
     num_output_tokens: int  # of this sequence, so far
     last: bool  # the request's final delta: every sequence has finished
     index: int = 0  # which sequence, 0..n-1
+    version: str = ""  # the model version serving it ("" until the scheduler says)
 
 
 class RequestFailed(Exception):

@@ -22,6 +22,8 @@ from common.messages import (
     RequestError,
     Stats,
     StatsQuery,
+    SwapModel,
+    SwapResult,
 )
 from services.gateway.engine_client import OutputDelta, RequestFailed
 
@@ -56,6 +58,7 @@ class _Stream:
                 num_output_tokens=msg.num_output_tokens[i],
                 last=not self.running,
                 index=index,
+                version=msg.versions[i] if msg.versions else "",
             )
         )
 
@@ -73,6 +76,8 @@ class ZmqEngineClient:
         self.max_model_len = 0
         self._streams: dict[str, _Stream] = {}
         self._stats_waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._swap_waiters: dict[int, asyncio.Future[SwapResult]] = {}
+        self.swap_status: dict[str, Any] | None = None  # a swap in progress, from the stats
         self._query_ids = itertools.count()
 
     def is_ready(self) -> bool:
@@ -115,15 +120,37 @@ class ZmqEngineClient:
             # state goes only after the abort is sent (DESIGN §8)
             self._streams.pop(rid, None)
 
+    def is_in_flight(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    async def swap_model(self, path: str, version: str, mode: str,
+                         timeout: float = 600.0) -> SwapResult:
+        """Ask the scheduler to swap the served model; wait for the outcome."""
+        ticket = next(self._query_ids)
+        fut: asyncio.Future[SwapResult] = asyncio.get_running_loop().create_future()
+        self._swap_waiters[ticket] = fut
+        try:
+            self.scheduler.send(SwapModel(ticket=ticket, reply_to=self.inbox_addr, path=path,
+                                          version=version, mode=mode))
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._swap_waiters.pop(ticket, None)
+
+    def on_swap_result(self, msg: SwapResult) -> None:
+        fut = self._swap_waiters.get(msg.ticket)
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
+
     async def abort(self, request_id: str) -> None:
         self.scheduler.send(Abort(request_ids=[request_id], reason=int(FinishReason.CANCELLED)))
 
-    async def stats(self, timeout: float = 5.0) -> dict[str, Any]:
+    async def stats(self, timeout: float = 5.0, what: str = "stats") -> dict[str, Any]:
+        """The scheduler's counters (`what="requests"`: its live requests, one row each)."""
         qid = next(self._query_ids)
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._stats_waiters[qid] = fut
         try:
-            self.scheduler.send(StatsQuery(reply_to=self.inbox_addr, query_id=qid))
+            self.scheduler.send(StatsQuery(reply_to=self.inbox_addr, query_id=qid, what=what))
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._stats_waiters.pop(qid, None)

@@ -25,7 +25,10 @@ from common.messages import (
     RequestError,
     Stats,
     StatsQuery,
+    ModelLoaded,
     StepResult,
+    SwapModel,
+    SwapResult,
     TokenBatch,
     TokenizedRequest,
 )
@@ -34,6 +37,7 @@ from services.scheduler.block_manager import BlockManager, HostBlockPool
 from services.scheduler.plan import to_plan
 from services.scheduler.policy import PolicyConfig, Scheduler
 from services.scheduler.request import Request, Status
+from services.scheduler.swap import SwapCoordinator
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +76,11 @@ class SchedulerActor(Actor):
             Abort: self._on_abort,
             StatsQuery: self._on_stats_query,
             Ready: self._on_ready,
+            SwapModel: self._on_swap_model,
+            ModelLoaded: self._on_model_loaded,
         })
+        self.swaps = SwapCoordinator(lambda m: self.worker.send(m),
+                                     lambda to, m: self.outbox(to).send(m))
 
     async def start(self) -> None:
         self.worker = self.outbox(self.config.addr("worker"))
@@ -97,21 +105,43 @@ class SchedulerActor(Actor):
         info, s = msg.info, self.config.scheduler
         if self.policy is not None:
             log.warning("worker re-announced itself; resetting the block pool")
-        self.worker_info = info
         blocks = BlockManager(info["num_blocks"], info["block_size"],
                               enable_prefix_caching=self.config.cache.enable_prefix_caching)
-        self.max_model_len = min(info["max_model_len"], info["num_blocks"] * info["block_size"])
-        self.cache_root = cache_root(info["model_name"], info["weights_version"],
-                                     info.get("tokenizer_fingerprint", ""),
-                                     info.get("position_config", ""))
         self.policy = Scheduler(blocks, PolicyConfig(
             max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
             scheduling_policy=s.scheduling_policy, preemption_mode=s.preemption_mode,
             batch_policy=s.batch_policy, batch_window=s.batch_window,
             static_batch_timeout=s.static_batch_timeout),
             host_pool=HostBlockPool(info.get("num_host_blocks", 0)))
+        self._adopt(info)
         self.in_flight.clear()
         log.info("worker ready: %d blocks of %d tokens", info["num_blocks"], info["block_size"])
+
+    def _adopt(self, info: dict[str, Any]) -> None:
+        """Serve the model `info` describes: new requests start on its version and root."""
+        assert self.policy is not None
+        old = self.worker_info
+        self.worker_info = {**info, "model_name": old.get("model_name", info.get("model_name"))}
+        blocks = self.policy.blocks
+        if (info["num_blocks"], info["block_size"]) != (blocks.num_blocks, blocks.block_size):
+            # a drain swap to another KV layout: nothing holds blocks now, rebuild the pool
+            assert blocks.num_used_blocks == 0, "pool rebuilt while blocks are in use"
+            self.policy.blocks = BlockManager(
+                info["num_blocks"], info["block_size"],
+                enable_prefix_caching=self.config.cache.enable_prefix_caching)
+        self.max_model_len = min(info["max_model_len"], info["num_blocks"] * info["block_size"])
+        self.cache_root = cache_root(self.worker_info["model_name"], info["weights_version"],
+                                     info.get("tokenizer_fingerprint", ""),
+                                     info.get("position_config", ""))
+        self.policy.set_version(info["weights_version"], self.cache_root)
+
+    def _on_swap_model(self, msg: SwapModel) -> None:
+        assert self.policy is not None
+        self.swaps.start(msg, self.policy)
+
+    def _on_model_loaded(self, msg: ModelLoaded) -> None:
+        assert self.policy is not None
+        self.swaps.on_loaded(msg, self.policy, self._adopt)
 
     def _on_tokenized(self, msg: TokenizedRequest) -> None:
         assert self.policy is not None
@@ -200,7 +230,8 @@ class SchedulerActor(Actor):
                 request_ids=[r.request_id for r, _, _ in results],
                 token_ids=[[t] for _, t, _ in results],
                 finish_reasons=[int(f) for _, _, f in results],
-                num_cached_tokens=[r.num_cached_tokens for r, _, _ in results]))
+                num_cached_tokens=[r.num_cached_tokens for r, _, _ in results],
+                versions=[r.version or "" for r, _, _ in results]))
             self._forget_groups([r for r, _, f in results if f != FinishReason.NONE])
 
     def _on_stats_query(self, msg: StatsQuery) -> None:
@@ -240,6 +271,7 @@ class SchedulerActor(Actor):
             self.in_flight.append(step)
             self.worker.send(to_plan(step.step_id, out))
         self._busy_since_last_result = bool(self.in_flight)
+        self.swaps.advance(policy, in_flight=bool(self.in_flight))
         if not self.in_flight and not policy.has_work():
             policy.check_integrity()  # whenever idle: every block accounted for
 
@@ -282,6 +314,9 @@ class SchedulerActor(Actor):
             "mean_step_s": self.step_time_s / max(1, self.num_steps),
             "mean_worker_s": self.worker_time_s / max(1, self.num_steps),
             "num_steps_in_flight": len(self.in_flight),
+            "version": p.version,
+            "swap": self.swaps.status(),
+            "num_model_swaps": self.swaps.num_swaps,
             "mean_step_interval_s": self.interval_s / max(1, self.num_intervals),
             "mean_step_forward_s": self.interval_forward_s / max(1, self.num_intervals),
             "request_ids": sorted(p.requests),

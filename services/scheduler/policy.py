@@ -96,6 +96,11 @@ class Scheduler:
         self.num_swaps = 0
         self.num_computed_tokens_total = 0
         self.num_schedules = 0
+        # hot swap: the version (and prefix-cache root) new requests start on; while
+        # `paused`, only requests that already started (preempted ones) are admitted
+        self.version = ""
+        self.root: int | None = None
+        self.paused = False
 
     # queue changes ---------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -121,6 +126,15 @@ class Scheduler:
         for req in late:
             self._finish(req, FinishReason.TIMEOUT)
         return late
+
+    def set_version(self, version: str, root: int) -> None:
+        """Requests that have not started yet will run on `version` (a hot swap)."""
+        self.version, self.root = version, root
+
+    def num_started_on(self, version: str | None = None) -> int:
+        """Live requests that started on `version` (any version when None)."""
+        return sum(1 for r in self.requests.values()
+                   if r.version is not None and (version is None or r.version == version))
 
     def has_work(self) -> bool:
         return bool(self._finished_for_worker) or any(
@@ -219,6 +233,8 @@ class Scheduler:
         while (self.waiting and budget > 0 and allowed > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting.peek()
+            if self.paused and req.version is None:
+                break  # a drain: nothing new starts until the swap is done
             num_new = self._admit(req, budget, out)
             if num_new == 0:
                 break
@@ -238,13 +254,17 @@ class Scheduler:
         if req.is_swapped:
             return self._admit_swapped(req, budget, out)
         bm, rid = self.blocks, req.request_id
-        hits = bm.match_prefix(req.cache_root, req.all_token_ids)
+        # a request that starts now runs on the version served now, hashed under its root
+        root = req.cache_root if req.version is not None or self.root is None else self.root
+        hits = bm.match_prefix(root, req.all_token_ids)
         cached, take = len(hits) * bm.block_size, bm.num_hit_blocks_to_take(hits)
         n = min(req.num_tokens - cached, budget)
         whole = bm.num_blocks_for(req.num_tokens) - len(hits) + take
         chunk = bm.num_blocks_for(cached + n) - len(hits) + take
         if n <= 0 or not self._fits(whole, chunk):
             return 0
+        if req.version is None:
+            req.version, req.cache_root = self.version, root
         bm.take_prefix(rid, req.cache_root, hits, req.num_prompt_tokens)
         req.num_computed_tokens = req.num_cached_tokens = cached
         return n
@@ -286,6 +306,7 @@ class Scheduler:
         if not self._fits(need, need):
             return 0
         bm.fork(leader.request_id, req.request_id, k)
+        req.version, req.cache_root = leader.version, leader.cache_root
         req.num_computed_tokens = req.num_cached_tokens = k
         req.fork_of = None
         return min(req.num_tokens - k, budget)

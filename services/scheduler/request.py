@@ -56,6 +56,7 @@ class Request:
         self.scheduled_in = -1  # the last schedule() that gave it tokens
         self.computed_before_step = 0  # num_computed_tokens before that step
         self.cache_root = cache_root
+        self.version: str | None = None  # the model version, fixed when it first starts
         self.priority = priority
         self.arrival_seq = next(_arrivals)
         self.arrival_time = time.time() if arrival_time is None else arrival_time

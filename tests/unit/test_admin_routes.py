@@ -18,7 +18,7 @@ class StatsEngine(FakeEngine):
         super().__init__()
         self._stats = stats
 
-    async def stats(self, timeout: float = 5.0) -> dict[str, Any]:
+    async def stats(self, timeout: float = 5.0, what: str = "stats") -> dict[str, Any]:
         if self._stats is None:
             raise TimeoutError
         return self._stats
