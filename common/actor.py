@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from common.config import Config, ConfigError
+from common.curve import CurveKeys
 from common.ipc import Inbox, Outbox
 from common.messages import Ping, Pong, Ready, Shutdown
 
@@ -41,6 +42,8 @@ class Actor:
         self._loop_task: asyncio.Task[None] | None = None
         self._stopping = False
         self.inbox: Inbox | None = None
+        curve_dir = config.addresses.curve_dir
+        self.curve = CurveKeys.load(curve_dir) if curve_dir else None
 
     # hooks ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -67,14 +70,15 @@ class Actor:
         key = addrs if isinstance(addrs, str) else ",".join(addrs)
         box = self._outboxes.get(key)
         if box is None:
-            box = self._outboxes[key] = Outbox(addrs)
+            box = self._outboxes[key] = Outbox(addrs, self.curve)
         return box
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
-        self.inbox = Inbox(self.inbox_addr)
+        bind_addr = self.config.bind_addr(self.inbox_addr)
+        self.inbox = Inbox(self.inbox_addr, self.curve, bind_addr)
         try:
             if not self._stopping:
                 self._loop_task = asyncio.create_task(self._serve())

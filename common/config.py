@@ -103,11 +103,19 @@ class ServerConfig:
     num_tokenizers: int = _field(1, "tokenizer processes")
     run_dir: str = _field("", "folder for ipc sockets and the resolved config (default: temp)")
     ready_timeout: float = _field(600.0, "seconds to wait for every process to be ready")
+    max_request_bytes: int = _field(4 * 1024 * 1024, "largest HTTP request body (larger: 413)")
+    request_body_timeout: float = _field(30.0, "seconds a client may pause while sending a "
+                                               "request body (longer: 408)")
+    max_prompt_chars: int = _field(1_000_000, "most characters in a prompt (all chat messages "
+                                              "together), checked before tokenising")
     log_level: str = _field("info", "debug | info | warning | error")
 
     def __post_init__(self) -> None:
         _check(0 <= self.port < 65536, "port", "0..65535")
         _check(-1 <= self.grpc_port < 65536, "grpc_port", "-1 (off) or 0..65535")
+        _check(self.max_request_bytes >= 1024, "max_request_bytes", ">= 1024")
+        _check(self.request_body_timeout > 0, "request_body_timeout", "> 0")
+        _check(self.max_prompt_chars >= 1, "max_prompt_chars", ">= 1")
         _check(self.num_tokenizers >= 1, "num_tokenizers", ">= 1")
         _check(self.log_level in ("debug", "info", "warning", "error"), "log_level",
                "debug, info, warning or error")
@@ -123,6 +131,12 @@ class AddressConfig:
     detokenizer_addr: str = _field("", "detokenizer inbox")
     tokenizer_addrs: str = _field("", "comma-separated tokenizer inboxes")
     supervisor_addr: str = _field("", "supervisor inbox (ready and health reports)")
+    zmq_bind_host: str = _field("", "host an actor binds its tcp:// inbox on (e.g. 0.0.0.0 in "
+                                    "a container, where the address names the service); "
+                                    "empty: the address's own host")
+    curve_dir: str = _field("", "folder of ZeroMQ CURVE keys (python -m common.curve keygen "
+                                "DIR); set: tcp:// links are encrypted and only key holders "
+                                "may send")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,9 +157,19 @@ class Config:
             return [a.strip() for a in self.addresses.tokenizer_addrs.split(",") if a.strip()]
         return [self._ipc(f"tokenizer-{i}") for i in range(self.server.num_tokenizers)]
 
+    def bind_addr(self, addr: str) -> str:
+        """Where an actor binds the inbox others reach at `addr`: the same address, or for
+        tcp:// with --zmq-bind-host that host (a container binds 0.0.0.0 while its peers
+        connect to tcp://SERVICE:PORT, a name it cannot bind)."""
+        host = self.addresses.zmq_bind_host
+        if not host or not addr.startswith("tcp://"):
+            return addr
+        port = addr.rpartition(":")[2]
+        return f"tcp://{host}:{port}"
+
     def _ipc(self, name: str) -> str:
         if not self.server.run_dir:
-            raise ValueError(f"no address for {name}: set --run-dir or --{name}-addr")
+            raise ConfigError(f"no address for {name}: set --run-dir or --{name}-addr")
         return f"ipc://{self.server.run_dir}/{name}.sock"
 
     def to_json(self) -> bytes:

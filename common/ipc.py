@@ -8,12 +8,16 @@ over tokenizer processes).
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 import zmq.asyncio
 
 from common import codec
+from common.curve import uses_curve
+
+if TYPE_CHECKING:
+    from common.curve import CurveKeys
 
 log = logging.getLogger(__name__)
 
@@ -25,15 +29,21 @@ def _context() -> zmq.asyncio.Context:
 
 
 class Inbox:
-    """The actor's one receiving socket (PULL, bound)."""
+    """The actor's one receiving socket (PULL, bound). Peers reach it at `addr`; it binds
+    `bind_addr` when given (a container binds 0.0.0.0). With `curve` a tcp:// inbox is a
+    CURVE server that admits only the authorized client keys."""
 
-    def __init__(self, addr: str) -> None:
+    def __init__(
+        self, addr: str, curve: CurveKeys | None = None, bind_addr: str | None = None
+    ) -> None:
         self.addr = addr
         self.num_bad_frames = 0
         self._sock = _context().socket(zmq.PULL)
         self._sock.setsockopt(zmq.RCVHWM, _HWM)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(addr)
+        if curve is not None and uses_curve(addr):
+            curve.serve(self._sock)
+        self._sock.bind(bind_addr or addr)
         self._sync = zmq.Socket.shadow(self._sock.underlying)  # for non-blocking drains
         if addr.startswith("tcp://") and addr.endswith(":0"):
             self.addr = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -69,13 +79,16 @@ class Inbox:
 
 
 class Outbox:
-    """A sending socket (PUSH) connected to one or more inboxes; send never blocks."""
+    """A sending socket (PUSH) connected to one or more inboxes; send never blocks. With
+    `curve`, tcp:// links are CURVE-encrypted and authenticated with the client key."""
 
-    def __init__(self, addrs: str | list[str]) -> None:
+    def __init__(self, addrs: str | list[str], curve: CurveKeys | None = None) -> None:
         self.addrs = [addrs] if isinstance(addrs, str) else list(addrs)
         self._sock = zmq.Context.instance().socket(zmq.PUSH)
         self._sock.setsockopt(zmq.SNDHWM, _HWM)
         self._sock.setsockopt(zmq.LINGER, 2000)  # flush on close, but never hang shutdown
+        if curve is not None and any(uses_curve(a) for a in self.addrs):
+            curve.connect(self._sock)
         for addr in self.addrs:
             self._sock.connect(addr)
 

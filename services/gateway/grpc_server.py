@@ -34,7 +34,7 @@ from grpc_reflection.v1alpha import reflection
 from common.messages import FinishReason
 from proto import shuttle_pb2 as pb
 from proto import shuttle_pb2_grpc as pb_grpc
-from services.gateway.admin import check_admin_token
+from services.gateway.admin import check_admin_token, resolve_model_folder
 from services.gateway.engine_client import EngineClient, OutputDelta, RequestFailed
 from services.gateway.grpc_protocol import (
     check_request_id,
@@ -176,9 +176,11 @@ class ShuttleServicer(pb_grpc.ShuttleServicer):
 class AdminServicer(pb_grpc.AdminServicer):
     """shuttle.v1.Admin, behind the admin token (refused entirely when none is configured)."""
 
-    def __init__(self, engine: EngineClient, admin_token: str | None) -> None:
+    def __init__(self, engine: EngineClient, admin_token: str | None,
+                 model_root: str | None = None) -> None:
         self.engine = engine
         self.admin_token = admin_token
+        self.model_root = model_root
 
     def _authorize(self, context: grpc.aio.ServicerContext) -> None:
         why = check_admin_token(_authorization(context), self.admin_token)
@@ -190,10 +192,19 @@ class AdminServicer(pb_grpc.AdminServicer):
         self, request: pb.SwapModelRequest, context: grpc.aio.ServicerContext
     ) -> pb.SwapModelResponse:
         self._authorize(context)
-        raise GrpcError(
-            grpc.StatusCode.UNIMPLEMENTED,
-            "SwapModel: model hot-swap is not implemented by this server yet",
-        )
+        try:
+            path = resolve_model_folder(request.model, self.model_root)
+        except RequestRejected as e:
+            raise GrpcError(status_code(e.status), e.message) from None
+        mode = "drain" if request.mode == pb.SWAP_MODE_DRAIN else "overlap"
+        result = await self.engine.swap_model(  # type: ignore[attr-defined]
+            str(path), request.version, mode)
+        if not result.ok:
+            code = (grpc.StatusCode.FAILED_PRECONDITION if "in progress" in result.error
+                    else grpc.StatusCode.INVALID_ARGUMENT)
+            raise GrpcError(code, f"SwapModel: {result.error}; the served model is unchanged")
+        return pb.SwapModelResponse(version=result.version,
+                                    previous_version=result.previous_version)
 
     @_statuses
     async def CancelRequest(
@@ -209,10 +220,18 @@ class AdminServicer(pb_grpc.AdminServicer):
         self, request: pb.ListRequestsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListRequestsResponse:
         self._authorize(context)
-        raise GrpcError(
-            grpc.StatusCode.UNIMPLEMENTED,
-            "ListRequests: the scheduler's request list is not available yet",
-        )
+        try:
+            rows = (await self.engine.stats(timeout=5.0, what="requests"))[  # type: ignore[attr-defined]
+                "requests"]
+        except TimeoutError:
+            raise GrpcError(grpc.StatusCode.UNAVAILABLE, "the scheduler did not answer") from None
+        states = {"waiting": pb.REQUEST_STATE_WAITING, "preempted": pb.REQUEST_STATE_PREEMPTED,
+                  "swapped": pb.REQUEST_STATE_PREEMPTED}
+        return pb.ListRequestsResponse(requests=[pb.RequestInfo(
+            request_id=r["id"], state=states.get(r["state"], pb.REQUEST_STATE_RUNNING),
+            num_prompt_tokens=r["num_prompt_tokens"], num_output_tokens=r["num_output_tokens"],
+            arrival_time=r.get("arrival_time", 0.0), model_version=r.get("version", ""))
+            for r in rows])
 
 
 class GrpcGateway:
@@ -226,6 +245,7 @@ class GrpcGateway:
         port: int,
         api_key: str | None = None,
         admin_token: str | None = None,
+        model_root: str | None = None,
         health_poll_s: float = 0.5,
     ) -> None:
         self.engine = engine
@@ -237,7 +257,8 @@ class GrpcGateway:
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         self.health = health.aio.HealthServicer()
         pb_grpc.add_ShuttleServicer_to_server(ShuttleServicer(engine, api_key), self.server)
-        pb_grpc.add_AdminServicer_to_server(AdminServicer(engine, admin_token), self.server)
+        pb_grpc.add_AdminServicer_to_server(AdminServicer(engine, admin_token, model_root),
+                                            self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(SERVICE_NAMES, self.server)
         self._health_task: asyncio.Task[None] | None = None

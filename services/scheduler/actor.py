@@ -253,6 +253,8 @@ class SchedulerActor(Actor):
             "num_blocks": len(self.policy.blocks.block_tables.get(r.request_id, ())),
             "priority": r.priority,
             "age_s": round(now - r.arrival_time, 3),
+            "arrival_time": r.arrival_time,
+            "version": r.version or "",
         } for r in sorted(self.policy.requests.values(), key=lambda r: r.arrival_seq)]
         return {"requests": rows}
 
