@@ -49,6 +49,7 @@ class GatewayActor(Actor):
 
     async def start(self) -> None:
         from services.gateway.app import create_app
+        from services.gateway.limits import BodyLimits
 
         self.engine = ZmqEngineClient(
             tokenizers=self.outbox(self.config.tokenizer_addrs()),
@@ -58,7 +59,8 @@ class GatewayActor(Actor):
         server = self.config.server
         app = create_app(self.engine, api_key=server.api_key or None,
                          admin_token=server.admin_token or None,
-                         model_root=server.model_root or None)
+                         model_root=server.model_root or None,
+                         limits=BodyLimits(server.max_request_bytes, server.request_body_timeout))
         uv_config = uvicorn.Config(app, host=self.config.server.host, port=self.config.server.port,
                                    loop="none", log_config=None, access_log=False,
                                    timeout_graceful_shutdown=5)

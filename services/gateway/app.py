@@ -42,6 +42,8 @@ from common.messages import FinishReason
 from services.gateway import sse
 from services.gateway.admin import admin_router
 from services.gateway.engine_client import EngineClient, OutputDelta, RequestFailed
+from services.gateway.limits import BodyLimitMiddleware, BodyLimits
+from services.gateway.openapi import json_body
 from services.gateway.protocol import (
     REQUEST_ID_PATTERN,
     ChatCompletionRequest,
@@ -79,17 +81,20 @@ class ClientGone(Exception):
 
 def create_app(
     engine: EngineClient, *, api_key: str | None = None, admin_token: str | None = None,
-    model_root: str | None = None,
+    model_root: str | None = None, limits: BodyLimits = BodyLimits(),
 ) -> FastAPI:
     """The HTTP app; with `api_key`, every /v1 route wants `Authorization: Bearer <key>`;
     /admin routes want the admin token (and are all refused without one)."""
     app = FastAPI(title="shuttle", docs_url=None, redoc_url=None)
     _install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, limits=limits)
     routes = OpenAIRoutes(engine)
     auth = [Depends(_require_key(api_key))] if api_key else []
     v1 = APIRouter(prefix="/v1", dependencies=auth)
-    v1.add_api_route("/chat/completions", routes.chat_completions, methods=["POST"])
-    v1.add_api_route("/completions", routes.completions, methods=["POST"])
+    v1.add_api_route("/chat/completions", routes.chat_completions, methods=["POST"],
+                     openapi_extra=json_body(ChatCompletionRequest))
+    v1.add_api_route("/completions", routes.completions, methods=["POST"],
+                     openapi_extra=json_body(CompletionRequest))
     v1.add_api_route("/models", routes.models, methods=["GET"])
     app.include_router(v1)
     app.add_api_route("/health", routes.health, methods=["GET"])

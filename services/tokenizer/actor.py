@@ -13,6 +13,7 @@ from common.messages import GenerateRequest, RequestError, TokenizedRequest
 from common.model_facts import load_model_facts, tokenizer_fingerprint
 from services.tokenizer.validate import (
     InvalidRequest,
+    check_prompt_chars,
     check_sampling,
     check_token_ids,
     fit_max_tokens,
@@ -79,6 +80,8 @@ class TokenizerActor(Actor):
         if req.messages is not None:
             if not req.messages:
                 raise InvalidRequest("messages", "must hold at least one message")
+            num_chars = sum(len(str(m.get("content") or "")) for m in req.messages)
+            check_prompt_chars("messages", num_chars, self.config.server.max_prompt_chars)
             try:
                 text = self.tokenizer.apply_chat_template(
                     req.messages, tokenize=False,
@@ -88,4 +91,5 @@ class TokenizerActor(Actor):
             return self.tokenizer.encode(text, add_special_tokens=False)
         if not req.prompt:
             raise InvalidRequest("prompt", "must not be empty")
+        check_prompt_chars("prompt", len(req.prompt), self.config.server.max_prompt_chars)
         return self.tokenizer.encode(req.prompt, add_special_tokens=True)

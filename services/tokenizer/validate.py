@@ -35,6 +35,14 @@ def check_sampling(sp: SamplingParams) -> None:
             raise InvalidRequest("stop", f"each stop string must have 1..{MAX_STOP_LEN} characters")
 
 
+def check_prompt_chars(param: str, num_chars: int, max_chars: int) -> None:
+    """Refuse a prompt too long to be worth tokenising (--max-prompt-chars); 413 as for a
+    body over the size limit, since no setting of the request's fields could make it fit."""
+    if num_chars > max_chars:
+        raise InvalidRequest(param, f"the prompt has {num_chars} characters, more than the "
+                                    f"limit of {max_chars} (--max-prompt-chars)", 413)
+
+
 def fit_max_tokens(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> int:
     """The output budget: max_tokens 0 means 'as many as fit'; otherwise it must fit."""
     if num_prompt_tokens == 0:

@@ -1,0 +1,204 @@
+"""Prometheus metrics at GET /metrics, with vLLM's names under the `shuttle:` prefix.
+
+Every request timing is stamped in this one process (the gateway), as the engine client
+hands each delta to the HTTP or gRPC front end, so TTFT, ITL and E2E of one request share
+one clock and match what a client sees (less the network):
+
+    arrival ──────────▶ first delta with tokens ──▶ ... each delta ... ──▶ final delta
+    (generate() call)   TTFT, queue time            ITL per token          E2E
+
+- `request_queue_time_seconds`: the gateway cannot see the scheduler's queues, so this is
+  arrival → the first OutputBatch about the request reaching the gateway (any delta, text or
+  not). It is an upper bound on the time spent waiting: it also holds tokenisation, the
+  prefill step and three hops. It differs from TTFT only when the first delta has no text.
+- `inter_token_latency_seconds`: the gap between two deltas of a request, divided evenly
+  over the tokens of the later delta (one observation per token), so its sum is the decode
+  time and its count the tokens after the first.
+- Scheduler figures (running/waiting requests, KV usage, preemptions, prefix-cache queries
+  and hits in tokens) are read from the scheduler (`engine.stats()`) when /metrics is
+  scraped, with a short timeout; if it does not answer, the last values are served.
+- `request_success_total{finished_reason}`: one per finished sequence, by the OpenAI name of
+  its reason (stop, length, cancelled, timeout, error); a request the client dropped before
+  its end counts as cancelled. Requests the engine refused count in
+  `request_failure_total{status}` instead.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.responses import Response
+
+from common.messages import FinishReason, GenerateRequest
+from services.gateway.engine_client import OutputDelta
+
+STATS_TIMEOUT_S = 0.5
+# vLLM's buckets, with finer ones at the low end: the synthetic model answers in microseconds
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+                1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+               0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+               30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class GatewayMetrics:
+    """The gateway's registry: request timings observed here, scheduler figures on scrape."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.scheduler = _SchedulerStats(lambda: self.model_name)
+        self.registry.register(self.scheduler)
+        labels = ["model_name"]
+        reg = self.registry
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"shuttle:{name}", doc, labels, buckets=buckets, registry=reg)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Inter-token latency.", ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.",
+                        E2E_BUCKETS)
+        self.queue = hist("request_queue_time_seconds",
+                          "Arrival at the gateway to the request's first output there.",
+                          TTFT_BUCKETS)
+        self.prompt_tokens = Counter("shuttle:prompt_tokens", "Prefill tokens processed.",
+                                     labels, registry=reg)
+        self.generation_tokens = Counter("shuttle:generation_tokens",
+                                         "Generation tokens processed.", labels, registry=reg)
+        self.success = Counter("shuttle:request_success", "Finished sequences by reason.",
+                               [*labels, "finished_reason"], registry=reg)
+        self.failure = Counter("shuttle:request_failure", "Requests the engine refused.",
+                               [*labels, "status"], registry=reg)
+
+    @property
+    def model_name(self) -> str:
+        return getattr(self.engine, "model_name", "") or ""
+
+    def observe(self, request: GenerateRequest) -> RequestTimer:
+        """A timer for one request, started now (its arrival)."""
+        return RequestTimer(self, request.sampling.n)
+
+    async def render(self) -> bytes:
+        """The exposition text, after refreshing the scheduler's figures (best effort)."""
+        stats = getattr(self.engine, "stats", None)
+        if stats is not None:
+            try:
+                self.scheduler.update(await stats(timeout=STATS_TIMEOUT_S))
+            except TimeoutError:
+                pass  # keep the last values: a busy or restarting scheduler is no error here
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Stamps one request's deltas; the engine client calls `delta` then `end` once."""
+
+    __slots__ = ("metrics", "model", "arrival", "last", "first_seen", "first_token", "running",
+                 "prompt_counted", "ended")
+
+    def __init__(self, metrics: GatewayMetrics, n: int) -> None:
+        self.metrics = metrics
+        self.model = metrics.model_name
+        self.arrival = self.last = time.perf_counter()
+        self.first_seen = self.first_token = self.prompt_counted = self.ended = False
+        self.running = n
+
+    def delta(self, delta: OutputDelta) -> None:
+        now = time.perf_counter()
+        m, model = self.metrics, self.model
+        if not self.first_seen:
+            self.first_seen = True
+            m.queue.labels(model).observe(now - self.arrival)
+        if not self.prompt_counted and delta.num_prompt_tokens:
+            self.prompt_counted = True
+            m.prompt_tokens.labels(model).inc(delta.num_prompt_tokens)
+        num_tokens = len(delta.token_ids)
+        if num_tokens:
+            m.generation_tokens.labels(model).inc(num_tokens)
+            if not self.first_token:
+                self.first_token = True
+                m.ttft.labels(model).observe(now - self.arrival)
+                num_tokens -= 1  # the first token's latency is the TTFT, not an ITL
+            gap = (now - self.last) / max(1, num_tokens)
+            itl = m.itl.labels(model)
+            for _ in range(num_tokens):
+                itl.observe(gap)
+            self.last = now
+        if delta.finish_reason != FinishReason.NONE:
+            self.running -= 1
+            m.success.labels(model, delta.finish_reason.openai or "").inc()
+        if delta.last:
+            self._end(now)
+
+    def failed(self, status: int) -> None:
+        self.metrics.failure.labels(self.model, str(status)).inc()
+        self.ended = True
+
+    def end(self) -> None:
+        """The engine client is done with the request: a stream left unfinished was cancelled."""
+        if self.ended:
+            return
+        if self.running > 0:
+            cancelled = FinishReason.CANCELLED.openai or "cancelled"
+            self.metrics.success.labels(self.model, cancelled).inc(self.running)
+            self.running = 0
+        self._end(time.perf_counter())
+
+    def _end(self, now: float) -> None:
+        if not self.ended:
+            self.ended = True
+            self.metrics.e2e.labels(self.model).observe(now - self.arrival)
+
+
+class _SchedulerStats:
+    """A collector over the scheduler's last stats answer: gauges and its own counters."""
+
+    GAUGES = (("num_requests_running", "num_running", "Requests in model execution batches."),
+              ("num_requests_waiting", "num_waiting", "Requests waiting to be processed."),
+              ("kv_cache_usage_perc", "kv_cache_usage", "KV-cache usage, 1 means 100 percent."))
+    COUNTERS = (("num_preemptions", "num_preemptions", "Cumulative preemptions."),
+                ("prefix_cache_queries", "prefix_cache_queries",
+                 "Prefix-cache queries, in tokens."),
+                ("prefix_cache_hits", "prefix_cache_hits", "Prefix-cache hits, in tokens."))
+
+    def __init__(self, model_name: Any) -> None:
+        self.model_name = model_name
+        self.last: dict[str, float] = {}
+
+    def update(self, stats: dict[str, Any]) -> None:
+        if not stats.get("ready", True):
+            return
+        keys = [key for _, key, _ in (*self.GAUGES, *self.COUNTERS)]
+        self.last.update({k: float(stats[k]) for k in keys if isinstance(stats.get(k), int | float)})
+
+    def collect(self) -> Iterator[Metric]:
+        model = self.model_name()
+        for name, key, doc in self.GAUGES:
+            g = GaugeMetricFamily(f"shuttle:{name}", doc, labels=["model_name"])
+            g.add_metric([model], self.last.get(key, 0.0))
+            yield g
+        for name, key, doc in self.COUNTERS:
+            c = CounterMetricFamily(f"shuttle:{name}", doc, labels=["model_name"])
+            c.add_metric([model], self.last.get(key, 0.0))
+            yield c
+
+
+def install_metrics(app: FastAPI, engine: Any) -> GatewayMetrics:
+    """Serve GET /metrics on `app`; an engine with an `observer` slot gets request timers."""
+    metrics = GatewayMetrics(engine)
+    if hasattr(engine, "observer"):
+        engine.observer = metrics.observe
+
+    async def metrics_route() -> Response:
+        return Response(await metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_api_route("/metrics", metrics_route, methods=["GET"], include_in_schema=False)
+    app.state.metrics = metrics
+    return metrics
