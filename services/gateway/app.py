@@ -43,6 +43,7 @@ from services.gateway import sse
 from services.gateway.admin import admin_router
 from services.gateway.engine_client import EngineClient, OutputDelta, RequestFailed
 from services.gateway.limits import BodyLimitMiddleware, BodyLimits
+from services.gateway.metrics import install_metrics
 from services.gateway.openapi import json_body
 from services.gateway.protocol import (
     REQUEST_ID_PATTERN,
@@ -99,6 +100,7 @@ def create_app(
     app.include_router(v1)
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.include_router(admin_router(engine, admin_token, model_root))  # type: ignore[arg-type]  # stats()
+    install_metrics(app, engine)  # GET /metrics, and the engine's request timers
     return app
 
 

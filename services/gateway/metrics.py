@@ -175,8 +175,9 @@ class _SchedulerStats:
     def update(self, stats: dict[str, Any]) -> None:
         if not stats.get("ready", True):
             return
-        keys = [key for _, key, _ in (*self.GAUGES, *self.COUNTERS)]
-        self.last.update({k: float(stats[k]) for k in keys if isinstance(stats.get(k), int | float)})
+        for _, key, _ in (*self.GAUGES, *self.COUNTERS):
+            if isinstance(stats.get(key), int | float):
+                self.last[key] = float(stats[key])
 
     def collect(self) -> Iterator[Metric]:
         model = self.model_name()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from common.ipc import Outbox
@@ -79,6 +79,8 @@ class ZmqEngineClient:
         self._swap_waiters: dict[int, asyncio.Future[SwapResult]] = {}
         self.swap_status: dict[str, Any] | None = None  # a swap in progress, from the stats
         self._query_ids = itertools.count()
+        # request timings (services/gateway/metrics.py): called with each request on arrival
+        self.observer: Callable[[GenerateRequest], Any] | None = None
 
     def is_ready(self) -> bool:
         return bool(self.model_info)
@@ -102,14 +104,19 @@ class ZmqEngineClient:
         stream = _Stream(request.sampling.n)
         self._streams[rid] = stream
         finished = False
+        timer = self.observer(request) if self.observer is not None else None
         try:
             self.tokenizers.send(request)
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, RequestFailed):
                     finished = True
+                    if timer is not None:
+                        timer.failed(item.status)
                     raise item
                 finished = item.last
+                if timer is not None:
+                    timer.delta(item)
                 yield item
                 if finished:
                     return
@@ -119,6 +126,8 @@ class ZmqEngineClient:
                 self.scheduler.send(Abort(request_ids=[rid], reason=int(FinishReason.CANCELLED)))
             # state goes only after the abort is sent (DESIGN §8)
             self._streams.pop(rid, None)
+            if timer is not None:
+                timer.end()
 
     def is_in_flight(self, request_id: str) -> bool:
         return request_id in self._streams
