@@ -103,6 +103,9 @@ class ServerConfig:
     num_tokenizers: int = _field(1, "tokenizer processes")
     run_dir: str = _field("", "folder for ipc sockets and the resolved config (default: temp)")
     ready_timeout: float = _field(600.0, "seconds to wait for every process to be ready")
+    shutdown_timeout: float = _field(30.0, "on SIGTERM: seconds in-flight requests may take "
+                                           "to finish (new ones get 503)")
+    max_restarts: int = _field(5, "restarts of one process per minute before giving up")
     max_request_bytes: int = _field(4 * 1024 * 1024, "largest HTTP request body (larger: 413)")
     request_body_timeout: float = _field(30.0, "seconds a client may pause while sending a "
                                                "request body (longer: 408)")

@@ -81,16 +81,18 @@ def http_ok(config: Config, timeout: float = 5.0) -> bool:
     host = config.server.host
     host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
     try:
-        with urllib.request.urlopen(f"http://{host}:{config.server.port}/health",
-                                    timeout=timeout) as r:
+        with urllib.request.urlopen(
+            f"http://{host}:{config.server.port}/health", timeout=timeout
+        ) as r:
             return r.status == 200
     except OSError:
         return False
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m common.healthcheck",
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m common.healthcheck", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("target", help="actor name, tokenizer-N, inbox address, or http")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait")
     add_flags(parser)

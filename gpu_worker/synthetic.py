@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common.config import ConfigError
 from common.messages.scheduler_worker import StepPlan, StepResult
 from common.messages.types import SamplingParams
 
@@ -44,7 +45,7 @@ DEFAULTS: dict[str, float] = {"delay_ms": 0.0, "num_blocks": 65536, "words": 256
                               "eos_after": 0}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                     "generation_config.json", "special_tokens_map.json")
-_WORD = re.compile(r"^Ġ[a-z]{2,9}$")  # byte-level BPE: "Ġ" is a leading space
+_WORD = re.compile(r"^Ġ[a-z]{3,9}$")  # byte-level BPE: "Ġ" is a leading space
 
 
 def is_synthetic_spec(model: str) -> bool:
@@ -53,18 +54,21 @@ def is_synthetic_spec(model: str) -> bool:
 
 
 def parse_spec(model: str) -> dict[str, float]:
-    """The parameters of a `synthetic:k=v,...` spec, defaults filled in; ValueError if bad."""
+    """The parameters of a `synthetic:k=v,...` spec, defaults filled in; ConfigError if bad."""
     params = dict(DEFAULTS)
     _, _, rest = model.partition(":")
     for item in filter(None, rest.split(",")):
         key, sep, value = item.partition("=")
         if not sep or key not in DEFAULTS:
-            raise ValueError(f"--model {model}: expected key=value with key in {sorted(DEFAULTS)}")
-        params[key] = float(value)
+            raise ConfigError(f"--model {model}: expected key=value with key in {sorted(DEFAULTS)}")
+        try:
+            params[key] = float(value)
+        except ValueError:
+            raise ConfigError(f"--model {model}: {key}={value} is not a number") from None
         if params[key] < 0:
-            raise ValueError(f"--model {model}: {key} must be >= 0")
+            raise ConfigError(f"--model {model}: {key} must be >= 0")
     if params["num_blocks"] < 1 or params["words"] < 1:
-        raise ValueError(f"--model {model}: num_blocks and words must be >= 1")
+        raise ConfigError(f"--model {model}: num_blocks and words must be >= 1")
     return params
 
 

@@ -10,14 +10,30 @@ from typing import Any
 
 from common.actor import Actor
 from common.config import Config, ConfigError
-from common.messages import LoadModel, ModelLoaded, StepPlan, StepResult, UnloadModel
+from common.messages import (
+    LoadModel,
+    ModelLoaded,
+    Ready,
+    Reset,
+    StepPlan,
+    StepResult,
+    UnloadModel,
+)
 from common.model_facts import position_config, tokenizer_fingerprint
+from gpu_worker.synthetic import (
+    SyntheticRunner,
+    is_synthetic_spec,
+    prepare_synthetic_folder,
+    synthetic_params,
+)
 
 log = logging.getLogger(__name__)
 
 
 def resolve_model_path(config: Config) -> Path:
     """The configured folder, or the default model (converted on first use)."""
+    if is_synthetic_spec(config.model.model):  # the default model's tokenizer, no weights
+        return prepare_synthetic_folder(config.model.model)
     if config.model.model:
         path = Path(config.model.model).expanduser()
         if not (path / "config.json").is_file():
@@ -39,7 +55,7 @@ class WorkerActor(Actor):
         super().__init__(config)
         self.runner: Any = None
         self.handlers.update({StepPlan: self._on_step_plan, LoadModel: self._on_load_model,
-                              UnloadModel: self._on_unload_model})
+                              UnloadModel: self._on_unload_model, Reset: self._on_reset})
 
     async def start(self) -> None:
         self.runner = self._build(str(resolve_model_path(self.config)))
@@ -50,6 +66,9 @@ class WorkerActor(Actor):
         from gpu_worker.model_runner import ModelRunner
 
         m, c = self.config.model, self.config.cache
+        if synthetic_params(path) is not None:  # --model synthetic: no compute at all
+            return SyntheticRunner(path, block_size=c.block_size, dtype=m.dtype,
+                                   max_model_len=m.max_model_len or None)
         return ModelRunner(
             path,
             dtype=m.dtype,
@@ -80,6 +99,12 @@ class WorkerActor(Actor):
 
     def ready_targets(self) -> list[str]:
         return [*super().ready_targets(), self.config.addr("scheduler")]
+
+    def _on_reset(self, msg: Reset) -> None:
+        """A new scheduler: forget every request, announce the pool again."""
+        for req_id in list(self.runner._requests):
+            self.runner.drop(req_id)
+        self.scheduler.send(Ready(name=self.name, info=self.model_info()))
 
     def _on_load_model(self, msg: LoadModel) -> None:
         """Hot swap: load beside the served versions (overlap) or instead of them (drain)."""

@@ -25,7 +25,7 @@ import zmq
 
 from common import codec
 from common.config import Config, ConfigError, add_flags, from_args
-from common.messages import Ready
+from common.messages import Drain, Drained, ProcessDown, Ready
 
 _GRACE_S = 10.0
 
@@ -34,6 +34,9 @@ class Supervisor:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.children: dict[str, subprocess.Popen[bytes]] = {}
+        self.commands: dict[str, list[str]] = {}
+        self._restarts: dict[str, list[float]] = {}
+        self._peers: dict[str, zmq.Socket] = {}
         self.ready: dict[str, dict] = {}
         self._stop = False
         ctx = zmq.Context.instance()
@@ -55,7 +58,8 @@ class Supervisor:
         return specs
 
     def start(self) -> None:
-        for name, cmd in self.specs():
+        self.commands = dict(self.specs())
+        for name, cmd in self.commands.items():
             self.children[name] = subprocess.Popen(cmd, cwd=_repo_root())
 
     def wait_ready(self) -> None:
@@ -105,14 +109,66 @@ class Supervisor:
                 raise ChildDied(f"{name} exited with code {proc.returncode}")
 
     def supervise(self) -> None:
+        """Restart a process that dies (a few times a minute at most); tell the gateway and
+        the scheduler, so requests in flight through it fail with a retryable error."""
         while not self._stop:
-            self._check_children()
-            time.sleep(0.2)
+            for name, proc in list(self.children.items()):
+                if proc.poll() is not None and not self._stop:
+                    self._restart(name, proc.returncode)
+            self._drain_inbox()
+            time.sleep(0.1)
+
+    def _restart(self, name: str, code: int) -> None:
+        now = time.monotonic()
+        recent = [t for t in self._restarts.get(name, []) if now - t < 60.0]
+        if len(recent) >= self.config.server.max_restarts:
+            raise ChildDied(f"{name} died {len(recent) + 1} times within a minute "
+                            f"(last exit code {code})")
+        self._restarts[name] = [*recent, now]
+        print(f"shuttle: {name} exited with code {code}; restarting it", file=sys.stderr,
+              flush=True)
+        notice = codec.encode(ProcessDown(name=name, exit_code=code))
+        for peer in ("gateway", "scheduler"):
+            if peer != name:
+                self._send(peer, notice)
+        self.children[name] = subprocess.Popen(self.commands[name], cwd=_repo_root())
+
+    def _send(self, name: str, frame: bytes) -> None:
+        sock = self._peers.get(name)
+        if sock is None:
+            sock = self._peers[name] = zmq.Context.instance().socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.config.addr(name))
+        sock.send(frame, zmq.NOBLOCK)
+
+    def _drain_inbox(self) -> list:
+        msgs = []
+        while self.inbox.poll(0):
+            msgs.append(codec.decode(self.inbox.recv()))
+        return msgs
+
+    def drain(self) -> None:
+        """SIGTERM: the gateway refuses new requests and waits for in-flight ones (up to
+        --shutdown-timeout); then everything stops."""
+        timeout = self.config.server.shutdown_timeout
+        if timeout <= 0 or "gateway" not in self.ready:
+            return
+        self._send("gateway", codec.encode(Drain(reply_to=self.config.addr("supervisor"),
+                                                 timeout_s=timeout)))
+        deadline = time.monotonic() + timeout + 5.0
+        while time.monotonic() < deadline:
+            if any(isinstance(m, Drained) for m in self._drain_inbox()):
+                return
+            if self.children["gateway"].poll() is not None:
+                return
+            time.sleep(0.05)
 
     def request_stop(self, *_: object) -> None:
         self._stop = True
 
     def shutdown(self) -> None:
+        for sock in self._peers.values():
+            sock.close(linger=0)
         for proc in self.children.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -169,6 +225,7 @@ def serve(argv: list[str] | None = None) -> int:
               f"http://{sup._client_host()}:{sup.port} (pid {os.getpid()}){sup.grpc_banner()}",
               flush=True)
         sup.supervise()
+        sup.drain()
     except KeyboardInterrupt:
         pass
     except (ChildDied, TimeoutError) as e:

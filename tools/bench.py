@@ -2,21 +2,27 @@
 
     tools/bench --num-prompts 16 --input-len 128 --output-len 64 --baseline hf-static
     tools/bench --url http://127.0.0.1:8000 --input-len 32:512 --output-len 16:256 --rate 4
+    tools/bench --jsonl prompts.jsonl --sweep-rates 1,2,4,8 --plot-dir out/ --slo-ttft-ms 500
+    tools/bench --server-flags "--model synthetic" --num-prompts 256 --output-len 200
 
-Prompts are random token ids (as `vllm bench serve --dataset-name random`), sent to
+Prompts are random token ids (as `vllm bench serve --dataset-name random`), optionally behind
+a shared prefix, or the lines of a JSONL file (tools/bench_workload.py); they go to
 /v1/completions with `ignore_eos`, streamed, so TTFT and every inter-token gap are seen.
-Without --url a shuttle server is started here (and stopped) with --server-flags. Baselines
-run afterwards on the same prompts and lengths, in this process, same dtype and threads.
+Arrivals: all at once (default), Poisson at --rate, capped by --concurrency, or one run per
+rate of --sweep-rates. Without --url a shuttle server is started here (and stopped) with
+--server-flags. Baselines run afterwards on the same prompts and lengths, in this process,
+same dtype and threads. Figures and their definitions: tools/bench_report.py; plots:
+tools/bench_plots.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
+import os
 import random
-import statistics
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -26,55 +32,51 @@ import httpx
 import orjson
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tools.bench_baselines import hf_baseline  # noqa: E402
+from tools.bench_report import (  # noqa: E402, F401  (Timing, _pct: re-exported for callers)
+    Slo,
+    Timing,
+    _pct,
+    per_request,
+    print_report,
+    summarize,
+)
+from tools.bench_workload import Workload, load_jsonl, make_workload  # noqa: E402, F401
+
+INF = float("inf")
 
 
-@dataclasses.dataclass
-class Workload:
-    prompts: list[list[int]]
-    output_lens: list[int]
+class Progress:
+    """One stderr line, redrawn at most 5 times a second: done/total, failures, tokens."""
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts)
+    def __init__(self, total: int, label: str = "", enabled: bool = True) -> None:
+        self.total, self.label, self.enabled = total, label, enabled
+        self.done = self.failed = self.tokens = 0
+        self.start = self.drawn = time.perf_counter()
 
-    @property
-    def num_output_tokens(self) -> int:
-        return sum(self.output_lens)
-
-
-@dataclasses.dataclass
-class Timing:
-    ttft: float = 0.0
-    e2e: float = 0.0
-    itl: list[float] = dataclasses.field(default_factory=list)
-    output_tokens: int = 0
-    error: str = ""
-
-    @property
-    def tpot(self) -> float:
-        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
-
-
-def _range(text: str) -> tuple[int, int]:
-    lo, _, hi = text.partition(":")
-    return int(lo), int(hi or lo)
-
-
-def make_workload(n: int, input_len: str, output_len: str, vocab: int, seed: int,
-                  shared_prefix: int = 0) -> Workload:
-    """Random prompts; with `shared_prefix`, every prompt starts with the same tokens (a
-    system prompt), followed by its own random part of `input_len` tokens."""
-    rng = random.Random(seed)
-    (ilo, ihi), (olo, ohi) = _range(input_len), _range(output_len)
-    # ids from the middle of the vocabulary: ordinary word pieces, no special tokens
-    word = lambda: rng.randrange(1000, vocab - 1000)  # noqa: E731
-    prefix = [word() for _ in range(shared_prefix)]
-    prompts = [prefix + [word() for _ in range(rng.randint(ilo, ihi))] for _ in range(n)]
-    return Workload(prompts, [rng.randint(olo, ohi) for _ in range(n)])
+    def add(self, t: Timing) -> None:
+        self.done += 1
+        self.failed += bool(t.error)
+        self.tokens += t.output_tokens
+        now = time.perf_counter()
+        if self.enabled and (now - self.drawn > 0.2 or self.done == self.total):
+            self.drawn = now
+            width = 30
+            filled = width * self.done // max(1, self.total)
+            sys.stderr.write(f"\r{self.label}[{'#' * filled}{'.' * (width - filled)}] "
+                             f"{self.done}/{self.total} done, {self.failed} failed, "
+                             f"{self.tokens / (now - self.start):,.0f} tok/s, "
+                             f"{now - self.start:.1f} s ")
+            if self.done == self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
 
 
 # --- load generation ---------------------------------------------------------------------------
-async def _one(client: httpx.AsyncClient, model: str, prompt: list[int], out_len: int) -> Timing:
+async def _one(client: httpx.AsyncClient, model: str, prompt: list[int] | str,
+               out_len: int) -> Timing:
     body = {"model": model, "prompt": prompt, "max_tokens": out_len, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     t = Timing()
@@ -86,10 +88,11 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: list[int], out_len
                 return t
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
+                    continue  # blank separators, keep-alive comments, the end
                 chunk = orjson.loads(line[6:])
                 if chunk.get("usage"):
                     t.output_tokens = chunk["usage"]["completion_tokens"]
+                    t.prompt_tokens = chunk["usage"]["prompt_tokens"]
                 if chunk.get("choices") and chunk["choices"][0].get("text"):
                     now = time.perf_counter()
                     if not t.ttft:
@@ -97,6 +100,8 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: list[int], out_len
                     else:
                         t.itl.append(now - last)
                     last = now
+                if "error" in chunk:
+                    t.error = f"stream error: {chunk['error'].get('message', '')[:200]}"
     except httpx.HTTPError as e:
         t.error = f"{type(e).__name__}: {e}"
     t.e2e = time.perf_counter() - start
@@ -104,9 +109,13 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: list[int], out_len
 
 
 async def run_load(url: str, model: str, wl: Workload, concurrency: int, rate: float,
-                   seed: int) -> tuple[list[Timing], float, int]:
-    limits = httpx.Limits(max_connections=max(concurrency, len(wl.prompts)) + 4)
-    sem = asyncio.Semaphore(concurrency if concurrency > 0 else len(wl.prompts))
+                   seed: int, progress: Progress | None = None
+                   ) -> tuple[list[Timing], float, int]:
+    """Send every request of `wl`; returns their timings, the duration and peak concurrency."""
+    n = len(wl.prompts)
+    limits = httpx.Limits(max_connections=max(concurrency, n) + 4,
+                          max_keepalive_connections=max(concurrency, n) + 4)
+    sem = asyncio.Semaphore(concurrency if concurrency > 0 else n)
     rng = random.Random(seed)
     peak = active = 0
 
@@ -116,101 +125,48 @@ async def run_load(url: str, model: str, wl: Workload, concurrency: int, rate: f
             active += 1
             peak = max(peak, active)
             try:
-                return await _one(client, model, wl.prompts[i], wl.output_lens[i])
+                t = await _one(client, model, wl.prompts[i], wl.output_lens[i])
             finally:
                 active -= 1
+        if progress is not None:
+            progress.add(t)
+        return t
 
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
         start = time.perf_counter()
         tasks = []
-        for i in range(len(wl.prompts)):
+        for i in range(n):
             tasks.append(asyncio.create_task(guarded(client, i)))
-            if rate != float("inf"):
+            if rate != INF:
                 await asyncio.sleep(rng.expovariate(rate))
         timings = list(await asyncio.gather(*tasks))
         return timings, time.perf_counter() - start, peak
 
 
-# --- baselines: transformers generate -------------------------------------------------------------
-def hf_baseline(kind: str, model_dir: str, wl: Workload, batch_size: int, dtype: str,
-                threads: int) -> dict[str, Any]:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
-    model.generation_config.eos_token_id = None  # like ignore_eos: every request runs its length
-    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    order = list(range(len(wl.prompts)))
-    groups = [[i] for i in order] if kind == "hf-sequential" else [
-        order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-    start = time.perf_counter()
-    computed = 0
-    with torch.inference_mode():
-        for g in groups:
-            width = max(len(wl.prompts[i]) for i in g)
-            ids = torch.full((len(g), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(g), width), dtype=torch.long)
-            for row, i in enumerate(g):  # left padding, as generate wants for decoder-only
-                ids[row, width - len(wl.prompts[i]):] = torch.tensor(wl.prompts[i])
-                mask[row, width - len(wl.prompts[i]):] = 1
-            new = max(wl.output_lens[i] for i in g)
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
-                           min_new_tokens=new, do_sample=False, pad_token_id=pad)
-            computed += len(g) * new
-    dur = time.perf_counter() - start
-    return {"name": kind, "duration_s": dur, "output_tok_s": wl.num_output_tokens / dur,
-            "computed_output_tokens": computed, "batch_size": 1 if kind == "hf-sequential"
-            else batch_size}
+async def _served_model(url: str, model: str) -> str:
+    if model:
+        return model
+    async with httpx.AsyncClient(base_url=url) as c:
+        return (await c.get("/v1/models")).json()["data"][0]["id"]
 
 
-# --- reporting -----------------------------------------------------------------------------------
-def _pct(xs: list[float]) -> dict[str, float]:
-    if not xs:
-        return {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0}
-    s = sorted(xs)
-    at = lambda q: s[min(len(s) - 1, int(q * len(s)))]  # noqa: E731
-    return {"mean": statistics.fmean(s), "median": statistics.median(s), "p90": at(0.9),
-            "p99": at(0.99)}
+def run_rates(url: str, args: argparse.Namespace, wl: Workload, slo: Slo) -> list[dict[str, Any]]:
+    """One load per rate (the sweep, or just --rate), each summarised with its raw timings."""
+    model = asyncio.run(_served_model(url, args.model))
+    rates = [float(r) for r in args.sweep_rates.split(",")] if args.sweep_rates else [args.rate]
+    runs = []
+    for rate in rates:
+        label = f"rate {rate:g}/s " if len(rates) > 1 else ""
+        progress = Progress(len(wl.prompts), label, not args.no_progress)
+        timings, dur, peak = asyncio.run(
+            run_load(url, model, wl, args.concurrency, rate, args.seed, progress))
+        summary = summarize(timings, dur, peak, wl, slo)
+        runs.append({**summary, "rate": rate if rate != INF else "inf",
+                     "requests": per_request(timings)})
+    return runs
 
 
-def summarize(timings: list[Timing], duration: float, peak: int, wl: Workload) -> dict[str, Any]:
-    ok = [t for t in timings if not t.error]
-    out_tokens = sum(t.output_tokens for t in ok)
-    return {
-        "name": "shuttle",
-        "completed": len(ok), "failed": len(timings) - len(ok),
-        "errors": sorted({t.error for t in timings if t.error})[:5],
-        "duration_s": duration, "peak_concurrency": peak,
-        "request_throughput": len(ok) / duration,
-        "output_tok_s": out_tokens / duration,
-        "total_tok_s": (out_tokens + sum(len(wl.prompts[i]) for i, t in enumerate(timings)
-                                         if not t.error)) / duration,
-        "ttft_s": _pct([t.ttft for t in ok]),
-        "tpot_s": _pct([t.tpot for t in ok if t.output_tokens > 1]),
-        "itl_s": _pct([x for t in ok for x in t.itl]),
-        "e2e_s": _pct([t.e2e for t in ok]),
-    }
-
-
-def print_report(result: dict[str, Any]) -> None:
-    w, s = result["workload"], result["shuttle"]
-    print(f"workload: {w['num_prompts']} prompts, input {w['input_len']} ({w['prompt_tokens']} "
-          f"tokens), output {w['output_len']} ({w['output_tokens']} tokens), concurrency "
-          f"{w['concurrency'] or 'all'}, rate {w['rate']}, dtype {w['dtype']}, threads "
-          f"{w['threads']}, server flags {w['server_flags']!r}")
-    print(f"shuttle: {s['completed']} ok, {s['failed']} failed, {s['duration_s']:.2f} s, "
-          f"{s['output_tok_s']:.1f} output tok/s, {s['request_throughput']:.2f} req/s, peak "
-          f"concurrency {s['peak_concurrency']}")
-    for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
-        p = s[key]
-        print(f"  {key[:-2].upper():5} ms  mean {p['mean'] * 1e3:8.1f}  median "
-              f"{p['median'] * 1e3:8.1f}  p90 {p['p90'] * 1e3:8.1f}  p99 {p['p99'] * 1e3:8.1f}")
-    for b in result["baselines"]:
-        print(f"{b['name']}: {b['duration_s']:.2f} s, {b['output_tok_s']:.1f} useful output "
-              f"tok/s -> shuttle is {s['output_tok_s'] / b['output_tok_s']:.2f}x")
-
-
+# --- the command ---------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="tools/bench", description=__doc__.splitlines()[0])
     p.add_argument("--url", default="", help="server to load (default: start shuttle here)")
@@ -221,60 +177,93 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output-len", default="64", help="N or LO:HI output tokens")
     p.add_argument("--shared-prefix", type=int, default=0,
                    help="tokens of a system prompt every request starts with")
+    p.add_argument("--jsonl", default="", help="requests from this file (see bench_workload)")
     p.add_argument("--concurrency", type=int, default=0, help="most in flight (0: all)")
-    p.add_argument("--rate", type=float, default=float("inf"), help="Poisson arrivals per s")
+    p.add_argument("--rate", type=float, default=INF, help="Poisson arrivals per s")
+    p.add_argument("--sweep-rates", default="", help="comma list of rates: one run each")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo-ttft-ms", type=float, default=0.0, help="goodput: TTFT objective")
+    p.add_argument("--slo-tpot-ms", type=float, default=0.0, help="goodput: TPOT objective")
+    p.add_argument("--slo-e2e-ms", type=float, default=0.0, help="goodput: E2E objective")
     p.add_argument("--baseline", default="", help="comma list: hf-sequential,hf-static")
     p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--hf-sequential-subset", type=int, default=0,
+                   help="run hf-sequential on this many requests only (0: all)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--server-flags", default="", help="flags for the shuttle server started here")
     p.add_argument("--json", default="", help="write the results here")
+    p.add_argument("--plot-dir", default="", help="write PNG plots here")
+    p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     p.add_argument("--admin-token", default="", help="read shuttle's /admin/stats after the run")
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    import os
-    import shlex
+def _workload(args: argparse.Namespace, model_dir: str) -> tuple[Workload, str]:
+    if args.jsonl:
+        return load_jsonl(args.jsonl, args.output_len, args.seed, args.num_prompts), \
+            f"jsonl {args.jsonl}"
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    wl = make_workload(args.num_prompts, args.input_len, args.output_len, vocab, args.seed,
+                       args.shared_prefix)
+    return wl, f"random, shared prefix {args.shared_prefix}" if args.shared_prefix else "random"
 
-    sys.path.insert(0, str(REPO))
+
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     threads = args.threads or os.cpu_count() or 1
     from gpu_worker.prepare_model import prepare_default_model
 
     model_dir = args.model_dir or str(prepare_default_model())
-    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
-    wl = make_workload(args.num_prompts, args.input_len, args.output_len, vocab, args.seed,
-                       args.shared_prefix)
+    wl, source = _workload(args, model_dir)
+    slo = Slo(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3, args.slo_e2e_ms / 1e3)
     flags = ["--dtype", args.dtype, "--num-threads", str(threads), *shlex.split(args.server_flags)]
-    server_stats: dict[str, Any] = {}
     if args.url:
-        timings, dur, peak = asyncio.run(_load(args.url, args, wl))
+        runs = run_rates(args.url, args, wl, slo)
         server_stats = _server_stats(args.url, args.admin_token)
     else:
         from tests.server import running_server
 
         token = args.admin_token or "bench"
         with running_server("--model", model_dir, "--admin-token", token, *flags) as server:
-            timings, dur, peak = asyncio.run(_load(server.url, args, wl))
+            runs = run_rates(server.url, args, wl, slo)
             server_stats = _server_stats(server.url, token)
+    desc = wl.describe()
     result = {
-        "workload": {"num_prompts": args.num_prompts, "input_len": args.input_len,
-                     "output_len": args.output_len, "prompt_tokens": wl.num_prompt_tokens,
-                     "output_tokens": wl.num_output_tokens, "concurrency": args.concurrency,
-                     "shared_prefix": args.shared_prefix,
-                     "rate": args.rate, "dtype": args.dtype, "threads": threads,
-                     "server_flags": " ".join(flags) if not args.url else "external"},
-        "shuttle": summarize(timings, dur, peak, wl),
+        "workload": {"num_prompts": len(wl.prompts), "source": source,
+                     "input_len": "file" if args.jsonl else args.input_len,
+                     "output_len": args.output_len, "prompt_tokens": desc["prompt_tokens"],
+                     "output_tokens": desc["output_tokens"], "concurrency": args.concurrency,
+                     "shared_prefix": args.shared_prefix, "rate": runs[-1]["rate"],
+                     "sweep_rates": args.sweep_rates, "dtype": args.dtype, "threads": threads,
+                     "batch_policy": _flag(flags, "--batch-policy", "continuous")
+                     if not args.url else "external",
+                     "server_flags": " ".join(flags) if not args.url else "external",
+                     "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms,
+                             "e2e_ms": args.slo_e2e_ms}},
+        "shuttle": runs[-1],
+        "sweep": runs if len(runs) > 1 else [],
         "server_stats": server_stats,
-        "baselines": [hf_baseline(b, model_dir, wl, args.hf_batch_size, args.dtype, threads)
+        "baselines": [hf_baseline(b, model_dir, wl, args.hf_batch_size, args.dtype, threads,
+                                  args.hf_sequential_subset if b == "hf-sequential" else 0)
                       for b in filter(None, args.baseline.split(","))],
     }
     print_report(result)
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    return 0 if result["shuttle"]["failed"] == 0 else 1
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+    if args.plot_dir:
+        from tools.bench_plots import plot_result
+
+        for path in plot_result(result, args.plot_dir):
+            print(f"plot: {path}")
+    return 0 if all(r["failed"] == 0 for r in runs) else 1
+
+
+def _flag(flags: list[str], name: str, default: str) -> str:
+    """The last value given to `name` in a flag list."""
+    values = [flags[i + 1] for i, f in enumerate(flags[:-1]) if f == name]
+    return values[-1] if values else default
 
 
 def _server_stats(url: str, token: str) -> dict[str, Any]:
@@ -289,14 +278,6 @@ def _server_stats(url: str, token: str) -> dict[str, Any]:
     stats.pop("model", None)
     stats.pop("request_ids", None)
     return stats
-
-
-async def _load(url: str, args: argparse.Namespace, wl: Workload) -> tuple[list[Timing], float, int]:
-    model = args.model
-    if not model:
-        async with httpx.AsyncClient(base_url=url) as c:
-            model = (await c.get("/v1/models")).json()["data"][0]["id"]
-    return await run_load(url, model, wl, args.concurrency, args.rate, args.seed)
 
 
 if __name__ == "__main__":

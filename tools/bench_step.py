@@ -69,24 +69,31 @@ class _Driver:
             self.free.extend(self.tables.pop(rid))
 
 
+def _start(runner: Any, batch: int, context: int, chunk: int, seed: int
+           ) -> tuple[_Driver, list[str], float]:
+    """B requests prefilled to `context` tokens (one request per step, chunked)."""
+    rng = random.Random(seed)
+    drv = _Driver(runner, seed)
+    rids = [f"b{batch}-{seed}-{i}" for i in range(batch)]
+    prefill_s = 0.0
+    for rid in rids:
+        prompt, done = [rng.randrange(1000, 40000) for _ in range(context)], 0
+        while done < context:
+            n = min(chunk, context - done)
+            prefill_s += drv.step({rid: prompt} if done == 0 else {}, [(rid, n)])
+            done += n
+    return drv, rids, prefill_s
+
+
 def measure(runner: Any, batch: int, context: int, steps: int, chunk: int = 512,
             seed: int = 0) -> dict[str, float]:
     """Median decode-step seconds at `batch` requests of ~`context` tokens, and prefill tok/s."""
-    rng = random.Random(seed)
-    drv = _Driver(runner, seed)
-    rids = [f"b{batch}-{i}" for i in range(batch)]
-    prompts = {r: [rng.randrange(1000, 40000) for _ in range(context)] for r in rids}
-    prefill_s, pending = 0.0, dict(prompts)
-    for rid in rids:  # chunked prefill, one request per step, as a budget of `chunk` allows
-        done = 0
-        while done < context:
-            n = min(chunk, context - done)
-            prefill_s += drv.step({rid: pending.pop(rid)} if rid in pending else {}, [(rid, n)])
-            done += n
+    drv, rids, prefill_s = _start(runner, batch, context, chunk, seed)
     times = [drv.step({}, [(r, 1) for r in rids]) for _ in range(steps)]
     drv.finish(rids)
-    return {"batch": batch, "context": context, "decode_step_ms": statistics.median(times) * 1e3,
-            "decode_step_ms_min": min(times) * 1e3, "decode_tok_s": batch / statistics.median(times),
+    median = statistics.median(times)
+    return {"batch": batch, "context": context, "decode_step_ms": median * 1e3,
+            "decode_step_ms_min": min(times) * 1e3, "decode_tok_s": batch / median,
             "prefill_tok_s": batch * context / prefill_s}
 
 
@@ -125,11 +132,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _profile(runner: Any, batch: int, context: int) -> int:
+    """The torch profiler's table over 5 decode steps at `batch` (prefill not included)."""
     import torch.profiler as tp
 
-    measure(runner, batch, context, 3)
+    drv, rids, _ = _start(runner, batch, context, 512, 3)
+    drv.step({}, [(r, 1) for r in rids])
     with tp.profile(activities=[tp.ProfilerActivity.CPU]) as prof:
-        measure(runner, batch, context, 5, seed=2)
+        for _ in range(5):
+            drv.step({}, [(r, 1) for r in rids])
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
     return 0
 

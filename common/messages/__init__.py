@@ -11,6 +11,10 @@ from common.messages import (  # noqa: F401
 )
 from common.messages.control import (
     Abort,
+    Drain,
+    Drained,
+    ProcessDown,
+    Reset,
     Ping,
     Pong,
     Ready,
@@ -37,5 +41,5 @@ __all__ = [
     "Abort", "DetokNew", "FinishReason", "GenerateRequest", "OutputBatch", "Ping", "Pong",
     "Ready", "RequestError", "SamplingParams", "Shutdown", "Stats", "StatsQuery", "StepPlan",
     "StepResult", "TokenBatch", "TokenizedRequest", "SwapModel", "SwapResult", "LoadModel",
-    "ModelLoaded", "UnloadModel",
+    "ModelLoaded", "UnloadModel", "ProcessDown", "Reset", "Drain", "Drained",
 ]

@@ -76,3 +76,34 @@ class SwapResult:
     mode: str = ""
     duration_s: float = 0.0
     error: str = ""
+
+
+@message("process_down")
+class ProcessDown:
+    """supervisor -> gateway, scheduler: a process died and is being restarted. Requests
+    in flight through it fail with a retryable error (HTTP 503, gRPC UNAVAILABLE)."""
+
+    name: str  # worker | scheduler | detokenizer | tokenizer-<i> | gateway
+    exit_code: int
+
+
+@message("reset")
+class Reset:
+    """A freshly started scheduler -> worker: drop every request and announce yourself
+    (Ready) again, so the new scheduler can size its block pool."""
+
+    reason: str = ""
+
+
+@message("drain")
+class Drain:
+    """supervisor -> gateway (SIGTERM): refuse new requests (503), let in-flight ones
+    finish for up to `timeout_s`, then answer Drained."""
+
+    reply_to: str
+    timeout_s: float
+
+
+@message("drained")
+class Drained:
+    num_unfinished: int  # requests still in flight when the time ran out

@@ -54,6 +54,9 @@ class DetokenizerActor(Actor):
             if stream is None:
                 continue  # finished already (a stop string); late tokens are dropped
             stream.version = version or stream.version
+            if reason == FinishReason.ERROR:  # the scheduler told the gateway itself: forget it
+                del self.streams[rid]
+                continue
             text, stop_hit = stream.detok.add(ids, final=reason != FinishReason.NONE)
             if stop_hit and reason == FinishReason.NONE:
                 reason = FinishReason.STOP

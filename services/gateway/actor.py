@@ -12,7 +12,15 @@ import uvicorn
 
 from common.actor import Actor
 from common.config import Config
-from common.messages import OutputBatch, RequestError, Stats, SwapResult
+from common.messages import (
+    Drain,
+    Drained,
+    OutputBatch,
+    ProcessDown,
+    RequestError,
+    Stats,
+    SwapResult,
+)
 from services.gateway.zmq_client import ZmqEngineClient
 
 if TYPE_CHECKING:
@@ -45,6 +53,8 @@ class GatewayActor(Actor):
             RequestError: self._on_error,
             Stats: self._on_stats,
             SwapResult: self._on_swap_result,
+            ProcessDown: self._on_process_down,
+            Drain: self._on_drain,
         })
 
     async def start(self) -> None:
@@ -131,3 +141,27 @@ class GatewayActor(Actor):
 
     def _on_swap_result(self, msg: SwapResult) -> None:
         self.engine.on_swap_result(msg)
+
+    def _on_process_down(self, msg: ProcessDown) -> None:
+        """The scheduler or detokenizer holds every request's state: fail them all. A
+        tokenizer held only requests not yet scheduled: fail those with no output yet. (The
+        scheduler fails the requests of a dead worker itself.)"""
+        if msg.name in ("scheduler", "detokenizer"):
+            n = self.engine.fail_all(f"the {msg.name} process restarted")
+        elif msg.name.startswith("tokenizer"):
+            n = self.engine.fail_all(f"the {msg.name} process restarted", only_waiting=True)
+        else:
+            return
+        log.warning("%s died: failed %d requests in flight", msg.name, n)
+
+    def _on_drain(self, msg: Drain) -> None:
+        self.engine.draining = True
+        log.info("draining: %d requests in flight", self.engine.num_in_flight)
+
+        async def wait() -> None:
+            deadline = asyncio.get_running_loop().time() + msg.timeout_s
+            while self.engine.num_in_flight and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
+            self.outbox(msg.reply_to).send(Drained(num_unfinished=self.engine.num_in_flight))
+
+        self._drain_task = asyncio.create_task(wait())

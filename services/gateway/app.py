@@ -82,13 +82,13 @@ class ClientGone(Exception):
 
 def create_app(
     engine: EngineClient, *, api_key: str | None = None, admin_token: str | None = None,
-    model_root: str | None = None, limits: BodyLimits = BodyLimits(),
+    model_root: str | None = None, limits: BodyLimits | None = None,
 ) -> FastAPI:
     """The HTTP app; with `api_key`, every /v1 route wants `Authorization: Bearer <key>`;
     /admin routes want the admin token (and are all refused without one)."""
     app = FastAPI(title="shuttle", docs_url=None, redoc_url=None)
     _install_error_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, limits=limits)
+    app.add_middleware(BodyLimitMiddleware, limits=limits or BodyLimits())
     routes = OpenAIRoutes(engine)
     auth = [Depends(_require_key(api_key))] if api_key else []
     v1 = APIRouter(prefix="/v1", dependencies=auth)

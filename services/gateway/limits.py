@@ -38,14 +38,20 @@ class BodyTooLarge(RequestRejected):
     def __init__(self, max_bytes: int) -> None:
         super().__init__(
             f"body: the request body is larger than the limit of {max_bytes} bytes "
-            "(--max-request-bytes)", None, 413)
+            "(--max-request-bytes)",
+            None,
+            413,
+        )
 
 
 class BodyStalled(RequestRejected):
     def __init__(self, timeout: float) -> None:
         super().__init__(
             f"body: the client sent no data for {timeout:g} s in the middle of the request "
-            "body (--request-body-timeout)", None, 408)
+            "body (--request-body-timeout)",
+            None,
+            408,
+        )
 
 
 class BodyLimitMiddleware:
@@ -84,7 +90,8 @@ def _refuse_early(scope: Scope, max_bytes: int) -> RequestRejected | None:
         if media != b"application/json" and not media.endswith(b"+json"):
             shown = media.decode("latin-1")[:60]
             return RequestRejected(
-                f"Content-Type: must be application/json, got {shown!r}", "Content-Type", 415)
+                f"Content-Type: must be application/json, got {shown!r}", "Content-Type", 415
+            )
     return None
 
 
@@ -115,14 +122,29 @@ class _BodyReader:
 
 
 async def _send_error(send: Send, refusal: RequestRejected) -> None:
-    error = {"message": refusal.message, "type": _ERROR_TYPES.get(refusal.status,
-             "BadRequestError"), "param": refusal.param, "code": refusal.status}
+    error = {
+        "message": refusal.message,
+        "type": _ERROR_TYPES.get(refusal.status, "BadRequestError"),
+        "param": refusal.param,
+        "code": refusal.status,
+    }
     body = orjson.dumps({"error": error})
-    await send({"type": "http.response.start", "status": refusal.status, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-        (b"connection", b"close")]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": refusal.status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
-_ERROR_TYPES = {408: "RequestTimeoutError", 413: "RequestTooLargeError",
-                415: "UnsupportedMediaTypeError"}
+_ERROR_TYPES = {
+    408: "RequestTimeoutError",
+    413: "RequestTooLargeError",
+    415: "UnsupportedMediaTypeError",
+}

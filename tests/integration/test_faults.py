@@ -1,0 +1,168 @@
+"""Faults on the real processes: a process killed with SIGKILL mid-load is restarted, the
+requests in flight through it end within seconds with a retryable error (HTTP 503 with
+Retry-After, or an error event mid-stream) instead of hanging, and serving resumes with
+every block free. SIGTERM drains: new requests get 503, in-flight ones finish."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+
+from tests.server import Server, running_server
+
+TOKEN = "fault-admin"
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def _pid_of(server: Server, module: str) -> int:
+    kids = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True,
+                          text=True).stdout.split()
+    for pid in kids:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+        except OSError:
+            continue
+        if module in argv:
+            return int(pid)
+    raise AssertionError(f"no {module} child")
+
+
+def _wait_serving(server: Server, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.post(server.url + "/v1/completions", timeout=30, json={
+                "model": server.model, "prompt": "Hello", "max_tokens": 2})
+            if r.status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError("server did not resume serving")
+
+
+def _stats(server: Server) -> dict:
+    return httpx.get(server.url + "/admin/stats", headers=ADMIN, timeout=30).json()
+
+
+class _Load:
+    """Requests in flight in the background, one streamed; records how each ended."""
+
+    def __init__(self, server: Server, n: int = 6) -> None:
+        self.server = server
+        self.results: list[tuple[str, float, str]] = []  # (kind, end time, outcome)
+        self.threads = [threading.Thread(target=self._plain, daemon=True) for _ in range(n)]
+        self.threads.append(threading.Thread(target=self._streamed, daemon=True))
+
+    def start(self) -> _Load:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def _body(self, stream: bool) -> dict:
+        return {"model": self.server.model, "prompt": "Write a very long story:",
+                "max_tokens": 2000, "ignore_eos": True, "stream": stream}
+
+    def _plain(self) -> None:
+        r = httpx.post(self.server.url + "/v1/completions", json=self._body(False), timeout=120)
+        outcome = f"{r.status_code} retry-after={r.headers.get('retry-after')}"
+        if r.status_code == 200:
+            outcome += " " + str(r.json()["choices"][0]["finish_reason"])
+        self.results.append(("plain", time.monotonic(), outcome))
+
+    def _streamed(self) -> None:
+        outcome = "no end"
+        self.tail: list[str] = []
+        with httpx.stream("POST", self.server.url + "/v1/completions", json=self._body(True),
+                          timeout=120) as r:
+            if r.status_code != 200:  # failed before its first byte: a plain HTTP error
+                self.results.append(("stream", time.monotonic(), f"error {r.status_code}"))
+                return
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = orjson.loads(line[6:])
+                    if "error" in chunk:
+                        outcome = f"error {chunk['error']['code']}"
+                elif line == "data: [DONE]":
+                    break
+                self.tail = [*self.tail[-3:], line[:300]]
+        self.results.append(("stream", time.monotonic(), outcome))
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join(120)
+
+
+@pytest.fixture(scope="module")
+def server():  # type: ignore[no-untyped-def]
+    with running_server("--admin-token", TOKEN, "--num-tokenizers", "2") as s:
+        yield s
+
+
+@pytest.mark.parametrize("module", ["gpu_worker", "services.scheduler", "services.detokenizer"])
+def test_killed_process_fails_in_flight_requests_fast_and_recovers(server: Server,
+                                                                   module: str) -> None:
+    _wait_serving(server)
+    load = _Load(server).start()
+    time.sleep(2.0)  # generating now
+    pid = _pid_of(server, module)
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    load.join()
+    assert len(load.results) == 7
+    for kind, ended, outcome in load.results:
+        assert ended - killed_at < 5.0, (kind, ended - killed_at, load.results)
+        if kind == "plain":
+            assert outcome == "503 retry-after=1", load.results
+        else:
+            assert outcome == "error 503", load.tail
+    _wait_serving(server)
+    assert _pid_of(server, module) != pid
+    deadline = time.monotonic() + 30
+    while _stats(server)["num_used_blocks"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    stats = _stats(server)
+    assert stats["num_used_blocks"] == 0 and stats["num_running"] == 0
+
+
+def test_killed_tokenizer_is_restarted(server: Server) -> None:
+    _wait_serving(server)
+    pid = _pid_of(server, "services.tokenizer")
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(1.0)
+    _wait_serving(server)
+    for _ in range(4):  # both tokenizer processes answer again (round robin)
+        r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+            "model": server.model, "prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 200
+
+
+def test_sigterm_drains_then_exits() -> None:
+    with running_server("--shutdown-timeout", "60") as server:
+        done: dict = {}
+
+        def long_request() -> None:
+            r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+                "model": server.model, "prompt": "Count:", "max_tokens": 40, "ignore_eos": True})
+            done["status"], done["body"] = r.status_code, r.json()
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        time.sleep(1.5)
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        refused = httpx.post(server.url + "/v1/completions", timeout=30, json={
+            "model": server.model, "prompt": "New", "max_tokens": 2})
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        t.join(120)
+        assert done["status"] == 200
+        assert done["body"]["usage"]["completion_tokens"] == 40
+        assert server.proc.wait(60) == 0

@@ -1,0 +1,92 @@
+"""The gateway's request timers and /metrics rendering, with a fake engine (no processes)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from common.messages import FinishReason, GenerateRequest
+from common.messages.types import SamplingParams
+from services.gateway.engine_client import OutputDelta
+from services.gateway.metrics import GatewayMetrics
+
+
+class FakeEngine:
+    model_name = "m"
+
+    def __init__(self, stats: dict | None = None) -> None:
+        self._stats = stats
+
+    async def stats(self, timeout: float = 5.0) -> dict:
+        if self._stats is None:
+            raise TimeoutError
+        return self._stats
+
+
+def _request(n: int = 1) -> GenerateRequest:
+    return GenerateRequest(request_id="r", model="m", prompt_token_ids=[1, 2, 3],
+                           sampling=SamplingParams(max_tokens=8, n=n))
+
+
+def _delta(tokens: list[int], finish: FinishReason = FinishReason.NONE, last: bool = False,
+           index: int = 0) -> OutputDelta:
+    return OutputDelta(text="x" * len(tokens), token_ids=tokens, finish_reason=finish,
+                       num_prompt_tokens=3, num_output_tokens=len(tokens), last=last, index=index)
+
+
+def _samples(metrics: GatewayMetrics) -> dict[str, float]:
+    text = asyncio.run(metrics.render()).decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            extra = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[s.name + (f"{{{extra}}}" if extra else "")] = s.value
+    return out
+
+
+def test_tokens_and_latencies_of_a_request() -> None:
+    metrics = GatewayMetrics(FakeEngine({"num_running": 2, "num_waiting": 1,
+                                         "kv_cache_usage": 0.25, "num_preemptions": 4,
+                                         "prefix_cache_queries": 100, "prefix_cache_hits": 32}))
+    timer = metrics.observe(_request())
+    timer.delta(_delta([]))  # a delta with no text yet: queue time, not TTFT
+    timer.delta(_delta([5, 6, 7]))  # first token, then two more
+    timer.delta(_delta([8], FinishReason.LENGTH, last=True))
+    timer.end()
+    m = _samples(metrics)
+    assert m["shuttle:prompt_tokens_total"] == 3
+    assert m["shuttle:generation_tokens_total"] == 4
+    assert m["shuttle:time_to_first_token_seconds_count"] == 1
+    assert m["shuttle:request_queue_time_seconds_count"] == 1
+    assert m["shuttle:inter_token_latency_seconds_count"] == 3
+    assert m["shuttle:e2e_request_latency_seconds_count"] == 1
+    assert m["shuttle:request_success_total{finished_reason=length}"] == 1
+    assert m["shuttle:num_requests_running"] == 2 and m["shuttle:num_requests_waiting"] == 1
+    assert m["shuttle:kv_cache_usage_perc"] == 0.25
+    assert m["shuttle:num_preemptions_total"] == 4
+    assert (m["shuttle:prefix_cache_queries_total"], m["shuttle:prefix_cache_hits_total"]) == (
+        100, 32)
+
+
+def test_n_sequences_each_finish_and_a_dropped_one_is_cancelled() -> None:
+    metrics = GatewayMetrics(FakeEngine())
+    timer = metrics.observe(_request(n=3))
+    timer.delta(_delta([5], index=0))
+    timer.delta(_delta([6], FinishReason.STOP, index=1))
+    timer.end()  # the client left with sequences 0 and 2 unfinished
+    m = _samples(metrics)
+    assert m["shuttle:request_success_total{finished_reason=stop}"] == 1
+    assert m["shuttle:request_success_total{finished_reason=cancelled}"] == 2
+    assert m["shuttle:e2e_request_latency_seconds_count"] == 1
+
+
+def test_refused_request_and_a_silent_scheduler() -> None:
+    metrics = GatewayMetrics(FakeEngine(None))  # stats() times out: last values (zeros) stay
+    timer = metrics.observe(_request())
+    timer.failed(400)
+    timer.end()
+    m = _samples(metrics)
+    assert m["shuttle:request_failure_total{status=400}"] == 1
+    assert "shuttle:e2e_request_latency_seconds_count" not in m
+    assert m["shuttle:num_requests_running"] == 0
