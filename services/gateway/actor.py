@@ -146,6 +146,8 @@ class GatewayActor(Actor):
         """The scheduler or detokenizer holds every request's state: fail them all. A
         tokenizer held only requests not yet scheduled: fail those with no output yet. (The
         scheduler fails the requests of a dead worker itself.)"""
+        if msg.name in ("worker", "scheduler"):  # health says NOT_SERVING until it is back
+            self.engine.model_info = {}
         if msg.name in ("scheduler", "detokenizer"):
             n = self.engine.fail_all(f"the {msg.name} process restarted")
         elif msg.name.startswith("tokenizer"):

@@ -151,8 +151,10 @@ class SchedulerActor(Actor):
             log.error("%s died (exit %d): failing the requests in flight", msg.name,
                       msg.exit_code)
             self._fail_all(f"the {msg.name} process restarted")
-            if msg.name == "worker":
+            if msg.name == "worker":  # not ready until the new worker's Ready
                 self.in_flight.clear()
+                self.policy = None
+                self.worker_info = {}
 
     def _fail_all(self, why: str) -> None:
         """Every live request ends: the gateway answers 503 (retry), the detokenizer drops it."""
@@ -172,15 +174,21 @@ class SchedulerActor(Actor):
         self._finished(reqs)
 
     def _on_swap_model(self, msg: SwapModel) -> None:
-        assert self.policy is not None
+        if self.policy is None:
+            self.outbox(msg.reply_to).send(SwapResult(ticket=msg.ticket, ok=False, mode=msg.mode,
+                                                      error="the worker is restarting"))
+            return
         self.swaps.start(msg, self.policy)
 
     def _on_model_loaded(self, msg: ModelLoaded) -> None:
-        assert self.policy is not None
+        if self.policy is None:
+            return
         self.swaps.on_loaded(msg, self.policy, self._adopt)
 
     def _on_tokenized(self, msg: TokenizedRequest) -> None:
-        assert self.policy is not None
+        if self.policy is None:
+            self._reject(msg.request_id, 503, "the worker is restarting; retry shortly")
+            return
         s = self.config.scheduler
         if self.policy.num_waiting >= s.max_waiting:
             self._reject(msg.request_id, 429, f"server overloaded: {self.policy.num_waiting} "
@@ -220,7 +228,8 @@ class SchedulerActor(Actor):
         return reqs
 
     def _on_abort(self, msg: Abort) -> None:
-        assert self.policy is not None
+        if self.policy is None:
+            return
         reason = FinishReason(msg.reason)
         ids = [sid for rid in msg.request_ids for sid in self.groups.get(rid, [rid])]
         self._finished(r for sid in ids if (r := self.policy.abort(sid, reason)))
@@ -242,7 +251,8 @@ class SchedulerActor(Actor):
                 del self.groups[rid]
 
     def _on_step_result(self, msg: StepResult) -> None:
-        assert self.policy is not None
+        if self.policy is None:
+            return  # from a worker that has since died
         if not self.in_flight or msg.step_id != self.in_flight[0].step_id:
             log.warning("unexpected step result %d", msg.step_id)
             return

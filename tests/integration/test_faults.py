@@ -133,6 +133,20 @@ def test_killed_process_fails_in_flight_requests_fast_and_recovers(server: Serve
     assert stats["num_used_blocks"] == 0 and stats["num_running"] == 0
 
 
+def test_health_is_down_while_the_worker_restarts(server: Server) -> None:
+    _wait_serving(server)
+    os.kill(_pid_of(server, "gpu_worker"), signal.SIGKILL)
+    seen = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        seen.append(httpx.get(server.url + "/health", timeout=10).status_code)
+        if 503 in seen and seen[-1] == 200:
+            break
+        time.sleep(0.05)
+    assert 503 in seen and seen[-1] == 200, seen[-5:]
+    _wait_serving(server)
+
+
 def test_killed_tokenizer_is_restarted(server: Server) -> None:
     _wait_serving(server)
     pid = _pid_of(server, "services.tokenizer")
