@@ -113,7 +113,11 @@ def keygen(folder: str | Path, force: bool = False) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m common.curve", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m common.curve",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("keygen", help="write a key set into DIR (kept if one is there)")
     gen.add_argument("dir", type=Path)

@@ -12,10 +12,25 @@ from typing import Any
 
 from pydantic import BaseModel
 
+_TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}
+# fields typed loosely in the models (a validator parses them) and precisely here
+_PRECISE = {
+    "prompt": {
+        "anyOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "minItems": 1, "items": _TOKEN_ID},
+            {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string"}},
+        ],
+        "description": "a string, a list of token ids, or a list holding one string",
+    },
+}
+
 
 def json_body(model: type[BaseModel]) -> dict[str, Any]:
     """`openapi_extra` for a route whose JSON body is `model`."""
     schema = _inline(model.model_json_schema(mode="validation"))
+    props = schema.get("properties", {})
+    props.update({k: v for k, v in _PRECISE.items() if k in props})
     return {
         "requestBody": {
             "required": True,

@@ -29,7 +29,7 @@ def _cases(model: str) -> list[tuple[str, str, object, int, list[str]]]:
          400, ["temperature"]),
         ("top_p zero", chat, {"model": model, "messages": MSG, "top_p": 0}, 400, ["top_p"]),
         ("top_p above one", comp, {"model": model, "prompt": "a", "top_p": 1.5}, 400, ["top_p"]),
-        ("n above one", chat, {"model": model, "messages": MSG, "n": 2}, 400, ["n"]),
+        ("n above the limit", chat, {"model": model, "messages": MSG, "n": 17}, 400, ["n", "16"]),
         ("empty prompt", comp, {"model": model, "prompt": ""}, 400, ["prompt"]),
         ("prompt too long", comp, {"model": model, "prompt": long_prompt, "max_tokens": 10}, 400,
          ["8192"]),

@@ -61,6 +61,8 @@ def test_docker_compose_accepts_the_file(profile: str) -> None:
             "common.healthcheck",
         ], name
         assert {v["target"] for v in services[name]["volumes"]} == {"/cache", "/keys"}
+    # compose stops in reverse dependency order: the gateway first, so it can drain
+    assert PROCESSES - {"gateway"} <= set(services["gateway"]["depends_on"])
     devices = services[worker].get("deploy", {}).get("resources", {}).get("reservations", {})
     assert bool(devices.get("devices")) == (profile == "gpu")  # the CPU profile needs no GPU
 
