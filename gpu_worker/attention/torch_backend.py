@@ -1,8 +1,6 @@
 """The reference attention backend in plain PyTorch: CPU and CUDA, any dtype.
 
-Decodes run as one batch. On the CPU a `torch.compile`d kernel reads each K/V row where it
-lies in the paged cache (gpu_worker/attention/torch_decode.py): no copy. Elsewhere, or when
-compiling is unavailable, their whole blocks are gathered (one `index_select` per K and V
+Decodes run as one batch: their whole blocks are gathered (one `index_select` per K and V
 into a reused workspace, never per token), GQA is folded into the query dimension
 
     q [num_decodes, num_kv_heads, q_per_kv, head_dim]  x  K [num_decodes, num_kv_heads, L, head_dim]
@@ -20,7 +18,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.attention import AttentionBackend, torch_decode
+from gpu_worker.attention import AttentionBackend
 from gpu_worker.attention.metadata import AttentionMetadata
 
 
@@ -28,7 +26,8 @@ from gpu_worker.attention.metadata import AttentionMetadata
 class TorchAttentionMetadata(AttentionMetadata):
     """The common metadata plus what the torch backend precomputes once per step."""
 
-    decode_tables: torch.Tensor | None  # [num_decodes, max_decode_blocks] int32
+    decode_block_ids: torch.Tensor | None  # [num_decodes * max_decode_blocks] int32
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_decode_blocks * block_size]
     # one per non-decode request: None when the chunk starts at 0 (plain causal), else a
     # bool [num_new, seq_len] mask, True where a query may attend
     extend_masks: list[torch.Tensor | None]
@@ -43,23 +42,18 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
-    def __init__(self, *, compiled_decode: bool | None = None, **kwargs: object) -> None:
+    def __init__(self, **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
-        # the compiled decode kernel: CPU only (CUDA has the triton backend); compiled now,
-        # so that no request waits for it
-        if compiled_decode is None:
-            compiled_decode = self.device.type == "cpu"
-        self.compiled_decode = compiled_decode and torch_decode.warm_up(
-            self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim, self.dtype,
-            self.device)
 
     def build_metadata(self, common: AttentionMetadata) -> TorchAttentionMetadata:
         base = {f.name: getattr(common, f.name) for f in dataclasses.fields(AttentionMetadata)}
+        block_ids, mask = self._decode_inputs(common)
         extend_reqs = range(common.num_decodes, common.num_reqs)
         return TorchAttentionMetadata(
             **base,
-            decode_tables=self._decode_tables(common),
+            decode_block_ids=block_ids,
+            decode_mask=mask,
             extend_masks=[self._extend_mask(common, r) for r in extend_reqs],
         )
 
@@ -82,13 +76,19 @@ class TorchAttentionBackend(AttentionBackend):
             out[start:end] = self._extend(q, k, v, kv_cache, meta, r)
         return out
 
-    def _decode_tables(self, meta: AttentionMetadata) -> torch.Tensor | None:
-        """The decodes' block tables, cut to the blocks the longest of them uses."""
+    def _decode_inputs(
+        self, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         n = meta.num_decodes
         if n == 0:
-            return None
+            return None, None
         max_blocks = _cdiv(max(meta.seq_lens_host[:n]), meta.block_size)
-        return meta.block_tables[:n, :max_blocks]
+        block_ids = meta.block_tables[:n, :max_blocks].reshape(-1)
+        key_pos = torch.arange(max_blocks * meta.block_size, device=self.device)
+        beyond = key_pos[None, :] >= meta.seq_lens[:n, None]  # [n, L]
+        mask = torch.zeros(beyond.shape, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(beyond, float("-inf"))
+        return block_ids, mask[:, None, None, :]
 
     def _extend_mask(self, meta: AttentionMetadata, r: int) -> torch.Tensor | None:
         num_computed = meta.num_computed_host[r]
@@ -102,32 +102,15 @@ class TorchAttentionBackend(AttentionBackend):
     def _decode(
         self, q: torch.Tensor, kv_cache: torch.Tensor, meta: TorchAttentionMetadata
     ) -> torch.Tensor:
-        n, tables = meta.num_decodes, meta.decode_tables
-        assert tables is not None
-        q_per_kv = self.num_heads // self.num_kv_heads
-        q = q.reshape(n, self.num_kv_heads, q_per_kv, self.head_dim)
-        o = None
-        if self.compiled_decode:
-            o = torch_decode.paged_decode(q, kv_cache, tables, meta.seq_lens[:n], self.scale)
-            self.compiled_decode = o is not None
-        if o is None:
-            o = self._decode_eager(q, kv_cache, tables, meta.seq_lens[:n])
-        return o.reshape(n, self.num_heads, self.head_dim)
-
-    def _decode_eager(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor,
-        seq_lens: torch.Tensor
-    ) -> torch.Tensor:
-        """Whole blocks gathered into the workspace, then SDPA with GQA folded into q."""
-        n = q.shape[0]
-        k, v = self._gather(kv_cache, tables.reshape(-1))
+        n = meta.num_decodes
+        assert meta.decode_block_ids is not None
+        k, v = self._gather(kv_cache, meta.decode_block_ids)
         k = k.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        key_pos = torch.arange(k.shape[2], device=q.device)
-        mask = torch.zeros(n, k.shape[2], dtype=q.dtype, device=q.device)
-        mask.masked_fill_(key_pos[None, :] >= seq_lens[:, None], float("-inf"))
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :],
-                                              scale=self.scale)
+        q_per_kv = self.num_heads // self.num_kv_heads
+        q = q.reshape(n, self.num_kv_heads, q_per_kv, self.head_dim)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=self.scale)
+        return o.reshape(n, self.num_heads, self.head_dim)
 
     def _extend(
         self,
