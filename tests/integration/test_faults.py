@@ -5,6 +5,7 @@ every block free. SIGTERM drains: new requests get 503, in-flight ones finish.""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -160,23 +161,40 @@ def test_killed_tokenizer_is_restarted(server: Server) -> None:
 
 
 def test_sigterm_drains_then_exits() -> None:
+    """A stream in flight when SIGTERM arrives finishes whole; a new request meanwhile gets
+    503 + Retry-After; then every process exits cleanly. The stream is long (300 tokens) and
+    the signal is sent only once its first token arrived, so it is surely in flight."""
     with running_server("--shutdown-timeout", "60") as server:
         done: dict = {}
+        started = threading.Event()
 
-        def long_request() -> None:
-            r = httpx.post(server.url + "/v1/completions", timeout=120, json={
-                "model": server.model, "prompt": "Count:", "max_tokens": 40, "ignore_eos": True})
-            done["status"], done["body"] = r.status_code, r.json()
+        def long_stream() -> None:
+            text, usage = [], None
+            with httpx.stream("POST", server.url + "/v1/completions", timeout=180, json={
+                    "model": server.model, "prompt": "Count:", "max_tokens": 300,
+                    "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}) as r:
+                done["status"] = r.status_code
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                    if chunk["choices"]:
+                        text.append(chunk["choices"][0]["text"])
+                        started.set()
+            done["usage"] = usage
 
-        t = threading.Thread(target=long_request)
+        t = threading.Thread(target=long_stream)
         t.start()
-        time.sleep(1.5)
+        assert started.wait(120)
         server.proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         refused = httpx.post(server.url + "/v1/completions", timeout=30, json={
             "model": server.model, "prompt": "New", "max_tokens": 2})
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
-        t.join(120)
+        t.join(180)
         assert done["status"] == 200
-        assert done["body"]["usage"]["completion_tokens"] == 40
+        assert done["usage"]["completion_tokens"] == 300
         assert server.proc.wait(60) == 0
