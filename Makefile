@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 MODEL_STAMP := $(VENV)/.model-ready
 SERVE_FLAGS ?=
 
-.PHONY: serve test unit integration lint setup model clean
+.PHONY: serve test unit integration lint setup model clean bench-docs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,10 @@ unit: $(STAMP)
 
 integration: $(MODEL_STAMP)
 	$(PY) -m pytest -q tests/integration
+
+# Every benchmark docs/benchmarks.md reports, then the page (about 30 minutes, CPU-bound).
+bench-docs: $(MODEL_STAMP)
+	$(PY) -m tools.bench_docs
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -57,7 +57,8 @@ class CacheConfig:
     enable_prefix_caching: bool = _field(True, "share KV of common prompt prefixes")
 
     def __post_init__(self) -> None:
-        _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", "a power of 2 <= 128")
+        _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
+               "a power of 2 <= 128")
         _check(self.kv_cache_memory > 0, "kv_cache_memory", "> 0")
         _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "in (0, 1]")
         _check(self.swap_space >= 0, "swap_space", ">= 0")
@@ -221,9 +222,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         for f in dataclasses.fields(sec):
             flag = "--" + f.name.replace("_", "-")
             typ = _leaf_type(sec, f.name)
-            kwargs: dict[str, Any] = {"dest": f"{sec_name}.{f.name}", "default": argparse.SUPPRESS,
-                                      "help": f"{f.metadata.get('help', '')} (default: {f.default!r}; "
-                                              f"env {_ENV_PREFIX}{f.name.upper()})"}
+            help_text = (f"{f.metadata.get('help', '')} (default: {f.default!r}; "
+                         f"env {_ENV_PREFIX}{f.name.upper()})")
+            kwargs: dict[str, Any] = {"dest": f"{sec_name}.{f.name}",
+                                      "default": argparse.SUPPRESS, "help": help_text}
             if typ is bool:
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
@@ -261,4 +263,5 @@ def _parse(typ: Any, raw: str, name: str) -> Any:
             return raw.lower() in ("1", "true", "yes")
         return typ(raw)
     except ValueError:
-        raise ConfigError(f"{_ENV_PREFIX}{name.upper()}={raw!r} is not a valid {typ.__name__}") from None
+        raise ConfigError(
+            f"{_ENV_PREFIX}{name.upper()}={raw!r} is not a valid {typ.__name__}") from None

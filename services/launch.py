@@ -70,7 +70,8 @@ class Supervisor:
                 raise KeyboardInterrupt
             if time.monotonic() > deadline:
                 missing = sorted(set(self.children) - set(self.ready))
-                raise TimeoutError(f"not ready after {self.config.server.ready_timeout}s: {missing}")
+                raise TimeoutError(
+                    f"not ready after {self.config.server.ready_timeout}s: {missing}")
             if self.inbox.poll(200):
                 msg = codec.decode(self.inbox.recv())
                 if isinstance(msg, Ready):
@@ -197,7 +198,8 @@ def prepare(config: Config) -> Config:
     path = resolve_model_path(config)
     run_dir = config.server.run_dir or tempfile.mkdtemp(prefix="shuttle-")
     return config.replace(
-        model={"model": str(path), "served_model_name": config.model.served_model_name or path.name},
+        model={"model": str(path),
+               "served_model_name": config.model.served_model_name or path.name},
         server={"run_dir": run_dir},
     )
 

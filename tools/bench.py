@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tools.bench_baselines import hf_baseline  # noqa: E402
+from tools.bench_client import HttpError, SseConnection  # noqa: E402
 from tools.bench_report import (  # noqa: E402, F401  (Timing, _pct: re-exported for callers)
     Slo,
     Timing,
@@ -75,49 +76,95 @@ class Progress:
 
 
 # --- load generation ---------------------------------------------------------------------------
+def _body(model: str, prompt: list[int] | str, out_len: int) -> dict[str, Any]:
+    return {"model": model, "prompt": prompt, "max_tokens": out_len, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+
+
+class _Stamper:
+    """Turns a stream's `data:` payloads into one request's Timing."""
+
+    def __init__(self) -> None:
+        self.t = Timing()
+        self.start = self.last = time.perf_counter()
+
+    def event(self, data: bytes | str) -> None:
+        if data == b"[DONE]" or data == "[DONE]":
+            return
+        chunk = orjson.loads(data)
+        if chunk.get("usage"):
+            self.t.output_tokens = chunk["usage"]["completion_tokens"]
+            self.t.prompt_tokens = chunk["usage"]["prompt_tokens"]
+        if chunk.get("choices") and chunk["choices"][0].get("text"):
+            now = time.perf_counter()
+            if not self.t.ttft:
+                self.t.ttft = now - self.start
+            else:
+                self.t.itl.append(now - self.last)
+            self.last = now
+        if "error" in chunk:
+            self.t.error = f"stream error: {chunk['error'].get('message', '')[:200]}"
+
+    def done(self, error: str = "") -> Timing:
+        self.t.error = self.t.error or error
+        self.t.e2e = time.perf_counter() - self.start
+        return self.t
+
+
 async def _one(client: httpx.AsyncClient, model: str, prompt: list[int] | str,
                out_len: int) -> Timing:
-    body = {"model": model, "prompt": prompt, "max_tokens": out_len, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    t = Timing()
-    start = last = time.perf_counter()
+    """One streamed request through httpx (any URL)."""
+    stamp = _Stamper()
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
+        async with client.stream("POST", "/v1/completions",
+                                 json=_body(model, prompt, out_len)) as r:
             if r.status_code != 200:
-                t.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-                return t
+                return stamp.done(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
             async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue  # blank separators, keep-alive comments, the end
-                chunk = orjson.loads(line[6:])
-                if chunk.get("usage"):
-                    t.output_tokens = chunk["usage"]["completion_tokens"]
-                    t.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    now = time.perf_counter()
-                    if not t.ttft:
-                        t.ttft = now - start
-                    else:
-                        t.itl.append(now - last)
-                    last = now
-                if "error" in chunk:
-                    t.error = f"stream error: {chunk['error'].get('message', '')[:200]}"
+                if line.startswith("data: "):  # not blank separators or keep-alive comments
+                    stamp.event(line[6:])
     except httpx.HTTPError as e:
-        t.error = f"{type(e).__name__}: {e}"
-    t.e2e = time.perf_counter() - start
-    return t
+        return stamp.done(f"{type(e).__name__}: {e}")
+    return stamp.done()
+
+
+async def _one_lean(conn: SseConnection, model: str, prompt: list[int] | str,
+                    out_len: int) -> Timing:
+    """One streamed request through the lean client (plain http://)."""
+    stamp = _Stamper()
+    try:
+        async for data in conn.stream("/v1/completions",
+                                      orjson.dumps(_body(model, prompt, out_len))):
+            stamp.event(data)
+    except HttpError as e:
+        return stamp.done(str(e))
+    return stamp.done()
 
 
 async def run_load(url: str, model: str, wl: Workload, concurrency: int, rate: float,
-                   seed: int, progress: Progress | None = None
+                   seed: int, progress: Progress | None = None, lean: bool = True
                    ) -> tuple[list[Timing], float, int]:
-    """Send every request of `wl`; returns their timings, the duration and peak concurrency."""
+    """Send every request of `wl`; returns their timings, the duration and peak concurrency.
+    `lean`: the lean client on http:// URLs (tools/bench_client.py), else httpx."""
     n = len(wl.prompts)
-    limits = httpx.Limits(max_connections=max(concurrency, n) + 4,
-                          max_keepalive_connections=max(concurrency, n) + 4)
-    sem = asyncio.Semaphore(concurrency if concurrency > 0 else n)
+    slots = concurrency if concurrency > 0 else n
+    lean = lean and url.startswith("http://")
+    pool: asyncio.Queue[SseConnection] = asyncio.Queue()
+    for _ in range(slots if lean else 0):
+        pool.put_nowait(SseConnection(url))
+    limits = httpx.Limits(max_connections=slots + 4, max_keepalive_connections=slots + 4)
+    sem = asyncio.Semaphore(slots)
     rng = random.Random(seed)
     peak = active = 0
+
+    async def send(client: httpx.AsyncClient, i: int) -> Timing:
+        if not lean:
+            return await _one(client, model, wl.prompts[i], wl.output_lens[i])
+        conn = pool.get_nowait()  # the semaphore guarantees one is free
+        try:
+            return await _one_lean(conn, model, wl.prompts[i], wl.output_lens[i])
+        finally:
+            pool.put_nowait(conn)
 
     async def guarded(client: httpx.AsyncClient, i: int) -> Timing:
         nonlocal peak, active
@@ -125,7 +172,7 @@ async def run_load(url: str, model: str, wl: Workload, concurrency: int, rate: f
             active += 1
             peak = max(peak, active)
             try:
-                t = await _one(client, model, wl.prompts[i], wl.output_lens[i])
+                t = await send(client, i)
             finally:
                 active -= 1
         if progress is not None:
@@ -140,7 +187,10 @@ async def run_load(url: str, model: str, wl: Workload, concurrency: int, rate: f
             if rate != INF:
                 await asyncio.sleep(rng.expovariate(rate))
         timings = list(await asyncio.gather(*tasks))
-        return timings, time.perf_counter() - start, peak
+        duration = time.perf_counter() - start
+    while not pool.empty():
+        await pool.get_nowait().close()
+    return timings, duration, peak
 
 
 async def _served_model(url: str, model: str) -> str:
@@ -158,8 +208,8 @@ def run_rates(url: str, args: argparse.Namespace, wl: Workload, slo: Slo) -> lis
     for rate in rates:
         label = f"rate {rate:g}/s " if len(rates) > 1 else ""
         progress = Progress(len(wl.prompts), label, not args.no_progress)
-        timings, dur, peak = asyncio.run(
-            run_load(url, model, wl, args.concurrency, rate, args.seed, progress))
+        timings, dur, peak = asyncio.run(run_load(url, model, wl, args.concurrency, rate,
+                                                  args.seed, progress, args.client == "lean"))
         summary = summarize(timings, dur, peak, wl, slo)
         runs.append({**summary, "rate": rate if rate != INF else "inf",
                      "requests": per_request(timings)})
@@ -195,6 +245,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", default="", help="write the results here")
     p.add_argument("--plot-dir", default="", help="write PNG plots here")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    p.add_argument("--client", default="lean", choices=["lean", "httpx"],
+                   help="HTTP client of the load (lean: tools/bench_client.py, http:// only)")
     p.add_argument("--admin-token", default="", help="read shuttle's /admin/stats after the run")
     return p.parse_args(argv)
 
@@ -217,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = args.model_dir or str(prepare_default_model())
     wl, source = _workload(args, model_dir)
     slo = Slo(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3, args.slo_e2e_ms / 1e3)
-    flags = ["--dtype", args.dtype, "--num-threads", str(threads), *shlex.split(args.server_flags)]
+    # KV room for 64 requests of 768 tokens in fp32 (tests/server.py's default is 0.5 GiB)
+    flags = ["--kv-cache-memory", "3", "--dtype", args.dtype, "--num-threads", str(threads),
+             *shlex.split(args.server_flags)]
     if args.url:
         runs = run_rates(args.url, args, wl, slo)
         server_stats = _server_stats(args.url, args.admin_token)

@@ -12,8 +12,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tools.admin_client import EXIT_UNREACHABLE, add_connection_flags, emit, error_message, fail
-from tools.admin_client import grpc_admin, post
+from tools.admin_client import (
+    EXIT_UNREACHABLE,
+    add_connection_flags,
+    emit,
+    error_message,
+    fail,
+    grpc_admin,
+    post,
+)
 
 
 def _cancel_http(args: argparse.Namespace, rid: str) -> dict:

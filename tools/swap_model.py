@@ -14,8 +14,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tools.admin_client import EXIT_UNREACHABLE, add_connection_flags, emit, error_message, fail
-from tools.admin_client import grpc_admin, post
+from tools.admin_client import (
+    EXIT_UNREACHABLE,
+    add_connection_flags,
+    emit,
+    error_message,
+    fail,
+    grpc_admin,
+    post,
+)
 
 
 def _swap_http(args: argparse.Namespace) -> tuple[bool, dict]:
@@ -35,7 +42,8 @@ def _swap_grpc(args: argparse.Namespace) -> tuple[bool, dict]:
 
     stub, meta = grpc_admin(args)
     try:
-        mode = shuttle_pb2.SWAP_MODE_DRAIN if args.mode == "drain" else shuttle_pb2.SWAP_MODE_OVERLAP
+        drain = args.mode == "drain"
+        mode = shuttle_pb2.SWAP_MODE_DRAIN if drain else shuttle_pb2.SWAP_MODE_OVERLAP
         r = stub.SwapModel(shuttle_pb2.SwapModelRequest(model=args.model, version=args.version,
                                                         mode=mode),
                            metadata=meta, timeout=args.timeout)

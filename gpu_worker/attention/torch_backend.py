@@ -1,7 +1,10 @@
 """The reference attention backend in plain PyTorch: CPU and CUDA, any dtype.
 
-Decodes run as one batch: their whole blocks are gathered (one `index_select` per K and V
-into a reused workspace, never per token), GQA is folded into the query dimension
+Decodes run as one batch. On the CPU they go to a small C kernel that reads each K/V row
+where it lies in the paged cache, each sequence only up to its own length, with GQA folded
+(gpu_worker/attention/cpu_kernel.py, cpu_paged_decode.c): no copy, no padding. Elsewhere,
+or when that kernel cannot be built, their whole blocks are gathered (one `index_select` per
+K and V into a reused workspace, never per token), GQA is folded into the query dimension
 
     q [num_decodes, num_kv_heads, q_per_kv, head_dim]  x  K [num_decodes, num_kv_heads, L, head_dim]
 
@@ -18,7 +21,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.attention import AttentionBackend
+from gpu_worker.attention import AttentionBackend, cpu_kernel
 from gpu_worker.attention.metadata import AttentionMetadata
 
 
@@ -26,8 +29,7 @@ from gpu_worker.attention.metadata import AttentionMetadata
 class TorchAttentionMetadata(AttentionMetadata):
     """The common metadata plus what the torch backend precomputes once per step."""
 
-    decode_block_ids: torch.Tensor | None  # [num_decodes * max_decode_blocks] int32
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_decode_blocks * block_size]
+    decode_tables: torch.Tensor | None  # [num_decodes, max_decode_blocks] int32
     # one per non-decode request: None when the chunk starts at 0 (plain causal), else a
     # bool [num_new, seq_len] mask, True where a query may attend
     extend_masks: list[torch.Tensor | None]
@@ -42,18 +44,21 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
-    def __init__(self, **kwargs: object) -> None:
+    def __init__(self, *, cpu_decode_kernel: bool | None = None, **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+        # the C decode kernel, on the CPU only (CUDA has the triton backend); built here, once
+        # per machine (about a second of gcc), so that no request waits for it
+        if cpu_decode_kernel is None:
+            cpu_decode_kernel = self.device.type == "cpu"
+        self.cpu_decode_kernel = cpu_decode_kernel and cpu_kernel.load() is not None
 
     def build_metadata(self, common: AttentionMetadata) -> TorchAttentionMetadata:
         base = {f.name: getattr(common, f.name) for f in dataclasses.fields(AttentionMetadata)}
-        block_ids, mask = self._decode_inputs(common)
         extend_reqs = range(common.num_decodes, common.num_reqs)
         return TorchAttentionMetadata(
             **base,
-            decode_block_ids=block_ids,
-            decode_mask=mask,
+            decode_tables=self._decode_tables(common),
             extend_masks=[self._extend_mask(common, r) for r in extend_reqs],
         )
 
@@ -76,19 +81,13 @@ class TorchAttentionBackend(AttentionBackend):
             out[start:end] = self._extend(q, k, v, kv_cache, meta, r)
         return out
 
-    def _decode_inputs(
-        self, meta: AttentionMetadata
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _decode_tables(self, meta: AttentionMetadata) -> torch.Tensor | None:
+        """The decodes' block tables, cut to the blocks the longest of them uses."""
         n = meta.num_decodes
         if n == 0:
-            return None, None
+            return None
         max_blocks = _cdiv(max(meta.seq_lens_host[:n]), meta.block_size)
-        block_ids = meta.block_tables[:n, :max_blocks].reshape(-1)
-        key_pos = torch.arange(max_blocks * meta.block_size, device=self.device)
-        beyond = key_pos[None, :] >= meta.seq_lens[:n, None]  # [n, L]
-        mask = torch.zeros(beyond.shape, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(beyond, float("-inf"))
-        return block_ids, mask[:, None, None, :]
+        return meta.block_tables[:n, :max_blocks]
 
     def _extend_mask(self, meta: AttentionMetadata, r: int) -> torch.Tensor | None:
         num_computed = meta.num_computed_host[r]
@@ -102,14 +101,30 @@ class TorchAttentionBackend(AttentionBackend):
     def _decode(
         self, q: torch.Tensor, kv_cache: torch.Tensor, meta: TorchAttentionMetadata
     ) -> torch.Tensor:
-        n = meta.num_decodes
-        assert meta.decode_block_ids is not None
-        k, v = self._gather(kv_cache, meta.decode_block_ids)
+        tables, seq_lens = meta.decode_tables, meta.seq_lens[: meta.num_decodes]
+        assert tables is not None
+        if self.cpu_decode_kernel:
+            o = cpu_kernel.paged_decode(q, kv_cache, tables, seq_lens, self.scale)
+            if o is not None:
+                return o
+        return self._decode_eager(q, kv_cache, tables, seq_lens)
+
+    def _decode_eager(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor,
+        seq_lens: torch.Tensor
+    ) -> torch.Tensor:
+        """Whole blocks gathered into the workspace, then SDPA with GQA folded into q."""
+        n = q.shape[0]
+        k, v = self._gather(kv_cache, tables.reshape(-1))
         k = k.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q_per_kv = self.num_heads // self.num_kv_heads
         q = q.reshape(n, self.num_kv_heads, q_per_kv, self.head_dim)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=self.scale)
+        mask = torch.zeros(n, k.shape[2], dtype=q.dtype, device=q.device)
+        key_pos = torch.arange(k.shape[2], device=q.device)
+        mask.masked_fill_(key_pos[None, :] >= seq_lens[:, None], float("-inf"))
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :],
+                                           scale=self.scale)
         return o.reshape(n, self.num_heads, self.head_dim)
 
     def _extend(
@@ -131,16 +146,18 @@ class TorchAttentionBackend(AttentionBackend):
             kr, vr = self._gather(kv_cache, meta.block_tables[r, :num_blocks])
             kr = kr.view(-1, self.num_kv_heads, self.head_dim)[:seq_len]
             vr = vr.view(-1, self.num_kv_heads, self.head_dim)[:seq_len]
+        # 4-D [1, heads, tokens, dim]: with 3-D inputs the CPU dispatches to the math kernel
+        # (scores materialised, ~1.8x slower), with 4-D to the flash kernel, masked or causal
         o = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1),
-            kr.transpose(0, 1),
-            vr.transpose(0, 1),
+            q[start:end].transpose(0, 1)[None],
+            kr.transpose(0, 1)[None],
+            vr.transpose(0, 1)[None],
             attn_mask=mask,
             is_causal=mask is None,
             scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
-        return o.transpose(0, 1)
+        return o[0].transpose(0, 1)
 
     def _gather(
         self, kv_cache: torch.Tensor, block_ids: torch.Tensor

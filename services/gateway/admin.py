@@ -14,8 +14,8 @@ The gRPC Admin service checks the same token (services/gateway/grpc_server.py).
 from __future__ import annotations
 
 import hmac
-from pathlib import Path
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 import orjson

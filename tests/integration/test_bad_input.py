@@ -37,7 +37,8 @@ def _cases(model: str) -> list[tuple[str, str, object, int, list[str]]]:
          {"model": model, "prompt": "hello", "max_tokens": 100000}, 400, ["max_tokens", "8192"]),
         ("token id outside vocab", comp, {"model": model, "prompt": [1, 2, 999999]}, 400,
          ["prompt", "999999"]),
-        ("unknown model", chat, {"model": "no-such-model", "messages": MSG}, 404, ["no-such-model"]),
+        ("unknown model", chat, {"model": "no-such-model", "messages": MSG}, 404,
+         ["no-such-model"]),
     ]
 
 

@@ -33,6 +33,7 @@ def _is_png(path: Path) -> bool:
 
 
 def test_random_workload_rate_sweep_goodput_and_plots(synthetic: Server, tmp_path: Path) -> None:
+    """The lean client (the default), two rates, SLOs every request meets, and plots."""
     r = _run(synthetic, tmp_path, "--num-prompts", "12", "--input-len", "8:40",
              "--output-len", "4:12", "--sweep-rates", "40,200", "--slo-ttft-ms", "60000",
              "--slo-tpot-ms", "60000")
@@ -59,13 +60,14 @@ def test_random_workload_rate_sweep_goodput_and_plots(synthetic: Server, tmp_pat
 
 
 def test_jsonl_workload_with_text_and_token_prompts(synthetic: Server, tmp_path: Path) -> None:
+    """httpx as the client, text and token-id prompts, a concurrency cap, an SLO nobody meets."""
     lines = [{"prompt": "Tell me about the sea.", "output_len": 5},
              {"prompt_token_ids": [1000, 1001, 1002], "output_len": 7},
              {"prompt": "Hello"}]  # output_len drawn from --output-len
     path = tmp_path / "prompts.jsonl"
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     r = _run(synthetic, tmp_path, "--jsonl", str(path), "--output-len", "3",
-             "--concurrency", "2", "--slo-ttft-ms", "0.001")
+             "--concurrency", "2", "--slo-ttft-ms", "0.001", "--client", "httpx")
     s = r["shuttle"]
     assert r["workload"]["num_prompts"] == 3 and r["workload"]["source"].startswith("jsonl")
     assert s["completed"] == 3 and s["output_tokens"] == 5 + 7 + 3
@@ -74,3 +76,15 @@ def test_jsonl_workload_with_text_and_token_prompts(synthetic: Server, tmp_path:
     assert s["peak_concurrency"] <= 2
     assert s["goodput"]["good_requests"] == 0  # nobody answers within a microsecond
     assert _is_png(tmp_path / "plots" / "latency_cdf.png")
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_a_refused_request_is_counted_as_failed(synthetic: Server, lean: bool) -> None:
+    """Both clients report a 4xx as that request's error and go on with the others."""
+    import asyncio
+
+    wl = bench.Workload([[1000, 1001], [1000] * 5], [3, 100_000])  # the second is too long
+    timings, _, _ = asyncio.run(bench.run_load(synthetic.url, synthetic.model, wl, 1,
+                                               float("inf"), 0, lean=lean))
+    assert not timings[0].error and timings[0].output_tokens == 3
+    assert timings[1].error.startswith("HTTP 400"), timings[1].error

@@ -31,7 +31,8 @@ def test_streaming_chat_is_coherent(server: Server, client: openai.OpenAI) -> No
         stream_options={"include_usage": True})
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finish = [c.choices[0].finish_reason for c in chunks
+              if c.choices and c.choices[0].finish_reason]
     assert "Paris" in text, text
     assert finish in (["stop"], ["length"])
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1

@@ -16,8 +16,8 @@ from services.scheduler.request import Request, Status
 
 def _req(rid: str, prompt_len: int, max_tokens: int = 4, eos: tuple[int, ...] = ()) -> Request:
     base = 1000 * (sum(map(ord, rid)) % 97)  # distinct prompts: no accidental prefix hits
-    return Request(rid, list(range(base + 1, base + prompt_len + 1)), SamplingParams(max_tokens=max_tokens,
-                   temperature=0.0), eos_token_ids=eos)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    return Request(rid, list(range(base + 1, base + prompt_len + 1)), params, eos_token_ids=eos)
 
 
 def _sched(num_blocks: int = 64, block_size: int = 4, seqs: int = 8, budget: int = 32,

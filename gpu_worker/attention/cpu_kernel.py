@@ -1,0 +1,127 @@
+"""The CPU paged-decode kernel (cpu_paged_decode.c): built once with gcc, called via ctypes.
+
+The eager torch path gathers every decode's blocks into a buffer padded to the longest
+sequence and runs SDPA over it: each step copies the KV once and reads it twice, and short
+sequences pay for the longest. The C kernel reads each sequence's own K/V rows in place,
+once, with torch's OpenMP threads (the process's libgomp is reused: same soname).
+
+The shared library is built at first use into `<cache>/kernels/` (`$SHUTTLE_CACHE_DIR`,
+else ~/.cache/shuttle), named by a hash of the source, the flags and this CPU's feature
+flags, so a rebuilt image or another CPU never loads a stale binary. Without gcc, or if the
+build fails, `paged_decode` returns None and the backend keeps its eager path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_paged_decode.c")
+# -ffast-math for libmvec's vector expf and reassociated sums; infinities stay meaningful
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-shared",
+         "-fPIC"]
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_failed = False
+_P = ctypes.c_void_p
+_I = ctypes.c_int
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _library_path() -> Path:
+    from gpu_worker.prepare_model import cache_root
+
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()
+                         + _cpu_flags().encode()).hexdigest()[:16]
+    return cache_root() / "kernels" / f"cpu_paged_decode-{key}.so"
+
+
+def _build(target: Path) -> None:
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (gcc) on PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # built aside and renamed: concurrent processes never load half a file
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True,
+                       capture_output=True, text=True, timeout=120)
+        os.replace(tmp, target)
+    except subprocess.CalledProcessError as e:
+        raise RuntimeError(f"building {SOURCE.name} failed: {e.stderr[-2000:]}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library (built on first use), or None when it cannot be had."""
+    global _lib, _failed
+    with _lock:
+        if _lib is None and not _failed:
+            try:
+                path = _library_path()
+                if not path.is_file():
+                    _build(path)
+                lib = ctypes.CDLL(str(path))
+                lib.paged_decode.restype = _I
+                lib.paged_decode.argtypes = [_P, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _I,
+                                             ctypes.c_float, _P, _I]
+                _lib = lib
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                _failed = True
+                log.warning("CPU paged-decode kernel unavailable, using the eager path: %s", e)
+    return _lib
+
+
+def paged_decode(
+    q: torch.Tensor,  # [n, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [n, >= max blocks] int32, row i covers seq_lens[i]
+    seq_lens: torch.Tensor,  # [n] int32, >= 1
+    scale: float,
+) -> torch.Tensor | None:
+    """Decode attention over the paged cache, in q's dtype; None if the kernel is unavailable
+    or the inputs are not CPU tensors of a supported layout (the caller falls back)."""
+    lib = load()
+    if lib is None or q.device.type != "cpu" or kv_cache.dtype not in (torch.float32,
+                                                                       torch.bfloat16):
+        return None
+    if not kv_cache.is_contiguous() or block_tables.stride(1) != 1:
+        return None
+    n, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    qf = q.to(torch.float32).contiguous()
+    tables = block_tables.to(torch.int32)
+    lens = seq_lens.to(torch.int32).contiguous()
+    out = torch.empty(n, num_heads, head_dim, dtype=torch.float32)
+    code = lib.paged_decode(qf.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+                            int(kv_cache.dtype == torch.bfloat16), tables.data_ptr(),
+                            tables.stride(0), lens.data_ptr(), n, num_heads, num_kv_heads,
+                            head_dim, block_size, scale, out.data_ptr(),
+                            torch.get_num_threads())
+    if code != 0:
+        return None
+    return out.to(q.dtype)

@@ -1,0 +1,133 @@
+/* Paged decode attention for the CPU: one query token per sequence, K/V read in place.
+ *
+ * Built at first use by gpu_worker/attention/cpu_kernel.py (gcc -O3 -march=native -fopenmp)
+ * and called through ctypes with raw pointers; torch's own libgomp serves its threads.
+ *
+ * One task per (sequence i, KV head h): the G = num_heads / num_kv_heads query rows of that
+ * head attend over the sequence's first seq_lens[i] positions, whose K/V rows are found
+ * through the block table (no gather, no copy, no padding to the longest sequence):
+ *
+ *   row(l) = cache + ((table[i][l / bs] * bs + l % bs) * KVH + h) * D
+ *   s[j][l] = scale * q[i][h*G + j] . K(l);  p = softmax_l(s);  o[i][h*G + j] = sum_l p V(l)
+ *
+ * Scores, softmax and the output accumulate in float32 for either cache dtype (float32 or
+ * bfloat16). q and out are float32 [n, H, D] contiguous; caches [blocks, bs, KVH, D].
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 16
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = ((uint32_t)x) << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Independent partial sums, one per lane, so the compiler vectorises without reassociating. */
+static inline float dot(const float *a, const float *b, int d) {
+    float acc[LANES] = {0};
+    int x = 0;
+    for (; x + LANES <= d; x += LANES)
+        for (int y = 0; y < LANES; y++) acc[y] += a[x + y] * b[x + y];
+    float s = 0.0f;
+    for (int y = 0; y < LANES; y++) s += acc[y];
+    for (; x < d; x++) s += a[x] * b[x];
+    return s;
+}
+
+/* `count` elements from element `offset` of a cache, as float32 (bf16 converted into buf). */
+static inline const float *load_row(const void *cache, int is_bf16, int64_t offset, int count,
+                                    float *buf) {
+    if (!is_bf16) return (const float *)cache + offset;
+    const uint16_t *src = (const uint16_t *)cache + offset;
+    for (int x = 0; x < count; x++) buf[x] = bf16_to_f32(src[x]);
+    return buf;
+}
+
+/* Blocks are scattered: ask for position l + bs's rows now, one block ahead of their use. */
+static inline void prefetch_ahead(const void *cache, int is_bf16, const int32_t *table, int l,
+                                  int seq_len, int bs, int kvh, int h0, int d, int count) {
+    int ahead = l + bs;
+    if (ahead >= seq_len) return;
+    int64_t slot = (int64_t)table[ahead / bs] * bs + ahead % bs;
+    int64_t size = is_bf16 ? 2 : 4;
+    const char *row = (const char *)cache + (slot * kvh + h0) * d * size;
+    for (int64_t byte = 0; byte < count * size; byte += 64) __builtin_prefetch(row + byte);
+}
+
+/* Query rows of KV heads [h0, h0 + nh) of one sequence. Positions are walked in order and
+ * each position's rows of those heads are adjacent in memory, so a block streams through
+ * once per pass (K, then V) instead of once per head. */
+static void attend(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
+                   const int32_t *table, int seq_len, int h0, int nh, int kvh, int g, int d,
+                   int bs, float scale, float *out, float *scores, float *row_buf) {
+    int rows = nh * g;
+    for (int l = 0; l < seq_len; l++) {
+        int64_t slot = (int64_t)table[l / bs] * bs + l % bs;
+        prefetch_ahead(k_cache, is_bf16, table, l, seq_len, bs, kvh, h0, d, nh * d);
+        const float *k = load_row(k_cache, is_bf16, (slot * kvh + h0) * d, nh * d, row_buf);
+        for (int r = 0; r < rows; r++)
+            scores[(int64_t)r * seq_len + l] = dot(q + (int64_t)r * d, k + (r / g) * d, d) * scale;
+    }
+    for (int r = 0; r < rows; r++) {
+        float *s = scores + (int64_t)r * seq_len, m = -INFINITY, sum = 0.0f;
+        for (int l = 0; l < seq_len; l++) m = s[l] > m ? s[l] : m;
+#pragma omp simd reduction(+ : sum)
+        for (int l = 0; l < seq_len; l++) {
+            s[l] = expf(s[l] - m);
+            sum += s[l];
+        }
+        float inv = 1.0f / sum;
+        for (int l = 0; l < seq_len; l++) s[l] *= inv;
+        float *o = out + (int64_t)r * d;
+        for (int x = 0; x < d; x++) o[x] = 0.0f;
+    }
+    for (int l = 0; l < seq_len; l++) {
+        int64_t slot = (int64_t)table[l / bs] * bs + l % bs;
+        prefetch_ahead(v_cache, is_bf16, table, l, seq_len, bs, kvh, h0, d, nh * d);
+        const float *v = load_row(v_cache, is_bf16, (slot * kvh + h0) * d, nh * d, row_buf);
+        for (int r = 0; r < rows; r++) {
+            float p = scores[(int64_t)r * seq_len + l];
+            const float *vr = v + (r / g) * d;
+            float *restrict o = out + (int64_t)r * d;
+            for (int x = 0; x < d; x++) o[x] += p * vr[x];
+        }
+    }
+}
+
+/* Returns 0, or -1 when a shape is outside what the kernel handles (the caller falls back). */
+int paged_decode(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
+                 const int32_t *block_tables, int table_stride, const int32_t *seq_lens,
+                 int n, int num_heads, int kvh, int d, int bs, float scale, float *out,
+                 int num_threads) {
+    int g = num_heads / kvh, max_len = 0;
+    if (n <= 0 || num_threads <= 0) return -1;
+    for (int i = 0; i < n; i++)
+        if (seq_lens[i] > max_len) max_len = seq_lens[i];
+    /* whole sequences per task when there are enough of them, else one KV head per task */
+    int split = n >= 4 * num_threads ? 1 : kvh, nh = kvh / split;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scores = malloc(sizeof(float) * ((size_t)nh * g * max_len + (size_t)nh * d));
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int task = 0; task < n * split; task++) {
+            if (scores == NULL) continue;
+            int i = task / split, h0 = (task % split) * nh;
+            int64_t row = ((int64_t)i * num_heads + (int64_t)h0 * g) * d;
+            attend(q + row, k_cache, v_cache, is_bf16, block_tables + (int64_t)i * table_stride,
+                   seq_lens[i], h0, nh, kvh, g, d, bs, scale, out + row, scores,
+                   scores + (size_t)nh * g * max_len);
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}
