@@ -92,6 +92,38 @@ class SchedulerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    speculative: str = _field("", "speculative decoding: '' (off) | ngram (prompt lookup) | "
+                                  "draft (needs --draft-model); --draft-model alone means draft")
+    draft_model: str = _field("", "Hugging Face folder of a small draft model with the "
+                                  "target's tokenizer")
+    num_speculative_tokens: int = _field(4, "tokens proposed per step for each decoding "
+                                            "request")
+    prompt_lookup_max: int = _field(4, "ngram: longest suffix n-gram looked up in the context")
+    prompt_lookup_min: int = _field(1, "ngram: shortest suffix n-gram looked up")
+
+    def __post_init__(self) -> None:
+        _check(self.speculative in ("", "ngram", "draft"), "speculative", "'', ngram or draft")
+        _check(self.speculative != "draft" or bool(self.draft_model), "draft_model",
+               "set when --speculative is draft")
+        _check(self.speculative != "ngram" or not self.draft_model, "speculative",
+               "draft (or unset) when --draft-model is given")
+        _check(1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens", "in [1, 16]")
+        _check(1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 16, "prompt_lookup_min",
+               "in [1, --prompt-lookup-max] (and --prompt-lookup-max <= 16)")
+
+    @property
+    def method(self) -> str:
+        """'' (off), 'ngram' or 'draft'."""
+        return "draft" if self.draft_model else self.speculative
+
+    @property
+    def num_tokens(self) -> int:
+        """Draft tokens per step: 0 when speculation is off."""
+        return self.num_speculative_tokens if self.method else 0
+
+
+@dataclasses.dataclass(frozen=True)
 class ServerConfig:
     host: str = _field("127.0.0.1", "HTTP bind address")
     port: int = _field(8000, "HTTP port (0: pick a free one)")
@@ -148,6 +180,7 @@ class Config:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
     server: ServerConfig = dataclasses.field(default_factory=ServerConfig)
     addresses: AddressConfig = dataclasses.field(default_factory=AddressConfig)
 

@@ -29,6 +29,7 @@ from gpu_worker.kv_cache import GIB, KVCache, cuda_kv_budget_bytes
 from gpu_worker.models.llama import LlamaConfig
 from gpu_worker.models.loader import eos_token_ids, load_model, read_hf_config, weights_version
 from gpu_worker.sampling import make_generator, sample
+from gpu_worker.speculative import DraftModel, ngram_propose, verify
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,6 +44,7 @@ class RequestState:
     block_table: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
     version: str = ""  # the model version that serves it, for its whole life
+    draft_computed: int = 0  # tokens whose K/V are in the draft model's pool
 
 
 @dataclasses.dataclass
@@ -66,9 +68,14 @@ class _Batch:
 
     input_ids: torch.Tensor  # [T]
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [S] packed index of each sampling request's last token
+    logits_indices: torch.Tensor  # [L] packed indices whose logits are needed
     sampling_req_ids: list[str]  # [S]
     sampling_states: list[RequestState]  # [S]
+    rows: list[tuple[int, int]]  # [S] each one's logits rows: first, count (1 + its drafts)
+    drafts: list[list[int]]  # [S] proposed tokens ([] without speculation)
+    draft_probs: list[torch.Tensor | None]  # [S] the draft model's q rows, sampled requests
+    spec_slots: list[int]  # [S] draft slots the plan gave it (0: not speculating)
+    draft_computed: list[int]  # [S] the draft pool's count after proposing
 
 
 class ModelRunner:
@@ -91,6 +98,10 @@ class ModelRunner:
         swap_space_gib: float = 0.0,
         enforce_eager: bool | None = None,
         max_graph_batch_size: int = 64,
+        speculative: str = "",
+        draft_model: str = "",
+        prompt_lookup_min: int = 1,
+        prompt_lookup_max: int = 4,
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -100,8 +111,22 @@ class ModelRunner:
         self.dtype = DTYPES[dtype]
         self.device = torch.device(device)
         self.block_size = block_size
+        if speculative not in ("", "ngram", "draft") or (speculative == "draft") != bool(
+                draft_model):
+            raise ValueError(f"speculative must be '', ngram, or draft with a draft model; got "
+                             f"{speculative!r} with draft model {draft_model!r}")
+        self.speculative = speculative
+        self.prompt_lookup = (prompt_lookup_min, prompt_lookup_max)
         self._init_model(attention_backend, max_model_len)
-        self._init_kv_cache(kv_cache_memory_gib, num_blocks, gpu_memory_utilization)
+        draft_share = self._draft_kv_share(draft_model)
+        self._init_kv_cache(kv_cache_memory_gib * (1 - draft_share), num_blocks,
+                            gpu_memory_utilization, 1 - draft_share)
+        self.drafter: DraftModel | None = None
+        if speculative == "draft":
+            self.drafter = DraftModel(
+                draft_model, block_size=block_size, num_blocks=self.num_blocks,
+                dtype=self.dtype, device=self.device, max_positions=self.max_model_len,
+                attention_backend=self.backend.name, target_vocab_size=self.config.vocab_size)
         self.num_host_blocks = self.kv_cache.allocate_host(int(swap_space_gib * GIB))
         # CUDA graphs for decode steps; eager on CPU, or when asked
         self.graphs = maybe_capture_graphs(
@@ -143,8 +168,19 @@ class ModelRunner:
         self.weights_version = weights_version(self.model_path)
         self.versions: dict[str, ModelVersion] = {}
 
+    def _draft_kv_share(self, draft_model: str) -> float:
+        """The draft model's part of the KV budget: its pool has as many blocks as the
+        target's, so the budget is split by their bytes per block."""
+        if not draft_model:
+            return 0.0
+        draft = LlamaConfig.from_hf(read_hf_config(draft_model))
+        mine = self.config.num_layers * self.config.num_kv_heads * self.config.head_dim
+        theirs = draft.num_layers * draft.num_kv_heads * draft.head_dim
+        return theirs / (mine + theirs)
+
     def _init_kv_cache(
-        self, memory_gib: float, num_blocks: int | None, gpu_memory_utilization: float
+        self, memory_gib: float, num_blocks: int | None, gpu_memory_utilization: float,
+        cuda_share: float = 1.0,
     ) -> None:
         layout = dict(
             num_layers=self.config.num_layers,
@@ -158,7 +194,8 @@ class ModelRunner:
             self.kv_cache = KVCache(num_blocks=num_blocks, **layout)  # type: ignore[arg-type]
         else:
             if self.device.type == "cuda":
-                budget = cuda_kv_budget_bytes(self.device, gpu_memory_utilization)
+                budget = int(cuda_kv_budget_bytes(self.device, gpu_memory_utilization)
+                             * cuda_share)
             else:
                 budget = int(memory_gib * GIB)
             self.kv_cache = KVCache.from_budget(budget, **layout)  # type: ignore[arg-type]
@@ -180,6 +217,7 @@ class ModelRunner:
             "weights_version": self.weights_version,
             "num_host_blocks": self.num_host_blocks,
             "device": str(self.device),
+            "speculative": self.speculative,
         }
 
     # model versions (hot swap) -------------------------------------------------------------
@@ -240,25 +278,54 @@ class ModelRunner:
         self._apply_diffs(plan)
         if not plan.req_ids:
             return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[])
-        sampled: dict[str, int] = {}
+        sampled: dict[str, list[int]] = {}
+        proposed: dict[str, int] = {}
         for version, indices in self._by_version(plan).items():  # one forward per version
             batch = self._prepare_batch(plan, indices)
             loaded = self.versions[version]
             with torch.inference_mode():
                 logits = run_model(loaded.model, loaded.graphs, batch.input_ids,
                                    self.kv_cache.tensor, batch.meta, batch.logits_indices)
-                states = batch.sampling_states
-                tokens = sample(logits, [s.params for s in states], [s.generator for s in states])
-            for state, rid, token_id in zip(states, batch.sampling_req_ids, tokens, strict=True):
-                state.token_ids.append(token_id)
-                sampled[rid] = token_id
+                for rid, tokens in zip(batch.sampling_req_ids, self._accept(logits, batch),
+                                       strict=True):
+                    sampled[rid] = tokens
+            for rid, drafts in zip(batch.sampling_req_ids, batch.drafts, strict=True):
+                proposed[rid] = len(drafts)
         order = [rid for rid in plan.req_ids if rid in sampled]
+        spec = bool(plan.num_spec_tokens)
         return StepResult(
             step_id=plan.step_id,
             req_ids=order,
-            token_ids=[sampled[rid] for rid in order],
+            token_ids=[t for rid in order for t in sampled[rid]],
+            num_tokens=[len(sampled[rid]) for rid in order] if spec else [],
+            num_proposed=[proposed[rid] for rid in order] if spec else [],
             forward_s=time.perf_counter() - start,
         )
+
+    def _accept(self, logits: torch.Tensor, batch: _Batch) -> list[list[int]]:
+        """Each sampling request's tokens: one sampled, or its verified drafts plus one.
+        A verified request's accepted drafts count as computed; the blocks past them (only
+        rejected drafts' slots) leave its table, as they leave the scheduler's."""
+        states = batch.sampling_states
+        plain = [j for j, slots in enumerate(batch.spec_slots) if not slots]
+        out: list[list[int]] = [[] for _ in states]
+        if plain:
+            tokens = sample(logits[[batch.rows[j][0] for j in plain]],
+                            [states[j].params for j in plain],
+                            [states[j].generator for j in plain])
+            for j, token in zip(plain, tokens, strict=True):
+                out[j] = [token]
+        for j, state in enumerate(states):
+            if batch.spec_slots[j]:
+                first, count = batch.rows[j]
+                verdict = verify(logits[first:first + count], batch.drafts[j], state.params,
+                                 state.generator, batch.draft_probs[j])
+                out[j] = verdict.tokens
+                state.num_computed += verdict.num_accepted
+                del state.block_table[-(-state.num_computed // self.block_size):]
+                state.draft_computed = min(batch.draft_computed[j], state.num_computed)
+            state.token_ids.extend(out[j])
+        return out
 
     def _by_version(self, plan: StepPlan) -> dict[str, list[int]]:
         groups: dict[str, list[int]] = {}
@@ -277,6 +344,7 @@ class ModelRunner:
             state = self._requests[req_id]
             state.block_table = []
             state.num_computed = 0
+            state.draft_computed = 0  # swaps and recomputes restore only the target's KV
         versions = plan.new_versions or [""] * len(plan.new_req_ids)
         new = zip(plan.new_req_ids, plan.new_prompt_token_ids, plan.new_sampling, versions,
                   strict=True)
@@ -298,9 +366,11 @@ class ModelRunner:
             self.kv_cache.copy_blocks(plan.copy_src, plan.copy_dst)
             for req_id, index, dst in zip(plan.copy_req_ids, plan.copy_index, plan.copy_dst,
                                           strict=True):
-                table = self._requests[req_id].block_table
-                if index < len(table):  # else the table arrives whole, with dst, this step
-                    table[index] = dst
+                state = self._requests[req_id]
+                if index < len(state.block_table):  # else the table arrives whole, this step
+                    state.block_table[index] = dst
+                # the copy is the target's KV only: the draft pool restarts before the block
+                state.draft_computed = min(state.draft_computed, index * self.block_size)
 
     def _prepare_batch(self, plan: StepPlan, indices: list[int]) -> _Batch:
         """The packed inputs of the scheduled requests `indices` (one model version)."""
@@ -314,41 +384,83 @@ class ModelRunner:
             raise ValueError(f"step {plan.step_id}: batch fields differ in length")
         if len(set(plan.req_ids)) != num_reqs:
             raise ValueError(f"step {plan.step_id}: a request is scheduled twice")
+        slots = plan.num_spec_tokens or [0] * num_reqs
+        if len(slots) != num_reqs:
+            raise ValueError(f"step {plan.step_id}: batch fields differ in length")
+        states = {i: self._schedule(plan, i, slots[i]) for i in indices}
+        drafts, draft_probs, draft_computed = self._propose(plan, indices, states, slots)
         # decodes first (stable), so the backend sees them as one contiguous batch
-        order = sorted(indices, key=lambda i: plan.num_new_tokens[i] != 1)
+        num_new = {i: plan.num_new_tokens[i] + len(drafts[i]) for i in indices}
+        order = sorted(indices, key=lambda i: num_new[i] != 1)
         input_ids: list[int] = []
-        last_token_index: dict[int, int] = {}
-        states = [self._schedule(plan, i) for i in order]
-        for i, state in zip(order, states, strict=True):
-            num_computed, num_new = plan.num_computed_tokens[i], plan.num_new_tokens[i]
-            input_ids.extend(state.token_ids[num_computed : num_computed + num_new])
-            last_token_index[i] = len(input_ids) - 1
+        first_row: dict[int, int] = {}  # packed index of the request's last known token
+        for i in order:
+            num_computed = plan.num_computed_tokens[i]
+            input_ids.extend(states[i].token_ids[num_computed:num_computed
+                                                 + plan.num_new_tokens[i]])
+            first_row[i] = len(input_ids) - 1
+            input_ids.extend(drafts[i])
         meta = build_metadata(
             [plan.num_computed_tokens[i] for i in order],
-            [plan.num_new_tokens[i] for i in order],
-            [s.block_table for s in states],
+            [num_new[i] for i in order],
+            [states[i].block_table for i in order],
             self.block_size,
             self.device,
         )
-        for state, i in zip(states, order, strict=True):
-            state.num_computed += plan.num_new_tokens[i]
+        for i in order:
+            states[i].num_computed += plan.num_new_tokens[i]  # drafts count once accepted
         sampling = [i for i in indices if self._samples(plan.req_ids[i])]
+        logits_indices: list[int] = []
+        rows: list[tuple[int, int]] = []
+        for i in sampling:
+            rows.append((len(logits_indices), 1 + len(drafts[i])))
+            logits_indices.extend(range(first_row[i], first_row[i] + 1 + len(drafts[i])))
         return _Batch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64).to(self.device),
             meta=self.backend.build_metadata(meta),
-            logits_indices=torch.tensor(
-                [last_token_index[i] for i in sampling], dtype=torch.int64, device=self.device
-            ),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
             sampling_req_ids=[plan.req_ids[i] for i in sampling],
-            sampling_states=[self._requests[plan.req_ids[i]] for i in sampling],
+            sampling_states=[states[i] for i in sampling],
+            rows=rows,
+            drafts=[drafts[i] for i in sampling],
+            draft_probs=[draft_probs[i] for i in sampling],
+            spec_slots=[slots[i] for i in sampling],
+            draft_computed=[draft_computed[i] for i in sampling],
         )
+
+    def _propose(
+        self, plan: StepPlan, indices: list[int], states: dict[int, RequestState],
+        slots: list[int],
+    ) -> tuple[dict[int, list[int]], dict[int, torch.Tensor | None], dict[int, int]]:
+        """Draft tokens for the requests given draft slots (decodes of their last token)."""
+        drafts: dict[int, list[int]] = {i: [] for i in indices}
+        probs: dict[int, torch.Tensor | None] = {i: None for i in indices}
+        computed = {i: states[i].draft_computed for i in indices}
+        spec = [i for i in indices if slots[i]]
+        for i in spec:
+            if plan.num_computed_tokens[i] + plan.num_new_tokens[i] != len(states[i].token_ids):
+                raise ValueError(f"request {plan.req_ids[i]}: draft slots on a step that does "
+                                 "not reach its last token")
+        if not spec or not self.speculative:
+            return drafts, probs, computed
+        if self.drafter is None:  # n-gram lookup in the request's own tokens
+            for i in spec:
+                drafts[i] = ngram_propose(states[i].token_ids, slots[i], *self.prompt_lookup)
+            return drafts, probs, computed
+        got, q, after = self.drafter.propose(
+            [states[i].token_ids for i in spec], [states[i].draft_computed for i in spec],
+            [states[i].block_table for i in spec], [slots[i] for i in spec],
+            [states[i].params for i in spec], [states[i].generator for i in spec])
+        for j, i in enumerate(spec):
+            drafts[i], probs[i], computed[i] = got[j], q[j], after[j]
+        return drafts, probs, computed
 
     def _samples(self, req_id: str) -> bool:
         """After this step's tokens are counted: has the request computed all it knows?"""
         state = self._requests[req_id]
         return state.num_computed == len(state.token_ids)
 
-    def _schedule(self, plan: StepPlan, i: int) -> RequestState:
+    def _schedule(self, plan: StepPlan, i: int, num_spec: int = 0) -> RequestState:
         """Check the plan's view of request i against ours; append its new blocks."""
         req_id = plan.req_ids[i]
         state = self._requests.get(req_id)
@@ -373,4 +485,8 @@ class ModelRunner:
         if bad:
             raise ValueError(f"request {req_id}: block ids {bad} outside [0, {self.num_blocks})")
         state.block_table.extend(plan.new_block_ids[i])
+        if num_spec and (end + num_spec > self.max_model_len
+                         or len(state.block_table) * self.block_size < end + num_spec):
+            raise ValueError(f"request {req_id}: {num_spec} draft slots after token {end} do "
+                             f"not fit its {len(state.block_table)} blocks or max_model_len")
         return state

@@ -34,7 +34,7 @@ def sample(
     tokens = logits.argmax(dim=-1)  # greedy rows, in one op; sampled rows are overwritten
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if rows:
-        probs = _probabilities(logits[rows], [params[i] for i in rows])
+        probs = probabilities(logits[rows], [params[i] for i in rows])
         for j, i in enumerate(rows):
             generator = generators[i]
             assert generator is not None, "a sampled request needs a generator"
@@ -42,7 +42,7 @@ def sample(
     return tokens.tolist()
 
 
-def _probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, then top-k and top-p filtering, then softmax; row by row parameters."""
     device = logits.device
     temperature = torch.tensor([p.temperature for p in params], device=device)

@@ -65,8 +65,10 @@ class WorkerActor(Actor):
     def _build(self, path: str) -> Any:
         from gpu_worker.model_runner import ModelRunner
 
-        m, c = self.config.model, self.config.cache
+        m, c, spec = self.config.model, self.config.cache, self.config.speculative
         if synthetic_params(path) is not None:  # --model synthetic: no compute at all
+            if spec.method:
+                raise ConfigError("--speculative needs a real model, not --model synthetic")
             return SyntheticRunner(path, block_size=c.block_size, dtype=m.dtype,
                                    max_model_len=m.max_model_len or None)
         return ModelRunner(
@@ -83,6 +85,10 @@ class WorkerActor(Actor):
             num_threads=m.num_threads or None,
             swap_space_gib=(c.swap_space if self.config.scheduler.preemption_mode == "swap"
                             else 0.0),
+            speculative=spec.method,
+            draft_model=str(Path(spec.draft_model).expanduser()) if spec.draft_model else "",
+            prompt_lookup_min=spec.prompt_lookup_min,
+            prompt_lookup_max=spec.prompt_lookup_max,
         )
 
     def ready_info(self) -> dict[str, Any]:

@@ -57,7 +57,8 @@ class LocalEngine:
                 in_flight.append(to_plan(step, out))
             plan = in_flight.popleft()
             result = self.runner.execute(plan)
-            for req, token, _ in self.policy.update(result.req_ids, result.token_ids):
-                self.outputs[req.request_id].append(token)
+            for req, tokens, _ in self.policy.update(result.req_ids, result.token_ids,
+                                                     result.num_tokens, result.num_proposed):
+                self.outputs[req.request_id].extend(tokens)
             self.policy.check_integrity()
         return self.outputs

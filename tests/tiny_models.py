@@ -40,10 +40,10 @@ _COMMON: dict[str, Any] = dict(
 )
 
 
-def _config(arch: str, num_layers: int) -> Any:
+def _config(arch: str, num_layers: int, vocab_size: int = VOCAB_SIZE) -> Any:
     import transformers
 
-    common = dict(_COMMON, num_hidden_layers=num_layers)
+    common = dict(_COMMON, num_hidden_layers=num_layers, vocab_size=vocab_size)
     if arch == "llama":
         llama3 = dict(
             rope_type="llama3",
@@ -82,20 +82,23 @@ def _perturb_norms_and_biases(model: torch.nn.Module) -> None:
 
 
 def make_tiny_model(
-    folder: str | Path, arch: str = "llama", *, num_layers: int = 2, seed: int = 0
+    folder: str | Path, arch: str = "llama", *, num_layers: int = 2, seed: int = 0,
+    vocab_size: int = VOCAB_SIZE,
 ) -> Path:
-    """Create (or reuse, if complete) a tiny `arch` model in `folder`; returns the folder."""
+    """Create (or reuse, if complete) a tiny `arch` model in `folder`; returns the folder.
+    With another `vocab_size` (a few tokens, for statistical tests) it has no tokenizer."""
     import transformers
 
     folder = Path(folder)
     if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
         return folder
-    config = _config(arch, num_layers)
+    config = _config(arch, num_layers, vocab_size)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _perturb_norms_and_biases(model)
     model.save_pretrained(folder)
-    _copy_tokenizer(folder)
+    if vocab_size == VOCAB_SIZE:
+        _copy_tokenizer(folder)
     return folder
 
 

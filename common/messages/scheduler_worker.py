@@ -4,7 +4,10 @@ A request's prompt and sampling parameters travel once (`new_*`); afterwards a s
 only what changed. The worker keeps per request: all token ids (prompt + sampled), its
 block table, and how many tokens are in the KV cache. For each scheduled request it
 computes `token_ids[num_computed : num_computed + num_new]`; if that reaches the end of the
-known tokens, it samples one token and appends it.
+known tokens, it samples one token and appends it. With speculative decoding a decode also
+gets `num_spec_tokens` slots: the worker proposes that many draft tokens, verifies them in
+the same forward, and returns the accepted ones plus one; rejected slots are rolled back
+(both sides cut the block table to the blocks the computed tokens use).
 
     block table of a request, block_size 4, 10 tokens computed:
     [ b7 | b2 | b9 ]   slots: b7*4+0..3, b2*4+0..3, b9*4+0..1 used
@@ -38,6 +41,9 @@ class StepPlan:
     num_computed_tokens: list[int] = dataclasses.field(default_factory=list)  # [num_reqs]
     num_new_tokens: list[int] = dataclasses.field(default_factory=list)  # [num_reqs]
     new_block_ids: list[list[int]] = dataclasses.field(default_factory=list)  # [num_reqs][*]
+    # speculative decoding: slots for up to this many draft tokens after a decode's token
+    # (the worker proposes them and verifies them in this step's forward); empty: none
+    num_spec_tokens: list[int] = dataclasses.field(default_factory=list)  # [num_reqs]
     # (a request whose table is empty on the worker, new or preempted, gets its whole table
     # here, and its num_computed_tokens is taken as given: prefix hits, forks, swap-ins)
     # KV copies, done before the step computes, in this order:
@@ -61,7 +67,11 @@ class StepPlan:
 class StepResult:
     step_id: int
     req_ids: list[str]  # [num_sampled] requests that sampled a token this step
-    token_ids: list[int]  # [num_sampled]
+    token_ids: list[int]  # [sum(num_tokens)] their tokens, request after request
+    # speculative decoding: tokens each request produced (accepted drafts + 1) and drafts it
+    # proposed; empty: one token each, nothing proposed
+    num_tokens: list[int] = dataclasses.field(default_factory=list)  # [num_sampled]
+    num_proposed: list[int] = dataclasses.field(default_factory=list)  # [num_sampled]
     forward_s: float = 0.0  # worker time for the step, model + sampling
     error: str = ""  # set when the step failed: its requests are failed, not retried
 

@@ -162,11 +162,21 @@ class _SchedulerStats:
 
     GAUGES = (("num_requests_running", "num_running", "Requests in model execution batches."),
               ("num_requests_waiting", "num_waiting", "Requests waiting to be processed."),
-              ("kv_cache_usage_perc", "kv_cache_usage", "KV-cache usage, 1 means 100 percent."))
+              ("kv_cache_usage_perc", "kv_cache_usage", "KV-cache usage, 1 means 100 percent."),
+              ("spec_decode_acceptance_rate", "spec_acceptance_rate",
+               "Speculative decoding: accepted / proposed draft tokens."),
+              ("spec_decode_mean_accepted_length", "spec_mean_accepted_length",
+               "Speculative decoding: tokens per verification step (accepted drafts + 1)."))
     COUNTERS = (("num_preemptions", "num_preemptions", "Cumulative preemptions."),
                 ("prefix_cache_queries", "prefix_cache_queries",
                  "Prefix-cache queries, in tokens."),
-                ("prefix_cache_hits", "prefix_cache_hits", "Prefix-cache hits, in tokens."))
+                ("prefix_cache_hits", "prefix_cache_hits", "Prefix-cache hits, in tokens."),
+                ("spec_decode_num_drafts", "spec_num_drafts",
+                 "Speculative decoding: verification steps with at least one draft token."),
+                ("spec_decode_num_draft_tokens", "spec_num_draft_tokens",
+                 "Speculative decoding: draft tokens proposed."),
+                ("spec_decode_num_accepted_tokens", "spec_num_accepted_tokens",
+                 "Speculative decoding: draft tokens accepted."))
 
     def __init__(self, model_name: Any) -> None:
         self.model_name = model_name

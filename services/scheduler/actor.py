@@ -62,7 +62,10 @@ class SchedulerActor(Actor):
         self.policy: Scheduler | None = None
         self.worker_info: dict[str, Any] = {}
         self.in_flight: deque[_InFlight] = deque()
-        self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
+        # speculative decoding needs each step's result (how many drafts were accepted)
+        # before its requests can be planned again: no overlap then
+        self.max_in_flight = (2 if config.scheduler.async_scheduling
+                              and not config.speculative.num_tokens else 1)
         self.groups: dict[str, list[str]] = {}  # n > 1: request id -> its sequences' ids
         self.num_steps = 0
         self.step_counter = 0
@@ -120,7 +123,8 @@ class SchedulerActor(Actor):
             max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
             scheduling_policy=s.scheduling_policy, preemption_mode=s.preemption_mode,
             batch_policy=s.batch_policy, batch_window=s.batch_window,
-            static_batch_timeout=s.static_batch_timeout),
+            static_batch_timeout=s.static_batch_timeout,
+            num_speculative_tokens=self.config.speculative.num_tokens),
             host_pool=HostBlockPool(info.get("num_host_blocks", 0)))
         self._adopt(info)
         self.in_flight.clear()
@@ -271,11 +275,12 @@ class SchedulerActor(Actor):
             self.interval_forward_s += msg.forward_s
             self.num_intervals += 1
         self._last_result_at = now
-        results = self.policy.update(msg.req_ids, msg.token_ids)
+        results = self.policy.update(msg.req_ids, msg.token_ids, msg.num_tokens,
+                                     msg.num_proposed)
         if results:
             self.detokenizer.send(TokenBatch(
                 request_ids=[r.request_id for r, _, _ in results],
-                token_ids=[[t] for _, t, _ in results],
+                token_ids=[tokens for _, tokens, _ in results],
                 finish_reasons=[int(f) for _, _, f in results],
                 num_cached_tokens=[r.num_cached_tokens for r, _, _ in results],
                 versions=[r.version or "" for r, _, _ in results]))
@@ -368,6 +373,13 @@ class SchedulerActor(Actor):
             "num_model_swaps": self.swaps.num_swaps,
             "mean_step_interval_s": self.interval_s / max(1, self.num_intervals),
             "mean_step_forward_s": self.interval_forward_s / max(1, self.num_intervals),
+            "spec_num_drafts": p.num_spec_rounds,
+            "spec_num_draft_tokens": p.num_draft_tokens,
+            "spec_num_accepted_tokens": p.num_accepted_tokens,
+            "spec_acceptance_rate": p.num_accepted_tokens / max(1, p.num_draft_tokens),
+            # tokens per verification round: the accepted drafts plus the token every step
+            # yields (vLLM's "mean acceptance length")
+            "spec_mean_accepted_length": 1 + p.num_accepted_tokens / max(1, p.num_spec_rounds),
             "request_ids": sorted(p.requests),
             "model": self.worker_info,
         }

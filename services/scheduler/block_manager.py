@@ -168,6 +168,22 @@ class BlockManager:
         self._chains[child_id] = list(self._chains.get(parent_id, [])[:full])
         return list(shared)
 
+    def trim(self, req_id: str, num_tokens: int) -> int:
+        """Release the blocks past those that hold the first `num_tokens` tokens (slots of
+        rejected draft tokens); return how many were released."""
+        table = self.block_tables.get(req_id)
+        keep = self.num_blocks_for(num_tokens)
+        if not table or len(table) <= keep:
+            return 0
+        tail = table[keep:]
+        del table[keep:]
+        chain = self._chains.get(req_id)
+        if chain is not None:
+            del chain[keep:]
+        for b in reversed(tail):
+            self._unref(b)
+        return len(tail)
+
     def free(self, req_id: str) -> int:
         """Release the request's blocks (idempotent); return how many no longer have a user."""
         table = self.block_tables.pop(req_id, None)

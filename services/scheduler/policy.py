@@ -40,6 +40,7 @@ class ScheduledReq:
     new_block_ids: list[int]
     num_computed_tokens: int  # before this step
     samples: bool  # the step reaches the request's last known token and samples the next
+    num_spec_tokens: int = 0  # draft slots after its token (speculative decoding)
 
 
 @dataclasses.dataclass
@@ -55,7 +56,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(s.num_new_tokens + s.num_spec_tokens for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -72,6 +73,7 @@ class PolicyConfig:
     batch_policy: str = "continuous"  # continuous | static | dynamic
     batch_window: float = 0.05
     static_batch_timeout: float = 1.0
+    num_speculative_tokens: int = 0  # draft slots per decode (0: no speculative decoding)
 
 
 class Scheduler:
@@ -96,6 +98,8 @@ class Scheduler:
         self.num_swaps = 0
         self.num_computed_tokens_total = 0
         self.num_schedules = 0
+        # speculative decoding: verification rounds, drafts proposed, drafts accepted
+        self.num_spec_rounds = self.num_draft_tokens = self.num_accepted_tokens = 0
         # hot swap: the version (and prefix-cache root) new requests start on; while
         # `paused`, only requests that already started (preempted ones) are admitted
         self.version = ""
@@ -176,15 +180,25 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens_to_compute, budget)
-            if num_new == 0:
-                i += 1
+            if num_new == 0 or req.num_spec_in_flight:
+                i += 1  # (drafts in flight: its next input is known only from their result)
                 continue
-            if not self._reserve(req, i, req.num_computed_tokens + num_new, out):
+            spec = self._num_spec_tokens(req, num_new, budget)
+            if not self._reserve(req, i, req.num_computed_tokens + num_new + spec, out):
                 break  # req itself was preempted
-            out.scheduled.append(self._take(req, num_new, out))
-            budget -= num_new
+            out.scheduled.append(self._take(req, num_new, out, spec))
+            budget -= num_new + spec
             i += 1
         return budget
+
+    def _num_spec_tokens(self, req: Request, num_new: int, budget: int) -> int:
+        """Draft slots for a decode: up to k, never more than it may still produce less one
+        (the step always yields one token beyond the accepted drafts), nor past the budget."""
+        k = self.config.num_speculative_tokens
+        if not k or num_new != 1 or req.num_pending or not req.output_token_ids:
+            return 0
+        may_produce = req.max_total_tokens - req.num_tokens
+        return max(0, min(k, may_produce - 1, budget - num_new))
 
     def _reserve(self, req: Request, index: int, num_tokens: int, out: SchedulerOutput) -> bool:
         """Make room for req's blocks by preempting running requests not yet scheduled."""
@@ -200,7 +214,8 @@ class Scheduler:
 
     def _pick_victim(self, index: int) -> Request:
         """The newest (FCFS) or lowest-priority request among those not yet scheduled."""
-        candidates = self.running[index:]
+        # (a request whose drafts are in flight keeps its blocks until their result)
+        candidates = [r for r in self.running[index:] if not r.num_spec_in_flight]
         if self.config.scheduling_policy == "priority":
             return max(candidates, key=lambda r: (r.priority, r.arrival_seq))
         return candidates[-1]
@@ -311,14 +326,16 @@ class Scheduler:
         req.fork_of = None
         return min(req.num_tokens - k, budget)
 
-    def _take(self, req: Request, num_new: int, out: SchedulerOutput) -> ScheduledReq:
+    def _take(self, req: Request, num_new: int, out: SchedulerOutput,
+              spec: int = 0) -> ScheduledReq:
         before = req.num_computed_tokens
         req.scheduled_in, req.computed_before_step = self.num_schedules, before
         copy = self.blocks.copy_on_write(req.request_id, before)
         if copy is not None:
             out.copies.append((req.request_id, *copy))
         table_len = len(self.blocks.block_tables.get(req.request_id, ()))
-        self.blocks.allocate(req.request_id, before + num_new)
+        self.blocks.allocate(req.request_id, before + num_new + spec)
+        req.num_spec_in_flight = spec
         table = self.blocks.block_tables[req.request_id]
         # the worker's table is empty for a new or preempted request: send all of it
         new_blocks = table[table_len:] if req.worker_has_table else list(table)
@@ -331,26 +348,48 @@ class Scheduler:
         known = len(req.prompt_token_ids) + len(req.output_token_ids)
         self.blocks.cache_full_blocks(req.request_id, req.cache_root, req.all_token_ids,
                                       min(req.num_computed_tokens, known))
-        return ScheduledReq(req, num_new, new_blocks, before, samples)
+        return ScheduledReq(req, num_new, new_blocks, before, samples, spec)
 
     # results ------------------------------------------------------------------------------
-    def update(self, req_ids: list[str], token_ids: list[int]
-               ) -> list[tuple[Request, int, FinishReason]]:
-        """Apply a step's sampled tokens; return (request, token, finish reason) for live
-        ones. A finished request's late token (a stop seen one step late) is dropped."""
-        results = []
-        for req_id, token in zip(req_ids, token_ids, strict=True):
+    def update(self, req_ids: list[str], token_ids: list[int],
+               num_tokens: list[int] | None = None, num_proposed: list[int] | None = None
+               ) -> list[tuple[Request, list[int], FinishReason]]:
+        """Apply a step's sampled tokens (`num_tokens[i]` of them for request i, one each
+        when None); return (request, its tokens, finish reason) for live ones. A finished
+        request's late tokens (a stop seen one step late, tokens after a stop) are dropped.
+
+        Speculative decoding: request i proposed `num_proposed[i]` drafts and `num_tokens[i]
+        - 1` of them were accepted; their KV is now computed, and the blocks only rejected
+        drafts used are released (the worker cuts its table the same way)."""
+        counts = num_tokens or [1] * len(req_ids)
+        results, start = [], 0
+        for i, (req_id, count) in enumerate(zip(req_ids, counts, strict=True)):
+            tokens, start = token_ids[start:start + count], start + count
             req = self.requests.get(req_id)
             if req is None:
                 continue
-            reason = req.append_token(token)
+            if req.num_spec_in_flight:
+                req.num_spec_in_flight = 0
+                if req.status == Status.RUNNING:  # (else preempted: its KV went too)
+                    req.num_computed_tokens += count - 1
+                    self.blocks.trim(req_id, req.num_computed_tokens)
+            if num_proposed and num_proposed[i]:
+                self.num_spec_rounds += 1
+                self.num_draft_tokens += num_proposed[i]
+                self.num_accepted_tokens += count - 1
+            kept, reason = [], FinishReason.NONE
+            for token in tokens:
+                kept.append(token)
+                reason = req.append_token(token)
+                if reason != FinishReason.NONE:
+                    break
             if req.status == Status.RUNNING:
                 self.blocks.cache_full_blocks(
                     req_id, req.cache_root, req.all_token_ids,
                     min(req.num_computed_tokens, len(req.all_token_ids)))
             if reason != FinishReason.NONE:
                 self._finish(req, reason)
-            results.append((req, token, reason))
+            results.append((req, kept, reason))
         return results
 
     def _finish(self, req: Request, reason: FinishReason) -> None:

@@ -45,6 +45,7 @@ class Request:
         self.sampling = sampling
         self.output_token_ids: list[int] = []
         self.num_pending = 0  # sampled in a step whose result has not arrived yet
+        self.num_spec_in_flight = 0  # draft slots in the step in flight (speculative decoding)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache
         self.status = Status.WAITING
