@@ -82,6 +82,47 @@ def prepare_default_model(folder: Path | None = None) -> Path:
     return folder
 
 
+def prepare_truncated_model(num_layers: int, source: Path | None = None) -> Path:
+    """A draft model for speculative decoding: the default model cut to its first
+    `num_layers` layers (its own embeddings, final norm and LM head, its tokenizer), written
+    once beside it. Self-speculation by layer skipping: no other small model with SmolLM2's
+    tokenizer is available offline."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    source = source or prepare_default_model()
+    folder = source.parent / f"{source.name}-first{num_layers}layers"
+    if _is_complete(folder):
+        return folder
+    config = json.loads((source / "config.json").read_text())
+    if not 1 <= num_layers < config["num_hidden_layers"]:
+        raise ValueError(f"num_layers must be in [1, {config['num_hidden_layers']})")
+    config["num_hidden_layers"] = num_layers
+    weights = {}
+    for path in source.glob("*.safetensors"):
+        for name, tensor in load_file(path).items():
+            parts = name.split(".")
+            if "layers" in parts and int(parts[parts.index("layers") + 1]) >= num_layers:
+                continue
+            weights[name] = tensor.contiguous()
+    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=source.parent))
+    try:
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        for extra in source.iterdir():
+            if extra.suffix != ".safetensors" and extra.name != "config.json" \
+                    and extra.is_file():
+                shutil.copy(extra, tmp / extra.name)
+        if folder.exists():
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", type=Path, default=None, help="target folder")

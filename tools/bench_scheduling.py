@@ -21,7 +21,7 @@ from tools import bench
 
 
 def _run(name: str, common: list[str], extra: list[str], server_flags: str) -> dict[str, Any]:
-    out = Path(f"/tmp/bench-sched-{name}.json")
+    out = Path(f"/tmp/bench-sched-{name.replace(' ', '').replace(',', '-')}.json")
     argv = [*common, *extra, "--server-flags", server_flags, "--json", str(out)]
     print(f"== {name}: tools/bench {' '.join(argv)}", flush=True)
     bench.main(argv)
@@ -52,21 +52,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", default="16:96")
     p.add_argument("--rate", type=float, default=2.0, help="Poisson arrivals per second")
     p.add_argument("--json", default="")
+    p.add_argument("--only", default="", help="comma list of: batching, prefix, overlap "
+                   "(others are kept from --json's file)")
     args = p.parse_args(argv)
+    only = set(filter(None, args.only.split(","))) or {"batching", "prefix", "overlap"}
     common = ["--num-prompts", str(args.num_prompts), "--input-len", args.input_len,
               "--output-len", args.output_len, "--seed", "1"]
     base = "--max-num-seqs 32 --max-num-batched-tokens 512"
     runs: dict[str, list[dict[str, Any]]] = {"batching": [], "prefix": [], "overlap": []}
-    for policy in ("continuous", "static", "dynamic"):
-        for arrival, extra in (("burst", []), ("poisson", ["--rate", str(args.rate)])):
-            runs["batching"].append(_run(f"{policy}-{arrival}", common, extra,
-                                         f"{base} --batch-policy {policy}"))
-    for shared in (0, 512):
-        runs["prefix"].append(_run(f"shared-prefix-{shared}", common,
-                                   ["--shared-prefix", str(shared), "--rate", str(args.rate)],
-                                   base))
-    for overlap in ("--async-scheduling", "--no-async-scheduling"):
-        runs["overlap"].append(_run(overlap.strip("-"), common, [], f"{base} {overlap}"))
+    if args.json and Path(args.json).is_file():
+        runs.update({k: v for k, v in json.loads(Path(args.json).read_text()).items()
+                     if k not in only})
+    if "batching" in only:
+        for policy in ("continuous", "static", "dynamic"):
+            for arrival, extra in (("burst", []), ("poisson", ["--rate", str(args.rate)])):
+                runs["batching"].append(_run(f"{policy}-{arrival}", common, extra,
+                                             f"{base} --batch-policy {policy}"))
+    if "prefix" in only:
+        # every prompt starts with the same 512 tokens: the cache on, then off; and the
+        # same arrival of prompts without the shared part, for scale
+        for name, shared, flag in (("no-shared-prefix", 0, ""),
+                                   ("shared-prefix-512, cache on", 512, ""),
+                                   ("shared-prefix-512, cache off", 512,
+                                    " --no-enable-prefix-caching")):
+            runs["prefix"].append(_run(name, common, ["--shared-prefix", str(shared),
+                                                      "--rate", str(args.rate)], base + flag))
+    if "overlap" in only:
+        for overlap in ("--async-scheduling", "--no-async-scheduling"):
+            runs["overlap"].append(_run(overlap.strip("-"), common, [], f"{base} {overlap}"))
     for title, rs in runs.items():
         print(f"\n### {title}\n\n{HEADER}")
         for r in rs:

@@ -270,7 +270,8 @@ class SchedulerActor(Actor):
         now = time.perf_counter()
         self.step_time_s += now - step.sent_at
         self.worker_time_s += msg.forward_s
-        if self._busy_since_last_result:  # back-to-back steps: the gap is scheduling cost
+        if self._busy_since_last_result and self._last_result_at:
+            # back-to-back steps: the gap beyond the worker's own time is scheduling cost
             self.interval_s += now - self._last_result_at
             self.interval_forward_s += msg.forward_s
             self.num_intervals += 1

@@ -100,10 +100,12 @@ def test_greedy_outputs_equal_plain_decoding(spec_runner: ModelRunner, prompts: 
             assert out[rid] == want, (case, rid)
     policy = engine.policy
     assert policy.blocks.num_used_blocks == 0
-    assert policy.num_draft_tokens > 0  # speculation really ran
+    if case != "overlap":  # (overlapped, a decode's token is still pending when it is
+        # planned again, so it gets no drafts: the serving scheduler turns overlap off)
+        assert policy.num_draft_tokens > 0  # speculation really ran
     if case.startswith("preempt"):
         assert policy.num_preemptions > 0
-    if spec_runner.speculative == "ngram":  # the list and the code repeat themselves
+    if spec_runner.speculative == "ngram" and case != "overlap":  # lists and code repeat
         assert policy.num_accepted_tokens > 0
 
 

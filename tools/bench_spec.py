@@ -1,0 +1,144 @@
+"""Speculative decoding, measured: one request at a time, with and without drafting.
+
+    .venv/bin/python -m tools.bench_spec --json docs/bench/speculative.json
+
+For each prompt (a repetitive one: code to rewrite; a list; and free chat) and each
+drafter (none; n-gram prompt lookup; a draft model), the worker and the scheduler policy
+run in this process (the plans the real processes exchange, no sockets) and greedy-decode
+`--output-len` tokens. Reported: decode tokens/s (the steps after the prompt's), the
+acceptance rate, tokens per verification step, the speed-up over no drafting, and whether
+the tokens equal those without drafting (they must).
+
+The draft model is SmolLM2 cut to its first `--draft-layers` layers (same tokenizer,
+embeddings and LM head; `gpu_worker.prepare_model.prepare_truncated_model`): a real,
+if crude, drafter (self-speculation by layer skipping), as no smaller model with SmolLM2's
+tokenizer is available offline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+CODE = '''Rewrite this function with type hints, keeping everything else the same.
+
+def merge_sorted(left, right):
+    result = []
+    i = 0
+    j = 0
+    while i < len(left) and j < len(right):
+        if left[i] <= right[j]:
+            result.append(left[i])
+            i += 1
+        else:
+            result.append(right[j])
+            j += 1
+    result.extend(left[i:])
+    result.extend(right[j:])
+    return result
+'''
+LIST = "Continue the list up to 40: 1. apple, 2. banana, 3. cherry, 4. date, 5. elderberry,"
+CHAT = "Tell me about the history of the bicycle and why it became popular."
+PROMPTS = {"code (repetitive)": CODE, "list (repetitive)": LIST, "free chat": CHAT}
+
+
+def _prompt_ids(model_dir: str, text: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                   add_generation_prompt=True, return_dict=False)
+
+
+def _decode(runner: Any, prompt: list[int], output_len: int, k: int) -> dict[str, Any]:
+    from common.messages import SamplingParams
+    from services.scheduler.block_manager import BlockManager
+    from services.scheduler.plan import to_plan
+    from services.scheduler.policy import PolicyConfig, Scheduler
+    from services.scheduler.request import Request
+
+    policy = Scheduler(BlockManager(runner.num_blocks, runner.block_size),
+                       PolicyConfig(num_speculative_tokens=k))
+    req = Request("r", prompt, SamplingParams(max_tokens=output_len, temperature=0.0,
+                                              ignore_eos=True))
+    policy.add(req)
+    tokens: list[int] = []
+    step, decode_s, decode_tokens = 0, 0.0, 0
+    while policy.has_work():
+        out = policy.schedule()
+        step += 1
+        start = time.perf_counter()
+        result = runner.execute(to_plan(step, out))
+        elapsed = time.perf_counter() - start
+        got = policy.update(result.req_ids, result.token_ids, result.num_tokens,
+                            result.num_proposed)
+        produced = sum(len(t) for _, t, _ in got)
+        if step > 1:  # the first step computes the prompt
+            decode_s += elapsed
+            decode_tokens += produced
+        for _, t, _ in got:
+            tokens += t
+    runner.execute(to_plan(step + 1, policy.schedule()))  # tell the worker it finished
+    return {"tokens": tokens, "decode_tok_s": decode_tokens / decode_s,
+            "steps": step, "proposed": policy.num_draft_tokens,
+            "accepted": policy.num_accepted_tokens,
+            "acceptance_rate": policy.num_accepted_tokens / max(1, policy.num_draft_tokens),
+            "tokens_per_step": decode_tokens / max(1, step - 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
+    p.add_argument("--draft-layers", type=int, default=4)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", default="")
+    args = p.parse_args(argv)
+
+    from gpu_worker.model_runner import ModelRunner
+    from gpu_worker.prepare_model import prepare_default_model, prepare_truncated_model
+
+    model_dir = str(prepare_default_model())
+    draft_dir = str(prepare_truncated_model(args.draft_layers))
+    common = dict(dtype=args.dtype, num_threads=args.threads, kv_cache_memory_gib=0.25)
+    runners = {
+        "off": ModelRunner(model_dir, **common),
+        "ngram": ModelRunner(model_dir, speculative="ngram", **common),
+        f"draft ({args.draft_layers} layers)": ModelRunner(model_dir, speculative="draft",
+                                                           draft_model=draft_dir, **common),
+    }
+    rows = []
+    for name, text in PROMPTS.items():
+        prompt = _prompt_ids(model_dir, text)
+        base = None
+        for method, runner in runners.items():
+            _decode(runner, prompt, 8, args.k if method != "off" else 0)  # warm-up
+            r = _decode(runner, prompt, args.output_len, args.k if method != "off" else 0)
+            base = base or r
+            row = {"prompt": name, "prompt_tokens": len(prompt), "method": method,
+                   "identical_to_off": r["tokens"] == base["tokens"],
+                   "speedup": r["decode_tok_s"] / base["decode_tok_s"],
+                   **{k: v for k, v in r.items() if k != "tokens"}}
+            rows.append(row)
+            print(f"{name:18} {method:18} {r['decode_tok_s']:6.1f} tok/s  x{row['speedup']:.2f}"
+                  f"  acceptance {r['acceptance_rate']:.2f}  tokens/step "
+                  f"{r['tokens_per_step']:.2f}  identical {row['identical_to_off']}",
+                  flush=True)
+    result = {"workload": {"output_len": args.output_len, "k": args.k, "dtype": args.dtype,
+                           "threads": args.threads, "batch": 1, "greedy": True,
+                           "draft_layers": args.draft_layers}, "rows": rows}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
