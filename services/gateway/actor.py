@@ -156,6 +156,26 @@ class GatewayActor(Actor):
             return
         log.warning("%s died: failed %d requests in flight", msg.name, n)
 
+    def request_stop(self) -> None:
+        """SIGTERM on the gateway itself (compose stops it first, its peers still running):
+        refuse new requests with 503, let those in flight finish (up to --shutdown-timeout),
+        then stop. A second signal stops at once."""
+        engine = getattr(self, "engine", None)  # (none before start)
+        if engine is None or engine.draining or not engine.num_in_flight:
+            super().request_stop()
+            return
+        engine.draining = True
+        log.info("SIGTERM: draining %d requests in flight", self.engine.num_in_flight)
+
+        async def drain_then_stop() -> None:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.config.server.shutdown_timeout
+            while self.engine.num_in_flight and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            super(GatewayActor, self).request_stop()
+
+        self._drain_task = asyncio.get_running_loop().create_task(drain_then_stop())
+
     def _on_drain(self, msg: Drain) -> None:
         self.engine.draining = True
         log.info("draining: %d requests in flight", self.engine.num_in_flight)

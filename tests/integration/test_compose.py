@@ -4,7 +4,9 @@ pass their own health checks, and refuse a process that lacks the CURVE keys."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +14,7 @@ from typing import Any
 
 import httpx
 import openai
+import orjson
 import pytest
 
 from gpu_worker.prepare_model import cache_root
@@ -146,3 +149,40 @@ def test_a_process_without_the_curve_keys_is_not_heard(harness: ComposeHarness) 
     out = harness.healthcheck("scheduler", drop=("SHUTTLE_CURVE_DIR",))
     assert out.returncode == 1 and "no answer" in out.stdout, (out.stdout, out.stderr)
     assert harness.healthcheck("scheduler").returncode == 0  # and keyed peers still are
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_on_the_gateway_drains_like_compose_stop(harness: ComposeHarness) -> None:
+    """`docker compose stop` signals the gateway first (it depends on the others): a stream
+    in flight finishes whole, a new request meanwhile gets 503 + Retry-After, and the
+    gateway exits 0 within its stop_grace_period. (Runs last: it stops the gateway.)"""
+    url = f"http://127.0.0.1:{harness.published(8000)}"
+    model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    done: dict = {}
+    started = threading.Event()
+
+    def long_stream() -> None:
+        with httpx.stream("POST", url + "/v1/completions", timeout=180, json={
+                "model": model, "prompt": "Count:", "max_tokens": 200, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}) as r:
+            done["status"] = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = orjson.loads(line[6:])
+                    started.set()
+                    if chunk.get("usage"):
+                        done["usage"] = chunk["usage"]
+
+    t = threading.Thread(target=long_stream)
+    t.start()
+    assert started.wait(120)
+    gateway = harness.procs["gateway"]
+    gateway.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    refused = httpx.post(url + "/v1/completions", timeout=30, json={
+        "model": model, "prompt": "New", "max_tokens": 2})
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    t.join(180)
+    assert done["status"] == 200 and done["usage"]["completion_tokens"] == 200
+    grace = float(harness.services["gateway"]["stop_grace_period"].rstrip("s"))
+    assert gateway.wait(grace) == 0
