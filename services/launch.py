@@ -25,6 +25,7 @@ import zmq
 
 from common import codec
 from common.config import Config, ConfigError, add_flags, from_args
+from common.curve import CurveKeys, uses_curve
 from common.messages import Drain, Drained, ProcessDown, Ready
 
 _GRACE_S = 10.0
@@ -39,10 +40,17 @@ class Supervisor:
         self._peers: dict[str, zmq.Socket] = {}
         self.ready: dict[str, dict] = {}
         self._stop = False
+        # with --curve-dir, a tcp:// supervisor inbox and the notices it sends are CURVE
+        # links like every other (ipc:// stays a local socket file)
+        curve_dir = config.addresses.curve_dir
+        self.curve = CurveKeys.load(curve_dir) if curve_dir else None
         ctx = zmq.Context.instance()
         self.inbox = ctx.socket(zmq.PULL)
         self.inbox.setsockopt(zmq.LINGER, 0)
-        self.inbox.bind(config.addr("supervisor"))
+        addr = config.addr("supervisor")
+        if self.curve is not None and uses_curve(addr):
+            self.curve.serve(self.inbox)
+        self.inbox.bind(config.bind_addr(addr))
 
     def specs(self) -> list[tuple[str, list[str]]]:
         base = [sys.executable, "-m"]
@@ -139,7 +147,10 @@ class Supervisor:
         if sock is None:
             sock = self._peers[name] = zmq.Context.instance().socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(self.config.addr(name))
+            addr = self.config.addr(name)
+            if self.curve is not None and uses_curve(addr):
+                self.curve.connect(sock)
+            sock.connect(addr)
         sock.send(frame, zmq.NOBLOCK)
 
     def _drain_inbox(self) -> list:

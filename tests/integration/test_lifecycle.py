@@ -74,3 +74,36 @@ def test_a_child_that_keeps_dying_stops_the_whole_server() -> None:
         os.kill(again[0], signal.SIGKILL)  # a second time within a minute: give up
         assert server.proc.wait(30) == 1
         assert _wait_gone(kids + again) == []
+
+
+def _free_ports(n: int) -> list[int]:
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def test_single_host_over_tcp_with_curve(tmp_path: Path) -> None:
+    """`shuttle serve` with every inbox on tcp:// and --curve-dir: all links, the
+    supervisor's included (Ready reports, drain), are CURVE; it starts, serves and stops."""
+    import sys
+
+    keys = tmp_path / "keys"
+    subprocess.run([sys.executable, "-m", "common.curve", "keygen", str(keys)], check=True,
+                   cwd=Path(__file__).resolve().parents[2])
+    ports = _free_ports(6)
+    names = ["gateway", "scheduler", "worker", "detokenizer", "supervisor"]
+    flags = [f for name, port in zip(names, ports, strict=False)
+             for f in (f"--{name}-addr", f"tcp://127.0.0.1:{port}")]
+    flags += ["--tokenizer-addrs", f"tcp://127.0.0.1:{ports[5]}", "--curve-dir", str(keys)]
+    with running_server(*flags) as server:
+        r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+            "model": server.model, "prompt": "Hello", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(60) == 0
