@@ -408,6 +408,14 @@ class Scheduler:
         if req.is_known_to_worker:
             self._finished_for_worker.append(req.request_id)
 
+    def check_idle(self) -> None:
+        """With no request live: every block free or cached, every host block free. O(1),
+        cheap enough for every idle moment; check_integrity checks block by block."""
+        assert not self.requests and not self.running and not self.waiting, "not idle"
+        assert self.blocks.num_used_blocks == 0, f"{self.blocks.num_used_blocks} blocks leaked"
+        assert not any(self.blocks.block_tables.values()), "a finished request holds blocks"
+        assert self.host_pool.num_free_blocks == self.host_pool.num_blocks, "host blocks leaked"
+
     def check_integrity(self) -> None:
         self.blocks.check_integrity()
         self.host_pool.check_integrity(
