@@ -100,7 +100,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = _field(4, "tokens proposed per step for each decoding "
                                             "request")
     prompt_lookup_max: int = _field(4, "ngram: longest suffix n-gram looked up in the context")
-    prompt_lookup_min: int = _field(1, "ngram: shortest suffix n-gram looked up")
+    prompt_lookup_min: int = _field(2, "ngram: shortest suffix n-gram looked up")
 
     def __post_init__(self) -> None:
         _check(self.speculative in ("", "ngram", "draft"), "speculative", "'', ngram or draft")

@@ -100,7 +100,7 @@ class ModelRunner:
         max_graph_batch_size: int = 64,
         speculative: str = "",
         draft_model: str = "",
-        prompt_lookup_min: int = 1,
+        prompt_lookup_min: int = 2,
         prompt_lookup_max: int = 4,
     ) -> None:
         if dtype not in DTYPES:

@@ -162,6 +162,88 @@ def _parity(out: Path) -> str:
     return text + "\n" + _note(out, "parity")
 
 
+def _small(out: Path) -> str:
+    """The first figures: one request, and 16 at once, beside transformers."""
+    runs = [r for name in ("issue2-single", "issue2-16") if (r := _load(out, name))]
+    if not runs:
+        return ""
+    text = ("## One request, and sixteen at once\n\n"
+            "Commands: `tools/bench --num-prompts 1 --input-len 128 --output-len 32 --baseline "
+            "hf-sequential` and `tools/bench --num-prompts 16 --input-len 64:256 --output-len "
+            "64 --baseline hf-static --hf-batch-size 16` (fp32, 2 threads, `ignore_eos`).\n\n"
+            "| workload | shuttle out tok/s | TTFT p50 ms | TPOT p50 ms | transformers | "
+            "its out tok/s | shuttle is |\n|---|---|---|---|---|---|---|\n")
+    for r in runs:
+        w, sh = r["workload"], r["shuttle"]
+        for base in r.get("baselines", []):
+            text += (f"| {w['num_prompts']} x ({w['input_len']} in, {w['output_len']} out) | "
+                     f"{sh['output_tok_s']:.1f} | {_ms(sh['ttft_s']['median'])} | "
+                     f"{_ms(sh['tpot_s']['median'])} | {base['name']} | "
+                     f"{base['output_tok_s']:.1f} | "
+                     f"{sh['output_tok_s'] / base['output_tok_s']:.2f}x |\n")
+    return text + "\n" + _note(out, "small")
+
+
+def _scheduling(out: Path) -> str:
+    r = _load(out, "scheduling")
+    if r is None:
+        return ""
+    first = (r.get("batching") or r.get("prefix") or [{}])[0]
+    w = first.get("workload", {})
+    text = ("## Scheduling: batch policies, the prefix cache, overlapped steps\n\n"
+            "`python -m tools.bench_scheduling --json docs/bench/scheduling.json`: "
+            f"{w.get('num_prompts', '?')} requests, prompts {w.get('input_len', '?')}, "
+            f"outputs {w.get('output_len', '?')}, fp32, `--max-num-seqs 32 "
+            "--max-num-batched-tokens 512`; *burst* sends all at once, *poisson* 2 "
+            "requests/s.\n\n")
+    titles = {"batching": "Batch policy (continuous: vLLM/SGLang; static: run a full batch "
+                          "to completion; dynamic: collect for a window, then run to "
+                          "completion)",
+              "prefix": "Prefix cache: every prompt starts with the same 512 tokens",
+              "overlap": "Overlapped scheduling (step N+1 planned while step N runs)"}
+    for key, title in titles.items():
+        rows = r.get(key) or []
+        if not rows:
+            continue
+        step_cols = key == "overlap"
+        text += (f"**{title}**\n\n| config | out tok/s | TTFT p50/p99 ms | TPOT p50 ms | "
+                 "E2E p50 s | prefix hits / queries (tokens)"
+                 + (" | step interval / worker ms" if step_cols else "") + " |\n|---|---|---|"
+                 "---|---|---" + ("|---" if step_cols else "") + "|\n")
+        for run in rows:
+            sh, st = run["shuttle"], run.get("server_stats", {})
+            text += (f"| {run['name']} | {sh['output_tok_s']:.1f} | "
+                     f"{_ms(sh['ttft_s']['median'])} / {_ms(sh['ttft_s']['p99'])} | "
+                     f"{_ms(sh['tpot_s']['median'])} | {sh['e2e_s']['median']:.1f} | "
+                     f"{st.get('prefix_cache_hits', 0)} / {st.get('prefix_cache_queries', 0)}")
+            if step_cols:
+                text += (f" | {st.get('mean_step_interval_s', 0) * 1e3:.1f} / "
+                         f"{st.get('mean_step_forward_s', 0) * 1e3:.1f}")
+            text += " |\n"
+        text += "\n"
+    return text + _note(out, "scheduling")
+
+
+def _speculative(out: Path) -> str:
+    r = _load(out, "speculative")
+    if r is None:
+        return ""
+    w = r["workload"]
+    text = ("## Speculative decoding, one request\n\n"
+            "`python -m tools.bench_spec --json docs/bench/speculative.json`: greedy, "
+            f"{w['output_len']} tokens, k = {w['k']} drafts per step, {w['dtype']}, "
+            f"{w['threads']} threads, the worker and the scheduler policy in one process. "
+            "Decode tokens/s count the steps after the prompt's.\n\n"
+            "| prompt | drafter | decode tok/s | speed-up | acceptance | tokens per step | "
+            "same tokens as without |\n|---|---|---|---|---|---|---|\n")
+    for row in r["rows"]:
+        text += (f"| {row['prompt']} ({row['prompt_tokens']} tokens) | {row['method']} | "
+                 f"{row['decode_tok_s']:.1f} | {row['speedup']:.2f}x | "
+                 f"{row['acceptance_rate']:.2f} | {row['tokens_per_step']:.2f} | "
+                 f"{'yes' if row['identical_to_off'] else 'NO'} |\n")
+    return text + "\n" + _note(out, "speculative")
+
+
 def render(out: Path) -> str:
     loads = json.loads((out / "load.json").read_text()) if (out / "load.json").is_file() else {}
     head = ("# Benchmarks\n\nRegenerate everything on this page with `make bench-docs` "
@@ -172,7 +254,8 @@ def render(out: Path) -> str:
             "(gpu_worker/__init__.py sets it for the worker; the transformers baselines run "
             "with the same setting in the same process as the load generator).\n\n")
     body = (_note(out, "summary") + _note(out, "method") + _steps(out, loads)
-            + _mixed(out, loads) + _sweep(out, loads) + _synthetic(out, loads) + _parity(out))
+            + _small(out) + _mixed(out, loads) + _sweep(out, loads) + _scheduling(out)
+            + _synthetic(out, loads) + _speculative(out) + _parity(out) + _note(out, "soak"))
     gpu = ("## GPU figures\n\n" + (_note(out, "gpu") or
            "tools/gpu-check has not yet run on a GPU: no device was lent to this task. Its "
            "kernel and model timings (triton backend, CUDA graphs) will be recorded here.\n\n"))

@@ -10,9 +10,10 @@ acceptance rate, tokens per verification step, the speed-up over no drafting, an
 the tokens equal those without drafting (they must).
 
 The draft model is SmolLM2 cut to its first `--draft-layers` layers (same tokenizer,
-embeddings and LM head; `gpu_worker.prepare_model.prepare_truncated_model`): a real,
-if crude, drafter (self-speculation by layer skipping), as no smaller model with SmolLM2's
-tokenizer is available offline.
+embeddings and LM head; `gpu_worker.prepare_model.prepare_truncated_model`), as no smaller
+model with SmolLM2's tokenizer is available offline; untrained for early exit, it agrees with
+the target rarely. `self` drafts with the target itself: every draft is accepted, so it
+shows the mechanism's ceiling and what a drafter as costly as the target costs.
 """
 
 from __future__ import annotations
@@ -100,21 +101,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-layers", type=int, default=4)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prompt-lookup-min", type=int, default=2)
+    p.add_argument("--prompt-lookup-max", type=int, default=4)
+    p.add_argument("--methods", default="off,ngram,draft,self")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
+    methods = args.methods.split(",")
 
     from gpu_worker.model_runner import ModelRunner
     from gpu_worker.prepare_model import prepare_default_model, prepare_truncated_model
 
     model_dir = str(prepare_default_model())
-    draft_dir = str(prepare_truncated_model(args.draft_layers))
+    draft_dir = str(prepare_truncated_model(args.draft_layers)) if "draft" in methods else ""
     common = dict(dtype=args.dtype, num_threads=args.threads, kv_cache_memory_gib=0.25)
-    runners = {
-        "off": ModelRunner(model_dir, **common),
-        "ngram": ModelRunner(model_dir, speculative="ngram", **common),
-        f"draft ({args.draft_layers} layers)": ModelRunner(model_dir, speculative="draft",
-                                                           draft_model=draft_dir, **common),
-    }
+    lookup = dict(prompt_lookup_min=args.prompt_lookup_min,
+                  prompt_lookup_max=args.prompt_lookup_max)
+    runners = {"off": ModelRunner(model_dir, **common)}
+    if "ngram" in methods:
+        runners[f"ngram ({args.prompt_lookup_min}-{args.prompt_lookup_max})"] = ModelRunner(
+            model_dir, speculative="ngram", **lookup, **common)
+    if "draft" in methods:
+        runners[f"draft (first {args.draft_layers} layers)"] = ModelRunner(
+            model_dir, speculative="draft", draft_model=draft_dir, **common)
+    if "self" in methods:  # the target drafting for itself: acceptance 1, the draft's cost
+        runners["draft (the target itself)"] = ModelRunner(
+            model_dir, speculative="draft", draft_model=model_dir, **common)
     rows = []
     for name, text in PROMPTS.items():
         prompt = _prompt_ids(model_dir, text)
@@ -134,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
     result = {"workload": {"output_len": args.output_len, "k": args.k, "dtype": args.dtype,
                            "threads": args.threads, "batch": 1, "greedy": True,
-                           "draft_layers": args.draft_layers}, "rows": rows}
+                           "draft_layers": args.draft_layers, **lookup}, "rows": rows}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
