@@ -58,7 +58,8 @@ def mixed() -> dict[str, Any]:
 
 
 def mixed_bf16() -> dict[str, Any]:
-    return _bench("mixed_bf16", [*MIXED, "--threads", "2", "--dtype", "bfloat16"])
+    return _bench("mixed_bf16", [*MIXED, "--threads", "2", "--dtype", "bfloat16", "--baseline",
+                                 "hf-static,hf-sequential", "--hf-sequential-subset", "8"])
 
 
 def sweep() -> dict[str, Any]:

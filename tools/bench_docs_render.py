@@ -92,6 +92,13 @@ def _mixed(out: Path, loads: dict[str, Any]) -> str:
         ratio = s["output_tok_s"] / base["output_tok_s"]
         text += (f"| transformers {base['name']}{note} | {base['duration_s']:.1f} | "
                  f"{base['output_tok_s']:.1f} | {ratio:.2f}x |\n")
+    for base in (bf16 or {}).get("baselines", []):
+        note = (f" (measured on {base['num_requests']} of the requests, spread evenly)"
+                if base.get("subset") else "")
+        b = bf16["shuttle"]  # type: ignore[index]
+        text += (f"| transformers {base['name']} bf16{note} | {base['duration_s']:.1f} | "
+                 f"{base['output_tok_s']:.1f} | shuttle bf16 is "
+                 f"{b['output_tok_s'] / base['output_tok_s']:.2f}x |\n")
     text += "\n" + _latency_table([("shuttle fp32", s)] + ([("shuttle bf16", bf16["shuttle"])]
                                                          if bf16 else []))
     text += _load_line(loads, "mixed") + _note(out, "mixed")
