@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -67,12 +68,20 @@ def prepare_default_model(folder: Path | None = None) -> Path:
     )
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    # Write into a sibling temp folder, then rename: a crash never leaves a half folder.
-    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
-    try:
+    def fill(tmp: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+
+    return _write_folder(folder, fill)
+
+
+def _write_folder(folder: Path, fill: Callable[[Path], None]) -> Path:
+    """Write a model folder into a sibling temp folder, then rename it into place: a crash
+    never leaves a half folder."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+    try:
+        fill(tmp)
         if folder.exists():
             shutil.rmtree(folder)
         tmp.rename(folder)
@@ -106,21 +115,15 @@ def prepare_truncated_model(num_layers: int, source: Path | None = None) -> Path
             if "layers" in parts and int(parts[parts.index("layers") + 1]) >= num_layers:
                 continue
             weights[name] = tensor.contiguous()
-    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=source.parent))
-    try:
+    def fill(tmp: Path) -> None:
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        for extra in source.iterdir():
+        for extra in source.iterdir():  # tokenizer, chat template, generation config
             if extra.suffix != ".safetensors" and extra.name != "config.json" \
                     and extra.is_file():
                 shutil.copy(extra, tmp / extra.name)
-        if folder.exists():
-            shutil.rmtree(folder)
-        tmp.rename(folder)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return folder
+
+    return _write_folder(folder, fill)
 
 
 def main(argv: list[str] | None = None) -> int:

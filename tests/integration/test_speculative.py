@@ -214,3 +214,27 @@ def test_served_with_ngram_speculation_matches_plain_serving(server) -> None:  #
     assert values["shuttle:spec_decode_num_draft_tokens_total"] > 0, values
     assert values["shuttle:spec_decode_num_accepted_tokens_total"] > 0, values
     assert 0 < values["shuttle:spec_decode_acceptance_rate"] <= 1, values
+
+
+def test_a_truncated_model_drafts_for_its_full_model(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """prepare_truncated_model keeps the first layers, the embeddings, the head and the
+    tokenizer files; the result loads as a draft model, and greedy outputs are unchanged."""
+    import json
+
+    from gpu_worker.prepare_model import prepare_truncated_model
+
+    full = make_tiny_model(tmp_path / "full", "llama", num_layers=3, seed=5)
+    cut = prepare_truncated_model(1, source=full)
+    assert json.loads((cut / "config.json").read_text())["num_hidden_layers"] == 1
+    assert (cut / "tokenizer.json").is_file() == (full / "tokenizer.json").is_file()
+    assert prepare_truncated_model(1, source=full) == cut  # made once
+    outputs = []
+    for kw in ({}, {"speculative": "draft", "draft_model": str(cut)}):
+        runner = ModelRunner(str(full), block_size=4, num_blocks=256, num_threads=2, **kw)
+        engine = LocalEngine(runner, PolicyConfig(num_speculative_tokens=3), overlap=False)
+        rid = engine.add(PROMPT * 3, SamplingParams(max_tokens=12, temperature=0.0,
+                                                    ignore_eos=True))[0]
+        outputs.append(engine.run()[rid])
+        if kw:
+            assert engine.policy.num_draft_tokens > 0
+    assert outputs[0] == outputs[1]
