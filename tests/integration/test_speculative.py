@@ -191,9 +191,16 @@ def test_served_with_ngram_speculation_matches_plain_serving(server) -> None:  #
     body = {"prompt": TEXTS[0], "max_tokens": 32, "temperature": 0.0, "ignore_eos": True}
     want = httpx.post(server.url + "/v1/completions", timeout=120,
                       json={**body, "model": server.model}).json()
+    # a stop string inside the plain output: several tokens arrive per step with drafts,
+    # and the text must still end where plain decoding's does
+    stop = want["choices"][0]["text"].split()[4]
+    want_stop = httpx.post(server.url + "/v1/completions", timeout=120,
+                           json={**body, "model": server.model, "stop": [stop]}).json()
     with running_server("--speculative", "ngram", "--num-speculative-tokens", "4") as spec:
         got = httpx.post(spec.url + "/v1/completions", timeout=120,
                          json={**body, "model": spec.model}).json()
+        got_stop = httpx.post(spec.url + "/v1/completions", timeout=120,
+                              json={**body, "model": spec.model, "stop": [stop]}).json()
         streamed = []
         with httpx.stream("POST", spec.url + "/v1/completions", timeout=120,
                           json={**body, "model": spec.model, "stream": True}) as r:
@@ -209,6 +216,8 @@ def test_served_with_ngram_speculation_matches_plain_serving(server) -> None:  #
                 break
             time.sleep(0.2)
     assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    assert got_stop["choices"][0] == want_stop["choices"][0], (stop, got_stop, want_stop)
+    assert got_stop["choices"][0]["finish_reason"] == "stop"
     assert "".join(streamed) == want["choices"][0]["text"]
     assert got["usage"]["completion_tokens"] == 32
     assert values["shuttle:spec_decode_num_draft_tokens_total"] > 0, values
