@@ -129,6 +129,8 @@ class OpenAIRoutes:
         return await self._generate(request, _COMPLETION)
 
     async def models(self) -> Response:
+        if not self.engine.model_name:  # starting, or the worker restarting: nothing served yet
+            return _json({"object": "list", "data": []})
         card = {
             "id": self.engine.model_name,
             "object": "model",

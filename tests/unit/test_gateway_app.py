@@ -211,6 +211,8 @@ def test_models_and_health() -> None:
     engine.ready = False
     assert run(engine, "GET", "/health").status_code == 503
     error_of(run(engine, "POST", CHAT, json=chat_body()), 503)
+    engine.model_name = ""  # starting: nothing is served yet, so no model is listed
+    assert run(engine, "GET", "/v1/models").json() == {"object": "list", "data": []}
 
 
 def test_openai_client_in_process() -> None:
