@@ -204,8 +204,15 @@ def _repo_root() -> str:
 
 def prepare(config: Config) -> Config:
     """Resolve the model folder (converting the default model once) and the run directory."""
+    from gpu_worker.synthetic import is_synthetic_spec
     from gpu_worker.worker import resolve_model_path
 
+    spec = config.speculative
+    if spec.method and is_synthetic_spec(config.model.model):
+        raise ConfigError("--speculative needs a real model, not --model synthetic")
+    if spec.draft_model and not (Path(spec.draft_model).expanduser() / "config.json").is_file():
+        raise ConfigError(f"--draft-model {spec.draft_model}: no config.json there (a Hugging "
+                          "Face folder?)")
     path = resolve_model_path(config)
     run_dir = config.server.run_dir or tempfile.mkdtemp(prefix="shuttle-")
     return config.replace(

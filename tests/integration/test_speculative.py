@@ -247,3 +247,20 @@ def test_a_truncated_model_drafts_for_its_full_model(tmp_path) -> None:  # type:
         if kw:
             assert engine.policy.num_draft_tokens > 0
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--speculative", "draft"], "--draft-model must be set"),
+    (["--draft-model", "/no/such/folder"], "no config.json there"),
+    (["--model", "synthetic", "--speculative", "ngram"], "needs a real model"),
+    (["--speculative", "ngram", "--num-speculative-tokens", "0"], "in [1, 16]"),
+    (["--speculative", "eagle"], "'', ngram or draft"),
+])
+def test_bad_speculative_flags_are_refused_at_start(flags: list[str], message: str) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--port", "0", *flags],
+                         capture_output=True, text=True, timeout=120,
+                         cwd=str(__import__("pathlib").Path(__file__).resolve().parents[2]))
+    assert out.returncode == 2 and message in out.stderr, out.stderr[-500:]
