@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,7 @@ class WorkerActor(Actor):
     def __init__(self, config: Config) -> None:
         super().__init__(config)
         self.runner: Any = None
+        self.boot_id = uuid.uuid4().hex
         self.handlers.update({StepPlan: self._on_step_plan, LoadModel: self._on_load_model,
                               UnloadModel: self._on_unload_model, Reset: self._on_reset})
 
@@ -101,6 +103,8 @@ class WorkerActor(Actor):
         info["tokenizer_fingerprint"] = tokenizer_fingerprint(path)
         info["position_config"] = position_config(path)
         info["pid"] = os.getpid()
+        # unique per process start: in a container a restarted worker has the same pid (1)
+        info["boot_id"] = self.boot_id
         return info
 
     def ready_targets(self) -> list[str]:

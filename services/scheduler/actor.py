@@ -113,7 +113,7 @@ class SchedulerActor(Actor):
             return
         info, s = msg.info, self.config.scheduler
         if self.policy is not None:
-            same = info.get("pid") == self.worker_info.get("pid")
+            same = info.get("boot_id") == self.worker_info.get("boot_id")
             if same and not self.policy.requests and not self.in_flight:
                 return  # the answer to our own Reset at start-up: nothing changed
             log.warning("worker re-announced itself; resetting the block pool")
