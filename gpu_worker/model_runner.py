@@ -15,6 +15,7 @@ runs them as one batch); results go back in the plan's order.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 import time
 from typing import Any
@@ -71,8 +72,8 @@ class _Batch:
     logits_indices: torch.Tensor  # [L] packed indices whose logits are needed
     sampling_req_ids: list[str]  # [S]
     sampling_states: list[RequestState]  # [S]
-    rows: list[tuple[int, int]]  # [S] each one's logits rows: first, count (1 + its drafts)
-    drafts: list[list[int]]  # [S] proposed tokens ([] without speculation)
+    drafts: list[list[int]]  # [S] proposed tokens ([] without speculation); request j's
+    # logits rows follow those of requests < j, 1 + len(drafts[j]) of them
     draft_probs: list[torch.Tensor | None]  # [S] the draft model's q rows, sampled requests
     spec_slots: list[int]  # [S] draft slots the plan gave it (0: not speculating)
     draft_computed: list[int]  # [S] the draft pool's count after proposing
@@ -118,9 +119,8 @@ class ModelRunner:
         self.speculative = speculative
         self.prompt_lookup = (prompt_lookup_min, prompt_lookup_max)
         self._init_model(attention_backend, max_model_len)
-        draft_share = self._draft_kv_share(draft_model)
-        self._init_kv_cache(kv_cache_memory_gib * (1 - draft_share), num_blocks,
-                            gpu_memory_utilization, 1 - draft_share)
+        self._init_kv_cache(kv_cache_memory_gib, num_blocks, gpu_memory_utilization,
+                            share=1 - self._draft_kv_share(draft_model))
         self.drafter: DraftModel | None = None
         if speculative == "draft":
             self.drafter = DraftModel(
@@ -180,8 +180,9 @@ class ModelRunner:
 
     def _init_kv_cache(
         self, memory_gib: float, num_blocks: int | None, gpu_memory_utilization: float,
-        cuda_share: float = 1.0,
+        share: float = 1.0,
     ) -> None:
+        """The target's pool: `share` of the KV budget (the rest is the draft model's)."""
         layout = dict(
             num_layers=self.config.num_layers,
             block_size=self.block_size,
@@ -194,10 +195,9 @@ class ModelRunner:
             self.kv_cache = KVCache(num_blocks=num_blocks, **layout)  # type: ignore[arg-type]
         else:
             if self.device.type == "cuda":
-                budget = int(cuda_kv_budget_bytes(self.device, gpu_memory_utilization)
-                             * cuda_share)
+                budget = int(cuda_kv_budget_bytes(self.device, gpu_memory_utilization) * share)
             else:
-                budget = int(memory_gib * GIB)
+                budget = int(memory_gib * GIB * share)
             self.kv_cache = KVCache.from_budget(budget, **layout)  # type: ignore[arg-type]
         self.num_blocks = self.kv_cache.num_blocks
 
@@ -307,18 +307,23 @@ class ModelRunner:
         A verified request's accepted drafts count as computed; the blocks past them (only
         rejected drafts' slots) leave its table, as they leave the scheduler's."""
         states = batch.sampling_states
+        if not any(batch.spec_slots):  # no speculation: one logits row each, sampled at once
+            tokens = sample(logits, [s.params for s in states], [s.generator for s in states])
+            for state, token in zip(states, tokens, strict=True):
+                state.token_ids.append(token)
+            return [[t] for t in tokens]
+        first = list(itertools.accumulate((1 + len(d) for d in batch.drafts), initial=0))
         plain = [j for j, slots in enumerate(batch.spec_slots) if not slots]
         out: list[list[int]] = [[] for _ in states]
         if plain:
-            tokens = sample(logits[[batch.rows[j][0] for j in plain]],
+            tokens = sample(logits[[first[j] for j in plain]],
                             [states[j].params for j in plain],
                             [states[j].generator for j in plain])
             for j, token in zip(plain, tokens, strict=True):
                 out[j] = [token]
         for j, state in enumerate(states):
             if batch.spec_slots[j]:
-                first, count = batch.rows[j]
-                verdict = verify(logits[first:first + count], batch.drafts[j], state.params,
+                verdict = verify(logits[first[j]:first[j + 1]], batch.drafts[j], state.params,
                                  state.generator, batch.draft_probs[j])
                 out[j] = verdict.tokens
                 state.num_computed += verdict.num_accepted
@@ -410,18 +415,14 @@ class ModelRunner:
         for i in order:
             states[i].num_computed += plan.num_new_tokens[i]  # drafts count once accepted
         sampling = [i for i in indices if self._samples(plan.req_ids[i])]
-        logits_indices: list[int] = []
-        rows: list[tuple[int, int]] = []
-        for i in sampling:
-            rows.append((len(logits_indices), 1 + len(drafts[i])))
-            logits_indices.extend(range(first_row[i], first_row[i] + 1 + len(drafts[i])))
+        logits_indices = [k for i in sampling
+                          for k in range(first_row[i], first_row[i] + 1 + len(drafts[i]))]
         return _Batch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64).to(self.device),
             meta=self.backend.build_metadata(meta),
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
             sampling_req_ids=[plan.req_ids[i] for i in sampling],
             sampling_states=[states[i] for i in sampling],
-            rows=rows,
             drafts=[drafts[i] for i in sampling],
             draft_probs=[draft_probs[i] for i in sampling],
             spec_slots=[slots[i] for i in sampling],

@@ -41,6 +41,23 @@ class Server:
     def logs(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def children(self) -> list[tuple[str, int]]:
+        """(module, pid) of each process the supervisor runs: gpu_worker, services.gateway,
+        services.tokenizer (one per tokenizer), ..."""
+        kids = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True,
+                              text=True).stdout.split()
+        out = []
+        for pid in kids:
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+            except OSError:
+                continue  # exited meanwhile
+            module = next((a for a in argv if a.startswith("services.") or a == "gpu_worker"),
+                          None)
+            if module is not None:
+                out.append((module, int(pid)))
+        return out
+
 
 @contextmanager
 def running_server(*flags: str, timeout: float = 300.0) -> Iterator[Server]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -158,32 +159,30 @@ class GatewayActor(Actor):
 
     def request_stop(self) -> None:
         """SIGTERM on the gateway itself (compose stops it first, its peers still running):
-        refuse new requests with 503, let those in flight finish (up to --shutdown-timeout),
-        then stop. A second signal stops at once."""
+        drain as the supervisor's Drain does, up to --shutdown-timeout, then stop. A second
+        signal, or nothing in flight, stops at once."""
         engine = getattr(self, "engine", None)  # (none before start)
         if engine is None or engine.draining or not engine.num_in_flight:
             super().request_stop()
             return
-        engine.draining = True
-        log.info("SIGTERM: draining %d requests in flight", self.engine.num_in_flight)
-
-        async def drain_then_stop() -> None:
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + self.config.server.shutdown_timeout
-            while self.engine.num_in_flight and loop.time() < deadline:
-                await asyncio.sleep(0.05)
-            super(GatewayActor, self).request_stop()
-
-        self._drain_task = asyncio.get_running_loop().create_task(drain_then_stop())
+        stop = super().request_stop
+        self._drain(self.config.server.shutdown_timeout, lambda _: stop())
 
     def _on_drain(self, msg: Drain) -> None:
+        self._drain(msg.timeout_s, lambda unfinished: self.outbox(msg.reply_to).send(
+            Drained(num_unfinished=unfinished)))
+
+    def _drain(self, timeout_s: float, then: Callable[[int], None]) -> None:
+        """Refuse new requests (503) from now on; once those in flight have finished, or
+        after timeout_s, call `then` with how many are still unfinished."""
         self.engine.draining = True
         log.info("draining: %d requests in flight", self.engine.num_in_flight)
 
         async def wait() -> None:
-            deadline = asyncio.get_running_loop().time() + msg.timeout_s
-            while self.engine.num_in_flight and asyncio.get_running_loop().time() < deadline:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout_s
+            while self.engine.num_in_flight and loop.time() < deadline:
                 await asyncio.sleep(0.05)
-            self.outbox(msg.reply_to).send(Drained(num_unfinished=self.engine.num_in_flight))
+            then(self.engine.num_in_flight)
 
-        self._drain_task = asyncio.create_task(wait())
+        self._drain_task = asyncio.get_running_loop().create_task(wait())

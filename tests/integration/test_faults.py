@@ -8,10 +8,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import orjson
@@ -24,16 +22,9 @@ ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def _pid_of(server: Server, module: str) -> int:
-    kids = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True,
-                          text=True).stdout.split()
-    for pid in kids:
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
-        except OSError:
-            continue
-        if module in argv:
-            return int(pid)
-    raise AssertionError(f"no {module} child")
+    pid = next((pid for name, pid in server.children() if name == module), None)
+    assert pid is not None, f"no {module} child"
+    return pid
 
 
 def _wait_serving(server: Server, timeout: float = 120.0) -> None:

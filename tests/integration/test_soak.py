@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import subprocess
 import time
 from pathlib import Path
 
@@ -39,15 +38,9 @@ WORDS = ("river stone lamp orange window quiet seven market cloud paper engine g
 def _processes(server: Server) -> dict[str, int]:
     """Each shuttle process's pid by name (the supervisor's children, and itself)."""
     out = {"supervisor": server.proc.pid}
-    kids = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True,
-                          text=True).stdout.split()
-    for pid in kids:
-        argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
-        name = next(("worker" if a == "gpu_worker" else a.removeprefix("services.")
-                     for a in argv if a.startswith("services.") or a == "gpu_worker"), pid)
-        if name in out:
-            name = f"{name}-{pid}"
-        out[name] = int(pid)
+    for module, pid in server.children():
+        name = "worker" if module == "gpu_worker" else module.removeprefix("services.")
+        out[f"{name}-{pid}" if name in out else name] = pid
     return out
 
 
