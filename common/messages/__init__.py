@@ -13,6 +13,7 @@ from common.messages.control import (
     Abort,
     Drain,
     Drained,
+    ModelChanged,
     Ping,
     Pong,
     ProcessDown,
@@ -25,7 +26,7 @@ from common.messages.control import (
     SwapResult,
 )
 from common.messages.detokenizer_gateway import OutputBatch
-from common.messages.gateway_tokenizer import GenerateRequest, RequestError
+from common.messages.gateway_tokenizer import GenerateRequest, RequestError, Retokenize
 from common.messages.scheduler_detokenizer import DetokNew, TokenBatch
 from common.messages.scheduler_worker import (
     LoadModel,
@@ -41,5 +42,5 @@ __all__ = [
     "Abort", "DetokNew", "FinishReason", "GenerateRequest", "OutputBatch", "Ping", "Pong",
     "Ready", "RequestError", "SamplingParams", "Shutdown", "Stats", "StatsQuery", "StepPlan",
     "StepResult", "TokenBatch", "TokenizedRequest", "SwapModel", "SwapResult", "LoadModel",
-    "ModelLoaded", "UnloadModel", "ProcessDown", "Reset", "Drain", "Drained",
+    "ModelLoaded", "UnloadModel", "ProcessDown", "Reset", "Drain", "Drained", "ModelChanged", "Retokenize",
 ]

@@ -38,6 +38,8 @@ class Abort:
 
     request_ids: list[str]
     reason: int  # FinishReason
+    seq_indices: list[int] | None = None  # [num_reqs] end only this sequence of each request
+    # (n > 1: a stop string ends one sequence); None: every sequence of each request
 
 
 @message("stats_query")
@@ -107,3 +109,19 @@ class Drain:
 @message("drained")
 class Drained:
     num_unfinished: int  # requests still in flight when the time ran out
+
+
+@message("model_changed")
+class ModelChanged:
+    """scheduler -> every tokenizer, the detokenizer, the gateway: the model new requests are
+    served by. The scheduler owns this fact and pushes it once the worker is ready and after
+    every change (hot-swap, worker restart); nobody polls for it. Sent to the gateway before
+    a swap's SwapResult, so the gateway names the new version when the swap call returns."""
+
+    name: str  # the served model name (what /v1/models lists)
+    version: str  # the weights version new requests start on
+    path: str  # the model folder (its tokenizer files)
+    tokenizer_fingerprint: str  # tokenizer_fingerprint(path)
+    max_model_len: int
+    vocab_size: int  # the model's embedding rows: token ids must be below it
+    eos_token_ids: list[int]

@@ -17,3 +17,5 @@ class OutputBatch:
     num_output_tokens: list[int]  # [num_reqs] so far
     versions: list[str] = dataclasses.field(default_factory=list)  # [num_reqs] model version
     # that serves each request ("" when unknown); the gateway's system_fingerprint
+    seq_indices: list[int] = dataclasses.field(default_factory=list)  # [num_reqs] which of
+    # the request's n sequences (empty: every index is 0)

@@ -32,3 +32,11 @@ class RequestError:
     status: int  # HTTP status: 400 bad input, 404 unknown model, 429 overload, 503 down
     message: str
     param: str | None = None  # the offending field, when there is one
+
+
+@message("retokenize")
+class Retokenize:
+    """scheduler -> gateway: the request was tokenised by a tokenizer that no longer serves
+    (a hot-swap changed it before the request started); send it to a tokenizer again."""
+
+    request_id: str

@@ -9,18 +9,25 @@ from common.codec import message
 
 @message("detok_new")
 class DetokNew:
-    """Requests the scheduler accepted; sent before any of their tokens."""
+    """Sequences the scheduler accepted; sent before any of their tokens. A request with
+    `n` > 1 has n sequences: the same request id, indices 0..n-1."""
 
-    request_ids: list[str]  # [num_reqs]
+    request_ids: list[str]  # [num_seqs] the client's request id
     stop: list[list[str]]  # [num_reqs][*] stop strings
     num_prompt_tokens: list[int]  # [num_reqs]
     prompt_tails: list[list[int]] = dataclasses.field(default_factory=list)
     # [num_reqs][<=6] last prompt tokens, so the first output word spaces as in the full text
+    seq_indices: list[int] = dataclasses.field(default_factory=list)  # [num_seqs] 0..n-1
+    # (empty: every index is 0)
+    tokenizers: list[str] = dataclasses.field(default_factory=list)  # [num_seqs] fingerprint
+    # of the tokenizer the prompt was tokenised with, which decodes the outputs ("" or empty:
+    # the tokenizer of the model the detokenizer started with)
 
 
 @message("token_batch")
 class TokenBatch:
-    """New tokens of one step; a finished request has its reason set (0 = still running)."""
+    """New tokens of one step; a finished sequence has its reason set (0 = still running).
+    FinishReason.ERROR means "forget it silently": the gateway was told by the scheduler."""
 
     request_ids: list[str]  # [num_reqs]
     token_ids: list[list[int]]  # [num_reqs][*]
@@ -28,3 +35,5 @@ class TokenBatch:
     num_cached_tokens: list[int] = dataclasses.field(default_factory=list)  # [num_reqs]
     versions: list[str] = dataclasses.field(default_factory=list)  # [num_reqs] model version
     # that serves each request ("" when unknown); the gateway's system_fingerprint
+    seq_indices: list[int] = dataclasses.field(default_factory=list)  # [num_reqs] 0..n-1
+    # (empty: every index is 0)

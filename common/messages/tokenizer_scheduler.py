@@ -17,3 +17,5 @@ class TokenizedRequest:
     arrival_time: float = 0.0
     priority: int = 0  # with --scheduling-policy priority: lower runs first
     timeout: float | None = None  # seconds from arrival; then finish reason `timeout`
+    tokenizer_fingerprint: str = ""  # the tokenizer that made prompt_token_ids: the request
+    # may only start on a model version with this tokenizer ("": the start-up model's)
