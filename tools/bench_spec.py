@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -59,39 +58,26 @@ def _prompt_ids(model_dir: str, text: str) -> list[int]:
 
 
 def _decode(runner: Any, prompt: list[int], output_len: int, k: int) -> dict[str, Any]:
+    """Greedy-decode one request with the engine the scheduler runs (in this process)."""
     from common.messages import SamplingParams
-    from services.scheduler.block_manager import BlockManager
-    from services.scheduler.plan import to_plan
-    from services.scheduler.policy import PolicyConfig, Scheduler
-    from services.scheduler.request import Request
+    from services.scheduler.in_process import InProcessEngine
+    from services.scheduler.policy import PolicyConfig
 
-    policy = Scheduler(BlockManager(runner.num_blocks, runner.block_size),
-                       PolicyConfig(num_speculative_tokens=k))
-    req = Request("r", prompt, SamplingParams(max_tokens=output_len, temperature=0.0,
-                                              ignore_eos=True))
-    policy.add(req)
-    tokens: list[int] = []
-    step, decode_s, decode_tokens = 0, 0.0, 0
-    while policy.has_work():
-        out = policy.schedule()
-        step += 1
-        start = time.perf_counter()
-        result = runner.execute(to_plan(step, out))
-        elapsed = time.perf_counter() - start
-        got = policy.update(result.req_ids, result.token_ids, result.num_tokens,
-                            result.num_proposed)
-        produced = sum(len(t) for _, t, _ in got)
-        if step > 1:  # the first step computes the prompt
-            decode_s += elapsed
-            decode_tokens += produced
-        for _, t, _ in got:
-            tokens += t
-    runner.execute(to_plan(step + 1, policy.schedule()))  # tell the worker it finished
+    engine = InProcessEngine(runner, policy_config=PolicyConfig(num_speculative_tokens=k))
+    (sid,) = engine.add(prompt, SamplingParams(max_tokens=output_len, temperature=0.0,
+                                               ignore_eos=True))
+    tokens = engine.run()[sid]
+    # the first step computes the prompt; the last one only tells the worker it finished
+    decode = [r for r in engine.results[1:] if r.req_ids]
+    decode_s = sum(r.forward_s for r in decode)
+    decode_tokens = sum(len(r.token_ids) for r in decode)
+    policy = engine.policy
+    steps = len(decode) + 1
     return {"tokens": tokens, "decode_tok_s": decode_tokens / decode_s,
-            "steps": step, "proposed": policy.num_draft_tokens,
+            "steps": steps, "proposed": policy.num_draft_tokens,
             "accepted": policy.num_accepted_tokens,
             "acceptance_rate": policy.num_accepted_tokens / max(1, policy.num_draft_tokens),
-            "tokens_per_step": decode_tokens / max(1, step - 1)}
+            "tokens_per_step": decode_tokens / max(1, steps - 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,8 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     methods = args.methods.split(",")
 
-    from gpu_worker.model_runner import ModelRunner
     from gpu_worker.prepare_model import prepare_default_model, prepare_truncated_model
+
+    from gpu_worker.model_runner import ModelRunner
 
     model_dir = str(prepare_default_model())
     draft_dir = str(prepare_truncated_model(args.draft_layers)) if "draft" in methods else ""

@@ -25,9 +25,13 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from common.messages import FinishReason
 from services.scheduler.batching import BatchGate
+
+if TYPE_CHECKING:
+    from common.config import Config
 from services.scheduler.block_manager import BlockManager, HostBlockPool
 from services.scheduler.queues import WaitingQueue
 from services.scheduler.request import Request, Status
@@ -74,6 +78,15 @@ class PolicyConfig:
     batch_window: float = 0.05
     static_batch_timeout: float = 1.0
     num_speculative_tokens: int = 0  # draft slots per decode (0: no speculative decoding)
+
+    @classmethod
+    def from_config(cls, config: Config) -> PolicyConfig:
+        """The scheduler section's settings, field by field by name (a field added to both
+        cannot be forgotten here), and the draft slots speculative decoding asks for."""
+        section = dataclasses.asdict(config.scheduler)
+        return cls(**{f.name: section[f.name] for f in dataclasses.fields(cls)
+                      if f.name in section},
+                   num_speculative_tokens=config.speculative.num_tokens)
 
 
 class Scheduler:

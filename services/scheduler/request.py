@@ -39,8 +39,12 @@ class Request:
         priority: int = 0,
         timeout: float | None = None,
         fork_of: Request | None = None,
+        group_id: str | None = None,
+        seq_index: int = 0,
     ) -> None:
-        self.request_id = request_id
+        self.request_id = request_id  # the sequence's key (EngineCore's sequence_key)
+        self.group_id = request_id if group_id is None else group_id  # the client's id
+        self.seq_index = seq_index  # which of the request's n sequences
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling = sampling
         self.output_token_ids: list[int] = []

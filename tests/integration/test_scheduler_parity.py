@@ -10,8 +10,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from common.messages import SamplingParams
+from common.prepare_model import prepare_default_model
 from gpu_worker.model_runner import ModelRunner
-from gpu_worker.prepare_model import prepare_default_model
 from services.scheduler.policy import PolicyConfig
 from tests.engine import LocalEngine
 from tests.reference import hf_greedy
@@ -101,10 +101,15 @@ def test_shared_system_prompt_hits_across_requests(runner, prompts, expected) ->
 def test_a_new_model_version_gets_no_hits(runner, prompts) -> None:
     engine = _engine(runner)
     _serve(engine, prompts[:2])
-    engine.root = 2  # what a swap to another weights version does to new requests' root
-    hits = engine.policy.blocks.num_cached_hits
-    _serve(engine, prompts[:2])
-    assert engine.policy.blocks.num_cached_hits == hits
+    old = runner.default_version
+    runner.relabel("another-version")  # what a swap to other weights does to new requests
+    try:
+        engine.core.adopt(runner.model_info())
+        hits = engine.policy.blocks.num_cached_hits
+        _serve(engine, prompts[:2])
+        assert engine.policy.blocks.num_cached_hits == hits
+    finally:
+        runner.relabel(old)
 
 
 @pytest.mark.parametrize("overlap", [True, False])

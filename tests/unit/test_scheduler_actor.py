@@ -17,11 +17,11 @@ def _info(boot_id: str) -> dict:
 def test_a_restarted_worker_resets_the_pool_even_with_the_same_pid(tmp_path) -> None:  # type: ignore[no-untyped-def]
     actor = SchedulerActor(Config().replace(server={"run_dir": str(tmp_path)}))
     actor._on_ready(Ready(name="worker", info=_info("a")))
-    first = actor.policy
+    first = actor.core.policy
     assert first is not None
     first.blocks.allocate("x", 8)  # a leftover: cached KV the old worker held
     first.blocks.free("x")
     actor._on_ready(Ready(name="worker", info=_info("a")))  # the answer to our Reset
-    assert actor.policy is first
+    assert actor.core.policy is first
     actor._on_ready(Ready(name="worker", info=_info("b")))  # pid 1 again, a new process
-    assert actor.policy is not first and actor.policy.blocks.num_free_blocks == 64
+    assert actor.core.policy is not first and actor.core.policy.blocks.num_free_blocks == 64

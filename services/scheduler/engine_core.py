@@ -1,0 +1,481 @@
+"""EngineCore: the scheduler's engine, with no sockets.
+
+It owns the scheduling policy (queues, KV blocks, prefix cache), the sequences of each
+request (`n` > 1 forks), the window of steps in flight, hot-swaps and which model is served.
+Transports are outside: messages leave through an `EngineOutbox` (the scheduler actor's
+sockets, or an in-process collector), and step plans go to whatever executes them (the
+worker process, or a runner in this process: `InProcessEngine`). One step loop serves both:
+
+    step():            while the window has room and there is work:
+                           plan = policy.schedule() -> outbox.to_worker(plan)
+    on_step_result():  policy.update(tokens) -> TokenBatch to the detokenizer
+
+A request's sequences are keyed for the policy and the worker by `sequence_key(id, index)`,
+which is built here and never parsed: messages to the detokenizer carry the request id and
+the index side by side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+from common.config import Config
+from common.messages import (
+    DetokNew,
+    FinishReason,
+    LoadModel,
+    ModelChanged,
+    ModelLoaded,
+    RequestError,
+    Retokenize,
+    StepPlan,
+    StepResult,
+    SwapModel,
+    SwapResult,
+    TokenBatch,
+    TokenizedRequest,
+    UnloadModel,
+)
+from common.model_facts import cache_root
+from services.scheduler.block_manager import BlockManager, HostBlockPool
+from services.scheduler.plan import to_plan
+from services.scheduler.policy import PolicyConfig, Scheduler
+from services.scheduler.request import Request, Status
+from services.scheduler.swap import SwapCoordinator
+
+log = logging.getLogger(__name__)
+
+PROMPT_TAIL = 6  # prompt tokens the detokenizer needs to space the first output word
+
+
+def sequence_key(request_id: str, index: int) -> str:
+    """The policy's and the worker's key of sequence `index` of a request. Injective (the
+    index comes first, before the first '/'), so client ids need no escaping."""
+    return f"{index}/{request_id}"
+
+
+class EngineOutbox(Protocol):
+    """Where EngineCore's messages go."""
+
+    def to_worker(self, msg: StepPlan | LoadModel | UnloadModel) -> None: ...
+
+    def to_detokenizer(self, msg: DetokNew | TokenBatch) -> None: ...
+
+    def to_gateway(self, msg: RequestError | Retokenize) -> None: ...
+
+    def announce(self, msg: ModelChanged) -> None:
+        """To every process that depends on the served model: tokenizers, detokenizer and
+        gateway (the gateway's copy before anything else the core sends it next)."""
+        ...
+
+    def reply(self, address: str, msg: SwapResult) -> None: ...
+
+
+@dataclasses.dataclass
+class _InFlight:
+    step_id: int
+    seq_keys: list[str]
+    sent_at: float
+
+
+@dataclasses.dataclass
+class _Served:
+    """The model new requests start on, as the worker described it."""
+
+    info: dict[str, Any]
+    name: str
+    root: int
+
+    @property
+    def version(self) -> str:
+        return str(self.info["weights_version"])
+
+    @property
+    def tokenizer_fingerprint(self) -> str:
+        return str(self.info.get("tokenizer_fingerprint", ""))
+
+    @property
+    def max_model_len(self) -> int:
+        return min(int(self.info["max_model_len"]),
+                   int(self.info["num_blocks"]) * int(self.info["block_size"]))
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.info.get("vocab_size") or 0)  # 0: unknown (no check)
+
+
+class EngineCore:
+    """The scheduler's engine: requests in, step plans out, step results in, tokens out."""
+
+    def __init__(self, config: Config, outbox: EngineOutbox,
+                 policy_config: PolicyConfig | None = None) -> None:
+        self.config = config
+        self.outbox = outbox
+        # the policy's settings come from the config's scheduler section; tests may pass them
+        self.policy_config = policy_config or PolicyConfig.from_config(config)
+        self.policy: Scheduler | None = None  # None until a worker is ready
+        self.served: _Served | None = None
+        self.groups: dict[str, list[Request]] = {}  # request id -> its live sequences
+        self.in_flight: deque[_InFlight] = deque()
+        # speculative decoding needs each step's result (how many drafts were accepted)
+        # before its requests can be planned again: no overlap then
+        self.max_in_flight = (2 if config.scheduler.async_scheduling
+                              and not self.policy_config.num_speculative_tokens else 1)
+        self.swaps = SwapCoordinator(outbox.to_worker, outbox.reply)
+        self.num_steps = 0
+        self.step_counter = 0
+        self.step_time_s = 0.0
+        self.worker_time_s = 0.0
+        # result-to-result intervals of back-to-back steps, against the worker's own time
+        self.interval_s = self.interval_forward_s = self._last_result_at = 0.0
+        self.num_intervals = 0
+        self._busy_since_last_result = False
+        self._checked_at, self._checked_at_step = 0.0, -1  # the last block-by-block check
+
+    @property
+    def is_ready(self) -> bool:
+        return self.policy is not None
+
+    @property
+    def has_work(self) -> bool:
+        """Steps to plan, or results to wait for."""
+        return bool(self.in_flight) or (self.policy is not None and self.policy.has_work())
+
+    # the worker ----------------------------------------------------------------------------
+    def on_worker_ready(self, info: dict[str, Any]) -> None:
+        """A worker announced its pool and model: serve it. A worker that announces itself
+        again with another boot id restarted: every live request fails (retryable)."""
+        if self.policy is not None and self.served is not None:
+            same = info.get("boot_id") == self.served.info.get("boot_id")
+            if same and not self.policy.requests and not self.in_flight:
+                return  # the answer to our own Reset at start-up: nothing changed
+            log.warning("worker re-announced itself; resetting the block pool")
+            self.fail_all("the worker restarted")
+        s = self.config.scheduler
+        self.policy = Scheduler(self._block_manager(info), self.policy_config,
+                                host_pool=HostBlockPool(info.get("num_host_blocks", 0)))
+        self.in_flight.clear()
+        self.adopt(info)
+        log.info("worker ready: %d blocks of %d tokens (max %d seqs)", info["num_blocks"],
+                 info["block_size"], s.max_num_seqs)
+
+    def on_worker_down(self, why: str) -> None:
+        """The worker died: nothing in flight can finish; wait for the next one's Ready."""
+        self.fail_all(why)
+        self.in_flight.clear()
+        self.policy = None
+
+    def _block_manager(self, info: dict[str, Any]) -> BlockManager:
+        return BlockManager(info["num_blocks"], info["block_size"],
+                            enable_prefix_caching=self.config.cache.enable_prefix_caching)
+
+    def adopt(self, info: dict[str, Any]) -> None:
+        """Serve the model `info` describes: new requests start on its version and root;
+        everyone who depends on the served model hears of it."""
+        policy = self.policy
+        assert policy is not None
+        name = self.served.name if self.served else str(info.get("model_name", ""))
+        blocks = policy.blocks
+        if (info["num_blocks"], info["block_size"]) != (blocks.num_blocks, blocks.block_size):
+            # a drain swap to another KV layout: nothing holds blocks now, rebuild the pool
+            assert blocks.num_used_blocks == 0, "pool rebuilt while blocks are in use"
+            policy.blocks = self._block_manager(info)
+        old_fingerprint = self.served.tokenizer_fingerprint if self.served else None
+        root = cache_root(name, info["weights_version"], info.get("tokenizer_fingerprint", ""),
+                          info.get("position_config", ""))
+        self.served = _Served(info=dict(info), name=name, root=root)
+        policy.set_version(self.served.version, root)
+        if old_fingerprint not in (None, self.served.tokenizer_fingerprint):
+            self._retokenize_unstarted()
+        self.outbox.announce(ModelChanged(
+            name=name, version=self.served.version, path=str(info.get("model_path", "")),
+            tokenizer_fingerprint=self.served.tokenizer_fingerprint,
+            max_model_len=self.served.max_model_len, vocab_size=self.served.vocab_size,
+            eos_token_ids=list(info.get("eos_token_ids", []))))
+
+    def _retokenize_unstarted(self) -> None:
+        """The tokenizer changed: a request none of whose sequences has started goes back to
+        the gateway to be tokenised again; unstarted forks of a started request stay on its
+        version (its tokenizer made their prompt)."""
+        assert self.policy is not None
+        for request_id, seqs in list(self.groups.items()):
+            started = next((r for r in seqs if r.version is not None), None)
+            if started is None:
+                for r in seqs:
+                    self.policy.abort(r.request_id, FinishReason.ERROR)
+                self._tell_detokenizer_finished(seqs)  # (forgets the group too)
+                self.outbox.to_gateway(Retokenize(request_id=request_id))
+            else:
+                for r in seqs:
+                    if r.version is None:
+                        r.version, r.cache_root = started.version, started.cache_root
+
+    # requests ------------------------------------------------------------------------------
+    def add(self, msg: TokenizedRequest) -> None:
+        """Admit a tokenised request into the waiting queue, or refuse it."""
+        if self.policy is None or self.served is None:
+            self._reject(msg.request_id, 503, "the worker is restarting; retry shortly")
+            return
+        served = self.served
+        if msg.tokenizer_fingerprint and msg.tokenizer_fingerprint != \
+                served.tokenizer_fingerprint:
+            self.outbox.to_gateway(Retokenize(request_id=msg.request_id))
+            return
+        error = self._admission_error(msg)
+        if error is not None:
+            self._reject(msg.request_id, *error)
+            return
+        seqs = self._sequences(msg)
+        for req in seqs:
+            self.policy.add(req)
+        self.groups[msg.request_id] = seqs
+        n = len(seqs)
+        self.outbox.to_detokenizer(DetokNew(
+            request_ids=[msg.request_id] * n, stop=[list(msg.sampling.stop)] * n,
+            num_prompt_tokens=[len(msg.prompt_token_ids)] * n,
+            prompt_tails=[msg.prompt_token_ids[-PROMPT_TAIL:]] * n,
+            seq_indices=list(range(n)), tokenizers=[msg.tokenizer_fingerprint] * n))
+
+    def _admission_error(self, msg: TokenizedRequest) -> tuple[int, str, str | None] | None:
+        assert self.policy is not None and self.served is not None
+        s, served = self.config.scheduler, self.served
+        if self.policy.num_waiting >= s.max_waiting:
+            return (429, f"server overloaded: {self.policy.num_waiting} requests waiting "
+                    f"(max_waiting={s.max_waiting}); retry later", None)
+        if len(msg.prompt_token_ids) >= served.max_model_len:
+            return (400, f"prompt has {len(msg.prompt_token_ids)} tokens; this server holds "
+                    f"at most {served.max_model_len - 1}", "messages")
+        if served.vocab_size:
+            bad = next((t for t in msg.prompt_token_ids if not 0 <= t < served.vocab_size),
+                       None)
+            if bad is not None:
+                return (400, f"token id {bad} is outside the vocabulary of model version "
+                        f"{served.version} (ids must be in [0, {served.vocab_size}))",
+                        "prompt")
+        if msg.request_id in self.groups:
+            return (400, f"request id {msg.request_id!r} is already in flight", "X-Request-Id")
+        return None
+
+    def _sequences(self, msg: TokenizedRequest) -> list[Request]:
+        """One Request per sequence: a leader, and for n > 1 n - 1 forks sharing its prompt."""
+        assert self.served is not None
+        seqs: list[Request] = []
+        for i in range(msg.sampling.n):
+            sampling = msg.sampling
+            if sampling.seed is not None and i:
+                sampling = dataclasses.replace(sampling, seed=sampling.seed + i)
+            seqs.append(Request(
+                sequence_key(msg.request_id, i), msg.prompt_token_ids, sampling,
+                msg.eos_token_ids, max_model_len=self.served.max_model_len,
+                arrival_time=msg.arrival_time, cache_root=self.served.root,
+                priority=msg.priority, timeout=msg.timeout,
+                fork_of=seqs[0] if i else None, group_id=msg.request_id, seq_index=i))
+        return seqs
+
+    def abort(self, request_ids: list[str], reason: FinishReason,
+              seq_indices: list[int] | None = None) -> None:
+        """End requests (every sequence, or one sequence each); idempotent."""
+        if self.policy is None:
+            return
+        ended: list[Request] = []
+        for j, request_id in enumerate(request_ids):
+            for r in list(self.groups.get(request_id, ())):
+                if seq_indices is None or r.seq_index == seq_indices[j]:
+                    if self.policy.abort(r.request_id, reason) is not None:
+                        ended.append(r)
+        self._tell_detokenizer_finished(ended)
+
+    def expire(self) -> None:
+        """Finish every request past its deadline (finish reason `timeout`)."""
+        if self.policy is not None:
+            self._tell_detokenizer_finished(self.policy.expire())
+
+    def fail_all(self, why: str) -> None:
+        """Every live request ends: the gateway answers 503 (retry), the detokenizer drops it."""
+        if self.policy is not None:
+            self._fail(list(self.policy.requests.values()), 503,
+                       f"{why}; the request was not completed, retry it")
+        self.groups.clear()
+
+    def _fail(self, reqs: list[Request], status: int, why: str) -> None:
+        """End requests with an error: one RequestError per request to the gateway (the
+        only path that tells it), and an ERROR finish so the detokenizer forgets them."""
+        assert self.policy is not None
+        for req in reqs:
+            self.policy.abort(req.request_id, FinishReason.ERROR)
+        for request_id in sorted({r.group_id for r in reqs}):
+            self._reject(request_id, status, why)
+        self._tell_detokenizer_finished(reqs)
+
+    def _tell_detokenizer_finished(self, reqs: list[Request]) -> None:
+        """These sequences ended without a new token (abort, timeout, error)."""
+        if reqs:
+            self.outbox.to_detokenizer(TokenBatch(
+                request_ids=[r.group_id for r in reqs], token_ids=[[] for _ in reqs],
+                finish_reasons=[int(r.finish_reason) for r in reqs],
+                seq_indices=[r.seq_index for r in reqs]))
+            self._forget_finished_groups(reqs)
+
+    def _forget_finished_groups(self, reqs: Iterable[Request]) -> None:
+        for request_id in {r.group_id for r in reqs}:
+            seqs = self.groups.get(request_id)
+            if seqs is not None and all(r.is_finished for r in seqs):
+                del self.groups[request_id]
+
+    def _reject(self, request_id: str, status: int, message: str,
+                param: str | None = None) -> None:
+        log.info("rejected: %s", message, extra={"request_id": request_id})
+        self.outbox.to_gateway(RequestError(request_id=request_id, status=status,
+                                            message=message, param=param))
+
+    # hot swap ------------------------------------------------------------------------------
+    def swap(self, msg: SwapModel) -> None:
+        if self.policy is None:
+            self.outbox.reply(msg.reply_to, SwapResult(
+                ticket=msg.ticket, ok=False, mode=msg.mode, error="the worker is restarting"))
+            return
+        self.swaps.start(msg, self.policy)
+
+    def on_model_loaded(self, msg: ModelLoaded) -> None:
+        if self.policy is not None:
+            self.swaps.on_loaded(msg, self.policy, self.adopt)
+
+    # the step ------------------------------------------------------------------------------
+    def step(self) -> None:
+        """Plan steps while the window has room; move a swap on; check integrity when idle."""
+        policy = self.policy
+        if policy is None:
+            return
+        while len(self.in_flight) < self.max_in_flight and policy.has_work():
+            out = policy.schedule()
+            if out.is_empty:
+                break
+            self.step_counter += 1
+            step = _InFlight(self.step_counter, [s.request.request_id for s in out.scheduled],
+                             time.perf_counter())
+            self.in_flight.append(step)
+            self.outbox.to_worker(to_plan(step.step_id, out))
+        self._busy_since_last_result = bool(self.in_flight)
+        self.swaps.advance(policy, in_flight=bool(self.in_flight))
+        if not self.in_flight and not policy.has_work() and not policy.requests:
+            # whenever idle, every block is free (O(1)); block by block now and then (a
+            # pool of 65k blocks takes ~7 ms to walk: not in the way of every request)
+            policy.check_idle()
+            now = time.monotonic()
+            if self.num_steps != self._checked_at_step and now - self._checked_at > 5.0:
+                policy.check_integrity()
+                self._checked_at, self._checked_at_step = now, self.num_steps
+
+    def on_step_result(self, msg: StepResult) -> None:
+        """The worker's answer to the oldest step in flight: its sampled tokens."""
+        if self.policy is None:
+            return  # from a worker that has since died
+        if not self.in_flight or msg.step_id != self.in_flight[0].step_id:
+            log.warning("unexpected step result %d", msg.step_id)
+            return
+        step = self.in_flight.popleft()
+        if msg.error:
+            log.error("step %d failed on the worker: %s", msg.step_id, msg.error)
+            reqs = [r for key in step.seq_keys if (r := self.policy.requests.get(key))]
+            self._fail(reqs, 500, f"the model step failed ({msg.error})")
+            return
+        self._count_step(step, msg)
+        results = self.policy.update(msg.req_ids, msg.token_ids, msg.num_tokens,
+                                     msg.num_proposed)
+        if results:
+            self.outbox.to_detokenizer(TokenBatch(
+                request_ids=[r.group_id for r, _, _ in results],
+                token_ids=[tokens for _, tokens, _ in results],
+                finish_reasons=[int(f) for _, _, f in results],
+                num_cached_tokens=[r.num_cached_tokens for r, _, _ in results],
+                versions=[r.version or "" for r, _, _ in results],
+                seq_indices=[r.seq_index for r, _, _ in results]))
+            self._forget_finished_groups(r for r, _, f in results if f != FinishReason.NONE)
+
+    def _count_step(self, step: _InFlight, msg: StepResult) -> None:
+        self.num_steps += 1
+        now = time.perf_counter()
+        self.step_time_s += now - step.sent_at
+        self.worker_time_s += msg.forward_s
+        if self._busy_since_last_result and self._last_result_at:
+            # back-to-back steps: the gap beyond the worker's own time is scheduling cost
+            self.interval_s += now - self._last_result_at
+            self.interval_forward_s += msg.forward_s
+            self.num_intervals += 1
+        self._last_result_at = now
+
+    # what the admin API shows --------------------------------------------------------------
+    def request_rows(self) -> dict[str, Any]:
+        """GET /admin/requests: id, state, tokens so far, age of every live sequence."""
+        if self.policy is None:
+            return {"requests": []}
+        now = time.time()
+        rows = [{
+            "id": r.group_id,
+            "index": r.seq_index,
+            "state": _state_name(r),
+            "num_prompt_tokens": r.num_prompt_tokens,
+            "num_output_tokens": len(r.output_token_ids),
+            "num_computed_tokens": r.num_computed_tokens,
+            "num_cached_tokens": r.num_cached_tokens,
+            "num_blocks": len(self.policy.blocks.block_tables.get(r.request_id, ())),
+            "priority": r.priority,
+            "age_s": round(now - r.arrival_time, 3),
+            "arrival_time": r.arrival_time,
+            "version": r.version or "",
+        } for r in sorted(self.policy.requests.values(), key=lambda r: r.arrival_seq)]
+        return {"requests": rows}
+
+    def stats(self) -> dict[str, Any]:
+        p = self.policy
+        if p is None or self.served is None:
+            return {"ready": False}
+        b = p.blocks
+        return {
+            "ready": True,
+            "num_waiting": p.num_waiting,
+            "num_running": p.num_running,
+            "num_swapped": sum(1 for r in p.waiting if r.is_swapped),
+            "num_total_blocks": b.num_blocks,
+            "num_free_blocks": b.num_free_blocks,
+            "num_cached_blocks": b.num_cached_blocks,
+            "num_used_blocks": b.num_used_blocks,
+            "kv_cache_usage": b.usage,
+            "prefix_cache_queries": b.num_cached_queries,
+            "prefix_cache_hits": b.num_cached_hits,
+            "num_preemptions": p.num_preemptions,
+            "num_swaps": p.num_swaps,
+            "num_steps": self.num_steps,
+            "num_computed_tokens": p.num_computed_tokens_total,
+            "mean_step_s": self.step_time_s / max(1, self.num_steps),
+            "mean_worker_s": self.worker_time_s / max(1, self.num_steps),
+            "num_steps_in_flight": len(self.in_flight),
+            "version": p.version,
+            "swap": self.swaps.status(),
+            "num_model_swaps": self.swaps.num_swaps,
+            "mean_step_interval_s": self.interval_s / max(1, self.num_intervals),
+            "mean_step_forward_s": self.interval_forward_s / max(1, self.num_intervals),
+            "spec_num_drafts": p.num_spec_rounds,
+            "spec_num_draft_tokens": p.num_draft_tokens,
+            "spec_num_accepted_tokens": p.num_accepted_tokens,
+            "spec_acceptance_rate": p.num_accepted_tokens / max(1, p.num_draft_tokens),
+            # tokens per verification round: the accepted drafts plus the token every step
+            # yields (vLLM's "mean acceptance length")
+            "spec_mean_accepted_length": 1 + p.num_accepted_tokens / max(1, p.num_spec_rounds),
+            "request_ids": sorted(self.groups),
+            "model": {**self.served.info, "model_name": self.served.name},
+        }
+
+
+def _state_name(r: Request) -> str:
+    """waiting | prefill | decoding | preempted | swapped"""
+    if r.is_swapped:
+        return "swapped"
+    if r.status == Status.WAITING:
+        return "preempted" if r.num_preemptions else "waiting"
+    return "prefill" if r.num_computed_tokens < r.num_prompt_tokens else "decoding"

@@ -1,0 +1,127 @@
+"""EngineCore driven in this process by a runner: the engine the scheduler actor runs over
+sockets, with the worker's runner called directly. Parity tests and the speculative-decoding
+benchmark drive it; the plans, the window of steps in flight and the token bookkeeping are
+the ones that ship."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import deque
+from typing import Any, Protocol
+
+from common.config import Config
+from common.messages import (
+    DetokNew,
+    LoadModel,
+    ModelChanged,
+    RequestError,
+    Retokenize,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+    SwapResult,
+    TokenBatch,
+    TokenizedRequest,
+    UnloadModel,
+)
+from services.scheduler.engine_core import EngineCore
+from services.scheduler.policy import PolicyConfig
+
+SequenceId = tuple[str, int]  # (request id, index of the sequence)
+
+
+class StepRunner(Protocol):
+    """What the in-process engine needs of a worker runner (gpu_worker's Runner has it)."""
+
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+    def model_info(self) -> dict[str, Any]: ...
+
+
+@dataclasses.dataclass
+class _Collector:
+    """The EngineOutbox of an in-process engine: plans queue for the runner, outputs are kept."""
+
+    plans: deque[StepPlan] = dataclasses.field(default_factory=deque)
+    outputs: dict[SequenceId, list[int]] = dataclasses.field(default_factory=dict)
+    errors: list[RequestError | Retokenize] = dataclasses.field(default_factory=list)
+    announced: list[ModelChanged] = dataclasses.field(default_factory=list)
+
+    def to_worker(self, msg: StepPlan | LoadModel | UnloadModel) -> None:
+        if not isinstance(msg, StepPlan):
+            raise NotImplementedError("the in-process engine does not hot-swap")
+        self.plans.append(msg)
+
+    def to_detokenizer(self, msg: DetokNew | TokenBatch) -> None:
+        if isinstance(msg, TokenBatch):
+            indices = msg.seq_indices or [0] * len(msg.request_ids)
+            for rid, i, tokens in zip(msg.request_ids, indices, msg.token_ids, strict=True):
+                self.outputs.setdefault((rid, i), []).extend(tokens)
+
+    def to_gateway(self, msg: RequestError | Retokenize) -> None:
+        self.errors.append(msg)
+
+    def announce(self, msg: ModelChanged) -> None:
+        self.announced.append(msg)
+
+    def reply(self, address: str, msg: SwapResult) -> None:
+        raise NotImplementedError("the in-process engine does not hot-swap")
+
+
+class InProcessEngine:
+    """Add requests, then `run()` until every one has finished."""
+
+    def __init__(self, runner: StepRunner, config: Config | None = None,
+                 policy_config: PolicyConfig | None = None, *,
+                 num_blocks: int | None = None, num_host_blocks: int | None = None,
+                 check_integrity: bool = True) -> None:
+        self.runner = runner
+        self.collector = _Collector()
+        self.core = EngineCore(config or Config(), self.collector, policy_config)
+        info = dict(runner.model_info())
+        if num_blocks is not None:  # a smaller pool than the runner's, to force preemption
+            info["num_blocks"] = num_blocks
+        if num_host_blocks is not None:
+            info["num_host_blocks"] = num_host_blocks
+        self.core.on_worker_ready(info)
+        self.check_integrity = check_integrity
+        self.results: list[StepResult] = []  # every step's result, in order
+        self._ids = itertools.count(1)
+
+    @property
+    def policy(self) -> Any:
+        return self.core.policy
+
+    @property
+    def outputs(self) -> dict[SequenceId, list[int]]:
+        return self.collector.outputs
+
+    def add(self, prompt: list[int], sampling: SamplingParams,
+            request_id: str | None = None) -> list[SequenceId]:
+        """Queue a request (n sequences for sampling.n > 1); returns the sequences' ids."""
+        rid = request_id or f"r{next(self._ids)}"
+        info = self.core.served.info if self.core.served else {}
+        self.core.add(TokenizedRequest(
+            request_id=rid, prompt_token_ids=list(prompt), sampling=sampling,
+            eos_token_ids=list(info.get("eos_token_ids", []))))
+        if self.collector.errors:
+            raise ValueError(f"request refused: {self.collector.errors.pop()}")
+        ids = [(rid, i) for i in range(sampling.n)]
+        for sid in ids:
+            self.outputs.setdefault(sid, [])
+        return ids
+
+    def run(self) -> dict[SequenceId, list[int]]:
+        """The step loop: plan while the window has room, execute the oldest plan, apply
+        its result; until no request is left. Integrity is checked after every step."""
+        core, plans = self.core, self.collector.plans
+        core.step()
+        while plans:
+            result = self.runner.execute(plans.popleft())
+            self.results.append(result)
+            core.on_step_result(result)
+            if self.check_integrity and core.policy is not None:
+                core.policy.check_integrity()
+            core.step()
+        return self.outputs
