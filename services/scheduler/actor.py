@@ -79,16 +79,18 @@ class SchedulerActor(Actor):
     def __init__(self, config: Config) -> None:
         super().__init__(config)
         self.core = EngineCore(config, _Sockets(self))
-        self.handlers.update({
-            TokenizedRequest: self.core.add,
-            StepResult: self.core.on_step_result,
-            Abort: self._on_abort,
-            StatsQuery: self._on_stats_query,
-            Ready: self._on_ready,
-            SwapModel: self.core.swap,
-            ModelLoaded: self.core.on_model_loaded,
-            ProcessDown: self._on_process_down,
-        })
+        self.handlers.update(
+            {
+                TokenizedRequest: self.core.add,
+                StepResult: self.core.on_step_result,
+                Abort: self._on_abort,
+                StatsQuery: self._on_stats_query,
+                Ready: self._on_ready,
+                SwapModel: self.core.swap,
+                ModelLoaded: self.core.on_model_loaded,
+                ProcessDown: self._on_process_down,
+            }
+        )
         self.ticker: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -114,8 +116,7 @@ class SchedulerActor(Actor):
         """A peer died: its requests cannot finish. Fail them all with a retryable error and
         free their blocks; a new worker announces itself with Ready (a new pool)."""
         if msg.name in ("worker", "detokenizer", "gateway"):
-            log.error("%s died (exit %d): failing the requests in flight", msg.name,
-                      msg.exit_code)
+            log.error("%s died (exit %d): failing the requests in flight", msg.name, msg.exit_code)
             why = f"the {msg.name} process restarted"
             if msg.name == "worker":  # not ready until the new worker's Ready
                 self.core.on_worker_down(why)

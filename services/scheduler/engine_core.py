@@ -101,8 +101,10 @@ class _Served:
 
     @property
     def max_model_len(self) -> int:
-        return min(int(self.info["max_model_len"]),
-                   int(self.info["num_blocks"]) * int(self.info["block_size"]))
+        return min(
+            int(self.info["max_model_len"]),
+            int(self.info["num_blocks"]) * int(self.info["block_size"]),
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -112,8 +114,9 @@ class _Served:
 class EngineCore:
     """The scheduler's engine: requests in, step plans out, step results in, tokens out."""
 
-    def __init__(self, config: Config, outbox: EngineOutbox,
-                 policy_config: PolicyConfig | None = None) -> None:
+    def __init__(
+        self, config: Config, outbox: EngineOutbox, policy_config: PolicyConfig | None = None
+    ) -> None:
         self.config = config
         self.outbox = outbox
         # the policy's settings come from the config's scheduler section; tests may pass them
@@ -124,8 +127,11 @@ class EngineCore:
         self.in_flight: deque[_InFlight] = deque()
         # speculative decoding needs each step's result (how many drafts were accepted)
         # before its requests can be planned again: no overlap then
-        self.max_in_flight = (2 if config.scheduler.async_scheduling
-                              and not self.policy_config.num_speculative_tokens else 1)
+        self.max_in_flight = (
+            2
+            if config.scheduler.async_scheduling and not self.policy_config.num_speculative_tokens
+            else 1
+        )
         self.swaps = SwapCoordinator(outbox.to_worker, outbox.reply)
         self.num_steps = 0
         self.step_counter = 0
@@ -157,12 +163,19 @@ class EngineCore:
             log.warning("worker re-announced itself; resetting the block pool")
             self.fail_all("the worker restarted")
         s = self.config.scheduler
-        self.policy = Scheduler(self._block_manager(info), self.policy_config,
-                                host_pool=HostBlockPool(info.get("num_host_blocks", 0)))
+        self.policy = Scheduler(
+            self._block_manager(info),
+            self.policy_config,
+            host_pool=HostBlockPool(info.get("num_host_blocks", 0)),
+        )
         self.in_flight.clear()
         self.adopt(info)
-        log.info("worker ready: %d blocks of %d tokens (max %d seqs)", info["num_blocks"],
-                 info["block_size"], s.max_num_seqs)
+        log.info(
+            "worker ready: %d blocks of %d tokens (max %d seqs)",
+            info["num_blocks"],
+            info["block_size"],
+            s.max_num_seqs,
+        )
 
     def on_worker_down(self, why: str) -> None:
         """The worker died: nothing in flight can finish; wait for the next one's Ready."""
@@ -171,8 +184,11 @@ class EngineCore:
         self.policy = None
 
     def _block_manager(self, info: dict[str, Any]) -> BlockManager:
-        return BlockManager(info["num_blocks"], info["block_size"],
-                            enable_prefix_caching=self.config.cache.enable_prefix_caching)
+        return BlockManager(
+            info["num_blocks"],
+            info["block_size"],
+            enable_prefix_caching=self.config.cache.enable_prefix_caching,
+        )
 
     def adopt(self, info: dict[str, Any]) -> None:
         """Serve the model `info` describes: new requests start on its version and root;
@@ -186,17 +202,27 @@ class EngineCore:
             assert blocks.num_used_blocks == 0, "pool rebuilt while blocks are in use"
             policy.blocks = self._block_manager(info)
         old_fingerprint = self.served.tokenizer_fingerprint if self.served else None
-        root = cache_root(name, info["weights_version"], info.get("tokenizer_fingerprint", ""),
-                          info.get("position_config", ""))
+        root = cache_root(
+            name,
+            info["weights_version"],
+            info.get("tokenizer_fingerprint", ""),
+            info.get("position_config", ""),
+        )
         self.served = _Served(info=dict(info), name=name, root=root)
         policy.set_version(self.served.version, root)
         if old_fingerprint not in (None, self.served.tokenizer_fingerprint):
             self._retokenize_unstarted()
-        self.outbox.announce(ModelChanged(
-            name=name, version=self.served.version, path=str(info.get("model_path", "")),
-            tokenizer_fingerprint=self.served.tokenizer_fingerprint,
-            max_model_len=self.served.max_model_len, vocab_size=self.served.vocab_size,
-            eos_token_ids=list(info.get("eos_token_ids", []))))
+        self.outbox.announce(
+            ModelChanged(
+                name=name,
+                version=self.served.version,
+                path=str(info.get("model_path", "")),
+                tokenizer_fingerprint=self.served.tokenizer_fingerprint,
+                max_model_len=self.served.max_model_len,
+                vocab_size=self.served.vocab_size,
+                eos_token_ids=list(info.get("eos_token_ids", [])),
+            )
+        )
 
     def _retokenize_unstarted(self) -> None:
         """The tokenizer changed: a request none of whose sequences has started goes back to
@@ -222,8 +248,7 @@ class EngineCore:
             self._reject(msg.request_id, 503, "the worker is restarting; retry shortly")
             return
         served = self.served
-        if msg.tokenizer_fingerprint and msg.tokenizer_fingerprint != \
-                served.tokenizer_fingerprint:
+        if msg.tokenizer_fingerprint and msg.tokenizer_fingerprint != served.tokenizer_fingerprint:
             self.outbox.to_gateway(Retokenize(request_id=msg.request_id))
             return
         error = self._admission_error(msg)
@@ -235,28 +260,43 @@ class EngineCore:
             self.policy.add(req)
         self.groups[msg.request_id] = seqs
         n = len(seqs)
-        self.outbox.to_detokenizer(DetokNew(
-            request_ids=[msg.request_id] * n, stop=[list(msg.sampling.stop)] * n,
-            num_prompt_tokens=[len(msg.prompt_token_ids)] * n,
-            prompt_tails=[msg.prompt_token_ids[-PROMPT_TAIL:]] * n,
-            seq_indices=list(range(n)), tokenizers=[msg.tokenizer_fingerprint] * n))
+        self.outbox.to_detokenizer(
+            DetokNew(
+                request_ids=[msg.request_id] * n,
+                stop=[list(msg.sampling.stop)] * n,
+                num_prompt_tokens=[len(msg.prompt_token_ids)] * n,
+                prompt_tails=[msg.prompt_token_ids[-PROMPT_TAIL:]] * n,
+                seq_indices=list(range(n)),
+                tokenizers=[msg.tokenizer_fingerprint] * n,
+            )
+        )
 
     def _admission_error(self, msg: TokenizedRequest) -> tuple[int, str, str | None] | None:
         assert self.policy is not None and self.served is not None
         s, served = self.config.scheduler, self.served
         if self.policy.num_waiting >= s.max_waiting:
-            return (429, f"server overloaded: {self.policy.num_waiting} requests waiting "
-                    f"(max_waiting={s.max_waiting}); retry later", None)
+            return (
+                429,
+                f"server overloaded: {self.policy.num_waiting} requests waiting "
+                f"(max_waiting={s.max_waiting}); retry later",
+                None,
+            )
         if len(msg.prompt_token_ids) >= served.max_model_len:
-            return (400, f"prompt has {len(msg.prompt_token_ids)} tokens; this server holds "
-                    f"at most {served.max_model_len - 1}", "messages")
+            return (
+                400,
+                f"prompt has {len(msg.prompt_token_ids)} tokens; this server holds "
+                f"at most {served.max_model_len - 1}",
+                "messages",
+            )
         if served.vocab_size:
-            bad = next((t for t in msg.prompt_token_ids if not 0 <= t < served.vocab_size),
-                       None)
+            bad = next((t for t in msg.prompt_token_ids if not 0 <= t < served.vocab_size), None)
             if bad is not None:
-                return (400, f"token id {bad} is outside the vocabulary of model version "
-                        f"{served.version} (ids must be in [0, {served.vocab_size}))",
-                        "prompt")
+                return (
+                    400,
+                    f"token id {bad} is outside the vocabulary of model version "
+                    f"{served.version} (ids must be in [0, {served.vocab_size}))",
+                    "prompt",
+                )
         if msg.request_id in self.groups:
             return (400, f"request id {msg.request_id!r} is already in flight", "X-Request-Id")
         return None
@@ -269,16 +309,27 @@ class EngineCore:
             sampling = msg.sampling
             if sampling.seed is not None and i:
                 sampling = dataclasses.replace(sampling, seed=sampling.seed + i)
-            seqs.append(Request(
-                sequence_key(msg.request_id, i), msg.prompt_token_ids, sampling,
-                msg.eos_token_ids, max_model_len=self.served.max_model_len,
-                arrival_time=msg.arrival_time, cache_root=self.served.root,
-                priority=msg.priority, timeout=msg.timeout,
-                fork_of=seqs[0] if i else None, group_id=msg.request_id, seq_index=i))
+            seqs.append(
+                Request(
+                    sequence_key(msg.request_id, i),
+                    msg.prompt_token_ids,
+                    sampling,
+                    msg.eos_token_ids,
+                    max_model_len=self.served.max_model_len,
+                    arrival_time=msg.arrival_time,
+                    cache_root=self.served.root,
+                    priority=msg.priority,
+                    timeout=msg.timeout,
+                    fork_of=seqs[0] if i else None,
+                    group_id=msg.request_id,
+                    seq_index=i,
+                )
+            )
         return seqs
 
-    def abort(self, request_ids: list[str], reason: FinishReason,
-              seq_indices: list[int] | None = None) -> None:
+    def abort(
+        self, request_ids: list[str], reason: FinishReason, seq_indices: list[int] | None = None
+    ) -> None:
         """End requests (every sequence, or one sequence each); idempotent."""
         if self.policy is None:
             return
@@ -298,8 +349,11 @@ class EngineCore:
     def fail_all(self, why: str) -> None:
         """Every live request ends: the gateway answers 503 (retry), the detokenizer drops it."""
         if self.policy is not None:
-            self._fail(list(self.policy.requests.values()), 503,
-                       f"{why}; the request was not completed, retry it")
+            self._fail(
+                list(self.policy.requests.values()),
+                503,
+                f"{why}; the request was not completed, retry it",
+            )
         self.groups.clear()
 
     def _fail(self, reqs: list[Request], status: int, why: str) -> None:
@@ -315,10 +369,14 @@ class EngineCore:
     def _tell_detokenizer_finished(self, reqs: list[Request]) -> None:
         """These sequences ended without a new token (abort, timeout, error)."""
         if reqs:
-            self.outbox.to_detokenizer(TokenBatch(
-                request_ids=[r.group_id for r in reqs], token_ids=[[] for _ in reqs],
-                finish_reasons=[int(r.finish_reason) for r in reqs],
-                seq_indices=[r.seq_index for r in reqs]))
+            self.outbox.to_detokenizer(
+                TokenBatch(
+                    request_ids=[r.group_id for r in reqs],
+                    token_ids=[[] for _ in reqs],
+                    finish_reasons=[int(r.finish_reason) for r in reqs],
+                    seq_indices=[r.seq_index for r in reqs],
+                )
+            )
             self._forget_finished_groups(reqs)
 
     def _forget_finished_groups(self, reqs: Iterable[Request]) -> None:
@@ -327,17 +385,21 @@ class EngineCore:
             if seqs is not None and all(r.is_finished for r in seqs):
                 del self.groups[request_id]
 
-    def _reject(self, request_id: str, status: int, message: str,
-                param: str | None = None) -> None:
+    def _reject(self, request_id: str, status: int, message: str, param: str | None = None) -> None:
         log.info("rejected: %s", message, extra={"request_id": request_id})
-        self.outbox.to_gateway(RequestError(request_id=request_id, status=status,
-                                            message=message, param=param))
+        self.outbox.to_gateway(
+            RequestError(request_id=request_id, status=status, message=message, param=param)
+        )
 
     # hot swap ------------------------------------------------------------------------------
     def swap(self, msg: SwapModel) -> None:
         if self.policy is None:
-            self.outbox.reply(msg.reply_to, SwapResult(
-                ticket=msg.ticket, ok=False, mode=msg.mode, error="the worker is restarting"))
+            self.outbox.reply(
+                msg.reply_to,
+                SwapResult(
+                    ticket=msg.ticket, ok=False, mode=msg.mode, error="the worker is restarting"
+                ),
+            )
             return
         self.swaps.start(msg, self.policy)
 
@@ -356,8 +418,11 @@ class EngineCore:
             if out.is_empty:
                 break
             self.step_counter += 1
-            step = _InFlight(self.step_counter, [s.request.request_id for s in out.scheduled],
-                             time.perf_counter())
+            step = _InFlight(
+                self.step_counter,
+                [s.request.request_id for s in out.scheduled],
+                time.perf_counter(),
+            )
             self.in_flight.append(step)
             self.outbox.to_worker(to_plan(step.step_id, out))
         self._busy_since_last_result = bool(self.in_flight)
@@ -385,16 +450,18 @@ class EngineCore:
             self._fail(reqs, 500, f"the model step failed ({msg.error})")
             return
         self._count_step(step, msg)
-        results = self.policy.update(msg.req_ids, msg.token_ids, msg.num_tokens,
-                                     msg.num_proposed)
+        results = self.policy.update(msg.req_ids, msg.token_ids, msg.num_tokens, msg.num_proposed)
         if results:
-            self.outbox.to_detokenizer(TokenBatch(
-                request_ids=[r.group_id for r, _, _ in results],
-                token_ids=[tokens for _, tokens, _ in results],
-                finish_reasons=[int(f) for _, _, f in results],
-                num_cached_tokens=[r.num_cached_tokens for r, _, _ in results],
-                versions=[r.version or "" for r, _, _ in results],
-                seq_indices=[r.seq_index for r, _, _ in results]))
+            self.outbox.to_detokenizer(
+                TokenBatch(
+                    request_ids=[r.group_id for r, _, _ in results],
+                    token_ids=[tokens for _, tokens, _ in results],
+                    finish_reasons=[int(f) for _, _, f in results],
+                    num_cached_tokens=[r.num_cached_tokens for r, _, _ in results],
+                    versions=[r.version or "" for r, _, _ in results],
+                    seq_indices=[r.seq_index for r, _, _ in results],
+                )
+            )
             self._forget_finished_groups(r for r, _, f in results if f != FinishReason.NONE)
 
     def _count_step(self, step: _InFlight, msg: StepResult) -> None:
@@ -415,20 +482,23 @@ class EngineCore:
         if self.policy is None:
             return {"requests": []}
         now = time.time()
-        rows = [{
-            "id": r.group_id,
-            "index": r.seq_index,
-            "state": _state_name(r),
-            "num_prompt_tokens": r.num_prompt_tokens,
-            "num_output_tokens": len(r.output_token_ids),
-            "num_computed_tokens": r.num_computed_tokens,
-            "num_cached_tokens": r.num_cached_tokens,
-            "num_blocks": len(self.policy.blocks.block_tables.get(r.request_id, ())),
-            "priority": r.priority,
-            "age_s": round(now - r.arrival_time, 3),
-            "arrival_time": r.arrival_time,
-            "version": r.version or "",
-        } for r in sorted(self.policy.requests.values(), key=lambda r: r.arrival_seq)]
+        rows = [
+            {
+                "id": r.group_id,
+                "index": r.seq_index,
+                "state": _state_name(r),
+                "num_prompt_tokens": r.num_prompt_tokens,
+                "num_output_tokens": len(r.output_token_ids),
+                "num_computed_tokens": r.num_computed_tokens,
+                "num_cached_tokens": r.num_cached_tokens,
+                "num_blocks": len(self.policy.blocks.block_tables.get(r.request_id, ())),
+                "priority": r.priority,
+                "age_s": round(now - r.arrival_time, 3),
+                "arrival_time": r.arrival_time,
+                "version": r.version or "",
+            }
+            for r in sorted(self.policy.requests.values(), key=lambda r: r.arrival_seq)
+        ]
         return {"requests": rows}
 
     def stats(self) -> dict[str, Any]:

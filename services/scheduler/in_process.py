@@ -72,10 +72,16 @@ class _Collector:
 class InProcessEngine:
     """Add requests, then `run()` until every one has finished."""
 
-    def __init__(self, runner: StepRunner, config: Config | None = None,
-                 policy_config: PolicyConfig | None = None, *,
-                 num_blocks: int | None = None, num_host_blocks: int | None = None,
-                 check_integrity: bool = True) -> None:
+    def __init__(
+        self,
+        runner: StepRunner,
+        config: Config | None = None,
+        policy_config: PolicyConfig | None = None,
+        *,
+        num_blocks: int | None = None,
+        num_host_blocks: int | None = None,
+        check_integrity: bool = True,
+    ) -> None:
         self.runner = runner
         self.collector = _Collector()
         self.core = EngineCore(config or Config(), self.collector, policy_config)
@@ -97,14 +103,20 @@ class InProcessEngine:
     def outputs(self) -> dict[SequenceId, list[int]]:
         return self.collector.outputs
 
-    def add(self, prompt: list[int], sampling: SamplingParams,
-            request_id: str | None = None) -> list[SequenceId]:
+    def add(
+        self, prompt: list[int], sampling: SamplingParams, request_id: str | None = None
+    ) -> list[SequenceId]:
         """Queue a request (n sequences for sampling.n > 1); returns the sequences' ids."""
         rid = request_id or f"r{next(self._ids)}"
         info = self.core.served.info if self.core.served else {}
-        self.core.add(TokenizedRequest(
-            request_id=rid, prompt_token_ids=list(prompt), sampling=sampling,
-            eos_token_ids=list(info.get("eos_token_ids", []))))
+        self.core.add(
+            TokenizedRequest(
+                request_id=rid,
+                prompt_token_ids=list(prompt),
+                sampling=sampling,
+                eos_token_ids=list(info.get("eos_token_ids", [])),
+            )
+        )
         if self.collector.errors:
             raise ValueError(f"request refused: {self.collector.errors.pop()}")
         ids = [(rid, i) for i in range(sampling.n)]

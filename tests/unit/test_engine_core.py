@@ -31,11 +31,22 @@ from services.scheduler.engine_core import EngineCore, sequence_key
 TOKEN = 7
 
 
-def _info(version: str = "v1", fingerprint: str = "tok-a", boot_id: str = "boot-1",
-          **kw: Any) -> dict[str, Any]:
-    return {"num_blocks": 64, "block_size": 4, "max_model_len": 128, "weights_version": version,
-            "model_name": "m", "model_path": f"/models/{version}", "boot_id": boot_id,
-            "eos_token_ids": [2], "vocab_size": 100, "tokenizer_fingerprint": fingerprint, **kw}
+def _info(
+    version: str = "v1", fingerprint: str = "tok-a", boot_id: str = "boot-1", **kw: Any
+) -> dict[str, Any]:
+    return {
+        "num_blocks": 64,
+        "block_size": 4,
+        "max_model_len": 128,
+        "weights_version": version,
+        "model_name": "m",
+        "model_path": f"/models/{version}",
+        "boot_id": boot_id,
+        "eos_token_ids": [2],
+        "vocab_size": 100,
+        "tokenizer_fingerprint": fingerprint,
+        **kw,
+    }
 
 
 @dataclasses.dataclass
@@ -67,8 +78,9 @@ class Outbox:
         for rid, prompt in zip(plan.new_req_ids, plan.new_prompt_token_ids, strict=True):
             self.known[rid] = len(prompt)
         sampled = []
-        for rid, done, new in zip(plan.req_ids, plan.num_computed_tokens, plan.num_new_tokens,
-                                  strict=True):
+        for rid, done, new in zip(
+            plan.req_ids, plan.num_computed_tokens, plan.num_new_tokens, strict=True
+        ):
             if done + new == self.known[rid]:
                 sampled.append(rid)
                 self.known[rid] += 1
@@ -83,11 +95,20 @@ def _core(info: dict[str, Any] | None = None, **scheduler: Any) -> tuple[EngineC
     return core, out
 
 
-def _request(rid: str, n: int = 1, max_tokens: int = 3, fingerprint: str = "tok-a",
-             prompt: list[int] | None = None) -> TokenizedRequest:
-    return TokenizedRequest(request_id=rid, prompt_token_ids=prompt or [10, 11, 12, 13, 14],
-                            sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, n=n),
-                            eos_token_ids=[2], tokenizer_fingerprint=fingerprint)
+def _request(
+    rid: str,
+    n: int = 1,
+    max_tokens: int = 3,
+    fingerprint: str = "tok-a",
+    prompt: list[int] | None = None,
+) -> TokenizedRequest:
+    return TokenizedRequest(
+        request_id=rid,
+        prompt_token_ids=prompt or [10, 11, 12, 13, 14],
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, n=n),
+        eos_token_ids=[2],
+        tokenizer_fingerprint=fingerprint,
+    )
 
 
 def _run(core: EngineCore, out: Outbox, max_steps: int = 100) -> None:
@@ -106,8 +127,7 @@ def _run(core: EngineCore, out: Outbox, max_steps: int = 100) -> None:
 def _tokens(out: Outbox) -> dict[tuple[str, int], list[int]]:
     got: dict[tuple[str, int], list[int]] = {}
     for batch in out.of(TokenBatch):
-        for rid, i, ids in zip(batch.request_ids, batch.seq_indices, batch.token_ids,
-                               strict=True):
+        for rid, i, ids in zip(batch.request_ids, batch.seq_indices, batch.token_ids, strict=True):
             got.setdefault((rid, i), []).extend(ids)
     return got
 
@@ -146,7 +166,11 @@ def test_abort_ends_every_sequence_or_one() -> None:
     core.abort(["a", "b"], FinishReason.CANCELLED)
     ended = out.of(TokenBatch)[-1]
     assert sorted(zip(ended.request_ids, ended.seq_indices, strict=True)) == [
-        ("a", 0), ("a", 2), ("b", 0), ("b", 1)]
+        ("a", 0),
+        ("a", 2),
+        ("b", 0),
+        ("b", 1),
+    ]
     assert not core.groups
     core.abort(["a"], FinishReason.CANCELLED)  # idempotent
     assert out.of(TokenBatch)[-1] is ended
@@ -204,8 +228,9 @@ def test_a_dead_worker_refuses_new_requests_until_the_next_ready() -> None:
 
 
 def _swap(core: EngineCore, mode: str, version: str = "v2") -> None:
-    core.swap(SwapModel(ticket=1, reply_to="gw", path=f"/models/{version}", version=version,
-                        mode=mode))
+    core.swap(
+        SwapModel(ticket=1, reply_to="gw", path=f"/models/{version}", version=version, mode=mode)
+    )
 
 
 def test_overlap_swap_starts_new_requests_on_the_new_version() -> None:
@@ -222,8 +247,9 @@ def test_overlap_swap_starts_new_requests_on_the_new_version() -> None:
     _run(core, out)
     rows = {r["id"]: r for r in core.request_rows()["requests"]}
     assert not rows
-    versions = {rid: v for b in out.of(TokenBatch)
-                for rid, v in zip(b.request_ids, b.versions, strict=True)}
+    versions = {
+        rid: v for b in out.of(TokenBatch) for rid, v in zip(b.request_ids, b.versions, strict=True)
+    }
     assert versions == {"old": "v1", "new": "v2"}
     assert out.of(UnloadModel)[0].version == "v1"
     (result,) = out.of(SwapResult)
