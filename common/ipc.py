@@ -44,7 +44,8 @@ class Inbox:
         if curve is not None and uses_curve(addr):
             curve.serve(self._sock)
         self._sock.bind(bind_addr or addr)
-        self._sync = zmq.Socket.shadow(self._sock.underlying)  # for non-blocking drains
+        # a plain (not asyncio) view of the same socket, for non-blocking drains
+        self._sync: zmq.Socket[bytes] = zmq.Socket.shadow(self._sock.underlying)
         if addr.startswith("tcp://") and addr.endswith(":0"):
             self.addr = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
@@ -84,7 +85,7 @@ class Outbox:
 
     def __init__(self, addrs: str | list[str], curve: CurveKeys | None = None) -> None:
         self.addrs = [addrs] if isinstance(addrs, str) else list(addrs)
-        self._sock = zmq.Context.instance().socket(zmq.PUSH)
+        self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
         self._sock.setsockopt(zmq.SNDHWM, _HWM)
         self._sock.setsockopt(zmq.LINGER, 2000)  # flush on close, but never hang shutdown
         if curve is not None and any(uses_curve(a) for a in self.addrs):

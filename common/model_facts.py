@@ -24,8 +24,11 @@ def load_model_facts(model_dir: Path, max_model_len_override: int = 0) -> dict[s
     max_len = int(cfg.get("max_position_embeddings", 2048))
     if max_model_len_override:
         max_len = min(max_len, max_model_len_override)
-    return {"eos_token_ids": sorted(eos), "max_model_len": max_len,
-            "vocab_size": int(cfg["vocab_size"])}
+    return {
+        "eos_token_ids": sorted(eos),
+        "max_model_len": max_len,
+        "vocab_size": int(cfg["vocab_size"]),
+    }
 
 
 def tokenizer_fingerprint(model_dir: Path) -> str:
@@ -41,8 +44,14 @@ def tokenizer_fingerprint(model_dir: Path) -> str:
 def position_config(model_dir: Path) -> str:
     """The rope / position settings, canonically serialised (part of the cache root)."""
     cfg = json.loads((model_dir / "config.json").read_text())
-    keys = ("rope_theta", "rope_parameters", "rope_scaling", "max_position_embeddings",
-            "partial_rotary_factor", "head_dim")
+    keys = (
+        "rope_theta",
+        "rope_parameters",
+        "rope_scaling",
+        "max_position_embeddings",
+        "partial_rotary_factor",
+        "head_dim",
+    )
     return json.dumps({k: cfg.get(k) for k in keys}, sort_keys=True)
 
 

@@ -4,7 +4,11 @@ The package ships the weights as a GGUF file. We dequantise it once with transfo
 Hugging Face folder (config.json, safetensors, tokenizer files) in a cache directory and reuse
 that folder on every later start. Nothing is downloaded from a model hub.
 
-    python -m gpu_worker.prepare_model            # prints the folder
+torch, transformers and safetensors are imported inside the functions that convert, so any
+process (and tools/gpu-check, which has no orjson or zmq) can import the default location.
+common/model_paths.py resolves `--model` to a folder on top of this module.
+
+    python -m common.prepare_model            # prints the folder
 """
 
 from __future__ import annotations
@@ -66,8 +70,10 @@ def prepare_default_model(folder: Path | None = None) -> Path:
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer.remove_quantization_config(model)
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+
     def fill(tmp: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
@@ -115,12 +121,12 @@ def prepare_truncated_model(num_layers: int, source: Path | None = None) -> Path
             if "layers" in parts and int(parts[parts.index("layers") + 1]) >= num_layers:
                 continue
             weights[name] = tensor.contiguous()
+
     def fill(tmp: Path) -> None:
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         for extra in source.iterdir():  # tokenizer, chat template, generation config
-            if extra.suffix != ".safetensors" and extra.name != "config.json" \
-                    and extra.is_file():
+            if extra.suffix != ".safetensors" and extra.name != "config.json" and extra.is_file():
                 shutil.copy(extra, tmp / extra.name)
 
     return _write_folder(folder, fill)

@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve(argv[1:])
     if argv[0] == "prepare-model":
-        from gpu_worker.prepare_model import main as prepare
+        from common.prepare_model import main as prepare
 
         return prepare(argv[1:])
     print(f"shuttle: unknown command {argv[0]!r}; try 'shuttle serve'", file=sys.stderr)

@@ -27,6 +27,7 @@ from common import codec
 from common.config import Config, ConfigError, add_flags, from_args
 from common.curve import CurveKeys, uses_curve
 from common.messages import Drain, Drained, ProcessDown, Ready
+from common.model_paths import is_synthetic_spec, resolve_model_path
 
 _GRACE_S = 10.0
 
@@ -44,7 +45,7 @@ class Supervisor:
         # links like every other (ipc:// stays a local socket file)
         curve_dir = config.addresses.curve_dir
         self.curve = CurveKeys.load(curve_dir) if curve_dir else None
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.inbox = ctx.socket(zmq.PULL)
         self.inbox.setsockopt(zmq.LINGER, 0)
         addr = config.addr("supervisor")
@@ -60,8 +61,10 @@ class Supervisor:
             ("scheduler", [*base, "services.scheduler", *cfg]),
             ("detokenizer", [*base, "services.detokenizer", *cfg]),
         ]
-        specs += [(f"tokenizer-{i}", [*base, "services.tokenizer", *cfg, "--index", str(i)])
-                  for i in range(self.config.server.num_tokenizers)]
+        specs += [
+            (f"tokenizer-{i}", [*base, "services.tokenizer", *cfg, "--index", str(i)])
+            for i in range(self.config.server.num_tokenizers)
+        ]
         specs.append(("gateway", [*base, "services.gateway", *cfg]))
         return specs
 
@@ -79,7 +82,8 @@ class Supervisor:
             if time.monotonic() > deadline:
                 missing = sorted(set(self.children) - set(self.ready))
                 raise TimeoutError(
-                    f"not ready after {self.config.server.ready_timeout}s: {missing}")
+                    f"not ready after {self.config.server.ready_timeout}s: {missing}"
+                )
             if self.inbox.poll(200):
                 msg = codec.decode(self.inbox.recv())
                 if isinstance(msg, Ready):
@@ -131,11 +135,13 @@ class Supervisor:
         now = time.monotonic()
         recent = [t for t in self._restarts.get(name, []) if now - t < 60.0]
         if len(recent) >= self.config.server.max_restarts:
-            raise ChildDied(f"{name} died {len(recent) + 1} times within a minute "
-                            f"(last exit code {code})")
+            raise ChildDied(
+                f"{name} died {len(recent) + 1} times within a minute (last exit code {code})"
+            )
         self._restarts[name] = [*recent, now]
-        print(f"shuttle: {name} exited with code {code}; restarting it", file=sys.stderr,
-              flush=True)
+        print(
+            f"shuttle: {name} exited with code {code}; restarting it", file=sys.stderr, flush=True
+        )
         notice = codec.encode(ProcessDown(name=name, exit_code=code))
         for peer in ("gateway", "scheduler"):
             if peer != name:
@@ -165,8 +171,10 @@ class Supervisor:
         timeout = self.config.server.shutdown_timeout
         if timeout <= 0 or "gateway" not in self.ready:
             return
-        self._send("gateway", codec.encode(Drain(reply_to=self.config.addr("supervisor"),
-                                                 timeout_s=timeout)))
+        self._send(
+            "gateway",
+            codec.encode(Drain(reply_to=self.config.addr("supervisor"), timeout_s=timeout)),
+        )
         deadline = time.monotonic() + timeout + 5.0
         while time.monotonic() < deadline:
             if any(isinstance(m, Drained) for m in self._drain_inbox()):
@@ -204,20 +212,20 @@ def _repo_root() -> str:
 
 def prepare(config: Config) -> Config:
     """Resolve the model folder (converting the default model once) and the run directory."""
-    from gpu_worker.synthetic import is_synthetic_spec
-    from gpu_worker.worker import resolve_model_path
-
     spec = config.speculative
     if spec.method and is_synthetic_spec(config.model.model):
         raise ConfigError("--speculative needs a real model, not --model synthetic")
     if spec.draft_model and not (Path(spec.draft_model).expanduser() / "config.json").is_file():
-        raise ConfigError(f"--draft-model {spec.draft_model}: no config.json there (a Hugging "
-                          "Face folder?)")
+        raise ConfigError(
+            f"--draft-model {spec.draft_model}: no config.json there (a Hugging Face folder?)"
+        )
     path = resolve_model_path(config)
     run_dir = config.server.run_dir or tempfile.mkdtemp(prefix="shuttle-")
     return config.replace(
-        model={"model": str(path),
-               "served_model_name": config.model.served_model_name or path.name},
+        model={
+            "model": str(path),
+            "served_model_name": config.model.served_model_name or path.name,
+        },
         server={"run_dir": run_dir},
     )
 
@@ -241,9 +249,11 @@ def serve(argv: list[str] | None = None) -> int:
     try:
         sup.start()
         sup.wait_ready()
-        print(f"shuttle: serving {config.model.served_model_name} on "
-              f"http://{sup._client_host()}:{sup.port} (pid {os.getpid()}){sup.grpc_banner()}",
-              flush=True)
+        print(
+            f"shuttle: serving {config.model.served_model_name} on "
+            f"http://{sup._client_host()}:{sup.port} (pid {os.getpid()}){sup.grpc_banner()}",
+            flush=True,
+        )
         sup.supervise()
         sup.drain()
     except KeyboardInterrupt:

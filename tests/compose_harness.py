@@ -14,6 +14,7 @@ first; then every other service starts in its own session, and `stop()` ends the
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.util
 import json
@@ -26,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = REPO / "compose.yaml"
@@ -247,12 +250,14 @@ class ComposeHarness:
         for proc in self.procs.values():
             _kill_session(proc.pid)
             proc.wait()
-        deadline = time.monotonic() + 5.0  # killed members may linger a moment as zombies
-        while (
-            alive := [n for n, p in self.procs.items() if _session_alive(p.pid)]
-        ) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        return alive
+
+        def alive() -> list[str]:
+            return [n for n, p in self.procs.items() if _session_alive(p.pid)]
+
+        # killed members may linger a moment as zombies; those still there are reported
+        with contextlib.suppress(AssertionError):
+            wait_until(lambda: not alive(), 30, "the killed services to be reaped", 0.1)
+        return alive()
 
 
 def _mount(vol: Any) -> tuple[str, str]:

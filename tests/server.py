@@ -10,20 +10,28 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 
+from tests.waiting import wait_until
+
 REPO = Path(__file__).resolve().parent.parent
 _SERVING = re.compile(r"serving (\S+) on (http://\S+)(?:.* grpc (\S+))?")
 
 
 class Server:
-    def __init__(self, proc: subprocess.Popen[str], url: str, model: str, run_dir: Path,
-                 log_path: Path, grpc_addr: str | None = None) -> None:
+    def __init__(
+        self,
+        proc: subprocess.Popen[str],
+        url: str,
+        model: str,
+        run_dir: Path,
+        log_path: Path,
+        grpc_addr: str | None = None,
+    ) -> None:
         self.proc = proc
         self.url = url
         self.grpc_addr = grpc_addr  # "HOST:PORT" when started with --grpc-port
@@ -44,16 +52,16 @@ class Server:
     def children(self) -> list[tuple[str, int]]:
         """(module, pid) of each process the supervisor runs: gpu_worker, services.gateway,
         services.tokenizer (one per tokenizer), ..."""
-        kids = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True,
-                              text=True).stdout.split()
+        kids = subprocess.run(
+            ["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True
+        ).stdout.split()
         out = []
         for pid in kids:
             try:
                 argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
             except OSError:
                 continue  # exited meanwhile
-            module = next((a for a in argv if a.startswith("services.") or a == "gpu_worker"),
-                          None)
+            module = next((a for a in argv if a.startswith("services.") or a == "gpu_worker"), None)
             if module is not None:
                 out.append((module, int(pid)))
         return out
@@ -65,22 +73,43 @@ def running_server(*flags: str, timeout: float = 300.0) -> Iterator[Server]:
     tmp = Path(tempfile.mkdtemp(prefix="shuttle-test-"))
     run_dir = tmp / "run"
     log_path = tmp / "server.log"
-    cmd = [sys.executable, "-m", "services.cli", "serve", "--port", "0",
-           "--run-dir", str(run_dir), "--kv-cache-memory", "0.5", *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "serve",
+        "--port",
+        "0",
+        "--run-dir",
+        str(run_dir),
+        "--kv-cache-memory",
+        "0.5",
+        *flags,
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     log_file = log_path.open("w")
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=log_file, text=True,
-                            env=env, start_new_session=True, preexec_fn=_die_with_parent)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=log_file,
+        text=True,
+        env=env,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
     found: list[tuple[str, str, str | None]] = []
     reader = threading.Thread(target=_read_banner, args=(proc, found), daemon=True)
     reader.start()
     try:
-        deadline = time.monotonic() + timeout
-        while not found:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start (exit {proc.returncode}):\n"
-                                   + log_path.read_text(errors="replace")[-4000:])
-            time.sleep(0.1)
+        try:
+            wait_until(lambda: found or proc.poll() is not None, timeout, "the serving banner")
+            if not found:
+                raise AssertionError(f"it exited with {proc.returncode}")
+        except AssertionError as e:
+            raise RuntimeError(
+                f"server did not start ({e}):\n" + log_path.read_text(errors="replace")[-4000:]
+            ) from None
         model, url, grpc_addr = found[0]
         yield Server(proc, url, model, run_dir, log_path, grpc_addr)
     finally:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from gpu_worker.prepare_model import default_model_dir
+from common.prepare_model import default_model_dir
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 VOCAB_SIZE = 49152  # SmolLM2's tokenizer
@@ -82,7 +82,11 @@ def _perturb_norms_and_biases(model: torch.nn.Module) -> None:
 
 
 def make_tiny_model(
-    folder: str | Path, arch: str = "llama", *, num_layers: int = 2, seed: int = 0,
+    folder: str | Path,
+    arch: str = "llama",
+    *,
+    num_layers: int = 2,
+    seed: int = 0,
     vocab_size: int = VOCAB_SIZE,
 ) -> Path:
     """Create (or reuse, if complete) a tiny `arch` model in `folder`; returns the folder.
@@ -107,3 +111,105 @@ def _copy_tokenizer(folder: Path) -> None:
     for name in _TOKENIZER_FILES:
         if (source / name).is_file():
             shutil.copy(source / name, folder / name)
+
+
+# A vocabulary of its own ------------------------------------------------------------------
+# The models above share SmolLM2's tokenizer. These have a byte-level BPE trained here, so
+# serving one after SmolLM2 (or after another of them) changes the tokenizer: the same text
+# becomes other token ids.
+
+OWN_VOCAB_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+OWN_VOCAB_EOS_ID = 2  # "<|im_end|>"
+OWN_VOCAB_CORPUS = (
+    "The quick brown fox jumps over the lazy dog and runs into the forest.",
+    "Request 1: the quick brown fox jumps over the lazy dog and then sleeps.",
+    "Hello world, hello there! How are you today? I am fine, thank you.",
+    "A model with a vocabulary of its own tokenises the same text differently.",
+    "Once upon a time there was a small model that served requests all day long.",
+    "def add(a, b):\n    return a + b  # numbers 12345 67890\n",
+    "Le café est très chaud. Grüße aus München. 你好，世界！ 🎉🚀",
+)
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def make_own_vocab_tokenizer(
+    folder: str | Path, *, vocab_size: int = 600, corpus: tuple[str, ...] = OWN_VOCAB_CORPUS
+) -> Path:
+    """Train a byte-level BPE of about `vocab_size` tokens on `corpus` (deterministic) and
+    write it as a Hugging Face tokenizer: tokenizer.json, tokenizer_config.json and a ChatML
+    chat_template.jinja, with OWN_VOCAB_SPECIALS as ids 0, 1, 2. Returns the folder."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(OWN_VOCAB_SPECIALS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(corpus), trainer=trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": OWN_VOCAB_SPECIALS[OWN_VOCAB_EOS_ID],
+        "pad_token": OWN_VOCAB_SPECIALS[0],
+        "model_max_length": 4096,
+        "clean_up_tokenization_spaces": False,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    (folder / "chat_template.jinja").write_text(CHATML_TEMPLATE)
+    return folder
+
+
+def make_tiny_model_own_vocab(
+    folder: str | Path,
+    *,
+    seed: int = 0,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int | None = None,
+    vocab_size: int = 600,
+) -> Path:
+    """A tiny random Llama whose tokenizer is its own (make_own_vocab_tokenizer); its
+    embedding has exactly the tokenizer's rows. Give it the KV layout (layers, KV heads, head
+    dim) of the model it is swapped with to swap in `overlap` mode (SmolLM2-135M: 30, 3, 64;
+    hidden_size must be a multiple of num_heads). Created once, reused if complete."""
+    import transformers
+    from tokenizers import Tokenizer
+
+    folder = Path(folder)
+    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+        return folder
+    make_own_vocab_tokenizer(folder, vocab_size=vocab_size)
+    num_tokens = Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size()
+    common = dict(
+        _COMMON,
+        vocab_size=num_tokens,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        bos_token_id=None,
+        eos_token_id=OWN_VOCAB_EOS_ID,
+        pad_token_id=0,
+    )
+    config = transformers.LlamaConfig(
+        **common, num_key_value_heads=num_kv_heads, head_dim=head_dim, tie_word_embeddings=False
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _perturb_norms_and_biases(model)
+    model.save_pretrained(folder)
+    return folder

@@ -10,7 +10,7 @@ acceptance rate, tokens per verification step, the speed-up over no drafting, an
 the tokens equal those without drafting (they must).
 
 The draft model is SmolLM2 cut to its first `--draft-layers` layers (same tokenizer,
-embeddings and LM head; `gpu_worker.prepare_model.prepare_truncated_model`), as no smaller
+embeddings and LM head; `common.prepare_model.prepare_truncated_model`), as no smaller
 model with SmolLM2's tokenizer is available offline; untrained for early exit, it agrees with
 the target rarely. `self` drafts with the target itself: every draft is accepted, so it
 shows the mechanism's ceiling and what a drafter as costly as the target costs.
@@ -22,7 +22,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -53,8 +53,9 @@ def _prompt_ids(model_dir: str, text: str) -> list[int]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    return tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
-                                   add_generation_prompt=True, return_dict=False)
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                  add_generation_prompt=True, return_dict=False)
+    return cast("list[int]", ids)  # tokenize=True, one conversation, no dict: its token ids
 
 
 def _decode(runner: Any, prompt: list[int], output_len: int, k: int) -> dict[str, Any]:
@@ -94,8 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     methods = args.methods.split(",")
 
-    from gpu_worker.prepare_model import prepare_default_model, prepare_truncated_model
-
+    from common.prepare_model import prepare_default_model, prepare_truncated_model
     from gpu_worker.model_runner import ModelRunner
 
     model_dir = str(prepare_default_model())

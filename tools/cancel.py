@@ -39,8 +39,9 @@ def _cancel_grpc(args: argparse.Namespace, rid: str) -> dict:
 
     stub, meta = grpc_admin(args)
     try:
-        reply = stub.CancelRequest(shuttle_pb2.AdminCancelRequest(request_id=rid),
-                                   metadata=meta, timeout=args.timeout)
+        reply = stub.CancelRequest(
+            shuttle_pb2.AdminCancelRequest(request_id=rid), metadata=meta, timeout=args.timeout
+        )
     except grpc.RpcError as e:
         if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE):
             fail(e.details() or str(e.code()), EXIT_UNREACHABLE)
@@ -49,16 +50,20 @@ def _cancel_grpc(args: argparse.Namespace, rid: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="tools/cancel", description=__doc__.splitlines()[0],
-                                epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="tools/cancel",
+        description=__doc__.splitlines()[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("request_ids", nargs="+", metavar="REQUEST_ID")
     add_connection_flags(p)
     args = p.parse_args(argv)
     one = _cancel_grpc if args.grpc else _cancel_http
     results = [one(args, rid) for rid in args.request_ids]
-    human = "\n".join(f"{r['id']}: {'cancelled' if r['cancelled'] else 'not in flight'}"
-                      for r in results)
+    human = "\n".join(
+        f"{r['id']}: {'cancelled' if r['cancelled'] else 'not in flight'}" for r in results
+    )
     emit(args, results, human)
     return 0 if all(r["cancelled"] for r in results) else 1
 

@@ -44,21 +44,30 @@ def _swap_grpc(args: argparse.Namespace) -> tuple[bool, dict]:
     try:
         drain = args.mode == "drain"
         mode = shuttle_pb2.SWAP_MODE_DRAIN if drain else shuttle_pb2.SWAP_MODE_OVERLAP
-        r = stub.SwapModel(shuttle_pb2.SwapModelRequest(model=args.model, version=args.version,
-                                                        mode=mode),
-                           metadata=meta, timeout=args.timeout)
+        r = stub.SwapModel(
+            shuttle_pb2.SwapModelRequest(model=args.model, version=args.version, mode=mode),
+            metadata=meta,
+            timeout=args.timeout,
+        )
     except grpc.RpcError as e:
         if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE):
             fail(e.details() or str(e.code()), EXIT_UNREACHABLE)
         return False, {"ok": False, "error": e.details()}
-    return True, {"ok": True, "version": r.version, "previous_version": r.previous_version,
-                  "mode": args.mode}
+    return True, {
+        "ok": True,
+        "version": r.version,
+        "previous_version": r.previous_version,
+        "mode": args.mode,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="tools/swap-model", description=__doc__.splitlines()[0],
-                                epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="tools/swap-model",
+        description=__doc__.splitlines()[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--model", required=True, help="Hugging Face folder of the new model")
     p.add_argument("--version", default="", help="label (default: hash of the weights)")
     p.add_argument("--mode", choices=("overlap", "drain"), default="overlap")
@@ -66,8 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     ok, reply = (_swap_grpc if args.grpc else _swap_http)(args)
     if ok:
-        human = (f"swapped {reply.get('previous_version')} -> {reply.get('version')} "
-                 f"({reply.get('mode')}) in {reply.get('duration_s', 0):.2f}s")
+        human = (
+            f"swapped {reply.get('previous_version')} -> {reply.get('version')} "
+            f"({reply.get('mode')}) in {reply.get('duration_s', 0):.2f}s"
+        )
     else:
         human = f"swap refused: {reply.get('error')}; the served model is unchanged"
     emit(args, reply, human)

@@ -50,7 +50,7 @@ def _cpu_flags() -> str:
 
 
 def _library_path() -> Path:
-    from gpu_worker.prepare_model import cache_root
+    from common.prepare_model import cache_root
 
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()
                          + _cpu_flags().encode()).hexdigest()[:16]

@@ -1,25 +1,102 @@
-"""The detokenizer process: token ids -> text deltas, stop strings, finish reasons."""
+"""The detokenizer process: token ids -> text deltas, stop strings, finish reasons.
+
+A sequence is (request id, index): a request with n > 1 has n of them. Each is decoded by
+the tokenizer its prompt was tokenised with (DetokNew names its fingerprint): across a
+hot-swap that changes the tokenizer, sequences of the old model and of the new one stream
+side by side. The scheduler pushes `ModelChanged` before the first sequence of a new model;
+a tokenizer no sequence uses and that is not the current one is dropped.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from pathlib import Path
+
+from tokenizers import Tokenizer
 
 from common.actor import Actor
 from common.config import Config
-from common.messages import Abort, DetokNew, FinishReason, OutputBatch, TokenBatch
+from common.messages import (
+    Abort,
+    DetokNew,
+    FinishReason,
+    ModelChanged,
+    OutputBatch,
+    RequestError,
+    TokenBatch,
+)
+from common.model_facts import tokenizer_fingerprint
 from services.detokenizer.incremental import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
 
+SeqKey = tuple[str, int]  # (request id, sequence index)
+
+
+def load_tokenizer(model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
 
 class _Stream:
-    __slots__ = ("detok", "num_prompt_tokens", "version")
+    __slots__ = ("detok", "fingerprint", "num_prompt_tokens", "version")
 
-    def __init__(self, detok: IncrementalDetokenizer, num_prompt_tokens: int) -> None:
+    def __init__(
+        self, detok: IncrementalDetokenizer, num_prompt_tokens: int, fingerprint: str
+    ) -> None:
         self.detok = detok
         self.num_prompt_tokens = num_prompt_tokens
+        self.fingerprint = fingerprint  # of the tokenizer decoding it
         self.version = ""  # the model version serving it, once the scheduler says
+
+
+class Tokenizers:
+    """The tokenizers in use, by fingerprint: the current model's, and any an unfinished
+    sequence still decodes with. "" names the start-up model's."""
+
+    def __init__(self, startup: Tokenizer, startup_fingerprint: str) -> None:
+        self.startup_fingerprint = startup_fingerprint
+        self.current = startup_fingerprint
+        self._by_fingerprint = {startup_fingerprint: startup}
+        self._num_users: Counter[str] = Counter()
+
+    def resolve(self, fingerprint: str) -> str:
+        return fingerprint or self.startup_fingerprint
+
+    def __contains__(self, fingerprint: str) -> bool:
+        return self.resolve(fingerprint) in self._by_fingerprint
+
+    def __len__(self) -> int:
+        return len(self._by_fingerprint)
+
+    def use(self, fingerprint: str) -> Tokenizer:
+        """The tokenizer of `fingerprint` (KeyError when not loaded), held until release."""
+        fp = self.resolve(fingerprint)
+        tokenizer = self._by_fingerprint[fp]
+        self._num_users[fp] += 1
+        return tokenizer
+
+    def release(self, fingerprint: str) -> None:
+        fp = self.resolve(fingerprint)
+        self._num_users[fp] -= 1
+        if self._num_users[fp] <= 0:
+            del self._num_users[fp]
+            self._drop_unused()
+
+    def set_current(self, fingerprint: str, path: Path) -> None:
+        """Serve `fingerprint` from now on, loading it from `path` when it is new. Raises
+        when it cannot be loaded (the current one stays)."""
+        if fingerprint not in self._by_fingerprint:
+            self._by_fingerprint[fingerprint] = load_tokenizer(path)
+            log.info("loaded tokenizer %s from %s", fingerprint, path)
+        self.current = fingerprint
+        self._drop_unused()
+
+    def _drop_unused(self) -> None:
+        for fp in sorted(self._by_fingerprint):
+            if fp != self.current and not self._num_users[fp]:
+                del self._by_fingerprint[fp]
+                log.info("dropped tokenizer %s", fp)
 
 
 class DetokenizerActor(Actor):
@@ -27,43 +104,80 @@ class DetokenizerActor(Actor):
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
-        self.streams: dict[str, _Stream] = {}
-        self.handlers.update({DetokNew: self._on_new, TokenBatch: self._on_tokens})
+        self.streams: dict[SeqKey, _Stream] = {}
+        self.handlers.update(
+            {
+                DetokNew: self._on_new,
+                TokenBatch: self._on_tokens,
+                ModelChanged: self._on_model_changed,
+            }
+        )
 
     async def start(self) -> None:
-        from tokenizers import Tokenizer
-
-        self.tokenizer = Tokenizer.from_file(str(Path(self.config.model.model) / "tokenizer.json"))
+        model_dir = Path(self.config.model.model)
+        self.tokenizers = Tokenizers(load_tokenizer(model_dir), tokenizer_fingerprint(model_dir))
         self.gateway = self.outbox(self.config.addr("gateway"))
         self.scheduler = self.outbox(self.config.addr("scheduler"))
 
+    def _on_model_changed(self, msg: ModelChanged) -> None:
+        try:
+            self.tokenizers.set_current(msg.tokenizer_fingerprint, Path(msg.path))
+        except Exception:
+            log.exception(
+                "cannot load the tokenizer of %s (%s); sequences that need it fail",
+                msg.path,
+                msg.tokenizer_fingerprint,
+            )
+
     def _on_new(self, msg: DetokNew) -> None:
-        tails = msg.prompt_tails or [[] for _ in msg.request_ids]
-        for rid, stop, n, tail in zip(msg.request_ids, msg.stop, msg.num_prompt_tokens, tails,
-                                      strict=True):
-            detok = IncrementalDetokenizer(self.tokenizer, stop=stop, prompt_tail=tail)
-            self.streams[rid] = _Stream(detok, n)
+        n = len(msg.request_ids)
+        tails = msg.prompt_tails or [[] for _ in range(n)]
+        indices = msg.seq_indices or [0] * n
+        fingerprints = msg.tokenizers or [""] * n
+        unknown: dict[str, str] = {}  # request id -> the fingerprint no tokenizer has
+        for rid, index, stop, num_prompt, tail, fp in zip(
+            msg.request_ids,
+            indices,
+            msg.stop,
+            msg.num_prompt_tokens,
+            tails,
+            fingerprints,
+            strict=True,
+        ):
+            if fp not in self.tokenizers:
+                unknown[rid] = fp
+                continue
+            self._forget((rid, index))  # (a request id reused after a retokenisation)
+            detok = IncrementalDetokenizer(self.tokenizers.use(fp), stop=stop, prompt_tail=tail)
+            self.streams[rid, index] = _Stream(detok, num_prompt, fp)
+        for rid, fp in unknown.items():
+            self._fail(rid, f"no tokenizer with fingerprint {fp!r} is loaded to decode it")
 
     def _on_tokens(self, msg: TokenBatch) -> None:
-        out = OutputBatch([], [], [], [], [], [], [])
-        stopped: list[str] = []
-        versions = msg.versions or [""] * len(msg.request_ids)
-        for rid, ids, reason, version in zip(msg.request_ids, msg.token_ids, msg.finish_reasons,
-                                             versions, strict=True):
-            stream = self.streams.get(rid)
+        out = OutputBatch([], [], [], [], [], [], [], [])
+        stopped: list[SeqKey] = []
+        n = len(msg.request_ids)
+        versions = msg.versions or [""] * n
+        indices = msg.seq_indices or [0] * n
+        for rid, index, ids, reason, version in zip(
+            msg.request_ids, indices, msg.token_ids, msg.finish_reasons, versions, strict=True
+        ):
+            key = (rid, index)
+            stream = self.streams.get(key)
             if stream is None:
                 continue  # finished already (a stop string); late tokens are dropped
             stream.version = version or stream.version
             if reason == FinishReason.ERROR:  # the scheduler told the gateway itself: forget it
-                del self.streams[rid]
+                self._forget(key)
                 continue
             text, stop_hit = stream.detok.add(ids, final=reason != FinishReason.NONE)
             if stop_hit and reason == FinishReason.NONE:
                 reason = FinishReason.STOP
-                stopped.append(rid)
+                stopped.append(key)
             if reason != FinishReason.NONE:
-                del self.streams[rid]
+                self._forget(key)
             out.request_ids.append(rid)
+            out.seq_indices.append(index)
             out.texts.append(text)
             out.token_ids.append(ids)
             out.finish_reasons.append(int(reason))
@@ -73,4 +187,24 @@ class DetokenizerActor(Actor):
         if out.request_ids:
             self.gateway.send(out)
         if stopped:  # the scheduler ends them now, so no step is spent after the stop
-            self.scheduler.send(Abort(request_ids=stopped, reason=int(FinishReason.STOP)))
+            self.scheduler.send(
+                Abort(
+                    request_ids=[rid for rid, _ in stopped],
+                    reason=int(FinishReason.STOP),
+                    seq_indices=[index for _, index in stopped],
+                )
+            )
+
+    def _forget(self, key: SeqKey) -> None:
+        stream = self.streams.pop(key, None)
+        if stream is not None:
+            self.tokenizers.release(stream.fingerprint)
+
+    def _fail(self, request_id: str, why: str) -> None:
+        """A request none of whose text can be decoded: the gateway answers it, the
+        scheduler ends every sequence of it."""
+        log.error("%s", why, extra={"request_id": request_id})
+        for key in [k for k in self.streams if k[0] == request_id]:
+            self._forget(key)
+        self.gateway.send(RequestError(request_id=request_id, status=500, message=why))
+        self.scheduler.send(Abort(request_ids=[request_id], reason=int(FinishReason.ERROR)))

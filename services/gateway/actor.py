@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -16,9 +16,11 @@ from common.config import Config
 from common.messages import (
     Drain,
     Drained,
+    ModelChanged,
     OutputBatch,
     ProcessDown,
     RequestError,
+    Retokenize,
     Stats,
     SwapResult,
 )
@@ -34,7 +36,7 @@ class _Server(uvicorn.Server):
     """uvicorn without its own signal handling: the actor owns SIGTERM/SIGINT."""
 
     @contextlib.contextmanager
-    def capture_signals(self):  # type: ignore[no-untyped-def]
+    def capture_signals(self) -> Iterator[None]:
         yield
 
     def install_signal_handlers(self) -> None:  # older uvicorn
@@ -56,6 +58,8 @@ class GatewayActor(Actor):
             SwapResult: self._on_swap_result,
             ProcessDown: self._on_process_down,
             Drain: self._on_drain,
+            ModelChanged: self._on_model_changed,
+            Retokenize: self._on_retokenize,
         })
 
     async def start(self) -> None:
@@ -77,7 +81,6 @@ class GatewayActor(Actor):
                                    timeout_graceful_shutdown=5)
         self.server = _Server(uv_config)
         self.server_task = asyncio.create_task(self.server.serve())
-        self.info_task = asyncio.create_task(self._learn_model())
         while not self.server.started:
             if self.server_task.done():
                 self.server_task.result()
@@ -100,19 +103,6 @@ class GatewayActor(Actor):
         self.grpc_port = await self.grpc.start()
         log.info("gRPC on %s:%d", server.host, self.grpc_port)
 
-    async def _learn_model(self) -> None:
-        """Ask the scheduler what it serves, until it knows (the worker may still be
-        loading), then every second: the version and a swap in progress change."""
-        while True:
-            try:
-                stats = await self.engine.stats(timeout=1.0)
-            except TimeoutError:
-                continue
-            if stats.get("ready"):
-                self.engine.set_model_info(stats["model"])
-                self.engine.swap_status = stats.get("swap")
-            await asyncio.sleep(1.0 if self.engine.is_ready() else 0.2)
-
     def ready_info(self) -> dict[str, Any]:
         info: dict[str, Any] = {"host": self.config.server.host, "port": self.port}
         if self.grpc is not None:
@@ -128,8 +118,6 @@ class GatewayActor(Actor):
         if self.grpc is not None:
             draining.append(self.grpc.stop(grace=5))
         await asyncio.gather(*draining, return_exceptions=True)
-        if hasattr(self, "info_task"):
-            self.info_task.cancel()
 
     def _on_outputs(self, msg: OutputBatch) -> None:
         self.engine.on_outputs(msg)
@@ -143,12 +131,18 @@ class GatewayActor(Actor):
     def _on_swap_result(self, msg: SwapResult) -> None:
         self.engine.on_swap_result(msg)
 
+    def _on_model_changed(self, msg: ModelChanged) -> None:
+        self.engine.on_model_changed(msg)
+
+    def _on_retokenize(self, msg: Retokenize) -> None:
+        self.engine.on_retokenize(msg)
+
     def _on_process_down(self, msg: ProcessDown) -> None:
         """The scheduler or detokenizer holds every request's state: fail them all. A
         tokenizer held only requests not yet scheduled: fail those with no output yet. (The
         scheduler fails the requests of a dead worker itself.)"""
         if msg.name in ("worker", "scheduler"):  # health says NOT_SERVING until it is back
-            self.engine.model_info = {}
+            self.engine.on_model_lost()
         if msg.name in ("scheduler", "detokenizer"):
             n = self.engine.fail_all(f"the {msg.name} process restarted")
         elif msg.name.startswith("tokenizer"):

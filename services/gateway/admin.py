@@ -16,12 +16,13 @@ from __future__ import annotations
 import hmac
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import orjson
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
+from services.gateway.engine_client import EngineClient
 from services.gateway.protocol import RequestRejected
 
 NO_ADMIN_TOKEN = (
@@ -29,10 +30,6 @@ NO_ADMIN_TOKEN = (
     "SHUTTLE_ADMIN_TOKEN); the admin API is disabled"
 )
 BAD_ADMIN_TOKEN = "invalid or missing admin token; send 'Authorization: Bearer <token>'"
-
-
-class StatsSource(Protocol):
-    async def stats(self, timeout: float = 5.0, what: str = "stats") -> dict[str, Any]: ...
 
 
 def check_admin_token(authorization: str | None, admin_token: str | None) -> str | None:
@@ -46,8 +43,9 @@ def check_admin_token(authorization: str | None, admin_token: str | None) -> str
     return None
 
 
-def admin_router(engine: StatsSource, admin_token: str | None,
-                 model_root: str | None = None) -> APIRouter:
+def admin_router(
+    engine: EngineClient, admin_token: str | None, model_root: str | None = None
+) -> APIRouter:
     """The /admin routes over `engine`, guarded by `admin_token`."""
     router = APIRouter(prefix="/admin", dependencies=[Depends(_require_admin(admin_token))])
 
@@ -64,20 +62,26 @@ def admin_router(engine: StatsSource, admin_token: str | None,
         return _json(await ask("requests"))
 
     async def cancel(request_id: str) -> Response:
-        in_flight = engine.is_in_flight(request_id)  # type: ignore[attr-defined]
-        await engine.abort(request_id)  # type: ignore[attr-defined]  # idempotent either way
-        return _json({"id": request_id, "cancelled": in_flight,
-                      "detail": "cancelled" if in_flight else "not in flight (finished, "
-                                "never sent, or cancelled already)"})
+        in_flight = engine.is_in_flight(request_id)
+        await engine.abort(request_id)  # idempotent either way
+        gone = "not in flight (finished, never sent, or cancelled already)"
+        detail = "cancelled" if in_flight else gone
+        return _json({"id": request_id, "cancelled": in_flight, "detail": detail})
 
     async def swap(request: Request) -> Response:
         body = _swap_body(await request.body())
         path = resolve_model_folder(body["model"], model_root)
-        result = await engine.swap_model(  # type: ignore[attr-defined]
-            str(path), body.get("version", ""), body.get("mode", "overlap"))
-        data = {"ok": result.ok, "version": result.version, "previous_version":
-                result.previous_version, "mode": result.mode,
-                "duration_s": round(result.duration_s, 3), "error": result.error}
+        result = await engine.swap_model(
+            str(path), body.get("version", ""), body.get("mode", "overlap")
+        )
+        data = {
+            "ok": result.ok,
+            "version": result.version,
+            "previous_version": result.previous_version,
+            "mode": result.mode,
+            "duration_s": round(result.duration_s, 3),
+            "error": result.error,
+        }
         return _json(data, 200 if result.ok else (409 if "in progress" in result.error else 400))
 
     router.add_api_route("/stats", stats, methods=["GET"])
@@ -113,11 +117,11 @@ def resolve_model_folder(path: str, model_root: str | None) -> Path:
         root = Path(model_root).resolve()
         folder = (root / folder).resolve() if not folder.is_absolute() else folder.resolve()
         if not folder.is_relative_to(root):
-            raise RequestRejected(f"model: {path!r} is outside the model root {root}", "model",
-                                  403)
+            raise RequestRejected(f"model: {path!r} is outside the model root {root}", "model", 403)
     if not (folder / "config.json").is_file():
-        raise RequestRejected(f"model: no Hugging Face model folder (config.json) at {path!r}",
-                              "model", 404)
+        raise RequestRejected(
+            f"model: no Hugging Face model folder (config.json) at {path!r}", "model", 404
+        )
     return folder
 
 

@@ -26,7 +26,7 @@ import hmac
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, Literal, TypeVar
 
 import anyio
@@ -81,8 +81,12 @@ class ClientGone(Exception):
 
 
 def create_app(
-    engine: EngineClient, *, api_key: str | None = None, admin_token: str | None = None,
-    model_root: str | None = None, limits: BodyLimits | None = None,
+    engine: EngineClient,
+    *,
+    api_key: str | None = None,
+    admin_token: str | None = None,
+    model_root: str | None = None,
+    limits: BodyLimits | None = None,
 ) -> FastAPI:
     """The HTTP app; with `api_key`, every /v1 route wants `Authorization: Bearer <key>`;
     /admin routes want the admin token (and are all refused without one)."""
@@ -92,14 +96,22 @@ def create_app(
     routes = OpenAIRoutes(engine)
     auth = [Depends(_require_key(api_key))] if api_key else []
     v1 = APIRouter(prefix="/v1", dependencies=auth)
-    v1.add_api_route("/chat/completions", routes.chat_completions, methods=["POST"],
-                     openapi_extra=json_body(ChatCompletionRequest))
-    v1.add_api_route("/completions", routes.completions, methods=["POST"],
-                     openapi_extra=json_body(CompletionRequest))
+    v1.add_api_route(
+        "/chat/completions",
+        routes.chat_completions,
+        methods=["POST"],
+        openapi_extra=json_body(ChatCompletionRequest),
+    )
+    v1.add_api_route(
+        "/completions",
+        routes.completions,
+        methods=["POST"],
+        openapi_extra=json_body(CompletionRequest),
+    )
     v1.add_api_route("/models", routes.models, methods=["GET"])
     app.include_router(v1)
     app.add_api_route("/health", routes.health, methods=["GET"])
-    app.include_router(admin_router(engine, admin_token, model_root))  # type: ignore[arg-type]  # stats()
+    app.include_router(admin_router(engine, admin_token, model_root))
     install_metrics(app, engine)  # GET /metrics, and the engine's request timers
     return app
 
@@ -139,7 +151,7 @@ class OpenAIRoutes:
             "root": self.engine.model_name,
             "max_model_len": self.engine.max_model_len,
             "version": self.engine.system_fingerprint,
-            "swap_in_progress": getattr(self.engine, "swap_status", None),
+            "swap_in_progress": self.engine.swap_status,
         }
         return _json({"object": "list", "data": [card]})
 
@@ -218,7 +230,7 @@ class DeltaReader:
     """Reads one request's deltas, each in a task of its own, so that a wait can time out
     (keep-alive) or lose a race with a disconnect without cancelling the engine mid-read."""
 
-    def __init__(self, deltas: AsyncIterator[OutputDelta]) -> None:
+    def __init__(self, deltas: AsyncGenerator[OutputDelta, None]) -> None:
         self._deltas = deltas
         self._pending: asyncio.Task[OutputDelta | None] | None = None
         self.version = ""  # the model version named by the deltas read so far
@@ -246,9 +258,7 @@ class DeltaReader:
             await asyncio.wait({task})
             if not task.cancelled():
                 task.exception()  # retrieved, so asyncio does not log it as lost
-        aclose = getattr(self._deltas, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        await self._deltas.aclose()
 
 
 async def _next_or_none(deltas: AsyncIterator[OutputDelta]) -> OutputDelta | None:
@@ -398,7 +408,7 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 async def sse_stream(
     reader: DeltaReader, first: OutputDelta, reply: _Reply, include_usage: bool
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """The SSE body: [role chunks], text and finish chunks per choice, [usage chunk], [DONE].
     A failure after the first byte becomes an error event, still followed by [DONE]."""
     try:
@@ -439,6 +449,12 @@ class SseResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
+    def __init__(
+        self, events: AsyncGenerator[bytes, None], headers: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(events, headers=headers)
+        self._events = events  # what body_iterator holds, typed as the generator it is
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
@@ -446,7 +462,7 @@ class SseResponse(StreamingResponse):
             log.debug("client left stream %s", self.headers.get(REQUEST_ID_HEADER))
         finally:
             with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+                await self._events.aclose()
 
 
 # --- errors ---------------------------------------------------------------------------------

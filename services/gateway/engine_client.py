@@ -1,16 +1,18 @@
-"""The gateway's view of the engine: submit a request, stream its outputs, abort it.
+"""The gateway's view of the engine: submit a request, stream its outputs, abort it; the
+served model, the scheduler's counters, a hot-swap.
 
 `ZmqEngineClient` (services/gateway/zmq_client.py) is the real one; the HTTP and gRPC
-front ends see only this interface.
+front ends, the admin routes and /metrics see only this interface (the fake in
+tests/fake_engine.py implements all of it too).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
-from typing import Protocol
+from collections.abc import AsyncGenerator, Callable
+from typing import Any, Protocol
 
-from common.messages import FinishReason, GenerateRequest
+from common.messages import FinishReason, GenerateRequest, SwapResult
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -43,18 +45,67 @@ class RequestFailed(Exception):
         self.param = param
 
 
+class RequestObserver(Protocol):
+    """Watches one request's deltas (services/gateway/metrics.py's RequestTimer)."""
+
+    def delta(self, delta: OutputDelta) -> None: ...
+
+    def failed(self, status: int) -> None: ...
+
+    def end(self) -> None:
+        """The engine client is done with the request (after its last delta, a failure, or
+        the caller closing the stream early)."""
+        ...
+
+
 class EngineClient(Protocol):
-    model_name: str  # the served model name (what /v1/models lists)
-    system_fingerprint: str  # the served weights version
-    max_model_len: int
+    """Everything the HTTP app, the gRPC servicers, the admin routes and /metrics use."""
 
-    def is_ready(self) -> bool: ...
+    @property
+    def model_name(self) -> str:
+        """The served model's name (what /v1/models lists); "" while nothing is served."""
+        ...
 
-    def generate(self, request: GenerateRequest) -> AsyncIterator[OutputDelta]:
+    @property
+    def system_fingerprint(self) -> str:
+        """The served weights version."""
+        ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def swap_status(self) -> dict[str, Any] | None:
+        """The hot-swap in progress (what /v1/models shows), or None."""
+        ...
+
+    # Called with each request on arrival; what it returns watches that request's deltas.
+    observer: Callable[[GenerateRequest], RequestObserver] | None
+
+    def is_ready(self) -> bool:
+        """A model is served and new requests are taken (not starting, not draining)."""
+        ...
+
+    def generate(self, request: GenerateRequest) -> AsyncGenerator[OutputDelta, None]:
         """Stream deltas until the one marked `last`. Raises RequestFailed.
 
-        Closing the iterator early (client gone) aborts the request in the engine.
+        Closing the generator early (`aclose()`: client gone) aborts the request in the engine.
         """
         ...
 
-    async def abort(self, request_id: str) -> None: ...
+    def is_in_flight(self, request_id: str) -> bool: ...
+
+    async def abort(self, request_id: str) -> None:
+        """End a request's sequences in the engine; idempotent (an unknown id is no error)."""
+        ...
+
+    async def stats(self, timeout: float = 5.0, what: str = "stats") -> dict[str, Any]:
+        """The scheduler's counters (`what="requests"`: its live requests, one row each).
+        Raises TimeoutError when it does not answer within `timeout`."""
+        ...
+
+    async def swap_model(
+        self, path: str, version: str, mode: str, timeout: float = 600.0
+    ) -> SwapResult:
+        """Serve the model in folder `path` (mode "overlap" or "drain"); the outcome."""
+        ...

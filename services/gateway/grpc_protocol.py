@@ -15,7 +15,7 @@ to the proto's: `prompt` -> `text` | `token_ids.ids`, `messages` -> `chat.messag
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Any, cast
 
 import grpc
 
@@ -141,7 +141,7 @@ def to_response(request_id: str, delta: OutputDelta, fingerprint: str) -> pb.Gen
     )
     if delta.finish_reason != FinishReason.NONE:
         # the proto enum's numbers are the engine's FinishReason values
-        response.finish_reason = int(delta.finish_reason)  # type: ignore[assignment]
+        response.finish_reason = cast("pb.FinishReason", int(delta.finish_reason))
         prompt, output = delta.num_prompt_tokens, delta.num_output_tokens
         response.usage.prompt_tokens = prompt
         response.usage.completion_tokens = output

@@ -24,7 +24,7 @@ import contextlib
 import functools
 import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -87,6 +87,7 @@ def _statuses(
             log.exception("%s failed", method.__name__)
             code, message = grpc.StatusCode.INTERNAL, "internal error"
         await context.abort(code, message)
+        raise AssertionError("unreachable: context.abort() raises")
 
     return handler
 
@@ -133,7 +134,7 @@ class ShuttleServicer(pb_grpc.ShuttleServicer):
     async def _stream(
         self,
         request_id: str,
-        deltas: AsyncIterator[OutputDelta],
+        deltas: AsyncGenerator[OutputDelta, None],
         context: grpc.aio.ServicerContext,
     ) -> None:
         fingerprint = self.engine.system_fingerprint
@@ -146,9 +147,7 @@ class ShuttleServicer(pb_grpc.ShuttleServicer):
         finally:
             # cancelled (client gone, deadline) or failed: closing aborts it in the engine;
             # after a finish this is a no-op
-            aclose = getattr(deltas, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await deltas.aclose()
 
     @_statuses
     async def Cancel(
@@ -176,8 +175,9 @@ class ShuttleServicer(pb_grpc.ShuttleServicer):
 class AdminServicer(pb_grpc.AdminServicer):
     """shuttle.v1.Admin, behind the admin token (refused entirely when none is configured)."""
 
-    def __init__(self, engine: EngineClient, admin_token: str | None,
-                 model_root: str | None = None) -> None:
+    def __init__(
+        self, engine: EngineClient, admin_token: str | None, model_root: str | None = None
+    ) -> None:
         self.engine = engine
         self.admin_token = admin_token
         self.model_root = model_root
@@ -197,14 +197,17 @@ class AdminServicer(pb_grpc.AdminServicer):
         except RequestRejected as e:
             raise GrpcError(status_code(e.status), e.message) from None
         mode = "drain" if request.mode == pb.SWAP_MODE_DRAIN else "overlap"
-        result = await self.engine.swap_model(  # type: ignore[attr-defined]
-            str(path), request.version, mode)
+        result = await self.engine.swap_model(str(path), request.version, mode)
         if not result.ok:
-            code = (grpc.StatusCode.FAILED_PRECONDITION if "in progress" in result.error
-                    else grpc.StatusCode.INVALID_ARGUMENT)
+            code = (
+                grpc.StatusCode.FAILED_PRECONDITION
+                if "in progress" in result.error
+                else grpc.StatusCode.INVALID_ARGUMENT
+            )
             raise GrpcError(code, f"SwapModel: {result.error}; the served model is unchanged")
-        return pb.SwapModelResponse(version=result.version,
-                                    previous_version=result.previous_version)
+        return pb.SwapModelResponse(
+            version=result.version, previous_version=result.previous_version
+        )
 
     @_statuses
     async def CancelRequest(
@@ -221,17 +224,27 @@ class AdminServicer(pb_grpc.AdminServicer):
     ) -> pb.ListRequestsResponse:
         self._authorize(context)
         try:
-            rows = (await self.engine.stats(timeout=5.0, what="requests"))[  # type: ignore[attr-defined]
-                "requests"]
+            rows = (await self.engine.stats(timeout=5.0, what="requests"))["requests"]
         except TimeoutError:
             raise GrpcError(grpc.StatusCode.UNAVAILABLE, "the scheduler did not answer") from None
-        states = {"waiting": pb.REQUEST_STATE_WAITING, "preempted": pb.REQUEST_STATE_PREEMPTED,
-                  "swapped": pb.REQUEST_STATE_PREEMPTED}
-        return pb.ListRequestsResponse(requests=[pb.RequestInfo(
-            request_id=r["id"], state=states.get(r["state"], pb.REQUEST_STATE_RUNNING),
-            num_prompt_tokens=r["num_prompt_tokens"], num_output_tokens=r["num_output_tokens"],
-            arrival_time=r.get("arrival_time", 0.0), model_version=r.get("version", ""))
-            for r in rows])
+        states = {
+            "waiting": pb.REQUEST_STATE_WAITING,
+            "preempted": pb.REQUEST_STATE_PREEMPTED,
+            "swapped": pb.REQUEST_STATE_PREEMPTED,
+        }
+        return pb.ListRequestsResponse(
+            requests=[
+                pb.RequestInfo(
+                    request_id=r["id"],
+                    state=states.get(r["state"], pb.REQUEST_STATE_RUNNING),
+                    num_prompt_tokens=r["num_prompt_tokens"],
+                    num_output_tokens=r["num_output_tokens"],
+                    arrival_time=r.get("arrival_time", 0.0),
+                    model_version=r.get("version", ""),
+                )
+                for r in rows
+            ]
+        )
 
 
 class GrpcGateway:
@@ -257,8 +270,9 @@ class GrpcGateway:
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         self.health = health.aio.HealthServicer()
         pb_grpc.add_ShuttleServicer_to_server(ShuttleServicer(engine, api_key), self.server)
-        pb_grpc.add_AdminServicer_to_server(AdminServicer(engine, admin_token, model_root),
-                                            self.server)
+        pb_grpc.add_AdminServicer_to_server(
+            AdminServicer(engine, admin_token, model_root), self.server
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(SERVICE_NAMES, self.server)
         self._health_task: asyncio.Task[None] | None = None

@@ -26,7 +26,7 @@ one clock and match what a client sees (less the network):
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from fastapi import FastAPI
@@ -36,22 +36,24 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
 from common.messages import FinishReason, GenerateRequest
-from services.gateway.engine_client import OutputDelta
+from services.gateway.engine_client import EngineClient, OutputDelta
 
 STATS_TIMEOUT_S = 0.5
 # vLLM's buckets, with finer ones at the low end: the synthetic model answers in microseconds
+# fmt: off
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
                 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
                30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# fmt: on
 
 
 class GatewayMetrics:
     """The gateway's registry: request timings observed here, scheduler figures on scrape."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self.engine = engine
         self.registry = CollectorRegistry(auto_describe=True)
         self.scheduler = _SchedulerStats(lambda: self.model_name)
@@ -64,23 +66,34 @@ class GatewayMetrics:
 
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Inter-token latency.", ITL_BUCKETS)
-        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.",
-                        E2E_BUCKETS)
-        self.queue = hist("request_queue_time_seconds",
-                          "Arrival at the gateway to the request's first output there.",
-                          TTFT_BUCKETS)
-        self.prompt_tokens = Counter("shuttle:prompt_tokens", "Prefill tokens processed.",
-                                     labels, registry=reg)
-        self.generation_tokens = Counter("shuttle:generation_tokens",
-                                         "Generation tokens processed.", labels, registry=reg)
-        self.success = Counter("shuttle:request_success", "Finished sequences by reason.",
-                               [*labels, "finished_reason"], registry=reg)
-        self.failure = Counter("shuttle:request_failure", "Requests the engine refused.",
-                               [*labels, "status"], registry=reg)
+        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.", E2E_BUCKETS)
+        self.queue = hist(
+            "request_queue_time_seconds",
+            "Arrival at the gateway to the request's first output there.",
+            TTFT_BUCKETS,
+        )
+        self.prompt_tokens = Counter(
+            "shuttle:prompt_tokens", "Prefill tokens processed.", labels, registry=reg
+        )
+        self.generation_tokens = Counter(
+            "shuttle:generation_tokens", "Generation tokens processed.", labels, registry=reg
+        )
+        self.success = Counter(
+            "shuttle:request_success",
+            "Finished sequences by reason.",
+            [*labels, "finished_reason"],
+            registry=reg,
+        )
+        self.failure = Counter(
+            "shuttle:request_failure",
+            "Requests the engine refused.",
+            [*labels, "status"],
+            registry=reg,
+        )
 
     @property
     def model_name(self) -> str:
-        return getattr(self.engine, "model_name", "") or ""
+        return self.engine.model_name
 
     def observe(self, request: GenerateRequest) -> RequestTimer:
         """A timer for one request, started now (its arrival)."""
@@ -88,20 +101,27 @@ class GatewayMetrics:
 
     async def render(self) -> bytes:
         """The exposition text, after refreshing the scheduler's figures (best effort)."""
-        stats = getattr(self.engine, "stats", None)
-        if stats is not None:
-            try:
-                self.scheduler.update(await stats(timeout=STATS_TIMEOUT_S))
-            except TimeoutError:
-                pass  # keep the last values: a busy or restarting scheduler is no error here
+        try:
+            self.scheduler.update(await self.engine.stats(timeout=STATS_TIMEOUT_S))
+        except TimeoutError:
+            pass  # keep the last values: a busy or restarting scheduler is no error here
         return generate_latest(self.registry)
 
 
 class RequestTimer:
     """Stamps one request's deltas; the engine client calls `delta` then `end` once."""
 
-    __slots__ = ("metrics", "model", "arrival", "last", "first_seen", "first_token", "running",
-                 "prompt_counted", "ended")
+    __slots__ = (
+        "metrics",
+        "model",
+        "arrival",
+        "last",
+        "first_seen",
+        "first_token",
+        "running",
+        "prompt_counted",
+        "ended",
+    )
 
     def __init__(self, metrics: GatewayMetrics, n: int) -> None:
         self.metrics = metrics
@@ -160,25 +180,43 @@ class RequestTimer:
 class _SchedulerStats:
     """A collector over the scheduler's last stats answer: gauges and its own counters."""
 
-    GAUGES = (("num_requests_running", "num_running", "Requests in model execution batches."),
-              ("num_requests_waiting", "num_waiting", "Requests waiting to be processed."),
-              ("kv_cache_usage_perc", "kv_cache_usage", "KV-cache usage, 1 means 100 percent."),
-              ("spec_decode_acceptance_rate", "spec_acceptance_rate",
-               "Speculative decoding: accepted / proposed draft tokens."),
-              ("spec_decode_mean_accepted_length", "spec_mean_accepted_length",
-               "Speculative decoding: tokens per verification step (accepted drafts + 1)."))
-    COUNTERS = (("num_preemptions", "num_preemptions", "Cumulative preemptions."),
-                ("prefix_cache_queries", "prefix_cache_queries",
-                 "Prefix-cache queries, in tokens."),
-                ("prefix_cache_hits", "prefix_cache_hits", "Prefix-cache hits, in tokens."),
-                ("spec_decode_num_drafts", "spec_num_drafts",
-                 "Speculative decoding: verification steps with at least one draft token."),
-                ("spec_decode_num_draft_tokens", "spec_num_draft_tokens",
-                 "Speculative decoding: draft tokens proposed."),
-                ("spec_decode_num_accepted_tokens", "spec_num_accepted_tokens",
-                 "Speculative decoding: draft tokens accepted."))
+    GAUGES = (
+        ("num_requests_running", "num_running", "Requests in model execution batches."),
+        ("num_requests_waiting", "num_waiting", "Requests waiting to be processed."),
+        ("kv_cache_usage_perc", "kv_cache_usage", "KV-cache usage, 1 means 100 percent."),
+        (
+            "spec_decode_acceptance_rate",
+            "spec_acceptance_rate",
+            "Speculative decoding: accepted / proposed draft tokens.",
+        ),
+        (
+            "spec_decode_mean_accepted_length",
+            "spec_mean_accepted_length",
+            "Speculative decoding: tokens per verification step (accepted drafts + 1).",
+        ),
+    )
+    COUNTERS = (
+        ("num_preemptions", "num_preemptions", "Cumulative preemptions."),
+        ("prefix_cache_queries", "prefix_cache_queries", "Prefix-cache queries, in tokens."),
+        ("prefix_cache_hits", "prefix_cache_hits", "Prefix-cache hits, in tokens."),
+        (
+            "spec_decode_num_drafts",
+            "spec_num_drafts",
+            "Speculative decoding: verification steps with at least one draft token.",
+        ),
+        (
+            "spec_decode_num_draft_tokens",
+            "spec_num_draft_tokens",
+            "Speculative decoding: draft tokens proposed.",
+        ),
+        (
+            "spec_decode_num_accepted_tokens",
+            "spec_num_accepted_tokens",
+            "Speculative decoding: draft tokens accepted.",
+        ),
+    )
 
-    def __init__(self, model_name: Any) -> None:
+    def __init__(self, model_name: Callable[[], str]) -> None:
         self.model_name = model_name
         self.last: dict[str, float] = {}
 
@@ -201,11 +239,10 @@ class _SchedulerStats:
             yield c
 
 
-def install_metrics(app: FastAPI, engine: Any) -> GatewayMetrics:
-    """Serve GET /metrics on `app`; an engine with an `observer` slot gets request timers."""
+def install_metrics(app: FastAPI, engine: EngineClient) -> GatewayMetrics:
+    """Serve GET /metrics on `app`, and time every request the engine takes."""
     metrics = GatewayMetrics(engine)
-    if hasattr(engine, "observer"):
-        engine.observer = metrics.observe
+    engine.observer = metrics.observe
 
     async def metrics_route() -> Response:
         return Response(await metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -1,8 +1,13 @@
 """The real EngineClient: requests go out over ZeroMQ, deltas come back into per-request queues.
 
-A request with n > 1 comes back as n sequences named `<id>#<i>` (the scheduler forks them);
-their deltas go into the queue of `<id>` tagged with index i, and the request ends when the
-last of them finishes. Client-chosen ids never hold '#', so the name cannot be ambiguous.
+A request with n > 1 comes back as n sequences (request id, index 0..n-1); their deltas go
+into the request's queue tagged with the index, and the request ends when the last of them
+finishes.
+
+What the engine serves (model name, version, context length) is pushed by the scheduler
+(`ModelChanged`): once the worker is ready, and after every swap or worker restart. A request
+the scheduler cannot start because a swap changed the tokenizer after it was tokenised comes
+back as `Retokenize`; the client still holds it and sends it to a tokenizer again.
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from common.ipc import Outbox
@@ -18,33 +23,34 @@ from common.messages import (
     Abort,
     FinishReason,
     GenerateRequest,
+    ModelChanged,
     OutputBatch,
     RequestError,
+    Retokenize,
     Stats,
     StatsQuery,
     SwapModel,
     SwapResult,
 )
-from services.gateway.engine_client import OutputDelta, RequestFailed
+from services.gateway.engine_client import OutputDelta, RequestFailed, RequestObserver
 
 log = logging.getLogger(__name__)
 
-
-def split_sequence_id(sequence_id: str) -> tuple[str, int]:
-    """Split "req#2" into ("req", 2); a plain request id is its own sequence 0."""
-    request_id, sep, index = sequence_id.rpartition("#")
-    if sep and index.isdigit():
-        return request_id, int(index)
-    return sequence_id, 0
+# A request is tokenised again at most this many times (each time a swap changed the
+# tokenizer before it started); then it fails with a retryable 503.
+MAX_RETOKENIZE = 4
 
 
 class _Stream:
-    """One in-flight request: its queue, and which of its sequences are still running."""
+    """One in-flight request: the request itself (to tokenise it again), its queue, and
+    which of its sequences are still running."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, request: GenerateRequest) -> None:
+        self.request = request
         self.queue: asyncio.Queue[OutputDelta | RequestFailed] = asyncio.Queue()
-        self.running = set(range(n))
+        self.running = set(range(request.sampling.n))
         self.has_output = False
+        self.num_retokenized = 0
 
     def put(self, msg: OutputBatch, i: int, index: int) -> None:
         finish = FinishReason(msg.finish_reasons[i])
@@ -72,21 +78,32 @@ class ZmqEngineClient:
         self.tokenizers = tokenizers
         self.scheduler = scheduler
         self.inbox_addr = inbox_addr
-        self.model_info: dict[str, Any] = {}
-        self.model_name = ""
-        self.system_fingerprint = ""
-        self.max_model_len = 0
+        self.served: ModelChanged | None = None  # what the scheduler last said it serves
+        self._is_serving = False  # False again while the worker or the scheduler restarts
         self._streams: dict[str, _Stream] = {}
         self._stats_waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._swap_waiters: dict[int, asyncio.Future[SwapResult]] = {}
-        self.swap_status: dict[str, Any] | None = None  # a swap in progress, from the stats
+        self.swap_status: dict[str, Any] | None = None  # the swap this gateway asked for
         self.draining = False  # shutting down: new requests get 503
         self._query_ids = itertools.count()
         # request timings (services/gateway/metrics.py): called with each request on arrival
-        self.observer: Callable[[GenerateRequest], Any] | None = None
+        self.observer: Callable[[GenerateRequest], RequestObserver] | None = None
+
+    @property
+    def model_name(self) -> str:
+        return self.served.name if self.served is not None else ""
+
+    @property
+    def system_fingerprint(self) -> str:
+        return self.served.version if self.served is not None else ""
+
+    @property
+    def max_model_len(self) -> int:
+        return self.served.max_model_len if self.served is not None else 0
 
     def is_ready(self) -> bool:
-        return bool(self.model_info) and not self.draining
+        """Serving: the scheduler has said which model (and nothing died since)."""
+        return self._is_serving and not self.draining
 
     def fail_all(self, why: str, only_waiting: bool = False) -> int:
         """A process behind us died: end requests in flight with a retryable 503 (those with
@@ -98,23 +115,29 @@ class ZmqEngineClient:
                 failed += 1
         return failed
 
-    def set_model_info(self, info: dict[str, Any]) -> None:
-        self.model_info = info
-        self.model_name = info["model_name"]
-        self.system_fingerprint = info.get("weights_version", "")
-        self.max_model_len = info["max_model_len"]
+    def on_model_changed(self, msg: ModelChanged) -> None:
+        """The scheduler serves this model now (pushed before a swap's SwapResult)."""
+        if self.served is None or msg.version != self.served.version:
+            log.info("serving %s version %s", msg.name, msg.version)
+        self.served = msg
+        self._is_serving = True
+
+    def on_model_lost(self) -> None:
+        """The worker or the scheduler died: not ready until the scheduler says again what
+        it serves. /v1/models keeps naming the last model meanwhile."""
+        self._is_serving = False
 
     @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[OutputDelta]:
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[OutputDelta, None]:
         rid = request.request_id
         if rid in self._streams:
             raise RequestFailed(
                 400, f"X-Request-Id: request id {rid!r} is already in flight", "X-Request-Id"
             )
-        stream = _Stream(request.sampling.n)
+        stream = _Stream(request)
         self._streams[rid] = stream
         finished = False
         timer = self.observer(request) if self.observer is not None else None
@@ -145,18 +168,31 @@ class ZmqEngineClient:
     def is_in_flight(self, request_id: str) -> bool:
         return request_id in self._streams
 
-    async def swap_model(self, path: str, version: str, mode: str,
-                         timeout: float = 600.0) -> SwapResult:
+    async def swap_model(
+        self, path: str, version: str, mode: str, timeout: float = 600.0
+    ) -> SwapResult:
         """Ask the scheduler to swap the served model; wait for the outcome."""
         ticket = next(self._query_ids)
         fut: asyncio.Future[SwapResult] = asyncio.get_running_loop().create_future()
         self._swap_waiters[ticket] = fut
+        status = {
+            "mode": mode,
+            "path": path,
+            "from": self.system_fingerprint,
+            "to": version or "(hash of the weights)",
+        }
+        self.swap_status = status
         try:
-            self.scheduler.send(SwapModel(ticket=ticket, reply_to=self.inbox_addr, path=path,
-                                          version=version, mode=mode))
+            self.scheduler.send(
+                SwapModel(
+                    ticket=ticket, reply_to=self.inbox_addr, path=path, version=version, mode=mode
+                )
+            )
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._swap_waiters.pop(ticket, None)
+            if self.swap_status is status:
+                self.swap_status = None
 
     def on_swap_result(self, msg: SwapResult) -> None:
         fut = self._swap_waiters.get(msg.ticket)
@@ -179,17 +215,37 @@ class ZmqEngineClient:
 
     # fed by the gateway actor ---------------------------------------------------------------
     def on_outputs(self, msg: OutputBatch) -> None:
-        for i, sequence_id in enumerate(msg.request_ids):
-            rid, index = split_sequence_id(sequence_id)
+        indices = msg.seq_indices or [0] * len(msg.request_ids)
+        for i, (rid, index) in enumerate(zip(msg.request_ids, indices, strict=True)):
             stream = self._streams.get(rid)
             if stream is not None:  # else: finished or aborted, its late outputs are moot
                 stream.put(msg, i, index)
 
     def on_error(self, msg: RequestError) -> None:
-        # an error about one sequence fails the whole request
-        stream = self._streams.get(split_sequence_id(msg.request_id)[0])
-        if stream is not None:
+        stream = self._streams.get(msg.request_id)
+        if stream is not None:  # an error fails every sequence of the request
             stream.queue.put_nowait(RequestFailed(msg.status, msg.message, msg.param))
+
+    def on_retokenize(self, msg: Retokenize) -> None:
+        """A swap changed the tokenizer before the request started: the scheduler dropped
+        it; send it to a tokenizer again (which now has the new tokenizer)."""
+        stream = self._streams.get(msg.request_id)
+        if stream is None:
+            return  # the client went away meanwhile
+        if stream.num_retokenized >= MAX_RETOKENIZE:
+            stream.queue.put_nowait(
+                RequestFailed(
+                    503,
+                    f"the served model changed {stream.num_retokenized + 1} times before the "
+                    "request could start; retry the request",
+                )
+            )
+            return
+        stream.num_retokenized += 1
+        log.info(
+            "tokenising again (%d)", stream.num_retokenized, extra={"request_id": msg.request_id}
+        )
+        self.tokenizers.send(stream.request)
 
     def on_stats(self, msg: Stats) -> None:
         fut = self._stats_waiters.get(msg.query_id)

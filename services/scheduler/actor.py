@@ -114,14 +114,17 @@ class SchedulerActor(Actor):
 
     def _on_process_down(self, msg: ProcessDown) -> None:
         """A peer died: its requests cannot finish. Fail them all with a retryable error and
-        free their blocks; a new worker announces itself with Ready (a new pool)."""
+        free their blocks; a new worker announces itself with Ready (a new pool). Any other
+        process starts again from the start-up model: tell it which model is served (the
+        message waits in our socket until it is up)."""
         if msg.name in ("worker", "detokenizer", "gateway"):
             log.error("%s died (exit %d): failing the requests in flight", msg.name, msg.exit_code)
             why = f"the {msg.name} process restarted"
             if msg.name == "worker":  # not ready until the new worker's Ready
                 self.core.on_worker_down(why)
-            else:
-                self.core.fail_all(why)
+                return
+            self.core.fail_all(why)
+        self.core.announce()
 
     def _on_abort(self, msg: Abort) -> None:
         self.core.abort(msg.request_ids, FinishReason(msg.reason), msg.seq_indices)

@@ -13,8 +13,9 @@ BATCH_POLICIES = ("continuous", "static", "dynamic")
 
 
 class BatchGate:
-    def __init__(self, policy: str, max_batch: int, batch_window: float,
-                 static_batch_timeout: float) -> None:
+    def __init__(
+        self, policy: str, max_batch: int, batch_window: float, static_batch_timeout: float
+    ) -> None:
         if policy not in BATCH_POLICIES:
             raise ValueError(f"unknown batch policy {policy!r}; known: {BATCH_POLICIES}")
         self.policy = policy

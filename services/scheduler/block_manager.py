@@ -92,7 +92,7 @@ class BlockManager:
             return []
         bs, parent, hits = self.block_size, root, []
         for i in range((len(token_ids) - 1) // bs):
-            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             parent = hash((parent, tokens))
             block = self._by_hash.get(parent)
             if block is None or self._tokens_of[block] != tokens:
@@ -114,16 +114,20 @@ class BlockManager:
         self.num_cached_queries += num_prompt_tokens
         self.num_cached_hits += len(hits) * self.block_size
 
-    def cache_full_blocks(self, req_id: str, root: int, token_ids: list[int],
-                          num_computed: int) -> None:
+    def cache_full_blocks(
+        self, req_id: str, root: int, token_ids: list[int], num_computed: int
+    ) -> None:
         """Hash the request's blocks that `num_computed` tokens have filled, so later
         requests can share them."""
         if not self.enable_prefix_caching:
             return
-        table, chain, bs = self.block_tables[req_id], self._chains.setdefault(req_id, []), \
-            self.block_size
+        table, chain, bs = (
+            self.block_tables[req_id],
+            self._chains.setdefault(req_id, []),
+            self.block_size,
+        )
         for i in range(len(chain), num_computed // bs):
-            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             h = hash((chain[-1] if chain else root, tokens))
             chain.append(h)
             block = table[i]

@@ -212,15 +212,23 @@ class EngineCore:
         policy.set_version(self.served.version, root)
         if old_fingerprint not in (None, self.served.tokenizer_fingerprint):
             self._retokenize_unstarted()
+        self.announce()
+
+    def announce(self) -> None:
+        """Tell every process that depends on the served model which one it is: after a
+        change, and to a process that restarted with the start-up model's facts."""
+        served = self.served
+        if served is None:
+            return  # the next worker's Ready announces it
         self.outbox.announce(
             ModelChanged(
-                name=name,
-                version=self.served.version,
-                path=str(info.get("model_path", "")),
-                tokenizer_fingerprint=self.served.tokenizer_fingerprint,
-                max_model_len=self.served.max_model_len,
-                vocab_size=self.served.vocab_size,
-                eos_token_ids=list(info.get("eos_token_ids", [])),
+                name=served.name,
+                version=served.version,
+                path=str(served.info.get("model_path", "")),
+                tokenizer_fingerprint=served.tokenizer_fingerprint,
+                max_model_len=served.max_model_len,
+                vocab_size=served.vocab_size,
+                eos_token_ids=list(served.info.get("eos_token_ids", [])),
             )
         )
 

@@ -19,8 +19,11 @@ def to_plan(step_id: int, out: SchedulerOutput) -> StepPlan:
         num_computed_tokens=[s.num_computed_tokens for s in out.scheduled],
         num_new_tokens=[s.num_new_tokens for s in out.scheduled],
         new_block_ids=[s.new_block_ids for s in out.scheduled],
-        num_spec_tokens=([s.num_spec_tokens for s in out.scheduled]
-                         if any(s.num_spec_tokens for s in out.scheduled) else []),
+        num_spec_tokens=(
+            [s.num_spec_tokens for s in out.scheduled]
+            if any(s.num_spec_tokens for s in out.scheduled)
+            else []
+        ),
         swap_out_src=[g for g, _ in out.swap_out],
         swap_out_dst=[h for _, h in out.swap_out],
         swap_in_src=[h for h, _ in out.swap_in],

@@ -84,15 +84,20 @@ class PolicyConfig:
         """The scheduler section's settings, field by field by name (a field added to both
         cannot be forgotten here), and the draft slots speculative decoding asks for."""
         section = dataclasses.asdict(config.scheduler)
-        return cls(**{f.name: section[f.name] for f in dataclasses.fields(cls)
-                      if f.name in section},
-                   num_speculative_tokens=config.speculative.num_tokens)
+        return cls(
+            **{f.name: section[f.name] for f in dataclasses.fields(cls) if f.name in section},
+            num_speculative_tokens=config.speculative.num_tokens,
+        )
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, config: PolicyConfig = PolicyConfig(),
-                 host_pool: HostBlockPool | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        blocks: BlockManager,
+        config: PolicyConfig = PolicyConfig(),
+        host_pool: HostBlockPool | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if config.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"unknown preemption mode {config.preemption_mode!r}")
         self.blocks = blocks
@@ -100,8 +105,12 @@ class Scheduler:
         self.host_pool = host_pool or HostBlockPool(0)
         self.clock = clock
         self.num_watermark_blocks = int(config.watermark * blocks.num_blocks)
-        self.gate = BatchGate(config.batch_policy, config.max_num_seqs, config.batch_window,
-                              config.static_batch_timeout)
+        self.gate = BatchGate(
+            config.batch_policy,
+            config.max_num_seqs,
+            config.batch_window,
+            config.static_batch_timeout,
+        )
         self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -138,8 +147,9 @@ class Scheduler:
     def expire(self, now_wall: float | None = None) -> list[Request]:
         """Finish every request past its deadline (finish reason `timeout`)."""
         now_wall = time.time() if now_wall is None else now_wall
-        late = [r for r in self.requests.values() if r.deadline is not None
-                and r.deadline <= now_wall]
+        late = [
+            r for r in self.requests.values() if r.deadline is not None and r.deadline <= now_wall
+        ]
         for req in late:
             self._finish(req, FinishReason.TIMEOUT)
         return late
@@ -150,12 +160,18 @@ class Scheduler:
 
     def num_started_on(self, version: str | None = None) -> int:
         """Live requests that started on `version` (any version when None)."""
-        return sum(1 for r in self.requests.values()
-                   if r.version is not None and (version is None or r.version == version))
+        return sum(
+            1
+            for r in self.requests.values()
+            if r.version is not None and (version is None or r.version == version)
+        )
 
     def has_work(self) -> bool:
-        return bool(self._finished_for_worker) or any(
-            r.num_tokens_to_compute for r in self.running) or bool(self.waiting)
+        return (
+            bool(self._finished_for_worker)
+            or any(r.num_tokens_to_compute for r in self.running)
+            or bool(self.waiting)
+        )
 
     @property
     def num_waiting(self) -> int:
@@ -256,10 +272,15 @@ class Scheduler:
             out.preempted_req_ids.append(req.request_id)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        allowed = self.gate.num_admissible(len(self.running), len(self.waiting),
-                                           self._oldest_wait())
-        while (self.waiting and budget > 0 and allowed > 0
-               and len(self.running) < self.config.max_num_seqs):
+        allowed = self.gate.num_admissible(
+            len(self.running), len(self.waiting), self._oldest_wait()
+        )
+        while (
+            self.waiting
+            and budget > 0
+            and allowed > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
             req = self.waiting.peek()
             if self.paused and req.version is None:
                 break  # a drain: nothing new starts until the swap is done
@@ -313,7 +334,8 @@ class Scheduler:
         """Admit when the whole prompt fits beside the watermark; on an idle server, when
         the first chunk fits (so a prompt as large as the pool is never stuck)."""
         return self.blocks.can_allocate(whole, reserve=self.num_watermark_blocks) or (
-            not self.running and self.blocks.can_allocate(chunk))
+            not self.running and self.blocks.can_allocate(chunk)
+        )
 
     def _admit_fork(self, req: Request, budget: int) -> int:
         """n > 1: share the leader's prompt blocks once it has computed all but the last
@@ -325,8 +347,11 @@ class Scheduler:
             req.fork_of = None  # the leader cannot share now (never waits behind it): alone
             return self._admit(req, budget, SchedulerOutput())
         # KV copies run before a step computes, so only KV of earlier steps may be shared
-        ready = (leader.computed_before_step if leader.scheduled_in == self.num_schedules
-                 else leader.num_computed_tokens)
+        ready = (
+            leader.computed_before_step
+            if leader.scheduled_in == self.num_schedules
+            else leader.num_computed_tokens
+        )
         if leader.status != Status.RUNNING or ready < k:
             return 0  # wait for the leader's prefill
         # blocks past the shared ones, plus one for the copy of a shared partial block
@@ -339,8 +364,9 @@ class Scheduler:
         req.fork_of = None
         return min(req.num_tokens - k, budget)
 
-    def _take(self, req: Request, num_new: int, out: SchedulerOutput,
-              spec: int = 0) -> ScheduledReq:
+    def _take(
+        self, req: Request, num_new: int, out: SchedulerOutput, spec: int = 0
+    ) -> ScheduledReq:
         before = req.num_computed_tokens
         req.scheduled_in, req.computed_before_step = self.num_schedules, before
         copy = self.blocks.copy_on_write(req.request_id, before)
@@ -359,14 +385,19 @@ class Scheduler:
         if samples:
             req.num_pending += 1  # its token counts from now on, known when the step ends
         known = len(req.prompt_token_ids) + len(req.output_token_ids)
-        self.blocks.cache_full_blocks(req.request_id, req.cache_root, req.all_token_ids,
-                                      min(req.num_computed_tokens, known))
+        self.blocks.cache_full_blocks(
+            req.request_id, req.cache_root, req.all_token_ids, min(req.num_computed_tokens, known)
+        )
         return ScheduledReq(req, num_new, new_blocks, before, samples, spec)
 
     # results ------------------------------------------------------------------------------
-    def update(self, req_ids: list[str], token_ids: list[int],
-               num_tokens: list[int] | None = None, num_proposed: list[int] | None = None
-               ) -> list[tuple[Request, list[int], FinishReason]]:
+    def update(
+        self,
+        req_ids: list[str],
+        token_ids: list[int],
+        num_tokens: list[int] | None = None,
+        num_proposed: list[int] | None = None,
+    ) -> list[tuple[Request, list[int], FinishReason]]:
         """Apply a step's sampled tokens (`num_tokens[i]` of them for request i, one each
         when None); return (request, its tokens, finish reason) for live ones. A finished
         request's late tokens (a stop seen one step late, tokens after a stop) are dropped.
@@ -377,7 +408,7 @@ class Scheduler:
         counts = num_tokens or [1] * len(req_ids)
         results, start = [], 0
         for i, (req_id, count) in enumerate(zip(req_ids, counts, strict=True)):
-            tokens, start = token_ids[start:start + count], start + count
+            tokens, start = token_ids[start : start + count], start + count
             req = self.requests.get(req_id)
             if req is None:
                 continue
@@ -398,8 +429,11 @@ class Scheduler:
                     break
             if req.status == Status.RUNNING:
                 self.blocks.cache_full_blocks(
-                    req_id, req.cache_root, req.all_token_ids,
-                    min(req.num_computed_tokens, len(req.all_token_ids)))
+                    req_id,
+                    req.cache_root,
+                    req.all_token_ids,
+                    min(req.num_computed_tokens, len(req.all_token_ids)),
+                )
             if reason != FinishReason.NONE:
                 self._finish(req, reason)
             results.append((req, kept, reason))
@@ -432,12 +466,15 @@ class Scheduler:
     def check_integrity(self) -> None:
         self.blocks.check_integrity()
         self.host_pool.check_integrity(
-            [b for r in self.waiting if r.host_blocks for b in r.host_blocks])
+            [b for r in self.waiting if r.host_blocks for b in r.host_blocks]
+        )
         live = {r.request_id for r in self.running} | {r.request_id for r in self.waiting}
         assert live == set(self.requests), "a request is lost or in two queues"
         assert len(self.running) + len(self.waiting) == len(self.requests)
         for req_id in self.blocks.block_tables:
             assert req_id in self.requests, f"finished request {req_id} still holds blocks"
         for r in self.waiting:
-            assert r.request_id not in self.blocks.block_tables or not \
-                self.blocks.block_tables[r.request_id], f"waiting {r.request_id} holds blocks"
+            assert (
+                r.request_id not in self.blocks.block_tables
+                or not self.blocks.block_tables[r.request_id]
+            ), f"waiting {r.request_id} holds blocks"

@@ -112,5 +112,7 @@ class Request:
         return FinishReason.NONE
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, {self.status.name}, "
-                f"{self.num_computed_tokens}/{self.num_tokens})")
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, "
+            f"{self.num_computed_tokens}/{self.num_tokens})"
+        )

@@ -32,8 +32,9 @@ class _Swap:
 
 
 class SwapCoordinator:
-    def __init__(self, send_worker: Callable[[Any], None],
-                 reply: Callable[[str, SwapResult], None]) -> None:
+    def __init__(
+        self, send_worker: Callable[[Any], None], reply: Callable[[str, SwapResult], None]
+    ) -> None:
         self.send_worker = send_worker
         self.reply = reply
         self.swap: _Swap | None = None
@@ -47,17 +48,30 @@ class SwapCoordinator:
         if self.swap is None:
             return None
         r = self.swap.request
-        return {"mode": r.mode, "phase": self.swap.phase, "from": self.swap.old_version,
-                "path": r.path, "to": r.version or "(hash of the weights)",
-                "elapsed_s": round(time.monotonic() - self.swap.started, 3)}
+        return {
+            "mode": r.mode,
+            "phase": self.swap.phase,
+            "from": self.swap.old_version,
+            "path": r.path,
+            "to": r.version or "(hash of the weights)",
+            "elapsed_s": round(time.monotonic() - self.swap.started, 3),
+        }
 
     def start(self, msg: SwapModel, policy: Scheduler) -> None:
         if self.swap is not None:
-            self.reply(msg.reply_to, SwapResult(ticket=msg.ticket, ok=False, mode=msg.mode,
-                                                error="a swap is already in progress"))
+            self.reply(
+                msg.reply_to,
+                SwapResult(
+                    ticket=msg.ticket,
+                    ok=False,
+                    mode=msg.mode,
+                    error="a swap is already in progress",
+                ),
+            )
             return
-        self.swap = _Swap(msg, policy.version, time.monotonic(),
-                          "draining" if msg.mode == "drain" else "loading")
+        self.swap = _Swap(
+            msg, policy.version, time.monotonic(), "draining" if msg.mode == "drain" else "loading"
+        )
         log.info("swap to %s (%s) started", msg.path, msg.mode)
         if msg.mode == "drain":
             policy.paused = True
@@ -78,8 +92,9 @@ class SwapCoordinator:
             self.send_worker(UnloadModel(version=s.old_version))
             self._done(policy, ok=True)
 
-    def on_loaded(self, msg: ModelLoaded, policy: Scheduler,
-                  adopt: Callable[[dict[str, Any]], None]) -> None:
+    def on_loaded(
+        self, msg: ModelLoaded, policy: Scheduler, adopt: Callable[[dict[str, Any]], None]
+    ) -> None:
         """The worker's answer to LoadModel: `adopt` installs the new version's info."""
         s = self.swap
         if s is None:
@@ -103,9 +118,22 @@ class SwapCoordinator:
         self.swap = None
         self.num_swaps += ok
         r = s.request
-        self.reply(r.reply_to, SwapResult(
-            ticket=r.ticket, ok=ok, version=policy.version if ok else "",
-            previous_version=s.old_version, mode=r.mode,
-            duration_s=time.monotonic() - s.started, error=error))
-        log.info("swap %s: %s -> %s in %.2fs", "done" if ok else "failed", s.old_version,
-                 policy.version, time.monotonic() - s.started)
+        self.reply(
+            r.reply_to,
+            SwapResult(
+                ticket=r.ticket,
+                ok=ok,
+                version=policy.version if ok else "",
+                previous_version=s.old_version,
+                mode=r.mode,
+                duration_s=time.monotonic() - s.started,
+                error=error,
+            ),
+        )
+        log.info(
+            "swap %s: %s -> %s in %.2fs",
+            "done" if ok else "failed",
+            s.old_version,
+            policy.version,
+            time.monotonic() - s.started,
+        )

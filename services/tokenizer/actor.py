@@ -1,15 +1,22 @@
-"""A tokenizer process: chat template, tokenisation, validation. Holds no request state."""
+"""A tokenizer process: chat template, tokenisation, validation. Holds no request state.
+
+The served model can change at run time (a hot-swap, a worker restart); the scheduler owns
+that fact and pushes `ModelChanged`. From then on requests are tokenised with the new
+model's tokenizer and checked against its facts, and every `TokenizedRequest` names the
+fingerprint of the tokenizer that made its ids, so the scheduler never starts it on a model
+whose vocabulary differs.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common.actor import Actor
 from common.config import Config
-from common.messages import GenerateRequest, RequestError, TokenizedRequest
+from common.messages import GenerateRequest, ModelChanged, RequestError, TokenizedRequest
 from common.model_facts import load_model_facts, tokenizer_fingerprint
 from services.tokenizer.validate import (
     InvalidRequest,
@@ -19,7 +26,46 @@ from services.tokenizer.validate import (
     fit_max_tokens,
 )
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServedModel:
+    """What tokenising and validating a request needs to know about the served model."""
+
+    tokenizer: PreTrainedTokenizerBase
+    fingerprint: str  # tokenizer_fingerprint of the folder the tokenizer came from
+    max_model_len: int
+    vocab_size: int  # prompt token ids must be below it
+    eos_token_ids: list[int]
+
+
+def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(model_dir)
+    return tokenizer
+
+
+def _with_tokenizer_eos(eos_token_ids: list[int], tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    eos = tokenizer.eos_token_id
+    return sorted({*eos_token_ids, eos}) if isinstance(eos, int) else sorted(eos_token_ids)
+
+
+def startup_model(model_dir: Path, max_model_len_override: int = 0) -> ServedModel:
+    """The model named on the command line, read from its folder (before any ModelChanged)."""
+    tokenizer = load_tokenizer(model_dir)
+    facts = load_model_facts(model_dir, max_model_len_override)
+    return ServedModel(
+        tokenizer=tokenizer,
+        fingerprint=tokenizer_fingerprint(model_dir),
+        max_model_len=facts["max_model_len"],
+        vocab_size=max(facts["vocab_size"], len(tokenizer)),
+        eos_token_ids=_with_tokenizer_eos(facts["eos_token_ids"], tokenizer),
+    )
 
 
 class TokenizerActor(Actor):
@@ -29,53 +75,85 @@ class TokenizerActor(Actor):
         super().__init__(config, inbox_addr=config.tokenizer_addrs()[index])
         self.index = index
         self.handlers[GenerateRequest] = self._on_generate
+        self.handlers[ModelChanged] = self._on_model_changed
 
     @property
     def inbox_name(self) -> str:
         return f"tokenizer-{self.index}"
 
     async def start(self) -> None:
-        from transformers import AutoTokenizer
-
-        model_dir = Path(self.config.model.model)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.facts = load_model_facts(model_dir, self.config.model.max_model_len)
-        if self.tokenizer.eos_token_id is not None:
-            self.facts["eos_token_ids"] = sorted({*self.facts["eos_token_ids"],
-                                                  self.tokenizer.eos_token_id})
-        self.facts["vocab_size"] = max(self.facts["vocab_size"], len(self.tokenizer))
-        self.fingerprint = tokenizer_fingerprint(model_dir)
+        self.model = startup_model(Path(self.config.model.model), self.config.model.max_model_len)
         self.scheduler = self.outbox(self.config.addr("scheduler"))
         self.gateway = self.outbox(self.config.addr("gateway"))
 
     def ready_info(self) -> dict[str, Any]:
-        return {**self.facts, "tokenizer_fingerprint": self.fingerprint}
+        m = self.model
+        return {
+            "eos_token_ids": m.eos_token_ids,
+            "max_model_len": m.max_model_len,
+            "vocab_size": m.vocab_size,
+            "tokenizer_fingerprint": m.fingerprint,
+        }
+
+    def _on_model_changed(self, msg: ModelChanged) -> None:
+        """Tokenise with the new model's tokenizer from now on. Loading one takes a while;
+        requests queue in the inbox meanwhile. If it fails the old one goes on serving (the
+        scheduler then has requests tokenised again until the gateway gives up on them)."""
+        tokenizer = self.model.tokenizer
+        if msg.tokenizer_fingerprint != self.model.fingerprint:
+            try:
+                tokenizer = load_tokenizer(Path(msg.path))
+            except Exception:
+                log.exception(
+                    "cannot load the tokenizer of %s (%s); keeping %s",
+                    msg.path,
+                    msg.tokenizer_fingerprint,
+                    self.model.fingerprint,
+                )
+                return
+            log.info(
+                "tokenizer %s -> %s (%s)",
+                self.model.fingerprint,
+                msg.tokenizer_fingerprint,
+                msg.path,
+            )
+        self.model = ServedModel(
+            tokenizer=tokenizer,
+            fingerprint=msg.tokenizer_fingerprint,
+            max_model_len=msg.max_model_len,
+            vocab_size=msg.vocab_size,
+            eos_token_ids=_with_tokenizer_eos(msg.eos_token_ids, tokenizer),
+        )
 
     def _on_generate(self, req: GenerateRequest) -> None:
         try:
             self.scheduler.send(self.tokenize(req))
         except InvalidRequest as e:
-            self.gateway.send(RequestError(request_id=req.request_id, status=e.status,
-                                           message=e.message, param=e.param))
+            self.gateway.send(
+                RequestError(
+                    request_id=req.request_id, status=e.status, message=e.message, param=e.param
+                )
+            )
 
     def tokenize(self, req: GenerateRequest) -> TokenizedRequest:
+        model = self.model
         check_sampling(req.sampling)
-        ids = self._prompt_ids(req)
-        max_tokens = fit_max_tokens(len(ids), req.sampling.max_tokens,
-                                    self.facts["max_model_len"])
+        ids = self._prompt_ids(req, model)
+        max_tokens = fit_max_tokens(len(ids), req.sampling.max_tokens, model.max_model_len)
         return TokenizedRequest(
             request_id=req.request_id,
             prompt_token_ids=ids,
             sampling=dataclasses.replace(req.sampling, max_tokens=max_tokens),
-            eos_token_ids=self.facts["eos_token_ids"],
+            eos_token_ids=model.eos_token_ids,
             arrival_time=req.arrival_time,
             priority=req.priority,
             timeout=req.timeout,
+            tokenizer_fingerprint=model.fingerprint,
         )
 
-    def _prompt_ids(self, req: GenerateRequest) -> list[int]:
+    def _prompt_ids(self, req: GenerateRequest, model: ServedModel) -> list[int]:
         if req.prompt_token_ids is not None:
-            check_token_ids(req.prompt_token_ids, self.facts["vocab_size"])
+            check_token_ids(req.prompt_token_ids, model.vocab_size)
             return list(req.prompt_token_ids)
         if req.messages is not None:
             if not req.messages:
@@ -83,13 +161,13 @@ class TokenizerActor(Actor):
             num_chars = sum(len(str(m.get("content") or "")) for m in req.messages)
             check_prompt_chars("messages", num_chars, self.config.server.max_prompt_chars)
             try:
-                text = self.tokenizer.apply_chat_template(
-                    req.messages, tokenize=False,
-                    add_generation_prompt=req.add_generation_prompt)
+                text = model.tokenizer.apply_chat_template(
+                    req.messages, tokenize=False, add_generation_prompt=req.add_generation_prompt
+                )
             except Exception as e:  # a template may raise on roles it does not allow
                 raise InvalidRequest("messages", f"the chat template rejected them: {e}") from e
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            return list(model.tokenizer.encode(str(text), add_special_tokens=False))
         if not req.prompt:
             raise InvalidRequest("prompt", "must not be empty")
         check_prompt_chars("prompt", len(req.prompt), self.config.server.max_prompt_chars)
-        return self.tokenizer.encode(req.prompt, add_special_tokens=True)
+        return list(model.tokenizer.encode(req.prompt, add_special_tokens=True))

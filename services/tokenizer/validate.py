@@ -39,8 +39,12 @@ def check_prompt_chars(param: str, num_chars: int, max_chars: int) -> None:
     """Refuse a prompt too long to be worth tokenising (--max-prompt-chars); 413 as for a
     body over the size limit, since no setting of the request's fields could make it fit."""
     if num_chars > max_chars:
-        raise InvalidRequest(param, f"the prompt has {num_chars} characters, more than the "
-                                    f"limit of {max_chars} (--max-prompt-chars)", 413)
+        raise InvalidRequest(
+            param,
+            f"the prompt has {num_chars} characters, more than the "
+            f"limit of {max_chars} (--max-prompt-chars)",
+            413,
+        )
 
 
 def fit_max_tokens(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> int:
@@ -69,5 +73,6 @@ def fit_max_tokens(num_prompt_tokens: int, max_tokens: int, max_model_len: int) 
 def check_token_ids(token_ids: list[int], vocab_size: int) -> None:
     for t in token_ids:
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
-            raise InvalidRequest("prompt", f"token id {t!r} is outside the vocabulary "
-                                           f"(0..{vocab_size - 1})")
+            raise InvalidRequest(
+                "prompt", f"token id {t!r} is outside the vocabulary (0..{vocab_size - 1})"
+            )

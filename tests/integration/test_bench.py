@@ -1,4 +1,5 @@
-"""tools/bench against a running shuttle (the synthetic model: fast, and its counts are exact)."""
+"""tools/bench (tools/benchmarks/) against a running shuttle (the synthetic model: fast, and
+its counts are exact)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from tests.server import Server, running_server
-from tools import bench
+from tools.benchmarks import cli
+from tools.benchmarks.load import run_load
+from tools.benchmarks.workload import Workload
 
 TOKEN = "bench-test"
 
@@ -22,8 +25,20 @@ def synthetic() -> Iterator[Server]:
 
 def _run(server: Server, tmp_path: Path, *extra: str) -> dict:
     out = tmp_path / "result.json"
-    code = bench.main(["--url", server.url, "--admin-token", TOKEN, "--json", str(out),
-                       "--plot-dir", str(tmp_path / "plots"), "--no-progress", *extra])
+    code = cli.main(
+        [
+            "--url",
+            server.url,
+            "--admin-token",
+            TOKEN,
+            "--json",
+            str(out),
+            "--plot-dir",
+            str(tmp_path / "plots"),
+            "--no-progress",
+            *extra,
+        ]
+    )
     assert code == 0
     return json.loads(out.read_text())
 
@@ -34,9 +49,22 @@ def _is_png(path: Path) -> bool:
 
 def test_random_workload_rate_sweep_goodput_and_plots(synthetic: Server, tmp_path: Path) -> None:
     """The lean client (the default), two rates, SLOs every request meets, and plots."""
-    r = _run(synthetic, tmp_path, "--num-prompts", "12", "--input-len", "8:40",
-             "--output-len", "4:12", "--sweep-rates", "40,200", "--slo-ttft-ms", "60000",
-             "--slo-tpot-ms", "60000")
+    r = _run(
+        synthetic,
+        tmp_path,
+        "--num-prompts",
+        "12",
+        "--input-len",
+        "8:40",
+        "--output-len",
+        "4:12",
+        "--sweep-rates",
+        "40,200",
+        "--slo-ttft-ms",
+        "60000",
+        "--slo-tpot-ms",
+        "60000",
+    )
     w = r["workload"]
     assert [run["rate"] for run in r["sweep"]] == [40.0, 200.0]
     for s in r["sweep"]:
@@ -45,8 +73,9 @@ def test_random_workload_rate_sweep_goodput_and_plots(synthetic: Server, tmp_pat
         assert s["output_tokens"] == w["output_tokens"]
         assert s["prompt_tokens"] == w["prompt_tokens"]
         assert sum(q["output_tokens"] for q in s["requests"]) == w["output_tokens"]
-        assert all(0 < q["ttft"] <= q["e2e"] and len(q["itl"]) < q["output_tokens"]
-                   for q in s["requests"])
+        assert all(
+            0 < q["ttft"] <= q["e2e"] and len(q["itl"]) < q["output_tokens"] for q in s["requests"]
+        )
         assert 1 <= s["peak_concurrency"] <= 12
         for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
             p = s[key]
@@ -61,13 +90,27 @@ def test_random_workload_rate_sweep_goodput_and_plots(synthetic: Server, tmp_pat
 
 def test_jsonl_workload_with_text_and_token_prompts(synthetic: Server, tmp_path: Path) -> None:
     """httpx as the client, text and token-id prompts, a concurrency cap, an SLO nobody meets."""
-    lines = [{"prompt": "Tell me about the sea.", "output_len": 5},
-             {"prompt_token_ids": [1000, 1001, 1002], "output_len": 7},
-             {"prompt": "Hello"}]  # output_len drawn from --output-len
+    lines = [
+        {"prompt": "Tell me about the sea.", "output_len": 5},
+        {"prompt_token_ids": [1000, 1001, 1002], "output_len": 7},
+        {"prompt": "Hello"},
+    ]  # output_len drawn from --output-len
     path = tmp_path / "prompts.jsonl"
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
-    r = _run(synthetic, tmp_path, "--jsonl", str(path), "--output-len", "3",
-             "--concurrency", "2", "--slo-ttft-ms", "0.001", "--client", "httpx")
+    r = _run(
+        synthetic,
+        tmp_path,
+        "--jsonl",
+        str(path),
+        "--output-len",
+        "3",
+        "--concurrency",
+        "2",
+        "--slo-ttft-ms",
+        "0.001",
+        "--client",
+        "httpx",
+    )
     s = r["shuttle"]
     assert r["workload"]["num_prompts"] == 3 and r["workload"]["source"].startswith("jsonl")
     assert s["completed"] == 3 and s["output_tokens"] == 5 + 7 + 3
@@ -83,8 +126,9 @@ def test_a_refused_request_is_counted_as_failed(synthetic: Server, lean: bool) -
     """Both clients report a 4xx as that request's error and go on with the others."""
     import asyncio
 
-    wl = bench.Workload([[1000, 1001], [1000] * 5], [3, 100_000])  # the second is too long
-    timings, _, _ = asyncio.run(bench.run_load(synthetic.url, synthetic.model, wl, 1,
-                                               float("inf"), 0, lean=lean))
+    wl = Workload([[1000, 1001], [1000] * 5], [3, 100_000])  # the second is too long
+    timings, _, _ = asyncio.run(
+        run_load(synthetic.url, synthetic.model, wl, 1, float("inf"), 0, lean=lean)
+    )
     assert not timings[0].error and timings[0].output_tokens == 3
     assert timings[1].error.startswith("HTTP 400"), timings[1].error

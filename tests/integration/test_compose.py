@@ -7,7 +7,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ import openai
 import orjson
 import pytest
 
-from gpu_worker.prepare_model import cache_root
+from common.prepare_model import cache_root
 from tests.compose_harness import (
     COMPOSE_FILE,
     ComposeHarness,
@@ -25,6 +24,7 @@ from tests.compose_harness import (
     compose_binary,
     compose_config,
 )
+from tests.waiting import wait_until
 
 PROCESSES = {"gateway", "tokenizer-0", "tokenizer-1", "scheduler", "detokenizer"}
 ONE_OFFS = {"keys", "model"}
@@ -102,16 +102,18 @@ def harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComposeHarness
 
 def _wait_healthy(h: ComposeHarness, timeout: float) -> None:
     url = f"http://127.0.0.1:{h.published(8000)}/health"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def healthy() -> bool:
         h.check_alive()
         try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
+            return httpx.get(url, timeout=2).status_code == 200
         except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError("the gateway never became healthy:\n" + h.log("gateway"))
+            return False
+
+    try:
+        wait_until(healthy, timeout, "the gateway's /health to answer 200", 0.2)
+    except AssertionError as e:
+        raise AssertionError(f"{e}:\n" + h.log("gateway")) from None
 
 
 @pytest.mark.timeout(600)
@@ -162,9 +164,19 @@ def test_sigterm_on_the_gateway_drains_like_compose_stop(harness: ComposeHarness
     started = threading.Event()
 
     def long_stream() -> None:
-        with httpx.stream("POST", url + "/v1/completions", timeout=180, json={
-                "model": model, "prompt": "Count:", "max_tokens": 200, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}) as r:
+        with httpx.stream(
+            "POST",
+            url + "/v1/completions",
+            timeout=180,
+            json={
+                "model": model,
+                "prompt": "Count:",
+                "max_tokens": 200,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        ) as r:
             done["status"] = r.status_code
             for line in r.iter_lines():
                 if line.startswith("data: {"):
@@ -178,10 +190,16 @@ def test_sigterm_on_the_gateway_drains_like_compose_stop(harness: ComposeHarness
     assert started.wait(120)
     gateway = harness.procs["gateway"]
     gateway.send_signal(signal.SIGTERM)
-    time.sleep(0.5)
-    refused = httpx.post(url + "/v1/completions", timeout=30, json={
-        "model": model, "prompt": "New", "max_tokens": 2})
-    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+
+    def refused() -> httpx.Response | None:  # once the gateway has begun to drain
+        r = httpx.post(
+            url + "/v1/completions",
+            timeout=30,
+            json={"model": model, "prompt": "New", "max_tokens": 2},
+        )
+        return r if r.status_code == 503 else None
+
+    assert wait_until(refused, 60, "a new request to be refused").headers["retry-after"] == "1"
     t.join(180)
     assert done["status"] == 200 and done["usage"]["completion_tokens"] == 200
     grace = float(harness.services["gateway"]["stop_grace_period"].rstrip("s"))

@@ -5,7 +5,6 @@ scheduler), each error status, health and reflection."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
@@ -18,6 +17,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from proto import shuttle_pb2 as pb
 from proto import shuttle_pb2_grpc as pb_grpc
 from tests.server import Server, running_server
+from tests.waiting import wait_until
 
 Code = grpc.StatusCode
 TOKEN = "test-admin-token"
@@ -61,17 +61,18 @@ def stats(server: Server) -> dict[str, Any]:
     return r.json()
 
 
-async def until_idle(server: Server, timeout: float = 30.0) -> dict[str, Any]:
+def idle_stats(server: Server) -> dict[str, Any] | None:
+    """The scheduler's stats if nothing runs or waits and every block is free, else None."""
+    s = stats(server)
+    idle = s["num_running"] == 0 and s["num_waiting"] == 0
+    return s if idle and s["num_free_blocks"] == s["num_total_blocks"] else None
+
+
+async def until_idle(server: Server) -> dict[str, Any]:
     """The scheduler's stats once nothing runs or waits and every block is free again."""
-    deadline = time.monotonic() + timeout
-    while True:
-        s = await asyncio.to_thread(stats, server)
-        idle = s["num_running"] == 0 and s["num_waiting"] == 0
-        if idle and s["num_free_blocks"] == s["num_total_blocks"]:
-            return s
-        if time.monotonic() > deadline:
-            raise AssertionError(f"blocks not freed: {s}")
-        await asyncio.sleep(0.1)
+    return await asyncio.to_thread(
+        wait_until, lambda: idle_stats(server), 60, "every block free, nothing running or waiting"
+    )
 
 
 def test_greedy_generate_streams_the_same_tokens_as_http(server: Server) -> None:

@@ -8,7 +8,6 @@ import dataclasses
 import json
 import select
 import socket
-import time
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlparse
@@ -17,6 +16,7 @@ import httpx
 import pytest
 
 from tests.server import Server, running_server
+from tests.waiting import wait_until
 
 ADMIN = "hostile-admin"
 MAX_PROMPT_CHARS = 20_000
@@ -304,12 +304,12 @@ def _settled_stats(server: Server) -> dict[str, Any]:
     """The scheduler's counters once no request is left in it (aborts may still be in flight
     for a moment after the last response)."""
     headers = {"authorization": f"Bearer {ADMIN}"}
-    for _ in range(100):
+
+    def settled() -> dict[str, Any] | None:
         stats = httpx.get(server.url + "/admin/stats", headers=headers, timeout=30).json()
-        if stats["num_running"] == 0 and stats["num_used_blocks"] == 0:
-            break
-        time.sleep(0.1)
-    return stats
+        return stats if stats["num_running"] == 0 and stats["num_used_blocks"] == 0 else None
+
+    return wait_until(settled, 60, "nothing running and every block free")
 
 
 # --- a raw HTTP/1.1 client: one that reads the answer while it is still sending -------------

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -10,15 +9,26 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server import Server, running_server
+from tests.waiting import wait_until
 
 # (prompt token ids, max_tokens, stream): every count below is known exactly
 REQUESTS = [([1000 + i for i in range(5 + 3 * k)], 4 + k, k % 2 == 0) for k in range(6)]
-HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds",
-              "e2e_request_latency_seconds", "request_queue_time_seconds")
+HISTOGRAMS = (
+    "time_to_first_token_seconds",
+    "inter_token_latency_seconds",
+    "e2e_request_latency_seconds",
+    "request_queue_time_seconds",
+)
 GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
 CANCELLED = "shuttle:request_success_total{finished_reason=cancelled}"
-COUNTERS = ("prompt_tokens", "generation_tokens", "request_success", "num_preemptions",
-            "prefix_cache_queries", "prefix_cache_hits")
+COUNTERS = (
+    "prompt_tokens",
+    "generation_tokens",
+    "request_success",
+    "num_preemptions",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+)
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +53,14 @@ def _scrape(server: Server) -> dict[str, float]:
 def _send(server: Server) -> None:
     with server.client() as c:
         for prompt, max_tokens, stream in REQUESTS:
-            body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens,
-                    "temperature": 0.0, "ignore_eos": True, "stream": stream}
+            body = {
+                "model": server.model,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "stream": stream,
+            }
             r = c.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text
 
@@ -58,8 +74,11 @@ def test_metrics_count_what_was_sent(synthetic: Server) -> None:
     assert m["shuttle:prompt_tokens_total"] == sum(len(p) for p, _, _ in REQUESTS)
     assert m["shuttle:generation_tokens_total"] == sum(k for _, k, _ in REQUESTS)
     assert m["shuttle:request_success_total{finished_reason=length}"] == n
-    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
-                 "request_queue_time_seconds"):
+    for name in (
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+    ):
         assert m[f"shuttle:{name}_count"] == n, name
         assert m[f"shuttle:{name}_sum"] > 0, name
         assert m[f"shuttle:{name}_bucket{{le=+Inf}}"] == n, name
@@ -86,15 +105,20 @@ def test_every_design_name_is_exposed(synthetic: Server) -> None:
 
 def test_a_dropped_stream_counts_as_cancelled(synthetic: Server) -> None:
     before = _scrape(synthetic).get(CANCELLED, 0)
-    body = {"model": synthetic.model, "prompt": [1000, 1001], "max_tokens": 4000,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": synthetic.model,
+        "prompt": [1000, 1001],
+        "max_tokens": 4000,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with synthetic.client() as c, c.stream("POST", "/v1/completions", json=body) as r:
         for line in r.iter_lines():
             if line.startswith("data: "):
                 break  # the first chunk came: drop the stream
-    for _ in range(100):  # the gateway notices the disconnect soon after
-        after = _scrape(synthetic).get(CANCELLED, 0)
-        if after == before + 1:
-            break
-        time.sleep(0.05)
-    assert after == before + 1
+    # the gateway notices the disconnect soon after
+    wait_until(
+        lambda: _scrape(synthetic).get(CANCELLED, 0) == before + 1,
+        60,
+        "the dropped stream to be counted as cancelled",
+    )

@@ -10,15 +10,16 @@ from __future__ import annotations
 import dataclasses
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from common.messages.scheduler_worker import StepPlan
 from common.messages.types import SamplingParams
+from common.prepare_model import default_model_dir
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models.llama import LlamaConfig
-from gpu_worker.prepare_model import default_model_dir
 from tests.tiny_models import TINY_ARCHS, VOCAB_SIZE, make_tiny_model
 
 torch.set_num_threads(2)
@@ -193,7 +194,7 @@ SMOL_PROMPT_LENS = (1, 5, 16, 17, 31, 64, 120, 200)
 def smol() -> tuple[Path, list[list[int]], list[list[int]]]:
     path = default_model_dir()
     if not (path / "config.json").is_file():
-        pytest.skip(f"default model not prepared at {path} (python -m gpu_worker.prepare_model)")
+        pytest.skip(f"default model not prepared at {path} (python -m common.prepare_model)")
     from tokenizers import Tokenizer
 
     ids = Tokenizer.from_file(str(path / "tokenizer.json")).encode(SMOL_TEXT).ids
@@ -294,7 +295,9 @@ def test_seeded_request_is_reproducible_alone_and_in_a_batch(tiny_llama) -> None
 
 def _plan_a(step: int, computed: int, new: int, blocks: list[int], first: bool) -> StepPlan:
     """A one-request plan for request "a" (prompt [5, 6, 7]), sent as new when `first`."""
-    intro = dict(new_req_ids=["a"], new_prompt_token_ids=[[5, 6, 7]], new_sampling=[GREEDY])
+    intro: dict[str, Any] = dict(
+        new_req_ids=["a"], new_prompt_token_ids=[[5, 6, 7]], new_sampling=[GREEDY]
+    )
     return StepPlan(
         step,
         **(intro if first else {}),

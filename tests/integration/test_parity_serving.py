@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from transformers import AutoTokenizer
 
-from gpu_worker.prepare_model import prepare_default_model
+from common.prepare_model import prepare_default_model
 from tests.reference import hf_greedy
 from tests.server import running_server
 
@@ -47,9 +47,17 @@ def expected(model_dir, prompts) -> list[list[int]]:  # type: ignore[no-untyped-
 
 
 def _complete(client, model: str, prompt: list[int]) -> list[int]:  # type: ignore[no-untyped-def]
-    r = client.post("/v1/completions", json={
-        "model": model, "prompt": prompt, "max_tokens": NUM_NEW, "temperature": 0.0,
-        "ignore_eos": True, "return_token_ids": True})
+    r = client.post(
+        "/v1/completions",
+        json={
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": NUM_NEW,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["usage"]["completion_tokens"] == NUM_NEW

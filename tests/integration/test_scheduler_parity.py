@@ -17,8 +17,7 @@ from tests.engine import LocalEngine
 from tests.reference import hf_greedy
 
 NUM_NEW = 32
-SYSTEM = ("You are a careful assistant. Answer briefly, cite facts, and never invent "
-          "sources. ") * 4
+SYSTEM = ("You are a careful assistant. Answer briefly, cite facts, and never invent sources. ") * 4
 TEXTS = [
     "The capital of France is",
     "def fibonacci(n):\n    ",
@@ -55,8 +54,9 @@ def _reference(model_dir: str, prompt: tuple[int, ...]) -> list[int]:
 
 @pytest.fixture(scope="module")
 def runner(model_dir: str) -> ModelRunner:
-    return ModelRunner(model_dir, block_size=16, kv_cache_memory_gib=0.25, num_threads=2,
-                       swap_space_gib=0.25)
+    return ModelRunner(
+        model_dir, block_size=16, kv_cache_memory_gib=0.25, num_threads=2, swap_space_gib=0.25
+    )
 
 
 def _engine(runner: ModelRunner, **kw) -> LocalEngine:  # type: ignore[no-untyped-def]
@@ -64,16 +64,18 @@ def _engine(runner: ModelRunner, **kw) -> LocalEngine:  # type: ignore[no-untype
     return LocalEngine(runner, PolicyConfig(**{"max_num_batched_tokens": 256, **policy}), **kw)
 
 
-def _serve(engine: LocalEngine, prompts: list[list[int]], sp: SamplingParams = GREEDY
-           ) -> list[list[list[int]]]:
+def _serve(
+    engine: LocalEngine, prompts: list[list[int]], sp: SamplingParams = GREEDY
+) -> list[list[list[int]]]:
     ids = [engine.add(p, sp) for p in prompts]
     out = engine.run()
     return [[out[s] for s in seqs] for seqs in ids]
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_prefix_hits_keep_outputs_and_skip_the_cached_prompt(runner, prompts, expected,
-                                                            overlap: bool) -> None:
+def test_prefix_hits_keep_outputs_and_skip_the_cached_prompt(
+    runner, prompts, expected, overlap: bool
+) -> None:
     engine = _engine(runner, overlap=overlap)
     first = _serve(engine, prompts)
     assert [o[0] for o in first] == expected
@@ -113,8 +115,9 @@ def test_a_new_model_version_gets_no_hits(runner, prompts) -> None:
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_n_sequences_share_the_prompt_and_each_equals_single(runner, prompts, expected,
-                                                            overlap: bool) -> None:
+def test_n_sequences_share_the_prompt_and_each_equals_single(
+    runner, prompts, expected, overlap: bool
+) -> None:
     engine = _engine(runner, overlap=overlap, prefix_caching=False)
     sp = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True, n=3)
     out = _serve(engine, prompts[:4], sp)
@@ -126,8 +129,15 @@ def test_n_sequences_share_the_prompt_and_each_equals_single(runner, prompts, ex
 @pytest.mark.parametrize("overlap", [True, False])
 def test_preemption_keeps_outputs(runner, prompts, expected, mode: str, overlap: bool) -> None:
     # 30 blocks of 16 tokens for 8 requests of up to ~170 + 32 tokens: they cannot all fit
-    engine = _engine(runner, num_blocks=30, num_host_blocks=60, overlap=overlap,
-                     preemption_mode=mode, watermark=0.0, prefix_caching=False)
+    engine = _engine(
+        runner,
+        num_blocks=30,
+        num_host_blocks=60,
+        overlap=overlap,
+        preemption_mode=mode,
+        watermark=0.0,
+        prefix_caching=False,
+    )
     out = _serve(engine, prompts)
     assert [o[0] for o in out] == expected
     assert engine.policy.num_preemptions > 0

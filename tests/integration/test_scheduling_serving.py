@@ -4,16 +4,18 @@ with Retry-After, then recovery), timeouts and priorities."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import pytest
 
 from tests.server import Server, running_server
+from tests.waiting import wait_until
 
 ADMIN = {"Authorization": "Bearer test-admin"}
-LONG = ("The committee reviewed the quarterly report in detail, noting revenue, costs, staff "
-        "changes, and the outlook for the coming year. ") * 12
+LONG = (
+    "The committee reviewed the quarterly report in detail, noting revenue, costs, staff "
+    "changes, and the outlook for the coming year. "
+) * 12
 
 
 @pytest.fixture(scope="module")
@@ -57,18 +59,23 @@ def test_timeout_finishes_the_request_and_frees_blocks(admin_server: Server) -> 
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "timeout"
-    deadline = time.monotonic() + 10
-    while _stats(admin_server)["num_used_blocks"] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _stats(admin_server)["num_used_blocks"] == 0
+    wait_until(lambda: _stats(admin_server)["num_used_blocks"] == 0, 60, "every block free")
 
 
 def test_overload_gets_429_with_retry_after_then_recovers() -> None:
     with running_server("--max-waiting", "2", "--max-num-seqs", "2") as server:
+
         async def one(c: httpx.AsyncClient, i: int) -> httpx.Response:
-            return await c.post("/v1/completions", json={
-                "model": server.model, "prompt": f"Tell me a story number {i}.",
-                "max_tokens": 24, "temperature": 0.0, "ignore_eos": True})
+            return await c.post(
+                "/v1/completions",
+                json={
+                    "model": server.model,
+                    "prompt": f"Tell me a story number {i}.",
+                    "max_tokens": 24,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                },
+            )
 
         async def burst() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=server.url, timeout=300) as c:
@@ -84,30 +91,77 @@ def test_overload_gets_429_with_retry_after_then_recovers() -> None:
                 assert "overloaded" in r.json()["error"]["message"]
             else:
                 assert r.json()["usage"]["completion_tokens"] == 24
-        after = httpx.post(server.url + "/v1/completions", timeout=120, json={
-            "model": server.model, "prompt": "Hello", "max_tokens": 4})
+        after = httpx.post(
+            server.url + "/v1/completions",
+            timeout=120,
+            json={"model": server.model, "prompt": "Hello", "max_tokens": 4},
+        )
         assert after.status_code == 200
 
 
 def test_priority_policy_serves_urgent_requests_first() -> None:
-    flags = ("--scheduling-policy", "priority", "--max-num-seqs", "1", "--no-async-scheduling")
+    """One slot, held by a long request until two low-priority requests and then an urgent
+    one are queued behind it; once it is cancelled, the urgent one is served first."""
+    flags = (
+        "--scheduling-policy",
+        "priority",
+        "--max-num-seqs",
+        "1",
+        "--no-async-scheduling",
+        "--admin-token",
+        "test-admin",
+    )
     with running_server(*flags) as server:
-        async def one(c: httpx.AsyncClient, prio: int, delay: float) -> float:
-            await asyncio.sleep(delay)
-            await c.post("/v1/completions", json={
-                "model": server.model, "prompt": "Name a colour.", "max_tokens": 8,
-                "ignore_eos": True, "temperature": 0.0, "priority": prio})
-            return time.monotonic()
+        finished: list[str] = []
 
-        async def run() -> list[float]:
+        def waiting() -> int:
+            return _stats(server)["num_waiting"]
+
+        async def one(c: httpx.AsyncClient, name: str, prio: int) -> None:
+            r = await c.post(
+                "/v1/completions",
+                json={
+                    "model": server.model,
+                    "prompt": "Name a colour.",
+                    "max_tokens": 8,
+                    "ignore_eos": True,
+                    "temperature": 0.0,
+                    "priority": prio,
+                },
+            )
+            assert r.status_code == 200, r.text
+            finished.append(name)
+
+        async def run() -> None:
             async with httpx.AsyncClient(base_url=server.url, timeout=300) as c:
-                # a long request occupies the single slot; then low and urgent ones queue
-                blocker = asyncio.create_task(c.post("/v1/completions", json={
-                    "model": server.model, "prompt": "Write a long essay.", "max_tokens": 48,
-                    "ignore_eos": True}))
-                done = await asyncio.gather(one(c, 5, 0.3), one(c, 5, 0.35), one(c, -1, 0.4))
-                await blocker
-                return list(done)
+                # the blocker would run for minutes: it holds the slot until cancelled
+                blocker = asyncio.create_task(
+                    c.post(
+                        "/v1/completions",
+                        json={
+                            "model": server.model,
+                            "prompt": "Write a long essay.",
+                            "max_tokens": 4000,
+                            "ignore_eos": True,
+                        },
+                        headers={"X-Request-Id": "blocker"},
+                    )
+                )
+                await asyncio.to_thread(
+                    wait_until,
+                    lambda: _stats(server)["num_running"] == 1,
+                    120,
+                    "the blocker to run",
+                )
+                tasks = []
+                for n, (name, prio) in enumerate((("low1", 5), ("low2", 5), ("urgent", -1)), 1):
+                    tasks.append(asyncio.create_task(one(c, name, prio)))
+                    await asyncio.to_thread(
+                        wait_until, lambda n=n: waiting() == n, 120, f"{name} to be queued"
+                    )
+                cancel = await c.post("/admin/cancel/blocker", headers=ADMIN)
+                assert cancel.json()["cancelled"] is True
+                await asyncio.gather(blocker, *tasks)
 
-        low1, low2, urgent = asyncio.run(run())
-        assert urgent < low1 and urgent < low2
+        asyncio.run(run())
+        assert finished[0] == "urgent" and sorted(finished[1:]) == ["low1", "low2"], finished

@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +14,10 @@ import pytest
 
 from tests.server import Server, running_server
 from tests.tiny_models import make_tiny_model
+from tests.waiting import wait_until
+
+# minutes of fuzzing: `make test-slow` (pytest -m slow), not `make test`
+pytestmark = pytest.mark.slow
 
 ADMIN = "fuzz-admin"
 MAX_EXAMPLES = 25  # per operation in the fuzzing phase: a few minutes on two CPU cores
@@ -90,9 +93,9 @@ def test_afterwards_it_serves_and_every_block_is_free(fuzz_server: Server) -> No
     )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
     headers = {"authorization": f"Bearer {ADMIN}"}
-    for _ in range(100):  # aborts of the last requests may still be on their way
+
+    def settled() -> bool:  # aborts of the last requests may still be on their way
         stats = httpx.get(fuzz_server.url + "/admin/stats", headers=headers, timeout=30).json()
-        if stats["num_running"] == 0 and stats["num_used_blocks"] == 0:
-            break
-        time.sleep(0.1)
-    assert stats["num_running"] == 0 and stats["num_used_blocks"] == 0, stats
+        return stats["num_running"] == 0 and stats["num_used_blocks"] == 0
+
+    wait_until(settled, 60, "nothing running and every block free")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import time
 
 import orjson
 import pytest
@@ -15,12 +14,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.messages import SamplingParams
+from common.prepare_model import prepare_default_model
 from gpu_worker.model_runner import ModelRunner
-from gpu_worker.prepare_model import prepare_default_model
 from services.scheduler.policy import PolicyConfig
 from tests.engine import LocalEngine
 from tests.tiny_models import make_tiny_model
 from tests.unit.test_speculative import CHI2_999, chi_square
+from tests.waiting import wait_until
 
 SYSTEM = "You are a helpful assistant. Keep answers short and exact. " * 3
 TEXTS = [
@@ -51,8 +51,9 @@ def draft_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _runner(model_dir: str, **kw: object) -> ModelRunner:
-    return ModelRunner(model_dir, block_size=16, kv_cache_memory_gib=0.1, num_threads=2,
-                       swap_space_gib=0.05, **kw)  # type: ignore[arg-type]
+    return ModelRunner(
+        model_dir, block_size=16, kv_cache_memory_gib=0.1, num_threads=2, swap_space_gib=0.05, **kw
+    )  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -75,15 +76,14 @@ def _greedy(n: int = 1) -> SamplingParams:
 @pytest.fixture(scope="module", params=["ngram", "draft"])
 def spec_runner(request: pytest.FixtureRequest, model_dir: str, draft_dir: str) -> ModelRunner:
     if request.param == "ngram":
-        return _runner(model_dir, speculative="ngram", prompt_lookup_min=1,
-                       prompt_lookup_max=3)
+        return _runner(model_dir, speculative="ngram", prompt_lookup_min=1, prompt_lookup_max=3)
     return _runner(model_dir, speculative="draft", draft_model=draft_dir)
 
 
-@pytest.mark.parametrize("case", ["plain", "overlap", "preempt-recompute", "preempt-swap",
-                                  "forks"])
-def test_greedy_outputs_equal_plain_decoding(spec_runner: ModelRunner, prompts: list[list[int]],
-                                             expected: list[list[int]], case: str) -> None:
+@pytest.mark.parametrize("case", ["plain", "overlap", "preempt-recompute", "preempt-swap", "forks"])
+def test_greedy_outputs_equal_plain_decoding(
+    spec_runner: ModelRunner, prompts: list[list[int]], expected: list[list[int]], case: str
+) -> None:
     config = PolicyConfig(max_num_seqs=8, num_speculative_tokens=4)
     kw: dict = {"overlap": False}
     if case == "overlap":
@@ -110,14 +110,22 @@ def test_greedy_outputs_equal_plain_decoding(spec_runner: ModelRunner, prompts: 
 
 
 def test_sampled_requests_with_speculation_finish_with_their_token_counts(
-        spec_runner: ModelRunner, prompts: list[list[int]]) -> None:
+    spec_runner: ModelRunner, prompts: list[list[int]]
+) -> None:
     """Greedy and sampled requests in one batch, with and without seeds."""
-    engine = LocalEngine(spec_runner, PolicyConfig(max_num_seqs=8, num_speculative_tokens=3),
-                         overlap=False)
+    engine = LocalEngine(
+        spec_runner, PolicyConfig(max_num_seqs=8, num_speculative_tokens=3), overlap=False
+    )
     ids = []
     for i, p in enumerate(prompts):
-        params = SamplingParams(max_tokens=NUM_NEW, temperature=0.8, top_p=0.9, top_k=50,
-                                seed=i if i % 2 else None, ignore_eos=True)
+        params = SamplingParams(
+            max_tokens=NUM_NEW,
+            temperature=0.8,
+            top_p=0.9,
+            top_k=50,
+            seed=i if i % 2 else None,
+            ignore_eos=True,
+        )
         ids += engine.add(p, params if i % 3 else _greedy())
     out = engine.run()
     vocab = spec_runner.config.vocab_size
@@ -158,17 +166,26 @@ def _exact_marginals(target: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("method", ["draft", "ngram"])
-def test_sampled_outputs_keep_the_target_distribution(tiny_pair: tuple[str, str],
-                                                      method: str) -> None:
+def test_sampled_outputs_keep_the_target_distribution(
+    tiny_pair: tuple[str, str], method: str
+) -> None:
     target, draft = tiny_pair
     kw = {"draft_model": draft} if method == "draft" else {"prompt_lookup_min": 1}
-    runner = ModelRunner(target, block_size=4, num_blocks=4096, num_threads=2,
-                         speculative=method, **kw)  # type: ignore[arg-type]
-    engine = LocalEngine(runner, PolicyConfig(max_num_seqs=256, max_num_batched_tokens=4096,
-                                              num_speculative_tokens=3), overlap=False)
+    runner = ModelRunner(
+        target, block_size=4, num_blocks=4096, num_threads=2, speculative=method, **kw
+    )  # type: ignore[arg-type]
+    engine = LocalEngine(
+        runner,
+        PolicyConfig(max_num_seqs=256, max_num_batched_tokens=4096, num_speculative_tokens=3),
+        overlap=False,
+    )
     n = 3000
-    ids = [engine.add(PROMPT, SamplingParams(max_tokens=4, temperature=1.0, seed=s,
-                                             ignore_eos=True))[0] for s in range(n)]
+    ids = [
+        engine.add(PROMPT, SamplingParams(max_tokens=4, temperature=1.0, seed=s, ignore_eos=True))[
+            0
+        ]
+        for s in range(n)
+    ]
     out = engine.run()
     policy = engine.policy
     rate = policy.num_accepted_tokens / policy.num_draft_tokens
@@ -189,32 +206,41 @@ def test_served_with_ngram_speculation_matches_plain_serving(server) -> None:  #
     from tests.server import running_server
 
     body = {"prompt": TEXTS[0], "max_tokens": 32, "temperature": 0.0, "ignore_eos": True}
-    want = httpx.post(server.url + "/v1/completions", timeout=120,
-                      json={**body, "model": server.model}).json()
+    want = httpx.post(
+        server.url + "/v1/completions", timeout=120, json={**body, "model": server.model}
+    ).json()
     # a stop string inside the plain output: several tokens arrive per step with drafts,
     # and the text must still end where plain decoding's does
     stop = want["choices"][0]["text"].split()[4]
-    want_stop = httpx.post(server.url + "/v1/completions", timeout=120,
-                           json={**body, "model": server.model, "stop": [stop]}).json()
+    want_stop = httpx.post(
+        server.url + "/v1/completions",
+        timeout=120,
+        json={**body, "model": server.model, "stop": [stop]},
+    ).json()
     with running_server("--speculative", "ngram", "--num-speculative-tokens", "4") as spec:
-        got = httpx.post(spec.url + "/v1/completions", timeout=120,
-                         json={**body, "model": spec.model}).json()
-        got_stop = httpx.post(spec.url + "/v1/completions", timeout=120,
-                              json={**body, "model": spec.model, "stop": [stop]}).json()
+        got = httpx.post(
+            spec.url + "/v1/completions", timeout=120, json={**body, "model": spec.model}
+        ).json()
+        got_stop = httpx.post(
+            spec.url + "/v1/completions",
+            timeout=120,
+            json={**body, "model": spec.model, "stop": [stop]},
+        ).json()
         streamed = []
-        with httpx.stream("POST", spec.url + "/v1/completions", timeout=120,
-                          json={**body, "model": spec.model, "stream": True}) as r:
+        with httpx.stream(
+            "POST",
+            spec.url + "/v1/completions",
+            timeout=120,
+            json={**body, "model": spec.model, "stream": True},
+        ) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     chunk = orjson.loads(line[6:])
                     streamed += [c["text"] for c in chunk["choices"]]
-        for _ in range(50):  # the gateway refreshes the scheduler's figures every second
-            metrics = httpx.get(spec.url + "/metrics", timeout=30).text
-            values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1])
-                      for line in metrics.splitlines() if line.startswith("shuttle:spec_decode")}
-            if values.get("shuttle:spec_decode_num_draft_tokens_total"):
-                break
-            time.sleep(0.2)
+        # the gateway refreshes the scheduler's figures every second
+        values = wait_until(
+            lambda: _spec_metrics(spec.url), 60, "speculative figures in /metrics", 0.2
+        )
     assert got["choices"][0]["text"] == want["choices"][0]["text"]
     assert got_stop["choices"][0] == want_stop["choices"][0], (stop, got_stop, want_stop)
     assert got_stop["choices"][0]["finish_reason"] == "stop"
@@ -225,12 +251,25 @@ def test_served_with_ngram_speculation_matches_plain_serving(server) -> None:  #
     assert 0 < values["shuttle:spec_decode_acceptance_rate"] <= 1, values
 
 
+def _spec_metrics(url: str) -> dict[str, float]:
+    """The shuttle:spec_decode* figures of /metrics, once any draft token is counted."""
+    import httpx
+
+    metrics = httpx.get(url + "/metrics", timeout=30).text
+    values = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("shuttle:spec_decode")
+    }
+    return values if values.get("shuttle:spec_decode_num_draft_tokens_total") else {}
+
+
 def test_a_truncated_model_drafts_for_its_full_model(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """prepare_truncated_model keeps the first layers, the embeddings, the head and the
     tokenizer files; the result loads as a draft model, and greedy outputs are unchanged."""
     import json
 
-    from gpu_worker.prepare_model import prepare_truncated_model
+    from common.prepare_model import prepare_truncated_model
 
     full = make_tiny_model(tmp_path / "full", "llama", num_layers=3, seed=5)
     cut = prepare_truncated_model(1, source=full)
@@ -241,26 +280,34 @@ def test_a_truncated_model_drafts_for_its_full_model(tmp_path) -> None:  # type:
     for kw in ({}, {"speculative": "draft", "draft_model": str(cut)}):
         runner = ModelRunner(str(full), block_size=4, num_blocks=256, num_threads=2, **kw)
         engine = LocalEngine(runner, PolicyConfig(num_speculative_tokens=3), overlap=False)
-        rid = engine.add(PROMPT * 3, SamplingParams(max_tokens=12, temperature=0.0,
-                                                    ignore_eos=True))[0]
+        rid = engine.add(
+            PROMPT * 3, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        )[0]
         outputs.append(engine.run()[rid])
         if kw:
             assert engine.policy.num_draft_tokens > 0
     assert outputs[0] == outputs[1]
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--speculative", "draft"], "--draft-model must be set"),
-    (["--draft-model", "/no/such/folder"], "no config.json there"),
-    (["--model", "synthetic", "--speculative", "ngram"], "needs a real model"),
-    (["--speculative", "ngram", "--num-speculative-tokens", "0"], "in [1, 16]"),
-    (["--speculative", "eagle"], "'', ngram or draft"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--speculative", "draft"], "--draft-model must be set"),
+        (["--draft-model", "/no/such/folder"], "no config.json there"),
+        (["--model", "synthetic", "--speculative", "ngram"], "needs a real model"),
+        (["--speculative", "ngram", "--num-speculative-tokens", "0"], "in [1, 16]"),
+        (["--speculative", "eagle"], "'', ngram or draft"),
+    ],
+)
 def test_bad_speculative_flags_are_refused_at_start(flags: list[str], message: str) -> None:
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--port", "0", *flags],
-                         capture_output=True, text=True, timeout=120,
-                         cwd=str(__import__("pathlib").Path(__file__).resolve().parents[2]))
+    out = subprocess.run(
+        [sys.executable, "-m", "services.cli", "serve", "--port", "0", *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(__import__("pathlib").Path(__file__).resolve().parents[2]),
+    )
     assert out.returncode == 2 and message in out.stderr, out.stderr[-500:]

@@ -13,7 +13,8 @@ import pytest
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
-from tools.gpu_check import FORBIDDEN_MODULES, Plan, memory_estimate, plan_problems  # noqa: E402
+from tools.gpu_check.cli import FORBIDDEN_MODULES  # noqa: E402
+from tools.gpu_check.plan import Plan, memory_estimate, plan_problems  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 

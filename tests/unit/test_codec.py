@@ -54,13 +54,26 @@ def test_round_trip(kind: str) -> None:
 
 def test_registry_covers_every_connection() -> None:
     kinds = set(codec.registry())
-    assert {"generate", "tokenized", "step_plan", "step_result", "token_batch",
-            "output_batch", "abort", "ready", "ping"} <= kinds
+    assert {
+        "generate",
+        "tokenized",
+        "step_plan",
+        "step_result",
+        "token_batch",
+        "output_batch",
+        "abort",
+        "ready",
+        "ping",
+    } <= kinds
 
 
 def test_nested_struct_is_rebuilt() -> None:
-    plan = StepPlan(step_id=3, new_req_ids=["a"], new_prompt_token_ids=[[1, 2]],
-                    new_sampling=[SamplingParams(temperature=0.0, stop=["\n"])])
+    plan = StepPlan(
+        step_id=3,
+        new_req_ids=["a"],
+        new_prompt_token_ids=[[1, 2]],
+        new_sampling=[SamplingParams(temperature=0.0, stop=["\n"])],
+    )
     back = codec.decode(codec.encode(plan))
     assert isinstance(back.new_sampling[0], SamplingParams)
     assert back.new_sampling[0].is_greedy and back.new_sampling[0].stop == ["\n"]
@@ -74,8 +87,17 @@ def test_duplicate_kind_fails_at_declaration() -> None:
             x: int
 
 
-@pytest.mark.parametrize("frame", [b"not json", b"[1,2]", b'{"x": 1}', b'{"k": "nope"}',
-                                   b'{"k": "ping", "reply_to": "a"}', b'{"k": "ping", "bad": 1}'])
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"not json",
+        b"[1,2]",
+        b'{"x": 1}',
+        b'{"k": "nope"}',
+        b'{"k": "ping", "reply_to": "a"}',
+        b'{"k": "ping", "bad": 1}',
+    ],
+)
 def test_bad_frames_raise_codec_error(frame: bytes) -> None:
     with pytest.raises(codec.CodecError):
         codec.decode(frame)

@@ -29,13 +29,16 @@ def test_flag_beats_env_beats_default() -> None:
     assert cfg.model.dtype == "bfloat16"
 
 
-@pytest.mark.parametrize("argv,env,field", [
-    (["--block-size", "12"], {}, "block-size"),
-    (["--max-num-seqs", "0"], {}, "max-num-seqs"),
-    (["--dtype", "float8"], {}, "dtype"),
-    ([], {"SHUTTLE_PORT": "eighty"}, "SHUTTLE_PORT"),
-    ([], {"SHUTTLE_PORT": "70000"}, "port"),
-])
+@pytest.mark.parametrize(
+    "argv,env,field",
+    [
+        (["--block-size", "12"], {}, "block-size"),
+        (["--max-num-seqs", "0"], {}, "max-num-seqs"),
+        (["--dtype", "float8"], {}, "dtype"),
+        ([], {"SHUTTLE_PORT": "eighty"}, "SHUTTLE_PORT"),
+        ([], {"SHUTTLE_PORT": "70000"}, "port"),
+    ],
+)
 def test_bad_values_name_the_setting(argv: list[str], env: dict[str, str], field: str) -> None:
     with pytest.raises(ConfigError, match=field):
         _parse(argv, env)
@@ -46,8 +49,9 @@ def test_json_round_trip_and_addresses(tmp_path) -> None:  # type: ignore[no-unt
     assert Config.from_json(cfg.to_json()) == cfg
     assert cfg.addr("scheduler") == f"ipc://{tmp_path}/scheduler.sock"
     assert len(cfg.tokenizer_addrs()) == 3
-    tcp = _parse(["--scheduler-addr", "tcp://10.0.0.2:5551",
-                  "--tokenizer-addrs", "tcp://a:1, tcp://b:2"])
+    tcp = _parse(
+        ["--scheduler-addr", "tcp://10.0.0.2:5551", "--tokenizer-addrs", "tcp://a:1, tcp://b:2"]
+    )
     assert tcp.addr("scheduler") == "tcp://10.0.0.2:5551"
     assert tcp.tokenizer_addrs() == ["tcp://a:1", "tcp://b:2"]
 

@@ -15,8 +15,16 @@ torch.set_num_threads(2)
 pytestmark = pytest.mark.skipif(cpu_kernel.load() is None, reason="no C compiler here")
 
 
-def _case(contexts: list[int], *, block_size: int, num_kv_heads: int, q_per_kv: int,
-          head_dim: int, dtype: torch.dtype = torch.float32, seed: int = 0):
+def _case(
+    contexts: list[int],
+    *,
+    block_size: int,
+    num_kv_heads: int,
+    q_per_kv: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+):
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     num_blocks = sum(-(-c // block_size) for c in contexts) + 8
@@ -33,8 +41,9 @@ def _case(contexts: list[int], *, block_size: int, num_kv_heads: int, q_per_kv: 
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_kernel_matches_naive_attention(num_seqs: int, q_per_kv: int, block_size: int) -> None:
     contexts = [1 + (37 * i) % 150 for i in range(num_seqs)]  # 1 .. 150, uneven
-    q, cache, tables = _case(contexts, block_size=block_size, num_kv_heads=2, q_per_kv=q_per_kv,
-                             head_dim=32)
+    q, cache, tables = _case(
+        contexts, block_size=block_size, num_kv_heads=2, q_per_kv=q_per_kv, head_dim=32
+    )
     meta = build_metadata([c - 1 for c in contexts], [1] * num_seqs, tables, block_size)
     out = cpu_kernel.paged_decode(q, cache, meta.block_tables, meta.seq_lens, 32**-0.5)
     ref = naive_attention(q, cache, [c - 1 for c in contexts], [1] * num_seqs, tables)
@@ -44,8 +53,9 @@ def test_kernel_matches_naive_attention(num_seqs: int, q_per_kv: int, block_size
 
 def test_head_dim_off_the_vector_width_and_bfloat16() -> None:
     contexts = [5, 17, 33]
-    q, cache, tables = _case(contexts, block_size=16, num_kv_heads=3, q_per_kv=3, head_dim=72,
-                             dtype=torch.bfloat16)
+    q, cache, tables = _case(
+        contexts, block_size=16, num_kv_heads=3, q_per_kv=3, head_dim=72, dtype=torch.bfloat16
+    )
     meta = build_metadata([c - 1 for c in contexts], [1] * 3, tables, 16)
     out = cpu_kernel.paged_decode(q, cache, meta.block_tables, meta.seq_lens, 72**-0.5)
     ref = naive_attention(q.float(), cache.float(), [c - 1 for c in contexts], [1] * 3, tables)
@@ -54,8 +64,9 @@ def test_head_dim_off_the_vector_width_and_bfloat16() -> None:
 
 
 def test_backend_uses_the_kernel_and_agrees_with_its_eager_path() -> None:
-    kwargs = dict(num_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.float32,
-                  device=torch.device("cpu"))
+    kwargs = dict(
+        num_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.float32, device=torch.device("cpu")
+    )
     fast = create_backend("torch", **kwargs)
     eager = create_backend("torch", cpu_decode_kernel=False, **kwargs)
     assert fast.cpu_decode_kernel and not eager.cpu_decode_kernel

@@ -3,85 +3,22 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import httpx
 import pytest
 
-from common.messages import FinishReason, GenerateRequest
+from common.messages import FinishReason
 from services.gateway import app as app_module
 from services.gateway.app import SseResponse, create_app
-from services.gateway.engine_client import OutputDelta, RequestFailed
+from services.gateway.engine_client import RequestFailed
 from services.gateway.sse import parse_sse
+from tests.fake_engine import HANG, MODEL, FakeEngine, delta
 
-MODEL = "test-model"
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-HANG = "hang"  # script step: wait until cancelled
 STOP, LENGTH = FinishReason.STOP, FinishReason.LENGTH
-
-
-def delta(
-    text: str,
-    finish: FinishReason = FinishReason.NONE,
-    n: int = 1,
-    index: int = 0,
-    last: bool | None = None,
-) -> OutputDelta:
-    """Sequence `index`'s delta, its n-th token; `last` defaults to n = 1's rule (finished)."""
-    last = finish != FinishReason.NONE if last is None else last
-    return OutputDelta(text, [7] * n, finish, 5, n, last=last, index=index)
-
-
-class FakeEngine:
-    """Yields a script of deltas (default: the prompt's words echoed back, then STOP);
-    a script step may be an exception to raise, HANG, or a float to sleep."""
-
-    model_name = MODEL
-    system_fingerprint = "v-test"
-    max_model_len = 256
-
-    def __init__(self, script: list[Any] | None = None) -> None:
-        self.script = script
-        self.ready = True
-        self.requests: list[GenerateRequest] = []
-        self.aborted: list[str] = []
-        self.started = asyncio.Event()
-
-    def is_ready(self) -> bool:
-        return self.ready
-
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[OutputDelta]:
-        self.requests.append(request)
-        self.started.set()
-        finished = False
-        try:
-            for step in self.script if self.script is not None else self._echo(request):
-                if isinstance(step, Exception):
-                    raise step
-                if step == HANG:
-                    await asyncio.Event().wait()
-                elif isinstance(step, float):
-                    await asyncio.sleep(step)
-                else:
-                    finished = step.last
-                    yield step
-        except (GeneratorExit, asyncio.CancelledError):
-            if not finished:  # closed before the end: the real client sends an Abort
-                self.aborted.append(request.request_id)
-            raise
-
-    def _echo(self, request: GenerateRequest) -> list[OutputDelta]:
-        if request.messages:
-            words = request.messages[-1]["content"].split()
-        else:
-            words = (request.prompt or "").split() or list(map(str, request.prompt_token_ids))
-        steps = [delta(" " + w, n=i + 1) for i, w in enumerate(words)]
-        return [*steps[:-1], delta(steps[-1].text, STOP, len(words))]
-
-    async def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
 
 
 def run(engine: FakeEngine, method: str, url: str, api_key: str | None = None, **kw: Any):
@@ -539,7 +476,7 @@ def test_sse_response_closes_its_body_when_send_fails() -> None:
     # and there, not whenever the garbage collector gets to it
     closed = []
 
-    async def body() -> AsyncIterator[bytes]:
+    async def body() -> AsyncGenerator[bytes, None]:
         try:
             yield b"data: 1\n\n"
             yield b"data: 2\n\n"

@@ -18,8 +18,10 @@ from proto import shuttle_pb2 as pb
 from proto import shuttle_pb2_grpc as pb_grpc
 from services.gateway.engine_client import RequestFailed
 from services.gateway.grpc_server import GrpcGateway
-from tests.unit.test_gateway_app import CHAT, COMPLETIONS, HANG, LENGTH, MODEL, FakeEngine, delta
+from tests.fake_engine import HANG, MODEL, FakeEngine, delta
+from tests.unit.test_gateway_app import CHAT, COMPLETIONS, LENGTH
 from tests.unit.test_gateway_app import run as run_http
+from tests.waiting import wait_until_async
 
 Code = grpc.StatusCode
 TOKEN = "admin-secret"
@@ -27,7 +29,7 @@ TOKEN = "admin-secret"
 
 @contextlib.asynccontextmanager
 async def serving(engine: FakeEngine, **kw: Any) -> AsyncIterator[grpc.aio.Channel]:
-    gateway = GrpcGateway(engine, host="127.0.0.1", port=0, health_poll_s=0.02, **kw)  # type: ignore[arg-type]
+    gateway = GrpcGateway(engine, host="127.0.0.1", port=0, health_poll_s=0.02, **kw)
     port = await gateway.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -55,14 +57,6 @@ def refusal(engine: FakeEngine, **fields: Any) -> grpc.aio.AioRpcError:
         return info.value
 
     return run(engine, test)
-
-
-async def eventually(check: Callable[[], bool], timeout: float = 5.0) -> None:
-    for _ in range(int(timeout / 0.01)):
-        if check():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not met in time")
 
 
 # --- Generate --------------------------------------------------------------------------------
@@ -204,7 +198,8 @@ def test_bad_input_is_refused_as_http_refuses_it(
     if isinstance(renames, str):
         expected = renames
     else:
-        http = run_http(engine, "POST", path, json=body, headers=headers)  # type: ignore[arg-type]
+        assert path is not None
+        http = run_http(engine, "POST", path, json=body, headers=headers)
         assert http.status_code == 400
         expected = http.json()["error"]["message"]
         for old, new in renames.items():
@@ -267,7 +262,7 @@ def test_client_cancel_aborts_the_request() -> None:
         call = pb_grpc.ShuttleStub(channel).Generate(pb.GenerateRequest(request_id="c1", text="x"))
         assert (await call.read()).text == "a"
         call.cancel()
-        await eventually(lambda: engine.aborted == ["c1"])
+        await wait_until_async(lambda: engine.aborted == ["c1"], 30, "the abort of c1")
 
     run(engine, test)
 
@@ -280,7 +275,7 @@ def test_deadline_aborts_the_request() -> None:
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await generate_with_timeout(stub, 0.3)
         assert info.value.code() == Code.DEADLINE_EXCEEDED
-        await eventually(lambda: engine.aborted == ["d1"])
+        await wait_until_async(lambda: engine.aborted == ["d1"], 30, "the abort of d1")
 
     run(engine, test)
 
@@ -383,11 +378,10 @@ def test_health_follows_engine_readiness() -> None:
         assert await status(stub, "shuttle.v1.Shuttle") == not_serving
 
     async def eventually_status(stub: health_pb2_grpc.HealthStub, service: str, want: int) -> None:
-        for _ in range(200):
-            if await status(stub, service) == want:
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError(f"{service!r} never became {want}")
+        async def reached() -> bool:
+            return await status(stub, service) == want
+
+        await wait_until_async(reached, 30, f"{service!r} to become {want}")
 
     run(engine, test)
 
@@ -412,10 +406,10 @@ def test_reflection_lists_the_services() -> None:
 
 def test_unused_port_conflict_fails_loudly() -> None:
     async def go() -> None:
-        first = GrpcGateway(FakeEngine(), host="127.0.0.1", port=0)  # type: ignore[arg-type]
+        first = GrpcGateway(FakeEngine(), host="127.0.0.1", port=0)
         port = await first.start()
         try:
-            second = GrpcGateway(FakeEngine(), host="127.0.0.1", port=port)  # type: ignore[arg-type]
+            second = GrpcGateway(FakeEngine(), host="127.0.0.1", port=port)
             with pytest.raises(RuntimeError, match="cannot serve gRPC"):
                 await second.start()
         finally:

@@ -31,8 +31,8 @@ async def _run(
     async def receive() -> dict[str, Any]:
         if queue:
             return queue.pop(0)
-        if stall:
-            await asyncio.sleep(3600)
+        if stall:  # a client that never sends the rest: only the middleware's timeout ends it
+            await asyncio.Event().wait()
         return {"type": "http.disconnect"}
 
     async def send(message: dict[str, Any]) -> None:

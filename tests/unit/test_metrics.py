@@ -4,35 +4,37 @@ from __future__ import annotations
 
 import asyncio
 
+from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.messages import FinishReason, GenerateRequest
 from common.messages.types import SamplingParams
 from services.gateway.engine_client import OutputDelta
-from services.gateway.metrics import GatewayMetrics
-
-
-class FakeEngine:
-    model_name = "m"
-
-    def __init__(self, stats: dict | None = None) -> None:
-        self._stats = stats
-
-    async def stats(self, timeout: float = 5.0) -> dict:
-        if self._stats is None:
-            raise TimeoutError
-        return self._stats
+from services.gateway.metrics import GatewayMetrics, install_metrics
+from tests.fake_engine import FakeEngine
 
 
 def _request(n: int = 1) -> GenerateRequest:
-    return GenerateRequest(request_id="r", model="m", prompt_token_ids=[1, 2, 3],
-                           sampling=SamplingParams(max_tokens=8, n=n))
+    return GenerateRequest(
+        request_id="r",
+        model="m",
+        prompt_token_ids=[1, 2, 3],
+        sampling=SamplingParams(max_tokens=8, n=n),
+    )
 
 
-def _delta(tokens: list[int], finish: FinishReason = FinishReason.NONE, last: bool = False,
-           index: int = 0) -> OutputDelta:
-    return OutputDelta(text="x" * len(tokens), token_ids=tokens, finish_reason=finish,
-                       num_prompt_tokens=3, num_output_tokens=len(tokens), last=last, index=index)
+def _delta(
+    tokens: list[int], finish: FinishReason = FinishReason.NONE, last: bool = False, index: int = 0
+) -> OutputDelta:
+    return OutputDelta(
+        text="x" * len(tokens),
+        token_ids=tokens,
+        finish_reason=finish,
+        num_prompt_tokens=3,
+        num_output_tokens=len(tokens),
+        last=last,
+        index=index,
+    )
 
 
 def _samples(metrics: GatewayMetrics) -> dict[str, float]:
@@ -46,9 +48,18 @@ def _samples(metrics: GatewayMetrics) -> dict[str, float]:
 
 
 def test_tokens_and_latencies_of_a_request() -> None:
-    metrics = GatewayMetrics(FakeEngine({"num_running": 2, "num_waiting": 1,
-                                         "kv_cache_usage": 0.25, "num_preemptions": 4,
-                                         "prefix_cache_queries": 100, "prefix_cache_hits": 32}))
+    metrics = GatewayMetrics(
+        FakeEngine(
+            stats={
+                "num_running": 2,
+                "num_waiting": 1,
+                "kv_cache_usage": 0.25,
+                "num_preemptions": 4,
+                "prefix_cache_queries": 100,
+                "prefix_cache_hits": 32,
+            }
+        )
+    )
     timer = metrics.observe(_request())
     timer.delta(_delta([]))  # a delta with no text yet: queue time, not TTFT
     timer.delta(_delta([5, 6, 7]))  # first token, then two more
@@ -66,7 +77,9 @@ def test_tokens_and_latencies_of_a_request() -> None:
     assert m["shuttle:kv_cache_usage_perc"] == 0.25
     assert m["shuttle:num_preemptions_total"] == 4
     assert (m["shuttle:prefix_cache_queries_total"], m["shuttle:prefix_cache_hits_total"]) == (
-        100, 32)
+        100,
+        32,
+    )
 
 
 def test_n_sequences_each_finish_and_a_dropped_one_is_cancelled() -> None:
@@ -82,7 +95,7 @@ def test_n_sequences_each_finish_and_a_dropped_one_is_cancelled() -> None:
 
 
 def test_refused_request_and_a_silent_scheduler() -> None:
-    metrics = GatewayMetrics(FakeEngine(None))  # stats() times out: last values (zeros) stay
+    metrics = GatewayMetrics(FakeEngine(stats=None))  # stats() times out: last values (zeros) stay
     timer = metrics.observe(_request())
     timer.failed(400)
     timer.end()
@@ -90,3 +103,15 @@ def test_refused_request_and_a_silent_scheduler() -> None:
     assert m["shuttle:request_failure_total{status=400}"] == 1
     assert "shuttle:e2e_request_latency_seconds_count" not in m
     assert m["shuttle:num_requests_running"] == 0
+
+
+def test_installed_metrics_time_the_engines_requests() -> None:
+    engine = FakeEngine(stats={})
+    metrics = install_metrics(FastAPI(), engine)
+    assert engine.observer is not None
+    timer = engine.observer(_request())
+    timer.delta(_delta([5], FinishReason.STOP, last=True))
+    timer.end()
+    m = _samples(metrics)
+    assert m["shuttle:request_success_total{finished_reason=stop}"] == 1
+    assert m["shuttle:time_to_first_token_seconds_count"] == 1

@@ -20,8 +20,9 @@ def _req(rid: str, prompt_len: int, max_tokens: int = 4, eos: tuple[int, ...] = 
     return Request(rid, list(range(base + 1, base + prompt_len + 1)), params, eos_token_ids=eos)
 
 
-def _sched(num_blocks: int = 64, block_size: int = 4, seqs: int = 8, budget: int = 32,
-           **kw: object) -> Scheduler:
+def _sched(
+    num_blocks: int = 64, block_size: int = 4, seqs: int = 8, budget: int = 32, **kw: object
+) -> Scheduler:
     cfg = PolicyConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, watermark=0.0, **kw)
     return Scheduler(BlockManager(num_blocks, block_size), cfg)
 
@@ -129,8 +130,13 @@ def test_random_workload_keeps_invariants_and_finishes_everything(
         r = rng.random()
         if r < 0.15:
             plen = rng.randint(1, max(1, max_len // 3))
-            req = Request(f"r{next(ids)}", [1] * plen, SamplingParams(max_tokens=rng.randint(1, 8)),
-                          eos_token_ids=(0,), max_model_len=max_len)
+            req = Request(
+                f"r{next(ids)}",
+                [1] * plen,
+                SamplingParams(max_tokens=rng.randint(1, 8)),
+                eos_token_ids=(0,),
+                max_model_len=max_len,
+            )
             s.add(req)
             produced[req.request_id] = []
         elif r < 0.2 and s.requests:
@@ -140,7 +146,8 @@ def test_random_workload_keeps_invariants_and_finishes_everything(
             for x in out.scheduled:
                 assert x.num_new_tokens >= 1
                 assert len(s.blocks.block_tables[x.request.request_id]) * 4 >= (
-                    x.num_computed_tokens + x.num_new_tokens)
+                    x.num_computed_tokens + x.num_new_tokens
+                )
             assert out.num_tokens <= budget
             sampled = [x.request.request_id for x in out.scheduled if x.samples]
             toks = [rng.choice([0, 5, 6]) for _ in sampled]

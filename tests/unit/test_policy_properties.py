@@ -52,17 +52,31 @@ class _Worker:
 
 
 @settings(max_examples=50, deadline=None)
-@given(seed=st.integers(0, 10**9), num_blocks=st.integers(8, 48), budget=st.integers(1, 40),
-       depth=st.sampled_from([1, 2]), mode=st.sampled_from(["recompute", "swap"]),
-       queue=st.sampled_from(["fcfs", "priority"]))
-def test_random_operations_keep_every_invariant(seed: int, num_blocks: int, budget: int,
-                                                depth: int, mode: str, queue: str) -> None:
+@given(
+    seed=st.integers(0, 10**9),
+    num_blocks=st.integers(8, 48),
+    budget=st.integers(1, 40),
+    depth=st.sampled_from([1, 2]),
+    mode=st.sampled_from(["recompute", "swap"]),
+    queue=st.sampled_from(["fcfs", "priority"]),
+)
+def test_random_operations_keep_every_invariant(
+    seed: int, num_blocks: int, budget: int, depth: int, mode: str, queue: str
+) -> None:
     rng = random.Random(seed)
     clock = [0.0]
-    s = Scheduler(BlockManager(num_blocks, 4),
-                  PolicyConfig(max_num_seqs=rng.randint(1, 8), max_num_batched_tokens=budget,
-                               watermark=0.0, preemption_mode=mode, scheduling_policy=queue),
-                  host_pool=HostBlockPool(rng.choice([0, 8, 64])), clock=lambda: clock[0])
+    s = Scheduler(
+        BlockManager(num_blocks, 4),
+        PolicyConfig(
+            max_num_seqs=rng.randint(1, 8),
+            max_num_batched_tokens=budget,
+            watermark=0.0,
+            preemption_mode=mode,
+            scheduling_policy=queue,
+        ),
+        host_pool=HostBlockPool(rng.choice([0, 8, 64])),
+        clock=lambda: clock[0],
+    )
     worker, in_flight, root, n_ids = _Worker(), deque(), 1, 0
     max_len = num_blocks * 4
     for _ in range(200):
@@ -76,9 +90,18 @@ def test_random_operations_keep_every_invariant(seed: int, num_blocks: int, budg
             leader, priority = None, rng.randint(0, 3)
             for i in range(n):
                 rid = f"r{n_ids}" if n == 1 else f"r{n_ids}#{i}"
-                req = Request(rid, prompt, sp, eos_token_ids=(0,), max_model_len=max_len,
-                              cache_root=root, priority=priority, fork_of=leader,
-                              timeout=rng.choice([None, None, 5.0]), arrival_time=clock[0])
+                req = Request(
+                    rid,
+                    prompt,
+                    sp,
+                    eos_token_ids=(0,),
+                    max_model_len=max_len,
+                    cache_root=root,
+                    priority=priority,
+                    fork_of=leader,
+                    timeout=rng.choice([None, None, 5.0]),
+                    arrival_time=clock[0],
+                )
                 leader = leader or req
                 s.add(req)
         elif op < 0.17 and s.requests:

@@ -60,20 +60,25 @@ def _logits_with_argmax(tokens: list[int], vocab: int = 10) -> torch.Tensor:
     return logits
 
 
-@pytest.mark.parametrize("drafts, target, expect, accepted", [
-    ([3, 4, 5], [3, 4, 5, 6], [3, 4, 5, 6], 3),  # all accepted, plus the bonus token
-    ([3, 4, 5], [3, 9, 5, 6], [3, 9], 1),  # the first mismatch ends it with the target's token
-    ([3, 4, 5], [7, 4, 5, 6], [7], 0),
-    ([], [2], [2], 0),
-])
-def test_greedy_accepts_the_longest_matching_prefix(drafts: list[int], target: list[int],
-                                                    expect: list[int], accepted: int) -> None:
+@pytest.mark.parametrize(
+    "drafts, target, expect, accepted",
+    [
+        ([3, 4, 5], [3, 4, 5, 6], [3, 4, 5, 6], 3),  # all accepted, plus the bonus token
+        ([3, 4, 5], [3, 9, 5, 6], [3, 9], 1),  # the first mismatch ends it with the target's token
+        ([3, 4, 5], [7, 4, 5, 6], [7], 0),
+        ([], [2], [2], 0),
+    ],
+)
+def test_greedy_accepts_the_longest_matching_prefix(
+    drafts: list[int], target: list[int], expect: list[int], accepted: int
+) -> None:
     v = verify(_logits_with_argmax(target), drafts, GREEDY, None)
     assert v.tokens == expect and v.num_accepted == accepted
 
 
-def _draws(p: torch.Tensor, q: torch.Tensor | None, drafts: list[int], n: int,
-           seed: int = 0) -> list[list[int]]:
+def _draws(
+    p: torch.Tensor, q: torch.Tensor | None, drafts: list[int], n: int, seed: int = 0
+) -> list[list[int]]:
     params = SamplingParams(max_tokens=8, temperature=1.0)
     gen = torch.Generator().manual_seed(seed)
     logits = p.log()
@@ -121,8 +126,9 @@ def test_sampled_point_mass_drafts_keep_the_target_distribution() -> None:
 # --- the scheduler's draft slots --------------------------------------------------------------
 def _decoding(k: int, num_blocks: int = 32, max_tokens: int = 20) -> tuple[Scheduler, Request]:
     s = Scheduler(BlockManager(num_blocks, 4), PolicyConfig(num_speculative_tokens=k))
-    req = Request("r", list(range(100, 106)), SamplingParams(max_tokens=max_tokens,
-                                                              temperature=0.0))
+    req = Request(
+        "r", list(range(100, 106)), SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    )
     s.add(req)
     out = s.schedule()  # the prompt: no drafts before the first token
     assert out.scheduled[0].num_spec_tokens == 0
@@ -157,8 +163,7 @@ def test_draft_slots_never_exceed_what_the_request_may_still_produce() -> None:
 
 def test_tokens_after_a_stop_token_are_dropped() -> None:
     s = Scheduler(BlockManager(32, 4), PolicyConfig(num_speculative_tokens=4))
-    req = Request("r", [1, 2, 3], SamplingParams(max_tokens=20, temperature=0.0),
-                  eos_token_ids=[2])
+    req = Request("r", [1, 2, 3], SamplingParams(max_tokens=20, temperature=0.0), eos_token_ids=[2])
     s.add(req)
     s.schedule()
     s.update(["r"], [5])

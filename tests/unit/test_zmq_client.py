@@ -1,5 +1,6 @@
-"""ZmqEngineClient's routing of detokenizer outputs into per-request streams, with fake
-outboxes (no sockets): OutputBatch messages are fed straight to `on_outputs`."""
+"""ZmqEngineClient's routing of detokenizer outputs into per-request streams, its adoption of
+the model the scheduler pushes, and its resending of requests a swap made stale, with fake
+outboxes (no sockets): messages are fed straight to its `on_*` methods."""
 
 from __future__ import annotations
 
@@ -12,12 +13,15 @@ from common.messages import (
     Abort,
     FinishReason,
     GenerateRequest,
+    ModelChanged,
     OutputBatch,
     RequestError,
+    Retokenize,
     SamplingParams,
+    SwapResult,
 )
 from services.gateway.engine_client import OutputDelta, RequestFailed
-from services.gateway.zmq_client import ZmqEngineClient, split_sequence_id
+from services.gateway.zmq_client import MAX_RETOKENIZE, ZmqEngineClient
 
 NONE, STOP, LENGTH = FinishReason.NONE, FinishReason.STOP, FinishReason.LENGTH
 
@@ -44,15 +48,16 @@ def request(request_id: str, n: int = 1) -> GenerateRequest:
     )
 
 
-def batch(*entries: tuple[str, str, FinishReason, int]) -> OutputBatch:
-    """Entries of (sequence id, text, finish reason, output tokens so far)."""
+def batch(*entries: tuple[str, int, str, FinishReason, int]) -> OutputBatch:
+    """Entries of (request id, sequence index, text, finish reason, output tokens so far)."""
     return OutputBatch(
         request_ids=[e[0] for e in entries],
-        texts=[e[1] for e in entries],
-        token_ids=[[e[3]] for e in entries],
-        finish_reasons=[int(e[2]) for e in entries],
+        seq_indices=[e[1] for e in entries],
+        texts=[e[2] for e in entries],
+        token_ids=[[e[4]] for e in entries],
+        finish_reasons=[int(e[3]) for e in entries],
         num_prompt_tokens=[4] * len(entries),
-        num_output_tokens=[e[3] for e in entries],
+        num_output_tokens=[e[4] for e in entries],
     )
 
 
@@ -76,21 +81,15 @@ def summary(deltas: list[OutputDelta]) -> list[tuple[int, str, FinishReason, boo
     return [(d.index, d.text, d.finish_reason, d.last) for d in deltas]
 
 
-def test_split_sequence_id() -> None:
-    assert split_sequence_id("req-1") == ("req-1", 0)
-    assert split_sequence_id("req-1#0") == ("req-1", 0)
-    assert split_sequence_id("a:b.c#12") == ("a:b.c", 12)
-
-
 def test_n1_ends_on_the_finish_and_sends_no_abort() -> None:
     client, tokenizers, scheduler = make_client()
     deltas = asyncio.run(
         consume(
             client,
             request("r"),
-            batch(("r", "a", NONE, 1)),
-            batch(("other", "z", NONE, 1), ("r", "b", STOP, 2)),
-            batch(("r", "late", NONE, 3)),
+            batch(("r", 0, "a", NONE, 1)),
+            batch(("other", 0, "z", NONE, 1), ("r", 0, "b", STOP, 2)),
+            batch(("r", 0, "late", NONE, 3)),
         )
     )
     assert summary(deltas) == [(0, "a", NONE, False), (0, "b", STOP, True)]
@@ -105,10 +104,10 @@ def test_n3_sequences_route_to_one_stream_by_index() -> None:
         consume(
             client,
             request("r", n=3),
-            batch(("r#0", "a", NONE, 1), ("r#2", "x", NONE, 1), ("r#1", "m", STOP, 1)),
-            batch(("r#2", "y", LENGTH, 2), ("q#0", "not ours", NONE, 1)),
-            batch(("r#0", "b", STOP, 2)),
-            batch(("r#1", "late", NONE, 2)),
+            batch(("r", 0, "a", NONE, 1), ("r", 2, "x", NONE, 1), ("r", 1, "m", STOP, 1)),
+            batch(("r", 2, "y", LENGTH, 2), ("q", 0, "not ours", NONE, 1)),
+            batch(("r", 0, "b", STOP, 2)),
+            batch(("r", 1, "late", NONE, 2)),
         )
     )
     assert summary(deltas) == [
@@ -124,7 +123,7 @@ def test_n3_sequences_route_to_one_stream_by_index() -> None:
 def test_the_last_finish_in_one_batch_ends_the_stream() -> None:
     client, _, scheduler = make_client()
     deltas = asyncio.run(
-        consume(client, request("r", n=2), batch(("r#1", "b", STOP, 1), ("r#0", "a", LENGTH, 1)))
+        consume(client, request("r", n=2), batch(("r", 1, "b", STOP, 1), ("r", 0, "a", LENGTH, 1)))
     )
     assert summary(deltas) == [(1, "b", STOP, False), (0, "a", LENGTH, True)]
     assert scheduler.sent == []
@@ -138,7 +137,7 @@ def test_early_close_sends_one_abort_for_the_request_id(n: int) -> None:
         stream = client.generate(request("r", n=n))
         first = asyncio.ensure_future(anext(stream))
         await asyncio.sleep(0)
-        client.on_outputs(batch((f"r#{n - 1}" if n > 1 else "r", "a", STOP, 1)))
+        client.on_outputs(batch(("r", n - 1, "a", STOP, 1)))
         delta = await asyncio.wait_for(first, 5)
         await stream.aclose()  # the client went away
         return delta
@@ -150,17 +149,112 @@ def test_early_close_sends_one_abort_for_the_request_id(n: int) -> None:
     assert client.num_in_flight == 0
 
 
-@pytest.mark.parametrize("error_id", ["r", "r#1"])
-def test_an_error_fails_the_whole_request(error_id: str) -> None:
+def test_an_error_fails_the_whole_request() -> None:
     client, _, scheduler = make_client()
 
     async def go() -> None:
         task = asyncio.ensure_future(_read_all(client, request("r", n=2)))
         await asyncio.sleep(0)
-        client.on_outputs(batch(("r#0", "a", NONE, 1)))
-        client.on_error(RequestError(request_id=error_id, status=503, message="worker died"))
+        client.on_outputs(batch(("r", 0, "a", NONE, 1)))
+        client.on_error(RequestError(request_id="r", status=503, message="worker died"))
         await asyncio.wait_for(task, 5)
 
     with pytest.raises(RequestFailed, match="worker died"):
         asyncio.run(go())
+    assert scheduler.sent == [] and client.num_in_flight == 0
+
+
+def test_an_output_batch_without_indices_is_sequence_0() -> None:
+    client, _, _ = make_client()
+    plain = OutputBatch(["r"], ["a"], [[1]], [int(STOP)], [4], [1])  # no seq_indices
+    deltas = asyncio.run(consume(client, request("r"), plain))
+    assert summary(deltas) == [(0, "a", STOP, True)]
+
+
+def model_changed(version: str, name: str = "m", max_model_len: int = 2048) -> ModelChanged:
+    return ModelChanged(
+        name=name,
+        version=version,
+        path=f"/models/{version}",
+        tokenizer_fingerprint=f"fp-{version}",
+        max_model_len=max_model_len,
+        vocab_size=512,
+        eos_token_ids=[2],
+    )
+
+
+def test_ready_once_the_scheduler_says_what_it_serves() -> None:
+    client, _, scheduler = make_client()
+    assert not client.is_ready() and client.model_name == ""
+    client.on_model_changed(model_changed("v1", max_model_len=1024))
+    assert client.is_ready()
+    assert (client.model_name, client.system_fingerprint, client.max_model_len) == ("m", "v1", 1024)
+    client.on_model_changed(model_changed("v2", name="tiny", max_model_len=512))
+    assert (client.model_name, client.system_fingerprint, client.max_model_len) == (
+        "tiny",
+        "v2",
+        512,
+    )
+    client.on_model_lost()  # the worker died: not ready until the scheduler says again
+    assert not client.is_ready() and client.model_name == "tiny"
+    client.on_model_changed(model_changed("v2", name="tiny"))
+    assert client.is_ready()
+    assert scheduler.sent == []  # learnt by being told, never by asking
+
+
+def test_a_swap_names_the_new_version_when_it_returns() -> None:
+    """The scheduler sends ModelChanged before the SwapResult, on the same socket: when
+    swap_model returns, the client already serves the new version."""
+    client, _, scheduler = make_client()
+    client.on_model_changed(model_changed("v1"))
+
+    async def go() -> str:
+        swap = asyncio.ensure_future(client.swap_model("/models/v2", "v2", "overlap"))
+        await asyncio.sleep(0)
+        assert client.swap_status is not None and client.swap_status["to"] == "v2"
+        ticket = scheduler.sent[-1].ticket
+        client.on_model_changed(model_changed("v2"))
+        client.on_swap_result(
+            SwapResult(ticket=ticket, ok=True, version="v2", previous_version="v1", mode="overlap")
+        )
+        result = await asyncio.wait_for(swap, 5)
+        return result.version
+
+    assert asyncio.run(go()) == "v2" == client.system_fingerprint
+    assert client.swap_status is None
+
+
+def test_retokenize_sends_the_original_request_again() -> None:
+    client, tokenizers, scheduler = make_client()
+    req = request("r", n=2)
+
+    async def go() -> list[OutputDelta]:
+        task = asyncio.ensure_future(_read_all(client, req))
+        await asyncio.sleep(0)
+        client.on_retokenize(Retokenize(request_id="r"))
+        client.on_retokenize(Retokenize(request_id="unknown"))  # gone already: ignored
+        client.on_outputs(batch(("r", 0, "a", STOP, 1), ("r", 1, "b", LENGTH, 1)))
+        return await asyncio.wait_for(task, 5)
+
+    deltas = asyncio.run(go())
+    assert summary(deltas) == [(0, "a", STOP, False), (1, "b", LENGTH, True)]
+    assert tokenizers.sent == [req, req]  # the very request, arrival time and all
+    assert scheduler.sent == [] and client.num_in_flight == 0
+
+
+def test_retokenize_gives_up_with_a_retryable_503() -> None:
+    client, tokenizers, scheduler = make_client()
+
+    async def go() -> None:
+        task = asyncio.ensure_future(_read_all(client, request("r")))
+        await asyncio.sleep(0)
+        for _ in range(MAX_RETOKENIZE + 1):
+            client.on_retokenize(Retokenize(request_id="r"))
+        await asyncio.wait_for(task, 5)
+
+    with pytest.raises(RequestFailed) as failed:
+        asyncio.run(go())
+    assert failed.value.status == 503 and "retry" in failed.value.message
+    assert len(tokenizers.sent) == 1 + MAX_RETOKENIZE
+    # the scheduler dropped the request before asking: nothing to abort
     assert scheduler.sent == [] and client.num_in_flight == 0

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from tools.bench_workload import Workload, tokenized
+from tools.benchmarks.workload import Workload, tokenized
 
 
 def pick_subset(n: int, subset: int) -> list[int]:
@@ -24,8 +24,15 @@ def pick_subset(n: int, subset: int) -> list[int]:
     return [round(i * (n - 1) / max(1, subset - 1)) for i in range(subset)]
 
 
-def hf_baseline(kind: str, model_dir: str, wl: Workload, batch_size: int, dtype: str,
-                threads: int, subset: int = 0) -> dict[str, Any]:
+def hf_baseline(
+    kind: str,
+    model_dir: str,
+    wl: Workload,
+    batch_size: int,
+    dtype: str,
+    threads: int,
+    subset: int = 0,
+) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -38,7 +45,7 @@ def hf_baseline(kind: str, model_dir: str, wl: Workload, batch_size: int, dtype:
     prompts = tokenized(wl.prompts, model_dir)
     order = pick_subset(len(prompts), subset)
     size = 1 if kind == "hf-sequential" else batch_size
-    groups = [order[i:i + size] for i in range(0, len(order), size)]
+    groups = [order[i : i + size] for i in range(0, len(order), size)]
     start = time.perf_counter()
     computed = 0
     with torch.inference_mode():
@@ -47,15 +54,29 @@ def hf_baseline(kind: str, model_dir: str, wl: Workload, batch_size: int, dtype:
             ids = torch.full((len(g), width), pad, dtype=torch.long)
             mask = torch.zeros((len(g), width), dtype=torch.long)
             for row, i in enumerate(g):  # left padding, as generate wants for decoder-only
-                ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
-                mask[row, width - len(prompts[i]):] = 1
+                ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+                mask[row, width - len(prompts[i]) :] = 1
             new = max(wl.output_lens[i] for i in g)
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
-                           min_new_tokens=new, do_sample=False, pad_token_id=pad)
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=pad,
+            )
             computed += len(g) * new
     dur = time.perf_counter() - start
     useful = sum(wl.output_lens[i] for i in order)
-    return {"name": kind, "duration_s": dur, "output_tok_s": useful / dur,
-            "useful_output_tokens": useful, "computed_output_tokens": computed,
-            "batch_size": size, "num_requests": len(order), "subset": len(order) < len(prompts),
-            "dtype": dtype, "threads": threads}
+    return {
+        "name": kind,
+        "duration_s": dur,
+        "output_tok_s": useful / dur,
+        "useful_output_tokens": useful,
+        "computed_output_tokens": computed,
+        "batch_size": size,
+        "num_requests": len(order),
+        "subset": len(order) < len(prompts),
+        "dtype": dtype,
+        "threads": threads,
+    }

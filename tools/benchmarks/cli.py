@@ -5,14 +5,14 @@
     tools/bench --jsonl prompts.jsonl --sweep-rates 1,2,4,8 --plot-dir out/ --slo-ttft-ms 500
     tools/bench --server-flags "--model synthetic" --num-prompts 256 --output-len 200
 
-Prompts are random token ids (as `vllm bench serve --dataset-name random`), optionally behind
-a shared prefix, or the lines of a JSONL file (tools/bench_workload.py); they go to
-/v1/completions with `ignore_eos`, streamed, so TTFT and every inter-token gap are seen.
-Arrivals: all at once (default), Poisson at --rate, capped by --concurrency, or one run per
-rate of --sweep-rates. Without --url a shuttle server is started here (and stopped) with
---server-flags. Baselines run afterwards on the same prompts and lengths, in this process,
-same dtype and threads. Figures and their definitions: tools/bench_report.py; plots:
-tools/bench_plots.py.
+(`tools/bench` runs `python -m tools.benchmarks`, this module.) Prompts are random token ids
+(as `vllm bench serve --dataset-name random`), optionally behind a shared prefix, or the
+lines of a JSONL file (workload.py); they go to /v1/completions with `ignore_eos`, streamed,
+so TTFT and every inter-token gap are seen (load.py). Arrivals: all at once (default),
+Poisson at --rate, capped by --concurrency, or one run per rate of --sweep-rates. Without
+--url a shuttle server is started here (and stopped) with --server-flags. Baselines run
+afterwards on the same prompts and lengths, in this process, same dtype and threads
+(baselines.py). Figures and their definitions: report.py; plots: plots.py.
 """
 
 from __future__ import annotations
@@ -21,176 +21,22 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import shlex
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 
-REPO = Path(__file__).resolve().parent.parent
+# run from anywhere: a server started here comes from tests/server.py, beside tools/
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from tools.bench_baselines import hf_baseline  # noqa: E402
-from tools.bench_client import HttpError, SseConnection  # noqa: E402
-from tools.bench_report import (  # noqa: E402, F401  (Timing, _pct: re-exported for callers)
-    Slo,
-    Timing,
-    _pct,
-    per_request,
-    print_report,
-    summarize,
-)
-from tools.bench_workload import Workload, load_jsonl, make_workload  # noqa: E402, F401
-
-INF = float("inf")
-
-
-class Progress:
-    """One stderr line, redrawn at most 5 times a second: done/total, failures, tokens."""
-
-    def __init__(self, total: int, label: str = "", enabled: bool = True) -> None:
-        self.total, self.label, self.enabled = total, label, enabled
-        self.done = self.failed = self.tokens = 0
-        self.start = self.drawn = time.perf_counter()
-
-    def add(self, t: Timing) -> None:
-        self.done += 1
-        self.failed += bool(t.error)
-        self.tokens += t.output_tokens
-        now = time.perf_counter()
-        if self.enabled and (now - self.drawn > 0.2 or self.done == self.total):
-            self.drawn = now
-            width = 30
-            filled = width * self.done // max(1, self.total)
-            sys.stderr.write(f"\r{self.label}[{'#' * filled}{'.' * (width - filled)}] "
-                             f"{self.done}/{self.total} done, {self.failed} failed, "
-                             f"{self.tokens / (now - self.start):,.0f} tok/s, "
-                             f"{now - self.start:.1f} s ")
-            if self.done == self.total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
-
-
-# --- load generation ---------------------------------------------------------------------------
-def _body(model: str, prompt: list[int] | str, out_len: int) -> dict[str, Any]:
-    return {"model": model, "prompt": prompt, "max_tokens": out_len, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-
-
-class _Stamper:
-    """Turns a stream's `data:` payloads into one request's Timing."""
-
-    def __init__(self) -> None:
-        self.t = Timing()
-        self.start = self.last = time.perf_counter()
-
-    def event(self, data: bytes | str) -> None:
-        if data == b"[DONE]" or data == "[DONE]":
-            return
-        chunk = orjson.loads(data)
-        if chunk.get("usage"):
-            self.t.output_tokens = chunk["usage"]["completion_tokens"]
-            self.t.prompt_tokens = chunk["usage"]["prompt_tokens"]
-        if chunk.get("choices") and chunk["choices"][0].get("text"):
-            now = time.perf_counter()
-            if not self.t.ttft:
-                self.t.ttft = now - self.start
-            else:
-                self.t.itl.append(now - self.last)
-            self.last = now
-        if "error" in chunk:
-            self.t.error = f"stream error: {chunk['error'].get('message', '')[:200]}"
-
-    def done(self, error: str = "") -> Timing:
-        self.t.error = self.t.error or error
-        self.t.e2e = time.perf_counter() - self.start
-        return self.t
-
-
-async def _one(client: httpx.AsyncClient, model: str, prompt: list[int] | str,
-               out_len: int) -> Timing:
-    """One streamed request through httpx (any URL)."""
-    stamp = _Stamper()
-    try:
-        async with client.stream("POST", "/v1/completions",
-                                 json=_body(model, prompt, out_len)) as r:
-            if r.status_code != 200:
-                return stamp.done(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-            async for line in r.aiter_lines():
-                if line.startswith("data: "):  # not blank separators or keep-alive comments
-                    stamp.event(line[6:])
-    except httpx.HTTPError as e:
-        return stamp.done(f"{type(e).__name__}: {e}")
-    return stamp.done()
-
-
-async def _one_lean(conn: SseConnection, model: str, prompt: list[int] | str,
-                    out_len: int) -> Timing:
-    """One streamed request through the lean client (plain http://)."""
-    stamp = _Stamper()
-    try:
-        async for data in conn.stream("/v1/completions",
-                                      orjson.dumps(_body(model, prompt, out_len))):
-            stamp.event(data)
-    except HttpError as e:
-        return stamp.done(str(e))
-    return stamp.done()
-
-
-async def run_load(url: str, model: str, wl: Workload, concurrency: int, rate: float,
-                   seed: int, progress: Progress | None = None, lean: bool = True
-                   ) -> tuple[list[Timing], float, int]:
-    """Send every request of `wl`; returns their timings, the duration and peak concurrency.
-    `lean`: the lean client on http:// URLs (tools/bench_client.py), else httpx."""
-    n = len(wl.prompts)
-    slots = concurrency if concurrency > 0 else n
-    lean = lean and url.startswith("http://")
-    pool: asyncio.Queue[SseConnection] = asyncio.Queue()
-    for _ in range(slots if lean else 0):
-        pool.put_nowait(SseConnection(url))
-    limits = httpx.Limits(max_connections=slots + 4, max_keepalive_connections=slots + 4)
-    sem = asyncio.Semaphore(slots)
-    rng = random.Random(seed)
-    peak = active = 0
-
-    async def send(client: httpx.AsyncClient, i: int) -> Timing:
-        if not lean:
-            return await _one(client, model, wl.prompts[i], wl.output_lens[i])
-        conn = pool.get_nowait()  # the semaphore guarantees one is free
-        try:
-            return await _one_lean(conn, model, wl.prompts[i], wl.output_lens[i])
-        finally:
-            pool.put_nowait(conn)
-
-    async def guarded(client: httpx.AsyncClient, i: int) -> Timing:
-        nonlocal peak, active
-        async with sem:
-            active += 1
-            peak = max(peak, active)
-            try:
-                t = await send(client, i)
-            finally:
-                active -= 1
-        if progress is not None:
-            progress.add(t)
-        return t
-
-    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
-        start = time.perf_counter()
-        tasks = []
-        for i in range(n):
-            tasks.append(asyncio.create_task(guarded(client, i)))
-            if rate != INF:
-                await asyncio.sleep(rng.expovariate(rate))
-        timings = list(await asyncio.gather(*tasks))
-        duration = time.perf_counter() - start
-    while not pool.empty():
-        await pool.get_nowait().close()
-    return timings, duration, peak
+from tools.benchmarks.baselines import hf_baseline  # noqa: E402
+from tools.benchmarks.load import INF, Progress, run_load  # noqa: E402
+from tools.benchmarks.report import Slo, per_request, print_report, summarize  # noqa: E402
+from tools.benchmarks.workload import Workload, load_jsonl, make_workload  # noqa: E402
 
 
 async def _served_model(url: str, model: str) -> str:
@@ -208,11 +54,15 @@ def run_rates(url: str, args: argparse.Namespace, wl: Workload, slo: Slo) -> lis
     for rate in rates:
         label = f"rate {rate:g}/s " if len(rates) > 1 else ""
         progress = Progress(len(wl.prompts), label, not args.no_progress)
-        timings, dur, peak = asyncio.run(run_load(url, model, wl, args.concurrency, rate,
-                                                  args.seed, progress, args.client == "lean"))
+        timings, dur, peak = asyncio.run(
+            run_load(
+                url, model, wl, args.concurrency, rate, args.seed, progress, args.client == "lean"
+            )
+        )
         summary = summarize(timings, dur, peak, wl, slo)
-        runs.append({**summary, "rate": rate if rate != INF else "inf",
-                     "requests": per_request(timings)})
+        runs.append(
+            {**summary, "rate": rate if rate != INF else "inf", "requests": per_request(timings)}
+        )
     return runs
 
 
@@ -225,9 +75,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--input-len", default="128", help="N or LO:HI prompt tokens")
     p.add_argument("--output-len", default="64", help="N or LO:HI output tokens")
-    p.add_argument("--shared-prefix", type=int, default=0,
-                   help="tokens of a system prompt every request starts with")
-    p.add_argument("--jsonl", default="", help="requests from this file (see bench_workload)")
+    p.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        help="tokens of a system prompt every request starts with",
+    )
+    p.add_argument("--jsonl", default="", help="requests from this file (see workload.py)")
     p.add_argument("--concurrency", type=int, default=0, help="most in flight (0: all)")
     p.add_argument("--rate", type=float, default=INF, help="Poisson arrivals per s")
     p.add_argument("--sweep-rates", default="", help="comma list of rates: one run each")
@@ -237,41 +91,58 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--slo-e2e-ms", type=float, default=0.0, help="goodput: E2E objective")
     p.add_argument("--baseline", default="", help="comma list: hf-sequential,hf-static")
     p.add_argument("--hf-batch-size", type=int, default=16)
-    p.add_argument("--hf-sequential-subset", type=int, default=0,
-                   help="run hf-sequential on this many requests only (0: all)")
+    p.add_argument(
+        "--hf-sequential-subset",
+        type=int,
+        default=0,
+        help="run hf-sequential on this many requests only (0: all)",
+    )
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--server-flags", default="", help="flags for the shuttle server started here")
     p.add_argument("--json", default="", help="write the results here")
     p.add_argument("--plot-dir", default="", help="write PNG plots here")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
-    p.add_argument("--client", default="lean", choices=["lean", "httpx"],
-                   help="HTTP client of the load (lean: tools/bench_client.py, http:// only)")
+    p.add_argument(
+        "--client",
+        default="lean",
+        choices=["lean", "httpx"],
+        help="HTTP client of the load (lean: tools/benchmarks/client.py, http:// only)",
+    )
     p.add_argument("--admin-token", default="", help="read shuttle's /admin/stats after the run")
     return p.parse_args(argv)
 
 
 def _workload(args: argparse.Namespace, model_dir: str) -> tuple[Workload, str]:
     if args.jsonl:
-        return load_jsonl(args.jsonl, args.output_len, args.seed, args.num_prompts), \
-            f"jsonl {args.jsonl}"
+        return load_jsonl(
+            args.jsonl, args.output_len, args.seed, args.num_prompts
+        ), f"jsonl {args.jsonl}"
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
-    wl = make_workload(args.num_prompts, args.input_len, args.output_len, vocab, args.seed,
-                       args.shared_prefix)
+    wl = make_workload(
+        args.num_prompts, args.input_len, args.output_len, vocab, args.seed, args.shared_prefix
+    )
     return wl, f"random, shared prefix {args.shared_prefix}" if args.shared_prefix else "random"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     threads = args.threads or os.cpu_count() or 1
-    from gpu_worker.prepare_model import prepare_default_model
+    from common.prepare_model import prepare_default_model
 
     model_dir = args.model_dir or str(prepare_default_model())
     wl, source = _workload(args, model_dir)
     slo = Slo(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3, args.slo_e2e_ms / 1e3)
     # KV room for 64 requests of 768 tokens in fp32 (tests/server.py's default is 0.5 GiB)
-    flags = ["--kv-cache-memory", "3", "--dtype", args.dtype, "--num-threads", str(threads),
-             *shlex.split(args.server_flags)]
+    flags = [
+        "--kv-cache-memory",
+        "3",
+        "--dtype",
+        args.dtype,
+        "--num-threads",
+        str(threads),
+        *shlex.split(args.server_flags),
+    ]
     if args.url:
         runs = run_rates(args.url, args, wl, slo)
         server_stats = _server_stats(args.url, args.admin_token)
@@ -284,30 +155,51 @@ def main(argv: list[str] | None = None) -> int:
             server_stats = _server_stats(server.url, token)
     desc = wl.describe()
     result = {
-        "workload": {"num_prompts": len(wl.prompts), "source": source,
-                     "input_len": "file" if args.jsonl else args.input_len,
-                     "output_len": args.output_len, "prompt_tokens": desc["prompt_tokens"],
-                     "output_tokens": desc["output_tokens"], "concurrency": args.concurrency,
-                     "shared_prefix": args.shared_prefix, "rate": runs[-1]["rate"],
-                     "sweep_rates": args.sweep_rates, "dtype": args.dtype, "threads": threads,
-                     "batch_policy": _flag(flags, "--batch-policy", "continuous")
-                     if not args.url else "external",
-                     "server_flags": " ".join(flags) if not args.url else "external",
-                     "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms,
-                             "e2e_ms": args.slo_e2e_ms}},
+        "workload": {
+            "num_prompts": len(wl.prompts),
+            "source": source,
+            "input_len": "file" if args.jsonl else args.input_len,
+            "output_len": args.output_len,
+            "prompt_tokens": desc["prompt_tokens"],
+            "output_tokens": desc["output_tokens"],
+            "concurrency": args.concurrency,
+            "shared_prefix": args.shared_prefix,
+            "rate": runs[-1]["rate"],
+            "sweep_rates": args.sweep_rates,
+            "dtype": args.dtype,
+            "threads": threads,
+            "batch_policy": _flag(flags, "--batch-policy", "continuous")
+            if not args.url
+            else "external",
+            "server_flags": " ".join(flags) if not args.url else "external",
+            "slo": {
+                "ttft_ms": args.slo_ttft_ms,
+                "tpot_ms": args.slo_tpot_ms,
+                "e2e_ms": args.slo_e2e_ms,
+            },
+        },
         "shuttle": runs[-1],
         "sweep": runs if len(runs) > 1 else [],
         "server_stats": server_stats,
-        "baselines": [hf_baseline(b, model_dir, wl, args.hf_batch_size, args.dtype, threads,
-                                  args.hf_sequential_subset if b == "hf-sequential" else 0)
-                      for b in filter(None, args.baseline.split(","))],
+        "baselines": [
+            hf_baseline(
+                b,
+                model_dir,
+                wl,
+                args.hf_batch_size,
+                args.dtype,
+                threads,
+                args.hf_sequential_subset if b == "hf-sequential" else 0,
+            )
+            for b in filter(None, args.baseline.split(","))
+        ],
     }
     print_report(result)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
     if args.plot_dir:
-        from tools.bench_plots import plot_result
+        from tools.benchmarks.plots import plot_result
 
         for path in plot_result(result, args.plot_dir):
             print(f"plot: {path}")

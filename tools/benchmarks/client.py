@@ -44,7 +44,9 @@ class SseConnection:
         self._writer.write(
             f"POST {self.base}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
             f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
         try:
             status, chunked, length, close = await self._head()
             if status != 200:
@@ -97,7 +99,7 @@ class SseConnection:
         async for piece in self._pieces(chunked, length):
             buf += piece
             while (end := buf.find(b"\n\n")) >= 0:  # an event ends at a blank line
-                event, buf = buf[:end], buf[end + 2:]
+                event, buf = buf[:end], buf[end + 2 :]
                 for line in event.split(b"\n"):
                     if line.startswith(b"data: "):
                         yield line[6:]

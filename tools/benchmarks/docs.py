@@ -1,12 +1,12 @@
 """Regenerate docs/benchmarks.md: run every benchmark it reports, then render it.
 
     make bench-docs                                   # everything (about 30 minutes)
-    .venv/bin/python -m tools.bench_docs --only synthetic,parity
-    .venv/bin/python -m tools.bench_docs --render     # the page from the JSON already there
+    .venv/bin/python -m tools.benchmarks.docs --only synthetic,parity
+    .venv/bin/python -m tools.benchmarks.docs --render     # the page from the JSON already there
 
 Each step writes docs/bench/<step>.json (and PNG plots beside it) with the machine's load
 average before and after, since this CPU is shared and its figures move with the load;
-tools/bench_docs_render.py turns the JSON files into the page.
+tools/benchmarks/docs_render.py turns the JSON files into the page.
 """
 
 from __future__ import annotations
@@ -20,19 +20,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 OUT = REPO / "docs" / "bench"
 MIXED = ["--num-prompts", "64", "--input-len", "32:512", "--output-len", "16:256", "--seed", "0"]
 SWEEP = ["--num-prompts", "24", "--input-len", "64:256", "--output-len", "32:128", "--seed", "1"]
 
 
 def _bench(name: str, argv: list[str]) -> dict[str, Any]:
-    from tools import bench
+    from tools.benchmarks import cli
 
     out = OUT / f"{name}.json"
-    bench.main([*argv, "--json", str(out), "--no-progress"])
+    cli.main([*argv, "--json", str(out), "--no-progress"])
     result = json.loads(out.read_text())
-    from tools.bench_plots import plot_result
+    from tools.benchmarks.plots import plot_result
 
     plot_result(result, OUT, prefix=f"{name}_")
     return result
@@ -45,42 +45,120 @@ def step_times() -> dict[str, Any]:
     rows = {}
     for dtype in ("float32", "bfloat16"):
         path = OUT / f"step_{dtype}.json"
-        subprocess.run([sys.executable, "-m", "tools.bench_step", "--batch-sizes", "1,16,64",
-                        "--steps", "8", "--dtype", dtype, "--json", str(path)], check=True,
-                       cwd=REPO)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tools.benchmarks.step",
+                "--batch-sizes",
+                "1,16,64",
+                "--steps",
+                "8",
+                "--dtype",
+                dtype,
+                "--json",
+                str(path),
+            ],
+            check=True,
+            cwd=REPO,
+        )
         rows[dtype] = json.loads(path.read_text())
     return rows
 
 
 def mixed() -> dict[str, Any]:
-    return _bench("mixed_fp32", [*MIXED, "--threads", "2", "--baseline",
-                                 "hf-static,hf-sequential", "--hf-sequential-subset", "8"])
+    return _bench(
+        "mixed_fp32",
+        [
+            *MIXED,
+            "--threads",
+            "2",
+            "--baseline",
+            "hf-static,hf-sequential",
+            "--hf-sequential-subset",
+            "8",
+        ],
+    )
 
 
 def mixed_bf16() -> dict[str, Any]:
-    return _bench("mixed_bf16", [*MIXED, "--threads", "2", "--dtype", "bfloat16", "--baseline",
-                                 "hf-static,hf-sequential", "--hf-sequential-subset", "8"])
+    return _bench(
+        "mixed_bf16",
+        [
+            *MIXED,
+            "--threads",
+            "2",
+            "--dtype",
+            "bfloat16",
+            "--baseline",
+            "hf-static,hf-sequential",
+            "--hf-sequential-subset",
+            "8",
+        ],
+    )
 
 
 def sweep() -> dict[str, Any]:
-    return _bench("sweep_fp32", [*SWEEP, "--threads", "2", "--sweep-rates", "0.5,1,2,4",
-                                 "--slo-ttft-ms", "2000", "--slo-tpot-ms", "250"])
+    return _bench(
+        "sweep_fp32",
+        [
+            *SWEEP,
+            "--threads",
+            "2",
+            "--sweep-rates",
+            "0.5,1,2,4",
+            "--slo-ttft-ms",
+            "2000",
+            "--slo-tpot-ms",
+            "250",
+        ],
+    )
 
 
 def synthetic() -> dict[str, Any]:
     flags = "--model synthetic --max-num-seqs 256 --max-num-batched-tokens 8192"
-    capacity = _bench("synthetic_256", ["--server-flags", flags, "--num-prompts", "512",
-                                        "--concurrency", "256", "--input-len", "32",
-                                        "--output-len", "256", "--threads", "2"])
-    low = _bench("synthetic_c1", ["--server-flags", flags, "--num-prompts", "100",
-                                  "--concurrency", "1", "--input-len", "32", "--output-len",
-                                  "16", "--threads", "2"])
-    return {"capacity": capacity["shuttle"]["output_tok_s"],
-            "ttft_p50_ms": low["shuttle"]["ttft_s"]["median"] * 1e3}
+    capacity = _bench(
+        "synthetic_256",
+        [
+            "--server-flags",
+            flags,
+            "--num-prompts",
+            "512",
+            "--concurrency",
+            "256",
+            "--input-len",
+            "32",
+            "--output-len",
+            "256",
+            "--threads",
+            "2",
+        ],
+    )
+    low = _bench(
+        "synthetic_c1",
+        [
+            "--server-flags",
+            flags,
+            "--num-prompts",
+            "100",
+            "--concurrency",
+            "1",
+            "--input-len",
+            "32",
+            "--output-len",
+            "16",
+            "--threads",
+            "2",
+        ],
+    )
+    return {
+        "capacity": capacity["shuttle"]["output_tok_s"],
+        "ttft_p50_ms": low["shuttle"]["ttft_s"]["median"] * 1e3,
+    }
 
 
 def parity() -> dict[str, Any]:
-    from tools import bf16_parity
+    from tools.benchmarks import bf16_parity
 
     result = bf16_parity.measure()
     (OUT / "bf16_parity.json").write_text(json.dumps(result, indent=2))
@@ -88,8 +166,13 @@ def parity() -> dict[str, Any]:
 
 
 STEPS: dict[str, Callable[[], dict[str, Any]]] = {
-    "step": step_times, "mixed": mixed, "mixed_bf16": mixed_bf16, "sweep": sweep,
-    "synthetic": synthetic, "parity": parity}
+    "step": step_times,
+    "mixed": mixed,
+    "mixed_bf16": mixed_bf16,
+    "sweep": sweep,
+    "synthetic": synthetic,
+    "parity": parity,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,11 +191,14 @@ def main(argv: list[str] | None = None) -> int:
             before, start = os.getloadavg(), time.time()
             print(f"== {name}", flush=True)
             STEPS[name]()
-            loads[name] = {"load_before": before, "load_after": os.getloadavg(),
-                           "minutes": round((time.time() - start) / 60, 1),
-                           "date": time.strftime("%Y-%m-%d %H:%M")}
+            loads[name] = {
+                "load_before": before,
+                "load_after": os.getloadavg(),
+                "minutes": round((time.time() - start) / 60, 1),
+                "date": time.strftime("%Y-%m-%d %H:%M"),
+            }
             loads_path.write_text(json.dumps(loads, indent=2))
-    from tools.bench_docs_render import render
+    from tools.benchmarks.docs_render import render
 
     (REPO / "docs" / "benchmarks.md").write_text(render(OUT))
     print(f"wrote {REPO / 'docs' / 'benchmarks.md'}")

@@ -1,13 +1,13 @@
-"""tools/bench_grpc.py: the same load over gRPC (Generate) and HTTP/SSE (/v1/completions),
-on one server in one run, to compare the two front ends.
+"""The same load over gRPC (Generate) and HTTP/SSE (/v1/completions), on one server in one
+run, to compare the two front ends.
 
-    .venv/bin/python -m tools.bench_grpc --num-prompts 16 --input-len 64 --output-len 64
-    .venv/bin/python -m tools.bench_grpc --url http://H:P --grpc H:P2 --rounds 3
+    .venv/bin/python -m tools.benchmarks.grpc_vs_http --num-prompts 16 --output-len 64
+    .venv/bin/python -m tools.benchmarks.grpc_vs_http --url http://H:P --grpc H:P2 --rounds 3
 
-Prompts are random token ids (tools/bench's workload), greedy, `ignore_eos`, all sent at
-once. Rounds alternate which protocol goes first, so neither always meets a warmer server.
-TTFT and inter-token gaps are taken at the first and each later message carrying text, as
-tools/bench does for SSE; output tokens come from the final usage.
+Prompts are random token ids (workload.py), greedy, `ignore_eos`, all sent at once. Rounds
+alternate which protocol goes first, so neither always meets a warmer server. TTFT and
+inter-token gaps are taken at the first and each later message carrying text, as tools/bench
+does for SSE; output tokens come from the final usage.
 """
 
 from __future__ import annotations
@@ -23,18 +23,22 @@ from typing import Any
 
 import grpc
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from proto import shuttle_pb2 as pb  # noqa: E402
 from proto import shuttle_pb2_grpc as pb_grpc  # noqa: E402
-from tools.bench import Timing, Workload, make_workload, run_load, summarize  # noqa: E402
+from tools.benchmarks.load import run_load  # noqa: E402
+from tools.benchmarks.report import Timing, summarize  # noqa: E402
+from tools.benchmarks.workload import Prompt, Workload, make_workload  # noqa: E402
 
 
-async def _one_grpc(stub: pb_grpc.ShuttleStub, prompt: list[int], out_len: int) -> Timing:
-    request = pb.GenerateRequest(
-        token_ids=pb.TokenIds(ids=prompt), max_tokens=out_len, temperature=0.0, ignore_eos=True
-    )
+async def _one_grpc(stub: pb_grpc.ShuttleStub, prompt: Prompt, out_len: int) -> Timing:
+    request = pb.GenerateRequest(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.CopyFrom(pb.TokenIds(ids=prompt))
     t = Timing()
     start = last = time.perf_counter()
     try:
@@ -97,7 +101,9 @@ def report(results: dict[str, list[dict[str, Any]]]) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="tools/bench_grpc.py", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m tools.benchmarks.grpc_vs_http", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--url", default="", help="HTTP server (default: start shuttle here)")
     p.add_argument("--grpc", default="", help="its gRPC HOST:PORT (with --url)")
     p.add_argument("--num-prompts", type=int, default=16)
@@ -112,7 +118,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from gpu_worker.prepare_model import prepare_default_model
+    from common.prepare_model import prepare_default_model
 
     model_dir = prepare_default_model()
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]

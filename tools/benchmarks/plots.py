@@ -4,7 +4,7 @@
     rate_sweep.png    output tokens/s against p99 TTFT and p99 TPOT, one point per rate
     throughput.png    output tokens/s of shuttle and of each baseline
 
-`python -m tools.bench_plots RESULT.json OUT_DIR` redraws them from a --json result.
+`python -m tools.benchmarks.plots RESULT.json OUT_DIR` redraws them from a --json result.
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tools.bench_report import Timing, timings_from_json
+from tools.benchmarks.report import Timing, timings_from_json
 
-_METRICS = (("TTFT", lambda ts: [t.ttft for t in ts]),
-            ("TPOT", lambda ts: [t.tpot for t in ts if t.output_tokens > 1]),
-            ("ITL", lambda ts: [x for t in ts for x in t.itl]),
-            ("E2E", lambda ts: [t.e2e for t in ts]))
+_METRICS = (
+    ("TTFT", lambda ts: [t.ttft for t in ts]),
+    ("TPOT", lambda ts: [t.tpot for t in ts if t.output_tokens > 1]),
+    ("ITL", lambda ts: [x for t in ts for x in t.itl]),
+    ("E2E", lambda ts: [t.e2e for t in ts]),
+)
 
 
 def _pyplot() -> Any:
@@ -63,8 +65,9 @@ def rate_sweep(sweep: list[dict[str, Any]], path: Path, title: str = "") -> Path
         ys = [s[key]["p99"] * 1e3 for s in sweep]
         ax.plot(xs, ys, marker="o")
         for x, y, s in zip(xs, ys, sweep, strict=True):
-            ax.annotate(f"{s['rate']:g}/s", (x, y), textcoords="offset points", xytext=(4, 4),
-                        fontsize=8)
+            ax.annotate(
+                f"{s['rate']:g}/s", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8
+            )
         ax.set_xlabel("output tokens/s")
         ax.set_ylabel(f"p99 {name} (ms)")
         ax.grid(True, alpha=0.3)
@@ -79,8 +82,11 @@ def throughput_bars(result: dict[str, Any], path: Path, title: str = "") -> Path
     rows = [(result["shuttle"]["name"], result["shuttle"]["output_tok_s"])]
     rows += [(b["name"], b["output_tok_s"]) for b in result.get("baselines", [])]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    bars = ax.bar([r[0] for r in rows], [r[1] for r in rows],
-                  color=["tab:blue"] + ["tab:gray"] * (len(rows) - 1))
+    bars = ax.bar(
+        [r[0] for r in rows],
+        [r[1] for r in rows],
+        color=["tab:blue"] + ["tab:gray"] * (len(rows) - 1),
+    )
     ax.bar_label(bars, fmt="%.1f")
     ax.set_ylabel("useful output tokens/s")
     ax.set_title(title or "throughput, same requests")
@@ -98,8 +104,14 @@ def _save(fig: Any, path: Path, plt: Any) -> Path:
 def plot_result(result: dict[str, Any], out_dir: str | Path, prefix: str = "") -> list[Path]:
     """Every plot a --json result holds data for; returns the files written."""
     out = Path(out_dir)
-    runs = [(f"rate {r['rate']:g}/s" if r.get("rate") != "inf" else "burst",
-             timings_from_json(r["requests"])) for r in result.get("sweep", []) if "requests" in r]
+    runs = [
+        (
+            f"rate {r['rate']:g}/s" if r.get("rate") != "inf" else "burst",
+            timings_from_json(r["requests"]),
+        )
+        for r in result.get("sweep", [])
+        if "requests" in r
+    ]
     if not runs and "requests" in result["shuttle"]:
         runs = [("shuttle", timings_from_json(result["shuttle"]["requests"]))]
     written = []
@@ -115,7 +127,9 @@ def plot_result(result: dict[str, Any], out_dir: str | Path, prefix: str = "") -
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) not in (2, 3):
-        print("usage: python -m tools.bench_plots RESULT.json OUT_DIR [PREFIX]", file=sys.stderr)
+        print(
+            "usage: python -m tools.benchmarks.plots RESULT.json OUT_DIR [PREFIX]", file=sys.stderr
+        )
         return 2
     for path in plot_result(json.loads(Path(args[0]).read_text()), args[1], *args[2:]):
         print(path)

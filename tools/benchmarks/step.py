@@ -1,7 +1,7 @@
 """Time the worker alone: ms per decode step at batch sizes B, and prefill tokens/s.
 
-    .venv/bin/python -m tools.bench_step --batch-sizes 1,16,64 --context 300 --threads 2
-    .venv/bin/python -m tools.bench_step --profile 16      # torch profiler table, B=16
+    .venv/bin/python -m tools.benchmarks.step --batch-sizes 1,16,64 --context 300 --threads 2
+    .venv/bin/python -m tools.benchmarks.step --profile 16      # torch profiler table, B=16
 
 Drives a ModelRunner with StepPlans as the scheduler would (blocks scattered over the pool):
 B requests are prefilled to `--context` tokens, then `--steps` decode steps are timed; the
@@ -42,9 +42,12 @@ class _Driver:
         return new
 
     def step(self, new: dict[str, list[int]], sched: list[tuple[str, int]]) -> float:
-        plan = StepPlan(step_id=self.step_id, new_req_ids=list(new),
-                        new_prompt_token_ids=list(new.values()),
-                        new_sampling=[SamplingParams(temperature=0.0)] * len(new))
+        plan = StepPlan(
+            step_id=self.step_id,
+            new_req_ids=list(new),
+            new_prompt_token_ids=list(new.values()),
+            new_sampling=[SamplingParams(temperature=0.0)] * len(new),
+        )
         for rid, prompt in new.items():
             self.tables[rid], self.computed[rid], self.known[rid] = [], 0, len(prompt)
         for rid, n in sched:
@@ -69,8 +72,9 @@ class _Driver:
             self.free.extend(self.tables.pop(rid))
 
 
-def _start(runner: Any, batch: int, context: int, chunk: int, seed: int
-           ) -> tuple[_Driver, list[str], float]:
+def _start(
+    runner: Any, batch: int, context: int, chunk: int, seed: int
+) -> tuple[_Driver, list[str], float]:
     """B requests prefilled to `context` tokens (one request per step, chunked)."""
     rng = random.Random(seed)
     drv = _Driver(runner, seed)
@@ -85,16 +89,22 @@ def _start(runner: Any, batch: int, context: int, chunk: int, seed: int
     return drv, rids, prefill_s
 
 
-def measure(runner: Any, batch: int, context: int, steps: int, chunk: int = 512,
-            seed: int = 0) -> dict[str, float]:
+def measure(
+    runner: Any, batch: int, context: int, steps: int, chunk: int = 512, seed: int = 0
+) -> dict[str, float]:
     """Median decode-step seconds at `batch` requests of ~`context` tokens, and prefill tok/s."""
     drv, rids, prefill_s = _start(runner, batch, context, chunk, seed)
     times = [drv.step({}, [(r, 1) for r in rids]) for _ in range(steps)]
     drv.finish(rids)
     median = statistics.median(times)
-    return {"batch": batch, "context": context, "decode_step_ms": median * 1e3,
-            "decode_step_ms_min": min(times) * 1e3, "decode_tok_s": batch / median,
-            "prefill_tok_s": batch * context / prefill_s}
+    return {
+        "batch": batch,
+        "context": context,
+        "decode_step_ms": median * 1e3,
+        "decode_step_ms_min": min(times) * 1e3,
+        "decode_tok_s": batch / median,
+        "prefill_tok_s": batch * context / prefill_s,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,12 +119,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", type=int, default=0, help="profile decode at this batch size")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
+    from common.prepare_model import prepare_default_model
     from gpu_worker.model_runner import ModelRunner
-    from gpu_worker.prepare_model import prepare_default_model
 
-    runner = ModelRunner(args.model or str(prepare_default_model()), dtype=args.dtype,
-                         num_threads=args.threads, kv_cache_memory_gib=1.5,
-                         attention_backend=args.backend)
+    runner = ModelRunner(
+        args.model or str(prepare_default_model()),
+        dtype=args.dtype,
+        num_threads=args.threads,
+        kv_cache_memory_gib=1.5,
+        attention_backend=args.backend,
+    )
     if args.profile:
         return _profile(runner, args.profile, args.context)
     rows = []
@@ -122,9 +136,12 @@ def main(argv: list[str] | None = None) -> int:
         measure(runner, b, 64, 3, seed=1)  # warm-up: allocator, compiled kernels
         row = measure(runner, b, args.context, args.steps)
         rows.append(row)
-        print(f"B={b:4d} ctx={args.context}: decode {row['decode_step_ms']:7.1f} ms/step "
-              f"(min {row['decode_step_ms_min']:.1f}), {row['decode_tok_s']:7.1f} tok/s; "
-              f"prefill {row['prefill_tok_s']:7.1f} tok/s", flush=True)
+        print(
+            f"B={b:4d} ctx={args.context}: decode {row['decode_step_ms']:7.1f} ms/step "
+            f"(min {row['decode_step_ms_min']:.1f}), {row['decode_tok_s']:7.1f} tok/s; "
+            f"prefill {row['prefill_tok_s']:7.1f} tok/s",
+            flush=True,
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"dtype": args.dtype, "threads": args.threads, "rows": rows}, f, indent=2)

@@ -5,7 +5,7 @@
 - time from cancel to the stream's end (the scheduler frees the blocks before it tells the
   detokenizer, so this bounds cancel -> blocks freed from above), p50/p99 over 200.
 
-    .venv/bin/python -m tools.bench_swap [--json out.json]
+    .venv/bin/python -m tools.benchmarks.swap [--json out.json]
 """
 
 from __future__ import annotations
@@ -22,17 +22,24 @@ from pathlib import Path
 import httpx
 import orjson
 
-from gpu_worker.prepare_model import prepare_default_model
+from common.prepare_model import prepare_default_model
 from tests.server import running_server
 
 TOKEN = "bench"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 
 
-async def _stream(c: httpx.AsyncClient, model: str, i: int, max_tokens: int,
-                  rid: str | None = None) -> dict:
-    body = {"model": model, "prompt": f"Request {i}: write about the sea.",
-            "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True}
+async def _stream(
+    c: httpx.AsyncClient, model: str, i: int, max_tokens: int, rid: str | None = None
+) -> dict:
+    body = {
+        "model": model,
+        "prompt": f"Request {i}: write about the sea.",
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     start = time.perf_counter()
     first = last = 0.0
     n = 0
@@ -47,8 +54,12 @@ async def _stream(c: httpx.AsyncClient, model: str, i: int, max_tokens: int,
                     first = first or last
                     n += 1
                 finish = ch.get("finish_reason") or finish
-    return {"ttft": first - start, "tpot": (last - first) / max(1, n - 1), "finish": finish,
-            "end": time.perf_counter()}
+    return {
+        "ttft": first - start,
+        "tpot": (last - first) / max(1, n - 1),
+        "finish": finish,
+        "end": time.perf_counter(),
+    }
 
 
 async def _load(url: str, model: str, swap_body: dict | None) -> dict:
@@ -61,17 +72,21 @@ async def _load(url: str, model: str, swap_body: dict | None) -> dict:
             swap = r.json()
         outs = await asyncio.gather(*tasks)
     ok = [o for o in outs if o["finish"] == "length"]
-    return {"failed": len(outs) - len(ok),
-            "ttft_p50_ms": statistics.median(o["ttft"] for o in ok) * 1e3,
-            "tpot_p50_ms": statistics.median(o["tpot"] for o in ok) * 1e3,
-            "swap": swap}
+    return {
+        "failed": len(outs) - len(ok),
+        "ttft_p50_ms": statistics.median(o["ttft"] for o in ok) * 1e3,
+        "tpot_p50_ms": statistics.median(o["tpot"] for o in ok) * 1e3,
+        "swap": swap,
+    }
 
 
 async def _cancels(url: str, model: str) -> dict:
     rng = random.Random(3)
     lat: list[float] = []
-    async with httpx.AsyncClient(base_url=url, timeout=600,
-                                 limits=httpx.Limits(max_connections=300)) as c:
+    async with httpx.AsyncClient(
+        base_url=url, timeout=600, limits=httpx.Limits(max_connections=300)
+    ) as c:
+
         async def cancel(i: int) -> None:
             await asyncio.sleep(rng.uniform(0.5, 4.0))
             t = time.perf_counter()
@@ -85,8 +100,11 @@ async def _cancels(url: str, model: str) -> dict:
         await asyncio.gather(*(cancel(i) for i in range(0, 200, 2)))
         await asyncio.gather(*ends.values())
     lat.sort()
-    return {"n": len(lat), "p50_ms": lat[len(lat) // 2] * 1e3,
-            "p99_ms": lat[int(len(lat) * 0.99)] * 1e3}
+    return {
+        "n": len(lat),
+        "p50_ms": lat[len(lat) // 2] * 1e3,
+        "p99_ms": lat[int(len(lat) * 0.99)] * 1e3,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,16 +34,20 @@ class Workload:
 
     def describe(self) -> dict[str, int]:
         lens = [len(p) for p in self.prompts if not isinstance(p, str)]
-        return {"num_requests": len(self.prompts), "prompt_tokens": sum(lens),
-                "min_prompt": min(lens, default=0), "max_prompt": max(lens, default=0),
-                "num_text_prompts": sum(isinstance(p, str) for p in self.prompts),
-                "output_tokens": self.num_output_tokens,
-                "min_output": min(self.output_lens, default=0),
-                "max_output": max(self.output_lens, default=0)}
+        return {
+            "num_requests": len(self.prompts),
+            "prompt_tokens": sum(lens),
+            "min_prompt": min(lens, default=0),
+            "max_prompt": max(lens, default=0),
+            "num_text_prompts": sum(isinstance(p, str) for p in self.prompts),
+            "output_tokens": self.num_output_tokens,
+            "min_output": min(self.output_lens, default=0),
+            "max_output": max(self.output_lens, default=0),
+        }
 
 
 def parse_range(text: str) -> tuple[int, int]:
-    """"N" or "LO:HI" (inclusive)."""
+    """ "N" or "LO:HI" (inclusive)."""
     lo, _, hi = text.partition(":")
     low, high = int(lo), int(hi or lo)
     if not 0 < low <= high:
@@ -51,8 +55,9 @@ def parse_range(text: str) -> tuple[int, int]:
     return low, high
 
 
-def make_workload(n: int, input_len: str, output_len: str, vocab: int, seed: int,
-                  shared_prefix: int = 0) -> Workload:
+def make_workload(
+    n: int, input_len: str, output_len: str, vocab: int, seed: int, shared_prefix: int = 0
+) -> Workload:
     """Random prompts; with `shared_prefix`, every prompt starts with the same tokens (a
     system prompt), followed by its own random part of `input_len` tokens."""
     rng = random.Random(seed)
@@ -60,8 +65,9 @@ def make_workload(n: int, input_len: str, output_len: str, vocab: int, seed: int
     # ids from the middle of the vocabulary: ordinary word pieces, no special tokens
     word = lambda: rng.randrange(1000, vocab - 1000)  # noqa: E731
     prefix = [word() for _ in range(shared_prefix)]
-    prompts: list[Prompt] = [prefix + [word() for _ in range(rng.randint(ilo, ihi))]
-                             for _ in range(n)]
+    prompts: list[Prompt] = [
+        prefix + [word() for _ in range(rng.randint(ilo, ihi))] for _ in range(n)
+    ]
     return Workload(prompts, [rng.randint(olo, ohi) for _ in range(n)])
 
 
@@ -93,9 +99,11 @@ def load_jsonl(path: str | Path, output_len: str, seed: int, limit: int = 0) -> 
 def tokenized(prompts: list[Prompt], model_dir: str) -> list[list[int]]:
     """Every prompt as token ids (text through the folder's tokenizer), for the baselines."""
     if all(not isinstance(p, str) for p in prompts):
-        return [list(p) for p in prompts]  # type: ignore[arg-type]
+        return [list(p) for p in prompts if not isinstance(p, str)]
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
-    return [tok.encode(p, add_special_tokens=False).ids if isinstance(p, str) else list(p)
-            for p in prompts]
+    return [
+        tok.encode(p, add_special_tokens=False).ids if isinstance(p, str) else list(p)
+        for p in prompts
+    ]

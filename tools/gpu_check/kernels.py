@@ -1,6 +1,6 @@
 """gpu-check, kernel part: each kernel against its reference, decode bytes/s, extend TFLOP/s.
 
-Imported only after tools/gpu_check.py has decided whether Triton interprets (CPU) or
+Imported only after cli.py has decided whether Triton interprets (CPU) or
 compiles (CUDA). Needs torch and triton only.
 """
 

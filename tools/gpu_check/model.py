@@ -22,7 +22,7 @@ from gpu_worker.kernels.fused_layers import use_triton_layers
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.models.llama import LlamaConfig
 from gpu_worker.models.loader import load_model, read_hf_config
-from tools.gpu_check_kernels import time_ms
+from tools.gpu_check.kernels import time_ms
 
 SMOLLM2_SHAPE: dict[str, Any] = dict(
     vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,

@@ -1,25 +1,22 @@
-"""gpu-check's sections, run in order by tools/gpu_check.py, and its printed table."""
+"""gpu-check's sections, run in order by cli.py once Triton's mode is decided."""
 
 from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from common.prepare_model import default_model_dir
 from gpu_worker.cuda_graphs import graph_batch_sizes
-from gpu_worker.prepare_model import default_model_dir
-from tools import gpu_check_kernels as K
-from tools import gpu_check_model as M
-
-if TYPE_CHECKING:
-    from tools.gpu_check import Plan, Report
+from tools.gpu_check import kernels as K
+from tools.gpu_check import model as M
+from tools.gpu_check.plan import SHAPES, Plan
+from tools.gpu_check.report import Report
 
 
 def _shapes() -> list[K.AttnShape]:
-    from tools.gpu_check import SHAPES
-
     return [K.AttnShape(*s) for s in SHAPES]
 
 
@@ -121,52 +118,3 @@ def run_sections(report: Report, plan: Plan, device: str, model: Path | None, tm
     report.run("cuda_graphs", lambda: graph_timing(plan, device, folder))
     report.run("decode_bandwidth", lambda: decode_bandwidth(plan, device))
     report.run("extend_speed", lambda: extend_speed(plan, device))
-
-
-def _table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> None:
-    if not rows:
-        return
-    print(f"\n{title}")
-    cells = [[_fmt(r.get(c, "")) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
-    for row in cells:
-        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 1e-2 else f"{value:.2f}"
-    return str(value)
-
-
-def print_table(doc: dict[str, Any]) -> None:
-    _table(
-        "kernels vs reference",
-        doc.get("kernels", []),
-        ["kernel", "shape", "case", "dtype", "max_abs_err", "tolerance", "ok"],
-    )
-    _table(
-        "paged decode bandwidth",
-        doc.get("decode_bandwidth", []),
-        ["shape", "batch", "context", "ms", "achieved_GBps", "copy_GBps", "fraction_of_copy"],
-    )
-    _table(
-        "extend (prefill) attention",
-        doc.get("extend_speed", []),
-        ["shape", "batch", "new_tokens", "ours_TFLOPs", "sdpa_TFLOPs", "ours_over_sdpa"],
-    )
-    graphs = doc.get("cuda_graphs", {})
-    _table(
-        f"decode step, {doc.get('model', '')} model",
-        graphs.get("steps", []),
-        ["batch", "context", "eager_ms", "graph_ms", "speedup"],
-    )
-    if "parity" in doc:
-        p = doc["parity"]
-        print(
-            f"\ngreedy parity with transformers: {p['matching']}/{p['tokens']} tokens"
-            f" (first mismatch: {p['first_mismatch']})"
-        )
-    for error in doc.get("errors", []):
-        print(f"\nERROR in {error['section']}: {error['error']}")  # fmt: skip

@@ -1,0 +1,129 @@
+"""One scripted engine for the gateway's unit tests (HTTP, gRPC, admin routes, /metrics): the
+whole `EngineClient` protocol (services/gateway/engine_client.py) in process, no sockets.
+
+mypy (`make lint`) checks this file, so the fake cannot drift from the protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Callable
+from typing import TYPE_CHECKING, Any
+
+from common.messages import FinishReason, GenerateRequest, SwapResult
+from services.gateway.engine_client import OutputDelta, RequestObserver
+
+if TYPE_CHECKING:
+    from services.gateway.engine_client import EngineClient
+
+MODEL = "test-model"
+HANG = "hang"  # script step: wait until cancelled
+
+
+def delta(
+    text: str,
+    finish: FinishReason = FinishReason.NONE,
+    n: int = 1,
+    index: int = 0,
+    last: bool | None = None,
+) -> OutputDelta:
+    """Sequence `index`'s delta, its n-th token; `last` defaults to n = 1's rule (finished)."""
+    last = finish != FinishReason.NONE if last is None else last
+    return OutputDelta(text, [7] * n, finish, 5, n, last=last, index=index)
+
+
+class FakeEngine:
+    """`generate` yields a script of deltas (default: the prompt's words echoed back, then
+    STOP); a script step may be an exception to raise, HANG, or a float to sleep. `stats`
+    answers `stats_answer` (None: it times out, as a silent scheduler does); `swap_model`
+    answers `swap_result`, or a successful swap to its version.
+
+    `observer` is held, never called: the request timers are tested on their own
+    (test_metrics.py) and inside the real client (test_zmq_client.py)."""
+
+    def __init__(
+        self,
+        script: list[Any] | None = None,
+        *,
+        stats: dict[str, Any] | None = None,
+        swap_result: SwapResult | None = None,
+    ) -> None:
+        self.script = script
+        self.model_name = MODEL
+        self.system_fingerprint = "v-test"
+        self.max_model_len = 256
+        self.swap_status: dict[str, Any] | None = None
+        self.observer: Callable[[GenerateRequest], RequestObserver] | None = None
+        self.ready = True
+        self.stats_answer = stats
+        self.swap_result = swap_result
+        self.requests: list[GenerateRequest] = []
+        self.aborted: list[str] = []
+        self.swaps: list[tuple[str, str, str]] = []  # (path, version, mode) asked for
+        self.started = asyncio.Event()
+        self._in_flight: set[str] = set()
+
+    def is_ready(self) -> bool:
+        return self.ready
+
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[OutputDelta, None]:
+        self.requests.append(request)
+        self._in_flight.add(request.request_id)
+        self.started.set()
+        finished = False
+        try:
+            for step in self.script if self.script is not None else self._echo(request):
+                if isinstance(step, Exception):
+                    raise step
+                if step == HANG:
+                    await asyncio.Event().wait()
+                elif isinstance(step, float):
+                    await asyncio.sleep(step)  # a scripted quiet spell: under test
+                else:
+                    finished = step.last
+                    yield step
+        except (GeneratorExit, asyncio.CancelledError):
+            if not finished:  # closed before the end: the real client sends an Abort
+                self.aborted.append(request.request_id)
+            raise
+        finally:
+            self._in_flight.discard(request.request_id)
+
+    def _echo(self, request: GenerateRequest) -> list[OutputDelta]:
+        if request.messages:
+            words = request.messages[-1]["content"].split()
+        else:
+            words = (request.prompt or "").split() or list(map(str, request.prompt_token_ids or []))
+        steps = [delta(" " + w, n=i + 1) for i, w in enumerate(words)]
+        return [*steps[:-1], delta(steps[-1].text, FinishReason.STOP, len(words))]
+
+    def is_in_flight(self, request_id: str) -> bool:
+        return request_id in self._in_flight
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    async def stats(self, timeout: float = 5.0, what: str = "stats") -> dict[str, Any]:
+        if self.stats_answer is None:
+            raise TimeoutError
+        return self.stats_answer
+
+    async def swap_model(
+        self, path: str, version: str, mode: str, timeout: float = 600.0
+    ) -> SwapResult:
+        self.swaps.append((path, version, mode))
+        if self.swap_result is not None:
+            return self.swap_result
+        previous, self.system_fingerprint = self.system_fingerprint, version or "v-swapped"
+        return SwapResult(
+            ticket=len(self.swaps),
+            ok=True,
+            version=self.system_fingerprint,
+            previous_version=previous,
+            mode=mode,
+            duration_s=0.01,
+        )
+
+
+if TYPE_CHECKING:  # the check `make lint` runs: the fake is a whole EngineClient
+    _conforms: type[EngineClient] = FakeEngine

@@ -1,0 +1,5 @@
+import sys
+
+from tools.benchmarks.cli import main
+
+sys.exit(main())

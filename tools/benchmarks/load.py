@@ -1,0 +1,186 @@
+"""The load: streamed /v1/completions requests at a rate, each turned into a Timing.
+
+Every request goes out with `ignore_eos`, streamed, so TTFT and every inter-token gap are
+seen. Arrivals: all at once (rate inf), or Poisson at `rate`, capped by `concurrency`. The
+lean client (client.py) carries plain http:// URLs; httpx anything else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+import time
+from typing import Any
+
+import httpx
+import orjson
+
+from tools.benchmarks.client import HttpError, SseConnection
+from tools.benchmarks.report import Timing
+from tools.benchmarks.workload import Workload
+
+INF = float("inf")
+
+
+class Progress:
+    """One stderr line, redrawn at most 5 times a second: done/total, failures, tokens."""
+
+    def __init__(self, total: int, label: str = "", enabled: bool = True) -> None:
+        self.total, self.label, self.enabled = total, label, enabled
+        self.done = self.failed = self.tokens = 0
+        self.start = self.drawn = time.perf_counter()
+
+    def add(self, t: Timing) -> None:
+        self.done += 1
+        self.failed += bool(t.error)
+        self.tokens += t.output_tokens
+        now = time.perf_counter()
+        if self.enabled and (now - self.drawn > 0.2 or self.done == self.total):
+            self.drawn = now
+            width = 30
+            filled = width * self.done // max(1, self.total)
+            sys.stderr.write(
+                f"\r{self.label}[{'#' * filled}{'.' * (width - filled)}] "
+                f"{self.done}/{self.total} done, {self.failed} failed, "
+                f"{self.tokens / (now - self.start):,.0f} tok/s, "
+                f"{now - self.start:.1f} s "
+            )
+            if self.done == self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def _body(model: str, prompt: list[int] | str, out_len: int) -> dict[str, Any]:
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": out_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+class _Stamper:
+    """Turns a stream's `data:` payloads into one request's Timing."""
+
+    def __init__(self) -> None:
+        self.t = Timing()
+        self.start = self.last = time.perf_counter()
+
+    def event(self, data: bytes | str) -> None:
+        if data == b"[DONE]" or data == "[DONE]":
+            return
+        chunk = orjson.loads(data)
+        if chunk.get("usage"):
+            self.t.output_tokens = chunk["usage"]["completion_tokens"]
+            self.t.prompt_tokens = chunk["usage"]["prompt_tokens"]
+        if chunk.get("choices") and chunk["choices"][0].get("text"):
+            now = time.perf_counter()
+            if not self.t.ttft:
+                self.t.ttft = now - self.start
+            else:
+                self.t.itl.append(now - self.last)
+            self.last = now
+        if "error" in chunk:
+            self.t.error = f"stream error: {chunk['error'].get('message', '')[:200]}"
+
+    def done(self, error: str = "") -> Timing:
+        self.t.error = self.t.error or error
+        self.t.e2e = time.perf_counter() - self.start
+        return self.t
+
+
+async def _one(
+    client: httpx.AsyncClient, model: str, prompt: list[int] | str, out_len: int
+) -> Timing:
+    """One streamed request through httpx (any URL)."""
+    stamp = _Stamper()
+    try:
+        async with client.stream(
+            "POST", "/v1/completions", json=_body(model, prompt, out_len)
+        ) as r:
+            if r.status_code != 200:
+                return stamp.done(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):  # not blank separators or keep-alive comments
+                    stamp.event(line[6:])
+    except httpx.HTTPError as e:
+        return stamp.done(f"{type(e).__name__}: {e}")
+    return stamp.done()
+
+
+async def _one_lean(
+    conn: SseConnection, model: str, prompt: list[int] | str, out_len: int
+) -> Timing:
+    """One streamed request through the lean client (plain http://)."""
+    stamp = _Stamper()
+    try:
+        async for data in conn.stream(
+            "/v1/completions", orjson.dumps(_body(model, prompt, out_len))
+        ):
+            stamp.event(data)
+    except HttpError as e:
+        return stamp.done(str(e))
+    return stamp.done()
+
+
+async def run_load(
+    url: str,
+    model: str,
+    wl: Workload,
+    concurrency: int,
+    rate: float,
+    seed: int,
+    progress: Progress | None = None,
+    lean: bool = True,
+) -> tuple[list[Timing], float, int]:
+    """Send every request of `wl`; returns their timings, the duration and peak concurrency.
+    `lean`: the lean client on http:// URLs (client.py), else httpx."""
+    n = len(wl.prompts)
+    slots = concurrency if concurrency > 0 else n
+    lean = lean and url.startswith("http://")
+    pool: asyncio.Queue[SseConnection] = asyncio.Queue()
+    for _ in range(slots if lean else 0):
+        pool.put_nowait(SseConnection(url))
+    limits = httpx.Limits(max_connections=slots + 4, max_keepalive_connections=slots + 4)
+    sem = asyncio.Semaphore(slots)
+    rng = random.Random(seed)
+    peak = active = 0
+
+    async def send(client: httpx.AsyncClient, i: int) -> Timing:
+        if not lean:
+            return await _one(client, model, wl.prompts[i], wl.output_lens[i])
+        conn = pool.get_nowait()  # the semaphore guarantees one is free
+        try:
+            return await _one_lean(conn, model, wl.prompts[i], wl.output_lens[i])
+        finally:
+            pool.put_nowait(conn)
+
+    async def guarded(client: httpx.AsyncClient, i: int) -> Timing:
+        nonlocal peak, active
+        async with sem:
+            active += 1
+            peak = max(peak, active)
+            try:
+                t = await send(client, i)
+            finally:
+                active -= 1
+        if progress is not None:
+            progress.add(t)
+        return t
+
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
+        start = time.perf_counter()
+        tasks = []
+        for i in range(n):
+            tasks.append(asyncio.create_task(guarded(client, i)))
+            if rate != INF:
+                await asyncio.sleep(rng.expovariate(rate))
+        timings = list(await asyncio.gather(*tasks))
+        duration = time.perf_counter() - start
+    while not pool.empty():
+        await pool.get_nowait().close()
+    return timings, duration, peak

@@ -1,0 +1,5 @@
+import sys
+
+from tools.gpu_check.cli import main
+
+sys.exit(main())
