@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -71,11 +71,11 @@ def resolve_backend_name(name: str, device: torch.device | str) -> str:
     return "triton" if torch.device(device).type == "cuda" and triton_available() else "torch"
 
 
-def create_backend(name: str, **kwargs: object) -> AttentionBackend:
+def create_backend(name: str, **kwargs: Any) -> AttentionBackend:
     """The backend called `name` (or `auto`, resolved for kwargs["device"]), constructed
     with AttentionBackend's keyword arguments. Only the triton backend imports triton."""
     if name == "auto":
-        name = resolve_backend_name(name, kwargs["device"])  # type: ignore[arg-type]
+        name = resolve_backend_name(name, kwargs["device"])
     if name == "torch":
         from gpu_worker.attention.torch_backend import TorchAttentionBackend
 

@@ -17,6 +17,7 @@ cached blocks and uses an explicit mask, causal within the new tokens.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,8 +45,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
-    def __init__(self, *, cpu_decode_kernel: bool | None = None, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+    def __init__(self, *, cpu_decode_kernel: bool | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         # the C decode kernel, on the CPU only (CUDA has the triton backend); built here, once
         # per machine (about a second of gcc), so that no request waits for it
@@ -171,6 +172,7 @@ class TorchAttentionBackend(AttentionBackend):
                 torch.empty(shape, dtype=kv_cache.dtype, device=kv_cache.device),
                 torch.empty(shape, dtype=kv_cache.dtype, device=kv_cache.device),
             )
+        assert self._workspace is not None
         k_buf, v_buf = self._workspace
         k = torch.index_select(kv_cache[0], 0, block_ids, out=k_buf[:n])
         v = torch.index_select(kv_cache[1], 0, block_ids, out=v_buf[:n])

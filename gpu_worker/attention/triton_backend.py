@@ -13,6 +13,7 @@ CUDA graph and replayed for any batch padded to the captured size.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -37,8 +38,8 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
 
-    def __init__(self, *, decode_num_splits: int = DEFAULT_NUM_SPLITS, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+    def __init__(self, *, decode_num_splits: int = DEFAULT_NUM_SPLITS, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         if self.device.type != "cuda" and not interpreting():
             raise ValueError(
                 f"the triton attention backend needs a CUDA device, got {self.device} "

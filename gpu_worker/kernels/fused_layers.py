@@ -37,12 +37,12 @@ class TritonRotaryEmbedding(RotaryEmbedding):
     so "rope" here is (cos table, sin table, positions) and is passed through unchanged.
     """
 
-    def forward(  # type: ignore[override]
+    def forward(  # type: ignore[override]  # rope is (cos, sin, positions) for the kernel
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.cos, self.sin, positions
+        return (*self.tables(), positions)
 
-    def rotate(  # type: ignore[override]
+    def rotate(  # type: ignore[override]  # takes positions too: the kernel gathers cos/sin
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:
         rotary_embedding(positions, x, None, cos, sin)
@@ -55,7 +55,7 @@ class TritonDecoderLayer(DecoderLayer):
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, ...],  # type: ignore[override]
+        rope: tuple[torch.Tensor, ...],
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -83,5 +83,5 @@ def use_triton_layers(model: nn.Module) -> nn.Module:
     for module in model.modules():
         if isinstance(module, Attention):
             # Attention keeps the rotary's bound method: bind it again to the new class
-            module.rotate = module.rotate.__self__.rotate  # type: ignore[attr-defined]
+            module.rotate = module.rotate.__self__.rotate  # type: ignore[attr-defined]  # a bound method's __self__
     return model

@@ -159,10 +159,15 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, 1, head_dim // 2] for the step's tokens: one angle per pair."""
-        return (
-            self.cos[positions].unsqueeze(1).to(dtype),
-            self.sin[positions].unsqueeze(1).to(dtype),
-        )
+        cos, sin = self.tables()
+        return cos[positions].unsqueeze(1).to(dtype), sin[positions].unsqueeze(1).to(dtype)
+
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos and sin buffers [max_positions, head_dim // 2] (typed: register_buffer
+        attributes read as Tensor | Module to a type checker)."""
+        cos, sin = self.cos, self.sin
+        assert isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)
+        return cos, sin
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, heads, head_dim] rotated pair by pair."""

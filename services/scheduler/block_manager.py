@@ -110,7 +110,7 @@ class BlockManager:
         for b in hits:
             self._ref(b)
         self.block_tables[req_id] = list(hits)
-        self._chains[req_id] = [self._hash_of[b] for b in hits]  # type: ignore[misc]
+        self._chains[req_id] = [h for b in hits if (h := self._hash_of[b]) is not None]
         self.num_cached_queries += num_prompt_tokens
         self.num_cached_hits += len(hits) * self.block_size
 
@@ -202,7 +202,9 @@ class BlockManager:
             block = self._free.popleft()
         else:
             block, _ = self._lru.popitem(last=False)  # least recently used cached block
-            del self._by_hash[self._hash_of[block]]  # type: ignore[arg-type]
+            evicted = self._hash_of[block]
+            assert evicted is not None, "a cached block has a hash"
+            del self._by_hash[evicted]
             self._hash_of[block] = self._tokens_of[block] = None
             self.num_evictions += 1
         self._ref_counts[block] = 1
@@ -235,8 +237,8 @@ class BlockManager:
             idle = self._ref_counts[b] == 0
             assert idle == (b in free or b in lru), f"block {b} is lost or double-owned"
             assert (b in lru) <= (self._hash_of[b] is not None), f"cached block {b} has no hash"
-            if self._hash_of[b] is not None:
-                assert self._by_hash.get(self._hash_of[b]) == b, f"block {b} hash map is off"
+            if (block_hash := self._hash_of[b]) is not None:
+                assert self._by_hash.get(block_hash) == b, f"block {b} hash map is off"
         assert len(self._by_hash) == sum(h is not None for h in self._hash_of)
         assert len(free) + len(lru) + sum(1 for c in self._ref_counts if c) == self.num_blocks
         for req_id, chain in self._chains.items():
