@@ -1,6 +1,6 @@
 """Speculative decoding, measured: one request at a time, with and without drafting.
 
-    .venv/bin/python -m tools.bench_spec --json docs/bench/speculative.json
+    .venv/bin/python -m tools.benchmarks.speculative --json docs/bench/speculative.json
 
 For each prompt (a repetitive one: code to rewrite; a list; and free chat) and each
 drafter (none; n-gram prompt lookup; a draft model), the worker and the scheduler policy
@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any, cast
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 CODE = '''Rewrite this function with type hints, keeping everything else the same.
