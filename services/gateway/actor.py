@@ -64,7 +64,6 @@ class GatewayActor(Actor):
 
     async def start(self) -> None:
         from services.gateway.app import create_app
-        from services.gateway.limits import BodyLimits
 
         self.engine = ZmqEngineClient(
             tokenizers=self.outbox(self.config.tokenizer_addrs()),
@@ -72,10 +71,7 @@ class GatewayActor(Actor):
             inbox_addr=self.inbox_addr,
         )
         server = self.config.server
-        app = create_app(self.engine, api_key=server.api_key or None,
-                         admin_token=server.admin_token or None,
-                         model_root=server.model_root or None,
-                         limits=BodyLimits(server.max_request_bytes, server.request_body_timeout))
+        app = create_app(self.engine, server)
         uv_config = uvicorn.Config(app, host=self.config.server.host, port=self.config.server.port,
                                    loop="none", log_config=None, access_log=False,
                                    timeout_graceful_shutdown=5)
@@ -96,10 +92,7 @@ class GatewayActor(Actor):
         from services.gateway.grpc_server import GrpcGateway
 
         server = self.config.server
-        self.grpc = GrpcGateway(self.engine, host=server.host, port=server.grpc_port,
-                                api_key=server.api_key or None,
-                                admin_token=server.admin_token or None,
-                         model_root=server.model_root or None)
+        self.grpc = GrpcGateway(self.engine, server)
         self.grpc_port = await self.grpc.start()
         log.info("gRPC on %s:%d", server.host, self.grpc_port)
 

@@ -38,6 +38,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from common.config import ServerConfig
 from common.messages import FinishReason
 from services.gateway import sse
 from services.gateway.admin import admin_router
@@ -82,17 +83,17 @@ class ClientGone(Exception):
 
 def create_app(
     engine: EngineClient,
-    *,
-    api_key: str | None = None,
-    admin_token: str | None = None,
-    model_root: str | None = None,
-    limits: BodyLimits | None = None,
+    server: ServerConfig | None = None,
 ) -> FastAPI:
-    """The HTTP app; with `api_key`, every /v1 route wants `Authorization: Bearer <key>`;
-    /admin routes want the admin token (and are all refused without one)."""
+    """The HTTP app, set up by the config's server section: with `api_key`, every /v1
+    route wants `Authorization: Bearer <key>`; /admin routes want the admin token (and are
+    all refused without one); request bodies are bounded by its limits."""
+    server = server or ServerConfig()
+    api_key, admin_token = server.api_key or None, server.admin_token or None
     app = FastAPI(title="shuttle", docs_url=None, redoc_url=None)
     _install_error_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, limits=limits or BodyLimits())
+    limits = BodyLimits(server.max_request_bytes, server.request_body_timeout)
+    app.add_middleware(BodyLimitMiddleware, limits=limits)
     routes = OpenAIRoutes(engine)
     auth = [Depends(_require_key(api_key))] if api_key else []
     v1 = APIRouter(prefix="/v1", dependencies=auth)
@@ -111,7 +112,7 @@ def create_app(
     v1.add_api_route("/models", routes.models, methods=["GET"])
     app.include_router(v1)
     app.add_api_route("/health", routes.health, methods=["GET"])
-    app.include_router(admin_router(engine, admin_token, model_root))
+    app.include_router(admin_router(engine, admin_token, server.model_root or None))
     install_metrics(app, engine)  # GET /metrics, and the engine's request timers
     return app
 

@@ -31,6 +31,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common.config import ServerConfig
 from common.messages import FinishReason
 from proto import shuttle_pb2 as pb
 from proto import shuttle_pb2_grpc as pb_grpc
@@ -253,17 +254,17 @@ class GrpcGateway:
     def __init__(
         self,
         engine: EngineClient,
+        server: ServerConfig,
         *,
-        host: str,
-        port: int,
-        api_key: str | None = None,
-        admin_token: str | None = None,
-        model_root: str | None = None,
         health_poll_s: float = 0.5,
     ) -> None:
+        """Serves on the server section's host and grpc_port (0: a free one), with its API
+        key and admin token."""
         self.engine = engine
-        self.host = host
-        self.requested_port = port
+        self.host = server.host
+        self.requested_port = server.grpc_port
+        api_key, admin_token = server.api_key or None, server.admin_token or None
+        model_root = server.model_root or None
         self.port = 0  # the bound one, after start()
         self.health_poll_s = health_poll_s
         # no SO_REUSEPORT: a port already taken must fail here, not split the traffic

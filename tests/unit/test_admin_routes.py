@@ -8,6 +8,7 @@ from typing import Any
 
 import httpx
 
+from common.config import ServerConfig
 from common.messages import GenerateRequest, SamplingParams
 from services.gateway.app import create_app
 from tests.fake_engine import HANG, MODEL, FakeEngine, delta
@@ -25,7 +26,7 @@ def call(
     **kw: Any,
 ) -> httpx.Response:
     async def go() -> httpx.Response:
-        app = create_app(engine, api_key="api-key", admin_token=admin_token)
+        app = create_app(engine, ServerConfig(api_key="api-key", admin_token=admin_token or ""))
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             return await client.request(method, url, headers=headers, **kw)
@@ -62,7 +63,7 @@ def test_cancel_says_whether_the_request_was_in_flight() -> None:
     request = GenerateRequest(request_id="r1", model=MODEL, sampling=SamplingParams(), prompt="hi")
 
     async def go() -> list[dict[str, Any]]:
-        app = create_app(engine, admin_token=TOKEN)
+        app = create_app(engine, ServerConfig(admin_token=TOKEN))
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             deltas = engine.generate(request)

@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
+from common.config import ServerConfig
 from common.messages import FinishReason
 from services.gateway import app as app_module
 from services.gateway.app import SseResponse, create_app
@@ -23,7 +24,7 @@ STOP, LENGTH = FinishReason.STOP, FinishReason.LENGTH
 
 def run(engine: FakeEngine, method: str, url: str, api_key: str | None = None, **kw: Any):
     async def go() -> httpx.Response:
-        transport = httpx.ASGITransport(app=create_app(engine, api_key=api_key))
+        transport = httpx.ASGITransport(app=create_app(engine, ServerConfig(api_key=api_key or "")))
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             return await client.request(method, url, **kw)
 
@@ -159,7 +160,7 @@ def test_openai_client_in_process() -> None:
     engine = FakeEngine()
 
     async def go() -> tuple[Any, list[Any]]:
-        transport = http_lib.ASGITransport(app=create_app(engine, api_key="k"))
+        transport = http_lib.ASGITransport(app=create_app(engine, ServerConfig(api_key="k")))
         http = http_lib.AsyncClient(transport=transport)
         client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="k", http_client=http)
         messages = [{"role": "user", "content": "hi there"}]

@@ -14,6 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from common.config import ServerConfig
 from proto import shuttle_pb2 as pb
 from proto import shuttle_pb2_grpc as pb_grpc
 from services.gateway.engine_client import RequestFailed
@@ -29,7 +30,8 @@ TOKEN = "admin-secret"
 
 @contextlib.asynccontextmanager
 async def serving(engine: FakeEngine, **kw: Any) -> AsyncIterator[grpc.aio.Channel]:
-    gateway = GrpcGateway(engine, host="127.0.0.1", port=0, health_poll_s=0.02, **kw)
+    server = ServerConfig(host="127.0.0.1", grpc_port=0, **kw)
+    gateway = GrpcGateway(engine, server, health_poll_s=0.02)
     port = await gateway.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -406,10 +408,10 @@ def test_reflection_lists_the_services() -> None:
 
 def test_unused_port_conflict_fails_loudly() -> None:
     async def go() -> None:
-        first = GrpcGateway(FakeEngine(), host="127.0.0.1", port=0)
+        first = GrpcGateway(FakeEngine(), ServerConfig(grpc_port=0))
         port = await first.start()
         try:
-            second = GrpcGateway(FakeEngine(), host="127.0.0.1", port=port)
+            second = GrpcGateway(FakeEngine(), ServerConfig(grpc_port=port))
             with pytest.raises(RuntimeError, match="cannot serve gRPC"):
                 await second.start()
         finally:
