@@ -17,27 +17,20 @@ from common.actor import Actor
 from common.config import Config
 from common.messages import (
     Abort,
-    DetokNew,
     FinishReason,
-    LoadModel,
     ModelChanged,
     ModelLoaded,
     ProcessDown,
     Ready,
-    RequestError,
     Reset,
-    Retokenize,
     Stats,
     StatsQuery,
-    StepPlan,
     StepResult,
     SwapModel,
     SwapResult,
-    TokenBatch,
     TokenizedRequest,
-    UnloadModel,
 )
-from services.scheduler.engine_core import EngineCore
+from services.scheduler.engine_core import EngineCore, ToDetokenizer, ToGateway, ToWorker
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +49,13 @@ class _Sockets:
         # one socket per tokenizer: a PUSH over several addresses would pick one of them
         self.tokenizers = [actor.outbox(a) for a in config.tokenizer_addrs()]
 
-    def to_worker(self, msg: StepPlan | LoadModel | UnloadModel) -> None:
+    def to_worker(self, msg: ToWorker) -> None:
         self.worker.send(msg)
 
-    def to_detokenizer(self, msg: DetokNew | TokenBatch) -> None:
+    def to_detokenizer(self, msg: ToDetokenizer) -> None:
         self.detokenizer.send(msg)
 
-    def to_gateway(self, msg: RequestError | Retokenize) -> None:
+    def to_gateway(self, msg: ToGateway) -> None:
         self.gateway.send(msg)
 
     def announce(self, msg: ModelChanged) -> None:

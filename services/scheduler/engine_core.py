@@ -59,14 +59,20 @@ def sequence_key(request_id: str, index: int) -> str:
     return f"{index}/{request_id}"
 
 
+# what the core sends each peer
+ToWorker = StepPlan | LoadModel | UnloadModel
+ToDetokenizer = DetokNew | TokenBatch
+ToGateway = RequestError | Retokenize
+
+
 class EngineOutbox(Protocol):
     """Where EngineCore's messages go."""
 
-    def to_worker(self, msg: StepPlan | LoadModel | UnloadModel) -> None: ...
+    def to_worker(self, msg: ToWorker) -> None: ...
 
-    def to_detokenizer(self, msg: DetokNew | TokenBatch) -> None: ...
+    def to_detokenizer(self, msg: ToDetokenizer) -> None: ...
 
-    def to_gateway(self, msg: RequestError | Retokenize) -> None: ...
+    def to_gateway(self, msg: ToGateway) -> None: ...
 
     def announce(self, msg: ModelChanged) -> None:
         """To every process that depends on the served model: tokenizers, detokenizer and

@@ -12,8 +12,6 @@ from typing import Any, Protocol
 
 from common.config import Config
 from common.messages import (
-    DetokNew,
-    LoadModel,
     ModelChanged,
     RequestError,
     Retokenize,
@@ -23,9 +21,8 @@ from common.messages import (
     SwapResult,
     TokenBatch,
     TokenizedRequest,
-    UnloadModel,
 )
-from services.scheduler.engine_core import EngineCore
+from services.scheduler.engine_core import EngineCore, ToDetokenizer, ToGateway, ToWorker
 from services.scheduler.policy import PolicyConfig
 
 SequenceId = tuple[str, int]  # (request id, index of the sequence)
@@ -48,18 +45,18 @@ class _Collector:
     errors: list[RequestError | Retokenize] = dataclasses.field(default_factory=list)
     announced: list[ModelChanged] = dataclasses.field(default_factory=list)
 
-    def to_worker(self, msg: StepPlan | LoadModel | UnloadModel) -> None:
+    def to_worker(self, msg: ToWorker) -> None:
         if not isinstance(msg, StepPlan):
             raise NotImplementedError("the in-process engine does not hot-swap")
         self.plans.append(msg)
 
-    def to_detokenizer(self, msg: DetokNew | TokenBatch) -> None:
+    def to_detokenizer(self, msg: ToDetokenizer) -> None:
         if isinstance(msg, TokenBatch):
             indices = msg.seq_indices or [0] * len(msg.request_ids)
             for rid, i, tokens in zip(msg.request_ids, indices, msg.token_ids, strict=True):
                 self.outputs.setdefault((rid, i), []).extend(tokens)
 
-    def to_gateway(self, msg: RequestError | Retokenize) -> None:
+    def to_gateway(self, msg: ToGateway) -> None:
         self.errors.append(msg)
 
     def announce(self, msg: ModelChanged) -> None:

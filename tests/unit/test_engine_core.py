@@ -26,7 +26,13 @@ from common.messages import (
     TokenizedRequest,
     UnloadModel,
 )
-from services.scheduler.engine_core import EngineCore, sequence_key
+from services.scheduler.engine_core import (
+    EngineCore,
+    ToDetokenizer,
+    ToGateway,
+    ToWorker,
+    sequence_key,
+)
 
 TOKEN = 7
 
@@ -56,13 +62,13 @@ class Outbox:
     sent: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
     known: dict[str, int] = dataclasses.field(default_factory=dict)  # seq key -> tokens known
 
-    def to_worker(self, msg: StepPlan | LoadModel | UnloadModel) -> None:
+    def to_worker(self, msg: ToWorker) -> None:
         self.sent.append(("worker", msg))
 
-    def to_detokenizer(self, msg: DetokNew | TokenBatch) -> None:
+    def to_detokenizer(self, msg: ToDetokenizer) -> None:
         self.sent.append(("detokenizer", msg))
 
-    def to_gateway(self, msg: RequestError | Retokenize) -> None:
+    def to_gateway(self, msg: ToGateway) -> None:
         self.sent.append(("gateway", msg))
 
     def announce(self, msg: ModelChanged) -> None:
