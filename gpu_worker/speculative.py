@@ -41,13 +41,13 @@ def ngram_propose(token_ids: Sequence[int], k: int, min_n: int, max_n: int) -> l
         return []
     tokens = np.asarray(token_ids, dtype=np.int64)
     for n in range(min(max_n, total - 1), min_n - 1, -1):
-        suffix = tokens[total - n:]
+        suffix = tokens[total - n :]
         # windows starting at 0 .. total - n - 1: every earlier place the suffix may occur
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[:total - 1], n)
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: total - 1], n)
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            return tokens[start:start + k].tolist()
+            return tokens[start : start + k].tolist()
     return []
 
 
@@ -111,9 +111,18 @@ class DraftModel:
     as the tokens and positions are the same.
     """
 
-    def __init__(self, path: str, *, block_size: int, num_blocks: int, dtype: torch.dtype,
-                 device: torch.device, max_positions: int, attention_backend: str,
-                 target_vocab_size: int) -> None:
+    def __init__(
+        self,
+        path: str,
+        *,
+        block_size: int,
+        num_blocks: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_positions: int,
+        attention_backend: str,
+        target_vocab_size: int,
+    ) -> None:
         from gpu_worker.attention import create_backend
         from gpu_worker.kv_cache import KVCache
         from gpu_worker.models.llama import LlamaConfig
@@ -122,17 +131,30 @@ class DraftModel:
         self.path = path
         self.config = LlamaConfig.from_hf(read_hf_config(path))
         if self.config.vocab_size > target_vocab_size:
-            raise ValueError(f"draft model {path} has {self.config.vocab_size} tokens, the "
-                             f"target {target_vocab_size}: it needs the target's tokenizer")
-        self.backend = create_backend(attention_backend, num_heads=self.config.num_heads,
-                                      num_kv_heads=self.config.num_kv_heads,
-                                      head_dim=self.config.head_dim, dtype=dtype,
-                                      device=device)
-        self.model = load_model(path, self.backend, dtype=dtype, device=device,
-                                max_positions=max_positions)
-        self.kv_cache = KVCache(num_layers=self.config.num_layers, num_blocks=num_blocks,
-                                block_size=block_size, num_kv_heads=self.config.num_kv_heads,
-                                head_dim=self.config.head_dim, dtype=dtype, device=device)
+            raise ValueError(
+                f"draft model {path} has {self.config.vocab_size} tokens, the "
+                f"target {target_vocab_size}: it needs the target's tokenizer"
+            )
+        self.backend = create_backend(
+            attention_backend,
+            num_heads=self.config.num_heads,
+            num_kv_heads=self.config.num_kv_heads,
+            head_dim=self.config.head_dim,
+            dtype=dtype,
+            device=device,
+        )
+        self.model = load_model(
+            path, self.backend, dtype=dtype, device=device, max_positions=max_positions
+        )
+        self.kv_cache = KVCache(
+            num_layers=self.config.num_layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=self.config.num_kv_heads,
+            head_dim=self.config.head_dim,
+            dtype=dtype,
+            device=device,
+        )
         self.block_size = block_size
         self.device = device
         self.target_vocab_size = target_vocab_size
@@ -163,8 +185,11 @@ class DraftModel:
                 inputs = [[] for _ in range(num)]
                 for r in active:
                     inputs[r] = [drafts[r][-1]]
-            logits = self._forward([inputs[r] for r in active], [computed[r] for r in active],
-                                   [block_tables[r] for r in active])
+            logits = self._forward(
+                [inputs[r] for r in active],
+                [computed[r] for r in active],
+                [block_tables[r] for r in active],
+            )
             for row, r in enumerate(active):
                 computed[r] += len(inputs[r])
                 token, q = _draw(logits[row], params[r], generators[r], self.target_vocab_size)
@@ -174,8 +199,9 @@ class DraftModel:
         probs = [torch.stack(rows) if rows else None for rows in q_rows]
         return drafts, probs, computed
 
-    def _forward(self, inputs: list[list[int]], computed: list[int],
-                 tables: list[list[int]]) -> torch.Tensor:
+    def _forward(
+        self, inputs: list[list[int]], computed: list[int], tables: list[list[int]]
+    ) -> torch.Tensor:
         """Logits at each request's last input token; single-token inputs first."""
         from gpu_worker.attention import build_metadata
 
@@ -185,17 +211,24 @@ class DraftModel:
         for r in order:
             flat.extend(inputs[r])
             last[r] = len(flat) - 1
-        meta = build_metadata([computed[r] for r in order], [len(inputs[r]) for r in order],
-                              [tables[r] for r in order], self.block_size, self.device)
+        meta = build_metadata(
+            [computed[r] for r in order],
+            [len(inputs[r]) for r in order],
+            [tables[r] for r in order],
+            self.block_size,
+            self.device,
+        )
         meta = self.backend.build_metadata(meta)
         ids = torch.tensor(flat, dtype=torch.int64).to(self.device)
-        index = torch.tensor([last[r] for r in range(len(inputs))], dtype=torch.int64,
-                             device=self.device)
+        index = torch.tensor(
+            [last[r] for r in range(len(inputs))], dtype=torch.int64, device=self.device
+        )
         return self.model(ids, meta.positions, self.kv_cache.tensor, meta, index).float()
 
 
-def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-          vocab_size: int) -> tuple[int, torch.Tensor | None]:
+def _draw(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None, vocab_size: int
+) -> tuple[int, torch.Tensor | None]:
     """The draft's next token: its argmax, or a draw from q (returned, padded to the
     target's vocabulary, where the target may have more, unused, rows)."""
     if params.is_greedy:

@@ -30,8 +30,15 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_paged_decode.c")
 # -ffast-math for libmvec's vector expf and reassociated sums; infinities stay meaningful
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-shared",
-         "-fPIC"]
+FLAGS = [
+    "-O3",
+    "-march=native",
+    "-ffast-math",
+    "-fno-finite-math-only",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _failed = False
@@ -52,8 +59,9 @@ def _cpu_flags() -> str:
 def _library_path() -> Path:
     from common.prepare_model import cache_root
 
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()
-                         + _cpu_flags().encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_flags().encode()
+    ).hexdigest()[:16]
     return cache_root() / "kernels" / f"cpu_paged_decode-{key}.so"
 
 
@@ -66,8 +74,13 @@ def _build(target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True,
-                       capture_output=True, text=True, timeout=120)
+        subprocess.run(
+            [compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         os.replace(tmp, target)
     except subprocess.CalledProcessError as e:
         raise RuntimeError(f"building {SOURCE.name} failed: {e.stderr[-2000:]}") from None
@@ -87,8 +100,23 @@ def load() -> ctypes.CDLL | None:
                     _build(path)
                 lib = ctypes.CDLL(str(path))
                 lib.paged_decode.restype = _I
-                lib.paged_decode.argtypes = [_P, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _I,
-                                             ctypes.c_float, _P, _I]
+                lib.paged_decode.argtypes = [
+                    _P,
+                    _P,
+                    _P,
+                    _I,
+                    _P,
+                    _I,
+                    _P,
+                    _I,
+                    _I,
+                    _I,
+                    _I,
+                    _I,
+                    ctypes.c_float,
+                    _P,
+                    _I,
+                ]
                 _lib = lib
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 _failed = True
@@ -106,8 +134,11 @@ def paged_decode(
     """Decode attention over the paged cache, in q's dtype; None if the kernel is unavailable
     or the inputs are not CPU tensors of a supported layout (the caller falls back)."""
     lib = load()
-    if lib is None or q.device.type != "cpu" or kv_cache.dtype not in (torch.float32,
-                                                                       torch.bfloat16):
+    if (
+        lib is None
+        or q.device.type != "cpu"
+        or kv_cache.dtype not in (torch.float32, torch.bfloat16)
+    ):
         return None
     if not kv_cache.is_contiguous() or block_tables.stride(1) != 1:
         return None
@@ -117,11 +148,23 @@ def paged_decode(
     tables = block_tables.to(torch.int32)
     lens = seq_lens.to(torch.int32).contiguous()
     out = torch.empty(n, num_heads, head_dim, dtype=torch.float32)
-    code = lib.paged_decode(qf.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
-                            int(kv_cache.dtype == torch.bfloat16), tables.data_ptr(),
-                            tables.stride(0), lens.data_ptr(), n, num_heads, num_kv_heads,
-                            head_dim, block_size, scale, out.data_ptr(),
-                            torch.get_num_threads())
+    code = lib.paged_decode(
+        qf.data_ptr(),
+        kv_cache[0].data_ptr(),
+        kv_cache[1].data_ptr(),
+        int(kv_cache.dtype == torch.bfloat16),
+        tables.data_ptr(),
+        tables.stride(0),
+        lens.data_ptr(),
+        n,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
     if code != 0:
         return None
     return out.to(q.dtype)

@@ -111,8 +111,7 @@ class TorchAttentionBackend(AttentionBackend):
         return self._decode_eager(q, kv_cache, tables, seq_lens)
 
     def _decode_eager(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor,
-        seq_lens: torch.Tensor
+        self, q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor
     ) -> torch.Tensor:
         """Whole blocks gathered into the workspace, then SDPA with GQA folded into q."""
         n = q.shape[0]
@@ -124,8 +123,9 @@ class TorchAttentionBackend(AttentionBackend):
         mask = torch.zeros(n, k.shape[2], dtype=q.dtype, device=q.device)
         key_pos = torch.arange(k.shape[2], device=q.device)
         mask.masked_fill_(key_pos[None, :] >= seq_lens[:, None], float("-inf"))
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :],
-                                           scale=self.scale)
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask[:, None, None, :], scale=self.scale
+        )
         return o.reshape(n, self.num_heads, self.head_dim)
 
     def _extend(

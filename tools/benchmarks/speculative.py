@@ -27,7 +27,7 @@ from typing import Any, cast
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-CODE = '''Rewrite this function with type hints, keeping everything else the same.
+CODE = """Rewrite this function with type hints, keeping everything else the same.
 
 def merge_sorted(left, right):
     result = []
@@ -43,7 +43,7 @@ def merge_sorted(left, right):
     result.extend(left[i:])
     result.extend(right[j:])
     return result
-'''
+"""
 LIST = "Continue the list up to 40: 1. apple, 2. banana, 3. cherry, 4. date, 5. elderberry,"
 CHAT = "Tell me about the history of the bicycle and why it became popular."
 PROMPTS = {"code (repetitive)": CODE, "list (repetitive)": LIST, "free chat": CHAT}
@@ -53,8 +53,12 @@ def _prompt_ids(model_dir: str, text: str) -> list[int]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    ids = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
-                                  add_generation_prompt=True, return_dict=False)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": text}],
+        tokenize=True,
+        add_generation_prompt=True,
+        return_dict=False,
+    )
     return cast("list[int]", ids)  # tokenize=True, one conversation, no dict: its token ids
 
 
@@ -65,8 +69,9 @@ def _decode(runner: Any, prompt: list[int], output_len: int, k: int) -> dict[str
     from services.scheduler.policy import PolicyConfig
 
     engine = InProcessEngine(runner, policy_config=PolicyConfig(num_speculative_tokens=k))
-    (sid,) = engine.add(prompt, SamplingParams(max_tokens=output_len, temperature=0.0,
-                                               ignore_eos=True))
+    (sid,) = engine.add(
+        prompt, SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    )
     tokens = engine.run()[sid]
     # the first step computes the prompt; the last one only tells the worker it finished
     decode = [r for r in engine.results[1:] if r.req_ids]
@@ -74,11 +79,15 @@ def _decode(runner: Any, prompt: list[int], output_len: int, k: int) -> dict[str
     decode_tokens = sum(len(r.token_ids) for r in decode)
     policy = engine.policy
     steps = len(decode) + 1
-    return {"tokens": tokens, "decode_tok_s": decode_tokens / decode_s,
-            "steps": steps, "proposed": policy.num_draft_tokens,
-            "accepted": policy.num_accepted_tokens,
-            "acceptance_rate": policy.num_accepted_tokens / max(1, policy.num_draft_tokens),
-            "tokens_per_step": decode_tokens / max(1, steps - 1)}
+    return {
+        "tokens": tokens,
+        "decode_tok_s": decode_tokens / decode_s,
+        "steps": steps,
+        "proposed": policy.num_draft_tokens,
+        "accepted": policy.num_accepted_tokens,
+        "acceptance_rate": policy.num_accepted_tokens / max(1, policy.num_draft_tokens),
+        "tokens_per_step": decode_tokens / max(1, steps - 1),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,18 +110,22 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = str(prepare_default_model())
     draft_dir = str(prepare_truncated_model(args.draft_layers)) if "draft" in methods else ""
     common = dict(dtype=args.dtype, num_threads=args.threads, kv_cache_memory_gib=0.25)
-    lookup = dict(prompt_lookup_min=args.prompt_lookup_min,
-                  prompt_lookup_max=args.prompt_lookup_max)
+    lookup = dict(
+        prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max
+    )
     runners = {"off": ModelRunner(model_dir, **common)}
     if "ngram" in methods:
         runners[f"ngram ({args.prompt_lookup_min}-{args.prompt_lookup_max})"] = ModelRunner(
-            model_dir, speculative="ngram", **lookup, **common)
+            model_dir, speculative="ngram", **lookup, **common
+        )
     if "draft" in methods:
         runners[f"draft (first {args.draft_layers} layers)"] = ModelRunner(
-            model_dir, speculative="draft", draft_model=draft_dir, **common)
+            model_dir, speculative="draft", draft_model=draft_dir, **common
+        )
     if "self" in methods:  # the target drafting for itself: acceptance 1, the draft's cost
         runners["draft (the target itself)"] = ModelRunner(
-            model_dir, speculative="draft", draft_model=model_dir, **common)
+            model_dir, speculative="draft", draft_model=model_dir, **common
+        )
     rows = []
     for name, text in PROMPTS.items():
         prompt = _prompt_ids(model_dir, text)
@@ -121,18 +134,34 @@ def main(argv: list[str] | None = None) -> int:
             _decode(runner, prompt, 8, args.k if method != "off" else 0)  # warm-up
             r = _decode(runner, prompt, args.output_len, args.k if method != "off" else 0)
             base = base or r
-            row = {"prompt": name, "prompt_tokens": len(prompt), "method": method,
-                   "identical_to_off": r["tokens"] == base["tokens"],
-                   "speedup": r["decode_tok_s"] / base["decode_tok_s"],
-                   **{k: v for k, v in r.items() if k != "tokens"}}
+            row = {
+                "prompt": name,
+                "prompt_tokens": len(prompt),
+                "method": method,
+                "identical_to_off": r["tokens"] == base["tokens"],
+                "speedup": r["decode_tok_s"] / base["decode_tok_s"],
+                **{k: v for k, v in r.items() if k != "tokens"},
+            }
             rows.append(row)
-            print(f"{name:18} {method:18} {r['decode_tok_s']:6.1f} tok/s  x{row['speedup']:.2f}"
-                  f"  acceptance {r['acceptance_rate']:.2f}  tokens/step "
-                  f"{r['tokens_per_step']:.2f}  identical {row['identical_to_off']}",
-                  flush=True)
-    result = {"workload": {"output_len": args.output_len, "k": args.k, "dtype": args.dtype,
-                           "threads": args.threads, "batch": 1, "greedy": True,
-                           "draft_layers": args.draft_layers, **lookup}, "rows": rows}
+            print(
+                f"{name:18} {method:18} {r['decode_tok_s']:6.1f} tok/s  x{row['speedup']:.2f}"
+                f"  acceptance {r['acceptance_rate']:.2f}  tokens/step "
+                f"{r['tokens_per_step']:.2f}  identical {row['identical_to_off']}",
+                flush=True,
+            )
+    result = {
+        "workload": {
+            "output_len": args.output_len,
+            "k": args.k,
+            "dtype": args.dtype,
+            "threads": args.threads,
+            "batch": 1,
+            "greedy": True,
+            "draft_layers": args.draft_layers,
+            **lookup,
+        },
+        "rows": rows,
+    }
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
