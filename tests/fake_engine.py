@@ -50,6 +50,7 @@ class FakeEngine:
     ) -> None:
         self.script = script
         self.model_name = MODEL
+        self.aliases: list[str] = []  # more names the model answers to
         self.system_fingerprint = "v-test"
         self.max_model_len = 256
         self.swap_status: dict[str, Any] | None = None
@@ -62,6 +63,10 @@ class FakeEngine:
         self.swaps: list[tuple[str, str, str]] = []  # (path, version, mode) asked for
         self.started = asyncio.Event()
         self._in_flight: set[str] = set()
+
+    @property
+    def model_names(self) -> list[str]:
+        return [self.model_name, *self.aliases] if self.model_name else []
 
     def is_ready(self) -> bool:
         return self.ready

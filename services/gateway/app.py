@@ -51,6 +51,7 @@ from services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     RequestRejected,
+    check_model,
     describe_error,
     parse_request,
 )
@@ -142,19 +143,22 @@ class OpenAIRoutes:
         return await self._generate(request, _COMPLETION)
 
     async def models(self) -> Response:
-        if not self.engine.model_name:  # starting, or the worker restarting: nothing served yet
-            return _json({"object": "list", "data": []})
-        card = {
-            "id": self.engine.model_name,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "shuttle",
-            "root": self.engine.model_name,
-            "max_model_len": self.engine.max_model_len,
-            "version": self.engine.system_fingerprint,
-            "swap_in_progress": self.engine.swap_status,
-        }
-        return _json({"object": "list", "data": [card]})
+        """One card per name the served model answers to (none while starting)."""
+        engine = self.engine
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "shuttle",
+                "root": engine.model_name,
+                "max_model_len": engine.max_model_len,
+                "version": engine.system_fingerprint,
+                "swap_in_progress": engine.swap_status,
+            }
+            for name in engine.model_names
+        ]
+        return _json({"object": "list", "data": cards})
 
     async def health(self) -> Response:
         if self.engine.is_ready():
@@ -165,10 +169,7 @@ class OpenAIRoutes:
         request_id = _request_id(request, api.id_prefix)
         body = parse_request(api.body, await request.body())
         engine = self.engine
-        if body.model is not None and body.model != engine.model_name:
-            raise RequestRejected(f"model: the model `{body.model}` does not exist", "model", 404)
-        if not engine.is_ready():
-            raise RequestRejected("the engine is not ready yet", None, 503)
+        check_model(body.model, engine.model_names, engine.is_ready())
         generate = body.to_generate_request(request_id, engine.model_name, engine.max_model_len)
         reply = _Reply(
             api.kind,

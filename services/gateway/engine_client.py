@@ -63,7 +63,13 @@ class EngineClient(Protocol):
 
     @property
     def model_name(self) -> str:
-        """The served model's name (what /v1/models lists); "" while nothing is served."""
+        """The served model's name (what responses report); "" while nothing is served."""
+        ...
+
+    @property
+    def model_names(self) -> list[str]:
+        """Every name the served model answers to (--served-model-name aliases), with
+        `model_name` first; what /v1/models lists. Empty while nothing is served."""
         ...
 
     @property

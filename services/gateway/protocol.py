@@ -76,6 +76,16 @@ class RequestRejected(Exception):
         self.status = status
 
 
+def check_model(requested: str | None, served_names: list[str], ready: bool) -> None:
+    """Refuse a request the served model cannot take: 503 (retryable) while nothing is
+    served or the engine is not taking requests, 404 for a name the model does not answer
+    to. Readiness first: while starting, no name is known yet, and a right one is not 404."""
+    if not ready:
+        raise RequestRejected("the engine is not ready yet; retry the request", None, 503)
+    if requested is not None and requested not in served_names:
+        raise RequestRejected(f"model: the model `{requested}` does not exist", "model", 404)
+
+
 def _refuse(message: str) -> PydanticCustomError:
     return PydanticCustomError("unsupported", message)
 

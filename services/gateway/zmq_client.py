@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 from common.ipc import Outbox
@@ -74,8 +74,15 @@ class _Stream:
 class ZmqEngineClient:
     """Keeps one queue per in-flight request; the gateway actor feeds them from its inbox."""
 
-    def __init__(self, tokenizers: Outbox, scheduler: Outbox, inbox_addr: str) -> None:
+    def __init__(
+        self,
+        tokenizers: Outbox,
+        scheduler: Outbox,
+        inbox_addr: str,
+        aliases: Sequence[str] = (),
+    ) -> None:
         self.tokenizers = tokenizers
+        self.aliases = list(aliases)  # --served-model-name: more names the model answers to
         self.scheduler = scheduler
         self.inbox_addr = inbox_addr
         self.served: ModelChanged | None = None  # what the scheduler last said it serves
@@ -92,6 +99,12 @@ class ZmqEngineClient:
     @property
     def model_name(self) -> str:
         return self.served.name if self.served is not None else ""
+
+    @property
+    def model_names(self) -> list[str]:
+        if self.served is None:
+            return []
+        return [self.served.name, *(a for a in self.aliases if a != self.served.name)]
 
     @property
     def system_fingerprint(self) -> str:

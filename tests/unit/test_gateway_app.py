@@ -335,6 +335,27 @@ def test_unknown_model_is_404() -> None:
     assert resp.headers["x-request-id"].startswith("chatcmpl-")
 
 
+def test_naming_the_model_while_starting_is_a_retryable_503() -> None:
+    engine = FakeEngine()
+    engine.ready, engine.model_name = False, ""  # starting: no model served yet
+    for url, body in ((CHAT, chat_body()), (COMPLETIONS, {"model": MODEL, "prompt": "x"})):
+        resp = run(engine, "POST", url, json=body)
+        error_of(resp, 503)
+        assert resp.headers["retry-after"] == "1"
+    assert engine.requests == []
+
+
+def test_aliases_are_listed_and_accepted() -> None:
+    engine = FakeEngine()
+    engine.aliases = ["alias-1", "alias-2"]
+    cards = run(engine, "GET", "/v1/models").json()["data"]
+    assert [c["id"] for c in cards] == [MODEL, "alias-1", "alias-2"]
+    assert {c["root"] for c in cards} == {MODEL}
+    out = run(engine, "POST", CHAT, json=chat_body(model="alias-2")).json()
+    assert out["model"] == MODEL  # the first name is the one reported
+    error_of(run(engine, "POST", CHAT, json=chat_body(model="alias-3")), 404)
+
+
 def test_api_key() -> None:
     engine = FakeEngine()
     error = error_of(run(engine, "POST", CHAT, api_key="s3cret", json=chat_body()), 401)

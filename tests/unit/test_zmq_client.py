@@ -202,6 +202,19 @@ def test_ready_once_the_scheduler_says_what_it_serves() -> None:
     assert scheduler.sent == []  # learnt by being told, never by asking
 
 
+def test_aliases_follow_the_served_name() -> None:
+    tokenizers, scheduler = FakeOutbox(), FakeOutbox()
+    client = ZmqEngineClient(
+        tokenizers,  # type: ignore[arg-type]
+        scheduler,  # type: ignore[arg-type]
+        "inproc://gateway",
+        aliases=["m", "alias"],  # --served-model-name m,alias: the worker reports "m"
+    )
+    assert client.model_names == []  # nothing served yet
+    client.on_model_changed(model_changed("v1"))
+    assert client.model_names == ["m", "alias"]
+
+
 def test_a_swap_names_the_new_version_when_it_returns() -> None:
     """The scheduler sends ModelChanged before the SwapResult, on the same socket: when
     swap_model returns, the client already serves the new version."""
