@@ -123,10 +123,11 @@ class _Api:
     kind: Literal["chat", "completion"]
     id_prefix: str
     body: type[ChatCompletionRequest] | type[CompletionRequest]
+    prompt_field: str  # what the tokenizer's and the scheduler's refusals call `prompt`
 
 
-_CHAT = _Api("chat", "chatcmpl-", ChatCompletionRequest)
-_COMPLETION = _Api("completion", "cmpl-", CompletionRequest)
+_CHAT = _Api("chat", "chatcmpl-", ChatCompletionRequest, "messages")
+_COMPLETION = _Api("completion", "cmpl-", CompletionRequest, "prompt")
 
 
 class OpenAIRoutes:
@@ -179,7 +180,7 @@ class OpenAIRoutes:
             engine.system_fingerprint,
             generate.sampling.n,
         )
-        reader = DeltaReader(engine.generate(generate))
+        reader = DeltaReader(engine.generate(generate), api.prompt_field)
         headers = {REQUEST_ID_HEADER: request_id}
         handed_off = False
         try:
@@ -232,8 +233,11 @@ class DeltaReader:
     """Reads one request's deltas, each in a task of its own, so that a wait can time out
     (keep-alive) or lose a race with a disconnect without cancelling the engine mid-read."""
 
-    def __init__(self, deltas: AsyncGenerator[OutputDelta, None]) -> None:
+    def __init__(
+        self, deltas: AsyncGenerator[OutputDelta, None], prompt_field: str = "prompt"
+    ) -> None:
         self._deltas = deltas
+        self._prompt_field = prompt_field  # what the endpoint calls the prompt, for refusals
         self._pending: asyncio.Task[OutputDelta | None] | None = None
         self.version = ""  # the model version named by the deltas read so far
 
@@ -246,7 +250,10 @@ class DeltaReader:
         if not done:
             raise TimeoutError
         task, self._pending = self._pending, None
-        delta = task.result()
+        try:
+            delta = task.result()
+        except RequestFailed as e:
+            raise e.naming_prompt(self._prompt_field) from None
         if delta is None:
             raise RequestFailed(500, "the engine ended the stream without a finish reason")
         self.version = delta.version or self.version

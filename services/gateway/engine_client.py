@@ -44,6 +44,19 @@ class RequestFailed(Exception):
         self.message = message
         self.param = param
 
+    def naming_prompt(self, field: str) -> RequestFailed:
+        """This refusal with the prompt named `field`, the endpoint's name for it: the
+        tokenizer and the scheduler call any request's prompt `prompt`, but a chat request
+        sent `messages`."""
+        if self.param != "prompt" or field == "prompt":
+            return self
+        message = (
+            field + self.message[len("prompt") :]
+            if self.message.startswith("prompt:")
+            else self.message
+        )
+        return RequestFailed(self.status, message, field)
+
 
 class RequestObserver(Protocol):
     """Watches one request's deltas (services/gateway/metrics.py's RequestTimer)."""

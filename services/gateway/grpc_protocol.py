@@ -45,7 +45,8 @@ _COMMON_RENAMES = {"X-Request-Id": "request_id"}
 _RENAMES = {
     "text": {"prompt": "text"} | _COMMON_RENAMES,
     "token_ids": {"prompt": "token_ids.ids"} | _COMMON_RENAMES,
-    "chat": {"messages": "chat.messages"} | _COMMON_RENAMES,
+    # the tokenizer and the scheduler call any request's prompt `prompt`
+    "chat": {"messages": "chat.messages", "prompt": "chat.messages"} | _COMMON_RENAMES,
     None: _COMMON_RENAMES,
 }
 

@@ -373,12 +373,26 @@ def test_api_key() -> None:
 @pytest.mark.parametrize(("status", "retry"), [(429, "1"), (503, "1"), (400, None)])
 def test_failure_before_first_delta_is_an_http_status(status: int, retry: str | None) -> None:
     for stream in (True, False):
-        engine = FakeEngine([RequestFailed(status, "prompt: too long", "prompt")])
+        engine = FakeEngine([RequestFailed(status, "stop: too long", "stop")])
         resp = run(engine, "POST", CHAT, json=chat_body(stream=stream))
         error = error_of(resp, status)
-        assert error["message"] == "prompt: too long" and error["param"] == "prompt"
+        assert error["message"] == "stop: too long" and error["param"] == "stop"
         assert resp.headers.get("retry-after") == retry
         assert resp.headers["x-request-id"] == engine.requests[0].request_id
+
+
+@pytest.mark.parametrize(("url", "field"), [(CHAT, "messages"), (COMPLETIONS, "prompt")])
+def test_a_prompt_too_long_names_the_endpoints_prompt_field(url: str, field: str) -> None:
+    # the tokenizer and the scheduler call any request's prompt `prompt`
+    too_long = "prompt: the prompt has 300 tokens; this server holds at most 255"
+    body = chat_body() if url == CHAT else {"prompt": "x"}
+    for stream in (False, True):
+        engine = FakeEngine([RequestFailed(400, too_long, "prompt")])
+        error = error_of(run(engine, "POST", url, json=body | {"stream": stream}), 400)
+        assert error["param"] == field
+        assert (
+            error["message"] == f"{field}: the prompt has 300 tokens; this server holds at most 255"
+        )
 
 
 def test_failure_mid_stream_is_an_error_event_then_done() -> None:

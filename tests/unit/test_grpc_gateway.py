@@ -273,6 +273,10 @@ def test_engine_refusals_name_the_proto_field() -> None:
     failure = RequestFailed(400, "prompt: token id 99999 is outside the vocabulary", "prompt")
     error = refusal(FakeEngine([failure]), token_ids=pb.TokenIds(ids=[99999]))
     assert error.details() == "token_ids.ids: token id 99999 is outside the vocabulary"
+    failure = RequestFailed(400, "prompt: the prompt has 300 tokens", "prompt")
+    chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="hi")])
+    error = refusal(FakeEngine([failure]), chat=chat)
+    assert error.details() == "chat.messages: the prompt has 300 tokens"
     failure = RequestFailed(
         400, "X-Request-Id: request id 'r' is already in flight", "X-Request-Id"
     )
