@@ -6,7 +6,7 @@
 Every error is OpenAI-shaped, `{"error": {"message", "type", "param", "code"}}`, with a 4xx
 that names the field (never FastAPI's 422). A request keeps one id from the first byte to
 the last: the client's `X-Request-Id` if valid, else a fresh one; the response echoes it in
-that header and as the body's `id`.
+that header (refusals too), and the body's `id` is it with vLLM's `chatcmpl-` / `cmpl-` prefix.
 
 With `n` > 1 the engine interleaves the deltas of n sequences (`OutputDelta.index`); the
 answer has n choices, and a stream carries one choice per chunk, as OpenAI's does: the chat
@@ -174,7 +174,7 @@ class OpenAIRoutes:
         generate = body.to_generate_request(request_id, engine.model_name, engine.max_model_len)
         reply = _Reply(
             api.kind,
-            request_id,
+            _response_id(request_id, api.id_prefix),
             engine.model_name,
             int(time.time()),
             engine.system_fingerprint,
@@ -211,6 +211,12 @@ def _request_id(request: Request, prefix: str) -> str:
         )
     request.state.request_id = request_id  # the error handlers echo it too
     return request_id
+
+
+def _response_id(request_id: str, prefix: str) -> str:
+    """The body's `id`: the request id with vLLM's prefix (`chatcmpl-`, `cmpl-`), which an
+    id the gateway made already has."""
+    return request_id if request_id.startswith(prefix) else prefix + request_id
 
 
 def _require_key(api_key: str) -> Callable[[Request], Awaitable[None]]:
@@ -487,11 +493,22 @@ def error_response(
     """An OpenAI-shaped error, echoing the request id when it is known."""
     body = {"message": message, "type": _error_type(status), "param": param, "code": status}
     headers = {}
-    if (request_id := getattr(request.state, "request_id", None)) is not None:
+    if (request_id := _known_request_id(request)) is not None:
         headers[REQUEST_ID_HEADER] = request_id
     if status in (429, 503):
         headers["Retry-After"] = "1"
     return _json({"error": body}, status, headers)
+
+
+def _known_request_id(request: Request) -> str | None:
+    """The request's id once a route chose it; before that (a refusal by the API key check,
+    say) the client's own `X-Request-Id` when it is a valid one."""
+    request_id = getattr(request.state, "request_id", None)
+    if request_id is None:
+        request_id = request.headers.get(REQUEST_ID_HEADER)
+        if request_id is not None and not _REQUEST_ID.fullmatch(request_id):
+            return None
+    return request_id
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -82,6 +82,7 @@ def test_completion_stream_without_usage_and_client_request_id() -> None:
     assert resp.headers["x-request-id"] == "my-id.1:2"
     assert engine.requests[0].request_id == "my-id.1:2"
     events = parse_sse(resp.content)
+    assert {e["id"] for e in events[:-1]} == {"cmpl-my-id.1:2"}  # vLLM's prefix on the body id
     assert [e["choices"][0]["text"] for e in events[:-1]] == ["a", "b", ""]
     assert [e["choices"][0]["finish_reason"] for e in events[:-1]] == [None, None, "length"]
     assert {e["object"] for e in events[:-1]} == {"text_completion"}
@@ -356,10 +357,27 @@ def test_aliases_are_listed_and_accepted() -> None:
     error_of(run(engine, "POST", CHAT, json=chat_body(model="alias-3")), 404)
 
 
+def test_client_request_ids_get_the_vllm_prefix_in_the_body() -> None:
+    headers = {"X-Request-Id": "abc"}
+    out = run(FakeEngine(), "POST", CHAT, json=chat_body(), headers=headers).json()
+    assert out["id"] == "chatcmpl-abc"
+    out = run(FakeEngine(), "POST", COMPLETIONS, json={"prompt": "x"}, headers=headers).json()
+    assert out["id"] == "cmpl-abc"
+    headers = {"X-Request-Id": "chatcmpl-mine"}  # already prefixed: kept as it is
+    assert run(FakeEngine(), "POST", CHAT, json=chat_body(), headers=headers).json()["id"] == (
+        "chatcmpl-mine"
+    )
+
+
 def test_api_key() -> None:
     engine = FakeEngine()
     error = error_of(run(engine, "POST", CHAT, api_key="s3cret", json=chat_body()), 401)
     assert "API key" in error["message"]
+    resp = run(
+        engine, "POST", CHAT, api_key="s3cret", json=chat_body(), headers={"X-Request-Id": "r-401"}
+    )
+    error_of(resp, 401)
+    assert resp.headers["x-request-id"] == "r-401"  # refusals echo the client's id too
     wrong = {"Authorization": "Bearer nope"}
     error_of(run(engine, "GET", "/v1/models", api_key="s3cret", headers=wrong), 401)
     good = {"Authorization": "Bearer s3cret"}
