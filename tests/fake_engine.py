@@ -34,7 +34,8 @@ def delta(
 
 class FakeEngine:
     """`generate` yields a script of deltas (default: the prompt's words echoed back, then
-    STOP); a script step may be an exception to raise, HANG, or a float to sleep. `stats`
+    STOP), or the request id's own script in `scripts`; a script step may be an exception to
+    raise, HANG, or a float to sleep. `stats`
     answers `stats_answer` (None: it times out, as a silent scheduler does); `swap_model`
     answers `swap_result`, or a successful swap to its version.
 
@@ -49,6 +50,7 @@ class FakeEngine:
         swap_result: SwapResult | None = None,
     ) -> None:
         self.script = script
+        self.scripts: dict[str, list[Any]] = {}  # request id -> its own script (a batch's)
         self.model_name = MODEL
         self.aliases: list[str] = []  # more names the model answers to
         self.system_fingerprint = "v-test"
@@ -77,7 +79,8 @@ class FakeEngine:
         self.started.set()
         finished = False
         try:
-            for step in self.script if self.script is not None else self._echo(request):
+            script = self.scripts.get(request.request_id, self.script)
+            for step in script if script is not None else self._echo(request):
                 if isinstance(step, Exception):
                     raise step
                 if step == HANG:

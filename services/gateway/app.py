@@ -42,6 +42,7 @@ from common.config import ServerConfig
 from common.messages import FinishReason
 from services.gateway import sse
 from services.gateway.admin import admin_router
+from services.gateway.batch import merge_deltas
 from services.gateway.engine_client import EngineClient, OutputDelta, RequestFailed
 from services.gateway.limits import BodyLimitMiddleware, BodyLimits
 from services.gateway.metrics import install_metrics
@@ -171,16 +172,22 @@ class OpenAIRoutes:
         body = parse_request(api.body, await request.body())
         engine = self.engine
         check_model(body.model, engine.model_names, engine.is_ready())
-        generate = body.to_generate_request(request_id, engine.model_name, engine.max_model_len)
+        requests = body.to_generate_requests(request_id, engine.model_name, engine.max_model_len)
+        n = requests[0].sampling.n  # choices per prompt
         reply = _Reply(
             api.kind,
             _response_id(request_id, api.id_prefix),
             engine.model_name,
             int(time.time()),
             engine.system_fingerprint,
-            generate.sampling.n,
+            n * len(requests),
+            n,
         )
-        reader = DeltaReader(engine.generate(generate), api.prompt_field)
+        if len(requests) == 1:
+            deltas = engine.generate(requests[0])
+        else:  # a batch of prompts: one engine request each, merged into one answer
+            deltas = merge_deltas([engine.generate(r) for r in requests], n)
+        reader = DeltaReader(deltas, api.prompt_field)
         headers = {REQUEST_ID_HEADER: request_id}
         handed_off = False
         try:
@@ -192,7 +199,7 @@ class OpenAIRoutes:
                 reply = dataclasses.replace(reply, fingerprint=first.version or reply.fingerprint)
                 stream = sse_stream(reader, first, reply, body.include_usage)
                 return SseResponse(stream, headers=headers | _SSE_HEADERS)
-            choices, usage = await until_disconnected(request, collect(reader))
+            choices, usage = await until_disconnected(request, collect(reader, n))
             reply = dataclasses.replace(reply, fingerprint=reader.version or reply.fingerprint)
             return _json(reply.body(choices, usage, bool(body.return_token_ids)), headers=headers)
         finally:
@@ -301,25 +308,32 @@ class Choice:
 
 
 class Usage:
-    """A request's token counts: the prompt once (its sequences share it), outputs summed."""
+    """A request's token counts: each prompt once (its `n` sequences share it), summed over
+    a batch of prompts; outputs summed over every sequence."""
 
-    def __init__(self) -> None:
-        self.num_prompt_tokens = 0
+    def __init__(self, n: int = 1) -> None:
+        self.n = n  # choices per prompt: choice index // n is the prompt's
+        self._num_prompt_tokens: dict[int, int] = {}  # prompt index -> its count
         self._num_output_tokens: dict[int, int] = {}  # index -> that sequence's count so far
 
     def add(self, delta: OutputDelta) -> None:
-        self.num_prompt_tokens = delta.num_prompt_tokens
+        self._num_prompt_tokens[delta.index // self.n] = delta.num_prompt_tokens
         self._num_output_tokens[delta.index] = delta.num_output_tokens
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(self._num_prompt_tokens.values())
 
     @property
     def num_output_tokens(self) -> int:
         return sum(self._num_output_tokens.values())
 
 
-async def collect(reader: DeltaReader) -> tuple[list[Choice], Usage]:
-    """Every sequence's text, token ids and finish reason (by index), and the usage."""
+async def collect(reader: DeltaReader, n: int = 1) -> tuple[list[Choice], Usage]:
+    """Every sequence's text, token ids and finish reason (by index), and the usage (`n`
+    choices per prompt)."""
     choices: dict[int, Choice] = {}
-    usage = Usage()
+    usage = Usage(n)
     while True:
         delta = await reader.next()
         usage.add(delta)
@@ -366,6 +380,7 @@ class _Reply:
     created: int
     fingerprint: str
     n: int = 1  # choices (sequences) in the answer
+    n_per_prompt: int = 1  # of them, per prompt of a batch (the request's `n`)
 
     def head(self) -> list[bytes]:
         """The chat stream's role chunks, one per choice, before any text."""
@@ -429,7 +444,7 @@ async def sse_stream(
     try:
         for event in reply.head():
             yield event
-        usage = Usage()
+        usage = Usage(reply.n_per_prompt)
         delta = first
         while True:
             usage.add(delta)

@@ -45,6 +45,7 @@ MAX_STOP_CHARS = 256  # characters per stop string
 MAX_STOP_TOKEN_IDS = 64
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_N = 16  # choices per request: each is a sequence holding its own KV blocks
+MAX_PROMPTS = 64  # prompts in one /v1/completions request (one engine request each)
 MAX_TIMEOUT_S = 86400.0  # a day
 _INT32_MAX = 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1  # orjson carries 64-bit ints
@@ -243,6 +244,11 @@ class ChatCompletionRequest(_CommonRequest):
             raise _refuse("logprobs are not supported yet")
         return value
 
+    def to_generate_requests(
+        self, request_id: str, model: str, max_model_len: int
+    ) -> list[GenerateRequest]:
+        return [self.to_generate_request(request_id, model, max_model_len)]
+
     def to_generate_request(
         self, request_id: str, model: str, max_model_len: int
     ) -> GenerateRequest:
@@ -260,38 +266,61 @@ class ChatCompletionRequest(_CommonRequest):
         )
 
 
-def _prompt(value: Any) -> str | list[int]:
-    """A prompt: a string, a list of token ids, or a list holding exactly one of those."""
-    if isinstance(value, list) and len(value) > 1 and all(isinstance(p, str) for p in value):
-        raise _refuse(f"a batch of {len(value)} prompts is not supported; send one per request")
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
-        value = value[0]
-    if isinstance(value, str):
-        if not value:
-            raise PydanticCustomError("prompt_empty", "must not be empty")
-        return value
+Prompt = str | list[int]  # text, or token ids
+
+
+def _prompts(value: Any) -> list[Prompt]:
+    """`prompt` as a batch: a string or a list of token ids is one prompt; a list of strings
+    or of token-id lists is several (at most MAX_PROMPTS)."""
+    if isinstance(value, str) or (
+        isinstance(value, list) and value and not isinstance(value[0], str | list)
+    ):
+        return [_prompt(value, "")]
     if not isinstance(value, list):
-        raise PydanticCustomError("prompt_type", "must be a string or a list of token ids")
+        raise PydanticCustomError(
+            "prompt_type", "must be a string, a list of token ids, or a list of those"
+        )
     if not value:
         raise PydanticCustomError("prompt_empty", "must not be empty")
-    for t in value:
-        if type(t) is not int or not 0 <= t <= _INT32_MAX:
-            raise PydanticCustomError(
-                "prompt_token", "token ids must be integers in [0, {limit}]", {"limit": _INT32_MAX}
-            )
+    if len(value) > MAX_PROMPTS:
+        raise PydanticCustomError(
+            "prompt_count",
+            "at most {limit} prompts in one request, got {count}",
+            {"limit": MAX_PROMPTS, "count": len(value)},
+        )
+    where = "prompt {index} " if len(value) > 1 else ""
+    return [_prompt(p, where.format(index=i)) for i, p in enumerate(value)]
+
+
+def _prompt(value: Any, where: str) -> Prompt:
+    """One prompt of the batch (`where` names it in a batch of several)."""
+    if not isinstance(value, str | list):
+        raise PydanticCustomError(
+            "prompt_type", "{where}must be a string or a list of token ids", {"where": where}
+        )
+    if not value:
+        raise PydanticCustomError("prompt_empty", "{where}must not be empty", {"where": where})
+    if isinstance(value, list):
+        for t in value:
+            if type(t) is not int or not 0 <= t <= _INT32_MAX:
+                raise PydanticCustomError(
+                    "prompt_token",
+                    "{where}token ids must be integers in [0, {limit}]",
+                    {"where": where, "limit": _INT32_MAX},
+                )
     return value
 
 
 class CompletionRequest(_CommonRequest):
     """Body of POST /v1/completions."""
 
-    prompt: Any
+    prompt: Any  # list[Prompt] once validated: one engine request each
     echo: bool | None = None
     logprobs: int | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None  # only = n: no ranking of choices
     suffix: str | None = None
 
-    _check_prompt = field_validator("prompt", mode="before")(_prompt)
+    _check_prompt = field_validator("prompt", mode="before")(_prompts)
 
     @field_validator("echo")
     @classmethod
@@ -325,22 +354,35 @@ class CompletionRequest(_CommonRequest):
             raise _refuse("suffix is not supported")
         return value
 
-    def to_generate_request(
+    def to_generate_requests(
         self, request_id: str, model: str, max_model_len: int
-    ) -> GenerateRequest:
+    ) -> list[GenerateRequest]:
+        """One engine request per prompt: `request_id` for a single prompt, else
+        `<request_id>-<k>` for prompt k."""
         sampling = self._sampling(
             self.max_tokens, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS, max_model_len
         )
-        is_text = isinstance(self.prompt, str)
-        return GenerateRequest(
-            request_id=request_id,
-            model=model,
-            sampling=sampling,
-            prompt=self.prompt if is_text else None,
-            prompt_token_ids=None if is_text else list(self.prompt),
-            arrival_time=time.time(),
-            **self._scheduling(),
-        )
+        prompts: list[Prompt] = self.prompt
+        arrival = time.time()
+        return [
+            GenerateRequest(
+                request_id=request_id if len(prompts) == 1 else f"{request_id}-{k}",
+                model=model,
+                sampling=sampling,
+                prompt=prompt if isinstance(prompt, str) else None,
+                prompt_token_ids=None if isinstance(prompt, str) else list(prompt),
+                arrival_time=arrival,
+                **self._scheduling(),
+            )
+            for k, prompt in enumerate(prompts)
+        ]
+
+    def to_generate_request(
+        self, request_id: str, model: str, max_model_len: int
+    ) -> GenerateRequest:
+        """The engine request of a body with one prompt (ValueError for a batch)."""
+        (request,) = self.to_generate_requests(request_id, model, max_model_len)
+        return request
 
 
 R = TypeVar("R", bound=BaseModel)

@@ -255,6 +255,91 @@ def test_n_priority_timeout_reach_the_engine() -> None:
     assert got == [(2, -3, 1.5), (1, 0, None), (1, 7, 2.0)]
 
 
+# --- a batch of prompts ----------------------------------------------------------------------
+
+
+def _batch_engine(request_ids: list[str], hang: bool = False) -> FakeEngine:
+    """Each prompt k's request: two sequences, 'p<k>s<i>', sequence 1's delta first (or,
+    with `hang`, the last prompt's request never answers)."""
+    engine = FakeEngine()
+    for k, request_id in enumerate(request_ids):
+        engine.scripts[request_id] = [
+            delta(f"p{k}s1", LENGTH, 2, index=1, last=False),
+            delta(f"p{k}s0", STOP, 1, index=0, last=True),
+        ]
+    if hang:
+        engine.scripts[request_ids[-1]] = [HANG]
+    return engine
+
+
+@pytest.mark.parametrize(
+    "prompts", [["one", "two", "three"], [[1, 2], [3], [4, 5, 6]]], ids=["texts", "token-ids"]
+)
+def test_a_batch_of_prompts_answers_prompt_major(prompts: list[Any]) -> None:
+    engine = _batch_engine(["b-0", "b-1", "b-2"])
+    body = {"prompt": prompts, "n": 2, "return_token_ids": True}
+    resp = run(engine, "POST", COMPLETIONS, json=body, headers={"X-Request-Id": "b"})
+    out = resp.json()
+    assert [r.request_id for r in engine.requests] == ["b-0", "b-1", "b-2"]
+    if isinstance(prompts[0], str):
+        assert [r.prompt for r in engine.requests] == prompts
+    else:
+        assert [r.prompt_token_ids for r in engine.requests] == prompts
+    assert [r.sampling.n for r in engine.requests] == [2, 2, 2]  # n per prompt
+    got = [(c["index"], c["text"], c["finish_reason"]) for c in out["choices"]]
+    assert got == [
+        (0, "p0s0", "stop"),
+        (1, "p0s1", "length"),
+        (2, "p1s0", "stop"),
+        (3, "p1s1", "length"),
+        (4, "p2s0", "stop"),
+        (5, "p2s1", "length"),
+    ]
+    # each prompt's 5 tokens once; 1 + 2 output tokens per prompt
+    assert out["usage"] == {"prompt_tokens": 15, "completion_tokens": 9, "total_tokens": 24}
+    assert out["id"] == "cmpl-b" and not engine.aborted
+
+
+def test_a_streamed_batch_ends_after_every_prompt() -> None:
+    body = {"prompt": ["a", "b"], "n": 2, "stream": True, "stream_options": {"include_usage": True}}
+    engine = _batch_engine(["s-0", "s-1"])
+    resp = run(engine, "POST", COMPLETIONS, json=body, headers={"X-Request-Id": "s"})
+    events = parse_sse(resp.content)
+    assert events[-1] == "[DONE]"
+    texts = {c["index"]: c["text"] for e in events[:-2] for c in e["choices"] if c["text"]}
+    assert texts == {0: "p0s0", 1: "p0s1", 2: "p1s0", 3: "p1s1"}
+    finishes = sorted(
+        (c["index"], c["finish_reason"])
+        for e in events[:-2]
+        for c in e["choices"]
+        if c["finish_reason"]
+    )
+    assert finishes == [(0, "stop"), (1, "length"), (2, "stop"), (3, "length")]
+    assert events[-2]["usage"] == {"prompt_tokens": 10, "completion_tokens": 6, "total_tokens": 16}
+
+
+def test_a_failed_prompt_fails_the_batch_and_ends_the_others() -> None:
+    engine = _batch_engine(["f-0", "f-1", "f-2"], hang=True)
+    engine.scripts["f-0"] = [delta("a"), HANG]
+    engine.scripts["f-1"] = [RequestFailed(400, "prompt: the prompt has 300 tokens", "prompt")]
+    body = {"prompt": ["a", "b", "c"]}
+    resp = run(engine, "POST", COMPLETIONS, json=body, headers={"X-Request-Id": "f"})
+    error = error_of(resp, 400)
+    assert (error["param"], error["message"]) == (
+        "prompt[1]",
+        "prompt[1]: the prompt has 300 tokens",
+    )
+    assert sorted(engine.aborted) == ["f-0", "f-2"]  # those still running
+
+
+def test_a_client_leaving_a_batch_aborts_every_prompt() -> None:
+    engine = FakeEngine([HANG])
+    body = b'{"prompt": ["a", "b", "c"]}'
+    aborted = ("gone-1-0", "gone-1-1", "gone-1-2")
+    sent = asyncio.run(_call_then_leave(engine, body, "2.3", "receive", COMPLETIONS, aborted))
+    assert sent[0]["status"] == 499
+
+
 # --- refusals --------------------------------------------------------------------------------
 
 
@@ -291,7 +376,11 @@ def test_n_priority_timeout_reach_the_engine() -> None:
         (chat_body(presence_penalty=0.5), "presence_penalty", "only 0"),
         (chat_body(logprobs=True), "logprobs", "not supported"),
         ({"prompt": ""}, "prompt", "empty"),
-        ({"prompt": ["a", "b"]}, "prompt", "batch"),
+        ({"prompt": ["a", ""]}, "prompt", "prompt 1 must not be empty"),
+        ({"prompt": [[1, 2], [3, -1]]}, "prompt", "prompt 1 token ids must be integers"),
+        ({"prompt": [[1], "a", 3]}, "prompt", "prompt 2 must be a string or a list of token"),
+        ({"prompt": []}, "prompt", "empty"),
+        ({"prompt": ["a"] * 65}, "prompt", "at most 64 prompts"),
         ({"prompt": [1, -2]}, "prompt", "token ids"),
         ({"prompt": "x", "echo": True}, "echo", "not supported"),
     ],
@@ -463,7 +552,14 @@ def _scope(path: str, spec_version: str) -> dict[str, Any]:
     }
 
 
-async def _call_then_leave(engine: FakeEngine, body: bytes, spec: str, leave: str) -> list[Any]:
+async def _call_then_leave(
+    engine: FakeEngine,
+    body: bytes,
+    spec: str,
+    leave: str,
+    path: str = CHAT,
+    aborted: tuple[str, ...] = ("gone-1",),
+) -> list[Any]:
     """Call the app directly, as a server would; the client leaves once the engine started
     and, for a stream, the first chunk went out: by a disconnect message (`leave` "receive")
     or by send() raising (`leave` "send", what ASGI 2.4 servers do)."""
@@ -488,9 +584,9 @@ async def _call_then_leave(engine: FakeEngine, body: bytes, spec: str, leave: st
             first_chunk.set()
         sent.append(message)
 
-    await asyncio.wait_for(app(_scope(CHAT, spec), receive, send), 5)
+    await asyncio.wait_for(app(_scope(path, spec), receive, send), 5)
     # checked before asyncio.run ends, whose clean-up would close a forgotten generator
-    assert engine.aborted == ["gone-1"]
+    assert sorted(engine.aborted) == list(aborted)
     return sent
 
 

@@ -138,7 +138,7 @@ def test_openapi_bodies_are_inlined_and_precise() -> None:
     assert "$ref" not in str(chat) and "$defs" not in str(chat)
     assert chat["schema"]["properties"]["messages"]["items"]["properties"]["role"]["enum"]
     kinds = [s["type"] for s in comp["schema"]["properties"]["prompt"]["anyOf"]]
-    assert kinds == ["string", "array", "array"]
+    assert kinds == ["string", "array", "array", "array"]
 
 
 # --- a real server and a real client ----------------------------------------------------------
