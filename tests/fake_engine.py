@@ -63,6 +63,9 @@ class FakeEngine:
         self.requests: list[GenerateRequest] = []
         self.aborted: list[str] = []
         self.swaps: list[tuple[str, str, str]] = []  # (path, version, mode) asked for
+        # tokenize() calls: (prompt, messages, add_special_tokens, add_generation_prompt)
+        self.tokenized: list[tuple[Any, ...]] = []
+        self.tokenize_failure: Exception | None = None  # raised by (de)tokenize when set
         self.started = asyncio.Event()
         self._in_flight: set[str] = set()
 
@@ -115,6 +118,31 @@ class FakeEngine:
         if self.stats_answer is None:
             raise TimeoutError
         return self.stats_answer
+
+    async def tokenize(
+        self,
+        prompt: str | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        *,
+        add_special_tokens: bool = True,
+        add_generation_prompt: bool = True,
+        timeout: float = 10.0,
+    ) -> list[int]:
+        """Characters as token ids: the prompt's, or the messages' contents joined by
+        newlines; special tokens and the generation prompt as ids 1 and 2."""
+        self.tokenized.append((prompt, messages, add_special_tokens, add_generation_prompt))
+        if self.tokenize_failure is not None:
+            raise self.tokenize_failure
+        text = prompt if messages is None else "\n".join(m["content"] for m in messages)
+        ids = [ord(c) for c in text or ""]
+        if messages is not None and add_generation_prompt:
+            ids.append(2)
+        return [1, *ids] if add_special_tokens else ids
+
+    async def detokenize(self, token_ids: list[int], timeout: float = 10.0) -> str:
+        if self.tokenize_failure is not None:
+            raise self.tokenize_failure
+        return "".join(chr(t) for t in token_ids)
 
     async def swap_model(
         self, path: str, version: str, mode: str, timeout: float = 600.0

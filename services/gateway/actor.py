@@ -23,6 +23,7 @@ from common.messages import (
     Retokenize,
     Stats,
     SwapResult,
+    TokenizeResult,
 )
 from services.gateway.zmq_client import ZmqEngineClient
 
@@ -61,6 +62,7 @@ class GatewayActor(Actor):
                 Drain: self._on_drain,
                 ModelChanged: self._on_model_changed,
                 Retokenize: self._on_retokenize,
+                TokenizeResult: self._on_tokenize_result,
             }
         )
 
@@ -139,6 +141,9 @@ class GatewayActor(Actor):
 
     def _on_retokenize(self, msg: Retokenize) -> None:
         self.engine.on_retokenize(msg)
+
+    def _on_tokenize_result(self, msg: TokenizeResult) -> None:
+        self.engine.on_tokenize_result(msg)
 
     def _on_process_down(self, msg: ProcessDown) -> None:
         """The scheduler or detokenizer holds every request's state: fail them all. A

@@ -1,7 +1,8 @@
 """The gateway's HTTP front end: OpenAI-compatible routes over an `EngineClient`.
 
     POST /v1/chat/completions   POST /v1/completions   (streaming or not)
-    GET  /v1/models             GET  /health
+    GET  /v1/models             GET  /health, /ping     GET /version
+    POST /tokenize              POST /detokenize       (services/gateway/tokenize_routes.py)
 
 Every error is OpenAI-shaped, `{"error": {"message", "type", "param", "code"}}`, with a 4xx
 that names the field (never FastAPI's 422). A request keeps one id from the first byte to
@@ -23,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import importlib.metadata
 import logging
 import time
 import uuid
@@ -56,6 +58,7 @@ from services.gateway.protocol import (
     describe_error,
     parse_request,
 )
+from services.gateway.tokenize_routes import tokenize_router
 
 log = logging.getLogger("shuttle.gateway")
 
@@ -77,6 +80,16 @@ _ERROR_TYPES = {
     503: "ServiceUnavailableError",
 }
 T = TypeVar("T")
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("shuttle")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
+        return "0+unknown"
+
+
+SERVER_VERSION = _package_version()
 
 
 class ClientGone(Exception):
@@ -113,7 +126,10 @@ def create_app(
     )
     v1.add_api_route("/models", routes.models, methods=["GET"])
     app.include_router(v1)
+    app.include_router(tokenize_router(engine), dependencies=auth)
     app.add_api_route("/health", routes.health, methods=["GET"])
+    app.add_api_route("/ping", routes.health, methods=["GET", "POST"])  # vLLM's alias
+    app.add_api_route("/version", routes.version, methods=["GET"])
     app.include_router(admin_router(engine, admin_token, server.model_root or None))
     install_metrics(app, engine)  # GET /metrics, and the engine's request timers
     return app
@@ -161,6 +177,9 @@ class OpenAIRoutes:
             for name in engine.model_names
         ]
         return _json({"object": "list", "data": cards})
+
+    async def version(self) -> Response:
+        return _json({"version": SERVER_VERSION})
 
     async def health(self) -> Response:
         if self.engine.is_ready():

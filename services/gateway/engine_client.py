@@ -128,3 +128,21 @@ class EngineClient(Protocol):
     ) -> SwapResult:
         """Serve the model in folder `path` (mode "overlap" or "drain"); the outcome."""
         ...
+
+    async def tokenize(
+        self,
+        prompt: str | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        *,
+        add_special_tokens: bool = True,
+        add_generation_prompt: bool = True,
+        timeout: float = 10.0,
+    ) -> list[int]:
+        """The served model's token ids of `prompt` or of chat `messages` (rendered by its
+        template), as a tokenizer process makes them (POST /tokenize). Raises RequestFailed
+        when refused, TimeoutError when no tokenizer answers."""
+        ...
+
+    async def detokenize(self, token_ids: list[int], timeout: float = 10.0) -> str:
+        """The text of `token_ids` (POST /detokenize); raises as `tokenize` does."""
+        ...

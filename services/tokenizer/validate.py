@@ -70,9 +70,9 @@ def fit_max_tokens(num_prompt_tokens: int, max_tokens: int, max_model_len: int) 
     return max_tokens
 
 
-def check_token_ids(token_ids: list[int], vocab_size: int) -> None:
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str = "prompt") -> None:
     for t in token_ids:
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
             raise InvalidRequest(
-                "prompt", f"token id {t!r} is outside the vocabulary (0..{vocab_size - 1})"
+                param, f"token id {t!r} is outside the vocabulary (0..{vocab_size - 1})"
             )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -152,6 +153,16 @@ def test_models_and_health() -> None:
     error_of(run(engine, "POST", CHAT, json=chat_body()), 503)
     engine.model_name = ""  # starting: nothing is served yet, so no model is listed
     assert run(engine, "GET", "/v1/models").json() == {"object": "list", "data": []}
+
+
+def test_ping_and_version() -> None:
+    engine = FakeEngine()
+    assert run(engine, "GET", "/ping").status_code == 200
+    assert run(engine, "POST", "/ping").status_code == 200
+    version = run(engine, "GET", "/version").json()["version"]
+    assert version == importlib.metadata.version("shuttle")
+    engine.ready = False  # as /health: not ready is 503
+    assert run(engine, "GET", "/ping").status_code == 503
 
 
 def test_openai_client_in_process() -> None:
