@@ -76,7 +76,7 @@ class GatewayActor(Actor):
             aliases=self.config.model.served_model_names,
         )
         server = self.config.server
-        app = create_app(self.engine, server)
+        app = create_app(self.engine, server, self.config.scheduler)
         uv_config = uvicorn.Config(
             app,
             host=self.config.server.host,

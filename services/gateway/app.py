@@ -40,7 +40,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from common.config import ServerConfig
+from common.config import SchedulerConfig, ServerConfig
 from common.messages import FinishReason
 from services.gateway import sse
 from services.gateway.admin import admin_router
@@ -99,17 +99,20 @@ class ClientGone(Exception):
 def create_app(
     engine: EngineClient,
     server: ServerConfig | None = None,
+    scheduler: SchedulerConfig | None = None,
 ) -> FastAPI:
     """The HTTP app, set up by the config's server section: with `api_key`, every /v1
     route wants `Authorization: Bearer <key>`; /admin routes want the admin token (and are
-    all refused without one); request bodies are bounded by its limits."""
+    all refused without one); request bodies are bounded by its limits. The scheduler
+    section says which request fields the engine will honour (`priority`)."""
     server = server or ServerConfig()
+    scheduler = scheduler or SchedulerConfig()
     api_key, admin_token = server.api_key or None, server.admin_token or None
     app = FastAPI(title="shuttle", docs_url=None, redoc_url=None)
     _install_error_handlers(app)
     limits = BodyLimits(server.max_request_bytes, server.request_body_timeout)
     app.add_middleware(BodyLimitMiddleware, limits=limits)
-    routes = OpenAIRoutes(engine)
+    routes = OpenAIRoutes(engine, {"scheduling_policy": scheduler.scheduling_policy})
     auth = [Depends(_require_key(api_key))] if api_key else []
     v1 = APIRouter(prefix="/v1", dependencies=auth)
     v1.add_api_route(
@@ -150,8 +153,9 @@ _COMPLETION = _Api("completion", "cmpl-", CompletionRequest, "prompt")
 class OpenAIRoutes:
     """The route handlers, bound to one engine."""
 
-    def __init__(self, engine: EngineClient) -> None:
+    def __init__(self, engine: EngineClient, context: dict[str, Any] | None = None) -> None:
         self.engine = engine
+        self.context = context  # what request validation needs to know about the server
         self.created = int(time.time())
 
     async def chat_completions(self, request: Request) -> Response:
@@ -188,7 +192,7 @@ class OpenAIRoutes:
 
     async def _generate(self, request: Request, api: _Api) -> Response:
         request_id = _request_id(request, api.id_prefix)
-        body = parse_request(api.body, await request.body())
+        body = parse_request(api.body, await request.body(), self.context)
         engine = self.engine
         check_model(body.model, engine.model_names, engine.is_ready())
         requests = body.to_generate_requests(request_id, engine.model_name, engine.max_model_len)

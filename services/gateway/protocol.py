@@ -2,9 +2,12 @@
 to a `GenerateRequest`.
 
 Parsing is strict about types (a string "5" is not an integer, `true` is not a number,
-NaN and infinities are refused) and lenient about presence: unknown fields are ignored,
-since OpenAI clients send extras, and `null` means "use the default", as OpenAI treats it.
-Every refusal is a `RequestRejected` whose message starts with the field it names.
+NaN and infinities are refused) and lenient about presence: `null` means "use the default",
+as OpenAI treats it. Every field of the OpenAI and vLLM APIs is honoured, refused (a 400
+naming it, services/gateway/refused.py), or on that module's short list of fields that
+change nothing (`user`, `metadata`, `store`, ...); fields nobody defines are ignored, since
+clients send extras. Every refusal is a `RequestRejected` whose message starts with the
+field it names.
 
 Defaults:
 - `max_tokens`: 16 for completions (OpenAI's legacy default); for chat 0, meaning as many as
@@ -12,14 +15,17 @@ Defaults:
 - `temperature` 1.0, `top_p` 1.0, `top_k` off (-1 or 0), `n` 1, `stream` false.
 
 Limits: at most `MAX_STOP` stop strings of 1..`MAX_STOP_CHARS` characters each; `n` (choices
-per request, sampled as sequences that share the prompt's KV blocks) at most `MAX_N`;
-`best_of` only equal to `n`. Not yet supported, refused with a clear message: `echo`,
-`suffix`, `logprobs`, non-zero presence/frequency penalties, `repetition_penalty` other than 1.
+per prompt, sampled as sequences that share the prompt's KV blocks) at most `MAX_N`;
+`best_of` only equal to `n`; at most `MAX_PROMPTS` prompts in a /v1/completions batch (a
+list of strings or of token-id lists; each is its own engine request). Not yet supported,
+refused with a clear message: `echo`, `suffix`, `logprobs`, non-zero presence/frequency
+penalties, `repetition_penalty` other than 1. `stream_options` only with `stream: true`.
 
 vLLM extensions: `top_k`, `ignore_eos`, `return_token_ids`, `stop_token_ids`,
-`add_generation_prompt` (chat), `priority` (int, default 0: lower is served first when the
-server runs `--scheduling-policy priority`, ignored otherwise) and `timeout` (seconds, at most
-`MAX_TIMEOUT_S`: past it the request ends with finish reason "timeout").
+`add_generation_prompt` (chat), `priority` (int, default 0: lower is served first; anything
+but 0 is refused unless the server runs `--scheduling-policy priority`, as vLLM does) and
+`timeout` (seconds, at most `MAX_TIMEOUT_S`: past it the request ends with finish reason
+"timeout").
 """
 
 from __future__ import annotations
@@ -35,10 +41,17 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
 from common.messages import GenerateRequest, SamplingParams
+from services.gateway.refused import (
+    REFUSED_CHAT,
+    REFUSED_COMPLETION,
+    check_disjoint,
+    refuse_unsupported,
+)
 
 MAX_STOP = 64  # stop strings per request
 MAX_STOP_CHARS = 256  # characters per stop string
@@ -152,6 +165,26 @@ class _CommonRequest(BaseModel):
             raise _refuse("only 1 is supported for now")
         return value
 
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(
+        cls, value: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        # as vLLM: options for a stream that is not asked for are a mistake, not a no-op
+        if value is not None and "stream" in info.data and not info.data["stream"]:
+            raise _refuse("only allowed when stream is true")
+        return value
+
+    @field_validator("priority")
+    @classmethod
+    def _priority_policy(cls, value: int | None, info: ValidationInfo) -> int | None:
+        # parse_request's context names the server's --scheduling-policy (HTTP); as vLLM,
+        # a priority other than 0 is an error unless the policy orders by it
+        policy = (info.context or {}).get("scheduling_policy", "priority")
+        if value and policy != "priority":
+            raise _refuse(f"needs --scheduling-policy priority; this server schedules by {policy}")
+        return value
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -229,6 +262,11 @@ class ChatCompletionRequest(_CommonRequest):
     add_generation_prompt: bool | None = None  # vLLM extension
     logprobs: bool | None = None
     top_logprobs: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        return refuse_unsupported(data, REFUSED_CHAT, cls.__name__)
 
     @field_validator("logprobs")
     @classmethod
@@ -322,6 +360,11 @@ class CompletionRequest(_CommonRequest):
 
     _check_prompt = field_validator("prompt", mode="before")(_prompts)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        return refuse_unsupported(data, REFUSED_COMPLETION, cls.__name__)
+
     @field_validator("echo")
     @classmethod
     def _no_echo(cls, value: bool | None) -> bool | None:
@@ -385,13 +428,18 @@ class CompletionRequest(_CommonRequest):
         return request
 
 
+# a field is honoured (declared above) or refused (services/gateway/refused.py), not both
+check_disjoint(ChatCompletionRequest.model_fields, REFUSED_CHAT, "ChatCompletionRequest")
+check_disjoint(CompletionRequest.model_fields, REFUSED_COMPLETION, "CompletionRequest")
+
 R = TypeVar("R", bound=BaseModel)
 
 
-def parse_request(cls: type[R], body: bytes) -> R:
-    """Validate a JSON body; raise RequestRejected naming the first offending field."""
+def parse_request(cls: type[R], body: bytes, context: dict[str, Any] | None = None) -> R:
+    """Validate a JSON body; raise RequestRejected naming the first offending field.
+    `context`: what the server is set up to do (`scheduling_policy`)."""
     try:
-        return cls.model_validate_json(body)
+        return cls.model_validate_json(body, context=context)
     except ValidationError as e:
         raise _rejection(e) from None
 

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from common.config import ServerConfig
+from common.config import SchedulerConfig, ServerConfig
 from common.messages import FinishReason
 from services.gateway import app as app_module
 from services.gateway.app import SseResponse, create_app
@@ -23,9 +23,18 @@ COMPLETIONS = "/v1/completions"
 STOP, LENGTH = FinishReason.STOP, FinishReason.LENGTH
 
 
-def run(engine: FakeEngine, method: str, url: str, api_key: str | None = None, **kw: Any):
+def run(
+    engine: FakeEngine,
+    method: str,
+    url: str,
+    api_key: str | None = None,
+    policy: str = "fcfs",
+    **kw: Any,
+):
     async def go() -> httpx.Response:
-        transport = httpx.ASGITransport(app=create_app(engine, ServerConfig(api_key=api_key or "")))
+        server = ServerConfig(api_key=api_key or "")
+        scheduler = SchedulerConfig(scheduling_policy=policy)
+        transport = httpx.ASGITransport(app=create_app(engine, server, scheduler))
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             return await client.request(method, url, **kw)
 
@@ -258,10 +267,10 @@ def test_n_completion_stream_ends_on_the_last_sequence() -> None:
 def test_n_priority_timeout_reach_the_engine() -> None:
     engine = FakeEngine(TWO)
     body = {"prompt": "p", "n": 2, "best_of": 2, "priority": -3, "timeout": 1.5}
-    assert run(engine, "POST", COMPLETIONS, json=body).status_code == 200
+    assert run(engine, "POST", COMPLETIONS, policy="priority", json=body).status_code == 200
     engine.script = None  # the echo, for the n = 1 requests below
     run(engine, "POST", CHAT, json=chat_body(n=None, priority=None, timeout=None))
-    run(engine, "POST", CHAT, json=chat_body(n=1, priority=7, timeout=2))
+    run(engine, "POST", CHAT, policy="priority", json=chat_body(n=1, priority=7, timeout=2))
     got = [(r.sampling.n, r.priority, r.timeout) for r in engine.requests]
     assert got == [(2, -3, 1.5), (1, 0, None), (1, 7, 2.0)]
 
