@@ -73,7 +73,10 @@ class BodyLimitMiddleware:
             await self.app(scope, receive, send)
             return
         if (refusal := _refuse_early(scope, self.limits.max_bytes)) is not None:
-            await drain_body(receive)
+            # a client waiting for "100 Continue" has sent no body: it gets the refusal
+            # instead (reading would ask for the body)
+            if not _expects_continue(scope):
+                await drain_body(receive)
             await _send_error(send, refusal, _client_request_id(scope))
             return
         await self.app(scope, _BodyReader(receive, self.limits), send)
@@ -149,6 +152,11 @@ async def drain_body(
             return True
         num_bytes += len(message.get("body", b""))
     return False
+
+
+def _expects_continue(scope: Scope) -> bool:
+    expect = dict(scope.get("headers") or []).get(b"expect", b"")
+    return bool(expect.lower() == b"100-continue")
 
 
 def _client_request_id(scope: Scope) -> bytes | None:

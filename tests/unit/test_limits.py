@@ -86,6 +86,25 @@ def test_declared_oversize_is_refused_before_reading() -> None:
     assert "4096" in error["message"] and error["code"] == 413
 
 
+def test_declared_oversize_is_drained_unless_the_client_awaits_100_continue() -> None:
+    async def go(headers: dict[str, str]) -> int:
+        messages = _body([b"x" * 3000] * 4)
+
+        async def receive() -> dict[str, Any]:
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            pass
+
+        app = BodyLimitMiddleware(lambda *_: asyncio.sleep(0), BodyLimits(max_bytes=4096))
+        await app(_scope(headers), receive, send)
+        return len(messages)  # left unread
+
+    declared = {"content-length": "12000", "content-type": "application/json"}
+    assert asyncio.run(go(declared)) == 0  # read to its end: the client can read the 413
+    assert asyncio.run(go(declared | {"expect": "100-continue"})) == 4  # it sent nothing yet
+
+
 def test_chunked_oversize_is_refused_while_reading() -> None:
     scope = _scope({"transfer-encoding": "chunked", "content-type": "application/json"})
     _, read = asyncio.run(_run(scope, _body([b"x" * 3000] * 3), BodyLimits(max_bytes=4096)))
