@@ -12,7 +12,9 @@ that header (refusals too), and the body's `id` is it with vLLM's `chatcmpl-` / 
 With `n` > 1 the engine interleaves the deltas of n sequences (`OutputDelta.index`); the
 answer has n choices, and a stream carries one choice per chunk, as OpenAI's does: the chat
 role chunks of every index first, then text and finish chunks per index as they come, then
-usage (prompt counted once, outputs summed) and [DONE] once the last sequence finished.
+usage (prompt counted once, outputs summed) and [DONE] once the last sequence finished. A
+batch of prompts (/v1/completions) is one engine request per prompt, merged into one such
+stream with choices numbered prompt-major (services/gateway/batch.py).
 
 A request ends in the engine whenever its HTTP exchange ends: the engine's delta iterator is
 closed (which aborts the request there) when a client disconnects, a stream is dropped, or a
