@@ -29,7 +29,15 @@ def _field(default: Any, help: str) -> Any:
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     model: str = _field("", "Hugging Face folder of a Llama-family model (default: SmolLM2)")
-    served_model_name: str = _field("", "name clients use (default: the folder's name)")
+    served_model_name: str = dataclasses.field(
+        default="",
+        metadata={
+            "help": "name(s) clients use (default: the folder's name); several, as in "
+            "`--served-model-name a b` or `a,b`, are aliases: requests may name any, the "
+            "first is the one reported",
+            "nargs": "+",
+        },
+    )
     dtype: str = _field("float32", "weights and KV dtype: float32 | bfloat16")
     device: str = _field("cpu", "cpu | cuda")
     max_model_len: int = _field(0, "longest prompt + output in tokens (0: the model's own)")
@@ -44,11 +52,19 @@ class ModelConfig:
         _check(self.device in ("cpu", "cuda"), "device", "cpu or cuda")
         _check(self.max_model_len >= 0, "max_model_len", ">= 0")
         _check(self.num_threads >= 0, "num_threads", ">= 0")
+        names = self.served_model_names
+        _check(len(set(names)) == len(names), "served_model_name", "names without repeats")
         _check(
             self.attention_backend in ("auto", "torch", "triton"),
             "attention_backend",
             "auto, torch or triton",
         )
+
+    @property
+    def served_model_names(self) -> list[str]:
+        """--served-model-name as a list (comma-separated in the config): the first name is
+        the one responses report, the others are aliases. Empty: the folder's name."""
+        return [n.strip() for n in self.served_model_name.split(",") if n.strip()]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,6 +330,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
                 kwargs["type"] = typ
+            if "nargs" in f.metadata:  # a list flag, kept comma-separated in the config
+                kwargs["nargs"] = f.metadata["nargs"]
             group.add_argument(flag, **kwargs)
 
 
@@ -331,7 +349,8 @@ def from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = None) -> C
             if env_val is not None and not cfg_file:
                 values[f.name] = _parse(typ, env_val, f.name)
             if f"{sec_name}.{f.name}" in flags:
-                values[f.name] = flags[f"{sec_name}.{f.name}"]
+                value = flags[f"{sec_name}.{f.name}"]
+                values[f.name] = ",".join(value) if isinstance(value, list) else value
     return from_mapping(data)
 
 

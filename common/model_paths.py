@@ -54,7 +54,9 @@ def resolve_model_path(config: Config) -> Path:
 
 
 def served_model_name(config: Config) -> str:
-    return config.model.served_model_name or resolve_model_path(config).name
+    """The name responses report: the first --served-model-name, else the folder's name."""
+    names = config.model.served_model_names
+    return names[0] if names else resolve_model_path(config).name
 
 
 def is_synthetic_spec(model: str) -> bool:

@@ -250,7 +250,7 @@ def serve(argv: list[str] | None = None) -> int:
         sup.start()
         sup.wait_ready()
         print(
-            f"shuttle: serving {config.model.served_model_name} on "
+            f"shuttle: serving {config.model.served_model_names[0]} on "
             f"http://{sup._client_host()}:{sup.port} (pid {os.getpid()}){sup.grpc_banner()}",
             flush=True,
         )

@@ -34,7 +34,8 @@ def delta(
 
 class FakeEngine:
     """`generate` yields a script of deltas (default: the prompt's words echoed back, then
-    STOP); a script step may be an exception to raise, HANG, or a float to sleep. `stats`
+    STOP), or the request id's own script in `scripts`; a script step may be an exception to
+    raise, HANG, or a float to sleep. `stats`
     answers `stats_answer` (None: it times out, as a silent scheduler does); `swap_model`
     answers `swap_result`, or a successful swap to its version.
 
@@ -49,7 +50,9 @@ class FakeEngine:
         swap_result: SwapResult | None = None,
     ) -> None:
         self.script = script
+        self.scripts: dict[str, list[Any]] = {}  # request id -> its own script (a batch's)
         self.model_name = MODEL
+        self.aliases: list[str] = []  # more names the model answers to
         self.system_fingerprint = "v-test"
         self.max_model_len = 256
         self.swap_status: dict[str, Any] | None = None
@@ -60,8 +63,15 @@ class FakeEngine:
         self.requests: list[GenerateRequest] = []
         self.aborted: list[str] = []
         self.swaps: list[tuple[str, str, str]] = []  # (path, version, mode) asked for
+        # tokenize() calls: (prompt, messages, add_special_tokens, add_generation_prompt)
+        self.tokenized: list[tuple[Any, ...]] = []
+        self.tokenize_failure: Exception | None = None  # raised by (de)tokenize when set
         self.started = asyncio.Event()
         self._in_flight: set[str] = set()
+
+    @property
+    def model_names(self) -> list[str]:
+        return [self.model_name, *self.aliases] if self.model_name else []
 
     def is_ready(self) -> bool:
         return self.ready
@@ -72,7 +82,8 @@ class FakeEngine:
         self.started.set()
         finished = False
         try:
-            for step in self.script if self.script is not None else self._echo(request):
+            script = self.scripts.get(request.request_id, self.script)
+            for step in script if script is not None else self._echo(request):
                 if isinstance(step, Exception):
                     raise step
                 if step == HANG:
@@ -107,6 +118,31 @@ class FakeEngine:
         if self.stats_answer is None:
             raise TimeoutError
         return self.stats_answer
+
+    async def tokenize(
+        self,
+        prompt: str | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        *,
+        add_special_tokens: bool = True,
+        add_generation_prompt: bool = True,
+        timeout: float = 10.0,
+    ) -> list[int]:
+        """Characters as token ids: the prompt's, or the messages' contents joined by
+        newlines; special tokens and the generation prompt as ids 1 and 2."""
+        self.tokenized.append((prompt, messages, add_special_tokens, add_generation_prompt))
+        if self.tokenize_failure is not None:
+            raise self.tokenize_failure
+        text = prompt if messages is None else "\n".join(m["content"] for m in messages)
+        ids = [ord(c) for c in text or ""]
+        if messages is not None and add_generation_prompt:
+            ids.append(2)
+        return [1, *ids] if add_special_tokens else ids
+
+    async def detokenize(self, token_ids: list[int], timeout: float = 10.0) -> str:
+        if self.tokenize_failure is not None:
+            raise self.tokenize_failure
+        return "".join(chr(t) for t in token_ids)
 
     async def swap_model(
         self, path: str, version: str, mode: str, timeout: float = 600.0

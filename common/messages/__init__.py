@@ -26,7 +26,14 @@ from common.messages.control import (
     SwapResult,
 )
 from common.messages.detokenizer_gateway import OutputBatch
-from common.messages.gateway_tokenizer import GenerateRequest, RequestError, Retokenize
+from common.messages.gateway_tokenizer import (
+    DetokenizeQuery,
+    GenerateRequest,
+    RequestError,
+    Retokenize,
+    TokenizeQuery,
+    TokenizeResult,
+)
 from common.messages.scheduler_detokenizer import DetokNew, TokenBatch
 from common.messages.scheduler_worker import (
     LoadModel,
@@ -67,4 +74,7 @@ __all__ = [
     "Drained",
     "ModelChanged",
     "Retokenize",
+    "TokenizeQuery",
+    "DetokenizeQuery",
+    "TokenizeResult",
 ]

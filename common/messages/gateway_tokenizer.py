@@ -1,7 +1,9 @@
-"""gateway -> tokenizer: a request to tokenise and validate; anyone -> gateway: its rejection."""
+"""gateway -> tokenizer: a request to tokenise and validate; anyone -> gateway: its rejection.
+Also gateway -> tokenizer -> gateway: /tokenize and /detokenize, which generate nothing."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from common.codec import message
@@ -40,3 +42,40 @@ class Retokenize:
     (a hot-swap changed it before the request started); send it to a tokenizer again."""
 
     request_id: str
+
+
+@message("tokenize_query")
+class TokenizeQuery:
+    """gateway -> a tokenizer: the token ids of a prompt (POST /tokenize), as the served
+    model's tokenizer makes them; exactly one of `prompt`, `messages` is set. The answer is a
+    TokenizeResult to `reply_to`."""
+
+    query_id: int
+    reply_to: str  # the gateway's inbox
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None  # rendered by the chat template
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True  # messages only
+
+
+@message("detokenize_query")
+class DetokenizeQuery:
+    """gateway -> a tokenizer: the text of token ids (POST /detokenize); the answer is a
+    TokenizeResult to `reply_to`."""
+
+    query_id: int
+    reply_to: str
+    token_ids: list[int]
+
+
+@message("tokenize_result")
+class TokenizeResult:
+    """tokenizer -> gateway: the answer to a TokenizeQuery (`token_ids`) or a
+    DetokenizeQuery (`text`), or its refusal (`status` other than 200)."""
+
+    query_id: int
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    text: str = ""
+    status: int = 200  # HTTP status: 400 bad input (message names `param`)
+    message: str = ""
+    param: str | None = None

@@ -23,6 +23,7 @@ from common.messages import (
     Retokenize,
     Stats,
     SwapResult,
+    TokenizeResult,
 )
 from services.gateway.zmq_client import ZmqEngineClient
 
@@ -61,6 +62,7 @@ class GatewayActor(Actor):
                 Drain: self._on_drain,
                 ModelChanged: self._on_model_changed,
                 Retokenize: self._on_retokenize,
+                TokenizeResult: self._on_tokenize_result,
             }
         )
 
@@ -71,9 +73,10 @@ class GatewayActor(Actor):
             tokenizers=self.outbox(self.config.tokenizer_addrs()),
             scheduler=self.outbox(self.config.addr("scheduler")),
             inbox_addr=self.inbox_addr,
+            aliases=self.config.model.served_model_names,
         )
         server = self.config.server
-        app = create_app(self.engine, server)
+        app = create_app(self.engine, server, self.config.scheduler)
         uv_config = uvicorn.Config(
             app,
             host=self.config.server.host,
@@ -138,6 +141,9 @@ class GatewayActor(Actor):
 
     def _on_retokenize(self, msg: Retokenize) -> None:
         self.engine.on_retokenize(msg)
+
+    def _on_tokenize_result(self, msg: TokenizeResult) -> None:
+        self.engine.on_tokenize_result(msg)
 
     def _on_process_down(self, msg: ProcessDown) -> None:
         """The scheduler or detokenizer holds every request's state: fail them all. A

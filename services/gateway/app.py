@@ -1,17 +1,20 @@
 """The gateway's HTTP front end: OpenAI-compatible routes over an `EngineClient`.
 
     POST /v1/chat/completions   POST /v1/completions   (streaming or not)
-    GET  /v1/models             GET  /health
+    GET  /v1/models             GET  /health, /ping     GET /version
+    POST /tokenize              POST /detokenize       (services/gateway/tokenize_routes.py)
 
 Every error is OpenAI-shaped, `{"error": {"message", "type", "param", "code"}}`, with a 4xx
 that names the field (never FastAPI's 422). A request keeps one id from the first byte to
 the last: the client's `X-Request-Id` if valid, else a fresh one; the response echoes it in
-that header and as the body's `id`.
+that header (refusals too), and the body's `id` is it with vLLM's `chatcmpl-` / `cmpl-` prefix.
 
 With `n` > 1 the engine interleaves the deltas of n sequences (`OutputDelta.index`); the
 answer has n choices, and a stream carries one choice per chunk, as OpenAI's does: the chat
 role chunks of every index first, then text and finish chunks per index as they come, then
-usage (prompt counted once, outputs summed) and [DONE] once the last sequence finished.
+usage (prompt counted once, outputs summed) and [DONE] once the last sequence finished. A
+batch of prompts (/v1/completions) is one engine request per prompt, merged into one such
+stream with choices numbered prompt-major (services/gateway/batch.py).
 
 A request ends in the engine whenever its HTTP exchange ends: the engine's delta iterator is
 closed (which aborts the request there) when a client disconnects, a stream is dropped, or a
@@ -23,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import importlib.metadata
 import logging
 import time
 import uuid
@@ -38,10 +42,11 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from common.config import ServerConfig
+from common.config import SchedulerConfig, ServerConfig
 from common.messages import FinishReason
 from services.gateway import sse
 from services.gateway.admin import admin_router
+from services.gateway.batch import merge_deltas
 from services.gateway.engine_client import EngineClient, OutputDelta, RequestFailed
 from services.gateway.limits import BodyLimitMiddleware, BodyLimits
 from services.gateway.metrics import install_metrics
@@ -51,9 +56,11 @@ from services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     RequestRejected,
+    check_model,
     describe_error,
     parse_request,
 )
+from services.gateway.tokenize_routes import tokenize_router
 
 log = logging.getLogger("shuttle.gateway")
 
@@ -77,6 +84,16 @@ _ERROR_TYPES = {
 T = TypeVar("T")
 
 
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("shuttle")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
+        return "0+unknown"
+
+
+SERVER_VERSION = _package_version()
+
+
 class ClientGone(Exception):
     """The client disconnected before its (non-streamed) answer was ready."""
 
@@ -84,17 +101,20 @@ class ClientGone(Exception):
 def create_app(
     engine: EngineClient,
     server: ServerConfig | None = None,
+    scheduler: SchedulerConfig | None = None,
 ) -> FastAPI:
     """The HTTP app, set up by the config's server section: with `api_key`, every /v1
     route wants `Authorization: Bearer <key>`; /admin routes want the admin token (and are
-    all refused without one); request bodies are bounded by its limits."""
+    all refused without one); request bodies are bounded by its limits. The scheduler
+    section says which request fields the engine will honour (`priority`)."""
     server = server or ServerConfig()
+    scheduler = scheduler or SchedulerConfig()
     api_key, admin_token = server.api_key or None, server.admin_token or None
     app = FastAPI(title="shuttle", docs_url=None, redoc_url=None)
     _install_error_handlers(app)
     limits = BodyLimits(server.max_request_bytes, server.request_body_timeout)
     app.add_middleware(BodyLimitMiddleware, limits=limits)
-    routes = OpenAIRoutes(engine)
+    routes = OpenAIRoutes(engine, {"scheduling_policy": scheduler.scheduling_policy})
     auth = [Depends(_require_key(api_key))] if api_key else []
     v1 = APIRouter(prefix="/v1", dependencies=auth)
     v1.add_api_route(
@@ -111,7 +131,10 @@ def create_app(
     )
     v1.add_api_route("/models", routes.models, methods=["GET"])
     app.include_router(v1)
+    app.include_router(tokenize_router(engine), dependencies=auth)
     app.add_api_route("/health", routes.health, methods=["GET"])
+    app.add_api_route("/ping", routes.health, methods=["GET", "POST"])  # vLLM's alias
+    app.add_api_route("/version", routes.version, methods=["GET"])
     app.include_router(admin_router(engine, admin_token, server.model_root or None))
     install_metrics(app, engine)  # GET /metrics, and the engine's request timers
     return app
@@ -122,17 +145,19 @@ class _Api:
     kind: Literal["chat", "completion"]
     id_prefix: str
     body: type[ChatCompletionRequest] | type[CompletionRequest]
+    prompt_field: str  # what the tokenizer's and the scheduler's refusals call `prompt`
 
 
-_CHAT = _Api("chat", "chatcmpl-", ChatCompletionRequest)
-_COMPLETION = _Api("completion", "cmpl-", CompletionRequest)
+_CHAT = _Api("chat", "chatcmpl-", ChatCompletionRequest, "messages")
+_COMPLETION = _Api("completion", "cmpl-", CompletionRequest, "prompt")
 
 
 class OpenAIRoutes:
     """The route handlers, bound to one engine."""
 
-    def __init__(self, engine: EngineClient) -> None:
+    def __init__(self, engine: EngineClient, context: dict[str, Any] | None = None) -> None:
         self.engine = engine
+        self.context = context  # what request validation needs to know about the server
         self.created = int(time.time())
 
     async def chat_completions(self, request: Request) -> Response:
@@ -142,19 +167,25 @@ class OpenAIRoutes:
         return await self._generate(request, _COMPLETION)
 
     async def models(self) -> Response:
-        if not self.engine.model_name:  # starting, or the worker restarting: nothing served yet
-            return _json({"object": "list", "data": []})
-        card = {
-            "id": self.engine.model_name,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "shuttle",
-            "root": self.engine.model_name,
-            "max_model_len": self.engine.max_model_len,
-            "version": self.engine.system_fingerprint,
-            "swap_in_progress": self.engine.swap_status,
-        }
-        return _json({"object": "list", "data": [card]})
+        """One card per name the served model answers to (none while starting)."""
+        engine = self.engine
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "shuttle",
+                "root": engine.model_name,
+                "max_model_len": engine.max_model_len,
+                "version": engine.system_fingerprint,
+                "swap_in_progress": engine.swap_status,
+            }
+            for name in engine.model_names
+        ]
+        return _json({"object": "list", "data": cards})
+
+    async def version(self) -> Response:
+        return _json({"version": SERVER_VERSION})
 
     async def health(self) -> Response:
         if self.engine.is_ready():
@@ -163,22 +194,25 @@ class OpenAIRoutes:
 
     async def _generate(self, request: Request, api: _Api) -> Response:
         request_id = _request_id(request, api.id_prefix)
-        body = parse_request(api.body, await request.body())
+        body = parse_request(api.body, await request.body(), self.context)
         engine = self.engine
-        if body.model is not None and body.model != engine.model_name:
-            raise RequestRejected(f"model: the model `{body.model}` does not exist", "model", 404)
-        if not engine.is_ready():
-            raise RequestRejected("the engine is not ready yet", None, 503)
-        generate = body.to_generate_request(request_id, engine.model_name, engine.max_model_len)
+        check_model(body.model, engine.model_names, engine.is_ready())
+        requests = body.to_generate_requests(request_id, engine.model_name, engine.max_model_len)
+        n = requests[0].sampling.n  # choices per prompt
         reply = _Reply(
             api.kind,
-            request_id,
+            _response_id(request_id, api.id_prefix),
             engine.model_name,
             int(time.time()),
             engine.system_fingerprint,
-            generate.sampling.n,
+            n * len(requests),
+            n,
         )
-        reader = DeltaReader(engine.generate(generate))
+        if len(requests) == 1:
+            deltas = engine.generate(requests[0])
+        else:  # a batch of prompts: one engine request each, merged into one answer
+            deltas = merge_deltas([engine.generate(r) for r in requests], n)
+        reader = DeltaReader(deltas, api.prompt_field)
         headers = {REQUEST_ID_HEADER: request_id}
         handed_off = False
         try:
@@ -190,7 +224,7 @@ class OpenAIRoutes:
                 reply = dataclasses.replace(reply, fingerprint=first.version or reply.fingerprint)
                 stream = sse_stream(reader, first, reply, body.include_usage)
                 return SseResponse(stream, headers=headers | _SSE_HEADERS)
-            choices, usage = await until_disconnected(request, collect(reader))
+            choices, usage = await until_disconnected(request, collect(reader, n))
             reply = dataclasses.replace(reply, fingerprint=reader.version or reply.fingerprint)
             return _json(reply.body(choices, usage, bool(body.return_token_ids)), headers=headers)
         finally:
@@ -209,6 +243,12 @@ def _request_id(request: Request, prefix: str) -> str:
         )
     request.state.request_id = request_id  # the error handlers echo it too
     return request_id
+
+
+def _response_id(request_id: str, prefix: str) -> str:
+    """The body's `id`: the request id with vLLM's prefix (`chatcmpl-`, `cmpl-`), which an
+    id the gateway made already has."""
+    return request_id if request_id.startswith(prefix) else prefix + request_id
 
 
 def _require_key(api_key: str) -> Callable[[Request], Awaitable[None]]:
@@ -231,8 +271,11 @@ class DeltaReader:
     """Reads one request's deltas, each in a task of its own, so that a wait can time out
     (keep-alive) or lose a race with a disconnect without cancelling the engine mid-read."""
 
-    def __init__(self, deltas: AsyncGenerator[OutputDelta, None]) -> None:
+    def __init__(
+        self, deltas: AsyncGenerator[OutputDelta, None], prompt_field: str = "prompt"
+    ) -> None:
         self._deltas = deltas
+        self._prompt_field = prompt_field  # what the endpoint calls the prompt, for refusals
         self._pending: asyncio.Task[OutputDelta | None] | None = None
         self.version = ""  # the model version named by the deltas read so far
 
@@ -245,7 +288,10 @@ class DeltaReader:
         if not done:
             raise TimeoutError
         task, self._pending = self._pending, None
-        delta = task.result()
+        try:
+            delta = task.result()
+        except RequestFailed as e:
+            raise e.naming_prompt(self._prompt_field) from None
         if delta is None:
             raise RequestFailed(500, "the engine ended the stream without a finish reason")
         self.version = delta.version or self.version
@@ -287,25 +333,32 @@ class Choice:
 
 
 class Usage:
-    """A request's token counts: the prompt once (its sequences share it), outputs summed."""
+    """A request's token counts: each prompt once (its `n` sequences share it), summed over
+    a batch of prompts; outputs summed over every sequence."""
 
-    def __init__(self) -> None:
-        self.num_prompt_tokens = 0
+    def __init__(self, n: int = 1) -> None:
+        self.n = n  # choices per prompt: choice index // n is the prompt's
+        self._num_prompt_tokens: dict[int, int] = {}  # prompt index -> its count
         self._num_output_tokens: dict[int, int] = {}  # index -> that sequence's count so far
 
     def add(self, delta: OutputDelta) -> None:
-        self.num_prompt_tokens = delta.num_prompt_tokens
+        self._num_prompt_tokens[delta.index // self.n] = delta.num_prompt_tokens
         self._num_output_tokens[delta.index] = delta.num_output_tokens
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(self._num_prompt_tokens.values())
 
     @property
     def num_output_tokens(self) -> int:
         return sum(self._num_output_tokens.values())
 
 
-async def collect(reader: DeltaReader) -> tuple[list[Choice], Usage]:
-    """Every sequence's text, token ids and finish reason (by index), and the usage."""
+async def collect(reader: DeltaReader, n: int = 1) -> tuple[list[Choice], Usage]:
+    """Every sequence's text, token ids and finish reason (by index), and the usage (`n`
+    choices per prompt)."""
     choices: dict[int, Choice] = {}
-    usage = Usage()
+    usage = Usage(n)
     while True:
         delta = await reader.next()
         usage.add(delta)
@@ -352,6 +405,7 @@ class _Reply:
     created: int
     fingerprint: str
     n: int = 1  # choices (sequences) in the answer
+    n_per_prompt: int = 1  # of them, per prompt of a batch (the request's `n`)
 
     def head(self) -> list[bytes]:
         """The chat stream's role chunks, one per choice, before any text."""
@@ -415,7 +469,7 @@ async def sse_stream(
     try:
         for event in reply.head():
             yield event
-        usage = Usage()
+        usage = Usage(reply.n_per_prompt)
         delta = first
         while True:
             usage.add(delta)
@@ -479,11 +533,22 @@ def error_response(
     """An OpenAI-shaped error, echoing the request id when it is known."""
     body = {"message": message, "type": _error_type(status), "param": param, "code": status}
     headers = {}
-    if (request_id := getattr(request.state, "request_id", None)) is not None:
+    if (request_id := _known_request_id(request)) is not None:
         headers[REQUEST_ID_HEADER] = request_id
     if status in (429, 503):
         headers["Retry-After"] = "1"
     return _json({"error": body}, status, headers)
+
+
+def _known_request_id(request: Request) -> str | None:
+    """The request's id once a route chose it; before that (a refusal by the API key check,
+    say) the client's own `X-Request-Id` when it is a valid one."""
+    request_id = getattr(request.state, "request_id", None)
+    if request_id is None:
+        request_id = request.headers.get(REQUEST_ID_HEADER)
+        if request_id is not None and not _REQUEST_ID.fullmatch(request_id):
+            return None
+    return request_id
 
 
 def _install_error_handlers(app: FastAPI) -> None:

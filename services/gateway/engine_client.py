@@ -44,6 +44,19 @@ class RequestFailed(Exception):
         self.message = message
         self.param = param
 
+    def naming_prompt(self, field: str) -> RequestFailed:
+        """This refusal with the prompt named `field`, the endpoint's name for it: the
+        tokenizer and the scheduler call any request's prompt `prompt`, but a chat request
+        sent `messages`."""
+        if self.param != "prompt" or field == "prompt":
+            return self
+        message = (
+            field + self.message[len("prompt") :]
+            if self.message.startswith("prompt:")
+            else self.message
+        )
+        return RequestFailed(self.status, message, field)
+
 
 class RequestObserver(Protocol):
     """Watches one request's deltas (services/gateway/metrics.py's RequestTimer)."""
@@ -63,7 +76,13 @@ class EngineClient(Protocol):
 
     @property
     def model_name(self) -> str:
-        """The served model's name (what /v1/models lists); "" while nothing is served."""
+        """The served model's name (what responses report); "" while nothing is served."""
+        ...
+
+    @property
+    def model_names(self) -> list[str]:
+        """Every name the served model answers to (--served-model-name aliases), with
+        `model_name` first; what /v1/models lists. Empty while nothing is served."""
         ...
 
     @property
@@ -108,4 +127,22 @@ class EngineClient(Protocol):
         self, path: str, version: str, mode: str, timeout: float = 600.0
     ) -> SwapResult:
         """Serve the model in folder `path` (mode "overlap" or "drain"); the outcome."""
+        ...
+
+    async def tokenize(
+        self,
+        prompt: str | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        *,
+        add_special_tokens: bool = True,
+        add_generation_prompt: bool = True,
+        timeout: float = 10.0,
+    ) -> list[int]:
+        """The served model's token ids of `prompt` or of chat `messages` (rendered by its
+        template), as a tokenizer process makes them (POST /tokenize). Raises RequestFailed
+        when refused, TimeoutError when no tokenizer answers."""
+        ...
+
+    async def detokenize(self, token_ids: list[int], timeout: float = 10.0) -> str:
+        """The text of `token_ids` (POST /detokenize); raises as `tokenize` does."""
         ...

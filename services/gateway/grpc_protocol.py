@@ -27,6 +27,7 @@ from services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     RequestRejected,
+    check_model,
     validate_request,
 )
 
@@ -44,7 +45,8 @@ _COMMON_RENAMES = {"X-Request-Id": "request_id"}
 _RENAMES = {
     "text": {"prompt": "text"} | _COMMON_RENAMES,
     "token_ids": {"prompt": "token_ids.ids"} | _COMMON_RENAMES,
-    "chat": {"messages": "chat.messages"} | _COMMON_RENAMES,
+    # the tokenizer and the scheduler call any request's prompt `prompt`
+    "chat": {"messages": "chat.messages", "prompt": "chat.messages"} | _COMMON_RENAMES,
     None: _COMMON_RENAMES,
 }
 
@@ -97,10 +99,7 @@ def to_generate_request(
     Raises RequestRejected (status 400, 404 or 503) with the HTTP API's message; the caller
     renames its field with `rename_field`."""
     body = validate_request(*_http_body(request))
-    if body.model is not None and body.model != engine.model_name:
-        raise RequestRejected(f"model: the model `{body.model}` does not exist", "model", 404)
-    if not engine.is_ready():
-        raise RequestRejected("the engine is not ready yet", None, 503)
+    check_model(body.model, engine.model_names, engine.is_ready())
     return body.to_generate_request(request_id, engine.model_name, engine.max_model_len)
 
 

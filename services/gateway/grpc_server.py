@@ -138,9 +138,13 @@ class ShuttleServicer(pb_grpc.ShuttleServicer):
         deltas: AsyncGenerator[OutputDelta, None],
         context: grpc.aio.ServicerContext,
     ) -> None:
-        fingerprint = self.engine.system_fingerprint
+        # the version that serves the request, as its deltas name it (a swap may have
+        # changed the served one since the call began); the served one if they never do
+        version = ""
         try:
             async for delta in deltas:
+                version = delta.version or version
+                fingerprint = version or self.engine.system_fingerprint
                 await context.write(to_response(request_id, delta, fingerprint))
                 if delta.finish_reason != FinishReason.NONE:
                     return
@@ -163,14 +167,15 @@ class ShuttleServicer(pb_grpc.ShuttleServicer):
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
+        """One model per name the served model answers to; none while starting, as HTTP's
+        /v1/models lists none until a model is served."""
         self._authorize(context)
         engine = self.engine
-        model = pb.Model(
-            id=engine.model_name,
-            max_model_len=engine.max_model_len,
-            version=engine.system_fingerprint,
-        )
-        return pb.ListModelsResponse(models=[model])
+        models = [
+            pb.Model(id=name, max_model_len=engine.max_model_len, version=engine.system_fingerprint)
+            for name in engine.model_names
+        ]
+        return pb.ListModelsResponse(models=models)
 
 
 class AdminServicer(pb_grpc.AdminServicer):

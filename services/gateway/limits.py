@@ -2,7 +2,10 @@
 before any route parses them).
 
 - A body larger than `max_bytes` is refused with 413: at once when Content-Length says so,
-  else as soon as the bytes read pass the limit (chunked uploads), before the rest is read.
+  else as soon as the bytes read pass the limit (chunked uploads). The rest of the body is
+  read and dropped before the answer (at most `MAX_DRAIN_BYTES` within `MAX_DRAIN_S`): a
+  server that closes a connection with the body unread resets it, and a client still
+  sending (httpx, the openai client, curl) then sees a reset instead of the 413.
 - A client that pauses longer than `body_timeout` seconds in the middle of its body gets 408
   and its connection back; the handler waiting on it is released (uvicorn alone would wait
   for the socket to close).
@@ -20,10 +23,14 @@ import dataclasses
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.gateway.protocol import RequestRejected
+from services.gateway.protocol import REQUEST_ID_PATTERN, RequestRejected
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT_S = 30.0
+# a refused body is read to its end (so the client can read the refusal) up to these bounds;
+# past them the connection is closed with the rest unread
+MAX_DRAIN_BYTES = 64 * 1024 * 1024
+MAX_DRAIN_S = 10.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -66,7 +73,11 @@ class BodyLimitMiddleware:
             await self.app(scope, receive, send)
             return
         if (refusal := _refuse_early(scope, self.limits.max_bytes)) is not None:
-            await _send_error(send, refusal)
+            # a client waiting for "100 Continue" has sent no body: it gets the refusal
+            # instead (reading would ask for the body)
+            if not _expects_continue(scope):
+                await drain_body(receive)
+            await _send_error(send, refusal, _client_request_id(scope))
             return
         await self.app(scope, _BodyReader(receive, self.limits), send)
 
@@ -113,15 +124,50 @@ class _BodyReader:
             raise BodyStalled(self._limits.body_timeout) from None
         if message["type"] == "http.request":
             self._num_bytes += len(message.get("body", b""))
-            if self._num_bytes > self._limits.max_bytes:
-                raise BodyTooLarge(self._limits.max_bytes)
             self._body_done = not message.get("more_body", False)
+            if self._num_bytes > self._limits.max_bytes:
+                if not self._body_done:
+                    await drain_body(self._receive)
+                    self._body_done = True
+                raise BodyTooLarge(self._limits.max_bytes)
         else:
             self._body_done = True
         return message
 
 
-async def _send_error(send: Send, refusal: RequestRejected) -> None:
+async def drain_body(
+    receive: Receive, max_bytes: int = MAX_DRAIN_BYTES, timeout: float = MAX_DRAIN_S
+) -> bool:
+    """Read and drop the rest of a request body; True if it was read to its end (or the
+    client left), False if it passed `max_bytes` or `timeout` seconds first."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    num_bytes = 0
+    while num_bytes <= max_bytes:
+        try:
+            message = await asyncio.wait_for(receive(), deadline - loop.time())
+        except TimeoutError:
+            return False
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return True
+        num_bytes += len(message.get("body", b""))
+    return False
+
+
+def _expects_continue(scope: Scope) -> bool:
+    expect = dict(scope.get("headers") or []).get(b"expect", b"")
+    return bool(expect.lower() == b"100-continue")
+
+
+def _client_request_id(scope: Scope) -> bytes | None:
+    """The client's X-Request-Id when it is a valid one, to echo in a refusal."""
+    value = dict(scope.get("headers") or []).get(b"x-request-id")
+    if value is None or not REQUEST_ID_PATTERN.fullmatch(value.decode("latin-1")):
+        return None
+    return value
+
+
+async def _send_error(send: Send, refusal: RequestRejected, request_id: bytes | None) -> None:
     error = {
         "message": refusal.message,
         "type": _ERROR_TYPES.get(refusal.status, "BadRequestError"),
@@ -137,6 +183,7 @@ async def _send_error(send: Send, refusal: RequestRejected) -> None:
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(body)).encode()),
                 (b"connection", b"close"),
+                *([(b"x-request-id", request_id)] if request_id is not None else []),
             ],
         }
     )

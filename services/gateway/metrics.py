@@ -11,9 +11,10 @@ one clock and match what a client sees (less the network):
   arrival → the first OutputBatch about the request reaching the gateway (any delta, text or
   not). It is an upper bound on the time spent waiting: it also holds tokenisation, the
   prefill step and three hops. It differs from TTFT only when the first delta has no text.
-- `inter_token_latency_seconds`: the gap between two deltas of a request, divided evenly
+- `inter_token_latency_seconds`: the gap between two deltas of one sequence, divided evenly
   over the tokens of the later delta (one observation per token), so its sum is the decode
-  time and its count the tokens after the first.
+  time and its count the tokens after each sequence's first. With `n` > 1 each sequence keeps
+  its own clock: the interleaved deltas of its siblings are no gaps of its own.
 - Scheduler figures (running/waiting requests, KV usage, preemptions, prefix-cache queries
   and hits in tokens) are read from the scheduler (`engine.stats()`) when /metrics is
   scraped, with a short timeout; if it does not answer, the last values are served.
@@ -126,7 +127,8 @@ class RequestTimer:
     def __init__(self, metrics: GatewayMetrics, n: int) -> None:
         self.metrics = metrics
         self.model = metrics.model_name
-        self.arrival = self.last = time.perf_counter()
+        self.arrival = time.perf_counter()
+        self.last: dict[int, float] = {}  # sequence index -> when its last token came
         self.first_seen = self.first_token = self.prompt_counted = self.ended = False
         self.running = n
 
@@ -145,12 +147,15 @@ class RequestTimer:
             if not self.first_token:
                 self.first_token = True
                 m.ttft.labels(model).observe(now - self.arrival)
-                num_tokens -= 1  # the first token's latency is the TTFT, not an ITL
-            gap = (now - self.last) / max(1, num_tokens)
+            last = self.last.get(delta.index)
+            if last is None:  # a sequence's first token: its latency is a TTFT, not an ITL
+                num_tokens -= 1
+                last = self.arrival
+            gap = (now - last) / max(1, num_tokens)
             itl = m.itl.labels(model)
             for _ in range(num_tokens):
                 itl.observe(gap)
-            self.last = now
+            self.last[delta.index] = now
         if delta.finish_reason != FinishReason.NONE:
             self.running -= 1
             m.success.labels(model, delta.finish_reason.openai or "").inc()

@@ -12,16 +12,21 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from services.gateway.protocol import MAX_PROMPTS
+
 _TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}
+_TEXT = {"type": "string", "minLength": 1}
+_TOKEN_IDS = {"type": "array", "minItems": 1, "items": _TOKEN_ID}
 # fields typed loosely in the models (a validator parses them) and precisely here
 _PRECISE = {
     "prompt": {
         "anyOf": [
-            {"type": "string", "minLength": 1},
-            {"type": "array", "minItems": 1, "items": _TOKEN_ID},
-            {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string"}},
+            _TEXT,
+            _TOKEN_IDS,
+            {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS, "items": _TEXT},
+            {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS, "items": _TOKEN_IDS},
         ],
-        "description": "a string, a list of token ids, or a list holding one string",
+        "description": "a string, a list of token ids, or a batch: a list of either",
     },
 }
 

@@ -2,9 +2,12 @@
 to a `GenerateRequest`.
 
 Parsing is strict about types (a string "5" is not an integer, `true` is not a number,
-NaN and infinities are refused) and lenient about presence: unknown fields are ignored,
-since OpenAI clients send extras, and `null` means "use the default", as OpenAI treats it.
-Every refusal is a `RequestRejected` whose message starts with the field it names.
+NaN and infinities are refused) and lenient about presence: `null` means "use the default",
+as OpenAI treats it. Every field of the OpenAI and vLLM APIs is honoured, refused (a 400
+naming it, services/gateway/refused.py), or on that module's short list of fields that
+change nothing (`user`, `metadata`, `store`, ...); fields nobody defines are ignored, since
+clients send extras. Every refusal is a `RequestRejected` whose message starts with the
+field it names.
 
 Defaults:
 - `max_tokens`: 16 for completions (OpenAI's legacy default); for chat 0, meaning as many as
@@ -12,14 +15,17 @@ Defaults:
 - `temperature` 1.0, `top_p` 1.0, `top_k` off (-1 or 0), `n` 1, `stream` false.
 
 Limits: at most `MAX_STOP` stop strings of 1..`MAX_STOP_CHARS` characters each; `n` (choices
-per request, sampled as sequences that share the prompt's KV blocks) at most `MAX_N`;
-`best_of` only equal to `n`. Not yet supported, refused with a clear message: `echo`,
-`suffix`, `logprobs`, non-zero presence/frequency penalties, `repetition_penalty` other than 1.
+per prompt, sampled as sequences that share the prompt's KV blocks) at most `MAX_N`;
+`best_of` only equal to `n`; at most `MAX_PROMPTS` prompts in a /v1/completions batch (a
+list of strings or of token-id lists; each is its own engine request). Not yet supported,
+refused with a clear message: `echo`, `suffix`, `logprobs`, non-zero presence/frequency
+penalties, `repetition_penalty` other than 1. `stream_options` only with `stream: true`.
 
 vLLM extensions: `top_k`, `ignore_eos`, `return_token_ids`, `stop_token_ids`,
-`add_generation_prompt` (chat), `priority` (int, default 0: lower is served first when the
-server runs `--scheduling-policy priority`, ignored otherwise) and `timeout` (seconds, at most
-`MAX_TIMEOUT_S`: past it the request ends with finish reason "timeout").
+`add_generation_prompt` (chat), `priority` (int, default 0: lower is served first; anything
+but 0 is refused unless the server runs `--scheduling-policy priority`, as vLLM does) and
+`timeout` (seconds, at most `MAX_TIMEOUT_S`: past it the request ends with finish reason
+"timeout").
 """
 
 from __future__ import annotations
@@ -35,16 +41,24 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
 from common.messages import GenerateRequest, SamplingParams
+from services.gateway.refused import (
+    REFUSED_CHAT,
+    REFUSED_COMPLETION,
+    check_disjoint,
+    refuse_unsupported,
+)
 
 MAX_STOP = 64  # stop strings per request
 MAX_STOP_CHARS = 256  # characters per stop string
 MAX_STOP_TOKEN_IDS = 64
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_N = 16  # choices per request: each is a sequence holding its own KV blocks
+MAX_PROMPTS = 64  # prompts in one /v1/completions request (one engine request each)
 MAX_TIMEOUT_S = 86400.0  # a day
 _INT32_MAX = 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1  # orjson carries 64-bit ints
@@ -74,6 +88,16 @@ class RequestRejected(Exception):
         self.message = message
         self.param = param
         self.status = status
+
+
+def check_model(requested: str | None, served_names: list[str], ready: bool) -> None:
+    """Refuse a request the served model cannot take: 503 (retryable) while nothing is
+    served or the engine is not taking requests, 404 for a name the model does not answer
+    to. Readiness first: while starting, no name is known yet, and a right one is not 404."""
+    if not ready:
+        raise RequestRejected("the engine is not ready yet; retry the request", None, 503)
+    if requested is not None and requested not in served_names:
+        raise RequestRejected(f"model: the model `{requested}` does not exist", "model", 404)
 
 
 def _refuse(message: str) -> PydanticCustomError:
@@ -139,6 +163,26 @@ class _CommonRequest(BaseModel):
     def _unit_penalty(cls, value: float | None) -> float | None:
         if value is not None and value != 1.0:
             raise _refuse("only 1 is supported for now")
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(
+        cls, value: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        # as vLLM: options for a stream that is not asked for are a mistake, not a no-op
+        if value is not None and "stream" in info.data and not info.data["stream"]:
+            raise _refuse("only allowed when stream is true")
+        return value
+
+    @field_validator("priority")
+    @classmethod
+    def _priority_policy(cls, value: int | None, info: ValidationInfo) -> int | None:
+        # parse_request's context names the server's --scheduling-policy (HTTP); as vLLM,
+        # a priority other than 0 is an error unless the policy orders by it
+        policy = (info.context or {}).get("scheduling_policy", "priority")
+        if value and policy != "priority":
+            raise _refuse(f"needs --scheduling-policy priority; this server schedules by {policy}")
         return value
 
     @property
@@ -219,6 +263,11 @@ class ChatCompletionRequest(_CommonRequest):
     logprobs: bool | None = None
     top_logprobs: int | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        return refuse_unsupported(data, REFUSED_CHAT, cls.__name__)
+
     @field_validator("logprobs")
     @classmethod
     def _no_logprobs(cls, value: bool | None) -> bool | None:
@@ -232,6 +281,11 @@ class ChatCompletionRequest(_CommonRequest):
         if value:
             raise _refuse("logprobs are not supported yet")
         return value
+
+    def to_generate_requests(
+        self, request_id: str, model: str, max_model_len: int
+    ) -> list[GenerateRequest]:
+        return [self.to_generate_request(request_id, model, max_model_len)]
 
     def to_generate_request(
         self, request_id: str, model: str, max_model_len: int
@@ -250,38 +304,66 @@ class ChatCompletionRequest(_CommonRequest):
         )
 
 
-def _prompt(value: Any) -> str | list[int]:
-    """A prompt: a string, a list of token ids, or a list holding exactly one of those."""
-    if isinstance(value, list) and len(value) > 1 and all(isinstance(p, str) for p in value):
-        raise _refuse(f"a batch of {len(value)} prompts is not supported; send one per request")
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
-        value = value[0]
-    if isinstance(value, str):
-        if not value:
-            raise PydanticCustomError("prompt_empty", "must not be empty")
-        return value
+Prompt = str | list[int]  # text, or token ids
+
+
+def _prompts(value: Any) -> list[Prompt]:
+    """`prompt` as a batch: a string or a list of token ids is one prompt; a list of strings
+    or of token-id lists is several (at most MAX_PROMPTS)."""
+    if isinstance(value, str) or (
+        isinstance(value, list) and value and not isinstance(value[0], str | list)
+    ):
+        return [_prompt(value, "")]
     if not isinstance(value, list):
-        raise PydanticCustomError("prompt_type", "must be a string or a list of token ids")
+        raise PydanticCustomError(
+            "prompt_type", "must be a string, a list of token ids, or a list of those"
+        )
     if not value:
         raise PydanticCustomError("prompt_empty", "must not be empty")
-    for t in value:
-        if type(t) is not int or not 0 <= t <= _INT32_MAX:
-            raise PydanticCustomError(
-                "prompt_token", "token ids must be integers in [0, {limit}]", {"limit": _INT32_MAX}
-            )
+    if len(value) > MAX_PROMPTS:
+        raise PydanticCustomError(
+            "prompt_count",
+            "at most {limit} prompts in one request, got {count}",
+            {"limit": MAX_PROMPTS, "count": len(value)},
+        )
+    where = "prompt {index} " if len(value) > 1 else ""
+    return [_prompt(p, where.format(index=i)) for i, p in enumerate(value)]
+
+
+def _prompt(value: Any, where: str) -> Prompt:
+    """One prompt of the batch (`where` names it in a batch of several)."""
+    if not isinstance(value, str | list):
+        raise PydanticCustomError(
+            "prompt_type", "{where}must be a string or a list of token ids", {"where": where}
+        )
+    if not value:
+        raise PydanticCustomError("prompt_empty", "{where}must not be empty", {"where": where})
+    if isinstance(value, list):
+        for t in value:
+            if type(t) is not int or not 0 <= t <= _INT32_MAX:
+                raise PydanticCustomError(
+                    "prompt_token",
+                    "{where}token ids must be integers in [0, {limit}]",
+                    {"where": where, "limit": _INT32_MAX},
+                )
     return value
 
 
 class CompletionRequest(_CommonRequest):
     """Body of POST /v1/completions."""
 
-    prompt: Any
+    prompt: Any  # list[Prompt] once validated: one engine request each
     echo: bool | None = None
     logprobs: int | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None  # only = n: no ranking of choices
     suffix: str | None = None
 
-    _check_prompt = field_validator("prompt", mode="before")(_prompt)
+    _check_prompt = field_validator("prompt", mode="before")(_prompts)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        return refuse_unsupported(data, REFUSED_COMPLETION, cls.__name__)
 
     @field_validator("echo")
     @classmethod
@@ -315,31 +397,49 @@ class CompletionRequest(_CommonRequest):
             raise _refuse("suffix is not supported")
         return value
 
-    def to_generate_request(
+    def to_generate_requests(
         self, request_id: str, model: str, max_model_len: int
-    ) -> GenerateRequest:
+    ) -> list[GenerateRequest]:
+        """One engine request per prompt: `request_id` for a single prompt, else
+        `<request_id>-<k>` for prompt k."""
         sampling = self._sampling(
             self.max_tokens, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS, max_model_len
         )
-        is_text = isinstance(self.prompt, str)
-        return GenerateRequest(
-            request_id=request_id,
-            model=model,
-            sampling=sampling,
-            prompt=self.prompt if is_text else None,
-            prompt_token_ids=None if is_text else list(self.prompt),
-            arrival_time=time.time(),
-            **self._scheduling(),
-        )
+        prompts: list[Prompt] = self.prompt
+        arrival = time.time()
+        return [
+            GenerateRequest(
+                request_id=request_id if len(prompts) == 1 else f"{request_id}-{k}",
+                model=model,
+                sampling=sampling,
+                prompt=prompt if isinstance(prompt, str) else None,
+                prompt_token_ids=None if isinstance(prompt, str) else list(prompt),
+                arrival_time=arrival,
+                **self._scheduling(),
+            )
+            for k, prompt in enumerate(prompts)
+        ]
 
+    def to_generate_request(
+        self, request_id: str, model: str, max_model_len: int
+    ) -> GenerateRequest:
+        """The engine request of a body with one prompt (ValueError for a batch)."""
+        (request,) = self.to_generate_requests(request_id, model, max_model_len)
+        return request
+
+
+# a field is honoured (declared above) or refused (services/gateway/refused.py), not both
+check_disjoint(ChatCompletionRequest.model_fields, REFUSED_CHAT, "ChatCompletionRequest")
+check_disjoint(CompletionRequest.model_fields, REFUSED_COMPLETION, "CompletionRequest")
 
 R = TypeVar("R", bound=BaseModel)
 
 
-def parse_request(cls: type[R], body: bytes) -> R:
-    """Validate a JSON body; raise RequestRejected naming the first offending field."""
+def parse_request(cls: type[R], body: bytes, context: dict[str, Any] | None = None) -> R:
+    """Validate a JSON body; raise RequestRejected naming the first offending field.
+    `context`: what the server is set up to do (`scheduling_policy`)."""
     try:
-        return cls.model_validate_json(body)
+        return cls.model_validate_json(body, context=context)
     except ValidationError as e:
         raise _rejection(e) from None
 

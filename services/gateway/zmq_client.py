@@ -15,12 +15,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 from common.ipc import Outbox
 from common.messages import (
     Abort,
+    DetokenizeQuery,
     FinishReason,
     GenerateRequest,
     ModelChanged,
@@ -31,6 +32,8 @@ from common.messages import (
     StatsQuery,
     SwapModel,
     SwapResult,
+    TokenizeQuery,
+    TokenizeResult,
 )
 from services.gateway.engine_client import OutputDelta, RequestFailed, RequestObserver
 
@@ -74,8 +77,15 @@ class _Stream:
 class ZmqEngineClient:
     """Keeps one queue per in-flight request; the gateway actor feeds them from its inbox."""
 
-    def __init__(self, tokenizers: Outbox, scheduler: Outbox, inbox_addr: str) -> None:
+    def __init__(
+        self,
+        tokenizers: Outbox,
+        scheduler: Outbox,
+        inbox_addr: str,
+        aliases: Sequence[str] = (),
+    ) -> None:
         self.tokenizers = tokenizers
+        self.aliases = list(aliases)  # --served-model-name: more names the model answers to
         self.scheduler = scheduler
         self.inbox_addr = inbox_addr
         self.served: ModelChanged | None = None  # what the scheduler last said it serves
@@ -83,6 +93,7 @@ class ZmqEngineClient:
         self._streams: dict[str, _Stream] = {}
         self._stats_waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._swap_waiters: dict[int, asyncio.Future[SwapResult]] = {}
+        self._tokenize_waiters: dict[int, asyncio.Future[TokenizeResult]] = {}
         self.swap_status: dict[str, Any] | None = None  # the swap this gateway asked for
         self.draining = False  # shutting down: new requests get 503
         self._query_ids = itertools.count()
@@ -92,6 +103,12 @@ class ZmqEngineClient:
     @property
     def model_name(self) -> str:
         return self.served.name if self.served is not None else ""
+
+    @property
+    def model_names(self) -> list[str]:
+        if self.served is None:
+            return []
+        return [self.served.name, *(a for a in self.aliases if a != self.served.name)]
 
     @property
     def system_fingerprint(self) -> str:
@@ -213,6 +230,48 @@ class ZmqEngineClient:
         finally:
             self._stats_waiters.pop(qid, None)
 
+    async def tokenize(
+        self,
+        prompt: str | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        *,
+        add_special_tokens: bool = True,
+        add_generation_prompt: bool = True,
+        timeout: float = 10.0,
+    ) -> list[int]:
+        """A tokenizer's token ids of the prompt or messages (POST /tokenize)."""
+        query = TokenizeQuery(
+            query_id=next(self._query_ids),
+            reply_to=self.inbox_addr,
+            prompt=prompt,
+            messages=messages,
+            add_special_tokens=add_special_tokens,
+            add_generation_prompt=add_generation_prompt,
+        )
+        return (await self._ask_tokenizer(query, timeout)).token_ids
+
+    async def detokenize(self, token_ids: list[int], timeout: float = 10.0) -> str:
+        """A tokenizer's text of the token ids (POST /detokenize)."""
+        query = DetokenizeQuery(
+            query_id=next(self._query_ids), reply_to=self.inbox_addr, token_ids=token_ids
+        )
+        return (await self._ask_tokenizer(query, timeout)).text
+
+    async def _ask_tokenizer(
+        self, query: TokenizeQuery | DetokenizeQuery, timeout: float
+    ) -> TokenizeResult:
+        """Send the query to a tokenizer (round robin); its answer, or RequestFailed."""
+        fut: asyncio.Future[TokenizeResult] = asyncio.get_running_loop().create_future()
+        self._tokenize_waiters[query.query_id] = fut
+        try:
+            self.tokenizers.send(query)
+            result = await asyncio.wait_for(fut, timeout)
+        finally:
+            self._tokenize_waiters.pop(query.query_id, None)
+        if result.status != 200:
+            raise RequestFailed(result.status, result.message, result.param)
+        return result
+
     # fed by the gateway actor ---------------------------------------------------------------
     def on_outputs(self, msg: OutputBatch) -> None:
         indices = msg.seq_indices or [0] * len(msg.request_ids)
@@ -246,6 +305,11 @@ class ZmqEngineClient:
             "tokenising again (%d)", stream.num_retokenized, extra={"request_id": msg.request_id}
         )
         self.tokenizers.send(stream.request)
+
+    def on_tokenize_result(self, msg: TokenizeResult) -> None:
+        fut = self._tokenize_waiters.get(msg.query_id)
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
 
     def on_stats(self, msg: Stats) -> None:
         fut = self._stats_waiters.get(msg.query_id)

@@ -298,9 +298,9 @@ class EngineCore:
         if len(msg.prompt_token_ids) >= served.max_model_len:
             return (
                 400,
-                f"prompt has {len(msg.prompt_token_ids)} tokens; this server holds "
-                f"at most {served.max_model_len - 1}",
-                "messages",
+                f"prompt: the prompt has {len(msg.prompt_token_ids)} tokens; this server "
+                f"holds at most {served.max_model_len - 1}",
+                "prompt",  # the request's prompt: the gateway names the endpoint's field
             )
         if served.vocab_size:
             bad = next((t for t in msg.prompt_token_ids if not 0 <= t < served.vocab_size), None)

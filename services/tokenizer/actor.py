@@ -16,7 +16,15 @@ from typing import TYPE_CHECKING, Any
 
 from common.actor import Actor
 from common.config import Config
-from common.messages import GenerateRequest, ModelChanged, RequestError, TokenizedRequest
+from common.messages import (
+    DetokenizeQuery,
+    GenerateRequest,
+    ModelChanged,
+    RequestError,
+    TokenizedRequest,
+    TokenizeQuery,
+    TokenizeResult,
+)
 from common.model_facts import load_model_facts, tokenizer_fingerprint
 from services.tokenizer.validate import (
     InvalidRequest,
@@ -76,6 +84,8 @@ class TokenizerActor(Actor):
         self.index = index
         self.handlers[GenerateRequest] = self._on_generate
         self.handlers[ModelChanged] = self._on_model_changed
+        self.handlers[TokenizeQuery] = self._on_tokenize_query
+        self.handlers[DetokenizeQuery] = self._on_detokenize_query
 
     @property
     def inbox_name(self) -> str:
@@ -156,18 +166,64 @@ class TokenizerActor(Actor):
             check_token_ids(req.prompt_token_ids, model.vocab_size)
             return list(req.prompt_token_ids)
         if req.messages is not None:
-            if not req.messages:
-                raise InvalidRequest("messages", "must hold at least one message")
-            num_chars = sum(len(str(m.get("content") or "")) for m in req.messages)
-            check_prompt_chars("messages", num_chars, self.config.server.max_prompt_chars)
-            try:
-                text = model.tokenizer.apply_chat_template(
-                    req.messages, tokenize=False, add_generation_prompt=req.add_generation_prompt
-                )
-            except Exception as e:  # a template may raise on roles it does not allow
-                raise InvalidRequest("messages", f"the chat template rejected them: {e}") from e
-            return list(model.tokenizer.encode(str(text), add_special_tokens=False))
-        if not req.prompt:
+            return self._chat_ids(req.messages, req.add_generation_prompt, False, model)
+        return self._text_ids(req.prompt, True, model)
+
+    def _chat_ids(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        add_special_tokens: bool,
+        model: ServedModel,
+    ) -> list[int]:
+        """Messages rendered by the chat template, then tokenised (the template writes the
+        special tokens it wants, so generation adds none)."""
+        if not messages:
+            raise InvalidRequest("messages", "must hold at least one message")
+        num_chars = sum(len(str(m.get("content") or "")) for m in messages)
+        check_prompt_chars("messages", num_chars, self.config.server.max_prompt_chars)
+        try:
+            text = model.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as e:  # a template may raise on roles it does not allow
+            raise InvalidRequest("messages", f"the chat template rejected them: {e}") from e
+        return list(model.tokenizer.encode(str(text), add_special_tokens=add_special_tokens))
+
+    def _text_ids(
+        self, prompt: str | None, add_special_tokens: bool, model: ServedModel
+    ) -> list[int]:
+        if not prompt:
             raise InvalidRequest("prompt", "must not be empty")
-        check_prompt_chars("prompt", len(req.prompt), self.config.server.max_prompt_chars)
-        return list(model.tokenizer.encode(req.prompt, add_special_tokens=True))
+        check_prompt_chars("prompt", len(prompt), self.config.server.max_prompt_chars)
+        return list(model.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+
+    # /tokenize and /detokenize: answered to the gateway, nothing is generated -------------
+
+    def _on_tokenize_query(self, q: TokenizeQuery) -> None:
+        model = self.model
+        try:
+            if q.messages is not None:
+                ids = self._chat_ids(
+                    q.messages, q.add_generation_prompt, q.add_special_tokens, model
+                )
+            else:
+                ids = self._text_ids(q.prompt, q.add_special_tokens, model)
+            result = TokenizeResult(query_id=q.query_id, token_ids=ids)
+        except InvalidRequest as e:
+            result = _refusal(q.query_id, e)
+        self.outbox(q.reply_to).send(result)
+
+    def _on_detokenize_query(self, q: DetokenizeQuery) -> None:
+        model = self.model
+        try:
+            check_token_ids(q.token_ids, model.vocab_size, "tokens")
+            text = str(model.tokenizer.decode(q.token_ids))
+            result = TokenizeResult(query_id=q.query_id, text=text)
+        except InvalidRequest as e:
+            result = _refusal(q.query_id, e)
+        self.outbox(q.reply_to).send(result)
+
+
+def _refusal(query_id: int, e: InvalidRequest) -> TokenizeResult:
+    return TokenizeResult(query_id=query_id, status=e.status, message=e.message, param=e.param)

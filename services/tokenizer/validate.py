@@ -52,9 +52,9 @@ def fit_max_tokens(num_prompt_tokens: int, max_tokens: int, max_model_len: int) 
     if num_prompt_tokens == 0:
         raise InvalidRequest("prompt", "must not be empty")
     room = max_model_len - num_prompt_tokens
-    if room < 1:
+    if room < 1:  # "prompt" names the request's prompt: the gateway says `messages` for chat
         raise InvalidRequest(
-            "messages" if max_tokens == 0 else "prompt",
+            "prompt",
             f"the prompt has {num_prompt_tokens} tokens; the model's maximum context length is "
             f"{max_model_len} tokens, which leaves no room for output",
         )
@@ -70,9 +70,9 @@ def fit_max_tokens(num_prompt_tokens: int, max_tokens: int, max_model_len: int) 
     return max_tokens
 
 
-def check_token_ids(token_ids: list[int], vocab_size: int) -> None:
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str = "prompt") -> None:
     for t in token_ids:
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
             raise InvalidRequest(
-                "prompt", f"token id {t!r} is outside the vocabulary (0..{vocab_size - 1})"
+                param, f"token id {t!r} is outside the vocabulary (0..{vocab_size - 1})"
             )

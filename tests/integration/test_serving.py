@@ -81,7 +81,7 @@ def test_request_id_is_echoed(server: Server) -> None:
         json={"model": server.model, "messages": CHAT, "max_tokens": 4},
     )
     assert r.status_code == 200 and r.headers["x-request-id"] == "my-id-42"
-    assert r.json()["id"] == "my-id-42"
+    assert r.json()["id"] == "chatcmpl-my-id-42"  # vLLM prefixes the body id
     r = httpx.post(
         server.base_url + "/chat/completions",
         timeout=60,

@@ -62,3 +62,14 @@ def test_config_file_is_read_back(tmp_path) -> None:  # type: ignore[no-untyped-
     path.write_bytes(cfg.to_json())
     again = _parse(["--config-file", str(path)], {"SHUTTLE_MAX_NUM_BATCHED_TOKENS": "999"})
     assert again == cfg  # the file is already resolved: env does not apply twice
+
+
+def test_served_model_names_as_vllm_takes_them() -> None:
+    cfg = _parse(["--served-model-name", "main", "alias"])
+    assert cfg.model.served_model_names == ["main", "alias"]
+    assert Config.from_json(cfg.to_json()) == cfg
+    env = _parse([], {"SHUTTLE_SERVED_MODEL_NAME": "a, b"})
+    assert env.model.served_model_names == ["a", "b"]
+    assert _parse([]).model.served_model_names == []  # the folder's name, resolved later
+    with pytest.raises(ConfigError, match="served-model-name"):
+        _parse(["--served-model-name", "a", "a"])

@@ -191,7 +191,8 @@ def test_admission_errors_name_the_field() -> None:
     core.add(_request("ok"))
     core.add(_request("ok"))
     errors = {e.request_id: e for e in out.of(RequestError)}
-    assert errors["long"].status == 400 and errors["long"].param == "messages"
+    assert errors["long"].status == 400 and errors["long"].param == "prompt"
+    assert errors["long"].message.startswith("prompt: the prompt has 128 tokens")
     assert errors["vocab"].status == 400 and errors["vocab"].param == "prompt"
     assert "token id 100" in errors["vocab"].message
     assert errors["ok"].param == "X-Request-Id"

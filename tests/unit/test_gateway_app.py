@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 from collections.abc import AsyncGenerator
 from typing import Any
 
 import httpx
 import pytest
 
-from common.config import ServerConfig
+from common.config import SchedulerConfig, ServerConfig
 from common.messages import FinishReason
 from services.gateway import app as app_module
 from services.gateway.app import SseResponse, create_app
@@ -22,9 +23,18 @@ COMPLETIONS = "/v1/completions"
 STOP, LENGTH = FinishReason.STOP, FinishReason.LENGTH
 
 
-def run(engine: FakeEngine, method: str, url: str, api_key: str | None = None, **kw: Any):
+def run(
+    engine: FakeEngine,
+    method: str,
+    url: str,
+    api_key: str | None = None,
+    policy: str = "fcfs",
+    **kw: Any,
+):
     async def go() -> httpx.Response:
-        transport = httpx.ASGITransport(app=create_app(engine, ServerConfig(api_key=api_key or "")))
+        server = ServerConfig(api_key=api_key or "")
+        scheduler = SchedulerConfig(scheduling_policy=policy)
+        transport = httpx.ASGITransport(app=create_app(engine, server, scheduler))
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             return await client.request(method, url, **kw)
 
@@ -82,6 +92,7 @@ def test_completion_stream_without_usage_and_client_request_id() -> None:
     assert resp.headers["x-request-id"] == "my-id.1:2"
     assert engine.requests[0].request_id == "my-id.1:2"
     events = parse_sse(resp.content)
+    assert {e["id"] for e in events[:-1]} == {"cmpl-my-id.1:2"}  # vLLM's prefix on the body id
     assert [e["choices"][0]["text"] for e in events[:-1]] == ["a", "b", ""]
     assert [e["choices"][0]["finish_reason"] for e in events[:-1]] == [None, None, "length"]
     assert {e["object"] for e in events[:-1]} == {"text_completion"}
@@ -151,6 +162,16 @@ def test_models_and_health() -> None:
     error_of(run(engine, "POST", CHAT, json=chat_body()), 503)
     engine.model_name = ""  # starting: nothing is served yet, so no model is listed
     assert run(engine, "GET", "/v1/models").json() == {"object": "list", "data": []}
+
+
+def test_ping_and_version() -> None:
+    engine = FakeEngine()
+    assert run(engine, "GET", "/ping").status_code == 200
+    assert run(engine, "POST", "/ping").status_code == 200
+    version = run(engine, "GET", "/version").json()["version"]
+    assert version == importlib.metadata.version("shuttle")
+    engine.ready = False  # as /health: not ready is 503
+    assert run(engine, "GET", "/ping").status_code == 503
 
 
 def test_openai_client_in_process() -> None:
@@ -246,12 +267,97 @@ def test_n_completion_stream_ends_on_the_last_sequence() -> None:
 def test_n_priority_timeout_reach_the_engine() -> None:
     engine = FakeEngine(TWO)
     body = {"prompt": "p", "n": 2, "best_of": 2, "priority": -3, "timeout": 1.5}
-    assert run(engine, "POST", COMPLETIONS, json=body).status_code == 200
+    assert run(engine, "POST", COMPLETIONS, policy="priority", json=body).status_code == 200
     engine.script = None  # the echo, for the n = 1 requests below
     run(engine, "POST", CHAT, json=chat_body(n=None, priority=None, timeout=None))
-    run(engine, "POST", CHAT, json=chat_body(n=1, priority=7, timeout=2))
+    run(engine, "POST", CHAT, policy="priority", json=chat_body(n=1, priority=7, timeout=2))
     got = [(r.sampling.n, r.priority, r.timeout) for r in engine.requests]
     assert got == [(2, -3, 1.5), (1, 0, None), (1, 7, 2.0)]
+
+
+# --- a batch of prompts ----------------------------------------------------------------------
+
+
+def _batch_engine(request_ids: list[str], hang: bool = False) -> FakeEngine:
+    """Each prompt k's request: two sequences, 'p<k>s<i>', sequence 1's delta first (or,
+    with `hang`, the last prompt's request never answers)."""
+    engine = FakeEngine()
+    for k, request_id in enumerate(request_ids):
+        engine.scripts[request_id] = [
+            delta(f"p{k}s1", LENGTH, 2, index=1, last=False),
+            delta(f"p{k}s0", STOP, 1, index=0, last=True),
+        ]
+    if hang:
+        engine.scripts[request_ids[-1]] = [HANG]
+    return engine
+
+
+@pytest.mark.parametrize(
+    "prompts", [["one", "two", "three"], [[1, 2], [3], [4, 5, 6]]], ids=["texts", "token-ids"]
+)
+def test_a_batch_of_prompts_answers_prompt_major(prompts: list[Any]) -> None:
+    engine = _batch_engine(["b-0", "b-1", "b-2"])
+    body = {"prompt": prompts, "n": 2, "return_token_ids": True}
+    resp = run(engine, "POST", COMPLETIONS, json=body, headers={"X-Request-Id": "b"})
+    out = resp.json()
+    assert [r.request_id for r in engine.requests] == ["b-0", "b-1", "b-2"]
+    if isinstance(prompts[0], str):
+        assert [r.prompt for r in engine.requests] == prompts
+    else:
+        assert [r.prompt_token_ids for r in engine.requests] == prompts
+    assert [r.sampling.n for r in engine.requests] == [2, 2, 2]  # n per prompt
+    got = [(c["index"], c["text"], c["finish_reason"]) for c in out["choices"]]
+    assert got == [
+        (0, "p0s0", "stop"),
+        (1, "p0s1", "length"),
+        (2, "p1s0", "stop"),
+        (3, "p1s1", "length"),
+        (4, "p2s0", "stop"),
+        (5, "p2s1", "length"),
+    ]
+    # each prompt's 5 tokens once; 1 + 2 output tokens per prompt
+    assert out["usage"] == {"prompt_tokens": 15, "completion_tokens": 9, "total_tokens": 24}
+    assert out["id"] == "cmpl-b" and not engine.aborted
+
+
+def test_a_streamed_batch_ends_after_every_prompt() -> None:
+    body = {"prompt": ["a", "b"], "n": 2, "stream": True, "stream_options": {"include_usage": True}}
+    engine = _batch_engine(["s-0", "s-1"])
+    resp = run(engine, "POST", COMPLETIONS, json=body, headers={"X-Request-Id": "s"})
+    events = parse_sse(resp.content)
+    assert events[-1] == "[DONE]"
+    texts = {c["index"]: c["text"] for e in events[:-2] for c in e["choices"] if c["text"]}
+    assert texts == {0: "p0s0", 1: "p0s1", 2: "p1s0", 3: "p1s1"}
+    finishes = sorted(
+        (c["index"], c["finish_reason"])
+        for e in events[:-2]
+        for c in e["choices"]
+        if c["finish_reason"]
+    )
+    assert finishes == [(0, "stop"), (1, "length"), (2, "stop"), (3, "length")]
+    assert events[-2]["usage"] == {"prompt_tokens": 10, "completion_tokens": 6, "total_tokens": 16}
+
+
+def test_a_failed_prompt_fails_the_batch_and_ends_the_others() -> None:
+    engine = _batch_engine(["f-0", "f-1", "f-2"], hang=True)
+    engine.scripts["f-0"] = [delta("a"), HANG]
+    engine.scripts["f-1"] = [RequestFailed(400, "prompt: the prompt has 300 tokens", "prompt")]
+    body = {"prompt": ["a", "b", "c"]}
+    resp = run(engine, "POST", COMPLETIONS, json=body, headers={"X-Request-Id": "f"})
+    error = error_of(resp, 400)
+    assert (error["param"], error["message"]) == (
+        "prompt[1]",
+        "prompt[1]: the prompt has 300 tokens",
+    )
+    assert sorted(engine.aborted) == ["f-0", "f-2"]  # those still running
+
+
+def test_a_client_leaving_a_batch_aborts_every_prompt() -> None:
+    engine = FakeEngine([HANG])
+    body = b'{"prompt": ["a", "b", "c"]}'
+    aborted = ("gone-1-0", "gone-1-1", "gone-1-2")
+    sent = asyncio.run(_call_then_leave(engine, body, "2.3", "receive", COMPLETIONS, aborted))
+    assert sent[0]["status"] == 499
 
 
 # --- refusals --------------------------------------------------------------------------------
@@ -290,7 +396,11 @@ def test_n_priority_timeout_reach_the_engine() -> None:
         (chat_body(presence_penalty=0.5), "presence_penalty", "only 0"),
         (chat_body(logprobs=True), "logprobs", "not supported"),
         ({"prompt": ""}, "prompt", "empty"),
-        ({"prompt": ["a", "b"]}, "prompt", "batch"),
+        ({"prompt": ["a", ""]}, "prompt", "prompt 1 must not be empty"),
+        ({"prompt": [[1, 2], [3, -1]]}, "prompt", "prompt 1 token ids must be integers"),
+        ({"prompt": [[1], "a", 3]}, "prompt", "prompt 2 must be a string or a list of token"),
+        ({"prompt": []}, "prompt", "empty"),
+        ({"prompt": ["a"] * 65}, "prompt", "at most 64 prompts"),
         ({"prompt": [1, -2]}, "prompt", "token ids"),
         ({"prompt": "x", "echo": True}, "echo", "not supported"),
     ],
@@ -335,10 +445,48 @@ def test_unknown_model_is_404() -> None:
     assert resp.headers["x-request-id"].startswith("chatcmpl-")
 
 
+def test_naming_the_model_while_starting_is_a_retryable_503() -> None:
+    engine = FakeEngine()
+    engine.ready, engine.model_name = False, ""  # starting: no model served yet
+    for url, body in ((CHAT, chat_body()), (COMPLETIONS, {"model": MODEL, "prompt": "x"})):
+        resp = run(engine, "POST", url, json=body)
+        error_of(resp, 503)
+        assert resp.headers["retry-after"] == "1"
+    assert engine.requests == []
+
+
+def test_aliases_are_listed_and_accepted() -> None:
+    engine = FakeEngine()
+    engine.aliases = ["alias-1", "alias-2"]
+    cards = run(engine, "GET", "/v1/models").json()["data"]
+    assert [c["id"] for c in cards] == [MODEL, "alias-1", "alias-2"]
+    assert {c["root"] for c in cards} == {MODEL}
+    out = run(engine, "POST", CHAT, json=chat_body(model="alias-2")).json()
+    assert out["model"] == MODEL  # the first name is the one reported
+    error_of(run(engine, "POST", CHAT, json=chat_body(model="alias-3")), 404)
+
+
+def test_client_request_ids_get_the_vllm_prefix_in_the_body() -> None:
+    headers = {"X-Request-Id": "abc"}
+    out = run(FakeEngine(), "POST", CHAT, json=chat_body(), headers=headers).json()
+    assert out["id"] == "chatcmpl-abc"
+    out = run(FakeEngine(), "POST", COMPLETIONS, json={"prompt": "x"}, headers=headers).json()
+    assert out["id"] == "cmpl-abc"
+    headers = {"X-Request-Id": "chatcmpl-mine"}  # already prefixed: kept as it is
+    assert run(FakeEngine(), "POST", CHAT, json=chat_body(), headers=headers).json()["id"] == (
+        "chatcmpl-mine"
+    )
+
+
 def test_api_key() -> None:
     engine = FakeEngine()
     error = error_of(run(engine, "POST", CHAT, api_key="s3cret", json=chat_body()), 401)
     assert "API key" in error["message"]
+    resp = run(
+        engine, "POST", CHAT, api_key="s3cret", json=chat_body(), headers={"X-Request-Id": "r-401"}
+    )
+    error_of(resp, 401)
+    assert resp.headers["x-request-id"] == "r-401"  # refusals echo the client's id too
     wrong = {"Authorization": "Bearer nope"}
     error_of(run(engine, "GET", "/v1/models", api_key="s3cret", headers=wrong), 401)
     good = {"Authorization": "Bearer s3cret"}
@@ -352,12 +500,26 @@ def test_api_key() -> None:
 @pytest.mark.parametrize(("status", "retry"), [(429, "1"), (503, "1"), (400, None)])
 def test_failure_before_first_delta_is_an_http_status(status: int, retry: str | None) -> None:
     for stream in (True, False):
-        engine = FakeEngine([RequestFailed(status, "prompt: too long", "prompt")])
+        engine = FakeEngine([RequestFailed(status, "stop: too long", "stop")])
         resp = run(engine, "POST", CHAT, json=chat_body(stream=stream))
         error = error_of(resp, status)
-        assert error["message"] == "prompt: too long" and error["param"] == "prompt"
+        assert error["message"] == "stop: too long" and error["param"] == "stop"
         assert resp.headers.get("retry-after") == retry
         assert resp.headers["x-request-id"] == engine.requests[0].request_id
+
+
+@pytest.mark.parametrize(("url", "field"), [(CHAT, "messages"), (COMPLETIONS, "prompt")])
+def test_a_prompt_too_long_names_the_endpoints_prompt_field(url: str, field: str) -> None:
+    # the tokenizer and the scheduler call any request's prompt `prompt`
+    too_long = "prompt: the prompt has 300 tokens; this server holds at most 255"
+    body = chat_body() if url == CHAT else {"prompt": "x"}
+    for stream in (False, True):
+        engine = FakeEngine([RequestFailed(400, too_long, "prompt")])
+        error = error_of(run(engine, "POST", url, json=body | {"stream": stream}), 400)
+        assert error["param"] == field
+        assert (
+            error["message"] == f"{field}: the prompt has 300 tokens; this server holds at most 255"
+        )
 
 
 def test_failure_mid_stream_is_an_error_event_then_done() -> None:
@@ -410,7 +572,14 @@ def _scope(path: str, spec_version: str) -> dict[str, Any]:
     }
 
 
-async def _call_then_leave(engine: FakeEngine, body: bytes, spec: str, leave: str) -> list[Any]:
+async def _call_then_leave(
+    engine: FakeEngine,
+    body: bytes,
+    spec: str,
+    leave: str,
+    path: str = CHAT,
+    aborted: tuple[str, ...] = ("gone-1",),
+) -> list[Any]:
     """Call the app directly, as a server would; the client leaves once the engine started
     and, for a stream, the first chunk went out: by a disconnect message (`leave` "receive")
     or by send() raising (`leave` "send", what ASGI 2.4 servers do)."""
@@ -435,9 +604,9 @@ async def _call_then_leave(engine: FakeEngine, body: bytes, spec: str, leave: st
             first_chunk.set()
         sent.append(message)
 
-    await asyncio.wait_for(app(_scope(CHAT, spec), receive, send), 5)
+    await asyncio.wait_for(app(_scope(path, spec), receive, send), 5)
     # checked before asyncio.run ends, whose clean-up would close a forgotten generator
-    assert engine.aborted == ["gone-1"]
+    assert sorted(engine.aborted) == list(aborted)
     return sent
 
 

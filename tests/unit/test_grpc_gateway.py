@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -219,7 +220,37 @@ def test_unknown_model_and_not_ready() -> None:
     )
     engine.ready = False
     error = refusal(engine, text="x")
-    assert (error.code(), error.details()) == (Code.UNAVAILABLE, "the engine is not ready yet")
+    not_ready = "the engine is not ready yet; retry the request"
+    assert (error.code(), error.details()) == (Code.UNAVAILABLE, not_ready)
+
+
+def test_naming_the_model_while_starting_is_unavailable_not_unknown() -> None:
+    engine = FakeEngine()
+    engine.ready, engine.model_name = False, ""  # starting: no model served yet
+    error = refusal(engine, text="x", model=MODEL)
+    assert error.code() == Code.UNAVAILABLE and not engine.requests
+
+
+def test_list_models_is_empty_while_starting_and_names_every_alias() -> None:
+    engine = FakeEngine()
+    engine.ready, engine.model_name = False, ""
+
+    async def listed(channel: grpc.aio.Channel) -> list[str]:
+        models = (await pb_grpc.ShuttleStub(channel).ListModels(pb.ListModelsRequest())).models
+        return [m.id for m in models]
+
+    assert run(engine, listed) == []
+    engine.ready, engine.model_name, engine.aliases = True, MODEL, ["alias-1"]
+    assert run(engine, listed) == [MODEL, "alias-1"]
+
+
+def test_the_version_that_served_the_request_is_stamped() -> None:
+    # the served version moved on (a swap) while this request ran on v-old
+    finish = dataclasses.replace(delta("b", LENGTH), version="v-old")
+    engine = FakeEngine([dataclasses.replace(delta("a"), version="v-old"), finish])
+    engine.system_fingerprint = "v-new"
+    out = run(engine, lambda ch: generate(ch, text="x"))
+    assert out[-1].system_fingerprint == "v-old"
 
 
 @pytest.mark.parametrize(
@@ -242,6 +273,10 @@ def test_engine_refusals_name_the_proto_field() -> None:
     failure = RequestFailed(400, "prompt: token id 99999 is outside the vocabulary", "prompt")
     error = refusal(FakeEngine([failure]), token_ids=pb.TokenIds(ids=[99999]))
     assert error.details() == "token_ids.ids: token id 99999 is outside the vocabulary"
+    failure = RequestFailed(400, "prompt: the prompt has 300 tokens", "prompt")
+    chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="hi")])
+    error = refusal(FakeEngine([failure]), chat=chat)
+    assert error.details() == "chat.messages: the prompt has 300 tokens"
     failure = RequestFailed(
         400, "X-Request-Id: request id 'r' is already in flight", "X-Request-Id"
     )

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.messages import FinishReason, GenerateRequest
 from common.messages.types import SamplingParams
+from services.gateway import metrics as metrics_module
 from services.gateway.engine_client import OutputDelta
 from services.gateway.metrics import GatewayMetrics, install_metrics
 from tests.fake_engine import FakeEngine
@@ -92,6 +94,25 @@ def test_n_sequences_each_finish_and_a_dropped_one_is_cancelled() -> None:
     assert m["shuttle:request_success_total{finished_reason=stop}"] == 1
     assert m["shuttle:request_success_total{finished_reason=cancelled}"] == 2
     assert m["shuttle:e2e_request_latency_seconds_count"] == 1
+
+
+def test_each_of_n_sequences_keeps_its_own_inter_token_clock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = [0.0]
+    monkeypatch.setattr(metrics_module.time, "perf_counter", lambda: clock[0])
+    metrics = GatewayMetrics(FakeEngine())
+    timer = metrics.observe(_request(n=2))
+    for t in (1.0, 2.0, 3.0):  # both sequences decode one token a second, in one batch
+        clock[0] = t
+        finish = FinishReason.LENGTH if t == 3.0 else FinishReason.NONE
+        timer.delta(_delta([5], finish, index=0))
+        timer.delta(_delta([6], finish, last=t == 3.0, index=1))
+    m = _samples(metrics)
+    # two gaps of 1 s per sequence; a sibling's token in the same batch is no 0 s gap
+    assert m["shuttle:inter_token_latency_seconds_count"] == 4
+    assert m["shuttle:inter_token_latency_seconds_sum"] == 4.0
+    assert m["shuttle:time_to_first_token_seconds_count"] == 1
 
 
 def test_refused_request_and_a_silent_scheduler() -> None:

@@ -7,12 +7,21 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from tokenizers import Tokenizer
 
 from common.config import Config
-from common.messages import GenerateRequest, ModelChanged, SamplingParams
+from common.messages import (
+    DetokenizeQuery,
+    GenerateRequest,
+    ModelChanged,
+    SamplingParams,
+    TokenizeQuery,
+    TokenizeResult,
+)
 from common.model_facts import tokenizer_fingerprint
 from services.tokenizer.actor import TokenizerActor, startup_model
 from services.tokenizer.validate import InvalidRequest
@@ -180,3 +189,35 @@ def test_a_tokenizer_that_fails_to_load_keeps_the_old_one(
     out = actor.tokenize(request())
     assert out.tokenizer_fingerprint == tokenizer_fingerprint(a)
     assert out.prompt_token_ids == encode(a, PROMPT)
+
+
+def test_tokenize_and_detokenize_queries_are_answered_to_their_sender(
+    folders: tuple[Path, Path], tmp_path: Path
+) -> None:
+    a, _ = folders
+    actor = make_actor(a, tmp_path)
+    sent: dict[str, list[Any]] = {}
+    actor.outbox = lambda addr: SimpleNamespace(send=sent.setdefault(addr, []).append)  # type: ignore[assignment,method-assign]
+    ids = encode(a, PROMPT)
+    actor._on_tokenize_query(TokenizeQuery(query_id=1, reply_to="gw", prompt=PROMPT))
+    actor._on_detokenize_query(DetokenizeQuery(query_id=2, reply_to="gw", token_ids=ids))
+    actor._on_detokenize_query(DetokenizeQuery(query_id=3, reply_to="gw", token_ids=[10**6]))
+    chat = [{"role": "user", "content": "hi"}]
+    for generation_prompt in (True, False):
+        actor._on_tokenize_query(
+            TokenizeQuery(
+                query_id=4,
+                reply_to="gw",
+                messages=chat,
+                add_special_tokens=False,
+                add_generation_prompt=generation_prompt,
+            )
+        )
+    tokenized, detokenized, refused, chat_open, chat_closed = sent["gw"]
+    assert tokenized == TokenizeResult(query_id=1, token_ids=ids)
+    assert detokenized == TokenizeResult(query_id=2, text=PROMPT)
+    assert (refused.query_id, refused.status, refused.param) == (3, 400, "tokens")
+    assert refused.message.startswith("tokens: token id 1000000 is outside the vocabulary")
+    # the template's rendering, tokenised: the generation prompt adds the assistant's turn
+    assert chat_open.token_ids[: len(chat_closed.token_ids)] == chat_closed.token_ids
+    assert len(chat_open.token_ids) > len(chat_closed.token_ids)

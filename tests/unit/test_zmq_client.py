@@ -11,6 +11,7 @@ import pytest
 
 from common.messages import (
     Abort,
+    DetokenizeQuery,
     FinishReason,
     GenerateRequest,
     ModelChanged,
@@ -19,6 +20,8 @@ from common.messages import (
     Retokenize,
     SamplingParams,
     SwapResult,
+    TokenizeQuery,
+    TokenizeResult,
 )
 from services.gateway.engine_client import OutputDelta, RequestFailed
 from services.gateway.zmq_client import MAX_RETOKENIZE, ZmqEngineClient
@@ -202,6 +205,19 @@ def test_ready_once_the_scheduler_says_what_it_serves() -> None:
     assert scheduler.sent == []  # learnt by being told, never by asking
 
 
+def test_aliases_follow_the_served_name() -> None:
+    tokenizers, scheduler = FakeOutbox(), FakeOutbox()
+    client = ZmqEngineClient(
+        tokenizers,  # type: ignore[arg-type]
+        scheduler,  # type: ignore[arg-type]
+        "inproc://gateway",
+        aliases=["m", "alias"],  # --served-model-name m,alias: the worker reports "m"
+    )
+    assert client.model_names == []  # nothing served yet
+    client.on_model_changed(model_changed("v1"))
+    assert client.model_names == ["m", "alias"]
+
+
 def test_a_swap_names_the_new_version_when_it_returns() -> None:
     """The scheduler sends ModelChanged before the SwapResult, on the same socket: when
     swap_model returns, the client already serves the new version."""
@@ -258,3 +274,33 @@ def test_retokenize_gives_up_with_a_retryable_503() -> None:
     assert len(tokenizers.sent) == 1 + MAX_RETOKENIZE
     # the scheduler dropped the request before asking: nothing to abort
     assert scheduler.sent == [] and client.num_in_flight == 0
+
+
+def test_tokenize_asks_a_tokenizer_and_waits_for_its_answer() -> None:
+    async def go() -> None:
+        client, tokenizers, _ = make_client()
+        task = asyncio.ensure_future(client.tokenize("hi there", add_special_tokens=False))
+        await asyncio.sleep(0)
+        (query,) = tokenizers.sent
+        assert isinstance(query, TokenizeQuery) and query.reply_to == "inproc://gateway"
+        assert (query.prompt, query.messages, query.add_special_tokens) == ("hi there", None, False)
+        client.on_tokenize_result(TokenizeResult(query_id=query.query_id + 1, token_ids=[0]))
+        client.on_tokenize_result(TokenizeResult(query_id=query.query_id, token_ids=[4, 5]))
+        assert await asyncio.wait_for(task, 5) == [4, 5]
+
+        task = asyncio.ensure_future(client.detokenize([10**6]))
+        await asyncio.sleep(0)
+        query = tokenizers.sent[-1]
+        assert isinstance(query, DetokenizeQuery) and query.token_ids == [10**6]
+        refusal = TokenizeResult(
+            query_id=query.query_id, status=400, message="tokens: no", param="tokens"
+        )
+        client.on_tokenize_result(refusal)
+        with pytest.raises(RequestFailed) as info:
+            await asyncio.wait_for(task, 5)
+        assert (info.value.status, info.value.param) == (400, "tokens")
+
+        with pytest.raises(TimeoutError):  # no tokenizer answers
+            await client.detokenize([1], timeout=0.01)
+
+    asyncio.run(go())

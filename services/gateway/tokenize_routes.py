@@ -1,0 +1,125 @@
+"""vLLM's tokenizer routes, answered by a tokenizer process (the gateway never tokenises):
+
+    POST /tokenize    {model?, prompt | messages, add_special_tokens?, add_generation_prompt?}
+                      -> {count, max_model_len, tokens, token_strs: null}
+    POST /detokenize  {model?, tokens} -> {prompt}
+
+As in vLLM, `add_special_tokens` defaults to true for a prompt and to false for messages
+(the chat template writes the special tokens it wants); `add_generation_prompt` (messages
+only) to true. The ids are those the served model's tokenizer makes for a generate request
+with the same prompt. Both routes want the API key when one is set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import Annotated, Any, TypeVar
+
+import orjson
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
+from starlette.responses import Response
+
+from services.gateway.engine_client import EngineClient
+from services.gateway.openapi import json_body
+from services.gateway.protocol import (
+    ChatMessage,
+    RequestRejected,
+    TokenId,
+    check_model,
+    parse_request,
+)
+
+TOKENIZER_TIMEOUT_S = 10.0
+MAX_DETOKENIZE_IDS = 1 << 20
+_STRICT = ConfigDict(strict=True, extra="ignore")  # as the generate bodies are parsed
+T = TypeVar("T")
+
+
+class TokenizeRequest(BaseModel):
+    """Body of POST /tokenize: a prompt, or chat messages."""
+
+    model_config = _STRICT
+    model: str | None = None
+    prompt: Annotated[str, Field(min_length=1)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+    return_token_strs: bool | None = None
+
+    @field_validator("return_token_strs")
+    @classmethod
+    def _no_token_strs(cls, value: bool | None) -> bool | None:
+        if value:
+            raise PydanticCustomError("unsupported", "token strings are not supported")
+        return value
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise RequestRejected("prompt: send exactly one of `prompt` or `messages`", "prompt")
+
+
+class DetokenizeRequest(BaseModel):
+    """Body of POST /detokenize."""
+
+    model_config = _STRICT
+    model: str | None = None
+    tokens: Annotated[list[TokenId], Field(max_length=MAX_DETOKENIZE_IDS)]
+
+
+def tokenize_router(engine: EngineClient) -> APIRouter:
+    """POST /tokenize and /detokenize over `engine` (the caller adds the API key check)."""
+    router = APIRouter()
+
+    async def tokenize(request: Request) -> Response:
+        body = parse_request(TokenizeRequest, await request.body())
+        body.check()
+        check_model(body.model, engine.model_names, engine.is_ready())
+        is_chat = body.messages is not None
+        ids = await _answer(
+            engine.tokenize(
+                body.prompt,
+                [m.as_dict() for m in body.messages] if body.messages is not None else None,
+                add_special_tokens=(
+                    body.add_special_tokens if body.add_special_tokens is not None else not is_chat
+                ),
+                add_generation_prompt=body.add_generation_prompt is not False,
+                timeout=TOKENIZER_TIMEOUT_S,
+            )
+        )
+        return _json(
+            {
+                "count": len(ids),
+                "max_model_len": engine.max_model_len,
+                "tokens": ids,
+                "token_strs": None,
+            }
+        )
+
+    async def detokenize(request: Request) -> Response:
+        body = parse_request(DetokenizeRequest, await request.body())
+        check_model(body.model, engine.model_names, engine.is_ready())
+        text = await _answer(engine.detokenize(body.tokens, timeout=TOKENIZER_TIMEOUT_S))
+        return _json({"prompt": text})
+
+    router.add_api_route(
+        "/tokenize", tokenize, methods=["POST"], openapi_extra=json_body(TokenizeRequest)
+    )
+    router.add_api_route(
+        "/detokenize", detokenize, methods=["POST"], openapi_extra=json_body(DetokenizeRequest)
+    )
+    return router
+
+
+async def _answer(pending: Awaitable[T]) -> T:
+    """What a tokenizer answered; a retryable 503 when none did (one restarting, say)."""
+    try:
+        return await pending
+    except TimeoutError:
+        message = "no tokenizer answered in time; retry the request"
+        raise RequestRejected(message, None, 503) from None
+
+
+def _json(obj: Any) -> Response:
+    return Response(orjson.dumps(obj), media_type="application/json")
