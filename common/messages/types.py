@@ -33,6 +33,11 @@ _OPENAI_NAMES = {
 }
 
 
+# SamplingParams fields a model's generation_config.json may give defaults for, used when a
+# request leaves them unset (vLLM's --generation-config auto)
+MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 @struct
 class SamplingParams:
     """How one request samples and when it stops. Validated by the gateway and tokenizer."""
