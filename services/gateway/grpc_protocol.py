@@ -128,7 +128,7 @@ def _http_body(
     if request.stop_token_ids:
         data["stop_token_ids"] = list(request.stop_token_ids)
     if request.logit_bias:
-        data["logit_bias"] = {str(k): v for k, v in sorted(request.logit_bias.items())}
+        data["logit_bias"] = {str(k): v for k, v in request.logit_bias.items()}
     if request.bad_words:
         data["bad_words"] = list(request.bad_words)
     kind = request.WhichOneof("prompt")

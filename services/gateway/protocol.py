@@ -64,6 +64,8 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1  # orjson carries 64-bit ints
 
 # a client-chosen request id (X-Request-Id, gRPC request_id): safe in logs and headers
 REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+# a logit_bias key: a token id in canonical digits, so two keys never name one token ("5", "05")
+_TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,9}")
 
 _STRICT = ConfigDict(strict=True, extra="ignore")
 
@@ -156,7 +158,7 @@ class _CommonRequest(BaseModel):
         if len(value) > MAX_LOGIT_BIAS:
             raise PydanticCustomError("logit_bias_count", f"at most {MAX_LOGIT_BIAS} entries")
         for key in value:
-            if not (key.isascii() and key.isdigit()) or int(key) > _INT32_MAX:
+            if not _TOKEN_ID_KEY.fullmatch(key) or int(key) > _INT32_MAX:
                 raise PydanticCustomError(
                     "logit_bias_key",
                     "keys must be token ids (non-negative integers, as strings), got {key!r}",
@@ -198,7 +200,7 @@ class _CommonRequest(BaseModel):
             raise RequestRejected(
                 f"min_tokens: must be <= {field} ({limit}), got {self.min_tokens}", "min_tokens"
             )
-        bias = self.logit_bias or {}
+        bias = sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
         return SamplingParams(
             max_tokens=limit,
             temperature=1.0 if self.temperature is None else float(self.temperature),
@@ -215,8 +217,8 @@ class _CommonRequest(BaseModel):
             repetition_penalty=(
                 1.0 if self.repetition_penalty is None else float(self.repetition_penalty)
             ),
-            logit_bias_token_ids=[int(k) for k in bias],
-            logit_bias_values=[float(v) for v in bias.values()],
+            logit_bias_token_ids=[token for token, _ in bias],
+            logit_bias_values=[value for _, value in bias],
             min_tokens=self.min_tokens or 0,
             bad_words=list(self.bad_words or []),
         )

@@ -357,6 +357,7 @@ def test_unset_sampling_fields_default_and_are_named() -> None:
         (chat_body(logit_bias={"5": -101}), "logit_bias.5", ">= -100"),
         (chat_body(logit_bias={"five": 1}), "logit_bias", "token ids"),
         (chat_body(logit_bias={"-5": 1}), "logit_bias", "token ids"),
+        (chat_body(logit_bias={"5": 1, "05": 1}), "logit_bias", "token ids"),
         (chat_body(logit_bias=[5]), "logit_bias", "object"),
         (chat_body(bad_words="word"), "bad_words", "list"),
         (chat_body(bad_words=["ok", "  "]), "bad_words", "not all spaces"),
