@@ -51,18 +51,16 @@ class GatewayActor(Actor):
         self.port = 0
         self.grpc: GrpcGateway | None = None
         self.grpc_port = 0
-        self.handlers.update(
-            {
-                OutputBatch: self._on_outputs,
-                RequestError: self._on_error,
-                Stats: self._on_stats,
-                SwapResult: self._on_swap_result,
-                ProcessDown: self._on_process_down,
-                Drain: self._on_drain,
-                ModelChanged: self._on_model_changed,
-                Retokenize: self._on_retokenize,
-            }
-        )
+        self.handlers.update({
+            OutputBatch: self._on_outputs,
+            RequestError: self._on_error,
+            Stats: self._on_stats,
+            SwapResult: self._on_swap_result,
+            ProcessDown: self._on_process_down,
+            Drain: self._on_drain,
+            ModelChanged: self._on_model_changed,
+            Retokenize: self._on_retokenize,
+        })
 
     async def start(self) -> None:
         from services.gateway.app import create_app
@@ -74,23 +72,16 @@ class GatewayActor(Actor):
         )
         server = self.config.server
         app = create_app(self.engine, server)
-        uv_config = uvicorn.Config(
-            app,
-            host=self.config.server.host,
-            port=self.config.server.port,
-            loop="none",
-            log_config=None,
-            access_log=False,
-            timeout_graceful_shutdown=5,
-        )
+        uv_config = uvicorn.Config(app, host=self.config.server.host, port=self.config.server.port,
+                                   loop="none", log_config=None, access_log=False,
+                                   timeout_graceful_shutdown=5)
         self.server = _Server(uv_config)
         self.server_task = asyncio.create_task(self.server.serve())
         while not self.server.started:
             if self.server_task.done():
                 self.server_task.result()
-                raise RuntimeError(
-                    f"cannot serve HTTP on {self.config.server.host}:{self.config.server.port}"
-                )
+                raise RuntimeError(f"cannot serve HTTP on {self.config.server.host}:"
+                                   f"{self.config.server.port}")
             await asyncio.sleep(0.02)
         self.port = self.server.servers[0].sockets[0].getsockname()[1]
         log.info("HTTP on %s:%d", self.config.server.host, self.port)
@@ -165,10 +156,8 @@ class GatewayActor(Actor):
         self._drain(self.config.server.shutdown_timeout, lambda _: stop())
 
     def _on_drain(self, msg: Drain) -> None:
-        self._drain(
-            msg.timeout_s,
-            lambda unfinished: self.outbox(msg.reply_to).send(Drained(num_unfinished=unfinished)),
-        )
+        self._drain(msg.timeout_s, lambda unfinished: self.outbox(msg.reply_to).send(
+            Drained(num_unfinished=unfinished)))
 
     def _drain(self, timeout_s: float, then: Callable[[int], None]) -> None:
         """Refuse new requests (503) from now on; once those in flight have finished, or

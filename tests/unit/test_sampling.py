@@ -261,7 +261,15 @@ def test_each_control_matches_the_reference(name: str) -> None:
 def test_mixed_batch_controls_only_their_rows() -> None:
     rng = random.Random(1)
     plain = SamplingParams(temperature=0.8, top_k=5, seed=1)
-    params = [plain, CONTROLS["all"], SamplingParams(), CONTROLS["repetition"], plain]
+    params = [
+        plain,
+        CONTROLS["all"],
+        SamplingParams(),
+        CONTROLS["repetition"],
+        CONTROLS["repetition<1"],  # r < 1 beside r > 1 in one batch
+        CONTROLS["bias"],  # no penalty: its row skips the counts
+        plain,
+    ]
     rows = [_random_row(rng, f"r{i}") for i in range(len(params))]
     logits = _logits(len(params), seed=3)
     before = logits.clone()

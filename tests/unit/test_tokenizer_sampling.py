@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tokenizers import Tokenizer
@@ -191,9 +192,9 @@ def test_bad_words_token_ids_follow_vllms_rule() -> None:
         ({"bad_words": [" "]}, "bad_words"),
     ],
 )
-def test_control_ranges_are_checked(change: dict[str, object], field: str) -> None:
+def test_control_ranges_are_checked(change: dict[str, Any], field: str) -> None:
     with pytest.raises(InvalidRequest) as refused:
-        check_sampling(dataclasses.replace(SamplingParams(), **change))  # type: ignore[arg-type]
+        check_sampling(dataclasses.replace(SamplingParams(), **change))
     assert refused.value.param == field and refused.value.status == 400
     assert refused.value.message.startswith(f"{field}: ")
 
