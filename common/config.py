@@ -46,9 +46,15 @@ class ModelConfig:
     attention_backend: str = _field("auto", "auto | torch | triton (auto: triton on CUDA)")
     enforce_eager: bool = _field(False, "never capture CUDA graphs")
     max_graph_batch_size: int = _field(64, "largest decode batch captured as a CUDA graph")
+    generation_config: str = _field(
+        "auto",
+        "auto: sampling fields a request leaves unset (temperature, top_p, top_k, min_p, "
+        "repetition_penalty) take the model's generation_config.json; vllm: ignore the file",
+    )
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("float32", "bfloat16"), "dtype", "float32 or bfloat16")
+        _check(self.generation_config in ("auto", "vllm"), "generation_config", "auto or vllm")
         _check(self.device in ("cpu", "cuda"), "device", "cpu or cuda")
         _check(self.max_model_len >= 0, "max_model_len", ">= 0")
         _check(self.num_threads >= 0, "num_threads", ">= 0")

@@ -28,6 +28,7 @@ from common.messages.scheduler_worker import StepPlan, StepResult
 from gpu_worker.attention import AttentionMetadata, build_metadata, create_backend
 from gpu_worker.cuda_graphs import CUDAGraphRunner, maybe_capture_graphs, run_model
 from gpu_worker.kv_cache import GIB, KVCache, cuda_kv_budget_bytes
+from gpu_worker.logits_controls import History, TokenCounts
 from gpu_worker.models.llama import LlamaConfig, LlamaForCausalLM
 from gpu_worker.models.loader import eos_token_ids, load_model, read_hf_config, weights_version
 from gpu_worker.runner import PlanRunner, RequestState, RequestTable
@@ -46,6 +47,7 @@ class ModelVersion:
     config: LlamaConfig
     path: str
     eos_token_ids: list[int]
+    counts: TokenCounts  # its requests' token counts, for penalties
 
 
 class IncompatibleModel(ValueError):
@@ -152,7 +154,12 @@ class ModelRunner(PlanRunner[ModelVersion]):
         )
         self.versions = {
             self.weights_version: ModelVersion(
-                self.model, self.graphs, self.config, self.model_path, list(self.eos_token_ids)
+                self.model,
+                self.graphs,
+                self.config,
+                self.model_path,
+                list(self.eos_token_ids),
+                TokenCounts(self.config.vocab_size, self.device),
             )
         }
         self.default_version = self.weights_version
@@ -162,6 +169,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
             num_blocks=self.num_blocks,
             max_model_len=self.max_model_len,
             new_generator=lambda params: make_generator(params, self._rng, self.device),
+            on_drop=self._release_counts,
         )
 
     @classmethod
@@ -301,7 +309,12 @@ class ModelRunner(PlanRunner[ModelVersion]):
             max_graph_batch_size=self.graphs.max_batch_size if self.graphs else 0,
         )
         self.versions[version] = ModelVersion(
-            model, graphs, config, path, eos_token_ids(path, hf_config)
+            model,
+            graphs,
+            config,
+            path,
+            eos_token_ids(path, hf_config),
+            TokenCounts(config.vocab_size, self.device),
         )
         return version
 
@@ -343,9 +356,8 @@ class ModelRunner(PlanRunner[ModelVersion]):
                     batch.meta,
                     batch.logits_indices,
                 )
-                for rid, tokens in zip(
-                    batch.sampling_req_ids, self._accept(logits, batch), strict=True
-                ):
+                accepted = self._accept(logits, batch, loaded.counts)
+                for rid, tokens in zip(batch.sampling_req_ids, accepted, strict=True):
                     sampled[rid] = tokens
             for rid, drafts in zip(batch.sampling_req_ids, batch.drafts, strict=True):
                 proposed[rid] = len(drafts)
@@ -360,13 +372,18 @@ class ModelRunner(PlanRunner[ModelVersion]):
             forward_s=time.perf_counter() - start,
         )
 
-    def _accept(self, logits: torch.Tensor, batch: _Batch) -> list[list[int]]:
+    def _accept(self, logits: torch.Tensor, batch: _Batch, counts: TokenCounts) -> list[list[int]]:
         """Each sampling request's tokens: one sampled, or its verified drafts plus one.
         A verified request's accepted drafts count as computed; the blocks past them (only
         rejected drafts' slots) leave its table, as they leave the scheduler's."""
         states = batch.sampling_states
         if not any(batch.spec_slots):  # no speculation: one logits row each, sampled at once
-            tokens = sample(logits, [s.params for s in states], [s.generator for s in states])
+            tokens = sample(
+                logits,
+                [s.params for s in states],
+                [s.generator for s in states],
+                History(states, counts),
+            )
             for state, token in zip(states, tokens, strict=True):
                 state.token_ids.append(token)
             return [[t] for t in tokens]
@@ -378,6 +395,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
                 logits[[first[j] for j in plain]],
                 [states[j].params for j in plain],
                 [states[j].generator for j in plain],
+                History([states[j] for j in plain], counts),
             )
             for j, token in zip(plain, tokens, strict=True):
                 out[j] = [token]
@@ -396,6 +414,12 @@ class ModelRunner(PlanRunner[ModelVersion]):
                 state.draft_computed = min(batch.draft_computed[j], state.num_computed)
             state.token_ids.extend(out[j])
         return out
+
+    def _release_counts(self, state: RequestState) -> None:
+        """A request left the worker: free its token counts."""
+        loaded = self.versions.get(state.version)
+        if loaded is not None:
+            loaded.counts.release(state.req_id)
 
     def _by_version(self, states: list[RequestState]) -> dict[str, list[int]]:
         groups: dict[str, list[int]] = {}

@@ -107,10 +107,12 @@ class KVCopier(Protocol):
 class RequestState:
     """What a runner remembers about one request between steps."""
 
+    req_id: str
     token_ids: list[int]  # prompt + sampled so far
     params: SamplingParams
     num_prompt: int
     version: str  # the model version that serves it, for its whole life
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)  # what min_tokens masks
     block_table: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
     generator: torch.Generator | None = None  # the model runner's, for sampled requests
@@ -132,11 +134,13 @@ class RequestTable:
         num_blocks: int,
         max_model_len: int,
         new_generator: Callable[[SamplingParams], torch.Generator | None] | None = None,
+        on_drop: Callable[[RequestState], None] | None = None,
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
         self._new_generator = new_generator
+        self._on_drop = on_drop  # frees what the runner keeps beside a state (token counts)
         self._states: dict[str, RequestState] = {}
 
     def __len__(self) -> int:
@@ -146,10 +150,13 @@ class RequestTable:
         return self._states.get(req_id)
 
     def drop(self, req_id: str) -> None:
-        self._states.pop(req_id, None)  # idempotent: a repeat or unknown id is fine
+        state = self._states.pop(req_id, None)  # idempotent: a repeat or unknown id is fine
+        if state is not None and self._on_drop is not None:
+            self._on_drop(state)
 
     def clear(self) -> None:
-        self._states.clear()
+        for req_id in list(self._states):
+            self.drop(req_id)
 
     def num_serving(self, version: str) -> int:
         """How many requests run on `version`."""
@@ -185,14 +192,16 @@ class RequestTable:
 
     def _add_new(self, plan: StepPlan, default_version: str, versions: Collection[str]) -> None:
         new_versions = plan.new_versions or [""] * len(plan.new_req_ids)
+        new_stops = plan.new_stop_token_ids or [[] for _ in plan.new_req_ids]
         new = zip(
             plan.new_req_ids,
             plan.new_prompt_token_ids,
             plan.new_sampling,
             new_versions,
+            new_stops,
             strict=True,
         )
-        for req_id, prompt, params, version in new:
+        for req_id, prompt, params, version, stops in new:
             if req_id in self._states:
                 raise ValueError(f"request {req_id} is already running on the worker")
             if not prompt:
@@ -204,7 +213,13 @@ class RequestTable:
                 )
             generator = self._new_generator(params) if self._new_generator else None
             self._states[req_id] = RequestState(
-                list(prompt), params, len(prompt), version, generator=generator
+                req_id,
+                list(prompt),
+                params,
+                len(prompt),
+                version,
+                stop_token_ids=list(stops),
+                generator=generator,
             )
 
     def _copy_on_write(self, plan: StepPlan, kv: KVCopier | None) -> None:
@@ -274,7 +289,10 @@ class RequestTable:
         return state
 
     def _check_draft_slots(self, req_id: str, state: RequestState, end: int, num_spec: int) -> None:
-        """Draft slots follow a request's last token, inside its blocks and max_model_len."""
+        """Draft slots follow a request's last token, inside its blocks and max_model_len,
+        for requests without logits controls (drafts are verified without them)."""
+        if state.params.has_controls:
+            raise ValueError(f"request {req_id}: draft slots for a request with logits controls")
         if end != len(state.token_ids):
             raise ValueError(
                 f"request {req_id}: draft slots on a step that does not reach its last token"

@@ -1,4 +1,7 @@
-"""Token sampling for one step: greedy rows by argmax, the rest by temperature, top-k, top-p.
+"""Token sampling for one step: greedy rows by argmax, the rest by temperature, min-p, top-k
+and top-p (in vLLM's order). Rows whose request has logits controls (penalties, logit_bias,
+min_tokens, bad words: gpu_worker/logits_controls.py) get them first, greedy rows included;
+the other rows take exactly the path they take in a batch without controls.
 
 Every sampled row draws from its own request's `torch.Generator`, created once when the
 request arrives (from its seed, or from the runner's RNG when it has none) and kept with
@@ -12,6 +15,7 @@ import random
 import torch
 
 from common.messages.types import SamplingParams
+from gpu_worker.logits_controls import History, apply_controls
 
 
 def make_generator(
@@ -29,8 +33,13 @@ def sample(
     logits: torch.Tensor,  # [S, vocab_size] float32
     params: list[SamplingParams],  # [S]
     generators: list[torch.Generator | None],  # [S], None for greedy rows
+    history: History | None = None,  # the rows' requests: needed when a row has controls
 ) -> list[int]:
     """One token per row."""
+    if history is not None:
+        logits = apply_controls(logits, params, history)
+    else:
+        assert not any(p.has_controls for p in params), "logits controls need the history"
     tokens = logits.argmax(dim=-1)  # greedy rows, in one op; sampled rows are overwritten
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if rows:
@@ -43,15 +52,28 @@ def sample(
 
 
 def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, then top-k and top-p filtering, then softmax; row by row parameters."""
+    """Temperature, then min-p, top-k and top-p filtering, then softmax; row by row
+    parameters."""
     device = logits.device
     temperature = torch.tensor([p.temperature for p in params], device=device)
     logits = logits / temperature[:, None]
+    min_p = [p.min_p for p in params]
+    if any(m > 0.0 for m in min_p):
+        logits = apply_min_p(logits, min_p)
     top_k = [p.top_k for p in params]
     top_p = [p.top_p for p in params]
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
         logits = apply_top_k_top_p(logits, top_k, top_p)
     return torch.softmax(logits, dim=-1)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """Set to -inf every logit whose probability is below min_p times its row's largest
+    (0 = off; the most likely token always survives)."""
+    probs = logits.softmax(dim=-1)
+    threshold = torch.tensor(min_p, dtype=probs.dtype, device=probs.device)[:, None]
+    threshold = threshold * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

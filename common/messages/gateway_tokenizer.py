@@ -24,6 +24,9 @@ class GenerateRequest:
     arrival_time: float = 0.0  # time.time() at the gateway
     priority: int = 0  # with --scheduling-policy priority: lower runs first
     timeout: float | None = None  # seconds from arrival; then finish reason `timeout`
+    # sampling fields the client left unset (`sampling` holds our defaults there): with
+    # --generation-config auto the tokenizer fills them from the model's generation_config
+    unset_sampling: list[str] = dataclasses.field(default_factory=list)
 
 
 @message("request_error")

@@ -31,6 +31,10 @@ class StepPlan:
     new_sampling: list[SamplingParams] = dataclasses.field(default_factory=list)  # [num_new]
     new_versions: list[str] = dataclasses.field(default_factory=list)  # [num_new] model version
     # ("" or absent: the worker's default version)
+    # the tokens that end each new request (stop_token_ids, EOS unless ignore_eos) when it has
+    # min_tokens: the worker masks them until min_tokens are out; [] for the others, and
+    # absent when no new request has min_tokens
+    new_stop_token_ids: list[list[int]] = dataclasses.field(default_factory=list)  # [num_new][*]
     # requests to forget before this step runs (finished, cancelled)
     finished_req_ids: list[str] = dataclasses.field(default_factory=list)
     # requests whose KV was dropped (recompute preemption): block table and count reset to 0,

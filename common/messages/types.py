@@ -33,6 +33,11 @@ _OPENAI_NAMES = {
 }
 
 
+# SamplingParams fields a model's generation_config.json may give defaults for, used when a
+# request leaves them unset (vLLM's --generation-config auto)
+MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 @struct
 class SamplingParams:
     """How one request samples and when it stops. Validated by the gateway and tokenizer."""
@@ -46,7 +51,41 @@ class SamplingParams:
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
     n: int = 1  # sequences per request; they share the prompt's KV blocks
+    min_p: float = 0.0  # [0, 1]: drop tokens less likely than min_p * the top probability
+    # logits controls, applied before sampling (and before a greedy argmax):
+    presence_penalty: float = 0.0  # [-2, 2], once per token already generated
+    frequency_penalty: float = 0.0  # [-2, 2], times the token's count in the output
+    repetition_penalty: float = 1.0  # > 0, on tokens of the prompt or the output; 1 = off
+    # logit_bias as struct-of-arrays: logit_bias_values[j] is added to token
+    # logit_bias_token_ids[j] (OpenAI's {"id": bias} map; bias in [-100, 100])
+    logit_bias_token_ids: list[int] = dataclasses.field(default_factory=list)  # [b]
+    logit_bias_values: list[float] = dataclasses.field(default_factory=list)  # [b]
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many are generated
+    bad_words: list[str] = dataclasses.field(default_factory=list)  # as the client sent them
+    # bad_words as token-id sequences (the tokenizer fills it): a sequence's last token is
+    # banned when the rest of it ends the output; a one-token sequence is always banned
+    bad_words_token_ids: list[list[int]] = dataclasses.field(default_factory=list)  # [w][*]
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        """Penalties that read the request's token counts."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    @property
+    def has_controls(self) -> bool:
+        """Logits controls (penalties, logit_bias, min_tokens, bad words) that change the
+        logits before sampling, greedy or not. (min_p, like top_p, filters sampling only.)"""
+        return (
+            self.has_penalties
+            or bool(self.logit_bias_token_ids)
+            or self.min_tokens > 0
+            or bool(self.bad_words_token_ids)
+        )

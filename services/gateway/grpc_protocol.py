@@ -32,7 +32,19 @@ from services.gateway.protocol import (
 )
 
 REQUEST_ID_PREFIX = "gen-"
-_OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
+_OPTIONAL_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+    "min_tokens",
+)
 _STATUS_CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     401: grpc.StatusCode.UNAUTHENTICATED,
@@ -114,6 +126,10 @@ def _http_body(
         data["stop"] = list(request.stop)
     if request.stop_token_ids:
         data["stop_token_ids"] = list(request.stop_token_ids)
+    if request.logit_bias:
+        data["logit_bias"] = {str(k): v for k, v in request.logit_bias.items()}
+    if request.bad_words:
+        data["bad_words"] = list(request.bad_words)
     kind = request.WhichOneof("prompt")
     if kind is None:
         raise RequestRejected("prompt: one of text, chat or token_ids is required", "prompt")

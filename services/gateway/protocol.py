@@ -12,14 +12,23 @@ field it names.
 Defaults:
 - `max_tokens`: 16 for completions (OpenAI's legacy default); for chat 0, meaning as many as
   fit in the model's context after the prompt (the tokenizer resolves it).
-- `temperature` 1.0, `top_p` 1.0, `top_k` off (-1 or 0), `n` 1, `stream` false.
+- `temperature` 1.0, `top_p` 1.0, `top_k` off (-1 or 0), `min_p` 0, `repetition_penalty` 1:
+  when the client leaves one of these unset, the tokenizer may take the model's default
+  from its generation_config.json instead (`--generation-config auto`, as vLLM).
+- `n` 1, `stream` false; every other control off.
 
 Limits: at most `MAX_STOP` stop strings of 1..`MAX_STOP_CHARS` characters each; `n` (choices
 per prompt, sampled as sequences that share the prompt's KV blocks) at most `MAX_N`;
 `best_of` only equal to `n`; at most `MAX_PROMPTS` prompts in a /v1/completions batch (a
 list of strings or of token-id lists; each is its own engine request). Not yet supported,
-refused with a clear message: `echo`, `suffix`, `logprobs`, non-zero presence/frequency
-penalties, `repetition_penalty` other than 1. `stream_options` only with `stream: true`.
+refused with a clear message: `echo`, `suffix`, `logprobs`. `stream_options` only with
+`stream: true`.
+
+Sampling controls: `presence_penalty` and `frequency_penalty` in [-2, 2] (OpenAI), `logit_bias`
+(a map of token ids, as strings, to a bias in [-100, 100]: at most `MAX_LOGIT_BIAS`; ids
+outside the vocabulary are refused by the tokenizer, naming `logit_bias`); vLLM's
+`repetition_penalty` (> 0), `min_p` in [0, 1], `min_tokens` (<= max_tokens) and `bad_words`
+(at most `MAX_BAD_WORDS` strings).
 
 vLLM extensions: `top_k`, `ignore_eos`, `return_token_ids`, `stop_token_ids`,
 `add_generation_prompt` (chat), `priority` (int, default 0: lower is served first; anything
@@ -46,6 +55,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from common.messages import GenerateRequest, SamplingParams
+from common.messages.types import MODEL_DEFAULT_FIELDS
 from services.gateway.refused import (
     REFUSED_CHAT,
     REFUSED_COMPLETION,
@@ -60,11 +70,16 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_N = 16  # choices per request: each is a sequence holding its own KV blocks
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (one engine request each)
 MAX_TIMEOUT_S = 86400.0  # a day
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+MAX_BAD_WORDS = 64
+MAX_BAD_WORD_CHARS = 256
 _INT32_MAX = 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1  # orjson carries 64-bit ints
 
 # a client-chosen request id (X-Request-Id, gRPC request_id): safe in logs and headers
 REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+# a logit_bias key: a token id in canonical digits, so two keys never name one token ("5", "05")
+_TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,9}")
 
 _STRICT = ConfigDict(strict=True, extra="ignore")
 
@@ -74,6 +89,10 @@ TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 TopK = Annotated[int, Field(ge=-1, le=_INT32_MAX)]
 Seed = Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+RepetitionPenalty = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
+MinP = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+MinTokens = Annotated[int, Field(ge=0, le=_INT32_MAX)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
 TokenId = Annotated[int, Field(ge=0, le=_INT32_MAX)]
 NumChoices = Annotated[int, Field(ge=1, le=MAX_N)]
 Priority = Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)]
@@ -132,7 +151,11 @@ class _CommonRequest(BaseModel):
     user: str | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
+    repetition_penalty: RepetitionPenalty | None = None  # vLLM extension
+    min_p: MinP | None = None  # vLLM extension
+    min_tokens: MinTokens | None = None  # vLLM extension
+    logit_bias: dict[str, Bias] | None = None  # token id (a string, as JSON keys) -> bias
+    bad_words: list[str] | None = None  # vLLM extension
     priority: Priority | None = None  # vLLM extension: lower first (priority scheduling)
     timeout: Timeout | None = None  # vLLM-style extension: seconds until finish "timeout"
 
@@ -151,18 +174,37 @@ class _CommonRequest(BaseModel):
                 )
         return stops
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("logit_bias")
     @classmethod
-    def _zero_penalty(cls, value: float | None) -> float | None:
-        if value:
-            raise _refuse("only 0 is supported for now")
+    def _logit_bias_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is None:
+            return value
+        if len(value) > MAX_LOGIT_BIAS:
+            raise PydanticCustomError("logit_bias_count", f"at most {MAX_LOGIT_BIAS} entries")
+        for key in value:
+            if not _TOKEN_ID_KEY.fullmatch(key) or int(key) > _INT32_MAX:
+                raise PydanticCustomError(
+                    "logit_bias_key",
+                    "keys must be token ids (non-negative integers, as strings), got {key!r}",
+                    {"key": key[:40]},
+                )
         return value
 
-    @field_validator("repetition_penalty")
+    @field_validator("bad_words", mode="before")
     @classmethod
-    def _unit_penalty(cls, value: float | None) -> float | None:
-        if value is not None and value != 1.0:
-            raise _refuse("only 1 is supported for now")
+    def _bad_words(cls, value: Any) -> Any:
+        if value is None:
+            return value
+        if not isinstance(value, list):
+            raise PydanticCustomError("bad_words_type", "must be a list of strings")
+        if len(value) > MAX_BAD_WORDS:
+            raise PydanticCustomError("bad_words_count", f"at most {MAX_BAD_WORDS} words")
+        for word in value:
+            if not isinstance(word, str) or not word.strip() or len(word) > MAX_BAD_WORD_CHARS:
+                raise PydanticCustomError(
+                    "bad_words_item",
+                    f"each bad word must be 1..{MAX_BAD_WORD_CHARS} characters, not all spaces",
+                )
         return value
 
     @field_validator("stream_options")
@@ -198,6 +240,11 @@ class _CommonRequest(BaseModel):
                 f"{field}: must be <= {max_model_len} (the model's context length), got {limit}",
                 field,
             )
+        if self.min_tokens and limit and self.min_tokens > limit:  # (limit 0: as many as fit)
+            raise RequestRejected(
+                f"min_tokens: must be <= {field} ({limit}), got {self.min_tokens}", "min_tokens"
+            )
+        bias = sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
         return SamplingParams(
             max_tokens=limit,
             temperature=1.0 if self.temperature is None else float(self.temperature),
@@ -208,11 +255,30 @@ class _CommonRequest(BaseModel):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=bool(self.ignore_eos),
             n=self.n or 1,
+            min_p=float(self.min_p or 0.0),
+            presence_penalty=float(self.presence_penalty or 0.0),
+            frequency_penalty=float(self.frequency_penalty or 0.0),
+            repetition_penalty=(
+                1.0 if self.repetition_penalty is None else float(self.repetition_penalty)
+            ),
+            logit_bias_token_ids=[token for token, _ in bias],
+            logit_bias_values=[value for _, value in bias],
+            min_tokens=self.min_tokens or 0,
+            bad_words=list(self.bad_words or []),
         )
 
+    def _unset_sampling(self) -> list[str]:
+        """The fields a model's generation_config may fill: those the client left unset."""
+        return [name for name in MODEL_DEFAULT_FIELDS if getattr(self, name) is None]
+
     def _scheduling(self) -> dict[str, Any]:
-        """The GenerateRequest fields that steer the scheduler rather than sampling."""
-        return {"priority": self.priority or 0, "timeout": self.timeout}
+        """The GenerateRequest fields that steer the scheduler rather than sampling, and
+        the sampling fields left unset."""
+        return {
+            "priority": self.priority or 0,
+            "timeout": self.timeout,
+            "unset_sampling": self._unset_sampling(),
+        }
 
 
 def _content_text(value: Any) -> str:

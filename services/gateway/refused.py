@@ -4,7 +4,7 @@ value other than null or the value that changes nothing), except the few on
 IGNORED_FIELDS, which cannot change what is generated.
 
 Fields the server honours, or refuses with a message of their own (`logprobs`, `echo`,
-`suffix`, the penalties), are declared on the request models in protocol.py; a field must
+`suffix`), are declared on the request models in protocol.py; a field must
 not be both there and here (checked when protocol.py is imported), so implementing one means
 moving it from here to there.
 """
@@ -37,10 +37,6 @@ ANY = object()  # refused whatever its value, null aside
 # field -> the one value that asks for nothing (accepted), or ANY
 _COMMON: dict[str, Any] = {
     # sampling controls not implemented yet (vLLM names)
-    "min_p": ANY,
-    "logit_bias": ANY,
-    "min_tokens": ANY,
-    "bad_words": ANY,
     "allowed_token_ids": ANY,
     "logits_processors": ANY,
     "length_penalty": 1.0,

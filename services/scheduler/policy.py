@@ -222,9 +222,12 @@ class Scheduler:
 
     def _num_spec_tokens(self, req: Request, num_new: int, budget: int) -> int:
         """Draft slots for a decode: up to k, never more than it may still produce less one
-        (the step always yields one token beyond the accepted drafts), nor past the budget."""
+        (the step always yields one token beyond the accepted drafts), nor past the budget.
+        None for a request with logits controls: the worker verifies drafts without them."""
         k = self.config.num_speculative_tokens
         if not k or num_new != 1 or req.num_pending or not req.output_token_ids:
+            return 0
+        if req.sampling.has_controls:
             return 0
         may_produce = req.max_total_tokens - req.num_tokens
         return max(0, min(k, may_produce - 1, budget - num_new))

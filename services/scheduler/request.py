@@ -73,6 +73,11 @@ class Request:
         )
 
     @property
+    def stop_token_ids(self) -> list[int]:
+        """The tokens that end it: its stop_token_ids, and EOS unless ignore_eos."""
+        return sorted(self._stop_ids)
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

@@ -21,13 +21,17 @@ from common.messages import (
     GenerateRequest,
     ModelChanged,
     RequestError,
+    SamplingParams,
     TokenizedRequest,
     TokenizeQuery,
     TokenizeResult,
 )
 from common.model_facts import load_model_facts, tokenizer_fingerprint
+from services.tokenizer.sampling import bad_words_token_ids, fill_defaults, read_sampling_defaults
 from services.tokenizer.validate import (
     InvalidRequest,
+    check_control_token_ids,
+    check_min_tokens,
     check_prompt_chars,
     check_sampling,
     check_token_ids,
@@ -49,6 +53,7 @@ class ServedModel:
     max_model_len: int
     vocab_size: int  # prompt token ids must be below it
     eos_token_ids: list[int]
+    sampling_defaults: dict[str, float]  # from generation_config.json (--generation-config)
 
 
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
@@ -63,7 +68,9 @@ def _with_tokenizer_eos(eos_token_ids: list[int], tokenizer: PreTrainedTokenizer
     return sorted({*eos_token_ids, eos}) if isinstance(eos, int) else sorted(eos_token_ids)
 
 
-def startup_model(model_dir: Path, max_model_len_override: int = 0) -> ServedModel:
+def startup_model(
+    model_dir: Path, max_model_len_override: int = 0, generation_config: str = "auto"
+) -> ServedModel:
     """The model named on the command line, read from its folder (before any ModelChanged)."""
     tokenizer = load_tokenizer(model_dir)
     facts = load_model_facts(model_dir, max_model_len_override)
@@ -73,6 +80,7 @@ def startup_model(model_dir: Path, max_model_len_override: int = 0) -> ServedMod
         max_model_len=facts["max_model_len"],
         vocab_size=max(facts["vocab_size"], len(tokenizer)),
         eos_token_ids=_with_tokenizer_eos(facts["eos_token_ids"], tokenizer),
+        sampling_defaults=read_sampling_defaults(model_dir, generation_config),
     )
 
 
@@ -92,7 +100,8 @@ class TokenizerActor(Actor):
         return f"tokenizer-{self.index}"
 
     async def start(self) -> None:
-        self.model = startup_model(Path(self.config.model.model), self.config.model.max_model_len)
+        m = self.config.model
+        self.model = startup_model(Path(m.model), m.max_model_len, m.generation_config)
         self.scheduler = self.outbox(self.config.addr("scheduler"))
         self.gateway = self.outbox(self.config.addr("gateway"))
 
@@ -133,6 +142,9 @@ class TokenizerActor(Actor):
             max_model_len=msg.max_model_len,
             vocab_size=msg.vocab_size,
             eos_token_ids=_with_tokenizer_eos(msg.eos_token_ids, tokenizer),
+            sampling_defaults=read_sampling_defaults(
+                Path(msg.path), self.config.model.generation_config
+            ),
         )
 
     def _on_generate(self, req: GenerateRequest) -> None:
@@ -147,19 +159,35 @@ class TokenizerActor(Actor):
 
     def tokenize(self, req: GenerateRequest) -> TokenizedRequest:
         model = self.model
-        check_sampling(req.sampling)
+        sampling = self._sampling(req, model)
         ids = self._prompt_ids(req, model)
-        max_tokens = fit_max_tokens(len(ids), req.sampling.max_tokens, model.max_model_len)
+        max_tokens = fit_max_tokens(len(ids), sampling.max_tokens, model.max_model_len)
+        check_min_tokens(sampling.min_tokens, max_tokens)
         return TokenizedRequest(
             request_id=req.request_id,
             prompt_token_ids=ids,
-            sampling=dataclasses.replace(req.sampling, max_tokens=max_tokens),
+            sampling=dataclasses.replace(sampling, max_tokens=max_tokens),
             eos_token_ids=model.eos_token_ids,
             arrival_time=req.arrival_time,
             priority=req.priority,
             timeout=req.timeout,
             tokenizer_fingerprint=model.fingerprint,
         )
+
+    def _sampling(self, req: GenerateRequest, model: ServedModel) -> SamplingParams:
+        """The request's sampling with the model's defaults filled in and its bad words
+        tokenised, checked."""
+        sampling = fill_defaults(req.sampling, req.unset_sampling, model.sampling_defaults)
+        check_sampling(sampling)
+        if sampling.bad_words:
+
+            def encode(text: str) -> list[int]:
+                return list(model.tokenizer.encode(text, add_special_tokens=False))
+
+            words = bad_words_token_ids(sampling.bad_words, encode)
+            sampling = dataclasses.replace(sampling, bad_words_token_ids=words)
+        check_control_token_ids(sampling, model.vocab_size)
+        return sampling
 
     def _prompt_ids(self, req: GenerateRequest, model: ServedModel) -> list[int]:
         if req.prompt_token_ids is not None:

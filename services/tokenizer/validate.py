@@ -8,6 +8,9 @@ from common.messages import SamplingParams
 
 MAX_STOP_STRINGS = 64
 MAX_STOP_LEN = 256
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+MAX_BAD_WORDS = 64
+MAX_BAD_WORD_LEN = 256
 
 
 class InvalidRequest(ValueError):
@@ -33,6 +36,62 @@ def check_sampling(sp: SamplingParams) -> None:
     for s in sp.stop:
         if not s or len(s) > MAX_STOP_LEN:
             raise InvalidRequest("stop", f"each stop string must have 1..{MAX_STOP_LEN} characters")
+    check_controls(sp)
+
+
+def check_controls(sp: SamplingParams) -> None:
+    """Ranges of min_p, the penalties, logit_bias values, min_tokens and bad_words (their
+    token ids are checked against the vocabulary by `check_control_token_ids`)."""
+    if not _in(sp.min_p, 0.0, 1.0):
+        raise InvalidRequest("min_p", f"must be in [0, 1], got {sp.min_p}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(sp, name)
+        if not _in(value, -2.0, 2.0):
+            raise InvalidRequest(name, f"must be in [-2, 2], got {value}")
+    if not math.isfinite(sp.repetition_penalty) or sp.repetition_penalty <= 0.0:
+        raise InvalidRequest(
+            "repetition_penalty", f"must be > 0 (1 = off), got {sp.repetition_penalty}"
+        )
+    if len(sp.logit_bias_token_ids) != len(sp.logit_bias_values):
+        raise InvalidRequest("logit_bias", "token ids and values differ in number")
+    if len(sp.logit_bias_token_ids) > MAX_LOGIT_BIAS:
+        raise InvalidRequest("logit_bias", f"at most {MAX_LOGIT_BIAS} entries")
+    for token, bias in zip(sp.logit_bias_token_ids, sp.logit_bias_values, strict=True):
+        if not _in(bias, -100.0, 100.0):
+            raise InvalidRequest("logit_bias", f"bias of token {token} must be in [-100, 100]")
+    if not isinstance(sp.min_tokens, int) or sp.min_tokens < 0:
+        raise InvalidRequest("min_tokens", f"must be >= 0, got {sp.min_tokens}")
+    if len(sp.bad_words) > MAX_BAD_WORDS:
+        raise InvalidRequest("bad_words", f"at most {MAX_BAD_WORDS} words, got {len(sp.bad_words)}")
+    for word in sp.bad_words:
+        if not word.strip() or len(word) > MAX_BAD_WORD_LEN:
+            raise InvalidRequest(
+                "bad_words",
+                f"each bad word must have 1..{MAX_BAD_WORD_LEN} characters, not all spaces",
+            )
+
+
+def check_min_tokens(min_tokens: int, max_tokens: int) -> None:
+    """min_tokens may not exceed the output budget (as vLLM: min_tokens <= max_tokens)."""
+    if min_tokens > max_tokens:
+        raise InvalidRequest(
+            "min_tokens", f"must be <= max_tokens ({max_tokens}), got {min_tokens}"
+        )
+
+
+def check_control_token_ids(sp: SamplingParams, vocab_size: int) -> None:
+    """logit_bias ids (and the bad words' token ids) inside the vocabulary."""
+    for t in sp.logit_bias_token_ids:
+        if not 0 <= t < vocab_size:
+            raise InvalidRequest(
+                "logit_bias", f"token id {t} is outside the vocabulary (0..{vocab_size - 1})"
+            )
+    if any(not 0 <= t < vocab_size for ids in sp.bad_words_token_ids for t in ids):
+        raise InvalidRequest("bad_words", "a word has a token id outside the vocabulary")
+
+
+def _in(value: float, low: float, high: float) -> bool:
+    return math.isfinite(value) and low <= value <= high
 
 
 def check_prompt_chars(param: str, num_chars: int, max_chars: int) -> None:

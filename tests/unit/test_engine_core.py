@@ -159,6 +159,32 @@ def test_n_sequences_are_one_group_with_indices() -> None:
     core.policy.check_idle()
 
 
+def test_plans_carry_the_stop_ids_min_tokens_masks() -> None:
+    core, out = _core()
+    plain = _request("plain")
+    masked = dataclasses.replace(
+        _request("masked"),
+        sampling=SamplingParams(max_tokens=3, min_tokens=2, stop_token_ids=[9, 5]),
+    )
+    ignoring = dataclasses.replace(
+        _request("ignoring"),
+        sampling=SamplingParams(max_tokens=3, min_tokens=2, stop_token_ids=[9], ignore_eos=True),
+    )
+    core.add(plain)
+    core.step()
+    (first,) = out.of(StepPlan)
+    assert first.new_req_ids == [sequence_key("plain", 0)]
+    assert first.new_stop_token_ids == []  # no new request has min_tokens
+    core.on_step_result(out.answer(first))
+    core.add(masked)
+    core.add(ignoring)
+    core.step()
+    second = out.of(StepPlan)[-1]
+    stops = dict(zip(second.new_req_ids, second.new_stop_token_ids, strict=True))
+    # EOS (2) unless ignore_eos, with the request's stop_token_ids
+    assert stops == {sequence_key("masked", 0): [2, 5, 9], sequence_key("ignoring", 0): [9]}
+
+
 def test_abort_ends_every_sequence_or_one() -> None:
     core, out = _core()
     core.add(_request("a", n=3, max_tokens=50))

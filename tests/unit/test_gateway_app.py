@@ -360,6 +360,62 @@ def test_a_client_leaving_a_batch_aborts_every_prompt() -> None:
     assert sent[0]["status"] == 499
 
 
+def test_sampling_controls_reach_the_engine() -> None:
+    engine = FakeEngine()
+    body = chat_body(
+        presence_penalty=0.5,
+        frequency_penalty=-1,
+        repetition_penalty=1.3,
+        min_p=0.05,
+        min_tokens=3,
+        max_tokens=8,
+        logit_bias={"17": 5, "3": -100},
+        bad_words=["foo", " bar baz"],
+        temperature=0.7,
+    )
+    assert run(engine, "POST", CHAT, json=body).status_code == 200
+    got = engine.requests[0].sampling
+    assert (got.presence_penalty, got.frequency_penalty, got.repetition_penalty) == (
+        0.5,
+        -1.0,
+        1.3,
+    )
+    assert (got.min_p, got.min_tokens, got.max_tokens) == (0.05, 3, 8)
+    assert dict(zip(got.logit_bias_token_ids, got.logit_bias_values, strict=True)) == {
+        17: 5.0,
+        3: -100.0,
+    }
+    assert got.bad_words == ["foo", " bar baz"]
+    assert got.bad_words_token_ids == []  # the tokenizer fills them
+    assert got.has_controls
+    # the fields a model's generation_config may fill: those the client left unset
+    assert engine.requests[0].unset_sampling == ["top_p", "top_k"]
+
+
+def test_unset_sampling_fields_default_and_are_named() -> None:
+    engine = FakeEngine()
+    run(engine, "POST", COMPLETIONS, json={"prompt": "p"})
+    run(engine, "POST", COMPLETIONS, json={"prompt": "p", "top_k": -1, "min_p": None})
+    plain, explicit = engine.requests
+    assert plain.unset_sampling == [
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+    ]
+    assert explicit.unset_sampling == ["temperature", "top_p", "min_p", "repetition_penalty"]
+    sp = plain.sampling
+    assert (sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.repetition_penalty) == (
+        1.0,
+        1.0,
+        0,
+        0.0,
+        1.0,
+    )
+    assert not sp.has_controls and sp.logit_bias_token_ids == [] and sp.bad_words == []
+
+
 # --- refusals --------------------------------------------------------------------------------
 
 
@@ -393,7 +449,25 @@ def test_a_client_leaving_a_batch_aborts_every_prompt() -> None:
         (chat_body(stream="yes"), "stream", "boolean"),
         (chat_body(stop=["a", ""]), "stop", "1..256"),
         (chat_body(stop=["s"] * 65), "stop", "at most 64"),
-        (chat_body(presence_penalty=0.5), "presence_penalty", "only 0"),
+        (chat_body(presence_penalty=2.5), "presence_penalty", "<= 2"),
+        (chat_body(frequency_penalty=-2.1), "frequency_penalty", ">= -2"),
+        (chat_body(frequency_penalty="1"), "frequency_penalty", "number"),
+        (chat_body(repetition_penalty=0), "repetition_penalty", "> 0"),
+        (chat_body(min_p=1.5), "min_p", "<= 1"),
+        (chat_body(min_p=-0.1), "min_p", ">= 0"),
+        (chat_body(min_tokens=-1), "min_tokens", ">= 0"),
+        (chat_body(min_tokens=1.5), "min_tokens", "integer"),
+        (chat_body(max_tokens=10, min_tokens=11), "min_tokens", "<= max_tokens (10)"),
+        ({"prompt": "x", "min_tokens": 17}, "min_tokens", "<= max_tokens (16)"),
+        (chat_body(logit_bias={"5": 100.5}), "logit_bias.5", "<= 100"),
+        (chat_body(logit_bias={"5": -101}), "logit_bias.5", ">= -100"),
+        (chat_body(logit_bias={"five": 1}), "logit_bias", "token ids"),
+        (chat_body(logit_bias={"-5": 1}), "logit_bias", "token ids"),
+        (chat_body(logit_bias={"5": 1, "05": 1}), "logit_bias", "token ids"),
+        (chat_body(logit_bias=[5]), "logit_bias", "object"),
+        (chat_body(bad_words="word"), "bad_words", "list"),
+        (chat_body(bad_words=["ok", "  "]), "bad_words", "not all spaces"),
+        (chat_body(bad_words=["w"] * 65), "bad_words", "at most 64"),
         (chat_body(logprobs=True), "logprobs", "not supported"),
         ({"prompt": ""}, "prompt", "empty"),
         ({"prompt": ["a", ""]}, "prompt", "prompt 1 must not be empty"),

@@ -128,6 +128,39 @@ def test_requests_convert_as_the_http_api_converts_them() -> None:
     assert chatted.sampling.max_tokens == 0 and chatted.add_generation_prompt is False
 
 
+def test_sampling_controls_convert_as_the_http_api_converts_them() -> None:
+    engine = FakeEngine()
+    controls: dict[str, Any] = dict(
+        presence_penalty=0.5,
+        frequency_penalty=-1.0,
+        repetition_penalty=1.2,
+        min_p=0.1,
+        min_tokens=2,
+        max_tokens=8,
+        bad_words=["foo", "bar"],
+    )
+
+    async def test(channel: grpc.aio.Channel) -> None:
+        await generate(channel, text="a b", logit_bias={7: 3.5, 2: -100.0}, **controls)
+        await generate(channel, text="a b", top_k=0)
+
+    run(engine, test)
+    body = {"prompt": "a b", "logit_bias": {"7": 3.5, "2": -100.0}} | controls
+    assert run_http(engine, "POST", COMPLETIONS, json=body).status_code == 200
+    assert run_http(engine, "POST", COMPLETIONS, json={"prompt": "a b", "top_k": 0})
+    grpc_controls, grpc_plain, http_controls, http_plain = engine.requests
+    assert grpc_controls.sampling == http_controls.sampling
+    assert grpc_controls.sampling.has_controls and grpc_controls.sampling.min_tokens == 2
+    assert (
+        grpc_controls.unset_sampling
+        == http_controls.unset_sampling
+        == ["temperature", "top_p", "top_k"]
+    )
+    assert grpc_plain.sampling == http_plain.sampling
+    assert grpc_plain.unset_sampling == http_plain.unset_sampling
+    assert "top_k" not in grpc_plain.unset_sampling  # set, though to its default
+
+
 _USER = {"role": "user", "content": "hi"}
 # (proto fields, HTTP path, HTTP body, HTTP headers, HTTP field -> proto field)
 _BAD_INPUTS = [
@@ -184,6 +217,30 @@ _BAD_INPUTS = [
         {"X-Request-Id": "request_id"},
     ),
     ({}, None, None, {}, "prompt: one of text, chat or token_ids is required"),
+    ({"text": "x", "min_p": 2.0}, COMPLETIONS, {"prompt": "x", "min_p": 2.0}, {}, {}),
+    (
+        {"text": "x", "presence_penalty": -3.0},
+        COMPLETIONS,
+        {"prompt": "x", "presence_penalty": -3.0},
+        {},
+        {},
+    ),
+    (
+        {"text": "x", "repetition_penalty": 0.0},
+        COMPLETIONS,
+        {"prompt": "x", "repetition_penalty": 0.0},
+        {},
+        {},
+    ),
+    ({"text": "x", "min_tokens": 17}, COMPLETIONS, {"prompt": "x", "min_tokens": 17}, {}, {}),
+    (
+        {"text": "x", "logit_bias": {5: 101.0}},
+        COMPLETIONS,
+        {"prompt": "x", "logit_bias": {"5": 101.0}},
+        {},
+        {},
+    ),
+    ({"text": "x", "bad_words": [" "]}, COMPLETIONS, {"prompt": "x", "bad_words": [" "]}, {}, {}),
 ]
 
 

@@ -56,6 +56,13 @@ CHANGES_THE_REQUEST: dict[str, Any] = {
     "priority": 3,  # under --scheduling-policy priority (fcfs: refused, below)
     "timeout": 5.0,
     "add_generation_prompt": False,
+    "presence_penalty": 0.5,
+    "frequency_penalty": 0.5,
+    "repetition_penalty": 1.2,
+    "min_p": 0.1,
+    "min_tokens": 2,
+    "logit_bias": {"5": 1.0},
+    "bad_words": ["nope"],
 }
 # honoured: the body's fields (with what they need) that shape the answer, not the request
 SHAPES_THE_ANSWER: dict[str, dict[str, Any]] = {
@@ -71,9 +78,6 @@ SHAPES_THE_ANSWER: dict[str, dict[str, Any]] = {
 REFUSED_BY_THEIR_MODEL: dict[str, Any] = {
     "logprobs": True,
     "top_logprobs": 2,
-    "presence_penalty": 0.5,
-    "frequency_penalty": 0.5,
-    "repetition_penalty": 1.2,
     "echo": True,
     "suffix": "and then",
 }
@@ -139,10 +143,18 @@ def test_every_completions_field_is_honoured_refused_or_ignored(field: str) -> N
 
 
 def test_sampling_controls_not_implemented_yet_are_refused_not_ignored() -> None:
-    for field in ("min_p", "logit_bias", "min_tokens", "bad_words"):
+    for field in ("allowed_token_ids", "logits_processors", "prompt_logprobs"):
         for url in (CHAT, COMPLETIONS):
             assert _check(url, field, REFUSED_CHAT if url == CHAT else REFUSED_COMPLETION) == (
                 "refused"
+            )
+
+
+def test_the_sampling_controls_are_honoured() -> None:
+    for field in ("min_p", "logit_bias", "min_tokens", "bad_words", "repetition_penalty"):
+        for url in (CHAT, COMPLETIONS):
+            assert _check(url, field, REFUSED_CHAT if url == CHAT else REFUSED_COMPLETION) == (
+                "honoured"
             )
 
 
@@ -185,5 +197,5 @@ def test_stream_options_without_stream_is_refused() -> None:
 
 def test_a_field_cannot_be_both_honoured_and_refused() -> None:
     # implementing a refused field means moving it out of refused.py, or import fails
-    with pytest.raises(TypeError, match="min_p"):
-        check_disjoint({"min_p": None, "top_k": None}, REFUSED_CHAT, "ChatCompletionRequest")
+    with pytest.raises(TypeError, match="guided_json"):
+        check_disjoint({"guided_json": None, "top_k": None}, REFUSED_CHAT, "ChatCompletionRequest")

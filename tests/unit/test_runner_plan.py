@@ -27,6 +27,7 @@ BLOCK_SIZE = 4
 NUM_BLOCKS = 16
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
+CONTROLLED = SamplingParams(max_tokens=8, temperature=0.0, repetition_penalty=1.2, ignore_eos=True)
 
 Batch = list[tuple[str, int, int, list[int]]]  # (request, num_computed, num_new, new blocks)
 
@@ -125,6 +126,10 @@ CASES: dict[str, tuple[list[StepPlan], str]] = {
     "draft slots mid-prompt": (
         [_plan(0, [("a", 0, 2, [0])], new={"a": A}, spec=[1])],
         "request a: draft slots on a step that does not reach its last token",
+    ),
+    "draft slots with logits controls": (
+        [_plan(0, [("a", 0, 3, [0, 1])], new={"a": A}, spec=[1], sampling=CONTROLLED)],
+        "request a: draft slots for a request with logits controls",
     ),
     "fields differ in length": (
         [dataclasses.replace(A_FIRST, new_block_ids=[])],
@@ -256,6 +261,42 @@ def test_model_runner_copies_kv_blocks_and_seeds_sampled_requests(tiny_dir: Path
     )
     assert torch.equal(kv[:, :, 5, :3], kv[:, :, 1, :3])
     assert state.block_table == [5]
+
+
+def test_model_runner_applies_controls_and_frees_their_token_counts(tiny_dir: Path) -> None:
+    runner = ModelRunner(str(tiny_dir), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
+    # a: greedy, pushed to token 42 (+100) but with min_tokens 2 masking 42, its stop token
+    pushed = dataclasses.replace(
+        CONTROLLED, min_tokens=2, logit_bias_token_ids=[42], logit_bias_values=[100.0]
+    )
+    first = dataclasses.replace(
+        _plan(0, [("a", 0, 3, [0]), ("b", 0, 3, [1])], new={"a": A, "b": A}),
+        new_sampling=[pushed, GREEDY],
+        new_stop_token_ids=[[42], []],
+    )
+    out = {"a": [], "b": []}
+    for plan in (
+        first,
+        _plan(1, [("a", 3, 1, []), ("b", 3, 1, [])]),
+        _plan(2, [("a", 4, 1, [2]), ("b", 4, 1, [3])]),
+    ):
+        result = runner.execute(plan)
+        for rid, token in zip(result.req_ids, result.token_ids, strict=True):
+            out[rid].append(token)
+    assert 42 not in out["a"][:2] and out["a"][2] == 42
+    assert 42 not in out["b"]  # b has no controls: untouched by a's bias
+    state = runner.requests.get("a")
+    assert state is not None and state.stop_token_ids == [42]
+    counts = runner.versions[runner.default_version].counts
+    assert len(counts) == 1  # a's penalties keep its counts; b needs none
+    runner.execute(_plan(3, finished_req_ids=["a"]))
+    assert len(counts) == 0
+    runner.execute(
+        dataclasses.replace(_plan(4, [("c", 0, 3, [0])], new={"c": A}), new_sampling=[CONTROLLED])
+    )
+    assert len(counts) == 1
+    runner.reset()
+    assert len(counts) == 0
 
 
 # --- forgetting and relabelling ---------------------------------------------------------------
