@@ -56,7 +56,9 @@ def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     parameters."""
     device = logits.device
     temperature = torch.tensor([p.temperature for p in params], device=device)
-    logits = logits / temperature[:, None]
+    # capped: a logit over a tiny temperature, or a repetition penalty near 0 (5e-324 is a
+    # valid one), overflows to +inf, and softmax would turn inf - inf into NaN
+    logits = (logits / temperature[:, None]).clamp_(max=torch.finfo(logits.dtype).max)
     min_p = [p.min_p for p in params]
     if any(m > 0.0 for m in min_p):
         logits = apply_min_p(logits, min_p)

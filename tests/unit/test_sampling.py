@@ -12,7 +12,13 @@ import torch
 
 from common.messages.types import SamplingParams
 from gpu_worker.logits_controls import History, TokenCounts, apply_controls
-from gpu_worker.sampling import apply_min_p, apply_top_k_top_p, make_generator, sample
+from gpu_worker.sampling import (
+    apply_min_p,
+    apply_top_k_top_p,
+    make_generator,
+    probabilities,
+    sample,
+)
 
 CPU = torch.device("cpu")
 VOCAB = 50
@@ -411,3 +417,14 @@ def test_token_counts_reuse_a_released_row_from_zero() -> None:
     assert torch.equal(got_prompt[0], _bincount([9]) > 0)
     counts.clear()
     assert len(counts) == 0
+
+
+def test_an_overflowing_logit_still_samples_it() -> None:
+    """A repetition penalty near 0 (valid input) or a tiny temperature overflows a logit to
+    +inf; the row must still sample (the largest logit), not fail on NaN probabilities."""
+    logits = torch.tensor([[1.0, 3.0, float("inf"), -float("inf")], [2.0, 30.0, 1.0, 0.0]])
+    params = [SamplingParams(temperature=0.7), SamplingParams(temperature=1e-37)]
+    probs = probabilities(logits, params)
+    assert torch.isfinite(probs).all() and probs[:, 1:3].sum(dim=1).min() > 0.99
+    gens = [make_generator(p, random.Random(0), torch.device("cpu")) for p in params]
+    assert sample(logits, params, gens) == [2, 1]
