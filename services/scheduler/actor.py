@@ -31,6 +31,7 @@ from common.messages import (
     TokenizedRequest,
 )
 from services.scheduler.engine_core import EngineCore, ToDetokenizer, ToGateway, ToWorker
+from services.scheduler.engine_view import request_rows, stats
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,7 @@ class SchedulerActor(Actor):
         self.core.abort(msg.request_ids, FinishReason(msg.reason), msg.seq_indices)
 
     def _on_stats_query(self, msg: StatsQuery) -> None:
-        data = self.core.request_rows() if msg.what == "requests" else self.core.stats()
+        data = request_rows(self.core) if msg.what == "requests" else stats(self.core)
         self.outbox(msg.reply_to).send(Stats(name=self.name, query_id=msg.query_id, data=data))
 
     async def on_idle(self) -> None:

@@ -45,7 +45,7 @@ from common.model_facts import cache_root
 from services.scheduler.block_manager import BlockManager, HostBlockPool
 from services.scheduler.plan import to_plan
 from services.scheduler.policy import PolicyConfig, Scheduler
-from services.scheduler.request import Request, Status
+from services.scheduler.request import Request
 from services.scheduler.swap import SwapCoordinator
 
 log = logging.getLogger(__name__)
@@ -489,77 +489,3 @@ class EngineCore:
             self.interval_forward_s += msg.forward_s
             self.num_intervals += 1
         self._last_result_at = now
-
-    # what the admin API shows --------------------------------------------------------------
-    def request_rows(self) -> dict[str, Any]:
-        """GET /admin/requests: id, state, tokens so far, age of every live sequence."""
-        if self.policy is None:
-            return {"requests": []}
-        now = time.time()
-        rows = [
-            {
-                "id": r.group_id,
-                "index": r.seq_index,
-                "state": _state_name(r),
-                "num_prompt_tokens": r.num_prompt_tokens,
-                "num_output_tokens": len(r.output_token_ids),
-                "num_computed_tokens": r.num_computed_tokens,
-                "num_cached_tokens": r.num_cached_tokens,
-                "num_blocks": len(self.policy.blocks.block_tables.get(r.request_id, ())),
-                "priority": r.priority,
-                "age_s": round(now - r.arrival_time, 3),
-                "arrival_time": r.arrival_time,
-                "version": r.version or "",
-            }
-            for r in sorted(self.policy.requests.values(), key=lambda r: r.arrival_seq)
-        ]
-        return {"requests": rows}
-
-    def stats(self) -> dict[str, Any]:
-        p = self.policy
-        if p is None or self.served is None:
-            return {"ready": False}
-        b = p.blocks
-        return {
-            "ready": True,
-            "num_waiting": p.num_waiting,
-            "num_running": p.num_running,
-            "num_swapped": sum(1 for r in p.waiting if r.is_swapped),
-            "num_total_blocks": b.num_blocks,
-            "num_free_blocks": b.num_free_blocks,
-            "num_cached_blocks": b.num_cached_blocks,
-            "num_used_blocks": b.num_used_blocks,
-            "kv_cache_usage": b.usage,
-            "prefix_cache_queries": b.num_cached_queries,
-            "prefix_cache_hits": b.num_cached_hits,
-            "num_preemptions": p.num_preemptions,
-            "num_swaps": p.num_swaps,
-            "num_steps": self.num_steps,
-            "num_computed_tokens": p.num_computed_tokens_total,
-            "mean_step_s": self.step_time_s / max(1, self.num_steps),
-            "mean_worker_s": self.worker_time_s / max(1, self.num_steps),
-            "num_steps_in_flight": len(self.in_flight),
-            "version": p.version,
-            "swap": self.swaps.status(),
-            "num_model_swaps": self.swaps.num_swaps,
-            "mean_step_interval_s": self.interval_s / max(1, self.num_intervals),
-            "mean_step_forward_s": self.interval_forward_s / max(1, self.num_intervals),
-            "spec_num_drafts": p.num_spec_rounds,
-            "spec_num_draft_tokens": p.num_draft_tokens,
-            "spec_num_accepted_tokens": p.num_accepted_tokens,
-            "spec_acceptance_rate": p.num_accepted_tokens / max(1, p.num_draft_tokens),
-            # tokens per verification round: the accepted drafts plus the token every step
-            # yields (vLLM's "mean acceptance length")
-            "spec_mean_accepted_length": 1 + p.num_accepted_tokens / max(1, p.num_spec_rounds),
-            "request_ids": sorted(self.groups),
-            "model": {**self.served.info, "model_name": self.served.name},
-        }
-
-
-def _state_name(r: Request) -> str:
-    """waiting | prefill | decoding | preempted | swapped"""
-    if r.is_swapped:
-        return "swapped"
-    if r.status == Status.WAITING:
-        return "preempted" if r.num_preemptions else "waiting"
-    return "prefill" if r.num_computed_tokens < r.num_prompt_tokens else "decoding"

@@ -33,6 +33,7 @@ from services.scheduler.engine_core import (
     ToWorker,
     sequence_key,
 )
+from services.scheduler.engine_view import request_rows
 
 TOKEN = 7
 
@@ -278,7 +279,7 @@ def test_overlap_swap_starts_new_requests_on_the_new_version() -> None:
     assert not out.of(SwapResult)  # the old version still serves "old"
     core.add(_request("new"))
     _run(core, out)
-    rows = {r["id"]: r for r in core.request_rows()["requests"]}
+    rows = {r["id"]: r for r in request_rows(core)["requests"]}
     assert not rows
     versions = {
         rid: v for b in out.of(TokenBatch) for rid, v in zip(b.request_ids, b.versions, strict=True)

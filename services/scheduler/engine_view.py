@@ -1,0 +1,85 @@
+"""What the admin API shows of an EngineCore: one row per live sequence, and its counters
+(GET /admin/requests, GET /admin/stats; /metrics reads the counters)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from services.scheduler.engine_core import EngineCore
+from services.scheduler.request import Request, Status
+
+
+def request_rows(core: EngineCore) -> dict[str, Any]:
+    """GET /admin/requests: id, state, tokens so far, age of every live sequence."""
+    if core.policy is None:
+        return {"requests": []}
+    now = time.time()
+    rows = [
+        {
+            "id": r.group_id,
+            "index": r.seq_index,
+            "state": _state_name(r),
+            "num_prompt_tokens": r.num_prompt_tokens,
+            "num_output_tokens": len(r.output_token_ids),
+            "num_computed_tokens": r.num_computed_tokens,
+            "num_cached_tokens": r.num_cached_tokens,
+            "num_blocks": len(core.policy.blocks.block_tables.get(r.request_id, ())),
+            "priority": r.priority,
+            "age_s": round(now - r.arrival_time, 3),
+            "arrival_time": r.arrival_time,
+            "version": r.version or "",
+        }
+        for r in sorted(core.policy.requests.values(), key=lambda r: r.arrival_seq)
+    ]
+    return {"requests": rows}
+
+
+def stats(core: EngineCore) -> dict[str, Any]:
+    p = core.policy
+    if p is None or core.served is None:
+        return {"ready": False}
+    b = p.blocks
+    return {
+        "ready": True,
+        "num_waiting": p.num_waiting,
+        "num_running": p.num_running,
+        "num_swapped": sum(1 for r in p.waiting if r.is_swapped),
+        "num_total_blocks": b.num_blocks,
+        "num_free_blocks": b.num_free_blocks,
+        "num_cached_blocks": b.num_cached_blocks,
+        "num_used_blocks": b.num_used_blocks,
+        "kv_cache_usage": b.usage,
+        "prefix_cache_queries": b.num_cached_queries,
+        "prefix_cache_hits": b.num_cached_hits,
+        "num_preemptions": p.num_preemptions,
+        "num_swaps": p.num_swaps,
+        "num_steps": core.num_steps,
+        "num_computed_tokens": p.num_computed_tokens_total,
+        "mean_step_s": core.step_time_s / max(1, core.num_steps),
+        "mean_worker_s": core.worker_time_s / max(1, core.num_steps),
+        "num_steps_in_flight": len(core.in_flight),
+        "version": p.version,
+        "swap": core.swaps.status(),
+        "num_model_swaps": core.swaps.num_swaps,
+        "mean_step_interval_s": core.interval_s / max(1, core.num_intervals),
+        "mean_step_forward_s": core.interval_forward_s / max(1, core.num_intervals),
+        "spec_num_drafts": p.num_spec_rounds,
+        "spec_num_draft_tokens": p.num_draft_tokens,
+        "spec_num_accepted_tokens": p.num_accepted_tokens,
+        "spec_acceptance_rate": p.num_accepted_tokens / max(1, p.num_draft_tokens),
+        # tokens per verification round: the accepted drafts plus the token every step
+        # yields (vLLM's "mean acceptance length")
+        "spec_mean_accepted_length": 1 + p.num_accepted_tokens / max(1, p.num_spec_rounds),
+        "request_ids": sorted(core.groups),
+        "model": {**core.served.info, "model_name": core.served.name},
+    }
+
+
+def _state_name(r: Request) -> str:
+    """waiting | prefill | decoding | preempted | swapped"""
+    if r.is_swapped:
+        return "swapped"
+    if r.status == Status.WAITING:
+        return "preempted" if r.num_preemptions else "waiting"
+    return "prefill" if r.num_computed_tokens < r.num_prompt_tokens else "decoding"
