@@ -133,9 +133,14 @@ def test_cancel_waiting_prefill_and_decoding(small_server: Server) -> None:
     )
     b.start()
     _cancel_in_state(small_server, "c-prefill", "prefill")
-    c.start()
     d = _Stream(small_server, "c-other", "More words:", 400)  # fills the second slot
     d.start()
+    wait_until(
+        lambda: _state_of(small_server, "c-other") in ("prefill", "decoding"),
+        120,
+        "c-other to hold the second slot",
+    )
+    c.start()  # both slots taken: it waits (started before d, it could take the slot)
     _cancel_in_state(small_server, "c-waiting", "waiting", cli=True)
     _cancel_in_state(small_server, "c-decoding", "decoding")
     _cancel_in_state(small_server, "c-other", "decoding")
