@@ -200,6 +200,19 @@ class ServerConfig:
         "most characters in a prompt (all chat messages together), checked before tokenising",
     )
     log_level: str = _field("info", "debug | info | warning | error")
+    chat_template: str = _field(
+        "",
+        "chat template for every chat request instead of the model's own: a Jinja file, or "
+        "the template itself; it stays across hot-swaps (it renders for whatever model serves)",
+    )
+    trust_request_chat_template: bool = _field(
+        False, "accept a request's own `chat_template` (as vLLM; otherwise refused with a 400)"
+    )
+    metrics_vllm_names: bool = _field(
+        False,
+        "GET /metrics under vLLM's own names (vllm:*) instead of shuttle:*, so dashboards "
+        "and autoscalers written for vLLM read shuttle unchanged",
+    )
 
     def __post_init__(self) -> None:
         _check(0 <= self.port < 65536, "port", "0..65535")

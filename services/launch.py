@@ -28,6 +28,7 @@ from common.config import Config, ConfigError, add_flags, from_args
 from common.curve import CurveKeys, uses_curve
 from common.messages import Drain, Drained, ProcessDown, Ready
 from common.model_paths import is_synthetic_spec, resolve_model_path
+from services.tokenizer.chat_template import load_chat_template
 
 _GRACE_S = 10.0
 
@@ -219,6 +220,10 @@ def prepare(config: Config) -> Config:
         raise ConfigError(
             f"--draft-model {spec.draft_model}: no config.json there (a Hugging Face folder?)"
         )
+    load_chat_template(config.server.chat_template)  # a bad one stops here, not in a child
+    template = config.server.chat_template
+    if template and Path(template).is_file():  # the children may run in another folder
+        template = str(Path(template).resolve())
     path = resolve_model_path(config)
     run_dir = config.server.run_dir or tempfile.mkdtemp(prefix="shuttle-")
     return config.replace(
@@ -226,7 +231,7 @@ def prepare(config: Config) -> Config:
             "model": str(path),
             "served_model_name": config.model.served_model_name or path.name,
         },
-        server={"run_dir": run_dir},
+        server={"run_dir": run_dir, "chat_template": template},
     )
 
 

@@ -65,6 +65,8 @@ class FakeEngine:
         self.swaps: list[tuple[str, str, str]] = []  # (path, version, mode) asked for
         # tokenize() calls: (prompt, messages, add_special_tokens, add_generation_prompt)
         self.tokenized: list[tuple[Any, ...]] = []
+        # and the chat_template, chat_template_kwargs of each
+        self.tokenize_templates: list[tuple[str | None, dict[str, Any] | None]] = []
         self.tokenize_failure: Exception | None = None  # raised by (de)tokenize when set
         self.started = asyncio.Event()
         self._in_flight: set[str] = set()
@@ -126,11 +128,14 @@ class FakeEngine:
         *,
         add_special_tokens: bool = True,
         add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         timeout: float = 10.0,
     ) -> list[int]:
         """Characters as token ids: the prompt's, or the messages' contents joined by
         newlines; special tokens and the generation prompt as ids 1 and 2."""
         self.tokenized.append((prompt, messages, add_special_tokens, add_generation_prompt))
+        self.tokenize_templates.append((chat_template, chat_template_kwargs))
         if self.tokenize_failure is not None:
             raise self.tokenize_failure
         text = prompt if messages is None else "\n".join(m["content"] for m in messages)

@@ -27,6 +27,10 @@ class GenerateRequest:
     # sampling fields the client left unset (`sampling` holds our defaults there): with
     # --generation-config auto the tokenizer fills them from the model's generation_config
     unset_sampling: list[str] = dataclasses.field(default_factory=list)
+    # chat only: the request's own template (None: --chat-template, else the model's) and
+    # the extra variables it renders with (e.g. {"enable_thinking": false})
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 @message("request_error")
@@ -59,6 +63,8 @@ class TokenizeQuery:
     messages: list[dict[str, Any]] | None = None  # rendered by the chat template
     add_special_tokens: bool = True
     add_generation_prompt: bool = True  # messages only
+    chat_template: str | None = None  # messages only: as GenerateRequest's
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 @message("detokenize_query")

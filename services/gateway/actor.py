@@ -104,7 +104,7 @@ class GatewayActor(Actor):
         from services.gateway.grpc_server import GrpcGateway
 
         server = self.config.server
-        self.grpc = GrpcGateway(self.engine, server)
+        self.grpc = GrpcGateway(self.engine, server, self.config.scheduler)
         self.grpc_port = await self.grpc.start()
         log.info("gRPC on %s:%d", server.host, self.grpc_port)
 

@@ -114,7 +114,11 @@ def create_app(
     _install_error_handlers(app)
     limits = BodyLimits(server.max_request_bytes, server.request_body_timeout)
     app.add_middleware(BodyLimitMiddleware, limits=limits)
-    routes = OpenAIRoutes(engine, {"scheduling_policy": scheduler.scheduling_policy})
+    context = {
+        "scheduling_policy": scheduler.scheduling_policy,
+        "trust_request_chat_template": server.trust_request_chat_template,
+    }
+    routes = OpenAIRoutes(engine, context)
     auth = [Depends(_require_key(api_key))] if api_key else []
     v1 = APIRouter(prefix="/v1", dependencies=auth)
     v1.add_api_route(
@@ -131,12 +135,13 @@ def create_app(
     )
     v1.add_api_route("/models", routes.models, methods=["GET"])
     app.include_router(v1)
-    app.include_router(tokenize_router(engine), dependencies=auth)
+    app.include_router(tokenize_router(engine, context), dependencies=auth)
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/ping", routes.health, methods=["GET", "POST"])  # vLLM's alias
     app.add_api_route("/version", routes.version, methods=["GET"])
     app.include_router(admin_router(engine, admin_token, server.model_root or None))
-    install_metrics(app, engine)  # GET /metrics, and the engine's request timers
+    # GET /metrics, and the engine's request timers
+    install_metrics(app, engine, server.metrics_vllm_names)
     return app
 
 

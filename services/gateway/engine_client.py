@@ -136,11 +136,14 @@ class EngineClient(Protocol):
         *,
         add_special_tokens: bool = True,
         add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         timeout: float = 10.0,
     ) -> list[int]:
-        """The served model's token ids of `prompt` or of chat `messages` (rendered by its
-        template), as a tokenizer process makes them (POST /tokenize). Raises RequestFailed
-        when refused, TimeoutError when no tokenizer answers."""
+        """The served model's token ids of `prompt` or of chat `messages` (rendered by
+        `chat_template`, else the server's, else the model's, with `chat_template_kwargs`),
+        as a tokenizer process makes them (POST /tokenize). Raises RequestFailed when
+        refused, TimeoutError when no tokenizer answers."""
         ...
 
     async def detokenize(self, token_ids: list[int], timeout: float = 10.0) -> str:

@@ -18,6 +18,7 @@ import uuid
 from typing import Any, cast
 
 import grpc
+from google.protobuf.json_format import MessageToDict
 
 from common.messages import FinishReason, GenerateRequest
 from proto import shuttle_pb2 as pb
@@ -44,6 +45,10 @@ _OPTIONAL_FIELDS = (
     "repetition_penalty",
     "min_p",
     "min_tokens",
+    "n",
+    "priority",
+    "timeout",
+    "return_token_ids",
 )
 _STATUS_CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
@@ -58,7 +63,13 @@ _RENAMES = {
     "text": {"prompt": "text"} | _COMMON_RENAMES,
     "token_ids": {"prompt": "token_ids.ids"} | _COMMON_RENAMES,
     # the tokenizer and the scheduler call any request's prompt `prompt`
-    "chat": {"messages": "chat.messages", "prompt": "chat.messages"} | _COMMON_RENAMES,
+    "chat": {
+        "messages": "chat.messages",
+        "prompt": "chat.messages",
+        "chat_template": "chat.chat_template",
+        "chat_template_kwargs": "chat.chat_template_kwargs",
+    }
+    | _COMMON_RENAMES,
     None: _COMMON_RENAMES,
 }
 
@@ -104,13 +115,17 @@ def check_request_id(request_id: str) -> None:
 
 
 def to_generate_request(
-    request: pb.GenerateRequest, request_id: str, engine: EngineClient
+    request: pb.GenerateRequest,
+    request_id: str,
+    engine: EngineClient,
+    context: dict[str, Any] | None = None,
 ) -> GenerateRequest:
-    """Validate as the HTTP API would and build the engine's request.
+    """Validate as the HTTP API would (`context`: what the server is set up to do, as
+    parse_request takes it) and build the engine's request.
 
     Raises RequestRejected (status 400, 404 or 503) with the HTTP API's message; the caller
     renames its field with `rename_field`."""
-    body = validate_request(*_http_body(request))
+    body = validate_request(*_http_body(request), context=context)
     check_model(body.model, engine.model_names, engine.is_ready())
     return body.to_generate_request(request_id, engine.model_name, engine.max_model_len)
 
@@ -139,6 +154,10 @@ def _http_body(
     data["messages"] = [_chat_message(m) for m in request.chat.messages]
     if request.chat.HasField("add_generation_prompt"):
         data["add_generation_prompt"] = request.chat.add_generation_prompt
+    if request.chat.HasField("chat_template_kwargs"):
+        data["chat_template_kwargs"] = MessageToDict(request.chat.chat_template_kwargs)
+    if request.chat.HasField("chat_template"):
+        data["chat_template"] = request.chat.chat_template
     return ChatCompletionRequest, data
 
 
@@ -149,10 +168,21 @@ def _chat_message(message: pb.ChatMessage) -> dict[str, Any]:
     return out
 
 
-def to_response(request_id: str, delta: OutputDelta, fingerprint: str) -> pb.GenerateResponse:
-    """One streamed message; the last (finish reason set) also carries usage and version."""
+def wants_token_ids(request: pb.GenerateRequest) -> bool:
+    """return_token_ids: unset means true (the stream always carried them)."""
+    return not request.HasField("return_token_ids") or request.return_token_ids
+
+
+def to_response(
+    request_id: str, delta: OutputDelta, fingerprint: str, with_token_ids: bool = True
+) -> pb.GenerateResponse:
+    """One streamed message of sequence `delta.index`; the sequence's last (finish reason
+    set) also carries its usage and the version."""
     response = pb.GenerateResponse(
-        request_id=request_id, text=delta.text, token_ids=delta.token_ids
+        request_id=request_id,
+        text=delta.text,
+        token_ids=delta.token_ids if with_token_ids else (),
+        index=delta.index,
     )
     if delta.finish_reason != FinishReason.NONE:
         # the proto enum's numbers are the engine's FinishReason values

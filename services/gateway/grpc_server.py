@@ -31,8 +31,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from common.config import ServerConfig
-from common.messages import FinishReason
+from common.config import SchedulerConfig, ServerConfig
 from proto import shuttle_pb2 as pb
 from proto import shuttle_pb2_grpc as pb_grpc
 from services.gateway.admin import check_admin_token, resolve_model_folder
@@ -45,6 +44,7 @@ from services.gateway.grpc_protocol import (
     status_code,
     to_generate_request,
     to_response,
+    wants_token_ids,
 )
 from services.gateway.protocol import RequestRejected
 
@@ -103,9 +103,15 @@ def _authorization(context: grpc.aio.ServicerContext) -> str | None:
 class ShuttleServicer(pb_grpc.ShuttleServicer):
     """shuttle.v1.Shuttle: Generate, Cancel, ListModels; wants the API key when one is set."""
 
-    def __init__(self, engine: EngineClient, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        api_key: str | None = None,
+        context: dict[str, Any] | None = None,
+    ) -> None:
         self.engine = engine
         self._expected = f"Bearer {api_key}".encode() if api_key else None
+        self.context = context  # what request validation needs to know (as HTTP's)
 
     def _authorize(self, context: grpc.aio.ServicerContext) -> None:
         if self._expected is None:
@@ -125,9 +131,10 @@ class ShuttleServicer(pb_grpc.ShuttleServicer):
         renames = renames_for(request)
         try:
             request_id = request_id_of(request)
-            generate = to_generate_request(request, request_id, self.engine)
+            generate = to_generate_request(request, request_id, self.engine, self.context)
             await context.send_initial_metadata(((REQUEST_ID_METADATA, request_id),))
-            await self._stream(generate.request_id, self.engine.generate(generate), context)
+            deltas = self.engine.generate(generate)
+            await self._stream(generate.request_id, deltas, context, wants_token_ids(request))
         except (RequestRejected, RequestFailed) as e:
             message = rename_field(e.message, e.param, renames)
             raise GrpcError(status_code(e.status), message) from None
@@ -137,6 +144,7 @@ class ShuttleServicer(pb_grpc.ShuttleServicer):
         request_id: str,
         deltas: AsyncGenerator[OutputDelta, None],
         context: grpc.aio.ServicerContext,
+        with_token_ids: bool,
     ) -> None:
         # the version that serves the request, as its deltas name it (a swap may have
         # changed the served one since the call began); the served one if they never do
@@ -145,8 +153,8 @@ class ShuttleServicer(pb_grpc.ShuttleServicer):
             async for delta in deltas:
                 version = delta.version or version
                 fingerprint = version or self.engine.system_fingerprint
-                await context.write(to_response(request_id, delta, fingerprint))
-                if delta.finish_reason != FinishReason.NONE:
+                await context.write(to_response(request_id, delta, fingerprint, with_token_ids))
+                if delta.last:  # every sequence has finished (n = 1: this one)
                     return
             raise RequestFailed(500, "the engine ended the stream without a finish reason")
         finally:
@@ -260,11 +268,12 @@ class GrpcGateway:
         self,
         engine: EngineClient,
         server: ServerConfig,
+        scheduler: SchedulerConfig | None = None,
         *,
         health_poll_s: float = 0.5,
     ) -> None:
         """Serves on the server section's host and grpc_port (0: a free one), with its API
-        key and admin token."""
+        key and admin token; the scheduler section says whether `priority` is honoured."""
         self.engine = engine
         self.host = server.host
         self.requested_port = server.grpc_port
@@ -275,7 +284,12 @@ class GrpcGateway:
         # no SO_REUSEPORT: a port already taken must fail here, not split the traffic
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         self.health = health.aio.HealthServicer()
-        pb_grpc.add_ShuttleServicer_to_server(ShuttleServicer(engine, api_key), self.server)
+        context = {
+            "scheduling_policy": (scheduler or SchedulerConfig()).scheduling_policy,
+            "trust_request_chat_template": server.trust_request_chat_template,
+        }
+        shuttle = ShuttleServicer(engine, api_key, context)
+        pb_grpc.add_ShuttleServicer_to_server(shuttle, self.server)
         pb_grpc.add_AdminServicer_to_server(
             AdminServicer(engine, admin_token, model_root), self.server
         )

@@ -1,4 +1,6 @@
-"""Prometheus metrics at GET /metrics, with vLLM's names under the `shuttle:` prefix.
+"""Prometheus metrics at GET /metrics, with vLLM's names under the `shuttle:` prefix, or with
+vLLM's own `vllm:` prefix under --metrics-vllm-names (so a vLLM Grafana dashboard or an
+autoscaler written for vLLM reads shuttle unchanged).
 
 Every request timing is stamped in this one process (the gateway), as the engine client
 hands each delta to the HTTP or gRPC front end, so TTFT, ITL and E2E of one request share
@@ -22,6 +24,15 @@ one clock and match what a client sees (less the network):
   its reason (stop, length, cancelled, timeout, error); a request the client dropped before
   its end counts as cancelled. Requests the engine refused count in
   `request_failure_total{status}` instead.
+- Per-request histograms, observed once when the request ends (as vLLM's): its prompt and
+  generated tokens (all n sequences together), the most tokens one of its sequences
+  generated (`request_max_num_generation_tokens`), its `n` and `max_tokens`, and
+  `request_prefill_time_seconds` (arrival → first token: the gateway sees no scheduling
+  moment, so this also holds the wait), `request_decode_time_seconds` (first token → last)
+  and `request_inference_time_seconds` (their sum), `request_time_per_output_token_seconds`
+  (decode time over the longest sequence's tokens after its first). A refused request
+  observes none of them; a chat request that left `max_tokens` unset (as many as fit: the
+  tokenizer resolves it, out of the gateway's sight) observes no `request_params_max_tokens`.
 """
 
 from __future__ import annotations
@@ -49,21 +60,28 @@ ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
                30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 # fmt: on
+# token counts and `max_tokens`: 1, 2, 5, 10, 20, 50, ... as vLLM's build_1_2_5_buckets
+TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5))
+N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)  # vLLM's request_params_n buckets
 
 
 class GatewayMetrics:
     """The gateway's registry: request timings observed here, scheduler figures on scrape."""
 
-    def __init__(self, engine: EngineClient) -> None:
+    def __init__(self, engine: EngineClient, vllm_names: bool = False) -> None:
         self.engine = engine
+        self.prefix = "vllm" if vllm_names else "shuttle"
         self.registry = CollectorRegistry(auto_describe=True)
-        self.scheduler = _SchedulerStats(lambda: self.model_name)
+        self.scheduler = _SchedulerStats(lambda: self.model_name, self.prefix)
         self.registry.register(self.scheduler)
         labels = ["model_name"]
-        reg = self.registry
+        reg, prefix = self.registry, self.prefix
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(f"shuttle:{name}", doc, labels, buckets=buckets, registry=reg)
+            return Histogram(f"{prefix}:{name}", doc, labels, buckets=buckets, registry=reg)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"{prefix}:{name}", doc, [*labels, *extra], registry=reg)
 
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Inter-token latency.", ITL_BUCKETS)
@@ -73,24 +91,43 @@ class GatewayMetrics:
             "Arrival at the gateway to the request's first output there.",
             TTFT_BUCKETS,
         )
-        self.prompt_tokens = Counter(
-            "shuttle:prompt_tokens", "Prefill tokens processed.", labels, registry=reg
+        self.prefill_time = hist(
+            "request_prefill_time_seconds", "Arrival to the first token.", E2E_BUCKETS
         )
-        self.generation_tokens = Counter(
-            "shuttle:generation_tokens", "Generation tokens processed.", labels, registry=reg
+        self.decode_time = hist(
+            "request_decode_time_seconds", "First token to the last token.", E2E_BUCKETS
         )
-        self.success = Counter(
-            "shuttle:request_success",
-            "Finished sequences by reason.",
-            [*labels, "finished_reason"],
-            registry=reg,
+        self.inference_time = hist(
+            "request_inference_time_seconds", "Prefill and decode time.", E2E_BUCKETS
         )
-        self.failure = Counter(
-            "shuttle:request_failure",
-            "Requests the engine refused.",
-            [*labels, "status"],
-            registry=reg,
+        self.request_tpot = hist(
+            "request_time_per_output_token_seconds",
+            "A request's decode time per output token after the first.",
+            ITL_BUCKETS,
         )
+        self.request_prompt_tokens = hist(
+            "request_prompt_tokens", "Prompt tokens of a request.", TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = hist(
+            "request_generation_tokens",
+            "Tokens a request generated (all its sequences).",
+            TOKEN_BUCKETS,
+        )
+        self.request_max_generation_tokens = hist(
+            "request_max_num_generation_tokens",
+            "Most tokens generated by one sequence of a request.",
+            TOKEN_BUCKETS,
+        )
+        self.params_n = hist("request_params_n", "The request's n.", N_BUCKETS)
+        self.params_max_tokens = hist(
+            "request_params_max_tokens", "The request's max_tokens.", TOKEN_BUCKETS
+        )
+        self.prompt_tokens = counter("prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Generation tokens processed.")
+        self.success = counter(
+            "request_success", "Finished sequences by reason.", ("finished_reason",)
+        )
+        self.failure = counter("request_failure", "Requests the engine refused.", ("status",))
 
     @property
     def model_name(self) -> str:
@@ -98,7 +135,7 @@ class GatewayMetrics:
 
     def observe(self, request: GenerateRequest) -> RequestTimer:
         """A timer for one request, started now (its arrival)."""
-        return RequestTimer(self, request.sampling.n)
+        return RequestTimer(self, request.sampling.n, request.sampling.max_tokens)
 
     async def render(self) -> bytes:
         """The exposition text, after refreshing the scheduler's figures (best effort)."""
@@ -122,15 +159,25 @@ class RequestTimer:
         "running",
         "prompt_counted",
         "ended",
+        "n",
+        "max_tokens",
+        "first_token_at",
+        "last_token_at",
+        "num_prompt_tokens",
+        "num_output_tokens",
     )
 
-    def __init__(self, metrics: GatewayMetrics, n: int) -> None:
+    def __init__(self, metrics: GatewayMetrics, n: int, max_tokens: int) -> None:
         self.metrics = metrics
         self.model = metrics.model_name
         self.arrival = time.perf_counter()
         self.last: dict[int, float] = {}  # sequence index -> when its last token came
         self.first_seen = self.first_token = self.prompt_counted = self.ended = False
-        self.running = n
+        self.running = self.n = n
+        self.max_tokens = max_tokens
+        self.first_token_at = self.last_token_at = 0.0
+        self.num_prompt_tokens = 0
+        self.num_output_tokens: dict[int, int] = {}  # sequence index -> tokens so far
 
     def delta(self, delta: OutputDelta) -> None:
         now = time.perf_counter()
@@ -140,12 +187,18 @@ class RequestTimer:
             m.queue.labels(model).observe(now - self.arrival)
         if not self.prompt_counted and delta.num_prompt_tokens:
             self.prompt_counted = True
+            self.num_prompt_tokens = delta.num_prompt_tokens
             m.prompt_tokens.labels(model).inc(delta.num_prompt_tokens)
         num_tokens = len(delta.token_ids)
         if num_tokens:
             m.generation_tokens.labels(model).inc(num_tokens)
+            self.num_output_tokens[delta.index] = (
+                self.num_output_tokens.get(delta.index, 0) + num_tokens
+            )
+            self.last_token_at = now
             if not self.first_token:
                 self.first_token = True
+                self.first_token_at = now
                 m.ttft.labels(model).observe(now - self.arrival)
             last = self.last.get(delta.index)
             if last is None:  # a sequence's first token: its latency is a TTFT, not an ITL
@@ -177,9 +230,26 @@ class RequestTimer:
         self._end(time.perf_counter())
 
     def _end(self, now: float) -> None:
-        if not self.ended:
-            self.ended = True
-            self.metrics.e2e.labels(self.model).observe(now - self.arrival)
+        if self.ended:
+            return
+        self.ended = True
+        m, model = self.metrics, self.model
+        m.e2e.labels(model).observe(now - self.arrival)
+        m.request_prompt_tokens.labels(model).observe(self.num_prompt_tokens)
+        m.request_generation_tokens.labels(model).observe(sum(self.num_output_tokens.values()))
+        longest = max(self.num_output_tokens.values(), default=0)
+        m.request_max_generation_tokens.labels(model).observe(longest)
+        m.params_n.labels(model).observe(self.n)
+        if self.max_tokens:  # 0: as many as fit the context, resolved by the tokenizer
+            m.params_max_tokens.labels(model).observe(self.max_tokens)
+        if self.first_token:  # a request with no token had neither a prefill nor a decode
+            prefill = self.first_token_at - self.arrival
+            decode = self.last_token_at - self.first_token_at
+            m.prefill_time.labels(model).observe(prefill)
+            m.decode_time.labels(model).observe(decode)
+            m.inference_time.labels(model).observe(prefill + decode)
+            if longest > 1:
+                m.request_tpot.labels(model).observe(decode / (longest - 1))
 
 
 class _SchedulerStats:
@@ -221,8 +291,9 @@ class _SchedulerStats:
         ),
     )
 
-    def __init__(self, model_name: Callable[[], str]) -> None:
+    def __init__(self, model_name: Callable[[], str], prefix: str = "shuttle") -> None:
         self.model_name = model_name
+        self.prefix = prefix
         self.last: dict[str, float] = {}
 
     def update(self, stats: dict[str, Any]) -> None:
@@ -234,19 +305,23 @@ class _SchedulerStats:
 
     def collect(self) -> Iterator[Metric]:
         model = self.model_name()
-        for name, key, doc in self.GAUGES:
-            g = GaugeMetricFamily(f"shuttle:{name}", doc, labels=["model_name"])
+        gauges: tuple[tuple[str, str, str], ...] = self.GAUGES
+        if self.prefix == "vllm":  # the name older vLLM dashboards and autoscalers query
+            gauges = (*gauges, ("gpu_cache_usage_perc", "kv_cache_usage", "KV-cache usage."))
+        for name, key, doc in gauges:
+            g = GaugeMetricFamily(f"{self.prefix}:{name}", doc, labels=["model_name"])
             g.add_metric([model], self.last.get(key, 0.0))
             yield g
         for name, key, doc in self.COUNTERS:
-            c = CounterMetricFamily(f"shuttle:{name}", doc, labels=["model_name"])
+            c = CounterMetricFamily(f"{self.prefix}:{name}", doc, labels=["model_name"])
             c.add_metric([model], self.last.get(key, 0.0))
             yield c
 
 
-def install_metrics(app: FastAPI, engine: EngineClient) -> GatewayMetrics:
-    """Serve GET /metrics on `app`, and time every request the engine takes."""
-    metrics = GatewayMetrics(engine)
+def install_metrics(app: FastAPI, engine: EngineClient, vllm_names: bool = False) -> GatewayMetrics:
+    """Serve GET /metrics on `app`, and time every request the engine takes; `vllm_names`:
+    under vLLM's `vllm:` prefix instead of `shuttle:`."""
+    metrics = GatewayMetrics(engine, vllm_names)
     engine.observer = metrics.observe
 
     async def metrics_route() -> Response:

@@ -43,6 +43,7 @@ import re
 import time
 from typing import Annotated, Any, Literal, TypeVar
 
+import orjson
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -73,6 +74,7 @@ MAX_TIMEOUT_S = 86400.0  # a day
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 MAX_BAD_WORDS = 64
 MAX_BAD_WORD_CHARS = 256
+MAX_CHAT_TEMPLATE_CHARS = 64 * 1024  # a request's chat_template; its chat_template_kwargs
 _INT32_MAX = 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1  # orjson carries 64-bit ints
 
@@ -320,12 +322,40 @@ class ChatMessage(BaseModel):
         return out
 
 
+ChatTemplate = Annotated[str, Field(min_length=1, max_length=MAX_CHAT_TEMPLATE_CHARS)]
+
+
+def trusted_chat_template(value: str | None, info: ValidationInfo) -> str | None:
+    """A request's `chat_template`: as vLLM, a client's template runs on the server only if
+    the operator allows it (parse_request's context says so)."""
+    if value is not None and not (info.context or {}).get("trust_request_chat_template"):
+        raise _refuse("needs --trust-request-chat-template on this server")
+    return value
+
+
+def bounded_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A request's `chat_template_kwargs`: bounded, and carried by orjson to the tokenizer."""
+    if value is None:
+        return value
+    try:
+        size = len(orjson.dumps(value))
+    except orjson.JSONEncodeError:
+        raise _refuse("integers must fit in 64 bits") from None
+    if size > MAX_CHAT_TEMPLATE_CHARS:
+        raise _refuse(f"at most {MAX_CHAT_TEMPLATE_CHARS} bytes of JSON")
+    return value
+
+
 class ChatCompletionRequest(_CommonRequest):
     """Body of POST /v1/chat/completions."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: MaxTokens | None = None  # OpenAI's newer name for max_tokens
     add_generation_prompt: bool | None = None  # vLLM extension
+    # vLLM extensions: the request's own Jinja template (with --trust-request-chat-template)
+    # and extra variables for the template, e.g. {"enable_thinking": false}
+    chat_template: ChatTemplate | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
 
@@ -333,6 +363,9 @@ class ChatCompletionRequest(_CommonRequest):
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
         return refuse_unsupported(data, REFUSED_CHAT, cls.__name__)
+
+    _trusted_template = field_validator("chat_template")(trusted_chat_template)
+    _bounded_kwargs = field_validator("chat_template_kwargs")(bounded_template_kwargs)
 
     @field_validator("logprobs")
     @classmethod
@@ -365,6 +398,8 @@ class ChatCompletionRequest(_CommonRequest):
             sampling=self._sampling(max_tokens, field, 0, max_model_len),
             messages=[m.as_dict() for m in self.messages],
             add_generation_prompt=self.add_generation_prompt is not False,
+            chat_template=self.chat_template,
+            chat_template_kwargs=self.chat_template_kwargs,
             arrival_time=time.time(),
             **self._scheduling(),
         )
@@ -510,11 +545,13 @@ def parse_request(cls: type[R], body: bytes, context: dict[str, Any] | None = No
         raise _rejection(e) from None
 
 
-def validate_request(cls: type[R], data: dict[str, Any]) -> R:
+def validate_request(
+    cls: type[R], data: dict[str, Any], context: dict[str, Any] | None = None
+) -> R:
     """Validate a body already decoded (the gRPC front end builds it from a proto message)
     by the same rules and with the same messages as `parse_request`."""
     try:
-        return cls.model_validate(data)
+        return cls.model_validate(data, context=context)
     except ValidationError as e:
         raise _rejection(e) from None
 

@@ -79,8 +79,6 @@ REFUSED_CHAT: dict[str, Any] = _COMMON | {
     "continue_final_message": False,
     "add_special_tokens": False,  # the chat template writes the special tokens
     "documents": ANY,
-    "chat_template": ANY,
-    "chat_template_kwargs": ANY,
     "mm_processor_kwargs": ANY,
 }
 REFUSED_COMPLETION: dict[str, Any] = _COMMON | {

@@ -1,13 +1,16 @@
 """vLLM's tokenizer routes, answered by a tokenizer process (the gateway never tokenises):
 
-    POST /tokenize    {model?, prompt | messages, add_special_tokens?, add_generation_prompt?}
+    POST /tokenize    {model?, prompt | messages, add_special_tokens?, add_generation_prompt?,
+                       chat_template?, chat_template_kwargs?}
                       -> {count, max_model_len, tokens, token_strs: null}
     POST /detokenize  {model?, tokens} -> {prompt}
 
 As in vLLM, `add_special_tokens` defaults to true for a prompt and to false for messages
 (the chat template writes the special tokens it wants); `add_generation_prompt` (messages
-only) to true. The ids are those the served model's tokenizer makes for a generate request
-with the same prompt. Both routes want the API key when one is set.
+only) to true; `chat_template` (with --trust-request-chat-template) and
+`chat_template_kwargs` render messages as they would a chat request. The ids are those the
+served model's tokenizer makes for a generate request with the same prompt. Both routes want
+the API key when one is set.
 """
 
 from __future__ import annotations
@@ -25,10 +28,13 @@ from services.gateway.engine_client import EngineClient
 from services.gateway.openapi import json_body
 from services.gateway.protocol import (
     ChatMessage,
+    ChatTemplate,
     RequestRejected,
     TokenId,
+    bounded_template_kwargs,
     check_model,
     parse_request,
+    trusted_chat_template,
 )
 
 TOKENIZER_TIMEOUT_S = 10.0
@@ -47,6 +53,11 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
     return_token_strs: bool | None = None
+    chat_template: ChatTemplate | None = None  # messages only
+    chat_template_kwargs: dict[str, Any] | None = None  # messages only
+
+    _trusted_template = field_validator("chat_template")(trusted_chat_template)
+    _bounded_kwargs = field_validator("chat_template_kwargs")(bounded_template_kwargs)
 
     @field_validator("return_token_strs")
     @classmethod
@@ -58,6 +69,9 @@ class TokenizeRequest(BaseModel):
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise RequestRejected("prompt: send exactly one of `prompt` or `messages`", "prompt")
+        for name in ("chat_template", "chat_template_kwargs"):
+            if self.prompt is not None and getattr(self, name) is not None:
+                raise RequestRejected(f"{name}: only with `messages`", name)
 
 
 class DetokenizeRequest(BaseModel):
@@ -68,12 +82,13 @@ class DetokenizeRequest(BaseModel):
     tokens: Annotated[list[TokenId], Field(max_length=MAX_DETOKENIZE_IDS)]
 
 
-def tokenize_router(engine: EngineClient) -> APIRouter:
-    """POST /tokenize and /detokenize over `engine` (the caller adds the API key check)."""
+def tokenize_router(engine: EngineClient, context: dict[str, Any] | None = None) -> APIRouter:
+    """POST /tokenize and /detokenize over `engine` (the caller adds the API key check);
+    `context` as parse_request takes it (`trust_request_chat_template`)."""
     router = APIRouter()
 
     async def tokenize(request: Request) -> Response:
-        body = parse_request(TokenizeRequest, await request.body())
+        body = parse_request(TokenizeRequest, await request.body(), context)
         body.check()
         check_model(body.model, engine.model_names, engine.is_ready())
         is_chat = body.messages is not None
@@ -85,6 +100,8 @@ def tokenize_router(engine: EngineClient) -> APIRouter:
                     body.add_special_tokens if body.add_special_tokens is not None else not is_chat
                 ),
                 add_generation_prompt=body.add_generation_prompt is not False,
+                chat_template=body.chat_template,
+                chat_template_kwargs=body.chat_template_kwargs,
                 timeout=TOKENIZER_TIMEOUT_S,
             )
         )

@@ -237,6 +237,8 @@ class ZmqEngineClient:
         *,
         add_special_tokens: bool = True,
         add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         timeout: float = 10.0,
     ) -> list[int]:
         """A tokenizer's token ids of the prompt or messages (POST /tokenize)."""
@@ -247,6 +249,8 @@ class ZmqEngineClient:
             messages=messages,
             add_special_tokens=add_special_tokens,
             add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
         )
         return (await self._ask_tokenizer(query, timeout)).token_ids
 

@@ -5,6 +5,10 @@ that fact and pushes `ModelChanged`. From then on requests are tokenised with th
 model's tokenizer and checked against its facts, and every `TokenizedRequest` names the
 fingerprint of the tokenizer that made its ids, so the scheduler never starts it on a model
 whose vocabulary differs.
+
+Chat messages are rendered by the request's own template, else the operator's
+(--chat-template, read once here at start-up and kept across model changes), else the served
+model's; with the request's chat_template_kwargs as extra template variables.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from common.messages import (
     TokenizeResult,
 )
 from common.model_facts import load_model_facts, tokenizer_fingerprint
+from services.tokenizer.chat_template import load_chat_template, template_kwargs
 from services.tokenizer.sampling import bad_words_token_ids, fill_defaults, read_sampling_defaults
 from services.tokenizer.validate import (
     InvalidRequest,
@@ -90,6 +95,8 @@ class TokenizerActor(Actor):
     def __init__(self, config: Config, index: int) -> None:
         super().__init__(config, inbox_addr=config.tokenizer_addrs()[index])
         self.index = index
+        # the operator's template: the server's, not a model's, so a ModelChanged keeps it
+        self.chat_template = load_chat_template(config.server.chat_template)
         self.handlers[GenerateRequest] = self._on_generate
         self.handlers[ModelChanged] = self._on_model_changed
         self.handlers[TokenizeQuery] = self._on_tokenize_query
@@ -194,7 +201,14 @@ class TokenizerActor(Actor):
             check_token_ids(req.prompt_token_ids, model.vocab_size)
             return list(req.prompt_token_ids)
         if req.messages is not None:
-            return self._chat_ids(req.messages, req.add_generation_prompt, False, model)
+            return self._chat_ids(
+                req.messages,
+                req.add_generation_prompt,
+                False,
+                model,
+                req.chat_template,
+                req.chat_template_kwargs,
+            )
         return self._text_ids(req.prompt, True, model)
 
     def _chat_ids(
@@ -203,18 +217,28 @@ class TokenizerActor(Actor):
         add_generation_prompt: bool,
         add_special_tokens: bool,
         model: ServedModel,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """Messages rendered by the chat template, then tokenised (the template writes the
-        special tokens it wants, so generation adds none)."""
+        """Messages rendered by the chat template (the request's, the operator's or the
+        model's), then tokenised (the template writes the special tokens it wants, so
+        generation adds none)."""
         if not messages:
             raise InvalidRequest("messages", "must hold at least one message")
         num_chars = sum(len(str(m.get("content") or "")) for m in messages)
         check_prompt_chars("messages", num_chars, self.config.server.max_prompt_chars)
+        extra = template_kwargs(chat_template_kwargs)
         try:
             text = model.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages,
+                chat_template=chat_template or self.chat_template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **extra,
             )
         except Exception as e:  # a template may raise on roles it does not allow
+            if chat_template:  # the request's own template: the fault may be its
+                raise InvalidRequest("chat_template", f"cannot render the messages: {e}") from e
             raise InvalidRequest("messages", f"the chat template rejected them: {e}") from e
         return list(model.tokenizer.encode(str(text), add_special_tokens=add_special_tokens))
 
@@ -233,7 +257,12 @@ class TokenizerActor(Actor):
         try:
             if q.messages is not None:
                 ids = self._chat_ids(
-                    q.messages, q.add_generation_prompt, q.add_special_tokens, model
+                    q.messages,
+                    q.add_generation_prompt,
+                    q.add_special_tokens,
+                    model,
+                    q.chat_template,
+                    q.chat_template_kwargs,
                 )
             else:
                 ids = self._text_ids(q.prompt, q.add_special_tokens, model)

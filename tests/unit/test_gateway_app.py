@@ -29,10 +29,13 @@ def run(
     url: str,
     api_key: str | None = None,
     policy: str = "fcfs",
+    trust_chat_template: bool = False,
     **kw: Any,
 ):
     async def go() -> httpx.Response:
-        server = ServerConfig(api_key=api_key or "")
+        server = ServerConfig(
+            api_key=api_key or "", trust_request_chat_template=trust_chat_template
+        )
         scheduler = SchedulerConfig(scheduling_policy=policy)
         transport = httpx.ASGITransport(app=create_app(engine, server, scheduler))
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:

@@ -15,7 +15,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from common.config import ServerConfig
+from common.config import SchedulerConfig, ServerConfig
+from common.messages import FinishReason
 from proto import shuttle_pb2 as pb
 from proto import shuttle_pb2_grpc as pb_grpc
 from services.gateway.engine_client import RequestFailed
@@ -30,9 +31,12 @@ TOKEN = "admin-secret"
 
 
 @contextlib.asynccontextmanager
-async def serving(engine: FakeEngine, **kw: Any) -> AsyncIterator[grpc.aio.Channel]:
+async def serving(
+    engine: FakeEngine, policy: str = "fcfs", **kw: Any
+) -> AsyncIterator[grpc.aio.Channel]:
     server = ServerConfig(host="127.0.0.1", grpc_port=0, **kw)
-    gateway = GrpcGateway(engine, server, health_poll_s=0.02)
+    scheduler = SchedulerConfig(scheduling_policy=policy)
+    gateway = GrpcGateway(engine, server, scheduler, health_poll_s=0.02)
     port = await gateway.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -241,6 +245,11 @@ _BAD_INPUTS = [
         {},
     ),
     ({"text": "x", "bad_words": [" "]}, COMPLETIONS, {"prompt": "x", "bad_words": [" "]}, {}, {}),
+    ({"text": "x", "n": 0}, COMPLETIONS, {"prompt": "x", "n": 0}, {}, {}),
+    ({"text": "x", "n": 17}, COMPLETIONS, {"prompt": "x", "n": 17}, {}, {}),
+    ({"text": "x", "timeout": -1.0}, COMPLETIONS, {"prompt": "x", "timeout": -1.0}, {}, {}),
+    # under --scheduling-policy fcfs (the default), as HTTP
+    ({"text": "x", "priority": 2}, COMPLETIONS, {"prompt": "x", "priority": 2}, {}, {}),
 ]
 
 
@@ -515,3 +524,85 @@ def test_unused_port_conflict_fails_loudly() -> None:
 def test_length_finish_reason_number() -> None:
     out = run(FakeEngine([delta("a", LENGTH)]), lambda ch: generate(ch, text="x"))
     assert [r.finish_reason for r in out] == [pb.FINISH_REASON_LENGTH]
+
+
+# --- n, priority, timeout, return_token_ids ---------------------------------------------------
+
+
+def test_n_priority_and_timeout_convert_as_the_http_api_converts_them() -> None:
+    engine = FakeEngine()
+    fields: dict[str, Any] = dict(n=3, priority=-2, timeout=5.0, max_tokens=4)
+
+    async def test(channel: grpc.aio.Channel) -> None:
+        await generate(channel, text="a b", **fields)
+
+    run(engine, test, policy="priority")
+    body = {"prompt": "a b"} | fields
+    resp = run_http(engine, "POST", COMPLETIONS, policy="priority", json=body)
+    assert resp.status_code == 200
+    from_grpc, from_http = engine.requests
+    assert from_grpc.sampling == from_http.sampling and from_grpc.sampling.n == 3
+    assert (from_grpc.priority, from_grpc.timeout) == (-2, 5.0)
+    assert (from_http.priority, from_http.timeout) == (-2, 5.0)
+
+
+def test_n_sequences_stream_with_their_index_until_every_one_finished() -> None:
+    # sequence 1 finishes first; the stream goes on until sequence 0's, the request's last
+    engine = FakeEngine(
+        [
+            delta("a", index=0),
+            delta("b", index=1),
+            delta("c", FinishReason.STOP, n=2, index=1, last=False),
+            delta("d", n=2, index=0),
+            delta("e", FinishReason.LENGTH, n=3, index=0, last=True),
+        ]
+    )
+    out = run(engine, lambda ch: generate(ch, text="x", n=2))
+    assert [(r.index, r.text) for r in out] == [(0, "a"), (1, "b"), (1, "c"), (0, "d"), (0, "e")]
+    finished = {r.index: r for r in out if r.finish_reason}
+    assert finished[1].finish_reason == pb.FINISH_REASON_STOP
+    assert finished[0].finish_reason == pb.FINISH_REASON_LENGTH
+    # each sequence's last message counts its own tokens
+    assert (finished[1].usage.completion_tokens, finished[0].usage.completion_tokens) == (2, 3)
+    assert finished[1].system_fingerprint == "v-test" and not engine.aborted
+
+
+def test_return_token_ids_false_sends_text_only() -> None:
+    engine = FakeEngine()
+
+    async def test(channel: grpc.aio.Channel) -> tuple[list[Any], list[Any]]:
+        plain = await generate(channel, text="a b", return_token_ids=False)
+        explicit = await generate(channel, text="a b", return_token_ids=True)
+        return plain, explicit
+
+    plain, explicit = run(engine, test)
+    assert [r.text for r in plain] == [" a", " b"]
+    assert all(not r.token_ids for r in plain) and plain[-1].usage.completion_tokens == 2
+    assert [list(r.token_ids) for r in explicit] == [[7], [7, 7]]
+
+
+def test_priority_needs_the_priority_policy() -> None:
+    error = refusal(FakeEngine(), text="x", priority=1)
+    assert error.code() == Code.INVALID_ARGUMENT
+    assert error.details().startswith("priority: needs --scheduling-policy priority")
+
+
+def test_chat_template_kwargs_and_a_trusted_template_reach_the_engine() -> None:
+    from google.protobuf.struct_pb2 import Struct
+
+    engine = FakeEngine()
+    kwargs = Struct()
+    kwargs.update({"enable_thinking": False, "depth": 2})
+    messages = [pb.ChatMessage(role="user", content="hi")]
+    chat = pb.Chat(messages=messages, chat_template_kwargs=kwargs, chat_template="{{ x }}")
+
+    async def test(channel: grpc.aio.Channel) -> None:
+        await generate(channel, chat=chat)
+
+    run(engine, test, trust_request_chat_template=True)
+    (sent,) = engine.requests
+    assert sent.chat_template_kwargs == {"enable_thinking": False, "depth": 2.0}
+    assert sent.chat_template == "{{ x }}"
+    error = refusal(FakeEngine(), chat=chat)  # without --trust-request-chat-template
+    assert error.code() == Code.INVALID_ARGUMENT
+    assert error.details().startswith("chat.chat_template: needs --trust-request-chat-template")

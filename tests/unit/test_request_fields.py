@@ -63,6 +63,8 @@ CHANGES_THE_REQUEST: dict[str, Any] = {
     "min_tokens": 2,
     "logit_bias": {"5": 1.0},
     "bad_words": ["nope"],
+    "chat_template_kwargs": {"enable_thinking": False},
+    "chat_template": "{{ messages[0]['content'] }}",  # with --trust-request-chat-template
 }
 # honoured: the body's fields (with what they need) that shape the answer, not the request
 SHAPES_THE_ANSWER: dict[str, dict[str, Any]] = {
@@ -122,7 +124,8 @@ def _check(url: str, field: str, refused: dict[str, Any]) -> str:
         return "refused"
     if field in CHANGES_THE_REQUEST:
         body = _body(url) | {field: CHANGES_THE_REQUEST[field]}
-        assert run(engine, "POST", url, policy="priority", json=body).status_code == 200
+        resp = run(engine, "POST", url, policy="priority", trust_chat_template=True, json=body)
+        assert resp.status_code == 200, resp.text
         assert _sent(engine) != baseline, f"{field} was accepted but changed nothing"
         return "honoured"
     if field in SHAPES_THE_ANSWER:
@@ -199,3 +202,27 @@ def test_a_field_cannot_be_both_honoured_and_refused() -> None:
     # implementing a refused field means moving it out of refused.py, or import fails
     with pytest.raises(TypeError, match="guided_json"):
         check_disjoint({"guided_json": None, "top_k": None}, REFUSED_CHAT, "ChatCompletionRequest")
+
+
+def test_a_request_chat_template_needs_the_operators_trust() -> None:
+    engine = FakeEngine()
+    body = _body(CHAT) | {"chat_template": "{{ messages[0]['content'] }}"}
+    error = error_of(run(engine, "POST", CHAT, json=body), 400)
+    assert error["param"] == "chat_template"
+    assert "--trust-request-chat-template" in error["message"]
+    assert not engine.requests
+    assert run(engine, "POST", CHAT, trust_chat_template=True, json=body).status_code == 200
+    assert engine.requests[-1].chat_template == "{{ messages[0]['content'] }}"
+
+
+def test_chat_template_kwargs_reach_the_engine_and_are_bounded() -> None:
+    engine = FakeEngine()
+    body = _body(CHAT) | {"chat_template_kwargs": {"enable_thinking": False}}
+    assert run(engine, "POST", CHAT, json=body).status_code == 200
+    assert engine.requests[-1].chat_template_kwargs == {"enable_thinking": False}
+    for kwargs in ({"x": "y" * 70_000}, {"x": 2**70}):
+        body = _body(CHAT) | {"chat_template_kwargs": kwargs}
+        assert error_of(run(engine, "POST", CHAT, json=body), 400)["param"] == (
+            "chat_template_kwargs"
+        )
+    assert len(engine.requests) == 1

@@ -80,3 +80,23 @@ def test_unknown_model_not_ready_and_api_key() -> None:
     assert resp.json() == {"prompt": "h"}
     engine.ready = False
     error_of(run(engine, "POST", "/tokenize", json={"prompt": "x"}), 503)
+
+
+def test_tokenize_messages_with_a_template_and_its_kwargs() -> None:
+    engine = FakeEngine()
+    kwargs = {"enable_thinking": False}
+    body = {"messages": CHAT, "chat_template_kwargs": kwargs}
+    assert run(engine, "POST", "/tokenize", json=body).status_code == 200
+    body = {"messages": CHAT, "chat_template": "{{ messages }}"}
+    assert run(engine, "POST", "/tokenize", trust_chat_template=True, json=body).status_code == 200
+    assert engine.tokenize_templates == [(None, kwargs), ("{{ messages }}", None)]
+    # as a chat request: a client's template wants the operator's trust
+    error = error_of(run(engine, "POST", "/tokenize", json=body), 400)
+    assert (
+        error["param"] == "chat_template" and "--trust-request-chat-template" in (error["message"])
+    )
+    for field, value in (("chat_template_kwargs", kwargs), ("chat_template", "{{ x }}")):
+        body = {"prompt": "abc", field: value}
+        error = error_of(run(engine, "POST", "/tokenize", trust_chat_template=True, json=body), 400)
+        assert error["param"] == field and "only with `messages`" in error["message"]
+    assert len(engine.tokenized) == 2

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer
 
-from common.config import Config
+from common.config import Config, ConfigError
 from common.messages import (
     DetokenizeQuery,
     GenerateRequest,
@@ -221,3 +221,133 @@ def test_tokenize_and_detokenize_queries_are_answered_to_their_sender(
     # the template's rendering, tokenised: the generation prompt adds the assistant's turn
     assert chat_open.token_ids[: len(chat_closed.token_ids)] == chat_closed.token_ids
     assert len(chat_open.token_ids) > len(chat_closed.token_ids)
+
+
+# an operator's template: the messages' contents, with a marker the kwargs can switch off
+OPERATOR_TEMPLATE = (
+    "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    "{% if enable_thinking is not defined or enable_thinking %}<think>{% endif %}"
+    "{% if add_generation_prompt %}[assistant]{% endif %}"
+)
+CHAT = [{"role": "user", "content": "hello there"}]
+
+
+def chat_request(**fields: Any) -> GenerateRequest:
+    return GenerateRequest(
+        request_id="r", model="tiny", sampling=SamplingParams(4), messages=CHAT, **fields
+    )
+
+
+def templated_actor(folder: Path, tmp_path: Path, chat_template: str) -> TokenizerActor:
+    config = Config().replace(
+        model={"model": str(folder)},
+        server={"run_dir": str(tmp_path), "chat_template": chat_template},
+    )
+    actor = TokenizerActor(config, 0)
+    actor.model = startup_model(folder)
+    return actor
+
+
+def test_the_operators_template_file_renders_chats_across_a_model_change(
+    folders: tuple[Path, Path], tmp_path: Path
+) -> None:
+    a, b = folders
+    path = tmp_path / "template.jinja"
+    path.write_text(OPERATOR_TEMPLATE)
+    actor = templated_actor(a, tmp_path, str(path))
+    rendered = "[user] hello there\n<think>[assistant]"
+    assert actor.tokenize(chat_request()).prompt_token_ids == encode(a, rendered)
+    actor._on_model_changed(changed(b))  # the server's template, not the model's: it stays
+    assert actor.tokenize(chat_request()).prompt_token_ids == encode(b, rendered)
+
+
+def test_an_inline_operator_template_and_the_requests_kwargs(
+    folders: tuple[Path, Path], tmp_path: Path
+) -> None:
+    a, _ = folders
+    actor = templated_actor(a, tmp_path, OPERATOR_TEMPLATE)
+    out = actor.tokenize(chat_request(chat_template_kwargs={"enable_thinking": False}))
+    assert out.prompt_token_ids == encode(a, "[user] hello there\n[assistant]")
+    # /tokenize renders with the operator's template too, and the query's kwargs / template
+    sent: list[Any] = []
+    actor.outbox = lambda addr: SimpleNamespace(send=sent.append)  # type: ignore[assignment,method-assign]
+    for fields in ({}, {"chat_template_kwargs": {"enable_thinking": False}}):
+        actor._on_tokenize_query(
+            TokenizeQuery(
+                query_id=1, reply_to="gw", messages=CHAT, add_special_tokens=False, **fields
+            )
+        )
+    own = "{{ messages[0]['content'] | upper }}"
+    actor._on_tokenize_query(
+        TokenizeQuery(query_id=1, reply_to="gw", messages=CHAT, chat_template=own)
+    )
+    assert sent[0].token_ids == encode(a, "[user] hello there\n<think>[assistant]")
+    assert sent[1].token_ids == encode(a, "[user] hello there\n[assistant]")
+    assert sent[2].token_ids == encode(a, "HELLO THERE")
+
+
+def test_a_requests_own_template_comes_first(folders: tuple[Path, Path], tmp_path: Path) -> None:
+    a, _ = folders
+    own = "{{ messages[0]['content'] | upper }}{{ suffix }}"
+    for actor in (make_actor(a, tmp_path), templated_actor(a, tmp_path, OPERATOR_TEMPLATE)):
+        out = actor.tokenize(chat_request(chat_template=own, chat_template_kwargs={"suffix": "!"}))
+        assert out.prompt_token_ids == encode(a, "HELLO THERE!")
+    # without one, the model's own (ChatML) renders, kwargs or not
+    out = make_actor(a, tmp_path).tokenize(chat_request(chat_template_kwargs={"x": 1}))
+    assert out.prompt_token_ids == encode(
+        a, "<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_template_failures_are_the_requests_400s(
+    folders: tuple[Path, Path], tmp_path: Path
+) -> None:
+    a, _ = folders
+    actor = make_actor(a, tmp_path)
+    with pytest.raises(InvalidRequest) as refused:
+        actor.tokenize(chat_request(chat_template_kwargs={"tokenize": True}))
+    assert refused.value.param == "chat_template_kwargs" and "tokenize" in refused.value.message
+    with pytest.raises(InvalidRequest) as refused:
+        actor.tokenize(chat_request(chat_template="{% if %}"))
+    assert refused.value.param == "chat_template" and refused.value.status == 400
+    with pytest.raises(InvalidRequest) as refused:
+        actor.tokenize(chat_request(chat_template="{{ raise_exception('no users') }}"))
+    assert refused.value.param == "chat_template" and "no users" in refused.value.message
+
+
+def test_reserved_kwargs_cover_apply_chat_templates_parameters() -> None:
+    import inspect
+
+    from transformers import PreTrainedTokenizerBase
+
+    from services.tokenizer.chat_template import RESERVED_KWARGS
+
+    params = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+    named = {p for p, v in params.items() if v.kind != v.VAR_KEYWORD and p != "self"}
+    assert named <= RESERVED_KWARGS, named - RESERVED_KWARGS
+
+
+def test_a_bad_chat_template_flag_stops_the_start(
+    folders: tuple[Path, Path], tmp_path: Path
+) -> None:
+    a, _ = folders
+    with pytest.raises(ConfigError, match="no such file"):
+        templated_actor(a, tmp_path, str(tmp_path / "missing.jinja"))
+    with pytest.raises(ConfigError, match="not a valid Jinja template"):
+        templated_actor(a, tmp_path, "{% for m in messages %}")
+
+
+def test_shuttle_serve_checks_the_template_and_passes_its_full_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from services.launch import prepare
+
+    (tmp_path / "t.jinja").write_text(OPERATOR_TEMPLATE)
+    monkeypatch.chdir(tmp_path)  # the children run elsewhere: a relative path is resolved
+    config = Config().replace(
+        model={"model": "synthetic"},
+        server={"run_dir": str(tmp_path), "chat_template": "t.jinja"},
+    )
+    assert prepare(config).server.chat_template == str(tmp_path / "t.jinja")
+    with pytest.raises(ConfigError, match="no such file"):
+        prepare(config.replace(server={"chat_template": "missing.jinja"}))
