@@ -6,7 +6,8 @@ hands it its KV cache for the plan's copies and adds what needs a model. A step:
     drop finished -> swap out -> reset preempted -> add new -> swap in -> copy-on-write ->
     check each scheduled request and append its new blocks (RequestTable) ->
     compute token_ids[num_computed : num_computed + num_new] for each, and for those that
-    reach the end of their tokens sample one token (or verify drafts) and append it.
+    reach the end of their tokens sample one token (or verify drafts) and append it;
+    logprobs for the requests that ask (gpu_worker/logprobs.py).
 
 The batch is reordered internally so single-token decodes come first (the attention backend
 runs them as one batch); results go back in the plan's order.
@@ -29,6 +30,13 @@ from gpu_worker.attention import AttentionMetadata, build_metadata, create_backe
 from gpu_worker.cuda_graphs import CUDAGraphRunner, maybe_capture_graphs, run_model
 from gpu_worker.kv_cache import GIB, KVCache, cuda_kv_budget_bytes
 from gpu_worker.logits_controls import History, TokenCounts
+from gpu_worker.logprobs import (
+    add_prompt_entries,
+    output_entries,
+    prompt_positions,
+    step_result_fields,
+    take_prompt_logprobs,
+)
 from gpu_worker.models.llama import LlamaConfig, LlamaForCausalLM
 from gpu_worker.models.loader import eos_token_ids, load_model, read_hf_config, weights_version
 from gpu_worker.runner import PlanRunner, RequestState, RequestTable
@@ -68,6 +76,13 @@ class _Batch:
     draft_probs: list[torch.Tensor | None]  # [S] the draft model's q rows, sampled requests
     spec_slots: list[int]  # [S] draft slots the plan gave it (0: not speculating)
     draft_computed: list[int]  # [S] the draft pool's count after proposing
+    # prompt logprobs: the logits rows after the sampling ones are these requests' prompt
+    # positions, request after request
+    prompt_rows: list[tuple[RequestState, range]] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_sampling_rows(self) -> int:
+        return len(self.sampling_states) + sum(len(d) for d in self.drafts)
 
 
 def kv_budget_bytes(
@@ -344,6 +359,8 @@ class ModelRunner(PlanRunner[ModelVersion]):
             return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[])
         sampled: dict[str, list[int]] = {}
         proposed: dict[str, int] = {}
+        logprobs: dict[str, tuple[list[list[int]], list[list[float]]]] = {}
+        prompt: dict[str, tuple[list[list[int]], list[list[float]]]] = {}
         for version, indices in self._by_version(states).items():  # one forward per version
             batch = self._prepare_batch(plan, indices, states)
             loaded = self.versions[version]
@@ -356,9 +373,18 @@ class ModelRunner(PlanRunner[ModelVersion]):
                     batch.meta,
                     batch.logits_indices,
                 )
-                accepted = self._accept(logits, batch, loaded.counts)
+                add_prompt_entries(logits[batch.num_sampling_rows :], batch.prompt_rows)
+                accepted = self._accept(logits[: batch.num_sampling_rows], batch, loaded.counts)
                 for rid, tokens in zip(batch.sampling_req_ids, accepted, strict=True):
                     sampled[rid] = tokens
+                logprobs |= output_entries(
+                    logits, batch.sampling_req_ids, batch.sampling_states, batch.drafts, accepted
+                )
+            prompt |= {
+                rid: take_prompt_logprobs(state)
+                for rid, state in zip(batch.sampling_req_ids, batch.sampling_states, strict=True)
+                if state.params.prompt_logprobs is not None
+            }
             for rid, drafts in zip(batch.sampling_req_ids, batch.drafts, strict=True):
                 proposed[rid] = len(drafts)
         order = [rid for rid in plan.req_ids if rid in sampled]
@@ -369,6 +395,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
             token_ids=[t for rid in order for t in sampled[rid]],
             num_tokens=[len(sampled[rid]) for rid in order] if spec else [],
             num_proposed=[proposed[rid] for rid in order] if spec else [],
+            **step_result_fields(order, sampled, logprobs, prompt),
             forward_s=time.perf_counter() - start,
         )
 
@@ -457,6 +484,15 @@ class ModelRunner(PlanRunner[ModelVersion]):
         logits_indices = [
             k for i in sampling for k in range(first_row[i], first_row[i] + 1 + len(drafts[i]))
         ]
+        # prompt logprobs: the asking requests' prompt positions of this chunk, after those
+        prompt_rows = []
+        for i in indices:
+            num_computed, chunk = plan.num_computed_tokens[i], plan.num_new_tokens[i]
+            positions = prompt_positions(states[i], num_computed, chunk)
+            if positions:
+                chunk_start = first_row[i] + 1 - chunk  # packed index of num_computed
+                logits_indices += [chunk_start + p - num_computed for p in positions]
+                prompt_rows.append((states[i], positions))
         return _Batch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64).to(self.device),
             meta=self.backend.build_metadata(meta),
@@ -467,6 +503,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
             draft_probs=[draft_probs[i] for i in sampling],
             spec_slots=[slots[i] for i in sampling],
             draft_computed=[draft_computed[i] for i in sampling],
+            prompt_rows=prompt_rows,
         )
 
     def _propose(

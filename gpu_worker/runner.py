@@ -117,6 +117,12 @@ class RequestState:
     num_computed: int = 0  # tokens whose K/V are in the cache
     generator: torch.Generator | None = None  # the model runner's, for sampled requests
     draft_computed: int = 0  # tokens whose K/V are in the draft model's pool (if any)
+    # prompt logprobs (params.prompt_logprobs): one entry per prompt token computed so far
+    # ([ids], [values] as in StepResult), kept across preemptions, sent with the first
+    # sampled token
+    prompt_logprob_ids: list[list[int]] = dataclasses.field(default_factory=list)
+    prompt_logprob_values: list[list[float]] = dataclasses.field(default_factory=list)
+    prompt_logprobs_sent: bool = False
 
     @property
     def needs_sample(self) -> bool:
@@ -212,7 +218,7 @@ class RequestTable:
                     f"request {req_id} wants model version {version!r}, loaded: {sorted(versions)}"
                 )
             generator = self._new_generator(params) if self._new_generator else None
-            self._states[req_id] = RequestState(
+            state = RequestState(
                 req_id,
                 list(prompt),
                 params,
@@ -221,6 +227,10 @@ class RequestTable:
                 stop_token_ids=list(stops),
                 generator=generator,
             )
+            if params.prompt_logprobs is not None:  # the first token: nothing precedes it
+                state.prompt_logprob_ids.append([prompt[0]])
+                state.prompt_logprob_values.append([])
+            self._states[req_id] = state
 
     def _copy_on_write(self, plan: StepPlan, kv: KVCopier | None) -> None:
         copies = list(zip(plan.copy_req_ids, plan.copy_index, plan.copy_dst, strict=True))
@@ -290,9 +300,12 @@ class RequestTable:
 
     def _check_draft_slots(self, req_id: str, state: RequestState, end: int, num_spec: int) -> None:
         """Draft slots follow a request's last token, inside its blocks and max_model_len,
-        for requests without logits controls (drafts are verified without them)."""
-        if state.params.has_controls:
-            raise ValueError(f"request {req_id}: draft slots for a request with logits controls")
+        for requests without logits controls (drafts are verified without them) and without
+        logprobs (reported for sampled rows only)."""
+        if state.params.has_controls or state.params.wants_logprobs:
+            raise ValueError(
+                f"request {req_id}: draft slots for a request with logits controls or logprobs"
+            )
         if end != len(state.token_ids):
             raise ValueError(
                 f"request {req_id}: draft slots on a step that does not reach its last token"

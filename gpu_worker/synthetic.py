@@ -37,6 +37,7 @@ from common.messages.scheduler_worker import StepPlan, StepResult
 from common.model_paths import synthetic_params
 from gpu_worker.runner import PlanRunner, RequestState, RequestTable
 
+_FLOOR = -9999.0  # OpenAI's floor for a logprob (gpu_worker/logprobs.py's MIN_LOGPROB)
 _WORD = re.compile(r"^Ġ[a-z]{3,9}$")  # byte-level BPE: "Ġ" is a leading space
 
 
@@ -131,10 +132,12 @@ class SyntheticRunner(PlanRunner[str]):
         states = self._begin_step(plan)
         req_ids: list[str] = []
         token_ids: list[int] = []
+        sampled: list[RequestState] = []
         for rid, state in zip(plan.req_ids, states, strict=True):
             if state.needs_sample:
                 token_ids.append(self._token(state))
                 req_ids.append(rid)
+                sampled.append(state)
                 state.token_ids.append(token_ids[-1])
         if self.delay_s:
             time.sleep(self.delay_s)
@@ -142,8 +145,43 @@ class SyntheticRunner(PlanRunner[str]):
             step_id=plan.step_id,
             req_ids=req_ids,
             token_ids=token_ids,
+            **self._logprobs(sampled, token_ids),
             forward_s=time.perf_counter() - start,
         )
+
+    def _logprobs(self, states: list[RequestState], tokens: list[int]) -> dict[str, Any]:
+        """StepResult's logprob lists, as a model certain of its every output token would
+        give them: 0 for it, the floor for the other words of the top k; a prompt token's
+        prediction (the first word) is as certain."""
+        out: dict[str, Any] = {}
+        if any(s.params.logprobs is not None for s in states):
+            pairs = zip(states, tokens, strict=True)
+            entries = [self._entry(t, s.params.logprobs, t) for s, t in pairs]
+            out["logprob_token_ids"] = [ids for ids, _ in entries]
+            out["logprob_values"] = [values for _, values in entries]
+        asking = [
+            s.params.prompt_logprobs is not None and not s.prompt_logprobs_sent for s in states
+        ]
+        if any(asking):
+            pairs = zip(states, asking, strict=True)
+            prompts = [self._prompt(s) if a else ([], []) for s, a in pairs]
+            out["prompt_logprob_token_ids"] = [ids for ids, _ in prompts]
+            out["prompt_logprob_values"] = [values for _, values in prompts]
+        return out
+
+    def _entry(self, token: int, k: int | None, sure: int) -> tuple[list[int], list[float]]:
+        """[token, top 1..k] and their logprobs when the model is certain of `sure`."""
+        if k is None:
+            return [], []
+        top = [sure, *[w for w in self.words[: k + 1] if w != sure]][:k]
+        values = [0.0 if t == sure else _FLOOR for t in top]
+        return [token, *top], [0.0 if token == sure else _FLOOR, *values]
+
+    def _prompt(self, state: RequestState) -> tuple[list[list[int]], list[list[float]]]:
+        state.prompt_logprobs_sent = True
+        prompt, k = state.token_ids[: state.num_prompt], state.params.prompt_logprobs
+        rest = [self._entry(t, k, self.words[0]) for t in prompt[1:]]
+        return [[prompt[0]], *[ids for ids, _ in rest]], [[], *[v for _, v in rest]]
 
     def _token(self, state: RequestState) -> int:
         """A function of the prompt and the position in the output."""

@@ -19,3 +19,12 @@ class OutputBatch:
     # that serves each request ("" when unknown); the gateway's system_fingerprint
     seq_indices: list[int] = dataclasses.field(default_factory=list)  # [num_reqs] which of
     # the request's n sequences (empty: every index is 0)
+    # logprobs as in TokenBatch, with each id's text (the token decoded alone) beside it
+    logprob_token_ids: list[list[list[int]]] = dataclasses.field(default_factory=list)
+    # [num_reqs][num_tokens][1+k]
+    logprob_values: list[list[list[float]]] = dataclasses.field(default_factory=list)
+    logprob_tokens: list[list[list[str]]] = dataclasses.field(default_factory=list)
+    prompt_logprob_token_ids: list[list[list[int]]] = dataclasses.field(default_factory=list)
+    # [num_reqs][num_prompt][1+k] (entry 0: the first prompt token, value [])
+    prompt_logprob_values: list[list[list[float]]] = dataclasses.field(default_factory=list)
+    prompt_logprob_tokens: list[list[list[str]]] = dataclasses.field(default_factory=list)

@@ -37,3 +37,12 @@ class TokenBatch:
     # that serves each request ("" when unknown); the gateway's system_fingerprint
     seq_indices: list[int] = dataclasses.field(default_factory=list)  # [num_reqs] 0..n-1
     # (empty: every index is 0)
+    # logprobs, for requests that asked (empty when none in the batch did; [] for the others),
+    # laid out as in StepResult: per token [sampled, top 1..k] ids and values
+    logprob_token_ids: list[list[list[int]]] = dataclasses.field(default_factory=list)
+    # [num_reqs][num_tokens][1+k]
+    logprob_values: list[list[list[float]]] = dataclasses.field(default_factory=list)
+    # [num_reqs][num_tokens][1+k]
+    prompt_logprob_token_ids: list[list[list[int]]] = dataclasses.field(default_factory=list)
+    # [num_reqs][num_prompt][1+k] (entry 0: [first prompt token], value [])
+    prompt_logprob_values: list[list[list[float]]] = dataclasses.field(default_factory=list)

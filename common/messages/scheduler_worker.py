@@ -76,6 +76,18 @@ class StepResult:
     # proposed; empty: one token each, nothing proposed
     num_tokens: list[int] = dataclasses.field(default_factory=list)  # [num_sampled]
     num_proposed: list[int] = dataclasses.field(default_factory=list)  # [num_sampled]
+    # logprobs (SamplingParams.logprobs), token by token as token_ids: entry 0 is the
+    # sampled token, then the top k of the raw distribution, best first; [] for a token of
+    # a request that did not ask, and empty lists when no request of the step asked
+    logprob_token_ids: list[list[int]] = dataclasses.field(default_factory=list)  # [sum][1+k]
+    logprob_values: list[list[float]] = dataclasses.field(default_factory=list)  # [sum][1+k]
+    # prompt logprobs (SamplingParams.prompt_logprobs), sent once, with a request's first
+    # sampled token: one entry per prompt token as above, entry 0 the prompt's first token
+    # alone with no value ([tok0], []: nothing precedes it); [] for the other requests
+    prompt_logprob_token_ids: list[list[list[int]]] = dataclasses.field(default_factory=list)
+    # [num_sampled][num_prompt][1+k]
+    prompt_logprob_values: list[list[list[float]]] = dataclasses.field(default_factory=list)
+    # [num_sampled][num_prompt][1+k]
     forward_s: float = 0.0  # worker time for the step, model + sampling
     error: str = ""  # set when the step failed: its requests are failed, not retried
 

@@ -65,6 +65,12 @@ class SamplingParams:
     # bad_words as token-id sequences (the tokenizer fills it): a sequence's last token is
     # banned when the rest of it ends the output; a one-token sequence is always banned
     bad_words_token_ids: list[list[int]] = dataclasses.field(default_factory=list)  # [w][*]
+    # logprobs from the model's raw distribution (log_softmax of the logits before any
+    # control or temperature, vLLM's default): the top `logprobs` of each output token and
+    # the sampled token's own (None = off; 0 = the sampled token's only), and the same for
+    # every prompt token after the first (`prompt_logprobs`, vLLM's extension)
+    logprobs: int | None = None  # [0, 20]
+    prompt_logprobs: int | None = None  # [0, 20]
 
     @property
     def is_greedy(self) -> bool:
@@ -78,6 +84,12 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Output tokens' logprobs: such a request gets no draft slots (the worker reports
+        logprobs for sampled rows only, not for verified drafts)."""
+        return self.logprobs is not None
 
     @property
     def has_controls(self) -> bool:

@@ -39,12 +39,17 @@ def load_tokenizer(model_dir: Path) -> Tokenizer:
 
 
 class _Stream:
-    __slots__ = ("detok", "fingerprint", "num_prompt_tokens", "version")
+    __slots__ = ("detok", "fingerprint", "num_prompt_tokens", "tokenizer", "version")
 
     def __init__(
-        self, detok: IncrementalDetokenizer, num_prompt_tokens: int, fingerprint: str
+        self,
+        detok: IncrementalDetokenizer,
+        num_prompt_tokens: int,
+        fingerprint: str,
+        tokenizer: Tokenizer,
     ) -> None:
         self.detok = detok
+        self.tokenizer = tokenizer  # for logprobs' token texts
         self.num_prompt_tokens = num_prompt_tokens
         self.fingerprint = fingerprint  # of the tokenizer decoding it
         self.version = ""  # the model version serving it, once the scheduler says
@@ -148,8 +153,9 @@ class DetokenizerActor(Actor):
                 unknown[rid] = fp
                 continue
             self._forget((rid, index))  # (a request id reused after a retokenisation)
-            detok = IncrementalDetokenizer(self.tokenizers.use(fp), stop=stop, prompt_tail=tail)
-            self.streams[rid, index] = _Stream(detok, num_prompt, fp)
+            tokenizer = self.tokenizers.use(fp)
+            detok = IncrementalDetokenizer(tokenizer, stop=stop, prompt_tail=tail)
+            self.streams[rid, index] = _Stream(detok, num_prompt, fp, tokenizer)
         for rid, fp in unknown.items():
             self._fail(rid, f"no tokenizer with fingerprint {fp!r} is loaded to decode it")
 
@@ -159,8 +165,8 @@ class DetokenizerActor(Actor):
         n = len(msg.request_ids)
         versions = msg.versions or [""] * n
         indices = msg.seq_indices or [0] * n
-        for rid, index, ids, reason, version in zip(
-            msg.request_ids, indices, msg.token_ids, msg.finish_reasons, versions, strict=True
+        for i, (rid, index, ids, reason, version) in enumerate(
+            zip(msg.request_ids, indices, msg.token_ids, msg.finish_reasons, versions, strict=True)
         ):
             key = (rid, index)
             stream = self.streams.get(key)
@@ -184,6 +190,7 @@ class DetokenizerActor(Actor):
             out.num_prompt_tokens.append(stream.num_prompt_tokens)
             out.num_output_tokens.append(len(stream.detok.output_token_ids))
             out.versions.append(stream.version)
+            _add_logprobs(out, msg, i, stream.tokenizer)
         if out.request_ids:
             self.gateway.send(out)
         if stopped:  # the scheduler ends them now, so no step is spent after the stop
@@ -208,3 +215,22 @@ class DetokenizerActor(Actor):
             self._forget(key)
         self.gateway.send(RequestError(request_id=request_id, status=500, message=why))
         self.scheduler.send(Abort(request_ids=[request_id], reason=int(FinishReason.ERROR)))
+
+
+def _add_logprobs(out: OutputBatch, msg: TokenBatch, i: int, tokenizer: Tokenizer) -> None:
+    """Request i's logprobs (if the batch has any), each id with its text beside it."""
+    if msg.logprob_token_ids:
+        out.logprob_token_ids.append(msg.logprob_token_ids[i])
+        out.logprob_values.append(msg.logprob_values[i])
+        out.logprob_tokens.append(token_texts(tokenizer, msg.logprob_token_ids[i]))
+    if msg.prompt_logprob_token_ids:
+        out.prompt_logprob_token_ids.append(msg.prompt_logprob_token_ids[i])
+        out.prompt_logprob_values.append(msg.prompt_logprob_values[i])
+        out.prompt_logprob_tokens.append(token_texts(tokenizer, msg.prompt_logprob_token_ids[i]))
+
+
+def token_texts(tokenizer: Tokenizer, entries: list[list[int]]) -> list[list[str]]:
+    """Each id's text, decoded alone (special tokens shown), in one batched decode."""
+    flat = [[token] for entry in entries for token in entry]
+    texts = iter(tokenizer.decode_batch(flat, skip_special_tokens=False) if flat else [])
+    return [[next(texts) for _ in entry] for entry in entries]

@@ -43,12 +43,13 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from common.config import SchedulerConfig, ServerConfig
-from common.messages import FinishReason
+from common.messages import FinishReason, GenerateRequest
 from services.gateway import sse
 from services.gateway.admin import admin_router
 from services.gateway.batch import merge_deltas
 from services.gateway.engine_client import EngineClient, OutputDelta, RequestFailed
 from services.gateway.limits import BodyLimitMiddleware, BodyLimits
+from services.gateway.logprobs import ChoiceLogprobs, TokenLogprob, merge_completion
 from services.gateway.metrics import install_metrics
 from services.gateway.openapi import json_body
 from services.gateway.protocol import (
@@ -204,6 +205,14 @@ class OpenAIRoutes:
         check_model(body.model, engine.model_names, engine.is_ready())
         requests = body.to_generate_requests(request_id, engine.model_name, engine.max_model_len)
         n = requests[0].sampling.n  # choices per prompt
+        echo = isinstance(body, CompletionRequest) and bool(body.echo)
+        lp = ChoiceLogprobs(
+            api.kind,
+            body.num_logprobs,
+            echo_texts=[await self._prompt_text(r) for r in requests] if echo else None,
+            with_prompt_logprobs=body.prompt_logprobs is not None,
+            n=n,
+        )
         reply = _Reply(
             api.kind,
             _response_id(request_id, api.id_prefix),
@@ -212,6 +221,7 @@ class OpenAIRoutes:
             engine.system_fingerprint,
             n * len(requests),
             n,
+            lp,
         )
         if len(requests) == 1:
             deltas = engine.generate(requests[0])
@@ -229,12 +239,18 @@ class OpenAIRoutes:
                 reply = dataclasses.replace(reply, fingerprint=first.version or reply.fingerprint)
                 stream = sse_stream(reader, first, reply, body.include_usage)
                 return SseResponse(stream, headers=headers | _SSE_HEADERS)
-            choices, usage = await until_disconnected(request, collect(reader, n))
+            choices, usage = await until_disconnected(request, collect(reader, n, lp))
             reply = dataclasses.replace(reply, fingerprint=reader.version or reply.fingerprint)
             return _json(reply.body(choices, usage, bool(body.return_token_ids)), headers=headers)
         finally:
             if not handed_off:
                 await close_shielded(reader)
+
+    async def _prompt_text(self, request: GenerateRequest) -> str:
+        """What echo shows of a completion prompt: its text, or its token ids decoded."""
+        if request.prompt is not None:
+            return request.prompt
+        return await self.engine.detokenize(request.prompt_token_ids or [])
 
 
 def _request_id(request: Request, prefix: str) -> str:
@@ -331,6 +347,7 @@ class Choice:
     parts: list[str] = dataclasses.field(default_factory=list)
     token_ids: list[int] = dataclasses.field(default_factory=list)
     finish_reason: FinishReason = FinishReason.NONE
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # when asked
 
     @property
     def text(self) -> str:
@@ -359,9 +376,11 @@ class Usage:
         return sum(self._num_output_tokens.values())
 
 
-async def collect(reader: DeltaReader, n: int = 1) -> tuple[list[Choice], Usage]:
-    """Every sequence's text, token ids and finish reason (by index), and the usage (`n`
-    choices per prompt)."""
+async def collect(
+    reader: DeltaReader, n: int = 1, lp: ChoiceLogprobs | None = None
+) -> tuple[list[Choice], Usage]:
+    """Every sequence's text, token ids, logprobs and finish reason (by index), and the
+    usage (`n` choices per prompt); prompt logprobs go to `lp`."""
     choices: dict[int, Choice] = {}
     usage = Usage(n)
     while True:
@@ -370,6 +389,9 @@ async def collect(reader: DeltaReader, n: int = 1) -> tuple[list[Choice], Usage]
         choice = choices.setdefault(delta.index, Choice(delta.index))
         choice.parts.append(delta.text)
         choice.token_ids.extend(delta.token_ids)
+        choice.logprobs.extend(delta.logprobs)
+        if lp is not None:
+            lp.see_prompt(delta.index, delta.prompt_logprobs)
         if delta.finish_reason != FinishReason.NONE:
             choice.finish_reason = delta.finish_reason
         if delta.last:
@@ -411,6 +433,7 @@ class _Reply:
     fingerprint: str
     n: int = 1  # choices (sequences) in the answer
     n_per_prompt: int = 1  # of them, per prompt of a batch (the request's `n`)
+    lp: ChoiceLogprobs | None = None  # logprobs and echo, when asked
 
     def head(self) -> list[bytes]:
         """The chat stream's role chunks, one per choice, before any text."""
@@ -419,8 +442,23 @@ class _Reply:
             return [self._event(role, "", None, index) for index in range(self.n)]
         return []
 
-    def text(self, text: str, index: int = 0) -> bytes:
-        return self._event({"content": text}, text, None, index)
+    def text(self, text: str, index: int = 0, logprobs: dict[str, Any] | None = None) -> bytes:
+        return self._event({"content": text}, text, None, index, logprobs)
+
+    def delta(self, delta: OutputDelta, first: bool) -> list[bytes]:
+        """A delta's chunks before its finish: with echo, the choice's prompt first (`first`
+        delta of the choice); its text, with its tokens' logprobs when asked."""
+        lp, out = self.lp, []
+        if lp is not None:
+            lp.see_prompt(delta.index, delta.prompt_logprobs)
+            if first and lp.echo_texts is not None:
+                out.append(self.text(lp.echo_text(delta.index), delta.index, lp.echo(delta.index)))
+            if lp.is_on and delta.logprobs:
+                logprobs = lp.tokens(delta.index, delta.logprobs)
+                return [*out, self.text(delta.text, delta.index, logprobs)]
+        if delta.text:
+            out.append(self.text(delta.text, delta.index))
+        return out
 
     def finish(self, reason: FinishReason, index: int = 0) -> bytes:
         return self._event({}, "", reason.openai, index)
@@ -430,19 +468,35 @@ class _Reply:
         ids = (self.request_id, self.model, self.created)
         return sse.sse_event(sse.usage_chunk(self.kind, *ids, *counts, self.fingerprint))
 
-    def _event(self, delta: dict[str, Any], text: str, finish: str | None, index: int) -> bytes:
+    def _event(
+        self,
+        delta: dict[str, Any],
+        text: str,
+        finish: str | None,
+        index: int,
+        logprobs: dict[str, Any] | None = None,
+    ) -> bytes:
         ids = (self.request_id, self.model, self.created)
+        fp = self.fingerprint
         if self.kind == "chat":
-            return sse.sse_event(sse.chat_chunk(*ids, delta, finish, self.fingerprint, index))
-        return sse.sse_event(sse.completion_chunk(*ids, text, finish, self.fingerprint, index))
+            return sse.sse_event(sse.chat_chunk(*ids, delta, finish, fp, index, logprobs))
+        return sse.sse_event(sse.completion_chunk(*ids, text, finish, fp, index, logprobs))
 
     def _choice(self, choice: Choice, with_token_ids: bool) -> dict[str, Any]:
         out: dict[str, Any] = {"index": choice.index}
+        lp, i = self.lp, choice.index
+        if lp is not None and lp.echo_texts is not None:  # (echo's text offsets come first)
+            echoed = lp.echo(i)
+            logprobs = merge_completion(echoed, lp.tokens(i, choice.logprobs))
+        else:
+            logprobs = lp.tokens(i, choice.logprobs) if lp is not None else None
         if self.kind == "chat":
             out["message"] = {"role": "assistant", "content": choice.text}
         else:
-            out["text"] = choice.text
-        out |= {"logprobs": None, "finish_reason": choice.finish_reason.openai}
+            out["text"] = (lp.echo_text(i) if lp is not None else "") + choice.text
+        out |= {"logprobs": logprobs, "finish_reason": choice.finish_reason.openai}
+        if lp is not None and self.kind == "completion":
+            out |= lp.extra(i)
         if with_token_ids:
             out["token_ids"] = choice.token_ids
         return out
@@ -450,7 +504,7 @@ class _Reply:
     def body(self, choices: list[Choice], usage: Usage, with_token_ids: bool) -> dict[str, Any]:
         """The non-streamed answer (with the output token ids when asked for)."""
         prompt, output = usage.num_prompt_tokens, usage.num_output_tokens
-        return {
+        out = {
             "id": self.request_id,
             "object": "chat.completion" if self.kind == "chat" else "text_completion",
             "created": self.created,
@@ -461,6 +515,9 @@ class _Reply:
                 prompt_tokens=prompt, completion_tokens=output, total_tokens=prompt + output
             ),
         }
+        if self.lp is not None and self.kind == "chat":  # vLLM: the response's, for chat
+            out |= self.lp.extra(0)
+        return out
 
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -476,10 +533,12 @@ async def sse_stream(
             yield event
         usage = Usage(reply.n_per_prompt)
         delta = first
+        seen: set[int] = set()  # choices that had a delta
         while True:
             usage.add(delta)
-            if delta.text:
-                yield reply.text(delta.text, delta.index)
+            for event in reply.delta(delta, first=delta.index not in seen):
+                yield event
+            seen.add(delta.index)
             if delta.finish_reason != FinishReason.NONE:
                 yield reply.finish(delta.finish_reason, delta.index)
             if delta.last:

@@ -13,6 +13,7 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any, Protocol
 
 from common.messages import FinishReason, GenerateRequest, SwapResult
+from services.gateway.logprobs import TokenLogprob
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -33,6 +34,10 @@ class OutputDelta:
     last: bool  # the request's final delta: every sequence has finished
     index: int = 0  # which sequence, 0..n-1
     version: str = ""  # the model version serving it ("" until the scheduler says)
+    # one entry per token of `token_ids` when the request asked for logprobs, else []
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    # every prompt token's entry (prompt_logprobs), in the sequence's first delta only
+    prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
 
 
 class RequestFailed(Exception):

@@ -21,8 +21,13 @@ Limits: at most `MAX_STOP` stop strings of 1..`MAX_STOP_CHARS` characters each; 
 per prompt, sampled as sequences that share the prompt's KV blocks) at most `MAX_N`;
 `best_of` only equal to `n`; at most `MAX_PROMPTS` prompts in a /v1/completions batch (a
 list of strings or of token-id lists; each is its own engine request). Not yet supported,
-refused with a clear message: `echo`, `suffix`, `logprobs`. `stream_options` only with
-`stream: true`.
+refused with a clear message: `suffix`. `stream_options` only with `stream: true`.
+
+Logprobs (from the model's raw distribution, as vLLM's default): chat `logprobs: true` with
+`top_logprobs` in [0, `MAX_LOGPROBS`] (refused without `logprobs: true`); completions
+`logprobs` in [0, `MAX_LOGPROBS`] and `echo` (the prompt before the output, and with
+`logprobs` its tokens' logprobs first); vLLM's `prompt_logprobs` in [0, `MAX_LOGPROBS`] on
+both endpoints.
 
 Sampling controls: `presence_penalty` and `frequency_penalty` in [-2, 2] (OpenAI), `logit_bias`
 (a map of token ids, as strings, to a bias in [-100, 100]: at most `MAX_LOGIT_BIAS`; ids
@@ -75,6 +80,7 @@ MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 MAX_BAD_WORDS = 64
 MAX_BAD_WORD_CHARS = 256
 MAX_CHAT_TEMPLATE_CHARS = 64 * 1024  # a request's chat_template; its chat_template_kwargs
+MAX_LOGPROBS = 20  # top logprobs per token (OpenAI's limit)
 _INT32_MAX = 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1  # orjson carries 64-bit ints
 
@@ -99,6 +105,7 @@ TokenId = Annotated[int, Field(ge=0, le=_INT32_MAX)]
 NumChoices = Annotated[int, Field(ge=1, le=MAX_N)]
 Priority = Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)]
 Timeout = Annotated[float, Field(gt=0.0, le=MAX_TIMEOUT_S, allow_inf_nan=False)]
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 
 
 class RequestRejected(Exception):
@@ -160,6 +167,7 @@ class _CommonRequest(BaseModel):
     bad_words: list[str] | None = None  # vLLM extension
     priority: Priority | None = None  # vLLM extension: lower first (priority scheduling)
     timeout: Timeout | None = None  # vLLM-style extension: seconds until finish "timeout"
+    prompt_logprobs: NumLogprobs | None = None  # vLLM extension
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -234,7 +242,13 @@ class _CommonRequest(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def _sampling(
-        self, max_tokens: int | None, field: str, default: int, max_model_len: int
+        self,
+        max_tokens: int | None,
+        field: str,
+        default: int,
+        max_model_len: int,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         limit = max_tokens if max_tokens is not None else default
         if limit > max_model_len:
@@ -267,6 +281,8 @@ class _CommonRequest(BaseModel):
             logit_bias_values=[value for _, value in bias],
             min_tokens=self.min_tokens or 0,
             bad_words=list(self.bad_words or []),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _unset_sampling(self) -> list[str]:
@@ -357,7 +373,7 @@ class ChatCompletionRequest(_CommonRequest):
     chat_template: ChatTemplate | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: NumLogprobs | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -367,19 +383,18 @@ class ChatCompletionRequest(_CommonRequest):
     _trusted_template = field_validator("chat_template")(trusted_chat_template)
     _bounded_kwargs = field_validator("chat_template_kwargs")(bounded_template_kwargs)
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: bool | None) -> bool | None:
-        if value:
-            raise _refuse("logprobs are not supported yet")
-        return value
-
     @field_validator("top_logprobs")
     @classmethod
-    def _no_top_logprobs(cls, value: int | None) -> int | None:
-        if value:
-            raise _refuse("logprobs are not supported yet")
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        # as vLLM: alternatives without the tokens' own logprobs are a mistake
+        if value and not info.data.get("logprobs"):
+            raise _refuse("needs logprobs: true")
         return value
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top logprobs per output token (None: none asked)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def to_generate_requests(
         self, request_id: str, model: str, max_model_len: int
@@ -395,7 +410,9 @@ class ChatCompletionRequest(_CommonRequest):
         return GenerateRequest(
             request_id=request_id,
             model=model,
-            sampling=self._sampling(max_tokens, field, 0, max_model_len),
+            sampling=self._sampling(
+                max_tokens, field, 0, max_model_len, self.num_logprobs, self.prompt_logprobs
+            ),
             messages=[m.as_dict() for m in self.messages],
             add_generation_prompt=self.add_generation_prompt is not False,
             chat_template=self.chat_template,
@@ -455,7 +472,7 @@ class CompletionRequest(_CommonRequest):
 
     prompt: Any  # list[Prompt] once validated: one engine request each
     echo: bool | None = None
-    logprobs: int | None = None
+    logprobs: NumLogprobs | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None  # only = n: no ranking of choices
     suffix: str | None = None
 
@@ -466,19 +483,17 @@ class CompletionRequest(_CommonRequest):
     def _refuse_unsupported(cls, data: Any) -> Any:
         return refuse_unsupported(data, REFUSED_COMPLETION, cls.__name__)
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool | None) -> bool | None:
-        if value:
-            raise _refuse("echo=true is not supported")
-        return value
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: int | None) -> int | None:
-        if value is not None:
-            raise _refuse("logprobs are not supported yet")
-        return value
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """What the engine computes for the prompt: `prompt_logprobs`, or with echo and
+        logprobs at least that many (echo shows the prompt tokens' logprobs)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     @field_validator("best_of")
     @classmethod
@@ -504,7 +519,12 @@ class CompletionRequest(_CommonRequest):
         """One engine request per prompt: `request_id` for a single prompt, else
         `<request_id>-<k>` for prompt k."""
         sampling = self._sampling(
-            self.max_tokens, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS, max_model_len
+            self.max_tokens,
+            "max_tokens",
+            COMPLETIONS_DEFAULT_MAX_TOKENS,
+            max_model_len,
+            self.logprobs,
+            self.engine_prompt_logprobs,
         )
         prompts: list[Prompt] = self.prompt
         arrival = time.time()

@@ -3,10 +3,9 @@ silently ignored: each is refused with a 400 naming it as soon as it asks for so
 value other than null or the value that changes nothing), except the few on
 IGNORED_FIELDS, which cannot change what is generated.
 
-Fields the server honours, or refuses with a message of their own (`logprobs`, `echo`,
-`suffix`), are declared on the request models in protocol.py; a field must
-not be both there and here (checked when protocol.py is imported), so implementing one means
-moving it from here to there.
+Fields the server honours, or refuses with a message of their own (`suffix`), are declared
+on the request models in protocol.py; a field must not be both there and here (checked when
+protocol.py is imported), so implementing one means moving it from here to there.
 """
 
 from __future__ import annotations
@@ -42,7 +41,6 @@ _COMMON: dict[str, Any] = {
     "length_penalty": 1.0,
     "use_beam_search": False,
     "truncate_prompt_tokens": ANY,
-    "prompt_logprobs": ANY,
     # output shaping
     "include_stop_str_in_output": False,
     "skip_special_tokens": True,

@@ -61,9 +61,15 @@ def chat_chunk(
     finish_reason: str | None,
     system_fingerprint: str | None,
     index: int = 0,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A `chat.completion.chunk` with one choice carrying `delta` (role and/or content)."""
-    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    choice = {
+        "index": index,
+        "delta": delta,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
     return _chunk("chat", request_id, model, created, system_fingerprint, [choice])
 
 
@@ -75,9 +81,10 @@ def completion_chunk(
     finish_reason: str | None,
     system_fingerprint: str | None,
     index: int = 0,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A `text_completion` stream chunk with one choice carrying `text`."""
-    choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return _chunk("completion", request_id, model, created, system_fingerprint, [choice])
 
 

@@ -36,6 +36,7 @@ from common.messages import (
     TokenizeResult,
 )
 from services.gateway.engine_client import OutputDelta, RequestFailed, RequestObserver
+from services.gateway.logprobs import entries
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,20 @@ class _Stream:
                 last=not self.running,
                 index=index,
                 version=msg.versions[i] if msg.versions else "",
+                logprobs=(
+                    entries(msg.logprob_token_ids[i], msg.logprob_values[i], msg.logprob_tokens[i])
+                    if msg.logprob_token_ids
+                    else []
+                ),
+                prompt_logprobs=(
+                    entries(
+                        msg.prompt_logprob_token_ids[i],
+                        msg.prompt_logprob_values[i],
+                        msg.prompt_logprob_tokens[i],
+                    )
+                    if msg.prompt_logprob_token_ids
+                    else []
+                ),
             )
         )
 

@@ -18,6 +18,7 @@ the index side by side.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 from collections import deque
@@ -474,6 +475,7 @@ class EngineCore:
                     num_cached_tokens=[r.num_cached_tokens for r, _, _ in results],
                     versions=[r.version or "" for r, _, _ in results],
                     seq_indices=[r.seq_index for r, _, _ in results],
+                    **_logprob_fields(msg, results),
                 )
             )
             self._forget_finished_groups(r for r, _, f in results if f != FinishReason.NONE)
@@ -489,3 +491,25 @@ class EngineCore:
             self.interval_forward_s += msg.forward_s
             self.num_intervals += 1
         self._last_result_at = now
+
+
+def _logprob_fields(
+    msg: StepResult, results: list[tuple[Request, list[int], FinishReason]]
+) -> dict[str, Any]:
+    """TokenBatch's logprob lists for `results` (the live requests of `msg`, each with the
+    tokens it kept: a stop may cut a request's tokens short), or none when nobody asked."""
+    out: dict[str, Any] = {}
+    if not (msg.logprob_token_ids or msg.prompt_logprob_token_ids):
+        return out
+    counts = msg.num_tokens or [1] * len(msg.req_ids)
+    starts = dict(zip(msg.req_ids, itertools.accumulate(counts, initial=0), strict=False))
+    rows = {rid: i for i, rid in enumerate(msg.req_ids)}
+    if msg.logprob_token_ids:
+        spans = [(starts[r.request_id], len(kept)) for r, kept, _ in results]
+        out["logprob_token_ids"] = [msg.logprob_token_ids[a : a + n] for a, n in spans]
+        out["logprob_values"] = [msg.logprob_values[a : a + n] for a, n in spans]
+    if msg.prompt_logprob_token_ids:
+        index = [rows[r.request_id] for r, _, _ in results]
+        out["prompt_logprob_token_ids"] = [msg.prompt_logprob_token_ids[i] for i in index]
+        out["prompt_logprob_values"] = [msg.prompt_logprob_values[i] for i in index]
+    return out

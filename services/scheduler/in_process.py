@@ -44,6 +44,7 @@ class _Collector:
     outputs: dict[SequenceId, list[int]] = dataclasses.field(default_factory=dict)
     errors: list[RequestError | Retokenize] = dataclasses.field(default_factory=list)
     announced: list[ModelChanged] = dataclasses.field(default_factory=list)
+    batches: list[TokenBatch] = dataclasses.field(default_factory=list)  # as sent, in order
 
     def to_worker(self, msg: ToWorker) -> None:
         if not isinstance(msg, StepPlan):
@@ -52,6 +53,7 @@ class _Collector:
 
     def to_detokenizer(self, msg: ToDetokenizer) -> None:
         if isinstance(msg, TokenBatch):
+            self.batches.append(msg)
             indices = msg.seq_indices or [0] * len(msg.request_ids)
             for rid, i, tokens in zip(msg.request_ids, indices, msg.token_ids, strict=True):
                 self.outputs.setdefault((rid, i), []).extend(tokens)
@@ -99,6 +101,11 @@ class InProcessEngine:
     @property
     def outputs(self) -> dict[SequenceId, list[int]]:
         return self.collector.outputs
+
+    @property
+    def batches(self) -> list[TokenBatch]:
+        """Every TokenBatch the engine sent (logprobs included), in order."""
+        return self.collector.batches
 
     def add(
         self, prompt: list[int], sampling: SamplingParams, request_id: str | None = None

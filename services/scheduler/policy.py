@@ -223,11 +223,12 @@ class Scheduler:
     def _num_spec_tokens(self, req: Request, num_new: int, budget: int) -> int:
         """Draft slots for a decode: up to k, never more than it may still produce less one
         (the step always yields one token beyond the accepted drafts), nor past the budget.
-        None for a request with logits controls: the worker verifies drafts without them."""
+        None for a request with logits controls (the worker verifies drafts without them) or
+        logprobs (the worker reports them for sampled rows only)."""
         k = self.config.num_speculative_tokens
         if not k or num_new != 1 or req.num_pending or not req.output_token_ids:
             return 0
-        if req.sampling.has_controls:
+        if req.sampling.has_controls or req.sampling.wants_logprobs:
             return 0
         may_produce = req.max_total_tokens - req.num_tokens
         return max(0, min(k, may_produce - 1, budget - num_new))
@@ -308,7 +309,9 @@ class Scheduler:
         bm, rid = self.blocks, req.request_id
         # a request that starts now runs on the version served now, hashed under its root
         root = req.cache_root if req.version is not None or self.root is None else self.root
-        hits = bm.match_prefix(root, req.all_token_ids)
+        # prompt logprobs need the logits of every prompt position: no prefix hits
+        wants_prompt = req.sampling.prompt_logprobs is not None
+        hits = [] if wants_prompt else bm.match_prefix(root, req.all_token_ids)
         cached, take = len(hits) * bm.block_size, bm.num_hit_blocks_to_take(hits)
         n = min(req.num_tokens - cached, budget)
         whole = bm.num_blocks_for(req.num_tokens) - len(hits) + take

@@ -213,3 +213,28 @@ def test_messages_without_indices_are_sequence_0(
         TokenBatch(request_ids=["r"], token_ids=[encode(a, TEXTS[1])], finish_reasons=[int(LENGTH)])
     )
     assert texts_by_sequence(gateway.sent) == {("r", 0): TEXTS[1]}
+
+
+def test_logprob_ids_get_their_texts(folders: tuple[Path, Path], tmp_path: Path) -> None:
+    a, _ = folders
+    actor, gateway, _ = make_actor(a, tmp_path)
+    actor._on_new(new(("asks", 0, ""), ("plain", 0, "")))
+    ids = encode(a, "Hello world")
+    tokenizer = Tokenizer.from_file(str(a / "tokenizer.json"))
+    actor._on_tokens(
+        TokenBatch(
+            request_ids=["asks", "plain"],
+            token_ids=[ids[:2], ids[:1]],
+            finish_reasons=[int(NONE), int(NONE)],
+            logprob_token_ids=[[[ids[0], ids[1]], [ids[1]]], [[]]],
+            logprob_values=[[[-0.1, -0.2], [-0.3]], [[]]],
+            prompt_logprob_token_ids=[[[ids[2]], [ids[3], ids[0]]], []],
+            prompt_logprob_values=[[[], [-1.0, -0.5]], []],
+        )
+    )
+    (out,) = gateway.sent
+    one = [tokenizer.decode([i], skip_special_tokens=False) for i in ids[:4]]
+    assert out.logprob_tokens == [[[one[0], one[1]], [one[1]]], [[]]]
+    assert out.logprob_values == [[[-0.1, -0.2], [-0.3]], [[]]]
+    assert out.prompt_logprob_tokens == [[[one[2]], [one[3], one[0]]], []]
+    assert out.prompt_logprob_token_ids == [[[ids[2]], [ids[3], ids[0]]], []]

@@ -471,7 +471,11 @@ def test_unset_sampling_fields_default_and_are_named() -> None:
         (chat_body(bad_words="word"), "bad_words", "list"),
         (chat_body(bad_words=["ok", "  "]), "bad_words", "not all spaces"),
         (chat_body(bad_words=["w"] * 65), "bad_words", "at most 64"),
-        (chat_body(logprobs=True), "logprobs", "not supported"),
+        (chat_body(top_logprobs=2), "top_logprobs", "needs logprobs: true"),
+        (chat_body(logprobs=True, top_logprobs=21), "top_logprobs", "<= 20"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs", "<= 20"),
+        ({"prompt": "x", "logprobs": True}, "logprobs", "integer"),
+        ({"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs", ">= 0"),
         ({"prompt": ""}, "prompt", "empty"),
         ({"prompt": ["a", ""]}, "prompt", "prompt 1 must not be empty"),
         ({"prompt": [[1, 2], [3, -1]]}, "prompt", "prompt 1 token ids must be integers"),
@@ -479,7 +483,7 @@ def test_unset_sampling_fields_default_and_are_named() -> None:
         ({"prompt": []}, "prompt", "empty"),
         ({"prompt": ["a"] * 65}, "prompt", "at most 64 prompts"),
         ({"prompt": [1, -2]}, "prompt", "token ids"),
-        ({"prompt": "x", "echo": True}, "echo", "not supported"),
+        ({"prompt": "x", "suffix": "y"}, "suffix", "not supported"),
     ],
 )
 def test_invalid_fields_are_400_naming_the_field(

@@ -66,6 +66,14 @@ CHANGES_THE_REQUEST: dict[str, Any] = {
     "chat_template_kwargs": {"enable_thinking": False},
     "chat_template": "{{ messages[0]['content'] }}",  # with --trust-request-chat-template
 }
+# honoured: a body (per endpoint) that changes the engine's request through the field
+CHANGES_THE_REQUEST_BY_URL: dict[tuple[str, str], dict[str, Any]] = {
+    (CHAT, "logprobs"): {"logprobs": True},
+    (COMPLETIONS, "logprobs"): {"logprobs": 2},
+    (CHAT, "top_logprobs"): {"logprobs": True, "top_logprobs": 2},
+    (CHAT, "prompt_logprobs"): {"prompt_logprobs": 1},
+    (COMPLETIONS, "prompt_logprobs"): {"prompt_logprobs": 1},
+}
 # honoured: the body's fields (with what they need) that shape the answer, not the request
 SHAPES_THE_ANSWER: dict[str, dict[str, Any]] = {
     "model": {"model": "test-model"},
@@ -75,12 +83,10 @@ SHAPES_THE_ANSWER: dict[str, dict[str, Any]] = {
     "stream_options": {"stream": True, "stream_options": {"include_usage": True}},
     "return_token_ids": {"return_token_ids": True},
     "best_of": {"best_of": 1},  # = n: no ranking of choices
+    "echo": {"echo": True},  # completions (chat's echo, vLLM's other meaning, is refused)
 }
 # declared fields refused, with a message of their own, when they ask for something
 REFUSED_BY_THEIR_MODEL: dict[str, Any] = {
-    "logprobs": True,
-    "top_logprobs": 2,
-    "echo": True,
     "suffix": "and then",
 }
 ASKS_FOR_SOMETHING = {"asks": "for something"}  # not the no-op value of any refused field
@@ -122,10 +128,15 @@ def _check(url: str, field: str, refused: dict[str, Any]) -> str:
         assert error["param"] == field and error["message"].startswith(f"{field}: ")
         assert len(engine.requests) == 1
         return "refused"
-    if field in CHANGES_THE_REQUEST:
-        body = _body(url) | {field: CHANGES_THE_REQUEST[field]}
-        resp = run(engine, "POST", url, policy="priority", trust_chat_template=True, json=body)
-        assert resp.status_code == 200, resp.text
+    if field in CHANGES_THE_REQUEST or (url, field) in CHANGES_THE_REQUEST_BY_URL:
+        extra = CHANGES_THE_REQUEST_BY_URL.get((url, field)) or {field: CHANGES_THE_REQUEST[field]}
+        body = _body(url) | extra
+        assert (
+            run(
+                engine, "POST", url, policy="priority", trust_chat_template=True, json=body
+            ).status_code
+            == 200
+        )
         assert _sent(engine) != baseline, f"{field} was accepted but changed nothing"
         return "honoured"
     if field in SHAPES_THE_ANSWER:
@@ -146,11 +157,21 @@ def test_every_completions_field_is_honoured_refused_or_ignored(field: str) -> N
 
 
 def test_sampling_controls_not_implemented_yet_are_refused_not_ignored() -> None:
-    for field in ("allowed_token_ids", "logits_processors", "prompt_logprobs"):
+    for field in ("allowed_token_ids", "logits_processors"):
         for url in (CHAT, COMPLETIONS):
             assert _check(url, field, REFUSED_CHAT if url == CHAT else REFUSED_COMPLETION) == (
                 "refused"
             )
+
+
+def test_logprobs_are_honoured() -> None:
+    for url in (CHAT, COMPLETIONS):
+        refused = REFUSED_CHAT if url == CHAT else REFUSED_COMPLETION
+        for field in ("logprobs", "prompt_logprobs"):
+            assert _check(url, field, refused) == "honoured"
+    assert _check(CHAT, "top_logprobs", REFUSED_CHAT) == "honoured"
+    assert _check(COMPLETIONS, "echo", REFUSED_COMPLETION) == "honoured"
+    assert _check(CHAT, "echo", REFUSED_CHAT) == "refused"
 
 
 def test_the_sampling_controls_are_honoured() -> None:

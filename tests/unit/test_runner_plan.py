@@ -129,7 +129,7 @@ CASES: dict[str, tuple[list[StepPlan], str]] = {
     ),
     "draft slots with logits controls": (
         [_plan(0, [("a", 0, 3, [0, 1])], new={"a": A}, spec=[1], sampling=CONTROLLED)],
-        "request a: draft slots for a request with logits controls",
+        "request a: draft slots for a request with logits controls or logprobs",
     ),
     "fields differ in length": (
         [dataclasses.replace(A_FIRST, new_block_ids=[])],
@@ -297,6 +297,35 @@ def test_model_runner_applies_controls_and_frees_their_token_counts(tiny_dir: Pa
     assert len(counts) == 1
     runner.reset()
     assert len(counts) == 0
+
+
+def test_logprobs_have_the_same_layout_on_both_runners(make_runner) -> None:
+    """a asks for 2 top logprobs and 1 prompt logprob, its 6-token prompt in two chunks
+    (preempted and recomputed after the first); b asks for nothing."""
+    runner = make_runner()
+    prompt = [5, 6, 7, 8, 9, 10]
+    asks = dataclasses.replace(GREEDY, logprobs=2, prompt_logprobs=1)
+    first = dataclasses.replace(
+        _plan(0, [("a", 0, 3, [0]), ("b", 0, 3, [1])], new={"a": prompt, "b": A}),
+        new_sampling=[asks, GREEDY],
+    )
+    result = runner.execute(first)
+    assert result.req_ids == ["b"] and not result.logprob_token_ids  # nobody asking sampled
+    runner.execute(_plan(1, preempted_req_ids=["a"]))
+    result = runner.execute(_plan(2, [("a", 0, 6, [2, 3]), ("b", 3, 1, [])]))
+    assert result.req_ids == ["a", "b"]
+    ids, values = result.logprob_token_ids, result.logprob_values
+    assert len(ids) == 2 and ids[1] == [] and values[1] == []
+    assert ids[0][0] == result.token_ids[0] and len(ids[0]) == len(values[0]) == 3
+    assert all(v <= 0.0 for v in values[0]) and values[0][1] >= values[0][2]
+    (prompt_ids, no_prompt) = result.prompt_logprob_token_ids
+    assert no_prompt == [] and result.prompt_logprob_values[1] == []
+    assert [entry[0] for entry in prompt_ids] == prompt  # once per prompt token, in order
+    assert prompt_ids[0] == [5] and result.prompt_logprob_values[0][0] == []
+    assert all(len(e) == 2 for e in prompt_ids[1:])
+    result = runner.execute(_plan(3, [("a", 6, 1, []), ("b", 4, 1, [4])]))
+    assert not result.prompt_logprob_token_ids  # sent once
+    assert len(result.logprob_token_ids[0]) == 3 and result.logprob_token_ids[1] == []
 
 
 # --- forgetting and relabelling ---------------------------------------------------------------

@@ -191,7 +191,7 @@ def test_requests_with_drafts_in_flight_are_not_planned_again_nor_preempted() ->
     assert s.schedule().scheduled[0].num_spec_tokens == 2
 
 
-def test_requests_with_logits_controls_get_no_draft_slots() -> None:
+def test_requests_with_logits_controls_or_logprobs_get_no_draft_slots() -> None:
     """Drafts are verified without penalties, bias, min_tokens or bad words; min_p, a
     sampling filter that verification applies, keeps its slots."""
     s = Scheduler(BlockManager(32, 4), PolicyConfig(num_speculative_tokens=3))
@@ -203,10 +203,21 @@ def test_requests_with_logits_controls_get_no_draft_slots() -> None:
         "min_tokens": SamplingParams(max_tokens=9, temperature=0.0, min_tokens=3),
         "bad_words": SamplingParams(max_tokens=9, temperature=0.0, bad_words_token_ids=[[4]]),
         "min_p": SamplingParams(max_tokens=9, temperature=0.8, min_p=0.1),
+        # logprobs are reported for sampled rows only, not for verified drafts
+        "logprobs": SamplingParams(max_tokens=9, temperature=0.0, logprobs=2),
+        "prompt_logprobs": SamplingParams(max_tokens=9, temperature=0.0, prompt_logprobs=2),
     }
     for rid, sampling in kinds.items():
         s.add(Request(rid, [100, 101, 102], sampling))
     s.schedule()
     s.update(list(kinds), [7] * len(kinds))
     slots = {x.request.request_id: x.num_spec_tokens for x in s.schedule().scheduled}
-    assert slots == {"penalty": 0, "bias": 0, "min_tokens": 0, "bad_words": 0, "min_p": 3}
+    assert slots == {
+        "penalty": 0,
+        "bias": 0,
+        "min_tokens": 0,
+        "bad_words": 0,
+        "min_p": 3,
+        "logprobs": 0,
+        "prompt_logprobs": 3,  # (its prompt is done: the output's drafts are fine)
+    }

@@ -5,6 +5,7 @@ outboxes (no sockets): messages are fed straight to its `on_*` methods."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import pytest
@@ -24,6 +25,7 @@ from common.messages import (
     TokenizeResult,
 )
 from services.gateway.engine_client import OutputDelta, RequestFailed
+from services.gateway.logprobs import TokenLogprob
 from services.gateway.zmq_client import MAX_RETOKENIZE, ZmqEngineClient
 
 NONE, STOP, LENGTH = FinishReason.NONE, FinishReason.STOP, FinishReason.LENGTH
@@ -304,3 +306,22 @@ def test_tokenize_asks_a_tokenizer_and_waits_for_its_answer() -> None:
             await client.detokenize([1], timeout=0.01)
 
     asyncio.run(go())
+
+
+def test_logprob_lists_become_the_deltas_entries() -> None:
+    client, _, _ = make_client()
+    msg = dataclasses.replace(
+        batch(("r", 0, "ab", STOP, 1), ("other", 0, "z", NONE, 1)),
+        logprob_token_ids=[[[7, 7, 9]], [[]]],
+        logprob_values=[[[-0.5, -0.5, -1.5]], [[]]],
+        logprob_tokens=[[["ab", "ab", "x"]], [[]]],
+        prompt_logprob_token_ids=[[[3], [4, 5]], []],
+        prompt_logprob_values=[[[], [-2.0, -0.1]], []],
+        prompt_logprob_tokens=[[["p"], ["q", "s"]], []],
+    )
+    (delta,) = asyncio.run(consume(client, request("r"), msg))
+    assert delta.logprobs == [TokenLogprob(7, "ab", -0.5, [(7, "ab", -0.5), (9, "x", -1.5)])]
+    assert delta.prompt_logprobs == [
+        TokenLogprob(3, "p", None, []),
+        TokenLogprob(4, "q", -2.0, [(5, "s", -0.1)]),
+    ]
