@@ -45,6 +45,11 @@ class ModelConfig:
     num_threads: int = _field(0, "torch threads in the worker (0: all cores)")
     attention_backend: str = _field("auto", "auto | torch | triton (auto: triton on CUDA)")
     enforce_eager: bool = _field(False, "never capture CUDA graphs")
+    cpu_kernels: bool = _field(
+        True,
+        "on the CPU, C kernels for linear layers over a few rows (decode of 1-8 sequences); "
+        "--no-cpu-kernels: torch only, the reference path",
+    )
     max_graph_batch_size: int = _field(64, "largest decode batch captured as a CUDA graph")
     generation_config: str = _field(
         "auto",

@@ -26,7 +26,13 @@ import torch
 
 from common.config import Config
 from common.messages.scheduler_worker import StepPlan, StepResult
-from gpu_worker.attention import AttentionMetadata, build_metadata, create_backend
+from gpu_worker.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    build_metadata,
+    create_backend,
+)
+from gpu_worker.cpu.linear import use_small_batch_linear
 from gpu_worker.cuda_graphs import CUDAGraphRunner, maybe_capture_graphs, run_model
 from gpu_worker.kv_cache import GIB, KVCache, cuda_kv_budget_bytes
 from gpu_worker.logits_controls import History, TokenCounts
@@ -118,6 +124,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
         enforce_eager: bool | None = None,
         max_graph_batch_size: int = 64,
         speculative: str = "",
+        cpu_kernels: bool = True,
         draft_model: str = "",
         prompt_lookup_min: int = 2,
         prompt_lookup_max: int = 4,
@@ -139,6 +146,8 @@ class ModelRunner(PlanRunner[ModelVersion]):
                 f"{speculative!r} with draft model {draft_model!r}"
             )
         self.speculative = speculative
+        # C kernels for few-row linears on the CPU (gpu_worker/cpu/linear.py); off: torch only
+        self.cpu_kernels = cpu_kernels and self.device.type == "cpu"
         self.prompt_lookup = (prompt_lookup_min, prompt_lookup_max)
         self._init_model(attention_backend, max_model_len)
         self._init_kv_cache(
@@ -208,6 +217,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
             num_threads=m.num_threads or None,
             swap_space_gib=c.swap_space if swap else 0.0,
             speculative=spec.method,
+            cpu_kernels=m.cpu_kernels,
             draft_model=str(Path(spec.draft_model).expanduser()) if spec.draft_model else "",
             prompt_lookup_min=spec.prompt_lookup_min,
             prompt_lookup_max=spec.prompt_lookup_max,
@@ -226,19 +236,21 @@ class ModelRunner(PlanRunner[ModelVersion]):
             dtype=self.dtype,
             device=self.device,
         )
-        self.model = load_model(
-            self.model_path,
-            self.backend,
-            dtype=self.dtype,
-            device=self.device,
-            max_positions=self.max_model_len,
-        )
+        self.model = self._load_model(self.model_path, self.backend)
         if self.backend.name == "triton":  # fused RMSNorm / rotary kernels in the layers
             from gpu_worker.kernels.fused_layers import use_triton_layers
 
             use_triton_layers(self.model)
         self.eos_token_ids = eos_token_ids(self.model_path, hf_config)
         self.weights_version = weights_version(self.model_path)
+
+    def _load_model(self, path: str, backend: AttentionBackend) -> LlamaForCausalLM:
+        model = load_model(
+            path, backend, dtype=self.dtype, device=self.device, max_positions=self.max_model_len
+        )
+        if self.cpu_kernels:
+            use_small_batch_linear(model)
+        return model
 
     def _draft_kv_share(self, draft_model: str) -> float:
         """The draft model's part of the KV budget: its pool has as many blocks as the
@@ -311,9 +323,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
             dtype=self.dtype,
             device=self.device,
         )
-        model = load_model(
-            path, backend, dtype=self.dtype, device=self.device, max_positions=self.max_model_len
-        )
+        model = self._load_model(path, backend)
         graphs = maybe_capture_graphs(
             model,
             backend,

@@ -5,88 +5,30 @@ sequence and runs SDPA over it: each step copies the KV once and reads it twice,
 sequences pay for the longest. The C kernel reads each sequence's own K/V rows in place,
 once, with torch's OpenMP threads (the process's libgomp is reused: same soname).
 
-The shared library is built at first use into `<cache>/kernels/` (`$SHUTTLE_CACHE_DIR`,
-else ~/.cache/shuttle), named by a hash of the source, the flags and this CPU's feature
-flags, so a rebuilt image or another CPU never loads a stale binary. Without gcc, or if the
+The shared library is built at first use (gpu_worker/cpu/build.py). Without gcc, or if the
 build fails, `paged_decode` returns None and the backend keeps its eager path.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
+from gpu_worker.cpu.build import load_library
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_paged_decode.c")
-# -ffast-math for libmvec's vector expf and reassociated sums; infinities stay meaningful
-FLAGS = [
-    "-O3",
-    "-march=native",
-    "-ffast-math",
-    "-fno-finite-math-only",
-    "-fopenmp",
-    "-shared",
-    "-fPIC",
-]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _failed = False
 _P = ctypes.c_void_p
 _I = ctypes.c_int
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _library_path() -> Path:
-    from common.prepare_model import cache_root
-
-    key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_flags().encode()
-    ).hexdigest()[:16]
-    return cache_root() / "kernels" / f"cpu_paged_decode-{key}.so"
-
-
-def _build(target: Path) -> None:
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (gcc) on PATH")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # built aside and renamed: concurrent processes never load half a file
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        os.replace(tmp, target)
-    except subprocess.CalledProcessError as e:
-        raise RuntimeError(f"building {SOURCE.name} failed: {e.stderr[-2000:]}") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def load() -> ctypes.CDLL | None:
@@ -95,10 +37,7 @@ def load() -> ctypes.CDLL | None:
     with _lock:
         if _lib is None and not _failed:
             try:
-                path = _library_path()
-                if not path.is_file():
-                    _build(path)
-                lib = ctypes.CDLL(str(path))
+                lib = load_library(SOURCE)
                 lib.paged_decode.restype = _I
                 lib.paged_decode.argtypes = [
                     _P,

@@ -18,6 +18,8 @@ import torch
 from common.messages.scheduler_worker import StepPlan
 from common.messages.types import SamplingParams
 from common.prepare_model import default_model_dir
+from gpu_worker.cpu.linear import SmallBatchLinear
+from gpu_worker.cpu.linear import load as linear_kernel
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models.llama import LlamaConfig
 from tests.tiny_models import TINY_ARCHS, VOCAB_SIZE, make_tiny_model
@@ -204,9 +206,15 @@ def smol() -> tuple[Path, list[list[int]], list[list[int]]]:
     return path, prompts, hf_references(path, prompts, SMOL_NEW_TOKENS)
 
 
-@pytest.fixture(scope="module")
-def smol_runner(smol: tuple[Path, list[list[int]], list[list[int]]]) -> ModelRunner:
-    return ModelRunner(str(smol[0]), num_blocks=256, seed=0)
+@pytest.fixture(scope="module", params=["cpu-kernels", "torch-only"])
+def smol_runner(request, smol: tuple[Path, list[list[int]], list[list[int]]]) -> ModelRunner:
+    """Both CPU paths that serve: the default, whose few-row linears run in C
+    (gpu_worker/cpu/linear.py), and the torch-only reference (--no-cpu-kernels)."""
+    kernels = request.param == "cpu-kernels"
+    runner = ModelRunner(str(smol[0]), num_blocks=256, seed=0, cpu_kernels=kernels)
+    in_c = [isinstance(m, SmallBatchLinear) for m in runner.model.modules()]
+    assert any(in_c) == (kernels and linear_kernel() is not None)
+    return runner
 
 
 def test_smol_each_prompt_alone(smol, smol_runner) -> None:

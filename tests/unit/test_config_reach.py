@@ -95,6 +95,7 @@ FLAGS = {
     "--static-batch-timeout": "2.5",
     "--no-async-scheduling": None,
     "--no-enable-prefix-caching": None,
+    "--no-cpu-kernels": None,
 }
 
 
@@ -131,6 +132,7 @@ def test_runner_settings_reach_the_model_runner(config: Config, monkeypatch) -> 
         "num_threads": 3,
         "swap_space_gib": 0.3,
         "speculative": "ngram",
+        "cpu_kernels": False,
         "draft_model": "",
         "prompt_lookup_min": 3,
         "prompt_lookup_max": 5,

@@ -4,6 +4,7 @@
     tools/bench --url http://127.0.0.1:8000 --input-len 32:512 --output-len 16:256 --rate 4
     tools/bench --jsonl prompts.jsonl --sweep-rates 1,2,4,8 --plot-dir out/ --slo-ttft-ms 500
     tools/bench --server-flags "--model synthetic" --num-prompts 256 --output-len 200
+    tools/bench --compare shuttle,vllm,llamacpp --json out/peers.json    (peers.py)
 
 (`tools/bench` runs `python -m tools.benchmarks`, this module.) Prompts are random token ids
 (as `vllm bench serve --dataset-name random`), optionally behind a shared prefix, or the
@@ -35,6 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from tools.benchmarks.baselines import hf_baseline  # noqa: E402
 from tools.benchmarks.load import INF, Progress, run_load  # noqa: E402
+from tools.benchmarks.peers import add_flags as add_compare_flags  # noqa: E402
 from tools.benchmarks.report import Slo, per_request, print_report, summarize  # noqa: E402
 from tools.benchmarks.workload import Workload, load_jsonl, make_workload  # noqa: E402
 
@@ -110,6 +112,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="HTTP client of the load (lean: tools/benchmarks/client.py, http:// only)",
     )
     p.add_argument("--admin-token", default="", help="read shuttle's /admin/stats after the run")
+    add_compare_flags(p)
     return p.parse_args(argv)
 
 
@@ -143,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         str(threads),
         *shlex.split(args.server_flags),
     ]
+    if args.compare:
+        return _compare(args, model_dir, flags, threads)
     if args.url:
         runs = run_rates(args.url, args, wl, slo)
         server_stats = _server_stats(args.url, args.admin_token)
@@ -204,6 +209,24 @@ def main(argv: list[str] | None = None) -> int:
         for path in plot_result(result, args.plot_dir):
             print(f"plot: {path}")
     return 0 if all(r["failed"] == 0 for r in runs) else 1
+
+
+def _compare(args: argparse.Namespace, model_dir: str, flags: list[str], threads: int) -> int:
+    """--compare: every server on the fixed workloads of peers.py, one table."""
+    from tools.benchmarks.peers import compare, table
+
+    result = compare(args, model_dir, flags, threads)
+    print(table(result))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+    failed = [
+        (name, load)
+        for name, s in result["servers"].items()
+        for load, summary in s.items()
+        if isinstance(summary, dict) and summary.get("failed")
+    ]
+    return 1 if failed else 0
 
 
 def _flag(flags: list[str], name: str, default: str) -> str:

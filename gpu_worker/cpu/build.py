@@ -1,0 +1,81 @@
+"""Build a C source into a shared library once per machine, and load it.
+
+The library goes to `<cache>/kernels/` (`$SHUTTLE_CACHE_DIR`, else ~/.cache/shuttle), named by
+a hash of the source, the flags and this CPU's feature flags, so a rebuilt image or another
+CPU never loads a stale binary. Built aside and renamed, so concurrent processes never load
+half a file. The libraries use torch's OpenMP runtime (the process's libgomp: same soname).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+# -ffast-math for libmvec's vector expf and reassociated sums; infinities stay meaningful
+FLAGS = [
+    "-O3",
+    "-march=native",
+    "-ffast-math",
+    "-fno-finite-math-only",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+]
+
+
+def cpu_flags() -> str:
+    """This CPU's feature flags (the `flags` line of /proc/cpuinfo)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def library_path(source: Path) -> Path:
+    from common.prepare_model import cache_root
+
+    key = hashlib.sha256(
+        source.read_bytes() + " ".join(FLAGS).encode() + cpu_flags().encode()
+    ).hexdigest()[:16]
+    return cache_root() / "kernels" / f"{source.stem}-{key}.so"
+
+
+def _build(source: Path, target: Path) -> None:
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (gcc) on PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [compiler, *FLAGS, str(source), "-o", tmp, "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        os.replace(tmp, target)
+    except subprocess.CalledProcessError as e:
+        raise RuntimeError(f"building {source.name} failed: {e.stderr[-2000:]}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load_library(source: Path) -> ctypes.CDLL:
+    """The library of `source`, built first if this machine has none. Raises OSError,
+    RuntimeError or SubprocessError when it cannot be built or loaded."""
+    path = library_path(source)
+    if not path.is_file():
+        _build(source, path)
+    return ctypes.CDLL(str(path))

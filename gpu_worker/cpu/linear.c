@@ -1,0 +1,97 @@
+/* Small-batch linear layers on the CPU: y[b, :] = W x[b, :] (+ bias) for a few rows of x.
+ *
+ * Decoding one or a few sequences is bound by reading the weights: every step streams the
+ * whole model from memory once. The BLAS path torch takes for a [1..8, K] x [K, N] product
+ * reads W at a third of this machine's bandwidth; here each weight row is read once, for
+ * every row of x, by plain loops that gcc vectorizes (-O3 -march=native -ffast-math).
+ *
+ * W is row-major [out, in] (nn.Linear's layout), float32 or bfloat16 (widened to float32 as
+ * it is read: bf16 is the top half of an fp32). x, bias and y are float32, contiguous.
+ * Rows of W are handed out to the OpenMP threads in chunks, dynamically: on a machine whose
+ * cores the server's other processes share, a thread that runs late gets fewer chunks
+ * instead of holding the whole step at a barrier.
+ *
+ * Built at first use by gpu_worker/cpu/build.py; called from gpu_worker/cpu/linear.py.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_ROWS 8
+#define TILE 4     /* weight rows per inner loop: four dot products share each x load */
+#define CHUNK 64   /* weight rows per scheduling unit */
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* rows [lo, hi) of W (already float32, row stride `in`) against every row of x */
+static void rows(const float *x, int nb, const float *w, const float *bias, float *y,
+                 int out, int in, int lo, int hi) {
+    int o = lo;
+    for (; o + TILE <= hi; o += TILE) {
+        const float *w0 = w + (int64_t)(o - lo) * in, *w1 = w0 + in, *w2 = w1 + in,
+                    *w3 = w2 + in;
+        for (int b = 0; b < nb; b++) {
+            const float *xb = x + (int64_t)b * in;
+            float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+            for (int i = 0; i < in; i++) {
+                float xv = xb[i];
+                a0 += xv * w0[i];
+                a1 += xv * w1[i];
+                a2 += xv * w2[i];
+                a3 += xv * w3[i];
+            }
+            float *yb = y + (int64_t)b * out + o;
+            yb[0] = a0 + (bias ? bias[o] : 0.f);
+            yb[1] = a1 + (bias ? bias[o + 1] : 0.f);
+            yb[2] = a2 + (bias ? bias[o + 2] : 0.f);
+            yb[3] = a3 + (bias ? bias[o + 3] : 0.f);
+        }
+    }
+    for (; o < hi; o++) {
+        const float *wr = w + (int64_t)(o - lo) * in;
+        for (int b = 0; b < nb; b++) {
+            const float *xb = x + (int64_t)b * in;
+            float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+            for (int i = 0; i < in; i++) acc += xb[i] * wr[i];
+            y[(int64_t)b * out + o] = acc + (bias ? bias[o] : 0.f);
+        }
+    }
+}
+
+/* Returns 0; 1 when nb is out of range, 2 when memory ran out (the caller uses torch). */
+int linear_small(const float *x, int nb, const void *w, int is_bf16, const float *bias,
+                 float *y, int out, int in, int nthreads) {
+    if (nb < 1 || nb > MAX_ROWS || in < 1 || out < 1) return 1;
+    int chunks = (out + CHUNK - 1) / CHUNK, failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        /* one chunk of bf16 rows widened to fp32, per thread (L2-sized for small models) */
+        float *wide = is_bf16 ? (float *)malloc(sizeof(float) * (size_t)CHUNK * in) : NULL;
+        if (is_bf16 && !wide) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int c = 0; c < chunks; c++) {
+            int lo = c * CHUNK, hi = lo + CHUNK < out ? lo + CHUNK : out;
+            if (is_bf16 && wide) {
+                const uint16_t *src = (const uint16_t *)w + (int64_t)lo * in;
+                int64_t n = (int64_t)(hi - lo) * in;
+#pragma omp simd
+                for (int64_t i = 0; i < n; i++) wide[i] = bf16_to_f32(src[i]);
+                rows(x, nb, wide, bias, y, out, in, lo, hi);
+            } else if (!is_bf16) {
+                rows(x, nb, (const float *)w + (int64_t)lo * in, bias, y, out, in, lo, hi);
+            }
+        }
+        free(wide);
+    }
+    return failed ? 2 : 0;
+}

@@ -1,0 +1,108 @@
+"""Linear layers that send a few rows to the C kernel (linear.c) and the rest to torch.
+
+A decode step of one to a few sequences multiplies [rows <= 8, in] activations by every
+weight of the model, and is bound by reading those weights; torch's BLAS path for such thin
+products reads them at a third of the memory bandwidth (docs/benchmarks.md, "Peers"). The C
+kernel streams each weight row once for all rows of x. Prefill chunks and large decode
+batches (compute-bound) stay on torch.
+
+`use_small_batch_linear(model)` changes the class of the model's nn.Linear modules in place
+(parameters and state-dict names stay). Float32 and bfloat16 weights; activations are fed
+to the kernel in float32 and the result cast back to the layer's dtype. If the library
+cannot be built, the model is left as it is.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import subprocess
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_worker.cpu.build import load_library
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("linear.c")
+# the most rows of x the kernel takes, per weight dtype: measured crossovers with torch's
+# fp32 GEMM and bf16 oneDNN path on 2-core AVX-512 and AVX2 EPYCs (docs/benchmarks.md)
+MAX_ROWS = {torch.float32: 8, torch.bfloat16: 4}
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_failed = False
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library (built on first use), or None when it cannot be had."""
+    global _lib, _failed
+    with _lock:
+        if _lib is None and not _failed:
+            try:
+                lib = load_library(SOURCE)
+                p, i = ctypes.c_void_p, ctypes.c_int
+                lib.linear_small.restype = i
+                lib.linear_small.argtypes = [p, i, p, i, p, p, i, i, i]
+                _lib = lib
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                _failed = True
+                log.warning("CPU small-batch linear kernel unavailable, using torch: %s", e)
+    return _lib
+
+
+def linear_small(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """x [rows, in] @ weight.T (+ bias) by the C kernel, in x's dtype; None when the kernel
+    does not take these inputs (the caller uses torch)."""
+    lib = _lib if _lib is not None else load()
+    if (
+        lib is None
+        or x.dim() != 2
+        or x.shape[0] > MAX_ROWS.get(weight.dtype, 0)
+        or x.shape[0] == 0
+        or x.device.type != "cpu"
+        or not weight.is_contiguous()
+    ):
+        return None
+    out_features, in_features = weight.shape
+    xf = x.to(torch.float32).contiguous()
+    bf = bias.to(torch.float32).contiguous() if bias is not None else None
+    y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    code = lib.linear_small(
+        xf.data_ptr(),
+        x.shape[0],
+        weight.data_ptr(),
+        int(weight.dtype == torch.bfloat16),
+        bf.data_ptr() if bf is not None else None,
+        y.data_ptr(),
+        out_features,
+        in_features,
+        torch.get_num_threads(),
+    )
+    if code != 0:
+        return None
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+class SmallBatchLinear(nn.Linear):
+    """nn.Linear whose forward takes the C kernel for a few rows, torch otherwise."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = linear_small(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias) if y is None else y
+
+
+def use_small_batch_linear(model: nn.Module) -> bool:
+    """Switch every nn.Linear of `model` (on the CPU) to SmallBatchLinear; False, and the
+    model untouched, when the kernel library cannot be had."""
+    if load() is None:
+        return False
+    for module in model.modules():
+        if type(module) is nn.Linear and module.weight.device.type == "cpu":
+            module.__class__ = SmallBatchLinear
+    return True

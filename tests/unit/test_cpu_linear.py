@@ -1,0 +1,59 @@
+"""The C small-batch linear kernel (gpu_worker/cpu/linear.py) against torch's F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_worker.cpu import linear
+
+pytestmark = pytest.mark.skipif(linear.load() is None, reason="no C compiler here")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("shape", [(960, 576), (577, 1536), (3, 7), (130, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_matches_torch(rows: int, shape: tuple[int, int], bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows * 7 + shape[0])
+    w = torch.randn(shape, generator=gen)
+    b = torch.randn(shape[0], generator=gen) if bias else None
+    x = torch.randn(rows, shape[1], generator=gen)
+    y = linear.linear_small(x, w, b)
+    assert y is not None and y.dtype == torch.float32 and y.shape == (rows, shape[0])
+    torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_bfloat16_weights_accumulate_in_float32(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(200, 320, generator=gen).bfloat16()
+    x = torch.randn(rows, 320, generator=gen).bfloat16()
+    b = torch.randn(200, generator=gen).bfloat16()
+    y = linear.linear_small(x, w, b)
+    assert y is not None and y.dtype == torch.bfloat16
+    exact = F.linear(x.float(), w.float(), b.float())
+    torch.testing.assert_close(y, exact.bfloat16(), rtol=0, atol=0)
+
+
+def test_inputs_it_does_not_take_fall_back() -> None:
+    w = torch.randn(16, 8)
+    assert linear.linear_small(torch.randn(9, 8), w, None) is None  # > 8 rows: torch's GEMM
+    assert linear.linear_small(torch.randn(0, 8), w, None) is None
+    assert linear.linear_small(torch.randn(5, 8).bfloat16(), w.bfloat16(), None) is None
+    assert linear.linear_small(torch.randn(2, 8), w.t().contiguous().t(), None) is None
+    assert linear.linear_small(torch.randn(2, 8), w.half(), None) is None
+
+
+def test_model_layers_switch_class_and_keep_their_weights() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4, bias=False))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(3, 8)
+    expected = model(x)
+    assert linear.use_small_batch_linear(model)
+    assert all(isinstance(model[i], linear.SmallBatchLinear) for i in (0, 2))
+    assert model.state_dict().keys() == before.keys()
+    torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
+    big = torch.randn(40, 8)  # many rows: torch's path, same answer
+    torch.testing.assert_close(model(big), nn.Sequential(*model)(big))

@@ -1,0 +1,260 @@
+"""tools/bench --compare: shuttle, vLLM and llama.cpp on the same workloads, in one sitting.
+
+    tools/bench --compare shuttle,vllm,llamacpp --json out/peers.json
+    tools/bench --compare shuttle,vllm --vllm-url http://127.0.0.1:8001    # vLLM already up
+    tools/bench --compare shuttle --server-flags "--no-cpu-kernels"       # shuttle alone
+
+Each server in turn is started here (shuttle by tests/server.py, the peers by the start
+scripts of `--peers-scripts`, installed by its setup.sh; see ../shared/peers/README.md), timed
+from launch to its first 200 on /health, warmed with a few requests, loaded with every
+workload below by the same load generator (load.py: streamed /v1/completions, random token
+ids, `ignore_eos`), and stopped before the next one starts. A server given by --X-url is
+loaded as it is (start time not measured). The machine's CPU flags and its memory read
+bandwidth (a large tensor summed with the same thread count) go with the table: the
+single-stream limit is the model's weight bytes over that bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tools.benchmarks.load import INF, run_load
+from tools.benchmarks.report import summarize
+from tools.benchmarks.workload import Workload, make_workload
+
+REPO = Path(__file__).resolve().parents[2]
+SERVERS = ("shuttle", "vllm", "llamacpp")
+# name: (prompts, input tokens, output tokens, concurrency (0: all at once), arrivals per s)
+WORKLOADS: dict[str, tuple[int, str, str, int, float]] = {
+    "mixed": (64, "32:512", "16:256", 0, INF),
+    "single": (8, "128", "64", 1, INF),
+    "ttft": (16, "512", "32", 0, 1.0),
+}
+FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--compare", default="", help=f"comma list of servers to compare: {','.join(SERVERS)}"
+    )
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="of --compare")
+    p.add_argument(
+        "--peers-scripts",
+        default=str(REPO.parent / "shared" / "peers"),
+        help="folder of start-vllm.sh and start-llamacpp.sh",
+    )
+    p.add_argument("--peers-dir", default="", help="PEERS_DIR of the peers (default: theirs)")
+    p.add_argument("--vllm-url", default="", help="a running vLLM to load instead of starting")
+    p.add_argument("--llamacpp-url", default="", help="a running llama-server, likewise")
+    p.add_argument("--start-timeout", type=float, default=900.0, help="s for a server to start")
+
+
+# --- the machine -----------------------------------------------------------------------------
+def machine(model_dir: str, dtype: str, threads: int) -> dict[str, Any]:
+    """CPU model and flags, memory read bandwidth, and the single-stream decode limit."""
+    import torch
+
+    info: dict[str, Any] = {"cpu": "", "flags": [], "threads": threads}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and not info["cpu"]:
+                info["cpu"] = line.split(":", 1)[1].strip()
+            if line.startswith("flags") and not info["flags"]:
+                have = set(line.split(":", 1)[1].split())
+                info["flags"] = [f for f in FLAGS_OF_INTEREST if f in have]
+    itemsize = 2 if dtype == "bfloat16" else 4
+    params = (
+        sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors")) // 4
+    )  # the converted folder holds float32 weights
+    weight_bytes = params * itemsize
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        buf = torch.ones(max(1, weight_bytes // 4), dtype=torch.float32)
+        best = float("inf")
+        for _ in range(7):
+            t0 = time.perf_counter()
+            buf.sum()
+            best = min(best, time.perf_counter() - t0)
+        del buf
+    finally:
+        torch.set_num_threads(old)
+    read_gb_s = weight_bytes / best / 1e9
+    info |= {
+        "weight_bytes": weight_bytes,
+        "read_gb_s": read_gb_s,
+        "single_stream_limit_ms": weight_bytes / (read_gb_s * 1e9) * 1e3,
+    }
+    return info
+
+
+# --- the servers -----------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[Any], timeout: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"it exited with {proc.returncode}: {log.read_text()[-3000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.2)  # polling a process we do not control: no event to wait on
+    raise RuntimeError(f"not healthy after {timeout:.0f} s: {log.read_text()[-3000:]}")
+
+
+@contextlib.contextmanager
+def peer(name: str, args: argparse.Namespace, model_dir: str, log: Path) -> Iterator[str]:
+    """Start a peer by its script on a free port; yields its URL, stops it on exit."""
+    port = _free_port()
+    script = Path(args.peers_scripts) / ("start-vllm.sh" if name == "vllm" else "start-llamacpp.sh")
+    cmd = ["bash", str(script), str(port)]
+    if name == "llamacpp":
+        cmd.append("bf16" if args.dtype == "bfloat16" else "f32")
+    env = {**os.environ, "MODEL_DIR": model_dir, "DTYPE": args.dtype}
+    if args.peers_dir:
+        env["PEERS_DIR"] = args.peers_dir
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, proc, args.start_timeout, log)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@contextlib.contextmanager
+def server(
+    name: str, args: argparse.Namespace, model_dir: str, flags: list[str], log: Path
+) -> Iterator[tuple[str, float | None]]:
+    """(URL, seconds from launch to healthy, None for a server given by URL)."""
+    given = {"vllm": args.vllm_url, "llamacpp": args.llamacpp_url}.get(name, "")
+    if given:
+        yield given.rstrip("/"), None
+        return
+    t0 = time.perf_counter()
+    if name == "shuttle":
+        from tests.server import running_server
+
+        with running_server("--model", model_dir, *flags, timeout=args.start_timeout) as s:
+            _wait_healthy(s.url, s.proc, args.start_timeout, s.log_path)
+            yield s.url, time.perf_counter() - t0
+        return
+    with peer(name, args, model_dir, log) as url:
+        yield url, time.perf_counter() - t0
+
+
+# --- the comparison --------------------------------------------------------------------------
+def workload(name: str, vocab: int, seed: int) -> tuple[Workload, int, float]:
+    n, input_len, output_len, concurrency, rate = WORKLOADS[name]
+    return make_workload(n, input_len, output_len, vocab, seed), concurrency, rate
+
+
+def load_server(url: str, names: list[str], vocab: int, seed: int) -> dict[str, Any]:
+    """Warm-up, then every workload of `names`; their summaries by name."""
+    model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    warm = make_workload(4, "64", "8", vocab, seed + 1)
+    asyncio.run(run_load(url, model, warm, 0, INF, seed))
+    out: dict[str, Any] = {"model": model}
+    for name in names:
+        wl, concurrency, rate = workload(name, vocab, seed)
+        timings, duration, peak = asyncio.run(run_load(url, model, wl, concurrency, rate, seed))
+        out[name] = summarize(timings, duration, peak, wl, None)
+    return out
+
+
+def compare(
+    args: argparse.Namespace, model_dir: str, flags: list[str], threads: int
+) -> dict[str, Any]:
+    import json
+
+    names = [s for s in args.compare.split(",") if s]
+    unknown = set(names) - set(SERVERS)
+    if unknown:
+        raise SystemExit(f"--compare: unknown server(s) {sorted(unknown)}; known: {SERVERS}")
+    loads = [w for w in args.workloads.split(",") if w]
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    result: dict[str, Any] = {
+        "machine": machine(model_dir, args.dtype, threads),
+        "dtype": args.dtype,
+        "workloads": {w: WORKLOADS[w] for w in loads},
+        "servers": {},
+    }
+    logs = Path(args.json).parent if args.json else Path("/tmp")
+    for name in names:
+        log = logs / f"compare-{name}.log"
+        with server(name, args, model_dir, flags, log) as (url, start_s):
+            result["servers"][name] = {
+                "start_s": start_s,
+                **load_server(url, loads, vocab, args.seed),
+            }
+    return result
+
+
+def table(result: dict[str, Any]) -> str:
+    """The comparison as one markdown table, with shuttle's ratio to the best peer."""
+    servers = result["servers"]
+    names = list(servers)
+    rows: list[tuple[str, str, Any]] = [
+        ("mixed", "output tok/s", lambda s: s["output_tok_s"]),
+        ("mixed", "TTFT p50 ms", lambda s: s["ttft_s"]["median"] * 1e3),
+        ("single", "ITL p50 ms", lambda s: s["itl_s"]["median"] * 1e3),
+        ("single", "output tok/s", lambda s: s["output_tok_s"]),
+        ("ttft", "TTFT p50 ms", lambda s: s["ttft_s"]["median"] * 1e3),
+        ("ttft", "ITL p50 ms", lambda s: s["itl_s"]["median"] * 1e3),
+    ]
+    higher_is_better = {"output tok/s"}
+    head = "| workload | figure | " + " | ".join(names) + " | shuttle vs best peer |"
+    lines = [head, "|" + "---|" * (len(names) + 3)]
+    for load, label, get in rows:
+        if not all(load in servers[n] for n in names):
+            continue
+        vals = {n: get(servers[n][load]) for n in names}
+        peers = [v for n, v in vals.items() if n != "shuttle"]
+        ratio = ""
+        if "shuttle" in vals and peers:
+            best = max(peers) if label in higher_is_better else min(peers)
+            ours = vals["shuttle"]
+            x = ours / best if label in higher_is_better else best / ours
+            ratio = f"{x:.2f}x" + (" (faster)" if x >= 1 else " (slower)")
+        cells = " | ".join(f"{vals[n]:.1f}" for n in names)
+        lines.append(f"| {load} | {label} | {cells} | {ratio} |")
+    starts = " | ".join(
+        f"{servers[n]['start_s']:.1f}" if servers[n]["start_s"] is not None else "given"
+        for n in names
+    )
+    lines.append(f"| start | to /health 200, s | {starts} | |")
+    m = result["machine"]
+    lines += [
+        "",
+        f"CPU: {m['cpu']}, {m['threads']} threads, flags {' '.join(m['flags'])}; "
+        f"memory read {m['read_gb_s']:.1f} GB/s; weights {m['weight_bytes'] / 1e6:.0f} MB "
+        f"({result['dtype']}): single-stream limit {m['single_stream_limit_ms']:.1f} ms/token.",
+    ]
+    return "\n".join(lines)
