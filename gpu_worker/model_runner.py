@@ -32,6 +32,7 @@ from gpu_worker.attention import (
     build_metadata,
     create_backend,
 )
+from gpu_worker.cpu.layers import use_cpu_layers
 from gpu_worker.cpu.linear import use_small_batch_linear
 from gpu_worker.cuda_graphs import CUDAGraphRunner, maybe_capture_graphs, run_model
 from gpu_worker.kv_cache import GIB, KVCache, cuda_kv_budget_bytes
@@ -248,8 +249,9 @@ class ModelRunner(PlanRunner[ModelVersion]):
         model = load_model(
             path, backend, dtype=self.dtype, device=self.device, max_positions=self.max_model_len
         )
-        if self.cpu_kernels:
+        if self.cpu_kernels:  # C kernels: few-row linears, and fp32 norms/rotary/activation
             use_small_batch_linear(model)
+            use_cpu_layers(model)
         return model
 
     def _draft_kv_share(self, draft_model: str) -> float:

@@ -1,0 +1,204 @@
+"""A Llama layer's norms, rotary and SwiGLU activation by the C kernels of layers.c.
+
+`use_cpu_layers(model)` changes the class of four kinds of modules in place (parameters,
+buffers and state-dict names stay), like gpu_worker/kernels/fused_layers.py does for the
+Triton kernels on CUDA:
+
+    RMSNorm          -> CpuRMSNorm          one call instead of ~8 torch ops
+    DecoderLayer     -> CpuDecoderLayer     the residual add fused into the post-attention norm
+    RotaryEmbedding  -> CpuRotaryEmbedding  q and k rotated in place, cos/sin read by position
+    MLP              -> CpuMLP              silu(gate) * up in one call
+
+Float32 CPU models only (`use_cpu_layers` returns False and changes nothing otherwise, or
+when the library cannot be built). A decode step of one sequence runs ~60 torch ops per
+layer whose dispatch costs more than their arithmetic; this leaves ~25.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import subprocess
+import threading
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from gpu_worker.attention import AttentionMetadata
+from gpu_worker.cpu.build import load_library
+from gpu_worker.models.llama import MLP, Attention, DecoderLayer, RMSNorm, RotaryEmbedding
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("layers.c")
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_failed = False
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library (built on first use), or None when it cannot be had."""
+    global _lib, _failed
+    with _lock:
+        if _lib is None and not _failed:
+            try:
+                lib = load_library(SOURCE)
+                p, i, f, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64
+                lib.rms_norm.restype = None
+                lib.rms_norm.argtypes = [p, p, p, f, p, p, i, i, i]
+                lib.rotary_neox.restype = None
+                lib.rotary_neox.argtypes = [p, p, p, p, i, i, i, i64, i]
+                lib.silu_mul.restype = None
+                lib.silu_mul.argtypes = [p, p, i, i, i]
+                _lib = lib
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                _failed = True
+                log.warning("CPU layer kernels unavailable, using torch: %s", e)
+    return _lib
+
+
+def _lib_loaded() -> ctypes.CDLL:
+    assert _lib is not None, "use_cpu_layers loads the library before any class is swapped"
+    return _lib
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rmsnorm(x) * weight over the last dimension, x [..., dim] float32."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _norm(x, None, weight, eps, out, None)
+    return out
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(x + residual) * weight, x + residual): the new residual stream and its norm
+    in one pass."""
+    x, residual = x.contiguous(), residual.contiguous()
+    out, total = torch.empty_like(x), torch.empty_like(x)
+    _norm(x, residual, weight, eps, out, total)
+    return out, total
+
+
+def _norm(
+    x: torch.Tensor,
+    add: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+    total: torch.Tensor | None,
+) -> None:
+    dim = x.shape[-1]
+    _lib_loaded().rms_norm(
+        x.data_ptr(),
+        add.data_ptr() if add is not None else None,
+        weight.data_ptr(),
+        eps,
+        out.data_ptr(),
+        total.data_ptr() if total is not None else None,
+        x.numel() // dim,
+        dim,
+        torch.get_num_threads(),
+    )
+
+
+def rotary_neox(
+    x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """x [tokens, heads, head_dim] (heads contiguous, any token stride) rotated in place."""
+    tokens, heads, head_dim = x.shape
+    assert x.stride(2) == 1 and x.stride(1) == head_dim, "heads must be contiguous per token"
+    assert positions.dtype == torch.int64 and positions.is_contiguous()
+    _lib_loaded().rotary_neox(
+        x.data_ptr(),
+        positions.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        tokens,
+        heads,
+        head_dim,
+        x.stride(0),
+        torch.get_num_threads(),
+    )
+    return x
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate_up[:, :n]) * gate_up[:, n:] for gate_up [rows, 2n]."""
+    rows, two_n = gate_up.shape
+    gate_up = gate_up.contiguous()
+    out = torch.empty(rows, two_n // 2, dtype=gate_up.dtype)
+    _lib_loaded().silu_mul(
+        gate_up.data_ptr(), out.data_ptr(), rows, two_n // 2, torch.get_num_threads()
+    )
+    return out
+
+
+class CpuRMSNorm(RMSNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class CpuRotaryEmbedding(RotaryEmbedding):
+    """ "rope" is (cos table, sin table, positions): the kernel reads each token's angles."""
+
+    def forward(  # type: ignore[override]  # rope is (cos, sin, positions) for the kernel
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (*self.tables(), positions.to(torch.int64).contiguous())
+
+    def rotate(  # type: ignore[override]  # takes positions too: the kernel gathers cos/sin
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        return rotary_neox(x, positions, cos, sin)
+
+
+class CpuMLP(MLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+
+
+class CpuDecoderLayer(DecoderLayer):
+    """DecoderLayer whose post-attention norm also performs the residual add."""
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, ...],
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
+        norm = self.post_attention_layernorm
+        h, x = add_rms_norm(h, x, norm.weight, norm.eps)
+        return x + self.mlp(h)
+
+
+_SWAPS: dict[type[nn.Module], type[nn.Module]] = {
+    RMSNorm: CpuRMSNorm,
+    DecoderLayer: CpuDecoderLayer,
+    RotaryEmbedding: CpuRotaryEmbedding,
+    MLP: CpuMLP,
+}
+
+
+def use_cpu_layers(model: nn.Module) -> bool:
+    """Switch a float32 CPU model's norms, layers, rotary and MLPs to the C kernels; False,
+    and the model untouched, when it is not such a model or the library cannot be had."""
+    params = list(model.parameters())
+    if not params or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in params):
+        return False
+    rotaries = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
+    if any(not r.is_neox_style for r in rotaries) or load() is None:
+        return False
+    for module in model.modules():
+        swap = _SWAPS.get(type(module))
+        if swap is not None:
+            module.__class__ = swap
+    for module in model.modules():
+        if isinstance(module, Attention):
+            # Attention keeps the rotary's bound method: bind it again to the new class
+            module.rotate = module.rotate.__self__.rotate  # type: ignore[attr-defined]  # a bound method's __self__
+    return True

@@ -1,0 +1,69 @@
+"""The C layer kernels (gpu_worker/cpu/layers.py) against the torch modules they replace."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from gpu_worker.cpu import layers
+from gpu_worker.models.llama import MLP, LlamaConfig, RMSNorm, RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(layers.load() is None, reason="no C compiler here")
+
+CLOSE = dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_rms_norm_and_the_fused_residual_add(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = torch.randn(576, generator=gen)
+    x, res = torch.randn(rows, 576, generator=gen), torch.randn(rows, 576, generator=gen)
+    torch.testing.assert_close(layers.rms_norm(x, norm.weight, norm.eps), norm(x), **CLOSE)
+    out, total = layers.add_rms_norm(x, res, norm.weight, norm.eps)
+    torch.testing.assert_close(total, x + res, rtol=0, atol=0)
+    torch.testing.assert_close(out, norm(x + res), **CLOSE)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 33])
+def test_rotary_in_place_on_a_strided_view(tokens: int) -> None:
+    rope = RotaryEmbedding(64, 512, 10000.0, None, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, 9 * 64 + 2 * 3 * 64, generator=gen)
+    q = qkv[:, : 9 * 64].view(tokens, 9, 64)  # a view of the fused projection, as in the model
+    positions = torch.randint(0, 512, (tokens,), generator=gen)
+    expected = rope.rotate(q.clone(), *rope(positions, torch.float32))
+    cos, sin = rope.tables()
+    layers.rotary_neox(q, positions, cos, sin)
+    torch.testing.assert_close(q, expected, **CLOSE)
+
+
+def test_silu_mul_is_the_swiglu_activation() -> None:
+    gate_up = torch.randn(7, 2 * 1536) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(layers.silu_mul(gate_up), expected, **CLOSE)
+
+
+def _cfg() -> LlamaConfig:
+    return LlamaConfig(
+        model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96,
+        num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
+        rope_theta=10000.0, rope_scaling=None, max_position_embeddings=64,
+        tie_word_embeddings=False, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
+    )  # fmt: skip
+
+
+def test_modules_switch_class_only_for_float32_cpu_models() -> None:
+    mlp = MLP(_cfg())
+    x = torch.randn(3, 64)
+    expected = mlp(x)
+    wrapper = nn.Sequential(mlp, RMSNorm(64, 1e-5))
+    assert layers.use_cpu_layers(wrapper)
+    assert isinstance(mlp, layers.CpuMLP) and isinstance(wrapper[1], layers.CpuRMSNorm)
+    torch.testing.assert_close(mlp(x), expected, **CLOSE)
+    other = copy.deepcopy(MLP(_cfg())).to(torch.bfloat16)
+    assert not layers.use_cpu_layers(other) and type(other) is MLP
