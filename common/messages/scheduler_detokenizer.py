@@ -22,6 +22,8 @@ class DetokNew:
     tokenizers: list[str] = dataclasses.field(default_factory=list)  # [num_seqs] fingerprint
     # of the tokenizer the prompt was tokenised with, which decodes the outputs ("" or empty:
     # the tokenizer of the model the detokenizer started with)
+    min_tokens: list[int] = dataclasses.field(default_factory=list)  # [num_seqs] no stop string
+    # ends within this many output tokens' text (empty: 0 for every sequence)
 
 
 @message("token_batch")

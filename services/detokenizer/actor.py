@@ -139,14 +139,16 @@ class DetokenizerActor(Actor):
         tails = msg.prompt_tails or [[] for _ in range(n)]
         indices = msg.seq_indices or [0] * n
         fingerprints = msg.tokenizers or [""] * n
+        min_tokens = msg.min_tokens or [0] * n
         unknown: dict[str, str] = {}  # request id -> the fingerprint no tokenizer has
-        for rid, index, stop, num_prompt, tail, fp in zip(
+        for rid, index, stop, num_prompt, tail, fp, num_min in zip(
             msg.request_ids,
             indices,
             msg.stop,
             msg.num_prompt_tokens,
             tails,
             fingerprints,
+            min_tokens,
             strict=True,
         ):
             if fp not in self.tokenizers:
@@ -154,7 +156,9 @@ class DetokenizerActor(Actor):
                 continue
             self._forget((rid, index))  # (a request id reused after a retokenisation)
             tokenizer = self.tokenizers.use(fp)
-            detok = IncrementalDetokenizer(tokenizer, stop=stop, prompt_tail=tail)
+            detok = IncrementalDetokenizer(
+                tokenizer, stop=stop, prompt_tail=tail, min_tokens=num_min
+            )
             self.streams[rid, index] = _Stream(detok, num_prompt, fp, tokenizer)
         for rid, fp in unknown.items():
             self._fail(rid, f"no tokenizer with fingerprint {fp!r} is loaded to decode it")

@@ -18,6 +18,15 @@ Stop strings. Decoded text passes through a screen that holds back the longest s
 could still grow into a stop string, and also a complete match while a longer stop string
 that starts earlier could still complete, so the earliest occurrence in the full text
 wins. The stop string and everything after it are never emitted.
+
+min_tokens (as vLLM): no stop string ends inside the text of the first `min_tokens` output
+tokens; one that starts there and ends past it does count. The screen keeps a floor, the
+text length once the min_tokens-th token is decoded, and a match must end past it:
+
+    text:  | first min_tokens tokens' text | later text ...
+                                    floor ^
+           "ab" ending before the floor: ignored;  "ab" across it, or after it: a stop
+(EOS and stop token ids are masked on the worker until then; stop strings are text, so here.)
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         prompt_tail: Sequence[int] = (),
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
@@ -60,6 +70,9 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._tokens)
         self._prefix_text = self._decode(self._tokens)
         self._held = ""  # decoded, not yet emitted: may be the start of a stop string
+        self._num_emitted_chars = 0  # where `_held` starts in the whole text
+        self._min_tokens = min_tokens
+        self._stop_floor = 0  # a stop string counts only if it ends past this character
         self._chunks: list[str] = []  # emitted text, joined on demand
         self._stop_reason: str | None = None
         self._is_finished = False
@@ -138,7 +151,10 @@ class IncrementalDetokenizer:
         if not self._stops:
             return delta
         text = self._held + delta
-        start, stop = self._earliest_stop(text)
+        base = self._num_emitted_chars  # where `text` starts in the whole output
+        if len(self._output_ids) <= self._min_tokens:  # (within min_tokens: nothing ends here)
+            self._stop_floor = base + len(text)
+        start, stop = self._earliest_stop(text, self._stop_floor - base)
         # Everything before the longest suffix that may still become a stop string is safe.
         cut = len(text) if final else len(text) - self._partial_stop_len(text)
         if stop is not None and start <= cut:
@@ -146,13 +162,15 @@ class IncrementalDetokenizer:
             self._held = ""
             return text[:start]
         self._held = text[cut:]
+        self._num_emitted_chars += cut
         return text[:cut]
 
-    def _earliest_stop(self, text: str) -> tuple[int, str | None]:
-        """(start, stop string) of the earliest complete stop string in `text`."""
+    def _earliest_stop(self, text: str, floor: int) -> tuple[int, str | None]:
+        """(start, stop string) of the earliest complete stop string in `text` that ends past
+        character `floor`."""
         best_start, best_stop = len(text) + 1, None
         for stop in self._stops:
-            start = text.find(stop)
+            start = text.find(stop, max(0, floor - len(stop) + 1))
             if 0 <= start < best_start:
                 best_start, best_stop = start, stop
         return best_start, best_stop

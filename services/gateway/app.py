@@ -442,22 +442,32 @@ class _Reply:
             return [self._event(role, "", None, index) for index in range(self.n)]
         return []
 
-    def text(self, text: str, index: int = 0, logprobs: dict[str, Any] | None = None) -> bytes:
-        return self._event({"content": text}, text, None, index, logprobs)
+    def text(
+        self,
+        text: str,
+        index: int = 0,
+        logprobs: dict[str, Any] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> bytes:
+        return self._event({"content": text}, text, None, index, logprobs, extra)
 
     def delta(self, delta: OutputDelta, first: bool) -> list[bytes]:
         """A delta's chunks before its finish: with echo, the choice's prompt first (`first`
-        delta of the choice); its text, with its tokens' logprobs when asked."""
-        lp, out = self.lp, []
-        if lp is not None:
-            lp.see_prompt(delta.index, delta.prompt_logprobs)
-            if first and lp.echo_texts is not None:
-                out.append(self.text(lp.echo_text(delta.index), delta.index, lp.echo(delta.index)))
-            if lp.is_on and delta.logprobs:
-                logprobs = lp.tokens(delta.index, delta.logprobs)
-                return [*out, self.text(delta.text, delta.index, logprobs)]
-        if delta.text:
-            out.append(self.text(delta.text, delta.index))
+        delta of the choice); its text, with its tokens' logprobs when asked; the prompt's
+        logprobs (prompt_logprobs) with the first chunk that can carry them."""
+        lp, i = self.lp, delta.index
+        if lp is None:
+            return [self.text(delta.text, i)] if delta.text else []
+        out = []
+        lp.see_prompt(i, delta.prompt_logprobs)
+        extra = lp.stream_extra(i)
+        if first and lp.echo_texts is not None:
+            out.append(self.text(lp.echo_text(i), i, lp.echo(i), extra))
+            extra = {}
+        if lp.is_on and delta.logprobs:
+            return [*out, self.text(delta.text, i, lp.tokens(i, delta.logprobs), extra)]
+        if delta.text or extra:
+            out.append(self.text(delta.text, i, None, extra))
         return out
 
     def finish(self, reason: FinishReason, index: int = 0) -> bytes:
@@ -475,12 +485,14 @@ class _Reply:
         finish: str | None,
         index: int,
         logprobs: dict[str, Any] | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> bytes:
         ids = (self.request_id, self.model, self.created)
         fp = self.fingerprint
         if self.kind == "chat":
-            return sse.sse_event(sse.chat_chunk(*ids, delta, finish, fp, index, logprobs))
-        return sse.sse_event(sse.completion_chunk(*ids, text, finish, fp, index, logprobs))
+            return sse.sse_event(sse.chat_chunk(*ids, delta, finish, fp, index, logprobs, extra))
+        chunk = sse.completion_chunk(*ids, text, finish, fp, index, logprobs, extra)
+        return sse.sse_event(chunk)
 
     def _choice(self, choice: Choice, with_token_ids: bool) -> dict[str, Any]:
         out: dict[str, Any] = {"index": choice.index}

@@ -4,7 +4,9 @@ A `GenerateRequest` proto is turned into the body the HTTP API would have receiv
 validated by the very same pydantic models (services/gateway/protocol.py), so both APIs
 accept, default and refuse exactly alike. Only the field names in messages differ, renamed
 to the proto's: `prompt` -> `text` | `token_ids.ids`, `messages` -> `chat.messages`,
-`X-Request-Id` -> `request_id`.
+`X-Request-Id` -> `request_id`, and chat's `top_logprobs` -> `logprobs` (which asks for
+logprobs on every kind of prompt). A field the proto does not declare (a newer client's) is
+refused by its number, never dropped.
 
     HTTP status   gRPC status
     400           INVALID_ARGUMENT      404  NOT_FOUND        429  RESOURCE_EXHAUSTED
@@ -19,10 +21,13 @@ from typing import Any, cast
 
 import grpc
 from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
+from google.protobuf.unknown_fields import UnknownFieldSet
 
 from common.messages import FinishReason, GenerateRequest
 from proto import shuttle_pb2 as pb
 from services.gateway.engine_client import EngineClient, OutputDelta
+from services.gateway.logprobs import TokenLogprob
 from services.gateway.protocol import (
     REQUEST_ID_PATTERN,
     ChatCompletionRequest,
@@ -49,6 +54,7 @@ _OPTIONAL_FIELDS = (
     "priority",
     "timeout",
     "return_token_ids",
+    "prompt_logprobs",
 )
 _STATUS_CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
@@ -68,6 +74,7 @@ _RENAMES = {
         "prompt": "chat.messages",
         "chat_template": "chat.chat_template",
         "chat_template_kwargs": "chat.chat_template_kwargs",
+        "top_logprobs": "logprobs",  # (chat's top_logprobs is GenerateRequest.logprobs)
     }
     | _COMMON_RENAMES,
     None: _COMMON_RENAMES,
@@ -130,10 +137,33 @@ def to_generate_request(
     return body.to_generate_request(request_id, engine.model_name, engine.max_model_len)
 
 
+def refuse_unknown_fields(message: Message, path: str = "") -> None:
+    """RequestRejected naming the first field this server's proto does not know (a newer
+    client's), in `message` or any message inside it: a field the server cannot read would
+    otherwise be dropped without a word."""
+    for unknown in UnknownFieldSet(message):
+        where = f"{path}: " if path else ""
+        raise RequestRejected(
+            f"{where}field {unknown.field_number}: unknown to this server's "
+            f"{message.DESCRIPTOR.full_name}; it is not implemented here",
+            f"{path}.{unknown.field_number}" if path else str(unknown.field_number),
+        )
+    for field, value in message.ListFields():
+        if field.message_type is None or field.message_type.GetOptions().map_entry:
+            continue  # (a map's entries hold scalars here)
+        name = f"{path}.{field.name}" if path else field.name
+        if field.is_repeated:
+            for i, item in enumerate(value):
+                refuse_unknown_fields(item, f"{name}[{i}]")
+        else:
+            refuse_unknown_fields(value, name)
+
+
 def _http_body(
     request: pb.GenerateRequest,
 ) -> tuple[type[ChatCompletionRequest] | type[CompletionRequest], dict[str, Any]]:
     """The JSON body the HTTP API would have received for this request (unset = absent)."""
+    refuse_unknown_fields(request)
     data: dict[str, Any] = {f: getattr(request, f) for f in _OPTIONAL_FIELDS if request.HasField(f)}
     if request.model:
         data["model"] = request.model
@@ -150,7 +180,11 @@ def _http_body(
         raise RequestRejected("prompt: one of text, chat or token_ids is required", "prompt")
     if kind != "chat":
         data["prompt"] = request.text if kind == "text" else list(request.token_ids.ids)
+        if request.HasField("logprobs"):
+            data["logprobs"] = request.logprobs
         return CompletionRequest, data
+    if request.HasField("logprobs"):  # chat asks with a flag and a count
+        data["logprobs"], data["top_logprobs"] = True, request.logprobs
     data["messages"] = [_chat_message(m) for m in request.chat.messages]
     if request.chat.HasField("add_generation_prompt"):
         data["add_generation_prompt"] = request.chat.add_generation_prompt
@@ -183,6 +217,8 @@ def to_response(
         text=delta.text,
         token_ids=delta.token_ids if with_token_ids else (),
         index=delta.index,
+        logprobs=[_token_logprob(e) for e in delta.logprobs],
+        prompt_logprobs=[_token_logprob(e) for e in delta.prompt_logprobs],
     )
     if delta.finish_reason != FinishReason.NONE:
         # the proto enum's numbers are the engine's FinishReason values
@@ -193,3 +229,15 @@ def to_response(
         response.usage.total_tokens = prompt + output
         response.system_fingerprint = fingerprint
     return response
+
+
+def _token_logprob(entry: TokenLogprob) -> pb.TokenLogprob:
+    return pb.TokenLogprob(
+        token_id=entry.token_id,
+        token=entry.token,
+        logprob=entry.logprob,
+        top_logprobs=[
+            pb.TopLogprob(token_id=token_id, token=text, logprob=lp)
+            for token_id, text, lp in entry.top
+        ],
+    )

@@ -139,6 +139,7 @@ class ChoiceLogprobs:
         self.n = n
         self._prompts: dict[int, list[TokenLogprob]] = {}  # prompt index -> its entries
         self._completion: dict[int, CompletionLogprobs] = {}  # choice index -> its offsets
+        self._streamed_prompt: set[int] = set()  # choices (chat: -1) whose chunk had them
 
     @property
     def is_on(self) -> bool:
@@ -174,6 +175,20 @@ class ChoiceLogprobs:
         if not self.with_prompt_logprobs:
             return {}
         return {"prompt_logprobs": prompt_logprobs(self.prompt_entries(index)) or None}
+
+    def stream_extra(self, index: int) -> dict[str, Any]:
+        """`prompt_logprobs` for a stream chunk of choice `index`, sent once as soon as its
+        prompt's entries are known: in a completion choice, per choice (as in the answer
+        that is not streamed); in chat, once for the response (its chunk's field). vLLM
+        itself refuses prompt_logprobs with `stream`; this is where a stream carries them."""
+        if not self.with_prompt_logprobs:
+            return {}
+        key = index if self.kind == "completion" else -1
+        entries = self.prompt_entries(index)
+        if key in self._streamed_prompt or not entries:
+            return {}
+        self._streamed_prompt.add(key)
+        return {"prompt_logprobs": prompt_logprobs(entries)}
 
     def _offsets(self, index: int) -> CompletionLogprobs:
         if index not in self._completion:

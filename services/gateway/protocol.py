@@ -27,12 +27,14 @@ Logprobs (from the model's raw distribution, as vLLM's default): chat `logprobs:
 `top_logprobs` in [0, `MAX_LOGPROBS`] (refused without `logprobs: true`); completions
 `logprobs` in [0, `MAX_LOGPROBS`] and `echo` (the prompt before the output, and with
 `logprobs` its tokens' logprobs first); vLLM's `prompt_logprobs` in [0, `MAX_LOGPROBS`] on
-both endpoints.
+both endpoints, streamed too (in the first chunk of each completion choice, or of a chat
+response; vLLM refuses them with `stream`).
 
 Sampling controls: `presence_penalty` and `frequency_penalty` in [-2, 2] (OpenAI), `logit_bias`
 (a map of token ids, as strings, to a bias in [-100, 100]: at most `MAX_LOGIT_BIAS`; ids
 outside the vocabulary are refused by the tokenizer, naming `logit_bias`); vLLM's
-`repetition_penalty` (> 0), `min_p` in [0, 1], `min_tokens` (<= max_tokens) and `bad_words`
+`repetition_penalty` (> 0), `min_p` in [0, 1], `min_tokens` (<= max_tokens; EOS, stop
+token ids and stop strings do not end the output before it, as vLLM) and `bad_words`
 (at most `MAX_BAD_WORDS` strings).
 
 vLLM extensions: `top_k`, `ignore_eos`, `return_token_ids`, `stop_token_ids`,

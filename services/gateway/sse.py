@@ -62,15 +62,17 @@ def chat_chunk(
     system_fingerprint: str | None,
     index: int = 0,
     logprobs: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A `chat.completion.chunk` with one choice carrying `delta` (role and/or content)."""
+    """A `chat.completion.chunk` with one choice carrying `delta` (role and/or content);
+    `extra`: fields of the chunk itself (vLLM's `prompt_logprobs`, in a chat response's)."""
     choice = {
         "index": index,
         "delta": delta,
         "logprobs": logprobs,
         "finish_reason": finish_reason,
     }
-    return _chunk("chat", request_id, model, created, system_fingerprint, [choice])
+    return _chunk("chat", request_id, model, created, system_fingerprint, [choice]) | (extra or {})
 
 
 def completion_chunk(
@@ -82,9 +84,12 @@ def completion_chunk(
     system_fingerprint: str | None,
     index: int = 0,
     logprobs: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A `text_completion` stream chunk with one choice carrying `text`."""
+    """A `text_completion` stream chunk with one choice carrying `text`; `extra`: fields of
+    the choice (vLLM's `prompt_logprobs`, in a completion choice's)."""
     choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    choice |= extra or {}
     return _chunk("completion", request_id, model, created, system_fingerprint, [choice])
 
 

@@ -283,6 +283,7 @@ class EngineCore:
                 prompt_tails=[msg.prompt_token_ids[-PROMPT_TAIL:]] * n,
                 seq_indices=list(range(n)),
                 tokenizers=[msg.tokenizer_fingerprint] * n,
+                min_tokens=[msg.sampling.min_tokens] * n if msg.sampling.min_tokens else [],
             )
         )
 

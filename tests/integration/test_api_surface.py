@@ -5,9 +5,11 @@ batched prompts, /tokenize and /detokenize (answered by a tokenizer process), /p
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
+import orjson
 import pytest
 
 from tests.server import Server, running_server
@@ -104,3 +106,58 @@ def test_a_body_over_the_limit_is_a_413_the_client_reads(client: openai.OpenAI) 
     with pytest.raises(openai.APIStatusError) as info:  # default --max-request-bytes: 4 MiB
         client.completions.create(model="smol", prompt="x" * (10 * 1024 * 1024), max_tokens=1)
     assert info.value.status_code == 413
+
+
+def _complete(server: Server, **body: Any) -> dict[str, Any]:
+    greedy = {"model": "smol", "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+    r = httpx.post(server.url + "/v1/completions", json=greedy | body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def test_min_tokens_holds_stop_strings(server: Server) -> None:
+    """As vLLM: a stop string ends the output only if it ends in the text of a token after
+    the first min_tokens ones (EOS is ignored here, so every run samples the same tokens)."""
+    full = _complete(server, prompt=PROMPTS[0], max_tokens=16)
+    text, ids = full["text"], full["token_ids"]
+    assert text.count(",") >= 3, text  # " 5, 6, 7, 8, ..."
+    plain = _complete(server, prompt=PROMPTS[0], max_tokens=16, stop=[","])
+    assert plain["text"] == text[: text.index(",")] and plain["finish_reason"] == "stop"
+    min_tokens = 4
+    detok = httpx.post(server.url + "/detokenize", json={"tokens": ids[:min_tokens]}, timeout=60)
+    floor = len(detok.json()["prompt"])  # the text of the first min_tokens tokens
+    assert text[:floor] == detok.json()["prompt"] and "," in text[:floor]
+    held = _complete(server, prompt=PROMPTS[0], max_tokens=16, stop=[","], min_tokens=min_tokens)
+    assert held["text"] == text[: text.index(",", floor)] and held["finish_reason"] == "stop"
+    assert len(held["token_ids"]) > min_tokens
+
+
+def _sse_chunks(server: Server, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with httpx.stream("POST", server.url + path, json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [orjson.loads(line) for line in lines[:-1]]
+
+
+def _same_prompt_logprobs(got: list[Any], want: list[Any]) -> None:
+    assert got[0] is None and want[0] is None and len(got) == len(want) > 1
+    for a, b in zip(got[1:], want[1:], strict=True):
+        assert a.keys() == b.keys()
+        for token_id, entry in a.items():
+            assert abs(entry["logprob"] - b[token_id]["logprob"]) < 1e-4
+            assert entry["rank"] == b[token_id]["rank"]
+
+
+def test_streamed_prompt_logprobs_come_in_the_first_chunk(server: Server) -> None:
+    body = {"model": "smol", "prompt": PROMPTS[1], "max_tokens": 3, "prompt_logprobs": 2}
+    answer = _complete(server, **body)
+    chunks = _sse_chunks(server, "/v1/completions", body | {"stream": True})
+    carrying = [c["choices"][0] for c in chunks if "prompt_logprobs" in c["choices"][0]]
+    assert carrying and carrying[0] is chunks[0]["choices"][0] and len(carrying) == 1
+    _same_prompt_logprobs(carrying[0]["prompt_logprobs"], answer["prompt_logprobs"])
+    chat = {"model": "smol", "messages": CHAT, "max_tokens": 3, "prompt_logprobs": 1}
+    r = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=120)
+    chunks = _sse_chunks(server, "/v1/chat/completions", chat | {"stream": True})
+    (carrying_chunk,) = [c for c in chunks if "prompt_logprobs" in c]
+    _same_prompt_logprobs(carrying_chunk["prompt_logprobs"], r.json()["prompt_logprobs"])

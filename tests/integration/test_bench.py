@@ -132,3 +132,39 @@ def test_a_refused_request_is_counted_as_failed(synthetic: Server, lean: bool) -
     )
     assert not timings[0].error and timings[0].output_tokens == 3
     assert timings[1].error.startswith("HTTP 400"), timings[1].error
+
+
+@pytest.mark.parametrize("client", ["lean", "httpx"])
+def test_every_request_can_ask_for_logprobs_and_a_repetition_penalty(
+    synthetic: Server, tmp_path: Path, client: str
+) -> None:
+    """--logprobs 5 --repetition-penalty 1.1 (the issue-13 cost run): every request asks,
+    every output token comes back with its logprobs, and the result says what was asked."""
+    r = _run(
+        synthetic,
+        tmp_path,
+        "--num-prompts",
+        "4",
+        "--input-len",
+        "8:24",
+        "--output-len",
+        "3:6",
+        "--logprobs",
+        "5",
+        "--repetition-penalty",
+        "1.1",
+        "--client",
+        client,
+    )
+    s = r["shuttle"]
+    assert r["workload"]["request_extras"] == {"logprobs": 5, "repetition_penalty": 1.1}
+    assert s["completed"] == 4 and s["failed"] == 0
+    assert s["logprob_tokens"] == s["output_tokens"] == r["workload"]["output_tokens"]
+    plain = _run(synthetic, tmp_path, "--num-prompts", "2", "--output-len", "3")
+    assert plain["shuttle"]["logprob_tokens"] == 0 and plain["workload"]["request_extras"] == {}
+
+
+def test_bad_request_extras_are_refused_before_any_load() -> None:
+    for flags in (["--logprobs", "21"], ["--repetition-penalty", "0"]):
+        with pytest.raises(SystemExit):
+            cli.parse_args(flags)

@@ -99,6 +99,46 @@ def test_greedy_generate_streams_the_same_tokens_as_http(server: Server) -> None
     assert all(r.finish_reason == pb.FINISH_REASON_UNSPECIFIED for r in out[:-1])
 
 
+def test_logprobs_and_prompt_logprobs_equal_http(server: Server) -> None:
+    """GenerateRequest.logprobs / prompt_logprobs on the real model: the same entries as
+    /v1/completions' `logprobs` and vLLM's `prompt_logprobs` for the same greedy request."""
+    fields = dict(max_tokens=5, temperature=0.0, ignore_eos=True, repetition_penalty=1.1)
+    out = run(
+        server,
+        lambda rpc: generate(
+            rpc.shuttle, token_ids=pb.TokenIds(ids=PROMPT_IDS), logprobs=3, prompt_logprobs=2,
+            **fields,
+        ),
+    )  # fmt: skip
+    body = {"prompt": PROMPT_IDS, "logprobs": 3, "prompt_logprobs": 2, "return_token_ids": True}
+    http = httpx.post(
+        server.url + "/v1/completions", timeout=120, json={"model": server.model, **body, **fields}
+    ).json()
+    choice = http["choices"][0]
+    entries = [e for r in out for e in r.logprobs]
+    assert (
+        [e.token_id for e in entries]
+        == choice["token_ids"]
+        == [t for r in out for t in r.token_ids]
+    )
+    lp = choice["logprobs"]
+    assert [e.token for e in entries] == lp["tokens"]
+    for e, value, top in zip(entries, lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        assert abs(e.logprob - value) < 1e-3 and len(e.top_logprobs) == 3
+        assert {t.token: pytest.approx(t.logprob, abs=1e-3) for t in e.top_logprobs}.items() <= (
+            top.items()
+        )
+    prompt = [e for r in out for e in r.prompt_logprobs]
+    assert [e.token_id for e in prompt] == PROMPT_IDS and not prompt[0].HasField("logprob")
+    for e, want in zip(prompt[1:], choice["prompt_logprobs"][1:], strict=True):
+        assert abs(e.logprob - want[str(e.token_id)]["logprob"]) < 1e-3
+        assert [str(t.token_id) for t in e.top_logprobs] == [
+            k
+            for k, v in sorted(want.items(), key=lambda kv: kv[1]["logprob"], reverse=True)
+            if v["rank"] is not None and v["rank"] <= 2
+        ]
+
+
 def test_16_concurrent_streams_complete(server: Server) -> None:
     async def test(rpc: Stubs) -> list[list[pb.GenerateResponse]]:
         calls = [

@@ -70,9 +70,12 @@ def _stream(
     stop: Sequence[str] = (),
     prompt_tail: Sequence[int] = (),
     skip_special_tokens: bool = True,
+    min_tokens: int = 0,
 ) -> tuple[list[str], IncrementalDetokenizer]:
     """Feed `ids` in chunks of the given sizes (default 1), final on the last call."""
-    detok = IncrementalDetokenizer(tok, list(stop), list(prompt_tail), skip_special_tokens)
+    detok = IncrementalDetokenizer(
+        tok, list(stop), list(prompt_tail), skip_special_tokens, min_tokens=min_tokens
+    )
     sizes = list(chunks or [1] * len(ids)) or [0]
     emits, pos = [], 0
     for i, size in enumerate(sizes):
@@ -256,6 +259,70 @@ def test_property_random_chunks_equal_decode(text: str, seed: int, stop: list[st
     assert detok.stop_hit == any(s in full for s in stop)
     if "\ufffd" not in full:
         assert not any("\ufffd" in e for e in emits)
+
+
+def _num_tokens(text: str) -> int:
+    return len(BPE.encode(text).ids)
+
+
+@pytest.mark.parametrize(
+    ("stop", "expected"),
+    [
+        (["e"], "one two thr"),  # the e of "one" is within min_tokens; the next one is not
+        (["o"], "one two three f"),  # both o's of "one two" are inside it
+        (["two three"], "one "),  # starts inside min_tokens, ends past it: counts
+        (["one two"], "one two three four"),  # ends exactly where min_tokens end: ignored
+    ],
+)
+def test_stop_strings_wait_for_min_tokens(stop: list[str], expected: str) -> None:
+    """As vLLM: a stop string counts only if it ends in the text of a token after the
+    first min_tokens (here the tokens of "one two")."""
+    ids = BPE.encode("one two three four").ids
+    min_tokens = _num_tokens("one two")
+    assert ids[:min_tokens] == BPE.encode("one two").ids  # (the boundary is a word's)
+    for chunks in ([1] * len(ids), [len(ids)], [3] * len(ids)):
+        emits, detok = _stream(BPE, ids, chunks=chunks, stop=stop, min_tokens=min_tokens)
+        assert "".join(emits) == expected
+        assert detok.stop_hit == (expected != "one two three four")
+    # without min_tokens the first occurrence wins, as before
+    assert "".join(_stream(BPE, ids, stop=["e"])[0]) == "on"
+
+
+def test_min_tokens_covering_the_whole_output_never_stops() -> None:
+    ids = BPE.encode("abc abc").ids
+    emits, detok = _stream(BPE, ids, stop=["abc"], min_tokens=len(ids))
+    assert "".join(emits) == "abc abc" and not detok.stop_hit
+
+
+def _min_tokens_reference(ids: list[int], stop: list[str], min_tokens: int) -> str:
+    """The full decode cut at the earliest stop string that ends past the text of the
+    first min_tokens tokens (decoded incrementally, as the stream saw it)."""
+    full = BPE.decode(ids)
+    if min_tokens >= len(ids):
+        return full
+    plain = IncrementalDetokenizer(BPE, [], [])
+    floor = len("".join(plain.add([i], final=False)[0] for i in ids[:min_tokens]))
+    starts = [full.find(s, max(0, floor - len(s) + 1)) for s in stop]
+    found = [start for start in starts if start >= 0]
+    return full[: min(found)] if found else full
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    text=st.text(alphabet=ALPHABET, max_size=40),
+    seed=st.integers(0, 2**32 - 1),
+    stop=st.lists(st.text(alphabet=ALPHABET, min_size=1, max_size=4), min_size=1, max_size=3),
+)
+def test_property_min_tokens_stop(text: str, seed: int, stop: list[str]) -> None:
+    rng = random.Random(seed)
+    ids = BPE.encode(text).ids
+    if len(text) > 2:  # a stop string that does occur, somewhere
+        start = rng.randrange(len(text) - 1)
+        stop = [*stop, text[start : start + rng.randint(1, 4)]]
+    min_tokens = rng.randint(0, len(ids) + 1)
+    chunks = [rng.randint(0, 4) for _ in range(len(ids) + 1)]
+    emits, _ = _stream(BPE, ids, chunks=chunks, stop=stop, min_tokens=min_tokens)
+    assert "".join(emits) == _min_tokens_reference(ids, stop, min_tokens)
 
 
 @settings(max_examples=100, deadline=None)

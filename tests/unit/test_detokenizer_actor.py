@@ -5,6 +5,7 @@ called directly and what would be sent is recorded."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -238,3 +239,26 @@ def test_logprob_ids_get_their_texts(folders: tuple[Path, Path], tmp_path: Path)
     assert out.logprob_values == [[[-0.1, -0.2], [-0.3]], [[]]]
     assert out.prompt_logprob_tokens == [[[one[2]], [one[3], one[0]]], []]
     assert out.prompt_logprob_token_ids == [[[ids[2]], [ids[3], ids[0]]], []]
+
+
+def test_stop_strings_wait_for_min_tokens(folders: tuple[Path, Path], tmp_path: Path) -> None:
+    """DetokNew's min_tokens reach each sequence's screen: "o" is inside the first tokens
+    of sequence 0 (min_tokens covers them) but ends sequence 1 at once."""
+    a, _ = folders
+    actor, gateway, scheduler = make_actor(a, tmp_path)
+    head = encode(a, "Hello world")
+    ids = head + encode(a, ", then go")
+    msg = new(("r", 0, ""), ("r", 1, ""), stop=["o"])
+    actor._on_new(dataclasses.replace(msg, min_tokens=[len(head), 0]))
+    for token in ids:
+        actor._on_tokens(
+            TokenBatch(
+                request_ids=["r", "r"],
+                token_ids=[[token], [token]],
+                finish_reasons=[int(NONE), int(NONE)],
+                seq_indices=[0, 1],
+            )
+        )
+    assert texts_by_sequence(gateway.sent) == {("r", 0): "Hello world, then g", ("r", 1): "Hell"}
+    aborts = [m for m in scheduler.sent if isinstance(m, Abort)]
+    assert [(m.request_ids, m.seq_indices) for m in aborts] == [(["r"], [1]), (["r"], [0])]

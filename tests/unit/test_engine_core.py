@@ -160,6 +160,16 @@ def test_n_sequences_are_one_group_with_indices() -> None:
     core.policy.check_idle()
 
 
+def test_the_detokenizer_hears_min_tokens_for_its_stop_strings() -> None:
+    core, out = _core()
+    core.add(_request("plain"))
+    sampling = SamplingParams(max_tokens=5, min_tokens=3, stop=["x"], n=2)
+    core.add(dataclasses.replace(_request("held"), sampling=sampling))
+    plain, held = out.of(DetokNew)
+    assert plain.min_tokens == []  # (none asked: the field stays empty)
+    assert held.min_tokens == [3, 3] and held.stop == [["x"], ["x"]]
+
+
 def test_plans_carry_the_stop_ids_min_tokens_masks() -> None:
     core, out = _core()
     plain = _request("plain")

@@ -164,3 +164,51 @@ def test_echo_of_a_batch_of_prompts_with_n_choices() -> None:
     for c in chunks:
         texts[c["index"]] = texts.get(c["index"], "") + c["text"]
     assert texts == {0: "a b a b", 2: "Hi 72 105"}
+
+
+VLLM_PROMPT_LOGPROBS = [
+    None,
+    {
+        "2": {"logprob": -3.0, "rank": 2, "decoded_token": "b"},
+        "3": {"logprob": -0.1, "rank": 1, "decoded_token": "c"},
+    },
+]
+
+
+def test_completion_stream_sends_prompt_logprobs_in_its_first_chunk() -> None:
+    body = {"prompt": "ab", "prompt_logprobs": 2, "stream": True}
+    chunks = [c["choices"][0] for c in _chunks(run(_engine(), "POST", COMPLETIONS, json=body))]
+    assert [c["text"] for c in chunks] == [" hi", "!", ""]
+    assert chunks[0]["prompt_logprobs"] == VLLM_PROMPT_LOGPROBS  # as the answer's choice
+    assert all("prompt_logprobs" not in c for c in chunks[1:])
+    # with echo the echoed prompt's chunk is the first
+    body |= {"echo": True, "logprobs": 1}
+    chunks = [c["choices"][0] for c in _chunks(run(_engine(), "POST", COMPLETIONS, json=body))]
+    assert chunks[0]["text"] == "ab" and chunks[0]["prompt_logprobs"] == VLLM_PROMPT_LOGPROBS
+    assert all("prompt_logprobs" not in c for c in chunks[1:])
+
+
+def test_chat_stream_sends_prompt_logprobs_once_for_the_response() -> None:
+    body = chat_body(prompt_logprobs=2, stream=True)
+    chunks = _chunks(run(_engine(), "POST", CHAT, json=body))
+    carrying = [c for c in chunks if "prompt_logprobs" in c]
+    assert len(carrying) == 1 and carrying[0]["prompt_logprobs"] == VLLM_PROMPT_LOGPROBS
+    assert carrying[0]["choices"][0]["delta"] == {"content": " hi"}  # the first text chunk
+    answer = run(_engine(), "POST", CHAT, json=chat_body(prompt_logprobs=2)).json()
+    assert answer["prompt_logprobs"] == carrying[0]["prompt_logprobs"]  # as not streamed
+
+
+def test_a_first_delta_without_text_still_carries_the_prompt_logprobs() -> None:
+    engine = FakeEngine(
+        [
+            OutputDelta("", [7], FinishReason.NONE, 2, 1, False, prompt_logprobs=PROMPT),
+            OutputDelta("!", [8], FinishReason.STOP, 2, 2, True),
+        ]
+    )
+    body = {"prompt": "ab", "prompt_logprobs": 0, "stream": True}
+    chunks = [c["choices"][0] for c in _chunks(run(engine, "POST", COMPLETIONS, json=body))]
+    assert [(c["text"], "prompt_logprobs" in c) for c in chunks] == [
+        ("", True),
+        ("!", False),
+        ("", False),
+    ]

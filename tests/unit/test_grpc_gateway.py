@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 import pytest
+from google.protobuf.internal import encoder
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -165,6 +166,145 @@ def test_sampling_controls_convert_as_the_http_api_converts_them() -> None:
     assert "top_k" not in grpc_plain.unset_sampling  # set, though to its default
 
 
+def test_logprobs_convert_as_the_http_api_converts_them() -> None:
+    engine = FakeEngine()
+    chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="hi")])
+
+    async def test(channel: grpc.aio.Channel) -> None:
+        await generate(channel, text="a b", logprobs=3, prompt_logprobs=2)
+        await generate(channel, chat=chat, logprobs=0, prompt_logprobs=1)
+        await generate(channel, text="a b")
+
+    run(engine, test)
+    completion = {"prompt": "a b", "logprobs": 3, "prompt_logprobs": 2}
+    assert run_http(engine, "POST", COMPLETIONS, json=completion).status_code == 200
+    chatted = {"messages": [_USER], "logprobs": True, "top_logprobs": 0, "prompt_logprobs": 1}
+    assert run_http(engine, "POST", CHAT, json=chatted).status_code == 200
+    grpc_text, grpc_chat, grpc_plain, http_text, http_chat = engine.requests
+    assert grpc_text.sampling == http_text.sampling
+    assert (grpc_text.sampling.logprobs, grpc_text.sampling.prompt_logprobs) == (3, 2)
+    assert grpc_chat.sampling == http_chat.sampling
+    assert (grpc_chat.sampling.logprobs, grpc_chat.sampling.prompt_logprobs) == (0, 1)
+    assert (grpc_plain.sampling.logprobs, grpc_plain.sampling.prompt_logprobs) == (None, None)
+
+
+def test_responses_carry_the_logprobs_of_their_tokens_and_the_prompt() -> None:
+    from tests.unit.test_gateway_logprobs import BANG, HI, PROMPT, _engine
+
+    engine = _engine()  # " hi" then "!", with the prompt's entries in the first delta
+    out = run(engine, lambda c: generate(c, text="ab", logprobs=2, prompt_logprobs=2))
+    assert [[e.token for e in r.logprobs] for r in out] == [[" hi"], ["!"]]
+    for response, entry in zip(out, (HI, BANG), strict=True):
+        (got,) = response.logprobs
+        assert (got.token_id, got.logprob) == (entry.token_id, entry.logprob)
+        top = [(t.token_id, t.token, t.logprob) for t in got.top_logprobs]
+        assert top == entry.top  # best first, as the engine ranked them
+    first, second = out[0].prompt_logprobs, out[1].prompt_logprobs
+    assert [e.token_id for e in first] == [e.token_id for e in PROMPT] and not second
+    assert not first[0].HasField("logprob") and not first[0].top_logprobs  # nothing precedes
+    assert first[1].logprob == -3.0 and [t.token for t in first[1].top_logprobs] == ["c", "b"]
+    # without return_token_ids the entries still name their tokens
+    out = run(_engine(), lambda c: generate(c, text="ab", logprobs=2, return_token_ids=False))
+    assert not out[0].token_ids and out[0].logprobs[0].token_id == HI.token_id
+
+
+def test_a_request_without_logprobs_gets_none() -> None:
+    out = run(FakeEngine(), lambda c: generate(c, text="a b"))
+    assert not any(r.logprobs or r.prompt_logprobs for r in out)
+
+
+# a value other than the default for every field of GenerateRequest (but the two below)
+_WALK: dict[str, dict[str, Any]] = {
+    "request_id": {"request_id": "walk-1"},
+    "text": {"text": "c d"},
+    "chat": {"chat": pb.Chat(messages=[pb.ChatMessage(role="user", content="hi")])},
+    "token_ids": {"token_ids": pb.TokenIds(ids=[1, 2])},
+    "max_tokens": {"max_tokens": 3},
+    "temperature": {"temperature": 0.5},
+    "top_p": {"top_p": 0.5},
+    "top_k": {"top_k": 4},
+    "seed": {"seed": 7},
+    "stop": {"stop": ["x"]},
+    "stop_token_ids": {"stop_token_ids": [9]},
+    "ignore_eos": {"ignore_eos": True},
+    "presence_penalty": {"presence_penalty": 0.5},
+    "frequency_penalty": {"frequency_penalty": 0.5},
+    "repetition_penalty": {"repetition_penalty": 1.1},
+    "min_p": {"min_p": 0.1},
+    "min_tokens": {"min_tokens": 2},
+    "logit_bias": {"logit_bias": {5: 1.0}},
+    "bad_words": {"bad_words": ["foo"]},
+    "n": {"n": 2},
+    "priority": {"priority": 1},
+    "timeout": {"timeout": 5.0},
+    "logprobs": {"logprobs": 2},
+    "prompt_logprobs": {"prompt_logprobs": 2},
+}
+
+
+def test_every_field_of_generate_request_is_honoured() -> None:
+    """A new proto field without an entry above fails here: each one changes the engine's
+    request; `model` picks (or refuses) the model and `return_token_ids` the responses."""
+    names = {f.name for f in pb.GenerateRequest.DESCRIPTOR.fields}
+    assert names == set(_WALK) | {"model", "return_token_ids"}
+    engine = FakeEngine()
+
+    async def test(channel: grpc.aio.Channel) -> list[list[pb.GenerateResponse]]:
+        return [await generate(channel, **{"text": "a b"} | f) for f in [{}, *_WALK.values()]]
+
+    run(engine, test, policy="priority")
+
+    def seen(request: Any) -> dict[str, Any]:
+        # (request ids differ anyway: the server picks one when the client does not)
+        fresh = request.request_id.startswith("gen-")
+        return (
+            dataclasses.asdict(request)
+            | {"arrival_time": 0.0}
+            | ({"request_id": ""} if fresh else {})
+        )
+
+    plain, *walked = (seen(r) for r in engine.requests)
+    for name, request in zip(_WALK, walked, strict=True):
+        assert request != plain, name
+    assert walked[0]["request_id"] == "walk-1"
+    assert refusal(FakeEngine(), text="x", model="other").code() == Code.NOT_FOUND
+    out = run(FakeEngine(), lambda c: generate(c, text="a b", return_token_ids=False))
+    assert out and not any(r.token_ids for r in out)
+
+
+def _unknown_field(number: int) -> bytes:
+    """A field this proto lacks, as a newer client would send it (a varint, value 1)."""
+    return encoder._VarintBytes(number << 3) + b"\x01"
+
+
+def test_a_field_the_server_does_not_know_is_refused_by_number() -> None:
+    engine = FakeEngine()
+    top = pb.GenerateRequest.FromString(
+        pb.GenerateRequest(text="x").SerializeToString() + _unknown_field(40)
+    )
+    message = pb.ChatMessage(role="user", content="x")
+    inner = pb.ChatMessage.FromString(message.SerializeToString() + _unknown_field(9))
+    nested = pb.GenerateRequest(chat=pb.Chat(messages=[message, inner]))
+
+    async def test(channel: grpc.aio.Channel) -> list[grpc.aio.AioRpcError]:
+        errors = []
+        for request in (top, nested):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                [r async for r in pb_grpc.ShuttleStub(channel).Generate(request)]
+            errors.append(info.value)
+        return errors
+
+    top_error, nested_error = run(engine, test)
+    assert top_error.code() == nested_error.code() == Code.INVALID_ARGUMENT
+    assert top_error.details() == (
+        "field 40: unknown to this server's shuttle.v1.GenerateRequest; it is not implemented here"
+    )
+    assert nested_error.details().startswith(
+        "chat.messages[1]: field 9: unknown to this server's shuttle.v1.ChatMessage"
+    )
+    assert not engine.requests
+
+
 _USER = {"role": "user", "content": "hi"}
 # (proto fields, HTTP path, HTTP body, HTTP headers, HTTP field -> proto field)
 _BAD_INPUTS = [
@@ -250,6 +390,21 @@ _BAD_INPUTS = [
     ({"text": "x", "timeout": -1.0}, COMPLETIONS, {"prompt": "x", "timeout": -1.0}, {}, {}),
     # under --scheduling-policy fcfs (the default), as HTTP
     ({"text": "x", "priority": 2}, COMPLETIONS, {"prompt": "x", "priority": 2}, {}, {}),
+    ({"text": "x", "logprobs": 21}, COMPLETIONS, {"prompt": "x", "logprobs": 21}, {}, {}),
+    (
+        {"chat": pb.Chat(messages=[pb.ChatMessage(role="user", content="hi")]), "logprobs": 21},
+        CHAT,
+        {"messages": [_USER], "logprobs": True, "top_logprobs": 21},
+        {},
+        {"top_logprobs": "logprobs"},
+    ),
+    (
+        {"text": "x", "prompt_logprobs": -1},
+        COMPLETIONS,
+        {"prompt": "x", "prompt_logprobs": -1},
+        {},
+        {},
+    ),
 ]
 
 

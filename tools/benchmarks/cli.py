@@ -5,6 +5,8 @@
     tools/bench --jsonl prompts.jsonl --sweep-rates 1,2,4,8 --plot-dir out/ --slo-ttft-ms 500
     tools/bench --server-flags "--model synthetic" --num-prompts 256 --output-len 200
     tools/bench --compare shuttle,vllm,llamacpp --json out/peers.json    (peers.py)
+    tools/bench --num-prompts 64 --input-len 32:512 --output-len 16:256 \
+        --logprobs 5 --repetition-penalty 1.1     # the mixed load, every request asking
 
 (`tools/bench` runs `python -m tools.benchmarks`, this module.) Prompts are random token ids
 (as `vllm bench serve --dataset-name random`), optionally behind a shared prefix, or the
@@ -13,7 +15,10 @@ so TTFT and every inter-token gap are seen (load.py). Arrivals: all at once (def
 Poisson at --rate, capped by --concurrency, or one run per rate of --sweep-rates. Without
 --url a shuttle server is started here (and stopped) with --server-flags. Baselines run
 afterwards on the same prompts and lengths, in this process, same dtype and threads
-(baselines.py). Figures and their definitions: report.py; plots: plots.py.
+(baselines.py). --logprobs N and --repetition-penalty X make every request ask for them
+(`logprobs: N`, the completions form of top_logprobs, and `repetition_penalty`): the cost of
+asking, measured against the same load without them. Figures and their definitions:
+report.py; plots: plots.py.
 """
 
 from __future__ import annotations
@@ -58,7 +63,15 @@ def run_rates(url: str, args: argparse.Namespace, wl: Workload, slo: Slo) -> lis
         progress = Progress(len(wl.prompts), label, not args.no_progress)
         timings, dur, peak = asyncio.run(
             run_load(
-                url, model, wl, args.concurrency, rate, args.seed, progress, args.client == "lean"
+                url,
+                model,
+                wl,
+                args.concurrency,
+                rate,
+                args.seed,
+                progress,
+                args.client == "lean",
+                request_extras(args),
             )
         )
         summary = summarize(timings, dur, peak, wl, slo)
@@ -112,8 +125,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="HTTP client of the load (lean: tools/benchmarks/client.py, http:// only)",
     )
     p.add_argument("--admin-token", default="", help="read shuttle's /admin/stats after the run")
+    p.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        help="every request asks for its tokens' logprobs with this many top ones (0..20)",
+    )
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=None,
+        help="every request asks for this repetition_penalty (> 0; 1 is off)",
+    )
     add_compare_flags(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.logprobs is not None and not 0 <= args.logprobs <= 20:
+        p.error(f"--logprobs: must be 0..20, got {args.logprobs}")
+    if args.repetition_penalty is not None and not args.repetition_penalty > 0:
+        p.error(f"--repetition-penalty: must be > 0, got {args.repetition_penalty}")
+    return args
+
+
+def request_extras(args: argparse.Namespace) -> dict[str, Any]:
+    """The body fields every request adds: what --logprobs and --repetition-penalty ask."""
+    extra: dict[str, Any] = {}
+    if args.logprobs is not None:
+        extra["logprobs"] = args.logprobs  # /v1/completions: top logprobs per token
+    if args.repetition_penalty is not None:
+        extra["repetition_penalty"] = args.repetition_penalty
+    return extra
 
 
 def _workload(args: argparse.Namespace, model_dir: str) -> tuple[Workload, str]:
@@ -173,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             "sweep_rates": args.sweep_rates,
             "dtype": args.dtype,
             "threads": threads,
+            "request_extras": request_extras(args),
             "batch_policy": _flag(flags, "--batch-policy", "continuous")
             if not args.url
             else "external",

@@ -1,8 +1,9 @@
 """The load: streamed /v1/completions requests at a rate, each turned into a Timing.
 
 Every request goes out with `ignore_eos`, streamed, so TTFT and every inter-token gap are
-seen. Arrivals: all at once (rate inf), or Poisson at `rate`, capped by `concurrency`. The
-lean client (client.py) carries plain http:// URLs; httpx anything else.
+seen; `extra` adds body fields to every request (tools/bench --logprobs,
+--repetition-penalty). Arrivals: all at once (rate inf), or Poisson at `rate`, capped by
+`concurrency`. The lean client (client.py) carries plain http:// URLs; httpx anything else.
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ class Progress:
             sys.stderr.flush()
 
 
-def _body(model: str, prompt: list[int] | str, out_len: int) -> dict[str, Any]:
+def _body(
+    model: str, prompt: list[int] | str, out_len: int, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
     return {
         "model": model,
         "prompt": prompt,
@@ -60,7 +63,7 @@ def _body(model: str, prompt: list[int] | str, out_len: int) -> dict[str, Any]:
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
-    }
+    } | (extra or {})
 
 
 class _Stamper:
@@ -77,6 +80,9 @@ class _Stamper:
         if chunk.get("usage"):
             self.t.output_tokens = chunk["usage"]["completion_tokens"]
             self.t.prompt_tokens = chunk["usage"]["prompt_tokens"]
+        logprobs = chunk["choices"][0].get("logprobs") if chunk.get("choices") else None
+        if logprobs:
+            self.t.logprob_tokens += len(logprobs["tokens"])
         if chunk.get("choices") and chunk["choices"][0].get("text"):
             now = time.perf_counter()
             if not self.t.ttft:
@@ -94,13 +100,17 @@ class _Stamper:
 
 
 async def _one(
-    client: httpx.AsyncClient, model: str, prompt: list[int] | str, out_len: int
+    client: httpx.AsyncClient,
+    model: str,
+    prompt: list[int] | str,
+    out_len: int,
+    extra: dict[str, Any] | None = None,
 ) -> Timing:
     """One streamed request through httpx (any URL)."""
     stamp = _Stamper()
     try:
         async with client.stream(
-            "POST", "/v1/completions", json=_body(model, prompt, out_len)
+            "POST", "/v1/completions", json=_body(model, prompt, out_len, extra)
         ) as r:
             if r.status_code != 200:
                 return stamp.done(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
@@ -113,13 +123,17 @@ async def _one(
 
 
 async def _one_lean(
-    conn: SseConnection, model: str, prompt: list[int] | str, out_len: int
+    conn: SseConnection,
+    model: str,
+    prompt: list[int] | str,
+    out_len: int,
+    extra: dict[str, Any] | None = None,
 ) -> Timing:
     """One streamed request through the lean client (plain http://)."""
     stamp = _Stamper()
     try:
         async for data in conn.stream(
-            "/v1/completions", orjson.dumps(_body(model, prompt, out_len))
+            "/v1/completions", orjson.dumps(_body(model, prompt, out_len, extra))
         ):
             stamp.event(data)
     except HttpError as e:
@@ -136,9 +150,11 @@ async def run_load(
     seed: int,
     progress: Progress | None = None,
     lean: bool = True,
+    extra: dict[str, Any] | None = None,
 ) -> tuple[list[Timing], float, int]:
     """Send every request of `wl`; returns their timings, the duration and peak concurrency.
-    `lean`: the lean client on http:// URLs (client.py), else httpx."""
+    `lean`: the lean client on http:// URLs (client.py), else httpx. `extra`: body fields
+    every request adds (e.g. {"logprobs": 5, "repetition_penalty": 1.1})."""
     n = len(wl.prompts)
     slots = concurrency if concurrency > 0 else n
     lean = lean and url.startswith("http://")
@@ -152,10 +168,10 @@ async def run_load(
 
     async def send(client: httpx.AsyncClient, i: int) -> Timing:
         if not lean:
-            return await _one(client, model, wl.prompts[i], wl.output_lens[i])
+            return await _one(client, model, wl.prompts[i], wl.output_lens[i], extra)
         conn = pool.get_nowait()  # the semaphore guarantees one is free
         try:
-            return await _one_lean(conn, model, wl.prompts[i], wl.output_lens[i])
+            return await _one_lean(conn, model, wl.prompts[i], wl.output_lens[i], extra)
         finally:
             pool.put_nowait(conn)
 

@@ -25,6 +25,7 @@ class Timing:
     output_tokens: int = 0
     prompt_tokens: int = 0  # from the server's usage (0 when it sent none)
     error: str = ""
+    logprob_tokens: int = 0  # output tokens whose logprobs came back (with --logprobs)
 
     @property
     def tpot(self) -> float:
@@ -85,6 +86,7 @@ def summarize(
         "request_throughput": len(ok) / duration,
         "prompt_tokens": prompt_tokens,
         "output_tokens": out_tokens,
+        "logprob_tokens": sum(t.logprob_tokens for t in ok),  # (with --logprobs: all of them)
         "output_tok_s": out_tokens / duration,
         "total_tok_s": (out_tokens + prompt_tokens) / duration,
         "ttft_s": percentiles([t.ttft for t in ok]),
@@ -152,6 +154,8 @@ def print_report(result: dict[str, Any]) -> None:
         f"tokens), concurrency {w['concurrency'] or 'all'}, rate {w['rate']}, dtype "
         f"{w['dtype']}, threads {w['threads']}, server flags {w['server_flags']!r}"
     )
+    if w.get("request_extras"):
+        print(f"every request also asks for {w['request_extras']}")
     for run in result.get("sweep", []):
         print(
             f"  rate {run['rate']:>6}: {_line(run)}; TTFT p99 "
