@@ -157,6 +157,16 @@ def synthetic() -> dict[str, Any]:
     }
 
 
+def peers() -> dict[str, Any]:
+    """shuttle, vLLM and llama.cpp on the same workloads (needs ../shared/peers/setup.sh)."""
+    from tools.benchmarks import cli
+
+    out = OUT / "peers.json"
+    cli.main(["--compare", "shuttle,vllm,llamacpp", "--threads", "2", "--json", str(out)])
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
 def parity() -> dict[str, Any]:
     from tools.benchmarks import bf16_parity
 
@@ -172,6 +182,7 @@ STEPS: dict[str, Callable[[], dict[str, Any]]] = {
     "sweep": sweep,
     "synthetic": synthetic,
     "parity": parity,
+    "peers": peers,
 }
 
 

@@ -314,6 +314,25 @@ def _speculative(out: Path) -> str:
     return text + "\n" + _note(out, "speculative")
 
 
+def _peers(out: Path, loads: dict[str, Any]) -> str:
+    result = _load(out, "peers")
+    if result is None:
+        return ""
+    from tools.benchmarks.peers import table
+
+    return (
+        "## Peers: shuttle beside vLLM and llama.cpp\n\n"
+        + _load_line(loads, "peers")
+        + "`python -m tools.benchmarks.docs --only peers`, i.e. `tools/bench --compare "
+        "shuttle,vllm,llamacpp --threads 2` (tools/benchmarks/peers.py): each server started "
+        "in turn with 2 threads on the same converted weights (the peers by "
+        "../shared/peers/start-*.sh), the same load generator, one sitting.\n\n"
+        + table(result)
+        + "\n\n"
+        + _note(out, "peers")
+    )
+
+
 def render(out: Path) -> str:
     loads = json.loads((out / "load.json").read_text()) if (out / "load.json").is_file() else {}
     head = (
@@ -329,6 +348,7 @@ def render(out: Path) -> str:
     body = (
         _note(out, "summary")
         + _note(out, "method")
+        + _peers(out, loads)
         + _steps(out, loads)
         + _small(out)
         + _mixed(out, loads)
