@@ -24,6 +24,7 @@ from gpu_worker.cpu.build import load_library
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_paged_decode.c")
+SMALL_WORK = 1 << 18  # K (and as many V) elements below which one thread attends
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _failed = False
@@ -87,6 +88,10 @@ def paged_decode(
     tables = block_tables.to(torch.int32)
     lens = seq_lens.to(torch.int32).contiguous()
     out = torch.empty(n, num_heads, head_dim, dtype=torch.float32)
+    # a few short sequences: one thread reads their K/V faster than waking a second one
+    # (a sleeping OpenMP thread takes tens of microseconds to wake, per layer)
+    work = int(lens.sum()) * num_kv_heads * head_dim
+    threads = 1 if work < SMALL_WORK else torch.get_num_threads()
     code = lib.paged_decode(
         qf.data_ptr(),
         kv_cache[0].data_ptr(),
@@ -102,7 +107,7 @@ def paged_decode(
         block_size,
         scale,
         out.data_ptr(),
-        torch.get_num_threads(),
+        threads,
     )
     if code != 0:
         return None

@@ -30,6 +30,7 @@ class SseConnection:
         self.base = parts.path.rstrip("/")
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
+        self._status_line = b""  # read ahead by _status_arrives
 
     async def close(self) -> None:
         if self._writer is not None:
@@ -38,15 +39,19 @@ class SseConnection:
 
     async def stream(self, path: str, body: bytes) -> AsyncIterator[bytes]:
         """POST `body` (JSON) and yield each event's data, e.g. b'{"id": ...}' or b'[DONE]'."""
-        if self._writer is None:
-            self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
-        assert self._reader is not None and self._writer is not None
-        self._writer.write(
+        request = (
             f"POST {self.base}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
             f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
             f"Content-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
+        reused = self._writer is not None
+        await self._send(request)
+        if reused and not await self._status_arrives():
+            # the server closed the idle keep-alive connection (llama-server does after 5 s
+            # or 5 requests): nothing of this request was read, so send it on a new one
+            await self.close()
+            await self._send(request)
         try:
             status, chunked, length, close = await self._head()
             if status != 200:
@@ -62,9 +67,29 @@ class SseConnection:
         if close:
             await self.close()
 
+    async def _send(self, request: bytes) -> None:
+        if self._writer is None:
+            self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
+        self._writer.write(request)
+        self._status_line = b""
+
+    async def _status_arrives(self) -> bool:
+        """Read the status line now; False if the connection turns out closed."""
+        assert self._reader is not None
+        try:
+            self._status_line = await self._reader.readline()
+        except OSError:
+            return False
+        return bool(self._status_line)
+
     async def _head(self) -> tuple[int, bool, int, bool]:
         assert self._reader is not None
-        status = int((await self._reader.readline()).split(b" ", 2)[1])
+        line = self._status_line or await self._reader.readline()
+        self._status_line = b""
+        parts = line.split(b" ", 2)
+        if len(parts) < 2:
+            raise ValueError(f"no HTTP status line: {line[:80]!r}")
+        status = int(parts[1])
         chunked, length, close = False, -1, False
         while (line := await self._reader.readline()) not in (b"\r\n", b"\n", b""):
             name, _, value = line.partition(b":")

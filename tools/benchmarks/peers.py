@@ -23,6 +23,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -206,7 +207,8 @@ def compare(
         "workloads": {w: WORKLOADS[w] for w in loads},
         "servers": {},
     }
-    logs = Path(args.json).parent if args.json else Path("/tmp")
+    logs = Path(args.json).parent if args.json else Path(tempfile.mkdtemp(prefix="compare-"))
+    logs.mkdir(parents=True, exist_ok=True)
     for name in names:
         log = logs / f"compare-{name}.log"
         with server(name, args, model_dir, flags, log) as (url, start_s):
