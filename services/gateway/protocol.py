@@ -35,6 +35,11 @@ outside the vocabulary are refused by the tokenizer, naming `logit_bias`); vLLM'
 `repetition_penalty` (> 0), `min_p` in [0, 1], `min_tokens` (<= max_tokens) and `bad_words`
 (at most `MAX_BAD_WORDS` strings).
 
+Structured outputs (services/gateway/structured.py reads them; the worker compiles and
+enforces them): `response_format` (json_object, json_schema), vLLM's `structured_outputs`
+and `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`; at most one, and not
+with `ignore_eos` or `min_tokens`.
+
 vLLM extensions: `top_k`, `ignore_eos`, `return_token_ids`, `stop_token_ids`,
 `add_generation_prompt` (chat), `priority` (int, default 0: lower is served first; anything
 but 0 is refused unless the server runs `--scheduling-policy priority`, as vLLM does) and
@@ -68,6 +73,11 @@ from services.gateway.refused import (
     check_disjoint,
     refuse_unsupported,
 )
+from services.gateway.structured import (
+    StructuredError,
+    check_compatible,
+    parse_structured,
+)
 
 MAX_STOP = 64  # stop strings per request
 MAX_STOP_CHARS = 256  # characters per stop string
@@ -90,6 +100,10 @@ REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,9}")
 
 _STRICT = ConfigDict(strict=True, extra="ignore")
+_STRUCTURED_FIELDS = {
+    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar",
+}  # fmt: skip
 
 MaxTokens = Annotated[int, Field(ge=1, le=_INT32_MAX)]
 Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
@@ -168,6 +182,13 @@ class _CommonRequest(BaseModel):
     priority: Priority | None = None  # vLLM extension: lower first (priority scheduling)
     timeout: Timeout | None = None  # vLLM-style extension: seconds until finish "timeout"
     prompt_logprobs: NumLogprobs | None = None  # vLLM extension
+    # structured outputs (services/gateway/structured.py checks them; at most one)
+    response_format: Any = None
+    structured_outputs: Any = None  # vLLM extension, and its older guided_* fields:
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -261,6 +282,13 @@ class _CommonRequest(BaseModel):
                 f"min_tokens: must be <= {field} ({limit}), got {self.min_tokens}", "min_tokens"
             )
         bias = sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
+        try:
+            structured = parse_structured(self.model_dump(include=_STRUCTURED_FIELDS))
+            check_compatible(
+                structured, {"ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens}
+            )
+        except StructuredError as e:
+            raise RequestRejected(str(e), e.field) from None
         return SamplingParams(
             max_tokens=limit,
             temperature=1.0 if self.temperature is None else float(self.temperature),
@@ -283,6 +311,9 @@ class _CommonRequest(BaseModel):
             bad_words=list(self.bad_words or []),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            structured_kind=structured.kind if structured else "",
+            structured_spec=structured.spec if structured else "",
+            structured_field=structured.field if structured else "",
         )
 
     def _unset_sampling(self) -> list[str]:

@@ -46,13 +46,7 @@ _COMMON: dict[str, Any] = {
     "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
     "return_tokens_as_token_ids": False,
-    # structured outputs
-    "response_format": {"type": "text"},
-    "structured_outputs": ANY,
-    "guided_json": ANY,
-    "guided_regex": ANY,
-    "guided_choice": ANY,
-    "guided_grammar": ANY,
+    # structured outputs: only through the server's own backend (xgrammar) and whitespace
     "guided_decoding_backend": ANY,
     "guided_whitespace_pattern": ANY,
     # vLLM plumbing

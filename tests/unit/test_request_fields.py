@@ -65,6 +65,13 @@ CHANGES_THE_REQUEST: dict[str, Any] = {
     "bad_words": ["nope"],
     "chat_template_kwargs": {"enable_thinking": False},
     "chat_template": "{{ messages[0]['content'] }}",  # with --trust-request-chat-template
+    # structured outputs: each asks for a grammar (services/gateway/structured.py)
+    "response_format": {"type": "json_object"},
+    "structured_outputs": {"regex": "[a-z]+"},
+    "guided_json": {"type": "object"},
+    "guided_regex": "[a-z]+",
+    "guided_choice": ["yes", "no"],
+    "guided_grammar": 'root ::= "a"',
 }
 # honoured: a body (per endpoint) that changes the engine's request through the field
 CHANGES_THE_REQUEST_BY_URL: dict[tuple[str, str], dict[str, Any]] = {
@@ -221,8 +228,10 @@ def test_stream_options_without_stream_is_refused() -> None:
 
 def test_a_field_cannot_be_both_honoured_and_refused() -> None:
     # implementing a refused field means moving it out of refused.py, or import fails
-    with pytest.raises(TypeError, match="guided_json"):
-        check_disjoint({"guided_json": None, "top_k": None}, REFUSED_CHAT, "ChatCompletionRequest")
+    with pytest.raises(TypeError, match="guided_decoding_backend"):
+        check_disjoint(
+            {"guided_decoding_backend": None, "top_k": None}, REFUSED_CHAT, "ChatCompletionRequest"
+        )
 
 
 def test_a_request_chat_template_needs_the_operators_trust() -> None:
