@@ -58,6 +58,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -74,10 +75,12 @@ from services.gateway.refused import (
     refuse_unsupported,
 )
 from services.gateway.structured import (
+    Structured,
     StructuredError,
     check_compatible,
     parse_structured,
 )
+from services.gateway.tools import ToolPlan, forced_grammar, plan_tools, render_messages
 
 MAX_STOP = 64  # stop strings per request
 MAX_STOP_CHARS = 256  # characters per stop string
@@ -270,6 +273,7 @@ class _CommonRequest(BaseModel):
         max_model_len: int,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
+        forced: Structured | None = None,
     ) -> SamplingParams:
         limit = max_tokens if max_tokens is not None else default
         if limit > max_model_len:
@@ -284,6 +288,11 @@ class _CommonRequest(BaseModel):
         bias = sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
         try:
             structured = parse_structured(self.model_dump(include=_STRUCTURED_FIELDS))
+            if forced is not None and structured is not None:
+                raise StructuredError(
+                    "tool_choice", f"cannot force a tool call and {structured.field} at once"
+                )
+            structured = structured or forced
             check_compatible(
                 structured, {"ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens}
             )
@@ -350,15 +359,49 @@ def _content_text(value: Any) -> str:
     return "\n".join(texts)
 
 
+class ToolCallFunction(BaseModel):
+    model_config = _STRICT
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallItem(BaseModel):
+    """One call of an assistant message's `tool_calls` (a follow-up turn)."""
+
+    model_config = _STRICT
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
-    """One chat message; content is normalised to a string."""
+    """One chat message; content is normalised to a string (null only for an assistant
+    message with tool_calls)."""
 
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str
+    tool_calls: list[ToolCallItem] | None = None  # assistant (validated before content)
+    content: str | None
     name: str | None = None
+    tool_call_id: str | None = None  # tool
 
-    _check_content = field_validator("content", mode="before")(_content_text)
+    @field_validator("tool_calls")
+    @classmethod
+    def _assistant_calls(cls, value: Any, info: ValidationInfo) -> Any:
+        if value and info.data.get("role") != "assistant":
+            raise _refuse("only assistant messages have tool_calls")
+        return value
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _check_content(cls, value: Any, info: ValidationInfo) -> str | None:
+        if value is not None:
+            return _content_text(value)
+        if info.data.get("role") == "assistant" and info.data.get("tool_calls"):
+            return None
+        raise PydanticCustomError(
+            "content_type", "must be a string or a list of text parts (null only beside tool_calls)"
+        )
 
     def as_dict(self) -> dict[str, Any]:
         # "developer" is OpenAI's newer name for "system"; chat templates know only "system"
@@ -366,6 +409,10 @@ class ChatMessage(BaseModel):
         out: dict[str, Any] = {"role": role, "content": self.content}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
 
@@ -405,11 +452,33 @@ class ChatCompletionRequest(_CommonRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool | None = None
     top_logprobs: NumLogprobs | None = None
+    # tool calling (services/gateway/tools.py)
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    _tool_plan: ToolPlan | None = PrivateAttr(default=None)
 
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
         return refuse_unsupported(data, REFUSED_CHAT, cls.__name__)
+
+    @model_validator(mode="after")
+    def _plan_tools(self, info: ValidationInfo) -> ChatCompletionRequest:
+        # parse_request's context names the server's --tool-call-parser
+        parser = (info.context or {}).get("tool_call_parser", "hermes")
+        try:
+            self._tool_plan = plan_tools(
+                self.tools, self.tool_choice, self.parallel_tool_calls, parser
+            )
+        except StructuredError as e:  # (a RequestRejected is not wrapped by pydantic)
+            raise RequestRejected(str(e), e.field) from None
+        return self
+
+    @property
+    def tool_plan(self) -> ToolPlan | None:
+        """The request's tools and how to read its output (None: no tools)."""
+        return self._tool_plan
 
     _trusted_template = field_validator("chat_template")(trusted_chat_template)
     _bounded_kwargs = field_validator("chat_template_kwargs")(bounded_template_kwargs)
@@ -438,13 +507,21 @@ class ChatCompletionRequest(_CommonRequest):
         # as vLLM does: the newer name wins when both are given
         field = "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
         max_tokens = self.max_completion_tokens or self.max_tokens
+        plan = self._tool_plan
+        forced = forced_grammar(plan) if plan is not None else None
         return GenerateRequest(
             request_id=request_id,
             model=model,
             sampling=self._sampling(
-                max_tokens, field, 0, max_model_len, self.num_logprobs, self.prompt_logprobs
+                max_tokens,
+                field,
+                0,
+                max_model_len,
+                self.num_logprobs,
+                self.prompt_logprobs,
+                forced,
             ),
-            messages=[m.as_dict() for m in self.messages],
+            messages=render_messages([m.as_dict() for m in self.messages], plan),
             add_generation_prompt=self.add_generation_prompt is not False,
             chat_template=self.chat_template,
             chat_template_kwargs=self.chat_template_kwargs,
