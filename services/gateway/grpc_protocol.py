@@ -145,6 +145,8 @@ def _http_body(
         data["logit_bias"] = {str(k): v for k, v in request.logit_bias.items()}
     if request.bad_words:
         data["bad_words"] = list(request.bad_words)
+    if request.HasField("structured_outputs"):
+        data["structured_outputs"] = _structured_outputs(request.structured_outputs)
     kind = request.WhichOneof("prompt")
     if kind is None:
         raise RequestRejected("prompt: one of text, chat or token_ids is required", "prompt")
@@ -159,6 +161,17 @@ def _http_body(
     if request.chat.HasField("chat_template"):
         data["chat_template"] = request.chat.chat_template
     return ChatCompletionRequest, data
+
+
+def _structured_outputs(spec: pb.StructuredOutputs) -> dict[str, Any]:
+    """As the HTTP API's `structured_outputs` (an unset oneof: an empty object, refused by
+    the same rule as over HTTP)."""
+    kind = spec.WhichOneof("kind")
+    if kind is None:
+        return {}
+    if kind == "choice":
+        return {"choice": list(spec.choice.choices)}
+    return {kind: getattr(spec, kind)}
 
 
 def _chat_message(message: pb.ChatMessage) -> dict[str, Any]:

@@ -132,6 +132,38 @@ def test_requests_convert_as_the_http_api_converts_them() -> None:
     assert chatted.sampling.max_tokens == 0 and chatted.add_generation_prompt is False
 
 
+def test_structured_outputs_convert_as_the_http_api_converts_them() -> None:
+    engine = FakeEngine()
+    specs = [
+        pb.StructuredOutputs(json='{"type": "object", "properties": {"a": {"maximum": 3}}}'),
+        pb.StructuredOutputs(json_object=True),
+        pb.StructuredOutputs(regex="[a-z]+"),
+        pb.StructuredOutputs(choice=pb.Choices(choices=["yes", "no"])),
+        pb.StructuredOutputs(grammar='root ::= "a"'),
+    ]
+
+    async def test(channel: grpc.aio.Channel) -> None:
+        for spec in specs:
+            await generate(channel, text="x", structured_outputs=spec)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await generate(channel, text="x", structured_outputs=pb.StructuredOutputs())
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (e.value.details() or "").startswith("structured_outputs: ")
+
+    run(engine, test)
+    got = [(r.sampling.structured_kind, r.sampling.structured_field) for r in engine.requests]
+    assert got == [
+        ("json", "structured_outputs.json"),
+        ("json_object", "structured_outputs.json_object"),
+        ("regex", "structured_outputs.regex"),
+        ("choice", "structured_outputs.choice"),
+        ("grammar", "structured_outputs.grammar"),
+    ]
+    assert engine.requests[0].sampling.structured_spec == (
+        '{"type":"object","properties":{"a":{"maximum":3}}}'  # an int stays an int
+    )
+
+
 def test_sampling_controls_convert_as_the_http_api_converts_them() -> None:
     engine = FakeEngine()
     controls: dict[str, Any] = dict(
