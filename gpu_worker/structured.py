@@ -103,6 +103,12 @@ class GrammarCache:
                 self._grammars.popitem(last=False)
         return compiled
 
+    @property
+    def num_tokenizers(self) -> int:
+        """Tokenizers a compiler was built for."""
+        with self._lock:
+            return len(self._compilers)
+
     def is_cached(self, kind: str, spec: str, fingerprint: str) -> bool:
         with self._lock:
             return (kind, spec, fingerprint) in self._grammars

@@ -1,7 +1,9 @@
 """Structured outputs in the engine that ships (in-process: real policy, real runner, real
 model): greedy free requests keep transformers' tokens when constrained requests share their
 batches, and constrained sequences (n > 1, each with its own matcher) stay valid through
-preemption by recompute and by swap, with and without overlapped scheduling."""
+preemption by recompute and by swap, with and without overlapped scheduling; speculative
+decoding leaves them undrafted; after a hot-swap to another tokenizer, each version's
+requests use grammars compiled for its own tokenizer."""
 
 from __future__ import annotations
 
@@ -141,3 +143,41 @@ def test_speculative_decoding_leaves_constrained_rows_undrafted(model_dir: str, 
             proposed[key] = proposed.get(key, 0) + n
     assert all(proposed.get(sequence_key(rid, i), 0) == 0 for rid, i in ids)
     assert sum(proposed.values()) > 0  # while the free rows were drafted for
+
+
+def test_a_grammar_belongs_to_the_tokenizer_of_the_version_serving_it(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Hot-swap to a model with another tokenizer: requests on each version are constrained
+    by a grammar compiled for that version's own tokenizer (the same choices are other
+    token ids there)."""
+    from services.scheduler.policy import PolicyConfig
+    from tests.engine import LocalEngine
+    from tests.tiny_models import make_tiny_model, make_tiny_model_own_vocab
+
+    root = tmp_path_factory.mktemp("models")
+    smol_vocab = make_tiny_model(root / "smol-vocab", seed=1)
+    own_vocab = make_tiny_model_own_vocab(root / "own-vocab", seed=2)
+    runner = ModelRunner(str(smol_vocab), block_size=16, num_blocks=64, num_threads=2)
+    engine = LocalEngine(runner, PolicyConfig())
+    choices = ["the quick brown fox", "hello world"]
+    sampling = SamplingParams(
+        max_tokens=30,
+        temperature=1.0,
+        seed=3,
+        n=2,
+        structured_kind="choice",
+        structured_spec=json.dumps(choices),
+    )
+    outputs = {}
+    for folder in (smol_vocab, own_vocab):
+        if folder == own_vocab:  # the swap: new requests start on the new version
+            runner.set_default_version(runner.load_version(str(own_vocab)))
+            engine.core.adopt(runner.model_info())
+        tok = AutoTokenizer.from_pretrained(folder)
+        ids = engine.add(tok.encode("Say something:"), sampling)
+        out = engine.run()
+        outputs[folder.name] = [tok.decode(out[s], skip_special_tokens=True) for s in ids]
+    for texts in outputs.values():
+        assert all(text in choices for text in texts), outputs
+    assert runner.grammars.num_tokenizers == 2  # one compiler per tokenizer
