@@ -77,9 +77,11 @@ def _response_format(value: Any) -> Structured | None:
         raise StructuredError(
             f"{field}.type", "must be one of 'text', 'json_object', 'json_schema'"
         )
+    no_unknown_keys(value, {"type", "json_schema"}, field)
     inner = value.get("json_schema")
     if not isinstance(inner, dict):
         raise StructuredError(f"{field}.json_schema", "must be a JSON object")
+    no_unknown_keys(inner, {"name", "description", "schema", "strict"}, f"{field}.json_schema")
     name = inner.get("name")
     if name is not None and not isinstance(name, str):
         raise StructuredError(f"{field}.json_schema.name", "must be a string")
@@ -91,6 +93,13 @@ def _response_format(value: Any) -> Structured | None:
     return _json_schema(inner["schema"], f"{field}.json_schema.schema")
 
 
+def no_unknown_keys(value: dict[str, Any], known: set[str], field: str) -> None:
+    """A key nobody defines is refused by name, not ignored."""
+    unknown = sorted(k for k in value if k not in known and value[k] is not None)
+    if unknown:
+        raise StructuredError(f"{field}.{unknown[0]}", "is not a known field")
+
+
 def _structured_outputs(value: Any) -> Structured | None:
     if value is None:
         return None
@@ -100,6 +109,7 @@ def _structured_outputs(value: Any) -> Structured | None:
     for key in _SO_REFUSED:
         if value.get(key) is not None:
             raise StructuredError(f"{field}.{key}", "is not supported by this server")
+    no_unknown_keys(value, {*_SO_KINDS, "json_object", *_SO_REFUSED}, field)
     found = (
         [Structured("json_object", "", f"{field}.json_object")] if value.get("json_object") else []
     )

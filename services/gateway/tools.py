@@ -35,7 +35,7 @@ from typing import Any
 
 import orjson
 
-from services.gateway.structured import Structured, StructuredError
+from services.gateway.structured import Structured, StructuredError, no_unknown_keys
 
 PARSERS = ("hermes", "json")
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -82,9 +82,13 @@ def check_tools(value: Any) -> dict[str, dict[str, Any]]:
         where = f"tools[{i}]"
         if not isinstance(tool, dict) or tool.get("type") != "function":
             raise StructuredError(f"{where}.type", 'must be "function"')
+        no_unknown_keys(tool, {"type", "function"}, where)
         fn = tool.get("function")
         if not isinstance(fn, dict):
             raise StructuredError(f"{where}.function", "must be a JSON object")
+        # `strict` is accepted: forced calls (required, named) always match the schema; an
+        # auto call's arguments are checked as JSON, not against it (docs/operations.md 10)
+        no_unknown_keys(fn, {"name", "description", "parameters", "strict"}, f"{where}.function")
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise StructuredError(

@@ -126,6 +126,11 @@ def test_free_text_asks_for_nothing() -> None:
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
         ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
         ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+        ({"structured_outputs": {"regex": "a", "flavour": 1}}, "structured_outputs.flavour"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "x": 1}}},
+            "response_format.json_schema.x",
+        ),  # fmt: skip
     ],
 )
 def test_bad_shapes_name_the_field(body: dict[str, Any], field: str) -> None:

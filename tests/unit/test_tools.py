@@ -63,6 +63,11 @@ def test_tool_choice_modes() -> None:
             [{"type": "function", "function": {"name": "f", "parameters": []}}],
             None,
             "tools[0].function.parameters",
+        ),
+        (
+            [{"type": "function", "function": {"name": "f", "examples": [1]}}],
+            None,
+            "tools[0].function.examples",
         ),  # fmt: skip
     ],
 )
