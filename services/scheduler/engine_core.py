@@ -393,7 +393,8 @@ class EngineCore:
     def expire(self) -> None:
         """Finish every request past its deadline (finish reason `timeout`)."""
         if self.policy is not None:
-            self._tell_detokenizer_finished(self.policy.expire())
+            late = self.policy.expire() + self.grammar_wait.expire(time.time())
+            self._tell_detokenizer_finished(late)
 
     def fail_all(self, why: str) -> None:
         """Every live request ends: the gateway answers 503 (retry), the detokenizer drops it."""

@@ -47,5 +47,15 @@ class GrammarWait:
             self._waiting.pop(request_id, None)
         return ended
 
+    def expire(self, now_wall: float) -> list[Request]:
+        """Finish the waiting sequences past their deadline (a compile that takes too long)."""
+        late = [
+            (r.group_id, r.seq_index)
+            for seqs in self._waiting.values()
+            for r in seqs
+            if r.deadline is not None and r.deadline <= now_wall
+        ]
+        return [r for rid, i in late for r in self.end(rid, FinishReason.TIMEOUT, i)]
+
     def end_all(self, reason: FinishReason) -> list[Request]:
         return [r for rid in list(self._waiting) for r in self.end(rid, reason)]

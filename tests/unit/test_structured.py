@@ -312,3 +312,14 @@ def test_a_worker_restart_fails_requests_waiting_for_a_grammar() -> None:
     core.on_worker_down("the worker died")
     (error,) = out.of(RequestError)
     assert error.status == 503 and not core.groups and not len(core.grammar_wait)
+
+
+def test_a_request_past_its_deadline_while_its_grammar_compiles_times_out() -> None:
+    core, out = _core()
+    core.add(dataclasses.replace(_constrained("late", n=2), timeout=1.0, arrival_time=1.0))
+    core.add(_constrained("on-time"))
+    core.expire()  # the clock is far past 1.0 + 1.0
+    (batch,) = out.of(TokenBatch)
+    assert batch.request_ids == ["late", "late"]
+    assert batch.finish_reasons == [int(FinishReason.TIMEOUT)] * 2
+    assert "late" not in core.groups and "on-time" in core.grammar_wait
