@@ -311,3 +311,28 @@ def test_structured_outputs_over_grpc(server: Server) -> None:
         assert (e.value.details() or "").startswith("structured_outputs.regex: ")
 
     run(server, test)
+
+
+def test_a_forced_tool_call_over_grpc(server: Server) -> None:
+    """A named function over gRPC: the call comes back on the last message, its arguments
+    matching the function's schema, finish reason TOOL_CALLS."""
+    import json
+
+    params = '{"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},' \
+        ' "required": ["city"], "additionalProperties": false}'  # fmt: skip
+    chat = pb.Chat(
+        messages=[pb.ChatMessage(role="user", content="Weather in Paris?")],
+        tools=[pb.Tool(name="get_weather", description="The weather", parameters=params)],
+        tool_choice="get_weather",
+        parallel_tool_calls=False,
+    )
+
+    async def test(s: Stubs) -> list[pb.GenerateResponse]:
+        return await generate(s.shuttle, chat=chat, max_tokens=40, temperature=0.0)
+
+    out = run(server, test)
+    (call,) = out[-1].tool_calls
+    assert call.name == "get_weather" and call.id.startswith("call_")
+    assert isinstance(json.loads(call.arguments)["city"], str)
+    assert out[-1].finish_reason == pb.FINISH_REASON_TOOL_CALLS
+    assert "".join(r.text for r in out) == ""
