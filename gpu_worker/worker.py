@@ -130,7 +130,7 @@ class WorkerActor(Actor):
 
         def done(f: concurrent.futures.Future[None]) -> None:
             error = "the worker is stopping" if f.cancelled() else str(f.exception() or "")
-            reply = GrammarCompiled(request_id=msg.request_id, error=error)
+            reply = GrammarCompiled(msg.request_id, error, msg.tokenizer_fingerprint)
             if not loop.is_closed():
                 loop.call_soon_threadsafe(self.scheduler.send, reply)
 

@@ -136,3 +136,6 @@ class GrammarCompiled:
 
     request_id: str
     error: str = ""
+    # the CompileGrammar's: a request tokenised again for another tokenizer meanwhile is
+    # not released by the answer for the old one
+    tokenizer_fingerprint: str = ""

@@ -277,7 +277,7 @@ class EngineCore:
             return
         seqs = self._sequences(msg)
         if msg.sampling.is_structured:  # queued once its grammar is compiled (off the loop)
-            self.grammar_wait.park(msg.request_id, seqs)
+            self.grammar_wait.park(msg.request_id, seqs, msg.tokenizer_fingerprint)
             self.outbox.to_worker(
                 CompileGrammar(
                     request_id=msg.request_id,
@@ -361,7 +361,7 @@ class EngineCore:
     def on_grammar_compiled(self, msg: GrammarCompiled) -> None:
         """A waiting request's grammar is ready: queue it; or it does not compile: a 400
         naming the field it came from."""
-        seqs = self.grammar_wait.release(msg.request_id)
+        seqs = self.grammar_wait.release(msg.request_id, msg.tokenizer_fingerprint)
         if not seqs or self.policy is None:
             return  # ended while it waited
         if msg.error:

@@ -18,6 +18,7 @@ class GrammarWait:
 
     def __init__(self) -> None:
         self._waiting: dict[str, list[Request]] = {}
+        self._tokenizers: dict[str, str] = {}  # request id -> the tokenizer it waits for
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -25,11 +26,16 @@ class GrammarWait:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._waiting
 
-    def park(self, request_id: str, seqs: list[Request]) -> None:
+    def park(self, request_id: str, seqs: list[Request], tokenizer_fingerprint: str) -> None:
         self._waiting[request_id] = list(seqs)
+        self._tokenizers[request_id] = tokenizer_fingerprint
 
-    def release(self, request_id: str) -> list[Request]:
-        """The sequences still live once the grammar is there ([]: ended meanwhile)."""
+    def release(self, request_id: str, tokenizer_fingerprint: str) -> list[Request]:
+        """The sequences still live once the grammar for that tokenizer is there ([]: ended
+        meanwhile, or waiting for another tokenizer's: an answer for an earlier try)."""
+        if self._tokenizers.get(request_id) != tokenizer_fingerprint:
+            return []
+        del self._tokenizers[request_id]
         return self._waiting.pop(request_id, [])
 
     def end(
@@ -45,6 +51,7 @@ class GrammarWait:
             self._waiting[request_id] = left
         else:
             self._waiting.pop(request_id, None)
+            self._tokenizers.pop(request_id, None)
         return ended
 
     def expire(self, now_wall: float) -> list[Request]:

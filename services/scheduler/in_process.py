@@ -161,5 +161,5 @@ class InProcessEngine:
             future = self.runner.compile_grammar(msg.kind, msg.spec, msg.tokenizer_fingerprint)
             error = future.exception()
             self.core.on_grammar_compiled(
-                GrammarCompiled(request_id=msg.request_id, error=str(error or ""))
+                GrammarCompiled(msg.request_id, str(error or ""), msg.tokenizer_fingerprint)
             )

@@ -277,7 +277,7 @@ def test_a_request_waits_for_its_grammar_then_runs() -> None:
     _run(core, out)
     assert not any("g" in p.req_ids[i] for p in out.of(StepPlan) for i in range(len(p.req_ids)))
     assert _tokens(out)[("free", 0)]  # the free request ran meanwhile
-    core.on_grammar_compiled(GrammarCompiled(request_id="g"))
+    core.on_grammar_compiled(GrammarCompiled(request_id="g", tokenizer_fingerprint="tok-a"))
     _run(core, out)
     got = _tokens(out)
     assert len(got[("g", 0)]) == 3 and len(got[("g", 1)]) == 3
@@ -287,7 +287,8 @@ def test_a_request_waits_for_its_grammar_then_runs() -> None:
 def test_a_grammar_that_does_not_compile_is_a_400_naming_its_field() -> None:
     core, out = _core()
     core.add(_constrained("g"))
-    core.on_grammar_compiled(GrammarCompiled(request_id="g", error="Unsupported regex"))
+    failed = GrammarCompiled("g", "Unsupported regex", tokenizer_fingerprint="tok-a")
+    core.on_grammar_compiled(failed)
     (error,) = out.of(RequestError)
     assert (error.status, error.param) == (400, "guided_regex")
     assert error.message == "guided_regex: Unsupported regex"
@@ -302,7 +303,8 @@ def test_a_request_aborted_while_its_grammar_compiles_ends_there() -> None:
     (batch,) = out.of(TokenBatch)
     assert batch.finish_reasons == [int(FinishReason.CANCELLED)] * 2
     assert not core.groups and not len(core.grammar_wait)
-    core.on_grammar_compiled(GrammarCompiled(request_id="g"))  # late: nothing to queue
+    # late: nothing to queue
+    core.on_grammar_compiled(GrammarCompiled(request_id="g", tokenizer_fingerprint="tok-a"))
     assert core.policy is not None and not core.policy.requests
 
 
@@ -323,3 +325,15 @@ def test_a_request_past_its_deadline_while_its_grammar_compiles_times_out() -> N
     assert batch.request_ids == ["late", "late"]
     assert batch.finish_reasons == [int(FinishReason.TIMEOUT)] * 2
     assert "late" not in core.groups and "on-time" in core.grammar_wait
+
+
+def test_an_answer_for_another_tokenizer_does_not_release_a_request() -> None:
+    # tokenised again for a new tokenizer (a swap) while the old compile was running
+    core, out = _core()
+    core.add(_constrained("g"))
+    core.on_grammar_compiled(GrammarCompiled(request_id="g", tokenizer_fingerprint="tok-old"))
+    assert "g" in core.grammar_wait
+    core.on_grammar_compiled(GrammarCompiled(request_id="g", tokenizer_fingerprint="tok-a"))
+    assert "g" not in core.grammar_wait
+    _run(core, out)
+    assert len(_tokens(out)[("g", 0)]) == 3
