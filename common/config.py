@@ -213,6 +213,11 @@ class ServerConfig:
     trust_request_chat_template: bool = _field(
         False, "accept a request's own `chat_template` (as vLLM; otherwise refused with a 400)"
     )
+    tool_call_parser: str = _field(
+        "hermes",
+        "how tool calls are read from the output: hermes (<tool_call>{json}</tool_call> "
+        "blocks, the built-in tool template's format) or json (the whole output is a call)",
+    )
     metrics_vllm_names: bool = _field(
         False,
         "GET /metrics under vLLM's own names (vllm:*) instead of shuttle:*, so dashboards "
@@ -226,6 +231,7 @@ class ServerConfig:
         _check(self.request_body_timeout > 0, "request_body_timeout", "> 0")
         _check(self.max_prompt_chars >= 1, "max_prompt_chars", ">= 1")
         _check(self.num_tokenizers >= 1, "num_tokenizers", ">= 1")
+        _check(self.tool_call_parser in ("hermes", "json"), "tool_call_parser", "hermes or json")
         _check(
             self.log_level in ("debug", "info", "warning", "error"),
             "log_level",

@@ -15,6 +15,7 @@ runs them as one batch); results go back in the plan's order.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 import random
@@ -23,9 +24,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xgrammar
 
 from common.config import Config
 from common.messages.scheduler_worker import StepPlan, StepResult
+from common.messages.types import SamplingParams
+from common.model_facts import tokenizer_fingerprint
 from gpu_worker.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -49,6 +53,7 @@ from gpu_worker.models.loader import eos_token_ids, load_model, read_hf_config, 
 from gpu_worker.runner import PlanRunner, RequestState, RequestTable
 from gpu_worker.sampling import make_generator, sample
 from gpu_worker.speculative import DraftModel, ngram_propose, verify
+from gpu_worker.structured import GrammarCache, RowGrammar, apply_grammars, hf_tokenizer_info
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -195,7 +200,10 @@ class ModelRunner(PlanRunner[ModelVersion]):
             max_model_len=self.max_model_len,
             new_generator=lambda params: make_generator(params, self._rng, self.device),
             on_drop=self._release_counts,
+            new_grammar=self._new_grammar,
         )
+        self.grammars = GrammarCache(self._tokenizer_info)
+        self._fingerprints: dict[str, str] = {}
 
     @classmethod
     def from_config(cls, model_path: str, config: Config) -> ModelRunner:
@@ -362,6 +370,32 @@ class ModelRunner(PlanRunner[ModelVersion]):
             raise ValueError(f"version {version!r} still serves {users} requests")
         del self.versions[version]
 
+    # structured outputs ----------------------------------------------------------------------
+    def compile_grammar(
+        self, kind: str, spec: str, tokenizer_fingerprint: str
+    ) -> concurrent.futures.Future[None]:
+        """Compile on the cache's background thread (gpu_worker/structured.py)."""
+        fingerprint = tokenizer_fingerprint or self._fingerprint(self.default_version)
+        return self.grammars.submit(kind, spec, fingerprint)
+
+    def _fingerprint(self, version: str) -> str:
+        path = self.versions[version].path
+        if path not in self._fingerprints:  # (a hash of the tokenizer files: once per folder)
+            self._fingerprints[path] = tokenizer_fingerprint(Path(path))
+        return self._fingerprints[path]
+
+    def _tokenizer_info(self, fingerprint: str) -> xgrammar.TokenizerInfo:
+        """xgrammar's view of the tokenizer of a loaded version with that fingerprint."""
+        for version, loaded in list(self.versions.items()):
+            if self._fingerprint(version) == fingerprint:
+                vocab, stops = loaded.config.vocab_size, list(loaded.eos_token_ids)
+                return hf_tokenizer_info(loaded.path, vocab, stops)
+        raise KeyError(fingerprint)
+
+    def _new_grammar(self, params: SamplingParams, version: str) -> RowGrammar | None:
+        """A new sequence's matcher, for the tokenizer of the version that serves it."""
+        return self.grammars.matcher(params, self._fingerprint(version))
+
     # a step ----------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
         """Apply the plan's diffs, run its batch, and return the sampled tokens."""
@@ -416,6 +450,11 @@ class ModelRunner(PlanRunner[ModelVersion]):
         A verified request's accepted drafts count as computed; the blocks past them (only
         rejected drafts' slots) leave its table, as they leave the scheduler's."""
         states = batch.sampling_states
+        first = list(itertools.accumulate((1 + len(d) for d in batch.drafts), initial=0))
+        grammars = [(first[j], s.grammar, s.output_ids) for j, s in enumerate(states) if s.grammar]
+        if grammars:  # masked on a copy: logprobs come from the raw logits
+            logits = logits.clone()
+            apply_grammars(logits, grammars)
         if not any(batch.spec_slots):  # no speculation: one logits row each, sampled at once
             tokens = sample(
                 logits,
@@ -426,7 +465,6 @@ class ModelRunner(PlanRunner[ModelVersion]):
             for state, token in zip(states, tokens, strict=True):
                 state.token_ids.append(token)
             return [[t] for t in tokens]
-        first = list(itertools.accumulate((1 + len(d) for d in batch.drafts), initial=0))
         plain = [j for j, slots in enumerate(batch.spec_slots) if not slots]
         out: list[list[int]] = [[] for _ in states]
         if plain:

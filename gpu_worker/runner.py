@@ -31,7 +31,11 @@ from common.messages.scheduler_worker import StepPlan, StepResult
 from common.messages.types import SamplingParams
 
 if TYPE_CHECKING:  # the synthetic runner runs without torch ever being imported
+    import concurrent.futures
+
     import torch
+
+    from gpu_worker.structured import RowGrammar
 
 
 class Runner(Protocol):
@@ -64,6 +68,14 @@ class Runner(Protocol):
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Apply the plan's diffs, run its batch, return the sampled tokens."""
+        ...
+
+    def compile_grammar(
+        self, kind: str, spec: str, tokenizer_fingerprint: str
+    ) -> concurrent.futures.Future[None]:
+        """Compile a structured-output grammar for that tokenizer ("": the default
+        version's) in the background, into the cache new requests take it from; the future
+        raises ValueError for a spec that does not compile."""
         ...
 
     def drop(self, req_id: str) -> None:
@@ -123,6 +135,11 @@ class RequestState:
     prompt_logprob_ids: list[list[int]] = dataclasses.field(default_factory=list)
     prompt_logprob_values: list[list[float]] = dataclasses.field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    grammar: RowGrammar | None = None  # structured outputs: the sequence's own matcher
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt :]
 
     @property
     def needs_sample(self) -> bool:
@@ -141,12 +158,14 @@ class RequestTable:
         max_model_len: int,
         new_generator: Callable[[SamplingParams], torch.Generator | None] | None = None,
         on_drop: Callable[[RequestState], None] | None = None,
+        new_grammar: Callable[[SamplingParams, str], RowGrammar | None] | None = None,
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
         self._new_generator = new_generator
         self._on_drop = on_drop  # frees what the runner keeps beside a state (token counts)
+        self._new_grammar = new_grammar  # (params, version) -> the sequence's matcher
         self._states: dict[str, RequestState] = {}
 
     def __len__(self) -> int:
@@ -227,6 +246,10 @@ class RequestTable:
                 stop_token_ids=list(stops),
                 generator=generator,
             )
+            if params.is_structured:
+                if self._new_grammar is None:
+                    raise ValueError(f"request {req_id}: this runner has no structured outputs")
+                state.grammar = self._new_grammar(params, version)
             if params.prompt_logprobs is not None:  # the first token: nothing precedes it
                 state.prompt_logprob_ids.append([prompt[0]])
                 state.prompt_logprob_values.append([])
@@ -302,9 +325,11 @@ class RequestTable:
         """Draft slots follow a request's last token, inside its blocks and max_model_len,
         for requests without logits controls (drafts are verified without them) and without
         logprobs (reported for sampled rows only)."""
-        if state.params.has_controls or state.params.wants_logprobs:
+        params = state.params
+        if params.has_controls or params.wants_logprobs or params.is_structured:
             raise ValueError(
-                f"request {req_id}: draft slots for a request with logits controls or logprobs"
+                f"request {req_id}: draft slots for a request with logits controls, logprobs "
+                "or a grammar"
             )
         if end != len(state.token_ids):
             raise ValueError(

@@ -25,6 +25,7 @@ on real text. Parameters:
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import re
@@ -82,6 +83,14 @@ class SyntheticRunner(PlanRunner[str]):
         self.requests = RequestTable(
             block_size=block_size, num_blocks=self.num_blocks, max_model_len=self.max_model_len
         )
+
+    def compile_grammar(
+        self, kind: str, spec: str, tokenizer_fingerprint: str
+    ) -> concurrent.futures.Future[None]:
+        """No sampling, so no grammar: structured outputs are refused."""
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        future.set_exception(ValueError("structured outputs need a real model, not synthetic"))
+        return future
 
     @classmethod
     def from_config(cls, model_path: str, config: Config) -> SyntheticRunner:

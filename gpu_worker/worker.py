@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import gc
 import logging
 import os
@@ -12,6 +14,8 @@ from typing import Any
 from common.actor import Actor
 from common.config import Config
 from common.messages import (
+    CompileGrammar,
+    GrammarCompiled,
     LoadModel,
     ModelLoaded,
     Ready,
@@ -41,6 +45,7 @@ class WorkerActor(Actor):
                 LoadModel: self._on_load_model,
                 UnloadModel: self._on_unload_model,
                 Reset: self._on_reset,
+                CompileGrammar: self._on_compile_grammar,
             }
         )
 
@@ -116,6 +121,20 @@ class WorkerActor(Actor):
             gc.collect()
         except (KeyError, ValueError) as e:
             log.warning("cannot unload %s: %s", msg.version, e)
+
+    def _on_compile_grammar(self, msg: CompileGrammar) -> None:
+        """Compile on the runner's background thread; answer from this loop's thread (the
+        socket is not thread-safe) when done. Steps keep running meanwhile."""
+        loop = asyncio.get_running_loop()
+        future = self.runner.compile_grammar(msg.kind, msg.spec, msg.tokenizer_fingerprint)
+
+        def done(f: concurrent.futures.Future[None]) -> None:
+            error = "the worker is stopping" if f.cancelled() else str(f.exception() or "")
+            reply = GrammarCompiled(msg.request_id, error, msg.tokenizer_fingerprint)
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(self.scheduler.send, reply)
+
+        future.add_done_callback(done)
 
     def _on_step_plan(self, plan: StepPlan) -> None:
         try:

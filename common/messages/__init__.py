@@ -36,6 +36,8 @@ from common.messages.gateway_tokenizer import (
 )
 from common.messages.scheduler_detokenizer import DetokNew, TokenBatch
 from common.messages.scheduler_worker import (
+    CompileGrammar,
+    GrammarCompiled,
     LoadModel,
     ModelLoaded,
     StepPlan,
@@ -68,6 +70,8 @@ __all__ = [
     "LoadModel",
     "ModelLoaded",
     "UnloadModel",
+    "CompileGrammar",
+    "GrammarCompiled",
     "ProcessDown",
     "Reset",
     "Drain",

@@ -115,3 +115,27 @@ class ModelLoaded:
 @message("unload_model")
 class UnloadModel:
     version: str
+
+
+@message("compile_grammar")
+class CompileGrammar:
+    """scheduler -> worker: compile a request's grammar (SamplingParams.structured_*) for the
+    tokenizer `tokenizer_fingerprint` ("": the default version's), off the step loop. The
+    scheduler holds the request out of its queues until the answer comes."""
+
+    request_id: str
+    kind: str
+    spec: str
+    tokenizer_fingerprint: str = ""
+
+
+@message("grammar_compiled")
+class GrammarCompiled:
+    """worker -> scheduler: the answer to CompileGrammar; `error` set when the spec does not
+    compile (the request is refused with a 400 naming its field)."""
+
+    request_id: str
+    error: str = ""
+    # the CompileGrammar's: a request tokenised again for another tokenizer meanwhile is
+    # not released by the answer for the old one
+    tokenizer_fingerprint: str = ""

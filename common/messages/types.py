@@ -37,6 +37,9 @@ _OPENAI_NAMES = {
 # request leaves them unset (vLLM's --generation-config auto)
 MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
+# SamplingParams.structured_kind: what structured_spec holds
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
 
 @struct
 class SamplingParams:
@@ -71,6 +74,19 @@ class SamplingParams:
     # every prompt token after the first (`prompt_logprobs`, vLLM's extension)
     logprobs: int | None = None  # [0, 20]
     prompt_logprobs: int | None = None  # [0, 20]
+    # structured outputs (gpu_worker/structured.py): the output must match a grammar of
+    # `structured_kind` (STRUCTURED_KINDS; "" = free text) given by `structured_spec` (a JSON
+    # schema's text, a regex, an EBNF grammar, or a JSON list of choices); a compile error
+    # names `structured_field`, the request field the spec came from
+    structured_kind: str = ""
+    structured_spec: str = ""
+    structured_field: str = ""
+
+    @property
+    def is_structured(self) -> bool:
+        """The output is constrained by a grammar (no draft slots: drafts are not checked
+        against it)."""
+        return bool(self.structured_kind)
 
     @property
     def is_greedy(self) -> bool:

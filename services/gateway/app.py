@@ -62,6 +62,7 @@ from services.gateway.protocol import (
     parse_request,
 )
 from services.gateway.tokenize_routes import tokenize_router
+from services.gateway.tools import ToolPlan, ToolStream, call_deltas, chat_message
 
 log = logging.getLogger("shuttle.gateway")
 
@@ -118,6 +119,7 @@ def create_app(
     context = {
         "scheduling_policy": scheduler.scheduling_policy,
         "trust_request_chat_template": server.trust_request_chat_template,
+        "tool_call_parser": server.tool_call_parser,
     }
     routes = OpenAIRoutes(engine, context)
     auth = [Depends(_require_key(api_key))] if api_key else []
@@ -222,6 +224,7 @@ class OpenAIRoutes:
             n * len(requests),
             n,
             lp,
+            body.tool_plan if isinstance(body, ChatCompletionRequest) else None,
         )
         if len(requests) == 1:
             deltas = engine.generate(requests[0])
@@ -434,6 +437,7 @@ class _Reply:
     n: int = 1  # choices (sequences) in the answer
     n_per_prompt: int = 1  # of them, per prompt of a batch (the request's `n`)
     lp: ChoiceLogprobs | None = None  # logprobs and echo, when asked
+    tools: ToolPlan | None = None  # chat with tools: tool calls are read from the output
 
     def head(self) -> list[bytes]:
         """The chat stream's role chunks, one per choice, before any text."""
@@ -470,8 +474,16 @@ class _Reply:
             out.append(self.text(delta.text, i, None, extra))
         return out
 
-    def finish(self, reason: FinishReason, index: int = 0) -> bytes:
-        return self._event({}, "", reason.openai, index)
+    def finish(self, reason: FinishReason, index: int = 0, called: bool = False) -> bytes:
+        finish = "tool_calls" if called and reason == FinishReason.STOP else reason.openai
+        return self._event({}, "", finish, index)
+
+    def tool_events(self, stream: ToolStream, index: int) -> tuple[list[bytes], bool]:
+        """A streamed choice's held-back text at its finish: content, then its tool calls."""
+        content, calls = stream.finish()
+        events = [self.text(content, index)] if content else []
+        events += [self._event(d, "", None, index) for d in call_deltas(calls)]
+        return events, bool(calls)
 
     def usage(self, usage: Usage) -> bytes:
         counts = (usage.num_prompt_tokens, usage.num_output_tokens)
@@ -502,11 +514,12 @@ class _Reply:
             logprobs = merge_completion(echoed, lp.tokens(i, choice.logprobs))
         else:
             logprobs = lp.tokens(i, choice.logprobs) if lp is not None else None
+        finish = choice.finish_reason.openai
         if self.kind == "chat":
-            out["message"] = {"role": "assistant", "content": choice.text}
+            out["message"], finish = chat_message(choice.text, finish, self.tools)
         else:
             out["text"] = (lp.echo_text(i) if lp is not None else "") + choice.text
-        out |= {"logprobs": logprobs, "finish_reason": choice.finish_reason.openai}
+        out |= {"logprobs": logprobs, "finish_reason": finish}
         if lp is not None and self.kind == "completion":
             out |= lp.extra(i)
         if with_token_ids:
@@ -546,13 +559,23 @@ async def sse_stream(
         usage = Usage(reply.n_per_prompt)
         delta = first
         seen: set[int] = set()  # choices that had a delta
+        tools: dict[int, ToolStream] = {}  # with tools: each choice's calls held back
         while True:
             usage.add(delta)
+            stream = None
+            if reply.tools is not None:
+                stream = tools.setdefault(delta.index, ToolStream(reply.tools))
+                delta = dataclasses.replace(delta, text=stream.feed(delta.text))
             for event in reply.delta(delta, first=delta.index not in seen):
                 yield event
             seen.add(delta.index)
             if delta.finish_reason != FinishReason.NONE:
-                yield reply.finish(delta.finish_reason, delta.index)
+                called = False
+                if stream is not None:
+                    events, called = reply.tool_events(stream, delta.index)
+                    for event in events:
+                        yield event
+                yield reply.finish(delta.finish_reason, delta.index, called)
             if delta.last:
                 break
             while True:

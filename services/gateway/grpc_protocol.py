@@ -20,6 +20,7 @@ import uuid
 from typing import Any, cast
 
 import grpc
+import orjson
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
@@ -36,6 +37,7 @@ from services.gateway.protocol import (
     check_model,
     validate_request,
 )
+from services.gateway.tools import ToolCall, ToolPlan, ToolStream
 
 REQUEST_ID_PREFIX = "gen-"
 _OPTIONAL_FIELDS = (
@@ -75,6 +77,8 @@ _RENAMES = {
         "chat_template": "chat.chat_template",
         "chat_template_kwargs": "chat.chat_template_kwargs",
         "top_logprobs": "logprobs",  # (chat's top_logprobs is GenerateRequest.logprobs)
+        "tools": "chat.tools",
+        "tool_choice": "chat.tool_choice",
     }
     | _COMMON_RENAMES,
     None: _COMMON_RENAMES,
@@ -159,6 +163,15 @@ def refuse_unknown_fields(message: Message, path: str = "") -> None:
             refuse_unknown_fields(value, name)
 
 
+def tool_plan_of(request: pb.GenerateRequest, context: dict[str, Any] | None) -> ToolPlan | None:
+    """The request's tools (None: no tools); the request was validated already."""
+    if request.WhichOneof("prompt") != "chat" or not request.chat.tools:
+        return None
+    body = validate_request(*_http_body(request), context=context)
+    assert isinstance(body, ChatCompletionRequest)
+    return body.tool_plan
+
+
 def _http_body(
     request: pb.GenerateRequest,
 ) -> tuple[type[ChatCompletionRequest] | type[CompletionRequest], dict[str, Any]]:
@@ -175,6 +188,8 @@ def _http_body(
         data["logit_bias"] = {str(k): v for k, v in request.logit_bias.items()}
     if request.bad_words:
         data["bad_words"] = list(request.bad_words)
+    if request.HasField("structured_outputs"):
+        data["structured_outputs"] = _structured_outputs(request.structured_outputs)
     kind = request.WhichOneof("prompt")
     if kind is None:
         raise RequestRejected("prompt: one of text, chat or token_ids is required", "prompt")
@@ -192,13 +207,62 @@ def _http_body(
         data["chat_template_kwargs"] = MessageToDict(request.chat.chat_template_kwargs)
     if request.chat.HasField("chat_template"):
         data["chat_template"] = request.chat.chat_template
+    data |= _tool_fields(request.chat)
     return ChatCompletionRequest, data
 
 
+def _tool_fields(chat: pb.Chat) -> dict[str, Any]:
+    """tools, tool_choice, parallel_tool_calls as the HTTP API's fields."""
+    out: dict[str, Any] = {}
+    if chat.tools:
+        out["tools"] = [_tool(i, t) for i, t in enumerate(chat.tools)]
+    if chat.HasField("tool_choice"):
+        choice = chat.tool_choice
+        named = choice not in ("none", "auto", "required")
+        out["tool_choice"] = {"type": "function", "function": {"name": choice}} if named else choice
+    if chat.HasField("parallel_tool_calls"):
+        out["parallel_tool_calls"] = chat.parallel_tool_calls
+    return out
+
+
+def _tool(index: int, tool: pb.Tool) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": tool.name}
+    if tool.description:
+        function["description"] = tool.description
+    if tool.parameters:
+        try:
+            function["parameters"] = orjson.loads(tool.parameters)
+        except orjson.JSONDecodeError as e:
+            field = f"chat.tools[{index}].parameters"
+            raise RequestRejected(f"{field}: is not valid JSON ({e})", field) from None
+    return {"type": "function", "function": function}
+
+
+def _structured_outputs(spec: pb.StructuredOutputs) -> dict[str, Any]:
+    """As the HTTP API's `structured_outputs` (an unset oneof: an empty object, refused by
+    the same rule as over HTTP)."""
+    kind = spec.WhichOneof("kind")
+    if kind is None:
+        return {}
+    if kind == "choice":
+        return {"choice": list(spec.choice.choices)}
+    return {kind: getattr(spec, kind)}
+
+
 def _chat_message(message: pb.ChatMessage) -> dict[str, Any]:
-    out: dict[str, Any] = {"role": message.role, "content": message.content}
+    # an assistant turn that only calls tools has no content (null over HTTP)
+    content = message.content or (None if message.tool_calls else message.content)
+    out: dict[str, Any] = {"role": message.role, "content": content}
     if message.HasField("name"):
         out["name"] = message.name
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments}}
+            for c in message.tool_calls
+        ]  # fmt: skip
+    if message.HasField("tool_call_id"):
+        out["tool_call_id"] = message.tool_call_id
     return out
 
 
@@ -208,21 +272,36 @@ def wants_token_ids(request: pb.GenerateRequest) -> bool:
 
 
 def to_response(
-    request_id: str, delta: OutputDelta, fingerprint: str, with_token_ids: bool = True
+    request_id: str,
+    delta: OutputDelta,
+    fingerprint: str,
+    with_token_ids: bool = True,
+    tools: ToolStream | None = None,
 ) -> pb.GenerateResponse:
     """One streamed message of sequence `delta.index`; the sequence's last (finish reason
-    set) also carries its usage and the version."""
+    set) also carries its usage and the version. With tools (`tools`: the sequence's
+    ToolStream), text that may start a call is held back; the last message carries the
+    rest of the text and the calls."""
+    text = delta.text if tools is None else tools.feed(delta.text)
+    calls: list[ToolCall] = []
+    if tools is not None and delta.finish_reason != FinishReason.NONE:
+        content, calls = tools.finish()
+        text += content or ""
     response = pb.GenerateResponse(
         request_id=request_id,
-        text=delta.text,
+        text=text,
         token_ids=delta.token_ids if with_token_ids else (),
         index=delta.index,
         logprobs=[_token_logprob(e) for e in delta.logprobs],
         prompt_logprobs=[_token_logprob(e) for e in delta.prompt_logprobs],
+        tool_calls=[pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls],
     )
     if delta.finish_reason != FinishReason.NONE:
-        # the proto enum's numbers are the engine's FinishReason values
-        response.finish_reason = cast("pb.FinishReason", int(delta.finish_reason))
+        # the proto enum's numbers are the engine's FinishReason values (TOOL_CALLS aside)
+        finish = int(delta.finish_reason)
+        if calls and delta.finish_reason == FinishReason.STOP:
+            finish = pb.FINISH_REASON_TOOL_CALLS
+        response.finish_reason = cast("pb.FinishReason", finish)
         prompt, output = delta.num_prompt_tokens, delta.num_output_tokens
         response.usage.prompt_tokens = prompt
         response.usage.completion_tokens = output

@@ -44,9 +44,11 @@ from services.gateway.grpc_protocol import (
     status_code,
     to_generate_request,
     to_response,
+    tool_plan_of,
     wants_token_ids,
 )
 from services.gateway.protocol import RequestRejected
+from services.gateway.tools import ToolPlan, ToolStream
 
 log = logging.getLogger("shuttle.gateway.grpc")
 
@@ -132,9 +134,12 @@ class ShuttleServicer(pb_grpc.ShuttleServicer):
         try:
             request_id = request_id_of(request)
             generate = to_generate_request(request, request_id, self.engine, self.context)
+            tools = tool_plan_of(request, self.context)
             await context.send_initial_metadata(((REQUEST_ID_METADATA, request_id),))
             deltas = self.engine.generate(generate)
-            await self._stream(generate.request_id, deltas, context, wants_token_ids(request))
+            await self._stream(
+                generate.request_id, deltas, context, wants_token_ids(request), tools
+            )
         except (RequestRejected, RequestFailed) as e:
             message = rename_field(e.message, e.param, renames)
             raise GrpcError(status_code(e.status), message) from None
@@ -145,15 +150,21 @@ class ShuttleServicer(pb_grpc.ShuttleServicer):
         deltas: AsyncGenerator[OutputDelta, None],
         context: grpc.aio.ServicerContext,
         with_token_ids: bool,
+        tools: ToolPlan | None = None,
     ) -> None:
         # the version that serves the request, as its deltas name it (a swap may have
         # changed the served one since the call began); the served one if they never do
         version = ""
+        streams: dict[int, ToolStream] = {}  # with tools: each sequence's held-back calls
         try:
             async for delta in deltas:
                 version = delta.version or version
                 fingerprint = version or self.engine.system_fingerprint
-                await context.write(to_response(request_id, delta, fingerprint, with_token_ids))
+                stream = None
+                if tools is not None:
+                    stream = streams.setdefault(delta.index, ToolStream(tools))
+                response = to_response(request_id, delta, fingerprint, with_token_ids, stream)
+                await context.write(response)
                 if delta.last:  # every sequence has finished (n = 1: this one)
                     return
             raise RequestFailed(500, "the engine ended the stream without a finish reason")
@@ -287,6 +298,7 @@ class GrpcGateway:
         context = {
             "scheduling_policy": (scheduler or SchedulerConfig()).scheduling_policy,
             "trust_request_chat_template": server.trust_request_chat_template,
+            "tool_call_parser": server.tool_call_parser,
         }
         shuttle = ShuttleServicer(engine, api_key, context)
         pb_grpc.add_ShuttleServicer_to_server(shuttle, self.server)

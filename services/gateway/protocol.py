@@ -37,6 +37,11 @@ outside the vocabulary are refused by the tokenizer, naming `logit_bias`); vLLM'
 token ids and stop strings do not end the output before it, as vLLM) and `bad_words`
 (at most `MAX_BAD_WORDS` strings).
 
+Structured outputs (services/gateway/structured.py reads them; the worker compiles and
+enforces them): `response_format` (json_object, json_schema), vLLM's `structured_outputs`
+and `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`; at most one, and not
+with `ignore_eos` or `min_tokens`.
+
 vLLM extensions: `top_k`, `ignore_eos`, `return_token_ids`, `stop_token_ids`,
 `add_generation_prompt` (chat), `priority` (int, default 0: lower is served first; anything
 but 0 is refused unless the server runs `--scheduling-policy priority`, as vLLM does) and
@@ -48,13 +53,14 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import orjson
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -64,12 +70,20 @@ from pydantic_core import PydanticCustomError
 
 from common.messages import GenerateRequest, SamplingParams
 from common.messages.types import MODEL_DEFAULT_FIELDS
+from services.gateway.chat_messages import ChatMessage
 from services.gateway.refused import (
     REFUSED_CHAT,
     REFUSED_COMPLETION,
     check_disjoint,
     refuse_unsupported,
 )
+from services.gateway.structured import (
+    Structured,
+    StructuredError,
+    check_compatible,
+    parse_structured,
+)
+from services.gateway.tools import ToolPlan, forced_grammar, plan_tools, render_messages
 
 MAX_STOP = 64  # stop strings per request
 MAX_STOP_CHARS = 256  # characters per stop string
@@ -92,6 +106,10 @@ REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,9}")
 
 _STRICT = ConfigDict(strict=True, extra="ignore")
+_STRUCTURED_FIELDS = {
+    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar",
+}  # fmt: skip
 
 MaxTokens = Annotated[int, Field(ge=1, le=_INT32_MAX)]
 Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
@@ -170,6 +188,13 @@ class _CommonRequest(BaseModel):
     priority: Priority | None = None  # vLLM extension: lower first (priority scheduling)
     timeout: Timeout | None = None  # vLLM-style extension: seconds until finish "timeout"
     prompt_logprobs: NumLogprobs | None = None  # vLLM extension
+    # structured outputs (services/gateway/structured.py checks them; at most one)
+    response_format: Any = None
+    structured_outputs: Any = None  # vLLM extension, and its older guided_* fields:
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -251,6 +276,7 @@ class _CommonRequest(BaseModel):
         max_model_len: int,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
+        forced: Structured | None = None,
     ) -> SamplingParams:
         limit = max_tokens if max_tokens is not None else default
         if limit > max_model_len:
@@ -263,6 +289,18 @@ class _CommonRequest(BaseModel):
                 f"min_tokens: must be <= {field} ({limit}), got {self.min_tokens}", "min_tokens"
             )
         bias = sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
+        try:
+            structured = parse_structured(self.model_dump(include=_STRUCTURED_FIELDS))
+            if forced is not None and structured is not None:
+                raise StructuredError(
+                    "tool_choice", f"cannot force a tool call and {structured.field} at once"
+                )
+            structured = structured or forced
+            check_compatible(
+                structured, {"ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens}
+            )
+        except StructuredError as e:
+            raise RequestRejected(str(e), e.field) from None
         return SamplingParams(
             max_tokens=limit,
             temperature=1.0 if self.temperature is None else float(self.temperature),
@@ -285,6 +323,9 @@ class _CommonRequest(BaseModel):
             bad_words=list(self.bad_words or []),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            structured_kind=structured.kind if structured else "",
+            structured_spec=structured.spec if structured else "",
+            structured_field=structured.field if structured else "",
         )
 
     def _unset_sampling(self) -> list[str]:
@@ -299,45 +340,6 @@ class _CommonRequest(BaseModel):
             "timeout": self.timeout,
             "unset_sampling": self._unset_sampling(),
         }
-
-
-def _content_text(value: Any) -> str:
-    """A message's content as one string: a string, or the texts of its parts joined."""
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, list):
-        raise PydanticCustomError("content_type", "must be a string or a list of text parts")
-    texts = []
-    for i, part in enumerate(value):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
-            raise PydanticCustomError(
-                "content_part",
-                'part {index} must be {"type": "text", "text": <string>}; '
-                "only text parts are supported",
-                {"index": i},
-            )
-        texts.append(part["text"])
-    return "\n".join(texts)
-
-
-class ChatMessage(BaseModel):
-    """One chat message; content is normalised to a string."""
-
-    model_config = _STRICT
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str
-    name: str | None = None
-
-    _check_content = field_validator("content", mode="before")(_content_text)
-
-    def as_dict(self) -> dict[str, Any]:
-        # "developer" is OpenAI's newer name for "system"; chat templates know only "system"
-        role = "system" if self.role == "developer" else self.role
-        out: dict[str, Any] = {"role": role, "content": self.content}
-        if self.name is not None:
-            out["name"] = self.name
-        return out
 
 
 ChatTemplate = Annotated[str, Field(min_length=1, max_length=MAX_CHAT_TEMPLATE_CHARS)]
@@ -376,11 +378,33 @@ class ChatCompletionRequest(_CommonRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool | None = None
     top_logprobs: NumLogprobs | None = None
+    # tool calling (services/gateway/tools.py)
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    _tool_plan: ToolPlan | None = PrivateAttr(default=None)
 
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
         return refuse_unsupported(data, REFUSED_CHAT, cls.__name__)
+
+    @model_validator(mode="after")
+    def _plan_tools(self, info: ValidationInfo) -> ChatCompletionRequest:
+        # parse_request's context names the server's --tool-call-parser
+        parser = (info.context or {}).get("tool_call_parser", "hermes")
+        try:
+            self._tool_plan = plan_tools(
+                self.tools, self.tool_choice, self.parallel_tool_calls, parser
+            )
+        except StructuredError as e:  # (a RequestRejected is not wrapped by pydantic)
+            raise RequestRejected(str(e), e.field) from None
+        return self
+
+    @property
+    def tool_plan(self) -> ToolPlan | None:
+        """The request's tools and how to read its output (None: no tools)."""
+        return self._tool_plan
 
     _trusted_template = field_validator("chat_template")(trusted_chat_template)
     _bounded_kwargs = field_validator("chat_template_kwargs")(bounded_template_kwargs)
@@ -409,13 +433,21 @@ class ChatCompletionRequest(_CommonRequest):
         # as vLLM does: the newer name wins when both are given
         field = "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
         max_tokens = self.max_completion_tokens or self.max_tokens
+        plan = self._tool_plan
+        forced = forced_grammar(plan) if plan is not None else None
         return GenerateRequest(
             request_id=request_id,
             model=model,
             sampling=self._sampling(
-                max_tokens, field, 0, max_model_len, self.num_logprobs, self.prompt_logprobs
+                max_tokens,
+                field,
+                0,
+                max_model_len,
+                self.num_logprobs,
+                self.prompt_logprobs,
+                forced,
             ),
-            messages=[m.as_dict() for m in self.messages],
+            messages=render_messages([m.as_dict() for m in self.messages], plan),
             add_generation_prompt=self.add_generation_prompt is not False,
             chat_template=self.chat_template,
             chat_template_kwargs=self.chat_template_kwargs,

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 # accepted and ignored: bookkeeping and hints for OpenAI's platform, none of which changes
-# the tokens generated (`parallel_tool_calls` has nothing to act on: tools are refused)
+# the tokens generated
 IGNORED_FIELDS = (
     "user",
     "metadata",
@@ -28,7 +28,6 @@ IGNORED_FIELDS = (
     "prompt_cache_key",
     "prompt_cache_retention",
     "prompt_cache_options",
-    "parallel_tool_calls",
 )
 
 ANY = object()  # refused whatever its value, null aside
@@ -46,13 +45,7 @@ _COMMON: dict[str, Any] = {
     "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
     "return_tokens_as_token_ids": False,
-    # structured outputs
-    "response_format": {"type": "text"},
-    "structured_outputs": ANY,
-    "guided_json": ANY,
-    "guided_regex": ANY,
-    "guided_choice": ANY,
-    "guided_grammar": ANY,
+    # structured outputs: only through the server's own backend (xgrammar) and whitespace
     "guided_decoding_backend": ANY,
     "guided_whitespace_pattern": ANY,
     # vLLM plumbing
@@ -62,8 +55,6 @@ _COMMON: dict[str, Any] = {
     "vllm_xargs": ANY,
 }
 REFUSED_CHAT: dict[str, Any] = _COMMON | {
-    "tools": [],
-    "tool_choice": "none",
     "functions": ANY,
     "function_call": "none",
     "audio": ANY,

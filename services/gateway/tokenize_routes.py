@@ -24,10 +24,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 from starlette.responses import Response
 
+from services.gateway.chat_messages import ChatMessage
 from services.gateway.engine_client import EngineClient
 from services.gateway.openapi import json_body
 from services.gateway.protocol import (
-    ChatMessage,
     ChatTemplate,
     RequestRejected,
     TokenId,
@@ -36,6 +36,7 @@ from services.gateway.protocol import (
     parse_request,
     trusted_chat_template,
 )
+from services.gateway.tools import render_messages
 
 TOKENIZER_TIMEOUT_S = 10.0
 MAX_DETOKENIZE_IDS = 1 << 20
@@ -95,7 +96,9 @@ def tokenize_router(engine: EngineClient, context: dict[str, Any] | None = None)
         ids = await _answer(
             engine.tokenize(
                 body.prompt,
-                [m.as_dict() for m in body.messages] if body.messages is not None else None,
+                render_messages([m.as_dict() for m in body.messages], None)
+                if body.messages is not None
+                else None,
                 add_special_tokens=(
                     body.add_special_tokens if body.add_special_tokens is not None else not is_chat
                 ),

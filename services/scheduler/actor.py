@@ -18,6 +18,7 @@ from common.config import Config
 from common.messages import (
     Abort,
     FinishReason,
+    GrammarCompiled,
     ModelChanged,
     ModelLoaded,
     ProcessDown,
@@ -77,6 +78,7 @@ class SchedulerActor(Actor):
             {
                 TokenizedRequest: self.core.add,
                 StepResult: self.core.on_step_result,
+                GrammarCompiled: self.core.on_grammar_compiled,
                 Abort: self._on_abort,
                 StatsQuery: self._on_stats_query,
                 Ready: self._on_ready,

@@ -27,8 +27,10 @@ from typing import Any, Protocol
 
 from common.config import Config
 from common.messages import (
+    CompileGrammar,
     DetokNew,
     FinishReason,
+    GrammarCompiled,
     LoadModel,
     ModelChanged,
     ModelLoaded,
@@ -44,9 +46,10 @@ from common.messages import (
 )
 from common.model_facts import cache_root
 from services.scheduler.block_manager import BlockManager, HostBlockPool
+from services.scheduler.grammar_wait import GrammarWait
 from services.scheduler.plan import to_plan
 from services.scheduler.policy import PolicyConfig, Scheduler
-from services.scheduler.request import Request
+from services.scheduler.request import Request, Status
 from services.scheduler.swap import SwapCoordinator
 
 log = logging.getLogger(__name__)
@@ -61,7 +64,7 @@ def sequence_key(request_id: str, index: int) -> str:
 
 
 # what the core sends each peer
-ToWorker = StepPlan | LoadModel | UnloadModel
+ToWorker = StepPlan | LoadModel | UnloadModel | CompileGrammar
 ToDetokenizer = DetokNew | TokenBatch
 ToGateway = RequestError | Retokenize
 
@@ -131,6 +134,7 @@ class EngineCore:
         self.policy: Scheduler | None = None  # None until a worker is ready
         self.served: _Served | None = None
         self.groups: dict[str, list[Request]] = {}  # request id -> its live sequences
+        self.grammar_wait = GrammarWait()  # constrained requests until their grammar compiles
         self.in_flight: deque[_InFlight] = deque()
         # speculative decoding needs each step's result (how many drafts were accepted)
         # before its requests can be planned again: no overlap then
@@ -247,6 +251,7 @@ class EngineCore:
         for request_id, seqs in list(self.groups.items()):
             started = next((r for r in seqs if r.version is not None), None)
             if started is None:
+                self.grammar_wait.end(request_id, FinishReason.ERROR)
                 for r in seqs:
                     self.policy.abort(r.request_id, FinishReason.ERROR)
                 self._tell_detokenizer_finished(seqs)  # (forgets the group too)
@@ -271,8 +276,19 @@ class EngineCore:
             self._reject(msg.request_id, *error)
             return
         seqs = self._sequences(msg)
-        for req in seqs:
-            self.policy.add(req)
+        if msg.sampling.is_structured:  # queued once its grammar is compiled (off the loop)
+            self.grammar_wait.park(msg.request_id, seqs, msg.tokenizer_fingerprint)
+            self.outbox.to_worker(
+                CompileGrammar(
+                    request_id=msg.request_id,
+                    kind=msg.sampling.structured_kind,
+                    spec=msg.sampling.structured_spec,
+                    tokenizer_fingerprint=msg.tokenizer_fingerprint,
+                )
+            )
+        else:
+            for req in seqs:
+                self.policy.add(req)
         self.groups[msg.request_id] = seqs
         n = len(seqs)
         self.outbox.to_detokenizer(
@@ -343,6 +359,22 @@ class EngineCore:
             )
         return seqs
 
+    def on_grammar_compiled(self, msg: GrammarCompiled) -> None:
+        """A waiting request's grammar is ready: queue it; or it does not compile: a 400
+        naming the field it came from."""
+        seqs = self.grammar_wait.release(msg.request_id, msg.tokenizer_fingerprint)
+        if not seqs or self.policy is None:
+            return  # ended while it waited
+        if msg.error:
+            for r in seqs:
+                r.status, r.finish_reason = Status.FINISHED, FinishReason.ERROR
+            field = seqs[0].sampling.structured_field or None
+            self._reject(msg.request_id, 400, f"{field or 'body'}: {msg.error}", field)
+            self._tell_detokenizer_finished(seqs)
+            return
+        for req in seqs:
+            self.policy.add(req)
+
     def abort(
         self, request_ids: list[str], reason: FinishReason, seq_indices: list[int] | None = None
     ) -> None:
@@ -351,6 +383,8 @@ class EngineCore:
             return
         ended: list[Request] = []
         for j, request_id in enumerate(request_ids):
+            index = None if seq_indices is None else seq_indices[j]
+            ended += self.grammar_wait.end(request_id, reason, index)
             for r in list(self.groups.get(request_id, ())):
                 if seq_indices is None or r.seq_index == seq_indices[j]:
                     if self.policy.abort(r.request_id, reason) is not None:
@@ -360,13 +394,14 @@ class EngineCore:
     def expire(self) -> None:
         """Finish every request past its deadline (finish reason `timeout`)."""
         if self.policy is not None:
-            self._tell_detokenizer_finished(self.policy.expire())
+            late = self.policy.expire() + self.grammar_wait.expire(time.time())
+            self._tell_detokenizer_finished(late)
 
     def fail_all(self, why: str) -> None:
         """Every live request ends: the gateway answers 503 (retry), the detokenizer drops it."""
         if self.policy is not None:
             self._fail(
-                list(self.policy.requests.values()),
+                [*self.policy.requests.values(), *self.grammar_wait.end_all(FinishReason.ERROR)],
                 503,
                 f"{why}; the request was not completed, retry it",
             )

@@ -5,6 +5,7 @@ the ones that ship."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 from collections import deque
@@ -12,6 +13,8 @@ from typing import Any, Protocol
 
 from common.config import Config
 from common.messages import (
+    CompileGrammar,
+    GrammarCompiled,
     ModelChanged,
     RequestError,
     Retokenize,
@@ -35,18 +38,26 @@ class StepRunner(Protocol):
 
     def model_info(self) -> dict[str, Any]: ...
 
+    def compile_grammar(
+        self, kind: str, spec: str, tokenizer_fingerprint: str
+    ) -> concurrent.futures.Future[None]: ...
+
 
 @dataclasses.dataclass
 class _Collector:
     """The EngineOutbox of an in-process engine: plans queue for the runner, outputs are kept."""
 
     plans: deque[StepPlan] = dataclasses.field(default_factory=deque)
+    compiles: deque[CompileGrammar] = dataclasses.field(default_factory=deque)
     outputs: dict[SequenceId, list[int]] = dataclasses.field(default_factory=dict)
     errors: list[RequestError | Retokenize] = dataclasses.field(default_factory=list)
     announced: list[ModelChanged] = dataclasses.field(default_factory=list)
     batches: list[TokenBatch] = dataclasses.field(default_factory=list)  # as sent, in order
 
     def to_worker(self, msg: ToWorker) -> None:
+        if isinstance(msg, CompileGrammar):
+            self.compiles.append(msg)
+            return
         if not isinstance(msg, StepPlan):
             raise NotImplementedError("the in-process engine does not hot-swap")
         self.plans.append(msg)
@@ -121,6 +132,7 @@ class InProcessEngine:
                 eos_token_ids=list(info.get("eos_token_ids", [])),
             )
         )
+        self._compile_grammars()
         if self.collector.errors:
             raise ValueError(f"request refused: {self.collector.errors.pop()}")
         ids = [(rid, i) for i in range(sampling.n)]
@@ -141,3 +153,13 @@ class InProcessEngine:
                 core.policy.check_integrity()
             core.step()
         return self.outputs
+
+    def _compile_grammars(self) -> None:
+        """The worker's answers to the grammars asked for (compiled here, in this thread)."""
+        while self.collector.compiles:
+            msg = self.collector.compiles.popleft()
+            future = self.runner.compile_grammar(msg.kind, msg.spec, msg.tokenizer_fingerprint)
+            error = future.exception()
+            self.core.on_grammar_compiled(
+                GrammarCompiled(msg.request_id, str(error or ""), msg.tokenizer_fingerprint)
+            )

@@ -223,13 +223,14 @@ class Scheduler:
     def _num_spec_tokens(self, req: Request, num_new: int, budget: int) -> int:
         """Draft slots for a decode: up to k, never more than it may still produce less one
         (the step always yields one token beyond the accepted drafts), nor past the budget.
-        None for a request with logits controls (the worker verifies drafts without them) or
-        logprobs (the worker reports them for sampled rows only)."""
+        None for a request with logits controls (the worker verifies drafts without them),
+        logprobs (the worker reports them for sampled rows only) or a grammar."""
         k = self.config.num_speculative_tokens
         if not k or num_new != 1 or req.num_pending or not req.output_token_ids:
             return 0
-        if req.sampling.has_controls or req.sampling.wants_logprobs:
-            return 0
+        sampling = req.sampling
+        if sampling.has_controls or sampling.wants_logprobs or sampling.is_structured:
+            return 0  # (a grammar: drafts are not checked against it, so none are made)
         may_produce = req.max_total_tokens - req.num_tokens
         return max(0, min(k, may_produce - 1, budget - num_new))
 

@@ -89,11 +89,11 @@ def test_a_prompt_too_long_names_the_endpoints_field(server: Server) -> None:
 
 
 def test_unsupported_fields_are_refused_by_name(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError) as info:  # structured outputs: not yet
+    with pytest.raises(openai.BadRequestError) as info:  # one structured-output backend
         client.chat.completions.create(
-            model="smol", messages=CHAT, response_format={"type": "json_object"}
+            model="smol", messages=CHAT, extra_body={"guided_decoding_backend": "outlines"}
         )
-    assert info.value.body["param"] == "response_format"  # type: ignore[index]
+    assert info.value.body["param"] == "guided_decoding_backend"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as info:  # honoured, within the vocabulary
         client.chat.completions.create(model="smol", messages=CHAT, logit_bias={"999999": 10})
     assert info.value.body["param"] == "logit_bias"  # type: ignore[index]

@@ -325,3 +325,54 @@ def test_overload_is_resource_exhausted_and_admin_is_closed_without_token() -> N
     assert set(codes) <= {Code.OK, Code.RESOURCE_EXHAUSTED}
     assert all("overloaded" in d for c, d in burst if c == Code.RESOURCE_EXHAUSTED)
     assert closed[0] == Code.UNAUTHENTICATED and "no admin token is configured" in closed[1]
+
+
+def test_structured_outputs_over_grpc(server: Server) -> None:
+    """A regex and a JSON schema constrain the output as over HTTP; a bad regex is
+    INVALID_ARGUMENT naming the field."""
+    import json
+    import re
+
+    schema = '{"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, ' \
+        '"maximum": 9}}, "required": ["n"], "additionalProperties": false}'  # fmt: skip
+
+    async def test(s: Stubs) -> None:
+        regex = pb.StructuredOutputs(regex=r"[A-Z]{2}-\d{3}")
+        out = await generate(s.shuttle, text="Plate:", max_tokens=12, structured_outputs=regex)
+        assert re.fullmatch(r"[A-Z]{2}-\d{3}", "".join(r.text for r in out))
+        assert out[-1].finish_reason == pb.FINISH_REASON_STOP
+        chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="A number as JSON.")])
+        spec = pb.StructuredOutputs(json=schema)
+        out = await generate(s.shuttle, chat=chat, max_tokens=20, structured_outputs=spec)
+        assert 0 <= json.loads("".join(r.text for r in out))["n"] <= 9
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await generate(s.shuttle, text="x", structured_outputs=pb.StructuredOutputs(regex="a("))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (e.value.details() or "").startswith("structured_outputs.regex: ")
+
+    run(server, test)
+
+
+def test_a_forced_tool_call_over_grpc(server: Server) -> None:
+    """A named function over gRPC: the call comes back on the last message, its arguments
+    matching the function's schema, finish reason TOOL_CALLS."""
+    import json
+
+    params = '{"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},' \
+        ' "required": ["city"], "additionalProperties": false}'  # fmt: skip
+    chat = pb.Chat(
+        messages=[pb.ChatMessage(role="user", content="Weather in Paris?")],
+        tools=[pb.Tool(name="get_weather", description="The weather", parameters=params)],
+        tool_choice="get_weather",
+        parallel_tool_calls=False,
+    )
+
+    async def test(s: Stubs) -> list[pb.GenerateResponse]:
+        return await generate(s.shuttle, chat=chat, max_tokens=40, temperature=0.0)
+
+    out = run(server, test)
+    (call,) = out[-1].tool_calls
+    assert call.name == "get_weather" and call.id.startswith("call_")
+    assert isinstance(json.loads(call.arguments)["city"], str)
+    assert out[-1].finish_reason == pb.FINISH_REASON_TOOL_CALLS
+    assert "".join(r.text for r in out) == ""

@@ -23,7 +23,7 @@ from proto import shuttle_pb2_grpc as pb_grpc
 from services.gateway.engine_client import RequestFailed
 from services.gateway.grpc_server import GrpcGateway
 from tests.fake_engine import HANG, MODEL, FakeEngine, delta
-from tests.unit.test_gateway_app import CHAT, COMPLETIONS, LENGTH
+from tests.unit.test_gateway_app import CHAT, COMPLETIONS, LENGTH, STOP
 from tests.unit.test_gateway_app import run as run_http
 from tests.waiting import wait_until_async
 
@@ -133,6 +133,74 @@ def test_requests_convert_as_the_http_api_converts_them() -> None:
     assert chatted.sampling.max_tokens == 0 and chatted.add_generation_prompt is False
 
 
+def test_structured_outputs_convert_as_the_http_api_converts_them() -> None:
+    engine = FakeEngine()
+    specs = [
+        pb.StructuredOutputs(json='{"type": "object", "properties": {"a": {"maximum": 3}}}'),
+        pb.StructuredOutputs(json_object=True),
+        pb.StructuredOutputs(regex="[a-z]+"),
+        pb.StructuredOutputs(choice=pb.Choices(choices=["yes", "no"])),
+        pb.StructuredOutputs(grammar='root ::= "a"'),
+    ]
+
+    async def test(channel: grpc.aio.Channel) -> None:
+        for spec in specs:
+            await generate(channel, text="x", structured_outputs=spec)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await generate(channel, text="x", structured_outputs=pb.StructuredOutputs())
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (e.value.details() or "").startswith("structured_outputs: ")
+
+    run(engine, test)
+    got = [(r.sampling.structured_kind, r.sampling.structured_field) for r in engine.requests]
+    assert got == [
+        ("json", "structured_outputs.json"),
+        ("json_object", "structured_outputs.json_object"),
+        ("regex", "structured_outputs.regex"),
+        ("choice", "structured_outputs.choice"),
+        ("grammar", "structured_outputs.grammar"),
+    ]
+    assert engine.requests[0].sampling.structured_spec == (
+        '{"type":"object","properties":{"a":{"maximum":3}}}'  # an int stays an int
+    )
+
+
+def test_tools_convert_as_over_http_and_calls_come_back_on_the_last_message() -> None:
+    call_text = '<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    engine = FakeEngine(script=[delta("Let me see. <tool"), delta(call_text[5:], STOP)])
+    tools = [pb.Tool(name="weather", description="d", parameters='{"type": "object"}')]
+    earlier = pb.ToolCall(id="c1", name="weather", arguments='{"city": "Rome"}')
+    chat = pb.Chat(
+        messages=[
+            pb.ChatMessage(role="user", content="weather?"),
+            pb.ChatMessage(role="assistant", tool_calls=[earlier]),
+            pb.ChatMessage(role="tool", content="21C", tool_call_id="c1"),
+        ],
+        tools=tools,
+    )
+
+    async def test(channel: grpc.aio.Channel) -> list[pb.GenerateResponse]:
+        out = await generate(channel, chat=chat)
+        bad = pb.Chat(messages=chat.messages[:1], tools=tools, tool_choice="nope")
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await generate(channel, chat=bad)
+        assert (e.value.details() or "").startswith("chat.tool_choice.function.name: ")
+        broken = pb.Chat(messages=chat.messages[:1], tools=[pb.Tool(name="f", parameters="{")])
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await generate(channel, chat=broken)
+        assert (e.value.details() or "").startswith("chat.tools[0].parameters: ")
+        return out
+
+    out = run(engine, test)
+    assert "".join(r.text for r in out) == "Let me see. "
+    (call,) = out[-1].tool_calls
+    assert call.name == "weather" and call.arguments == '{"city":"Oslo"}'
+    assert out[-1].finish_reason == pb.FINISH_REASON_TOOL_CALLS
+    sent = engine.requests[0].messages
+    assert "# Tools" in sent[0]["content"] and "<tool_call>" in sent[2]["content"]
+    assert sent[3] == {"role": "user", "content": "<tool_response>\n21C\n</tool_response>"}
+
+
 def test_sampling_controls_convert_as_the_http_api_converts_them() -> None:
     engine = FakeEngine()
     controls: dict[str, Any] = dict(
@@ -239,6 +307,7 @@ _WALK: dict[str, dict[str, Any]] = {
     "timeout": {"timeout": 5.0},
     "logprobs": {"logprobs": 2},
     "prompt_logprobs": {"prompt_logprobs": 2},
+    "structured_outputs": {"structured_outputs": pb.StructuredOutputs(regex="[ab]+")},
 }
 
 

@@ -65,7 +65,15 @@ CHANGES_THE_REQUEST: dict[str, Any] = {
     "bad_words": ["nope"],
     "chat_template_kwargs": {"enable_thinking": False},
     "chat_template": "{{ messages[0]['content'] }}",  # with --trust-request-chat-template
+    # structured outputs: each asks for a grammar (services/gateway/structured.py)
+    "response_format": {"type": "json_object"},
+    "structured_outputs": {"regex": "[a-z]+"},
+    "guided_json": {"type": "object"},
+    "guided_regex": "[a-z]+",
+    "guided_choice": ["yes", "no"],
+    "guided_grammar": 'root ::= "a"',
 }
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 # honoured: a body (per endpoint) that changes the engine's request through the field
 CHANGES_THE_REQUEST_BY_URL: dict[tuple[str, str], dict[str, Any]] = {
     (CHAT, "logprobs"): {"logprobs": True},
@@ -73,6 +81,14 @@ CHANGES_THE_REQUEST_BY_URL: dict[tuple[str, str], dict[str, Any]] = {
     (CHAT, "top_logprobs"): {"logprobs": True, "top_logprobs": 2},
     (CHAT, "prompt_logprobs"): {"prompt_logprobs": 1},
     (COMPLETIONS, "prompt_logprobs"): {"prompt_logprobs": 1},
+    # tools change the prompt (the tool list) and, forced, the grammar
+    (CHAT, "tools"): {"tools": [TOOL]},
+    (CHAT, "tool_choice"): {"tools": [TOOL], "tool_choice": "required"},
+    (CHAT, "parallel_tool_calls"): {
+        "tools": [TOOL],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+    },
 }
 # honoured: the body's fields (with what they need) that shape the answer, not the request
 SHAPES_THE_ANSWER: dict[str, dict[str, Any]] = {
@@ -184,12 +200,15 @@ def test_the_sampling_controls_are_honoured() -> None:
 
 def test_the_no_op_value_of_a_refused_field_is_accepted() -> None:
     engine = FakeEngine()
+    body = _body(CHAT) | {"function_call": "none", "modalities": ["text"]}
+    assert run(engine, "POST", CHAT, json=body).status_code == 200
+    error = error_of(run(engine, "POST", CHAT, json=_body(CHAT) | {"function_call": "auto"}), 400)
+    assert error["message"] == (
+        'function_call: is not supported by this server; only "none" (or null) is accepted'
+    )
+    # honoured fields' values that ask for nothing
     body = _body(CHAT) | {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}}
     assert run(engine, "POST", CHAT, json=body).status_code == 200
-    error = error_of(run(engine, "POST", CHAT, json=_body(CHAT) | {"tool_choice": "auto"}), 400)
-    assert error["message"] == (
-        'tool_choice: is not supported by this server; only "none" (or null) is accepted'
-    )
 
 
 def test_every_declared_field_is_walked() -> None:
@@ -221,8 +240,10 @@ def test_stream_options_without_stream_is_refused() -> None:
 
 def test_a_field_cannot_be_both_honoured_and_refused() -> None:
     # implementing a refused field means moving it out of refused.py, or import fails
-    with pytest.raises(TypeError, match="guided_json"):
-        check_disjoint({"guided_json": None, "top_k": None}, REFUSED_CHAT, "ChatCompletionRequest")
+    with pytest.raises(TypeError, match="guided_decoding_backend"):
+        check_disjoint(
+            {"guided_decoding_backend": None, "top_k": None}, REFUSED_CHAT, "ChatCompletionRequest"
+        )
 
 
 def test_a_request_chat_template_needs_the_operators_trust() -> None:

@@ -129,7 +129,7 @@ CASES: dict[str, tuple[list[StepPlan], str]] = {
     ),
     "draft slots with logits controls": (
         [_plan(0, [("a", 0, 3, [0, 1])], new={"a": A}, spec=[1], sampling=CONTROLLED)],
-        "request a: draft slots for a request with logits controls or logprobs",
+        "request a: draft slots for a request with logits controls, logprobs or a grammar",
     ),
     "fields differ in length": (
         [dataclasses.replace(A_FIRST, new_block_ids=[])],
