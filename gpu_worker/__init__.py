@@ -3,9 +3,14 @@
 import os
 
 # OpenMP threads that spin while they wait for work are ruinous when the worker shares its
-# cores (with the gateway, scheduler, detokenizer, a load generator, anything else): measured
-# on 2 cores, matmuls and decode steps were 3-20x slower with spinning threads than with
-# sleeping ones, and at most ~10% faster when the cores were otherwise idle. libgomp reads
-# this when torch loads, so it is set here, before any gpu_worker module imports torch; an
-# operator's own setting wins.
+# cores with other busy jobs: measured on 2 cores, decode steps were 2.5-20x slower with
+# spinning threads than with sleeping ones. But a thread that sleeps at once takes tens of
+# microseconds to wake, and a decode step runs ~150 parallel regions (one per matmul): on
+# cores that serve nothing else, a brief spin (GOMP_SPINCOUNT=10000, ~0.1-0.2 ms, then
+# sleep) made one stream's inter-token latency 24% lower and the mixed workload 18% faster
+# (docs/benchmarks.md, "Peers"). So: sleep, after a brief spin. On a machine shared with
+# other work, GOMP_SPINCOUNT=0 makes them sleep at once (the tests run so). libgomp reads
+# these when torch loads, so they are set here, before any gpu_worker module imports torch;
+# an operator's own settings win.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")

@@ -343,7 +343,9 @@ def render(out: Path) -> str:
         f"Machine: {platform.machine()}, {platform.processor() or 'CPU'}, 2 cores shared "
         "with other work. All runs: torch CPU, 2 threads, `OMP_WAIT_POLICY=PASSIVE` "
         "(gpu_worker/__init__.py sets it for the worker; the transformers baselines run "
-        "with the same setting in the same process as the load generator).\n\n"
+        "with the same setting in the same process as the load generator); runs before "
+        "2026-11-30 slept at once, the worker now spins briefly first "
+        "(`GOMP_SPINCOUNT=10000`; the Peers section shows both).\n\n"
     )
     body = (
         _note(out, "summary")

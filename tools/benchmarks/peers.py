@@ -207,8 +207,8 @@ def compare(
         "workloads": {w: WORKLOADS[w] for w in loads},
         "servers": {},
     }
-    logs = Path(args.json).parent if args.json else Path(tempfile.mkdtemp(prefix="compare-"))
-    logs.mkdir(parents=True, exist_ok=True)
+    logs = Path(tempfile.mkdtemp(prefix="compare-"))  # each server's log, kept for a look
+    print(f"server logs: {logs}", flush=True)
     for name in names:
         log = logs / f"compare-{name}.log"
         with server(name, args, model_dir, flags, log) as (url, start_s):
@@ -238,7 +238,7 @@ def table(result: dict[str, Any]) -> str:
         if not all(load in servers[n] for n in names):
             continue
         vals = {n: get(servers[n][load]) for n in names}
-        peers = [v for n, v in vals.items() if n != "shuttle"]
+        peers = [v for n, v in vals.items() if not n.startswith("shuttle")]
         ratio = ""
         if "shuttle" in vals and peers:
             best = max(peers) if label in higher_is_better else min(peers)

@@ -1,0 +1,74 @@
+"""Where a B=1 decode step's time goes: timers around the C kernels and the model's forward,
+decode steps driven as tools/benchmarks/step.py drives them (context 200, 2 threads).
+
+    .venv/bin/python -m tools.benchmarks.step_account
+    GOMP_SPINCOUNT=0 .venv/bin/python -m tools.benchmarks.step_account   # threads sleep at once
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import gpu_worker.attention.cpu_kernel as attention
+import gpu_worker.cpu.layers as layers
+import gpu_worker.cpu.linear as linear
+from common.prepare_model import prepare_default_model
+from gpu_worker.model_runner import ModelRunner
+from gpu_worker.models.llama import LlamaForCausalLM
+from tools.benchmarks import step
+
+LINEAR, ATTENTION, LAYERS = "linear (C, weights streamed)", "attention (C)", "norm/rotary/silu (C)"
+
+
+def _timed(spent: dict[str, float], key: str, f: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return f(*args, **kwargs)
+        finally:
+            spent[key] += time.perf_counter() - t
+
+    return wrapper
+
+
+def main(steps: int = 30) -> int:
+    spent: dict[str, float] = collections.defaultdict(float)
+    patches: list[tuple[Any, str, str]] = [
+        (linear, "linear_small", LINEAR),
+        (attention, "paged_decode", ATTENTION),
+        (LlamaForCausalLM, "forward", "forward"),
+        *((layers, n, LAYERS) for n in ("rms_norm", "add_rms_norm", "rotary_neox", "silu_mul")),
+    ]
+    for owner, name, key in patches:
+        setattr(owner, name, _timed(spent, key, getattr(owner, name)))
+    runner = ModelRunner(str(prepare_default_model()), num_threads=2, kv_cache_memory_gib=1.5)
+    drv, rids, _ = step._start(runner, 1, 200, 512, 0)
+    for _ in range(3):
+        drv.step({}, [(r, 1) for r in rids])
+    spent.clear()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        drv.step({}, [(r, 1) for r in rids])
+    total = (time.perf_counter() - t0) / steps * 1e3
+    ms = {k: v / steps * 1e3 for k, v in spent.items()}
+    kernels = sum(ms.get(k, 0.0) for k in (LINEAR, ATTENTION, LAYERS))
+    print(
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} "
+        f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', '-')}"
+    )
+    print(f"decode step (B=1, context 200): {total:.1f} ms")
+    print(f"  model forward: {ms['forward']:.1f} ms")
+    for key in (LINEAR, ATTENTION, LAYERS):
+        print(f"    {key}: {ms.get(key, 0.0):.1f} ms")
+    print(f"    the rest of the forward (torch ops, Python): {ms['forward'] - kernels:.1f} ms")
+    print(f"  outside the forward (plan, metadata, sampling): {total - ms['forward']:.1f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
