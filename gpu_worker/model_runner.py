@@ -257,7 +257,8 @@ class ModelRunner(PlanRunner[ModelVersion]):
         model = load_model(
             path, backend, dtype=self.dtype, device=self.device, max_positions=self.max_model_len
         )
-        if self.cpu_kernels:  # C kernels: few-row linears, and fp32 norms/rotary/activation
+        if self.cpu_kernels and backend.name == "torch":  # C kernels: few-row linears, fp32
+            # norms/rotary/activation (the triton backend has its own layers)
             use_small_batch_linear(model)
             use_cpu_layers(model)
         return model

@@ -12,56 +12,30 @@ build fails, `paged_decode` returns None and the backend keeps its eager path.
 from __future__ import annotations
 
 import ctypes
-import logging
-import subprocess
-import threading
 from pathlib import Path
 
 import torch
 
-from gpu_worker.cpu.build import load_library
-
-log = logging.getLogger(__name__)
+from gpu_worker.cpu.build import KernelLibrary
 
 SOURCE = Path(__file__).with_name("cpu_paged_decode.c")
 SMALL_WORK = 1 << 18  # K (and as many V) elements below which one thread attends
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_failed = False
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 
 
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.paged_decode.restype = _I
+    lib.paged_decode.argtypes = [_P, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _I]
+    lib.paged_decode.argtypes += [ctypes.c_float, _P, _I]
+
+
+_LIBRARY = KernelLibrary(SOURCE, _declare, "CPU paged-decode kernel")
+
+
 def load() -> ctypes.CDLL | None:
     """The kernel library (built on first use), or None when it cannot be had."""
-    global _lib, _failed
-    with _lock:
-        if _lib is None and not _failed:
-            try:
-                lib = load_library(SOURCE)
-                lib.paged_decode.restype = _I
-                lib.paged_decode.argtypes = [
-                    _P,
-                    _P,
-                    _P,
-                    _I,
-                    _P,
-                    _I,
-                    _P,
-                    _I,
-                    _I,
-                    _I,
-                    _I,
-                    _I,
-                    ctypes.c_float,
-                    _P,
-                    _I,
-                ]
-                _lib = lib
-            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-                _failed = True
-                log.warning("CPU paged-decode kernel unavailable, using the eager path: %s", e)
-    return _lib
+    return _LIBRARY.load()
 
 
 def paged_decode(

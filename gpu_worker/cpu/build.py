@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 # -ffast-math for libmvec's vector expf and reassociated sums; infinities stay meaningful
 FLAGS = [
@@ -79,3 +84,29 @@ def load_library(source: Path) -> ctypes.CDLL:
     if not path.is_file():
         _build(source, path)
     return ctypes.CDLL(str(path))
+
+
+class KernelLibrary:
+    """One C source's library, built and loaded on first use, once per process; `declare`
+    sets its functions' ctypes signatures. `load()` is None, after one logged warning, when
+    it cannot be had: callers keep their torch path."""
+
+    def __init__(self, source: Path, declare: Callable[[ctypes.CDLL], None], what: str) -> None:
+        self.source, self.declare, self.what = source, declare, what
+        self._lock = threading.Lock()
+        self._lib: ctypes.CDLL | None = None
+        self._failed = False
+
+    def load(self) -> ctypes.CDLL | None:
+        if self._lib is not None:
+            return self._lib
+        with self._lock:
+            if self._lib is None and not self._failed:
+                try:
+                    lib = load_library(self.source)
+                    self.declare(lib)
+                    self._lib = lib
+                except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                    self._failed = True
+                    log.warning("%s unavailable, using torch: %s", self.what, e)
+        return self._lib

@@ -17,50 +17,45 @@ layer whose dispatch costs more than their arithmetic; this leaves ~25.
 from __future__ import annotations
 
 import ctypes
-import logging
-import subprocess
-import threading
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from gpu_worker.attention import AttentionMetadata
-from gpu_worker.cpu.build import load_library
-from gpu_worker.models.llama import MLP, Attention, DecoderLayer, RMSNorm, RotaryEmbedding
-
-log = logging.getLogger(__name__)
+from gpu_worker.cpu.build import KernelLibrary
+from gpu_worker.models.llama import (
+    MLP,
+    DecoderLayer,
+    RMSNorm,
+    RotaryEmbedding,
+    swap_module_classes,
+)
 
 SOURCE = Path(__file__).with_name("layers.c")
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_failed = False
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i, f, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64
+    lib.rms_norm.restype = None
+    lib.rms_norm.argtypes = [p, p, p, f, p, p, i, i, i]
+    lib.rotary_neox.restype = None
+    lib.rotary_neox.argtypes = [p, p, p, p, i, i, i, i64, i]
+    lib.silu_mul.restype = None
+    lib.silu_mul.argtypes = [p, p, i, i, i]
+
+
+_LIBRARY = KernelLibrary(SOURCE, _declare, "CPU layer kernels")
 
 
 def load() -> ctypes.CDLL | None:
     """The kernel library (built on first use), or None when it cannot be had."""
-    global _lib, _failed
-    with _lock:
-        if _lib is None and not _failed:
-            try:
-                lib = load_library(SOURCE)
-                p, i, f, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64
-                lib.rms_norm.restype = None
-                lib.rms_norm.argtypes = [p, p, p, f, p, p, i, i, i]
-                lib.rotary_neox.restype = None
-                lib.rotary_neox.argtypes = [p, p, p, p, i, i, i, i64, i]
-                lib.silu_mul.restype = None
-                lib.silu_mul.argtypes = [p, p, i, i, i]
-                _lib = lib
-            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-                _failed = True
-                log.warning("CPU layer kernels unavailable, using torch: %s", e)
-    return _lib
+    return _LIBRARY.load()
 
 
 def _lib_loaded() -> ctypes.CDLL:
-    assert _lib is not None, "use_cpu_layers loads the library before any class is swapped"
-    return _lib
+    lib = _LIBRARY.load()
+    assert lib is not None, "use_cpu_layers loads the library before any class is swapped"
+    return lib
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -163,17 +158,9 @@ class CpuMLP(MLP):
 class CpuDecoderLayer(DecoderLayer):
     """DecoderLayer whose post-attention norm also performs the residual add."""
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, ...],
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
+    def add_and_norm(self, h: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         norm = self.post_attention_layernorm
-        h, x = add_rms_norm(h, x, norm.weight, norm.eps)
-        return x + self.mlp(h)
+        return add_rms_norm(h, x, norm.weight, norm.eps)
 
 
 _SWAPS: dict[type[nn.Module], type[nn.Module]] = {
@@ -193,12 +180,5 @@ def use_cpu_layers(model: nn.Module) -> bool:
     rotaries = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
     if any(not r.is_neox_style for r in rotaries) or load() is None:
         return False
-    for module in model.modules():
-        swap = _SWAPS.get(type(module))
-        if swap is not None:
-            module.__class__ = swap
-    for module in model.modules():
-        if isinstance(module, Attention):
-            # Attention keeps the rotary's bound method: bind it again to the new class
-            module.rotate = module.rotate.__self__.rotate  # type: ignore[attr-defined]  # a bound method's __self__
+    swap_module_classes(model, _SWAPS)
     return True

@@ -15,43 +15,32 @@ cannot be built, the model is left as it is.
 from __future__ import annotations
 
 import ctypes
-import logging
-import subprocess
-import threading
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.cpu.build import load_library
-
-log = logging.getLogger(__name__)
+from gpu_worker.cpu.build import KernelLibrary
 
 SOURCE = Path(__file__).with_name("linear.c")
-# the most rows of x the kernel takes, per weight dtype: measured crossovers with torch's
-# fp32 GEMM and bf16 oneDNN path on 2-core AVX-512 and AVX2 EPYCs (docs/benchmarks.md)
+# the most rows of x the kernel takes, per weight dtype: where it stopped beating torch's
+# fp32 GEMM and bf16 oneDNN path on a 2-core AVX-512 EPYC (not measured on AVX2-only CPUs)
 MAX_ROWS = {torch.float32: 8, torch.bfloat16: 4}
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_failed = False
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.linear_small.restype = i
+    lib.linear_small.argtypes = [p, i, p, i, p, p, i, i, i]
+
+
+_LIBRARY = KernelLibrary(SOURCE, _declare, "CPU small-batch linear kernel")
 
 
 def load() -> ctypes.CDLL | None:
     """The kernel library (built on first use), or None when it cannot be had."""
-    global _lib, _failed
-    with _lock:
-        if _lib is None and not _failed:
-            try:
-                lib = load_library(SOURCE)
-                p, i = ctypes.c_void_p, ctypes.c_int
-                lib.linear_small.restype = i
-                lib.linear_small.argtypes = [p, i, p, i, p, p, i, i, i]
-                _lib = lib
-            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-                _failed = True
-                log.warning("CPU small-batch linear kernel unavailable, using torch: %s", e)
-    return _lib
+    return _LIBRARY.load()
 
 
 def linear_small(
@@ -59,7 +48,7 @@ def linear_small(
 ) -> torch.Tensor | None:
     """x [rows, in] @ weight.T (+ bias) by the C kernel, in x's dtype; None when the kernel
     does not take these inputs (the caller uses torch)."""
-    lib = _lib if _lib is not None else load()
+    lib = load()
     if (
         lib is None
         or x.dim() != 2

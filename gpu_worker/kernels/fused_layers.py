@@ -16,10 +16,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gpu_worker.attention import AttentionMetadata
 from gpu_worker.kernels.rmsnorm.kernel import fused_add_rms_norm, rms_norm
 from gpu_worker.kernels.rotary.kernel import rotary_embedding
-from gpu_worker.models.llama import Attention, DecoderLayer, RMSNorm, RotaryEmbedding
+from gpu_worker.models.llama import DecoderLayer, RMSNorm, RotaryEmbedding, swap_module_classes
 
 
 class TritonRMSNorm(RMSNorm):
@@ -52,17 +51,9 @@ class TritonRotaryEmbedding(RotaryEmbedding):
 class TritonDecoderLayer(DecoderLayer):
     """DecoderLayer whose post-attention norm also performs the residual add."""
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, ...],
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
+    def add_and_norm(self, h: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         norm = self.post_attention_layernorm
-        h, x = fused_add_rms_norm(h, x, norm.weight, norm.eps)
-        return x + self.mlp(h)
+        return fused_add_rms_norm(h, x, norm.weight, norm.eps)
 
 
 _SWAPS: dict[type[nn.Module], type[nn.Module]] = {
@@ -77,11 +68,5 @@ def use_triton_layers(model: nn.Module) -> nn.Module:
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             assert module.is_neox_style, "the rotary kernel implements the neox layout only"
-        swap = _SWAPS.get(type(module))
-        if swap is not None:
-            module.__class__ = swap
-    for module in model.modules():
-        if isinstance(module, Attention):
-            # Attention keeps the rotary's bound method: bind it again to the new class
-            module.rotate = module.rotate.__self__.rotate  # type: ignore[attr-defined]  # a bound method's __self__
+    swap_module_classes(model, _SWAPS)
     return model

@@ -248,8 +248,27 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
+        h, x = self.add_and_norm(h, x)
+        return x + self.mlp(h)
+
+    def add_and_norm(self, h: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(post-attention norm of x + h, x + h): the kernel backends fuse the two."""
+        x = x + h
+        return self.post_attention_layernorm(x), x
+
+
+def swap_module_classes(model: nn.Module, swaps: dict[type[nn.Module], type[nn.Module]]) -> None:
+    """Change the class of each of `model`'s modules that `swaps` names, in place (parameters,
+    buffers and state-dict names stay): how the kernel backends put their layers in."""
+    for module in model.modules():
+        swap = swaps.get(type(module))
+        if swap is not None:
+            module.__class__ = swap
+    for module in model.modules():
+        if isinstance(module, Attention):
+            # Attention keeps the rotary's bound method: bind it again to the new class
+            module.rotate = module.rotate.__self__.rotate  # type: ignore[attr-defined]  # a bound method's __self__
 
 
 class LlamaModel(nn.Module):

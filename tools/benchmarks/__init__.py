@@ -4,8 +4,8 @@ docs/benchmarks.md. Nothing here is imported by the server.
     python -m tools.benchmarks ...      the load generator (= tools/bench; cli.py)
     python -m tools.benchmarks.X ...    one measurement: docs (all of docs/benchmarks.md),
                                         step, step_account, scheduling, swap, speculative,
-                                        grpc_vs_http, peers,
-                                        bf16_parity, plots
+                                        grpc_vs_http, bf16_parity, plots
+    python -m tools.benchmarks --compare shuttle,vllm,llamacpp    against the peers (peers.py)
 
 The load generator in layers, each importing only those below it (no cycle):
 
