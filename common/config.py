@@ -19,6 +19,8 @@ from typing import Any
 
 import orjson
 
+from common.parallel_config import DataParallelConfig
+
 _ENV_PREFIX = "SHUTTLE_"
 
 
@@ -271,6 +273,7 @@ class Config:
     speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
     server: ServerConfig = dataclasses.field(default_factory=ServerConfig)
     addresses: AddressConfig = dataclasses.field(default_factory=AddressConfig)
+    data_parallel: DataParallelConfig = dataclasses.field(default_factory=DataParallelConfig)
 
     def addr(self, name: str) -> str:
         """Inbox address of actor `name` (gateway, scheduler, worker, detokenizer, supervisor)."""

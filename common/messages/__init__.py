@@ -5,6 +5,7 @@ from common.messages import (  # noqa: F401
     detokenizer_gateway,
     gateway_tokenizer,
     scheduler_detokenizer,
+    scheduler_router,
     scheduler_worker,
     tokenizer_scheduler,
     types,
@@ -35,6 +36,7 @@ from common.messages.gateway_tokenizer import (
     TokenizeResult,
 )
 from common.messages.scheduler_detokenizer import DetokNew, TokenBatch
+from common.messages.scheduler_router import ReplicaNotice
 from common.messages.scheduler_worker import (
     CompileGrammar,
     GrammarCompiled,
@@ -74,6 +76,7 @@ __all__ = [
     "GrammarCompiled",
     "ProcessDown",
     "Reset",
+    "ReplicaNotice",
     "Drain",
     "Drained",
     "ModelChanged",

@@ -24,10 +24,16 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
 
+from services.scheduler.prefix_hash import block_hash, num_matchable_blocks
+
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        track_hash_changes: bool = False,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
@@ -45,6 +51,9 @@ class BlockManager:
         self.num_cached_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_cached_hits = 0  # of which found
         self.num_evictions = 0
+        # data parallelism: hash -> cached (True) or evicted (False) since the last
+        # drain_hash_changes(), the router's view of this replica; None: nobody asks
+        self._hash_changes: dict[int, bool] | None = {} if track_hash_changes else None
 
     # capacity -----------------------------------------------------------------------------
     @property
@@ -91,9 +100,9 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         bs, parent, hits = self.block_size, root, []
-        for i in range((len(token_ids) - 1) // bs):
+        for i in range(num_matchable_blocks(len(token_ids), bs)):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            parent = hash((parent, tokens))
+            parent = block_hash(parent, tokens)
             block = self._by_hash.get(parent)
             if block is None or self._tokens_of[block] != tokens:
                 break
@@ -128,12 +137,22 @@ class BlockManager:
         )
         for i in range(len(chain), num_computed // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            h = hash((chain[-1] if chain else root, tokens))
+            h = block_hash(chain[-1] if chain else root, tokens)
             chain.append(h)
             block = table[i]
             if self._hash_of[block] is None and h not in self._by_hash:
                 self._hash_of[block], self._tokens_of[block] = h, tokens
                 self._by_hash[h] = block
+                if self._hash_changes is not None:
+                    self._hash_changes[h] = True
+
+    def drain_hash_changes(self) -> tuple[list[int], list[int]]:
+        """(hashes cached, hashes evicted) since the last call; each hash in at most one."""
+        changes = self._hash_changes
+        if not changes:
+            return [], []
+        self._hash_changes = {}
+        return [h for h, c in changes.items() if c], [h for h, c in changes.items() if not c]
 
     # allocation ---------------------------------------------------------------------------
     def allocate(self, req_id: str, num_tokens: int) -> list[int]:
@@ -205,6 +224,8 @@ class BlockManager:
             evicted = self._hash_of[block]
             assert evicted is not None, "a cached block has a hash"
             del self._by_hash[evicted]
+            if self._hash_changes is not None:
+                self._hash_changes[evicted] = False
             self._hash_of[block] = self._tokens_of[block] = None
             self.num_evictions += 1
         self._ref_counts[block] = 1
