@@ -19,8 +19,9 @@ from typing import Any
 
 from common.config import Config, ConfigError
 from common.curve import CurveKeys
-from common.ipc import Inbox, Outbox
+from common.ipc import Fanout, Inbox, Outbox, Sender
 from common.messages import Ping, Pong, Ready, Shutdown
+from common.parallel_config import replica_addrs
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,14 @@ class Actor:
         if box is None:
             box = self._outboxes[key] = Outbox(addrs, self.curve)
         return box
+
+    def schedulers(self) -> Sender:
+        """Every replica's scheduler at once (aborts, stats, swaps): the one scheduler, or
+        with --data-parallel-size N a fan-out to N."""
+        addrs = replica_addrs(self.config, "scheduler")
+        if len(addrs) == 1:
+            return self.outbox(addrs[0])
+        return Fanout([self.outbox(a) for a in addrs])
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()

@@ -8,7 +8,7 @@ over tokenizer processes).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import zmq
 import zmq.asyncio
@@ -96,5 +96,27 @@ class Outbox:
     def send(self, msg: Any) -> None:
         self._sock.send(codec.encode(msg), zmq.NOBLOCK)
 
+    def send_frame(self, frame: bytes) -> None:
+        self._sock.send(frame, zmq.NOBLOCK)
+
     def close(self) -> None:
         self._sock.close()
+
+
+class Sender(Protocol):
+    """Anything a message can be sent through: an Outbox, or a Fanout of them."""
+
+    def send(self, msg: Any) -> None: ...
+
+
+class Fanout:
+    """Sends each message to every one of several outboxes (every replica's scheduler: an
+    abort, a stats query, a swap), unlike one Outbox over several addresses, which picks one."""
+
+    def __init__(self, boxes: list[Outbox]) -> None:
+        self.boxes = boxes
+
+    def send(self, msg: Any) -> None:
+        frame = codec.encode(msg)
+        for box in self.boxes:
+            box.send_frame(frame)

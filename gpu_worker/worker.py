@@ -26,6 +26,7 @@ from common.messages import (
 )
 from common.model_facts import position_config, tokenizer_fingerprint
 from common.model_paths import resolve_model_path, served_model_name, synthetic_params
+from common.parallel_config import own_name
 from gpu_worker.runner import Runner
 from gpu_worker.synthetic import SyntheticRunner
 
@@ -75,6 +76,10 @@ class WorkerActor(Actor):
         # unique per process start: in a container a restarted worker has the same pid (1)
         info["boot_id"] = self.boot_id
         return info
+
+    @property
+    def inbox_name(self) -> str:
+        return own_name(self.config, "worker")  # `worker-<i>` in replica i of several
 
     def ready_targets(self) -> list[str]:
         return [*super().ready_targets(), self.config.addr("scheduler")]

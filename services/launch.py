@@ -28,6 +28,7 @@ from common.config import Config, ConfigError, add_flags, from_args
 from common.curve import CurveKeys, uses_curve
 from common.messages import Drain, Drained, ProcessDown, Ready
 from common.model_paths import is_synthetic_spec, resolve_model_path
+from common.parallel_config import replica_addrs, replica_config, replica_name, router_addr
 from services.tokenizer.chat_template import load_chat_template
 
 _GRACE_S = 10.0
@@ -57,11 +58,7 @@ class Supervisor:
     def specs(self) -> list[tuple[str, list[str]]]:
         base = [sys.executable, "-m"]
         cfg = ["--config-file", str(Path(self.config.server.run_dir) / "config.json")]
-        specs = [
-            ("worker", [*base, "gpu_worker", *cfg]),
-            ("scheduler", [*base, "services.scheduler", *cfg]),
-            ("detokenizer", [*base, "services.detokenizer", *cfg]),
-        ]
+        specs = [*self._replica_specs(base), ("detokenizer", [*base, "services.detokenizer", *cfg])]
         specs += [
             (f"tokenizer-{i}", [*base, "services.tokenizer", *cfg, "--index", str(i)])
             for i in range(self.config.server.num_tokenizers)
@@ -69,7 +66,36 @@ class Supervisor:
         specs.append(("gateway", [*base, "services.gateway", *cfg]))
         return specs
 
+    def _replica_specs(self, base: list[str]) -> list[tuple[str, list[str]]]:
+        """Each engine replica's worker and scheduler (with --data-parallel-size N > 1: on
+        the replica's own config, `config-replica-<i>.json`), then the router."""
+        size = self.config.data_parallel.data_parallel_size
+        run_dir = Path(self.config.server.run_dir)
+        specs = []
+        for i in range(size):
+            name = "config.json" if size == 1 else f"config-replica-{i}.json"
+            cfg = ["--config-file", str(run_dir / name)]
+            specs += [
+                (replica_name("worker", i, size), [*base, "gpu_worker", *cfg]),
+                (replica_name("scheduler", i, size), [*base, "services.scheduler", *cfg]),
+            ]
+        if size > 1:
+            specs.append(
+                (
+                    "router",
+                    [*base, "services.router", "--config-file", str(run_dir / "config.json")],
+                )
+            )
+        return specs
+
+    def write_replica_configs(self) -> None:
+        size = self.config.data_parallel.data_parallel_size
+        for i in range(size if size > 1 else 0):
+            path = Path(self.config.server.run_dir) / f"config-replica-{i}.json"
+            path.write_bytes(replica_config(self.config, i).to_json())
+
     def start(self) -> None:
+        self.write_replica_configs()
         self.commands = dict(self.specs())
         for name, cmd in self.commands.items():
             self.children[name] = subprocess.Popen(cmd, cwd=_repo_root())
@@ -144,17 +170,36 @@ class Supervisor:
             f"shuttle: {name} exited with code {code}; restarting it", file=sys.stderr, flush=True
         )
         notice = codec.encode(ProcessDown(name=name, exit_code=code))
-        for peer in ("gateway", "scheduler"):
-            if peer != name:
-                self._send(peer, notice)
+        for peer in self._told_of_death(name):
+            self._send(peer, notice)
         self.children[name] = subprocess.Popen(self.commands[name], cwd=_repo_root())
+
+    def _told_of_death(self, name: str) -> list[str]:
+        """Who hears that `name` died: the gateway; the schedulers (a worker's death only its
+        own replica's scheduler); with several replicas the router, of a scheduler's."""
+        size = self.config.data_parallel.data_parallel_size
+        schedulers = [replica_name("scheduler", i, size) for i in range(size)]
+        if name.startswith("worker"):
+            schedulers = [name.replace("worker", "scheduler", 1)]
+        peers = ["gateway", *schedulers]
+        if size > 1 and name in schedulers:
+            peers.append("router")
+        return [p for p in peers if p != name]
+
+    def _addr(self, name: str) -> str:
+        size = self.config.data_parallel.data_parallel_size
+        if name == "router":
+            return router_addr(self.config)
+        if size > 1 and name.startswith("scheduler-"):
+            return replica_addrs(self.config, "scheduler")[int(name.rpartition("-")[2])]
+        return self.config.addr(name)
 
     def _send(self, name: str, frame: bytes) -> None:
         sock = self._peers.get(name)
         if sock is None:
             sock = self._peers[name] = zmq.Context.instance().socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
-            addr = self.config.addr(name)
+            addr = self._addr(name)
             if self.curve is not None and uses_curve(addr):
                 self.curve.connect(sock)
             sock.connect(addr)

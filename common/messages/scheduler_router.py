@@ -18,6 +18,7 @@ class ReplicaNotice:
     is_ready: bool  # has a worker and serves; False: route around it
     cache_root: int  # root of the hash chain new requests start on (the served version)
     block_size: int
+    tokenizer_fingerprint: str  # of the served model: requests tokenised by it start at once
     cached_hashes: list[int] = dataclasses.field(default_factory=list)  # [*] blocks cached
     evicted_hashes: list[int] = dataclasses.field(default_factory=list)  # [*] blocks evicted
     ended_request_ids: list[str] = dataclasses.field(default_factory=list)  # [*] requests it

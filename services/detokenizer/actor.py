@@ -122,7 +122,7 @@ class DetokenizerActor(Actor):
         model_dir = Path(self.config.model.model)
         self.tokenizers = Tokenizers(load_tokenizer(model_dir), tokenizer_fingerprint(model_dir))
         self.gateway = self.outbox(self.config.addr("gateway"))
-        self.scheduler = self.outbox(self.config.addr("scheduler"))
+        self.scheduler = self.schedulers()  # a stop string's abort: whichever replica holds it
 
     def _on_model_changed(self, msg: ModelChanged) -> None:
         try:

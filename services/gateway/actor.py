@@ -71,9 +71,10 @@ class GatewayActor(Actor):
 
         self.engine = ZmqEngineClient(
             tokenizers=self.outbox(self.config.tokenizer_addrs()),
-            scheduler=self.outbox(self.config.addr("scheduler")),
+            scheduler=self.schedulers(),
             inbox_addr=self.inbox_addr,
             aliases=self.config.model.served_model_names,
+            num_replicas=self.config.data_parallel.data_parallel_size,
         )
         server = self.config.server
         app = create_app(self.engine, server, self.config.scheduler)
@@ -148,7 +149,12 @@ class GatewayActor(Actor):
     def _on_process_down(self, msg: ProcessDown) -> None:
         """The scheduler or detokenizer holds every request's state: fail them all. A
         tokenizer held only requests not yet scheduled: fail those with no output yet. (The
-        scheduler fails the requests of a dead worker itself.)"""
+        scheduler fails the requests of a dead worker itself.) With several replicas, one
+        replica's worker or scheduler: the others serve on; the router fails the requests
+        a dead scheduler held, its scheduler those of a dead worker."""
+        if msg.name.startswith(("worker-", "scheduler-")):
+            log.warning("%s died: its replica is routed around until it is back", msg.name)
+            return
         if msg.name in ("worker", "scheduler"):  # health says NOT_SERVING until it is back
             self.engine.on_model_lost()
         if msg.name in ("scheduler", "detokenizer"):

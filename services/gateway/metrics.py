@@ -295,15 +295,27 @@ class _SchedulerStats:
         self.model_name = model_name
         self.prefix = prefix
         self.last: dict[str, float] = {}
+        # data parallelism: each replica's last values, exported labelled replica="<i>"
+        self.last_by_replica: dict[str, dict[str, float]] = {}
 
     def update(self, stats: dict[str, Any]) -> None:
-        if not stats.get("ready", True):
-            return
-        for _, key, _ in (*self.GAUGES, *self.COUNTERS):
-            if isinstance(stats.get(key), int | float):
-                self.last[key] = float(stats[key])
+        for row in stats.get("replicas", ()):
+            if row.get("ready"):
+                self.last_by_replica[str(row["replica"])] = self._values(row)
+        if stats.get("ready", True):
+            self.last.update(self._values(stats))
+
+    def _values(self, stats: dict[str, Any]) -> dict[str, float]:
+        return {
+            key: float(stats[key])
+            for _, key, _ in (*self.GAUGES, *self.COUNTERS)
+            if isinstance(stats.get(key), int | float)
+        }
 
     def collect(self) -> Iterator[Metric]:
+        if self.last_by_replica:
+            yield from self._collect_by_replica()
+            return
         model = self.model_name()
         gauges: tuple[tuple[str, str, str], ...] = self.GAUGES
         if self.prefix == "vllm":  # the name older vLLM dashboards and autoscalers query
@@ -316,6 +328,18 @@ class _SchedulerStats:
             c = CounterMetricFamily(f"{self.prefix}:{name}", doc, labels=["model_name"])
             c.add_metric([model], self.last.get(key, 0.0))
             yield c
+
+    def _collect_by_replica(self) -> Iterator[Metric]:
+        model, labels = self.model_name(), ["model_name", "replica"]
+        for families, kind in (
+            (self.GAUGES, GaugeMetricFamily),
+            (self.COUNTERS, CounterMetricFamily),
+        ):
+            for name, key, doc in families:
+                family = kind(f"{self.prefix}:{name}", doc, labels=labels)
+                for replica, values in sorted(self.last_by_replica.items()):
+                    family.add_metric([model, replica], values.get(key, 0.0))
+                yield family
 
 
 def install_metrics(app: FastAPI, engine: EngineClient, vllm_names: bool = False) -> GatewayMetrics:

@@ -18,7 +18,7 @@ import logging
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
-from common.ipc import Outbox
+from common.ipc import Outbox, Sender
 from common.messages import (
     Abort,
     DetokenizeQuery,
@@ -37,6 +37,7 @@ from common.messages import (
 )
 from services.gateway.engine_client import OutputDelta, RequestFailed, RequestObserver
 from services.gateway.logprobs import entries
+from services.gateway.replicas import Replies, merge_request_rows, merge_stats, merge_swap_results
 
 log = logging.getLogger(__name__)
 
@@ -95,19 +96,21 @@ class ZmqEngineClient:
     def __init__(
         self,
         tokenizers: Outbox,
-        scheduler: Outbox,
+        scheduler: Sender,
         inbox_addr: str,
         aliases: Sequence[str] = (),
+        num_replicas: int = 1,
     ) -> None:
         self.tokenizers = tokenizers
         self.aliases = list(aliases)  # --served-model-name: more names the model answers to
-        self.scheduler = scheduler
+        self.scheduler = scheduler  # every replica's scheduler (a fan-out with several)
+        self.num_replicas = num_replicas
         self.inbox_addr = inbox_addr
         self.served: ModelChanged | None = None  # what the scheduler last said it serves
         self._is_serving = False  # False again while the worker or the scheduler restarts
         self._streams: dict[str, _Stream] = {}
-        self._stats_waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
-        self._swap_waiters: dict[int, asyncio.Future[SwapResult]] = {}
+        self._stats_waiters: dict[int, Replies[dict[str, Any]]] = {}
+        self._swap_waiters: dict[int, Replies[SwapResult]] = {}
         self._tokenize_waiters: dict[int, asyncio.Future[TokenizeResult]] = {}
         self.swap_status: dict[str, Any] | None = None  # the swap this gateway asked for
         self.draining = False  # shutting down: new requests get 503
@@ -203,10 +206,11 @@ class ZmqEngineClient:
     async def swap_model(
         self, path: str, version: str, mode: str, timeout: float = 600.0
     ) -> SwapResult:
-        """Ask the scheduler to swap the served model; wait for the outcome."""
+        """Ask the scheduler (every replica's) to swap the served model; wait for the
+        outcome (every replica's)."""
         ticket = next(self._query_ids)
-        fut: asyncio.Future[SwapResult] = asyncio.get_running_loop().create_future()
-        self._swap_waiters[ticket] = fut
+        replies: Replies[SwapResult] = Replies(self.num_replicas)
+        self._swap_waiters[ticket] = replies
         status = {
             "mode": mode,
             "path": path,
@@ -220,30 +224,42 @@ class ZmqEngineClient:
                     ticket=ticket, reply_to=self.inbox_addr, path=path, version=version, mode=mode
                 )
             )
-            return await asyncio.wait_for(fut, timeout)
+            await asyncio.wait_for(replies.done.wait(), timeout)
+            return merge_swap_results(list(replies.items.values()), self.num_replicas)
         finally:
             self._swap_waiters.pop(ticket, None)
             if self.swap_status is status:
                 self.swap_status = None
 
     def on_swap_result(self, msg: SwapResult) -> None:
-        fut = self._swap_waiters.get(msg.ticket)
-        if fut is not None and not fut.done():
-            fut.set_result(msg)
+        replies = self._swap_waiters.get(msg.ticket)
+        if replies is not None:
+            replies.add(str(len(replies.items)), msg)
 
     async def abort(self, request_id: str) -> None:
         self.scheduler.send(Abort(request_ids=[request_id], reason=int(FinishReason.CANCELLED)))
 
     async def stats(self, timeout: float = 5.0, what: str = "stats") -> dict[str, Any]:
-        """The scheduler's counters (`what="requests"`: its live requests, one row each)."""
+        """The scheduler's counters (`what="requests"`: its live requests, one row each).
+        With several replicas, theirs merged (services/gateway/replicas.py); one that does
+        not answer within `timeout` (restarting) counts as not ready."""
         qid = next(self._query_ids)
-        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._stats_waiters[qid] = fut
+        replies: Replies[dict[str, Any]] = Replies(self.num_replicas)
+        self._stats_waiters[qid] = replies
         try:
             self.scheduler.send(StatsQuery(reply_to=self.inbox_addr, query_id=qid, what=what))
-            return await asyncio.wait_for(fut, timeout)
+            try:
+                await asyncio.wait_for(replies.done.wait(), timeout)
+            except TimeoutError:
+                if self.num_replicas == 1 or not replies.items:
+                    raise
         finally:
             self._stats_waiters.pop(qid, None)
+        if self.num_replicas == 1:
+            return next(iter(replies.items.values()))
+        if what == "requests":
+            return merge_request_rows(replies.items)
+        return merge_stats(replies.items, self.num_replicas)
 
     async def tokenize(
         self,
@@ -331,6 +347,6 @@ class ZmqEngineClient:
             fut.set_result(msg)
 
     def on_stats(self, msg: Stats) -> None:
-        fut = self._stats_waiters.get(msg.query_id)
-        if fut is not None and not fut.done():
-            fut.set_result(msg.data)
+        replies = self._stats_waiters.get(msg.query_id)
+        if replies is not None:
+            replies.add(msg.name, msg.data)

@@ -38,6 +38,7 @@ class ReplicaView:
     is_ready: bool = False
     cache_root: int = 0
     block_size: int = 0
+    tokenizer_fingerprint: str = ""
     held: set[int] = dataclasses.field(default_factory=set)
     pending: OrderedDict[int, None] = dataclasses.field(default_factory=OrderedDict)
     live: set[str] = dataclasses.field(default_factory=set)
@@ -97,6 +98,7 @@ class Router:
         if msg.reset:
             r.forget_cache()
         r.is_ready, r.cache_root, r.block_size = msg.is_ready, msg.cache_root, msg.block_size
+        r.tokenizer_fingerprint = msg.tokenizer_fingerprint
         r.held.update(msg.cached_hashes)
         r.held.difference_update(msg.evicted_hashes)
         for h in (*msg.cached_hashes, *msg.evicted_hashes):
@@ -114,13 +116,19 @@ class Router:
         return lost
 
     # routing -------------------------------------------------------------------------------
-    def route(self, request_id: str, token_ids: list[int]) -> Decision | None:
-        """The replica for this request (None: no replica is ready)."""
+    def route(
+        self, request_id: str, token_ids: list[int], tokenizer_fingerprint: str = ""
+    ) -> Decision | None:
+        """The replica for this request (None: no replica is ready). Mid-swap, replicas
+        whose model has the request's tokenizer come first (elsewhere it is tokenised again)."""
         ready = [r for r in self.replicas if r.is_ready]
         if not ready:
             return None
+        same = [r for r in ready if r.tokenizer_fingerprint == tokenizer_fingerprint]
+        ready = same if tokenizer_fingerprint and same else ready
+        hashes: list[int] = []
         if self.routing == "round-robin":
-            chosen, hashes, hits = self._next_in_turn(ready), [], 0
+            chosen, hits = self._next_in_turn(ready), 0
         else:
             chosen, hashes, hits = self._by_prefix(ready, token_ids)
         chosen.live.add(request_id)

@@ -31,8 +31,10 @@ from common.messages import (
     SwapResult,
     TokenizedRequest,
 )
+from common.parallel_config import own_name, router_addr
 from services.scheduler.engine_core import EngineCore, ToDetokenizer, ToGateway, ToWorker
 from services.scheduler.engine_view import request_rows, stats
+from services.scheduler.replica_notices import NoticeBuilder
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +76,13 @@ class SchedulerActor(Actor):
     def __init__(self, config: Config) -> None:
         super().__init__(config)
         self.core = EngineCore(config, _Sockets(self))
+        self.worker_name = own_name(config, "worker")
+        # data parallelism: tell the router what this replica caches and holds
+        dp = config.data_parallel
+        self.notices = NoticeBuilder(dp.replica_index) if dp.data_parallel_size > 1 else None
         self.handlers.update(
             {
-                TokenizedRequest: self.core.add,
+                TokenizedRequest: self._on_tokenized,
                 StepResult: self.core.on_step_result,
                 GrammarCompiled: self.core.on_grammar_compiled,
                 Abort: self._on_abort,
@@ -96,23 +102,40 @@ class SchedulerActor(Actor):
         while not self.core.is_ready:  # the worker's Ready sizes the block pool
             await self.dispatch(await self.inbox.recv())
         self.ticker = asyncio.create_task(self._tick())
+        self._notify()
 
     async def stop(self) -> None:
         if self.ticker is not None:
             self.ticker.cancel()
 
+    @property
+    def inbox_name(self) -> str:
+        return own_name(self.config, "scheduler")
+
     def ready_info(self) -> dict[str, Any]:
         return self.core.served.info if self.core.served else {}
 
     def _on_ready(self, msg: Ready) -> None:
-        if msg.name == "worker":
+        if msg.name in ("worker", self.worker_name):  # (its Reset answer names it `worker`)
             self.core.on_worker_ready(msg.info)
+
+    def _on_tokenized(self, msg: TokenizedRequest) -> None:
+        if self.notices is not None:
+            self.notices.received(msg.request_id)
+        self.core.add(msg)
+
+    def _notify(self) -> None:
+        """Data parallelism: the router hears what changed (cached blocks, ended requests)."""
+        if self.notices is not None and (notice := self.notices.build(self.core)) is not None:
+            self.outbox(router_addr(self.config)).send(notice)
 
     def _on_process_down(self, msg: ProcessDown) -> None:
         """A peer died: its requests cannot finish. Fail them all with a retryable error and
         free their blocks; a new worker announces itself with Ready (a new pool). Any other
         process starts again from the start-up model: tell it which model is served (the
         message waits in our socket until it is up)."""
+        if msg.name == self.worker_name:  # this replica's worker (`worker-<i>` with several)
+            msg = ProcessDown(name="worker", exit_code=msg.exit_code)
         if msg.name in ("worker", "detokenizer", "gateway"):
             log.error("%s died (exit %d): failing the requests in flight", msg.name, msg.exit_code)
             why = f"the {msg.name} process restarted"
@@ -127,10 +150,13 @@ class SchedulerActor(Actor):
 
     def _on_stats_query(self, msg: StatsQuery) -> None:
         data = request_rows(self.core) if msg.what == "requests" else stats(self.core)
-        self.outbox(msg.reply_to).send(Stats(name=self.name, query_id=msg.query_id, data=data))
+        self.outbox(msg.reply_to).send(
+            Stats(name=self.inbox_name, query_id=msg.query_id, data=data)
+        )
 
     async def on_idle(self) -> None:
         self.core.step()
+        self._notify()
 
     async def _tick(self) -> None:
         """Deadlines (timeouts) and batch windows need time, not messages, to pass."""
@@ -139,3 +165,4 @@ class SchedulerActor(Actor):
             self.core.expire()
             if self.core.has_work:
                 self.core.step()
+            self._notify()

@@ -199,6 +199,8 @@ class EngineCore:
             info["num_blocks"],
             info["block_size"],
             enable_prefix_caching=self.config.cache.enable_prefix_caching,
+            # several replicas: the router hears which blocks each caches
+            track_hash_changes=self.config.data_parallel.data_parallel_size > 1,
         )
 
     def adopt(self, info: dict[str, Any]) -> None:

@@ -31,6 +31,7 @@ from common.messages import (
     TokenizeResult,
 )
 from common.model_facts import load_model_facts, tokenizer_fingerprint
+from common.parallel_config import engine_entry_addr
 from services.tokenizer.chat_template import load_chat_template, template_kwargs
 from services.tokenizer.sampling import bad_words_token_ids, fill_defaults, read_sampling_defaults
 from services.tokenizer.validate import (
@@ -109,7 +110,7 @@ class TokenizerActor(Actor):
     async def start(self) -> None:
         m = self.config.model
         self.model = startup_model(Path(m.model), m.max_model_len, m.generation_config)
-        self.scheduler = self.outbox(self.config.addr("scheduler"))
+        self.scheduler = self.outbox(engine_entry_addr(self.config))  # scheduler, or router
         self.gateway = self.outbox(self.config.addr("gateway"))
 
     def ready_info(self) -> dict[str, Any]:

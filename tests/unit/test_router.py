@@ -14,7 +14,13 @@ ROOT, BS = 1234, 4
 
 
 def _notice(replica: int, cached: list[int] = (), **kw: object) -> ReplicaNotice:  # type: ignore[assignment]
-    fields = {"is_ready": True, "cache_root": ROOT, "block_size": BS, "cached_hashes": list(cached)}
+    fields = {
+        "is_ready": True,
+        "cache_root": ROOT,
+        "block_size": BS,
+        "tokenizer_fingerprint": "tok",
+        "cached_hashes": list(cached),
+    }
     fields.update(kw)
     return ReplicaNotice(replica=replica, **fields)  # type: ignore[arg-type]
 
@@ -145,6 +151,13 @@ def test_round_robin_takes_ready_replicas_in_turn() -> None:
     router.on_notice(_notice(1, is_ready=False))
     picks = [router.route(f"r{i}", [*SYSTEM, i]) for i in range(4)]
     assert [p.replica for p in picks if p] == [0, 2, 0, 2]
+
+
+def test_mid_swap_the_requests_tokenizer_comes_first() -> None:
+    router = _router()
+    router.on_notice(_notice(1, tokenizer_fingerprint="new"))
+    assert router.route("a", [1] * 9, "new").replica == 1  # type: ignore[union-attr]
+    assert router.route("b", [1] * 9, "old").replica in (0, 1)  # type: ignore[union-attr]
 
 
 def test_unknown_routing_is_refused() -> None:

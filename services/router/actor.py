@@ -1,0 +1,108 @@
+"""The router process (data parallelism): tokenisers push every tokenised request here; it
+picks a replica (services/router/policy.py) and forwards the request to that replica's
+scheduler.
+
+Why a process of its own rather than a choice in each tokenizer: one router sees every
+decision it makes at once, so a burst is spread by the load it has just added (N tokenizers
+deciding apart would each see the same stale load), the replicas' notices go to one place
+instead of N, and tokenizers stay stateless. It costs one more local hop per request.
+
+    tokenizer ─TokenizedRequest─▶ router ─▶ scheduler-<i>
+                                    ▲  └─(no replica ready) RequestError 503 ─▶ gateway
+    scheduler-<i> ─ReplicaNotice────┘
+    supervisor ─ProcessDown(scheduler-<i>)─▶ router: its live requests fail (503, retry)
+
+Until some replica has said it is ready (start-up), requests wait here instead of failing.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from common.actor import Actor
+from common.config import Config
+from common.messages import (
+    ProcessDown,
+    ReplicaNotice,
+    RequestError,
+    Stats,
+    StatsQuery,
+    TokenizedRequest,
+)
+from common.parallel_config import replica_addrs, replica_name, router_addr
+from services.router.policy import Router
+
+log = logging.getLogger(__name__)
+
+
+class RouterActor(Actor):
+    name = "router"
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config, inbox_addr=router_addr(config))
+        dp = config.data_parallel
+        self.router = Router(dp.data_parallel_size, dp.dp_routing, dp.dp_load_bound)
+        self.names = [
+            replica_name("scheduler", i, dp.data_parallel_size)
+            for i in range(dp.data_parallel_size)
+        ]
+        self.parked: list[TokenizedRequest] = []  # before any replica was ever ready
+        self.was_ever_ready = False
+        self.handlers.update(
+            {
+                TokenizedRequest: self._on_request,
+                ReplicaNotice: self._on_notice,
+                ProcessDown: self._on_process_down,
+                StatsQuery: self._on_stats_query,
+            }
+        )
+
+    async def start(self) -> None:
+        self.replica_boxes = [self.outbox(a) for a in replica_addrs(self.config, "scheduler")]
+        self.gateway = self.outbox(self.config.addr("gateway"))
+
+    def ready_info(self) -> dict[str, Any]:
+        return {"num_replicas": len(self.replica_boxes), "routing": self.router.routing}
+
+    def _on_request(self, req: TokenizedRequest) -> None:
+        if not self.was_ever_ready:
+            self.parked.append(req)
+            return
+        decision = self.router.route(
+            req.request_id, req.prompt_token_ids, req.tokenizer_fingerprint
+        )
+        if decision is None:
+            self._fail(req.request_id, "no engine replica is ready (restarting)")
+            return
+        self.replica_boxes[decision.replica].send(req)
+
+    def _on_notice(self, msg: ReplicaNotice) -> None:
+        self.router.on_notice(msg)
+        if msg.is_ready and not self.was_ever_ready:
+            self.was_ever_ready = True
+            parked, self.parked = self.parked, []
+            for req in parked:
+                self._on_request(req)
+
+    def _on_process_down(self, msg: ProcessDown) -> None:
+        if msg.name not in self.names:
+            return  # a worker's death reaches us as its scheduler's notice
+        index = self.names.index(msg.name)
+        lost = self.router.on_replica_down(index)
+        log.error("%s died: routing around it; %d requests fail", msg.name, len(lost))
+        for request_id in lost:
+            self._fail(request_id, f"the {msg.name} process restarted")
+
+    def _fail(self, request_id: str, why: str) -> None:
+        self.gateway.send(
+            RequestError(
+                request_id=request_id,
+                status=503,
+                message=f"{why}; the request was not completed, retry it",
+            )
+        )
+
+    def _on_stats_query(self, msg: StatsQuery) -> None:
+        data = self.router.stats()
+        self.outbox(msg.reply_to).send(Stats(name=self.name, query_id=msg.query_id, data=data))
