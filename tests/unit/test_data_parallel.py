@@ -1,0 +1,182 @@
+"""Data parallelism's pieces with no processes: a replica's notices from a real EngineCore,
+the gateway's merge of every replica's answers, /metrics labelled by replica, the layout."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from common.config import Config, ConfigError
+from common.messages import SwapResult
+from common.parallel_config import (
+    engine_entry_addr,
+    replica_addrs,
+    replica_config,
+    replica_name,
+)
+from services.gateway.metrics import _SchedulerStats
+from services.gateway.replicas import merge_request_rows, merge_stats, merge_swap_results
+from services.scheduler.engine_core import EngineCore
+from services.scheduler.prefix_hash import prefix_hashes
+from services.scheduler.replica_notices import NoticeBuilder
+from tests.unit.test_engine_core import Outbox, _info, _request, _run
+
+
+def _dp_core() -> tuple[EngineCore, Outbox]:
+    out = Outbox()
+    config = Config().replace(
+        scheduler={"async_scheduling": False}, data_parallel={"data_parallel_size": 2}
+    )
+    core = EngineCore(config, out)
+    core.on_worker_ready(_info())
+    return core, out
+
+
+def test_notices_tell_cached_blocks_and_ended_requests() -> None:
+    core, out = _dp_core()
+    notices = NoticeBuilder(replica=1)
+    first = notices.build(core)
+    assert first is not None and first.reset and first.is_ready and first.replica == 1
+    assert notices.build(core) is None  # nothing changed
+    prompt = list(range(10, 23))  # 13 tokens, block size 4: 3 full blocks
+    notices.received("a")
+    core.add(_request("a", prompt=prompt))
+    _run(core, out)
+    notice = notices.build(core)
+    assert notice is not None and not notice.reset
+    assert notice.ended_request_ids == ["a"]
+    assert served_root(core) == notice.cache_root
+    assert list(prefix_hashes(notice.cache_root, prompt, 4)) == notice.cached_hashes[:3]
+
+
+def served_root(core: EngineCore) -> int:
+    assert core.served is not None
+    return core.served.root
+
+
+def test_a_rejected_request_is_reported_ended() -> None:
+    core, _ = _dp_core()
+    notices = NoticeBuilder(0)
+    notices.build(core)
+    notices.received("big")
+    core.add(_request("big", prompt=list(range(200))))  # longer than max_model_len
+    notice = notices.build(core)
+    assert notice is not None and notice.ended_request_ids == ["big"]
+
+
+def test_a_lost_worker_is_not_ready_then_a_new_pool_resets() -> None:
+    core, _ = _dp_core()
+    notices = NoticeBuilder(0)
+    notices.build(core)
+    notices.received("a")
+    core.add(_request("a"))
+    core.on_worker_down("the worker died")
+    down = notices.build(core)
+    assert down is not None and not down.is_ready and down.ended_request_ids == ["a"]
+    core.on_worker_ready(_info(boot_id="boot-2"))
+    up = notices.build(core)
+    assert up is not None and up.is_ready and up.reset
+
+
+def _stats(**kw: Any) -> dict[str, Any]:
+    return {
+        "ready": True,
+        "num_running": 1,
+        "num_waiting": 2,
+        "num_total_blocks": 10,
+        "num_used_blocks": 5,
+        "prefix_cache_queries": 100,
+        "prefix_cache_hits": 40,
+        "request_ids": ["a"],
+        "version": "v1",
+        "swap": None,
+        **kw,
+    }
+
+
+def test_stats_add_up_and_keep_each_replica() -> None:
+    merged = merge_stats(
+        {"scheduler-0": _stats(), "scheduler-1": _stats(num_used_blocks=0, request_ids=["b"])}, 2
+    )
+    assert merged["num_running"] == 2 and merged["prefix_cache_hits"] == 80
+    assert merged["kv_cache_usage"] == pytest.approx(5 / 20)
+    assert merged["request_ids"] == ["a", "b"] and merged["version"] == "v1"
+    assert [r["replica"] for r in merged["replicas"]] == [0, 1]
+
+
+def test_a_replica_that_does_not_answer_is_not_ready() -> None:
+    merged = merge_stats({"scheduler-1": _stats()}, 2)
+    assert merged["ready"] and merged["replicas"][0] == {"replica": 0, "ready": False}
+    assert merged["num_running"] == 1
+
+
+def test_listings_are_tagged_with_their_replica() -> None:
+    rows = merge_request_rows(
+        {
+            "scheduler-1": {"requests": [{"id": "b", "arrival_time": 1.0}]},
+            "scheduler-0": {"requests": [{"id": "a", "arrival_time": 2.0}]},
+        }
+    )["requests"]
+    assert [(r["id"], r["replica"]) for r in rows] == [("b", 1), ("a", 0)]
+
+
+def test_a_swap_succeeds_when_every_replica_swapped() -> None:
+    ok = SwapResult(ticket=1, ok=True, version="v2", previous_version="v1", duration_s=2.0)
+    bad = SwapResult(ticket=1, ok=False, error="no room")
+    assert merge_swap_results([ok, ok], 2).ok
+    assert merge_swap_results([ok, ok], 2).version == "v2"
+    both = merge_swap_results([ok, bad], 2)
+    assert not both.ok and "no room" in both.error
+    assert not merge_swap_results([ok], 2).ok
+
+
+def test_metrics_are_labelled_by_replica() -> None:
+    collector = _SchedulerStats(lambda: "m")
+    collector.update(merge_stats({"scheduler-0": _stats(), "scheduler-1": _stats()}, 2))
+    families = {f.name: f for f in collector.collect()}
+    hits = families["shuttle:prefix_cache_hits"]
+    assert [(s.labels["replica"], s.value) for s in hits.samples if s.name.endswith("_total")] == [
+        ("0", 40.0),
+        ("1", 40.0),
+    ]
+
+
+def test_one_replica_keeps_the_old_layout() -> None:
+    config = Config().replace(server={"run_dir": "/run"})
+    assert replica_name("scheduler", 0, 1) == "scheduler"
+    assert replica_addrs(config, "scheduler") == ["ipc:///run/scheduler.sock"]
+    assert engine_entry_addr(config) == "ipc:///run/scheduler.sock"
+
+
+def test_several_replicas_have_their_own_addresses() -> None:
+    config = Config().replace(server={"run_dir": "/run"}, data_parallel={"data_parallel_size": 2})
+    assert engine_entry_addr(config) == "ipc:///run/router.sock"
+    one = replica_config(config, 1)
+    assert one.addr("scheduler") == "ipc:///run/scheduler-1.sock"
+    assert one.addr("worker") == "ipc:///run/worker-1.sock"
+    assert one.data_parallel.replica_index == 1
+
+
+def test_explicit_addresses_must_name_every_replica() -> None:
+    config = Config().replace(
+        data_parallel={"data_parallel_size": 2, "scheduler_addrs": "tcp://s0:1,tcp://s1:1"}
+    )
+    assert replica_addrs(config, "scheduler") == ["tcp://s0:1", "tcp://s1:1"]
+    short = config.replace(data_parallel={"worker_addrs": "tcp://w0:1"})
+    with pytest.raises(ValueError):
+        replica_addrs(short, "worker")
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"data_parallel_size": 0},
+        {"dp_routing": "random"},
+        {"dp_load_bound": 0.5},
+        {"replica_index": 2, "data_parallel_size": 2},
+    ],
+)
+def test_bad_settings_fail_at_start_up(bad: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError):
+        Config().replace(data_parallel=bad)
