@@ -2,7 +2,8 @@
 transformers through batching, chunked prefill and prefix hits; requests that share a prefix
 land on one replica (more prefix hits than round-robin, from the per-replica counters); a
 cancel storm over both replicas; a hot-swap of both; a replica whose worker dies is routed
-around while the other serves on."""
+around while the other serves on. The drain swap and the killed worker are `slow` (they add
+~20 s on 2 cores): `make test-slow` runs them."""
 
 from __future__ import annotations
 
@@ -150,6 +151,7 @@ def test_a_cancel_storm_over_both_replicas_fails_nothing(smol: Server) -> None:
     assert all(r["num_steps"] > 0 for r in _stats(smol)["replicas"])  # both served
 
 
+@pytest.mark.slow  # a worker restart: ~12 s more on 2 cores (make test-slow)
 def test_a_dead_worker_is_routed_around(smol: Server) -> None:
     """Replica 1's worker is killed under load: its requests end with a retryable 503,
     replica 0's finish, new requests are served while it restarts, and it comes back."""
@@ -248,7 +250,7 @@ def test_shared_prefixes_land_on_one_replica(tiny: Server, models: dict[str, Pat
     assert all(q > 0 for q, _ in rr_delta.values())  # round-robin used both
 
 
-@pytest.mark.parametrize("mode", ["overlap", "drain"])
+@pytest.mark.parametrize("mode", ["overlap", pytest.param("drain", marks=pytest.mark.slow)])
 def test_a_swap_of_both_replicas_loses_no_request(
     tiny: Server, models: dict[str, Path], mode: str
 ) -> None:
