@@ -28,6 +28,7 @@ from common import codec
 from common.config import Config, ConfigError, add_flags, from_args
 from common.curve import CurveKeys, uses_curve
 from common.messages import Ping, Pong
+from common.parallel_config import router_addr
 
 
 def resolve_target(config: Config, target: str) -> str:
@@ -37,6 +38,8 @@ def resolve_target(config: Config, target: str) -> str:
     name, _, index = target.partition("-")
     if name == "tokenizer":
         return config.tokenizer_addrs()[int(index or 0)]
+    if name == "router":
+        return router_addr(config)
     return config.addr(name)
 
 

@@ -76,10 +76,10 @@ def replica_addrs(config: Config, base: str) -> list[str]:
     """Inbox of `base` (scheduler, worker) in each replica, by index."""
     dp = config.data_parallel
     explicit = _split(dp.scheduler_addrs if base == "scheduler" else dp.worker_addrs)
-    if explicit:
-        if len(explicit) != dp.data_parallel_size:
+    if explicit:  # (more than N: the first N, so one list serves every layout up to it)
+        if len(explicit) < dp.data_parallel_size:
             raise ValueError(f"--{base}-addrs names {len(explicit)}, not one per replica")
-        return explicit
+        return explicit[: dp.data_parallel_size]
     size = dp.data_parallel_size
     return [config.addr(replica_name(base, i, size)) for i in range(size)]
 

@@ -55,9 +55,13 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env | extra
 
 
-def compose_config(profile: str, interpolate: dict[str, str] | None = None) -> dict[str, Any]:
+def compose_config(
+    profile: str | list[str], interpolate: dict[str, str] | None = None
+) -> dict[str, Any]:
     """The resolved compose model: from `docker compose config` when the binary runs here,
-    else from the YAML with anchors, merge keys and ${VAR:-default} resolved the same way."""
+    else from the YAML with anchors, merge keys and ${VAR:-default} resolved the same way.
+    `profile`: one profile, or several (the data-parallel layouts add one to cpu or gpu)."""
+    profiles = [profile] if isinstance(profile, str) else profile
     env = clean_env(**(interpolate or {}))
     binary = compose_binary()
     if binary is not None:
@@ -66,8 +70,7 @@ def compose_config(profile: str, interpolate: dict[str, str] | None = None) -> d
                 str(binary),
                 "-f",
                 str(COMPOSE_FILE),
-                "--profile",
-                profile,
+                *(arg for p in profiles for arg in ("--profile", p)),
                 "config",
                 "--format",
                 "json",
@@ -85,7 +88,7 @@ def compose_config(profile: str, interpolate: dict[str, str] | None = None) -> d
     raw["services"] = {
         n: s
         for n, s in raw["services"].items()
-        if not s.get("profiles") or profile in s["profiles"]
+        if not s.get("profiles") or set(profiles) & set(s["profiles"])
     }
     return raw
 

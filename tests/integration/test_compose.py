@@ -4,6 +4,7 @@ pass their own health checks, and refuse a process that lacks the CURVE keys."""
 
 from __future__ import annotations
 
+import argparse
 import signal
 import subprocess
 import threading
@@ -16,6 +17,8 @@ import openai
 import orjson
 import pytest
 
+from common.config import Config, from_args
+from common.parallel_config import engine_entry_addr, replica_addrs, router_addr
 from common.prepare_model import cache_root
 from tests.compose_harness import (
     COMPOSE_FILE,
@@ -68,6 +71,42 @@ def test_docker_compose_accepts_the_file(profile: str) -> None:
     assert PROCESSES - {"gateway"} <= set(services["gateway"]["depends_on"])
     devices = services[worker].get("deploy", {}).get("resources", {}).get("reservations", {})
     assert bool(devices.get("devices")) == (profile == "gpu")  # the CPU profile needs no GPU
+
+
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_the_data_parallel_layout_is_one_set_of_replicas(profile: str) -> None:
+    """The dp2-* profile adds the router and replica 1; every process's config (from its
+    environment, as it starts) agrees on where each replica's scheduler and worker are."""
+    profiles = [profile, f"dp2-{profile}"]
+    out = subprocess.run(
+        [str(_binary()), "-f", str(COMPOSE_FILE), "--profile", profiles[0], "--profile",
+         profiles[1], "config", "--quiet"],
+        capture_output=True, text=True, env=clean_env(SHUTTLE_DATA_PARALLEL_SIZE="2"), timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    services = compose_config(profiles, {"SHUTTLE_DATA_PARALLEL_SIZE": "2"})["services"]
+    worker, worker_1 = (
+        ("worker", "worker-1") if profile == "gpu" else ("worker-cpu", "worker-cpu-1")
+    )
+    assert set(services) == PROCESSES | ONE_OFFS | {worker, worker_1, "router", "scheduler-1"}
+
+    def config_of(name: str) -> Config:
+        env = {k: str(v) for k, v in services[name]["environment"].items() if v is not None}
+        return from_args(argparse.Namespace(), env)
+
+    gateway = config_of("gateway")
+    schedulers = replica_addrs(gateway, "scheduler")
+    workers = replica_addrs(gateway, "worker")
+    assert len(set(schedulers)) == len(set(workers)) == 2
+    for i, (sched, work) in enumerate(((["scheduler"], [worker]), (["scheduler-1"], [worker_1]))):
+        for name in (*sched, *work):
+            own = config_of(name)
+            assert own.data_parallel.replica_index == i, name
+            assert (own.addr("scheduler"), own.addr("worker")) == (schedulers[i], workers[i])
+    for name in ("tokenizer-0", "router"):
+        assert engine_entry_addr(config_of(name)) == router_addr(gateway)
+    if profile == "cpu":  # reachable as tcp://worker-1 in either profile
+        assert "worker-1" in services[worker_1]["networks"]["default"]["aliases"]
 
 
 def test_docker_compose_rejects_a_broken_file(tmp_path: Path) -> None:
