@@ -148,7 +148,8 @@ class GatewayActor(Actor):
 
     def _on_process_down(self, msg: ProcessDown) -> None:
         """The scheduler or detokenizer holds every request's state: fail them all. A
-        tokenizer held only requests not yet scheduled: fail those with no output yet. (The
+        tokenizer (or the router) held only requests not yet scheduled: fail those with no
+        output yet. (The
         scheduler fails the requests of a dead worker itself.) With several replicas, one
         replica's worker or scheduler: the others serve on; the router fails the requests
         a dead scheduler held, its scheduler those of a dead worker."""
@@ -159,7 +160,7 @@ class GatewayActor(Actor):
             self.engine.on_model_lost()
         if msg.name in ("scheduler", "detokenizer"):
             n = self.engine.fail_all(f"the {msg.name} process restarted")
-        elif msg.name.startswith("tokenizer"):
+        elif msg.name.startswith("tokenizer") or msg.name == "router":
             n = self.engine.fail_all(f"the {msg.name} process restarted", only_waiting=True)
         else:
             return

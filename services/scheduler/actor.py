@@ -134,6 +134,10 @@ class SchedulerActor(Actor):
         free their blocks; a new worker announces itself with Ready (a new pool). Any other
         process starts again from the start-up model: tell it which model is served (the
         message waits in our socket until it is up)."""
+        if msg.name == "router":  # a new router: tell it everything again
+            if self.notices is not None:
+                self.notices.resync()
+            return
         if msg.name == self.worker_name:  # this replica's worker (`worker-<i>` with several)
             msg = ProcessDown(name="worker", exit_code=msg.exit_code)
         if msg.name in ("worker", "detokenizer", "gateway"):

@@ -146,6 +146,10 @@ class BlockManager:
                 if self._hash_changes is not None:
                     self._hash_changes[h] = True
 
+    def cached_hashes(self) -> list[int]:
+        """Hashes of every block the prefix cache can match now (a full resync)."""
+        return list(self._by_hash)
+
     def drain_hash_changes(self) -> tuple[list[int], list[int]]:
         """(hashes cached, hashes evicted) since the last call; each hash in at most one."""
         changes = self._hash_changes

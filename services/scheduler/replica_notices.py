@@ -21,6 +21,10 @@ class NoticeBuilder:
     def received(self, request_id: str) -> None:
         self._received.add(request_id)
 
+    def resync(self) -> None:
+        """A new router knows nothing: the next notice resets and tells everything."""
+        self._blocks, self._was_ready = None, None
+
     def build(self, core: EngineCore) -> ReplicaNotice | None:
         """The notice for what changed since the last one, or None when nothing did."""
         policy, served = core.policy, core.served
@@ -29,6 +33,8 @@ class NoticeBuilder:
         reset = blocks is not self._blocks
         self._blocks = blocks
         cached, evicted = blocks.drain_hash_changes() if blocks is not None else ([], [])
+        if reset and blocks is not None:  # a new pool, or a new router: all it holds
+            cached, evicted = blocks.cached_hashes(), []
         ended = [rid for rid in self._received if rid not in core.groups]
         self._received.difference_update(ended)
         root = served.root if served is not None else 0

@@ -59,13 +59,15 @@ def _hits_by_replica(server: Server) -> dict[str, tuple[float, float]]:
     return {r: (v.get("queries", 0.0), v.get("hits", 0.0)) for r, v in sorted(found.items())}
 
 
-def _worker_pid(server: Server, replica: int) -> int:
-    for module, pid in server.children():
-        if module == "gpu_worker":
+def _pid_of(server: Server, module: str, replica: int | None = None) -> int:
+    for name, pid in server.children():
+        if name == module:
+            if replica is None:
+                return pid
             argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
             if any(a.endswith(f"config-replica-{replica}.json") for a in argv):
                 return pid
-    raise AssertionError(f"no worker of replica {replica}")
+    raise AssertionError(f"no {module} of replica {replica}")
 
 
 # SmolLM2, two replicas, a token budget that chunks every long prompt ------------------------
@@ -151,10 +153,12 @@ def test_a_cancel_storm_over_both_replicas_fails_nothing(smol: Server) -> None:
     assert all(r["num_steps"] > 0 for r in _stats(smol)["replicas"])  # both served
 
 
-@pytest.mark.slow  # a worker restart: ~12 s more on 2 cores (make test-slow)
-def test_a_dead_worker_is_routed_around(smol: Server) -> None:
-    """Replica 1's worker is killed under load: its requests end with a retryable 503,
-    replica 0's finish, new requests are served while it restarts, and it comes back."""
+@pytest.mark.slow  # a restart: ~12 s more on 2 cores (make test-slow)
+@pytest.mark.parametrize("module", ["gpu_worker", "services.scheduler"])
+def test_a_dead_replica_is_routed_around(smol: Server, module: str) -> None:
+    """Replica 1's worker (or scheduler) is killed under load: its requests end with a
+    retryable 503, replica 0's finish, new requests are served while it restarts, and it
+    comes back."""
     wait_until(lambda: _idle(smol), 60, "both replicas idle")
     results: list[tuple[int, str]] = []
 
@@ -172,7 +176,7 @@ def test_a_dead_worker_is_routed_around(smol: Server) -> None:
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(one, i) for i in range(6)]
         wait_until(decoding, 120, "requests decoding on both replicas", 0.01)
-        os.kill(_worker_pid(smol, 1), signal.SIGKILL)
+        os.kill(_pid_of(smol, module, 1), signal.SIGKILL)
         for f in futures:
             f.result()
         served = [_complete_text(smol, f"Meanwhile {i}:") for i in range(3)]
@@ -181,6 +185,20 @@ def test_a_dead_worker_is_routed_around(smol: Server) -> None:
     assert all(f == "length" for s, f in results if s == 200), results
     assert all(served), "the other replica stopped serving"
     wait_until(lambda: _idle(smol), 180, "replica 1 back, every block free")
+
+
+@pytest.mark.slow
+def test_a_new_router_learns_the_replicas_again(smol: Server) -> None:
+    """The router is killed: the supervisor starts another, the schedulers tell it what
+    they hold, and requests are routed again (and to where their prefix is cached)."""
+    wait_until(lambda: _idle(smol), 60, "both replicas idle")
+    prompt = "Shared: " + "the same long preamble, " * 20
+    assert _complete_text(smol, prompt + "first")
+    os.kill(_pid_of(smol, "services.router"), signal.SIGKILL)
+    before = _stats(smol)["prefix_cache_hits"]
+    assert _complete_text(smol, prompt + "second")
+    assert _stats(smol)["prefix_cache_hits"] > before  # routed to where the prefix was
+    wait_until(lambda: _idle(smol), 60, "both replicas idle")
 
 
 def _complete_text(server: Server, prompt: str) -> bool:

@@ -50,6 +50,21 @@ def test_notices_tell_cached_blocks_and_ended_requests() -> None:
     assert list(prefix_hashes(notice.cache_root, prompt, 4)) == notice.cached_hashes[:3]
 
 
+def test_a_new_router_hears_everything_again() -> None:
+    core, out = _dp_core()
+    notices = NoticeBuilder(0)
+    notices.build(core)
+    core.add(_request("a", prompt=list(range(10, 23))))
+    _run(core, out)
+    told = notices.build(core)
+    assert told is not None and len(told.cached_hashes) == 3
+    assert notices.build(core) is None
+    notices.resync()
+    again = notices.build(core)
+    assert again is not None and again.reset and again.is_ready
+    assert sorted(again.cached_hashes) == sorted(told.cached_hashes)
+
+
 def served_root(core: EngineCore) -> int:
     assert core.served is not None
     return core.served.root

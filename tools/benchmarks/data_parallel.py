@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import shlex
 import sys
@@ -52,9 +53,12 @@ def _stats(url: str) -> dict[str, Any]:
     return dict(r.json())
 
 
-def run_one(routing: str, args: argparse.Namespace, wl: Workload) -> dict[str, Any]:
+def run_one(
+    routing: str, args: argparse.Namespace, wl: Workload, load_bound: float = 1.25
+) -> dict[str, Any]:
     flags = [
         "--data-parallel-size", "2", "--dp-routing", routing, "--admin-token", TOKEN,
+        "--dp-load-bound", str(load_bound),
         "--num-threads", str(args.threads), "--kv-cache-memory", str(args.kv_cache_memory),
         *shlex.split(args.server_flags),
     ]  # fmt: skip
@@ -76,6 +80,7 @@ def run_one(routing: str, args: argparse.Namespace, wl: Workload) -> dict[str, A
     ]
     return {
         "routing": routing,
+        "load_bound": load_bound if routing == "prefix" else None,
         "server_flags": " ".join(flags),
         "prefix_hit_rate": stats["prefix_cache_hits"] / max(1, stats["prefix_cache_queries"]),
         "replicas": replicas,
@@ -83,6 +88,33 @@ def run_one(routing: str, args: argparse.Namespace, wl: Workload) -> dict[str, A
         "request_throughput": summary["request_throughput"],
         "requests": per_request(timings),
     }
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The docs/benchmarks.md table of one sitting."""
+    w = result["workload"]
+    load = result.get("load_before"), result.get("load_after")
+    text = (
+        f"{w['num_users']} requests, each one of {w['num_systems']} system prompts of "
+        f"{w['system_len']} tokens (random ids, seed {w['seed']}) and {w['user_len']} tokens "
+        f"of its own, {w['output_len']} output tokens; {w['concurrency'] or 'all'} in flight "
+        f"at a time; 2 replicas of SmolLM2 fp32, {w['threads']} thread each, "
+        f"{w['kv_cache_memory']} GiB of KV each; load average before/after "
+        f"{load[0][0] if load[0] else '?'} / {load[1][0] if load[1] else '?'}.\n\n"
+        "| routing | prefix hit rate | hits per replica (tokens) | TTFT p50 | TTFT p90 | "
+        "E2E p50 | failed |\n|---|---|---|---|---|---|---|\n"
+    )
+    for run in result["runs"]:
+        name = run["routing"] + (
+            f" (bound {run['load_bound']:g})" if run.get("load_bound") is not None else ""
+        )
+        hits = " / ".join(f"{r['prefix_cache_hits']}" for r in run["replicas"])
+        text += (
+            f"| {name} | {run['prefix_hit_rate']:.1%} | {hits} | "
+            f"{run['ttft_s']['median'] * 1e3:.0f} ms | {run['ttft_s']['p90'] * 1e3:.0f} ms | "
+            f"{run['e2e_s']['median'] * 1e3:.0f} ms | {run['failed']} |\n"
+        )
+    return text
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -103,6 +135,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--server-flags", default="", help="more flags for both servers")
     p.add_argument("--routings", default="prefix,round-robin")
+    p.add_argument(
+        "--load-bounds", default="1.25", help="comma list: one prefix-routing run per bound"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="")
     return p.parse_args(argv)
@@ -113,18 +148,19 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = prepare_default_model()
     vocab = orjson.loads((Path(model_dir) / "config.json").read_bytes())["vocab_size"]
     wl = shared_prefix_workload(args, vocab)
-    runs = [run_one(r, args, wl) for r in args.routings.split(",")]
-    for run in runs:
-        ttft = run["ttft_s"]
-        print(
-            f"{run['routing']:>12}: prefix hit rate {run['prefix_hit_rate']:.1%}  "
-            f"TTFT p50 {ttft['median'] * 1e3:.0f} ms p90 {ttft['p90'] * 1e3:.0f} ms  "
-            f"E2E p50 {run['e2e_s']['median'] * 1e3:.0f} ms  failed {run['failed']}  "
-            f"per replica (queries, hits, preemptions) "
-            f"{[tuple(r.values())[1:] for r in run['replicas']]}"
-        )
+    load_before = os.getloadavg()
+    runs = []
+    for routing in args.routings.split(","):
+        bounds = args.load_bounds.split(",") if routing == "prefix" else ["1.25"]
+        runs += [run_one(routing, args, wl, float(b)) for b in bounds]
+    result = {
+        "workload": vars(args),
+        "load_before": load_before,
+        "load_after": os.getloadavg(),
+        "runs": runs,
+    }
+    print(markdown(result))
     if args.json:
-        result = {"workload": vars(args), "runs": runs}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
     return 0 if all(r["failed"] == 0 for r in runs) else 1

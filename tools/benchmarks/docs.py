@@ -175,6 +175,16 @@ def parity() -> dict[str, Any]:
     return result
 
 
+def data_parallel() -> dict[str, Any]:
+    """2 replicas: prefix routing (bounds 1.25 and 2) against round-robin, one sitting."""
+    from tools.benchmarks import data_parallel as dp
+
+    out = OUT / "data_parallel.json"
+    dp.main(["--load-bounds", "1.25,2", "--json", str(out)])
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
 STEPS: dict[str, Callable[[], dict[str, Any]]] = {
     "step": step_times,
     "mixed": mixed,
@@ -183,6 +193,7 @@ STEPS: dict[str, Callable[[], dict[str, Any]]] = {
     "synthetic": synthetic,
     "parity": parity,
     "peers": peers,
+    "data_parallel": data_parallel,
 }
 
 

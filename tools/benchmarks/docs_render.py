@@ -333,6 +333,23 @@ def _peers(out: Path, loads: dict[str, Any]) -> str:
     )
 
 
+def _data_parallel(out: Path) -> str:
+    r = _load(out, "data_parallel")
+    if r is None:
+        return ""
+    from tools.benchmarks.data_parallel import markdown
+
+    return (
+        "## Data parallelism: prefix-aware routing against round-robin\n\n"
+        "`python -m tools.benchmarks.data_parallel --load-bounds 1.25,2 --json "
+        "docs/bench/data_parallel.json` (or `--only data_parallel` here): "
+        "`--data-parallel-size 2`, the same shared-prefix workload once per routing.\n\n"
+        + markdown(r)
+        + "\n"
+        + _note(out, "data_parallel")
+    )
+
+
 def render(out: Path) -> str:
     loads = json.loads((out / "load.json").read_text()) if (out / "load.json").is_file() else {}
     head = (
@@ -358,6 +375,7 @@ def render(out: Path) -> str:
         + _scheduling(out)
         + _synthetic(out, loads)
         + _speculative(out)
+        + _data_parallel(out)
         + _parity(out)
         + _note(out, "soak")
     )
