@@ -1,9 +1,12 @@
 """Data parallelism on the real processes (--data-parallel-size 2): greedy parity with
 transformers through batching, chunked prefill and prefix hits; requests that share a prefix
 land on one replica (more prefix hits than round-robin, from the per-replica counters); a
-cancel storm over both replicas; a hot-swap of both; a replica whose worker dies is routed
-around while the other serves on. The drain swap and the killed worker are `slow` (they add
-~20 s on 2 cores): `make test-slow` runs them."""
+cancel storm over both replicas; a hot-swap of both; a replica whose worker or scheduler
+dies, or the router, is routed around or replaced while the other replica serves on.
+
+The default suite runs on a tiny random model (one server, plus a round-robin one to
+compare): ~50 s on 2 cores. `make test-slow` adds the drain swap and, on the default model,
+its parity and the killed processes."""
 
 from __future__ import annotations
 
@@ -70,7 +73,100 @@ def _pid_of(server: Server, module: str, replica: int | None = None) -> int:
     raise AssertionError(f"no {module} of replica {replica}")
 
 
-# SmolLM2, two replicas, a token budget that chunks every long prompt ------------------------
+# tiny models (the default suite): parity, a cancel storm, routing against round-robin, and
+# a hot-swap of both replicas (it changes the served model: last) ---------------------
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:  # type: ignore[no-untyped-def]
+    root = tmp_path_factory.mktemp("dp-models")
+    return {
+        "a": make_tiny_model(root / "tiny-a", "llama", seed=1),
+        "b": make_tiny_model(root / "tiny-b", "llama", seed=2),
+        "c": make_tiny_model(root / "tiny-c", "llama", num_layers=3, seed=3),
+        "root": root,
+    }
+
+
+def _tiny_flags(models: dict[str, Path], routing: str) -> tuple[str, ...]:
+    return (*DP, "--model", str(models["a"]), "--model-root", str(models["root"]),
+            "--dp-routing", routing, "--max-num-seqs", "32",
+            "--max-num-batched-tokens", "32")  # fmt: skip
+
+
+SYSTEMS = [f"System prompt {k}: " + f"you answer as persona {k}, briefly. " * 12 for k in "ABC"]
+
+
+def _shared_prefix_hit_rate(server: Server) -> tuple[float, dict[str, tuple[float, float]]]:
+    """12 requests, one at a time, over 3 system prompts (A B C A B C ...): the prefix-cache
+    hit rate, in tokens, from the per-replica counters."""
+    before = _hits_by_replica(server)
+    for i in range(12):
+        body = {"model": server.model, "prompt": SYSTEMS[i % 3] + f"User {i}: hi", "max_tokens": 2}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+    after = _hits_by_replica(server)
+    delta = {
+        k: (q - before.get(k, (0.0, 0.0))[0], h - before.get(k, (0.0, 0.0))[1])
+        for k, (q, h) in after.items()
+    }
+    queries = sum(q for q, _ in delta.values())
+    return sum(h for _, h in delta.values()) / max(1.0, queries), delta
+
+
+@pytest.fixture(scope="module")
+def tiny(models):  # type: ignore[no-untyped-def]
+    with running_server(*_tiny_flags(models, "prefix")) as s:
+        yield s
+
+
+def test_parity_batched_chunked_and_from_the_prefix_cache(
+    tiny: Server, models: dict[str, Path]
+) -> None:
+    _check_parity(tiny, models["a"])
+
+
+def test_a_cancel_storm_over_both_replicas_fails_nothing(tiny: Server) -> None:
+    _cancel_storm(tiny)
+
+
+def test_shared_prefixes_land_on_one_replica(tiny: Server, models: dict[str, Path]) -> None:
+    prefix_rate, prefix_delta = _shared_prefix_hit_rate(tiny)
+    with running_server(*_tiny_flags(models, "round-robin")) as rr:
+        rr_rate, rr_delta = _shared_prefix_hit_rate(rr)
+    print(f"\nprefix hit rate: prefix routing {prefix_rate:.3f} {prefix_delta}")
+    print(f"prefix hit rate: round-robin {rr_rate:.3f} {rr_delta}")
+    # every repeat of a system prompt went where it was cached: 9 of 12 requests hit
+    # (round-robin: each prompt is cold on both replicas, 6 of 12)
+    assert prefix_rate > rr_rate
+    assert all(q > 0 for q, _ in rr_delta.values())  # round-robin used both
+
+
+@pytest.mark.parametrize("mode", ["overlap", pytest.param("drain", marks=pytest.mark.slow)])
+def test_a_swap_of_both_replicas_loses_no_request(
+    tiny: Server, models: dict[str, Path], mode: str
+) -> None:
+    before = _stats(tiny)["version"]
+    target = models["b"] if mode == "overlap" else models["c"]
+    refs = {before: models["a"] if mode == "overlap" else models["b"], f"v-{mode}": target}
+    outs, result = _swap_under_load(tiny, target, mode, f"v-{mode}")
+    assert result["returncode"] == 0 and result["ok"], result
+    assert result["version"] == f"v-{mode}"
+    for (text, finish, version), prompt in zip(outs, _prompts(), strict=True):
+        assert finish == "length" and version in refs, (finish, version)
+        assert text == _reference(refs[version], prompt), (prompt, version)
+    stats = _stats(tiny)
+    assert [r["version"] for r in stats["replicas"]] == [f"v-{mode}"] * 2
+    wait_until(lambda: _idle(tiny), 60, "both replicas idle, every block free")
+
+
+def _prompts() -> list[str]:
+    from tests.integration.test_swap import PROMPTS
+
+    return PROMPTS
+
+
+# SmolLM2 (slow tests): two replicas, a token budget that chunks every long prompt ---------
 
 
 @pytest.fixture(scope="module")
@@ -79,32 +175,34 @@ def smol():  # type: ignore[no-untyped-def]
         yield s
 
 
-@pytest.fixture(scope="module")
-def prompts_and_expected() -> tuple[list[list[int]], list[list[int]]]:
+def _check_parity(server: Server, model_dir: Path) -> None:
+    """4 prompts (one of > 100 tokens: chunked by the 32-token budget) all at once (batched,
+    over both replicas), then again one by one (from the prefix cache): transformers'
+    greedy tokens each time."""
     from transformers import AutoTokenizer
 
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [tok.encode(t) for t in TEXTS[::2]]
+    expected = [hf_greedy(model_dir, p, NUM_NEW) for p in prompts]
+    with server.client(timeout=900) as client:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(lambda p: _complete(client, server.model, p), prompts))
+        assert together == expected
+        before = _stats(server)["prefix_cache_hits"]
+        again = [_complete(client, server.model, p) for p in prompts]
+        assert again == expected
+    assert _stats(server)["prefix_cache_hits"] > before
+    wait_until(lambda: _idle(server), 60, "both replicas idle, every block free")
+
+
+@pytest.mark.slow  # the default model's parity (the tiny model's is in the default suite)
+def test_parity_on_the_default_model(smol: Server) -> None:
     from common.prepare_model import prepare_default_model
 
-    model_dir = prepare_default_model()
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    prompts = [tok.encode(t) for t in TEXTS[::2]]  # 4 prompts, one of > 100 tokens
-    return prompts, [hf_greedy(model_dir, p, NUM_NEW) for p in prompts]
+    _check_parity(smol, prepare_default_model())
 
 
-def test_parity_batched_chunked_and_from_the_prefix_cache(smol: Server, prompts_and_expected):  # type: ignore[no-untyped-def]
-    prompts, expected = prompts_and_expected
-    with smol.client(timeout=900) as client:
-        with ThreadPoolExecutor(len(prompts)) as pool:  # together: batched, both replicas
-            together = list(pool.map(lambda p: _complete(client, smol.model, p), prompts))
-        assert together == expected
-        before = _stats(smol)["prefix_cache_hits"]
-        again = [_complete(client, smol.model, p) for p in prompts]  # now from the cache
-        assert again == expected
-    assert _stats(smol)["prefix_cache_hits"] > before
-    wait_until(lambda: _idle(smol), 60, "both replicas idle, every block free")
-
-
-def test_a_cancel_storm_over_both_replicas_fails_nothing(smol: Server) -> None:
+def _cancel_storm(server: Server) -> None:
     rng = random.Random(15)
 
     async def run() -> dict[str, list[str]]:
@@ -114,9 +212,9 @@ def test_a_cancel_storm_over_both_replicas_fails_nothing(smol: Server) -> None:
         async def one(c: httpx.AsyncClient, i: int) -> None:
             rid, fin = f"storm-{i}", []
             body = {
-                "model": smol.model,
+                "model": server.model,
                 "prompt": f"Fact {i}: the river",
-                "max_tokens": 16,
+                "max_tokens": 64,
                 "ignore_eos": True,
                 "stream": True,
             }
@@ -139,7 +237,7 @@ def test_a_cancel_storm_over_both_replicas_fails_nothing(smol: Server) -> None:
                 await asyncio.sleep(0)
             await c.post(f"/admin/cancel/storm-{i}", headers=ADMIN)
 
-        async with httpx.AsyncClient(base_url=smol.url, timeout=600) as c:
+        async with httpx.AsyncClient(base_url=server.url, timeout=600) as c:
             doomed = rng.sample(range(40), 20)
             await asyncio.gather(*(one(c, i) for i in range(40)), *(cancel(c, i) for i in doomed))
         return finishes
@@ -149,8 +247,8 @@ def test_a_cancel_storm_over_both_replicas_fails_nothing(smol: Server) -> None:
     for rid, fin in finishes.items():
         assert fin in (["length"], ["cancelled"]), (rid, fin)
     assert any(f == ["cancelled"] for f in finishes.values())
-    wait_until(lambda: _idle(smol), 60, "both replicas idle, every block free")
-    assert all(r["num_steps"] > 0 for r in _stats(smol)["replicas"])  # both served
+    wait_until(lambda: _idle(server), 60, "both replicas idle, every block free")
+    assert all(r["num_steps"] > 0 for r in _stats(server)["replicas"])  # both served
 
 
 @pytest.mark.slow  # a restart: ~12 s more on 2 cores (make test-slow)
@@ -163,7 +261,12 @@ def test_a_dead_replica_is_routed_around(smol: Server, module: str) -> None:
     results: list[tuple[int, str]] = []
 
     def one(i: int) -> None:
-        body = {"model": smol.model, "prompt": f"Story {i}:", "max_tokens": 96, "ignore_eos": True}
+        body = {
+            "model": smol.model,
+            "prompt": f"Story {i}:",
+            "max_tokens": 96,
+            "ignore_eos": True,
+        }
         r = httpx.post(smol.url + "/v1/completions", json=body, timeout=300)
         finish = r.json()["choices"][0]["finish_reason"] if r.status_code == 200 else ""
         results.append((r.status_code, finish))
@@ -209,84 +312,3 @@ def _complete_text(server: Server, prompt: str) -> bool:
             return True
         assert r.status_code == 503, r.text
     return False
-
-
-# tiny models: routing against round-robin, and a hot-swap of both replicas ---------------------
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, Path]:  # type: ignore[no-untyped-def]
-    root = tmp_path_factory.mktemp("dp-models")
-    return {
-        "a": make_tiny_model(root / "tiny-a", "llama", seed=1),
-        "b": make_tiny_model(root / "tiny-b", "llama", seed=2),
-        "c": make_tiny_model(root / "tiny-c", "llama", num_layers=3, seed=3),
-        "root": root,
-    }
-
-
-def _tiny_flags(models: dict[str, Path], routing: str) -> tuple[str, ...]:
-    return (*DP, "--model", str(models["a"]), "--model-root", str(models["root"]),
-            "--dp-routing", routing, "--max-num-seqs", "32")  # fmt: skip
-
-
-SYSTEMS = [f"System prompt {k}: " + f"you answer as persona {k}, briefly. " * 12 for k in "ABC"]
-
-
-def _shared_prefix_hit_rate(server: Server) -> tuple[float, dict[str, tuple[float, float]]]:
-    """12 requests, one at a time, over 3 system prompts (A B C A B C ...): the prefix-cache
-    hit rate, in tokens, from the per-replica counters."""
-    before = _hits_by_replica(server)
-    for i in range(12):
-        body = {"model": server.model, "prompt": SYSTEMS[i % 3] + f"User {i}: hi", "max_tokens": 2}
-        r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
-        assert r.status_code == 200, r.text
-    after = _hits_by_replica(server)
-    delta = {
-        k: (q - before.get(k, (0.0, 0.0))[0], h - before.get(k, (0.0, 0.0))[1])
-        for k, (q, h) in after.items()
-    }
-    queries = sum(q for q, _ in delta.values())
-    return sum(h for _, h in delta.values()) / max(1.0, queries), delta
-
-
-@pytest.fixture(scope="module")
-def tiny(models):  # type: ignore[no-untyped-def]
-    with running_server(*_tiny_flags(models, "prefix")) as s:
-        yield s
-
-
-def test_shared_prefixes_land_on_one_replica(tiny: Server, models: dict[str, Path]) -> None:
-    prefix_rate, prefix_delta = _shared_prefix_hit_rate(tiny)
-    with running_server(*_tiny_flags(models, "round-robin")) as rr:
-        rr_rate, rr_delta = _shared_prefix_hit_rate(rr)
-    print(f"\nprefix hit rate: prefix routing {prefix_rate:.3f} {prefix_delta}")
-    print(f"prefix hit rate: round-robin {rr_rate:.3f} {rr_delta}")
-    # every repeat of a system prompt went where it was cached: 9 of 12 requests hit
-    # (round-robin: each prompt is cold on both replicas, 6 of 12)
-    assert prefix_rate > rr_rate
-    assert all(q > 0 for q, _ in rr_delta.values())  # round-robin used both
-
-
-@pytest.mark.parametrize("mode", ["overlap", pytest.param("drain", marks=pytest.mark.slow)])
-def test_a_swap_of_both_replicas_loses_no_request(
-    tiny: Server, models: dict[str, Path], mode: str
-) -> None:
-    before = _stats(tiny)["version"]
-    target = models["b"] if mode == "overlap" else models["c"]
-    refs = {before: models["a"] if mode == "overlap" else models["b"], f"v-{mode}": target}
-    outs, result = _swap_under_load(tiny, target, mode, f"v-{mode}")
-    assert result["returncode"] == 0 and result["ok"], result
-    assert result["version"] == f"v-{mode}"
-    for (text, finish, version), prompt in zip(outs, _prompts(), strict=True):
-        assert finish == "length" and version in refs, (finish, version)
-        assert text == _reference(refs[version], prompt), (prompt, version)
-    stats = _stats(tiny)
-    assert [r["version"] for r in stats["replicas"]] == [f"v-{mode}"] * 2
-    wait_until(lambda: _idle(tiny), 60, "both replicas idle, every block free")
-
-
-def _prompts() -> list[str]:
-    from tests.integration.test_swap import PROMPTS
-
-    return PROMPTS
