@@ -146,9 +146,11 @@ def test_shared_prefixes_land_on_one_replica(tiny: Server, models: dict[str, Pat
 def test_a_swap_of_both_replicas_loses_no_request(
     tiny: Server, models: dict[str, Path], mode: str
 ) -> None:
-    before = _stats(tiny)["version"]
+    stats = _stats(tiny)
+    before, serving = stats["version"], Path(stats["model"]["model_path"])  # (a, or b after
+    # the overlap swap)
     target = models["b"] if mode == "overlap" else models["c"]
-    refs = {before: models["a"] if mode == "overlap" else models["b"], f"v-{mode}": target}
+    refs = {before: serving, f"v-{mode}": target}
     outs, result = _swap_under_load(tiny, target, mode, f"v-{mode}")
     assert result["returncode"] == 0 and result["ok"], result
     assert result["version"] == f"v-{mode}"
