@@ -193,47 +193,6 @@ def _call_of(item: Any, plan: ToolPlan) -> ToolCall | None:
     return ToolCall(item["name"], orjson.dumps(arguments).decode())
 
 
-class ToolStream:
-    """One streamed choice's text with tool calls taken out: text that cannot be part of a
-    call is passed on as it comes; from a possible call on (hermes: a `<tool_call>` tag, or
-    a prefix of one; json: everything), text is held until the end, then parsed."""
-
-    def __init__(self, plan: ToolPlan) -> None:
-        self.plan = plan
-        self.held = ""
-        self.holding = plan.parser == "json"
-
-    def feed(self, text: str) -> str:
-        """The part of `text` that can be sent as content now."""
-        if self.holding:
-            self.held += text
-            return ""
-        self.held += text
-        start = self.held.find(OPEN_TAG)
-        if start >= 0:
-            out, self.held, self.holding = self.held[:start], self.held[start:], True
-            return out
-        keep = _partial_tag(self.held)  # a tail that may become the tag
-        out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
-        return out
-
-    def finish(self) -> tuple[str | None, list[ToolCall]]:
-        """The held text's remaining content and calls."""
-        if not self.held:
-            return None, []
-        if not self.holding:
-            return self.held, []
-        return parse_output(self.held, self.plan)
-
-
-def _partial_tag(text: str) -> int:
-    """How many characters at the end of `text` start the open tag."""
-    for k in range(min(len(OPEN_TAG) - 1, len(text)), 0, -1):
-        if OPEN_TAG.startswith(text[-k:]):
-            return k
-    return 0
-
-
 def chat_message(
     text: str, finish: str | None, plan: ToolPlan | None
 ) -> tuple[dict[str, Any], str | None]:
@@ -246,14 +205,3 @@ def chat_message(
         return {"role": "assistant", "content": text}, finish
     message = {"role": "assistant", "content": content, "tool_calls": [c.as_dict() for c in calls]}
     return message, "tool_calls" if finish == "stop" else finish
-
-
-def call_deltas(calls: list[ToolCall]) -> list[dict[str, Any]]:
-    """A streamed choice's tool calls as OpenAI streams them: per call, its id and name
-    first (arguments ""), then its arguments."""
-    out: list[dict[str, Any]] = []
-    for i, call in enumerate(calls):
-        head = {"index": i, "id": call.id, "type": "function"}
-        out.append({"tool_calls": [head | {"function": {"name": call.name, "arguments": ""}}]})
-        out.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
-    return out

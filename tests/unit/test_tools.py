@@ -13,8 +13,6 @@ import pytest
 from services.gateway.structured import StructuredError
 from services.gateway.tools import (
     ToolPlan,
-    ToolStream,
-    call_deltas,
     chat_message,
     forced_grammar,
     parse_output,
@@ -114,28 +112,12 @@ def test_json_parser_reads_one_call_or_a_list() -> None:
     assert parse_output("just words", plan) == ("just words", [])
 
 
-def test_a_stream_passes_text_and_holds_back_calls_character_by_character() -> None:
-    stream = ToolStream(_plan())
-    text = "Sure <thing>. " + CALL
-    passed = "".join(stream.feed(ch) for ch in text)
-    assert passed == "Sure <thing>. "
-    content, calls = stream.finish()
-    assert content is None and [c.name for c in calls] == ["weather"]
-    plain = ToolStream(_plan())
-    assert plain.feed("no calls <tool") == "no calls "
-    assert plain.finish() == ("<tool", [])
-
-
-def test_the_message_and_the_streamed_deltas() -> None:
+def test_the_message() -> None:
     message, finish = chat_message(CALL, "stop", _plan())
     assert message["content"] is None and finish == "tool_calls"
     assert message["tool_calls"][0]["function"]["name"] == "weather"
     assert chat_message("hi", "stop", _plan()) == ({"role": "assistant", "content": "hi"}, "stop")
     assert chat_message(CALL, "length", _plan())[1] == "length"
-    _, calls = parse_output(CALL, _plan())
-    first, second = call_deltas(calls)
-    assert first["tool_calls"][0]["function"] == {"name": "weather", "arguments": ""}
-    assert orjson.loads(second["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
 
 
 # --- over HTTP (a scripted engine) ------------------------------------------------------------
