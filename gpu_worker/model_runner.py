@@ -213,7 +213,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
         swap = config.scheduler.preemption_mode == "swap"
         return cls(
             model_path,
-            dtype=m.dtype,
+            dtype=m.resolved_dtype,
             device=m.device,
             block_size=c.block_size,
             kv_cache_memory_gib=c.kv_cache_memory,
