@@ -56,6 +56,12 @@ class ModelConfig:
         "on the CPU, C kernels for linear layers over a few rows (decode of 1-8 sequences); "
         "--no-cpu-kernels: torch only, the reference path",
     )
+    cpu_packed_weights: bool = _field(
+        True,
+        "on the CPU, float32 linear weights also pre-packed for oneDNN, for prefill chunks and "
+        "decode batches over 8 rows (a second copy of them in memory; "
+        "--no-cpu-packed-weights: torch's GEMM there)",
+    )
     max_graph_batch_size: int = _field(64, "largest decode batch captured as a CUDA graph")
     generation_config: str = _field(
         "auto",
