@@ -15,6 +15,12 @@
  */
 #include <math.h>
 #include <stdint.h>
+
+#ifdef SHUTTLE_LIBMVEC
+/* glibc's vector expf (libmvec) for the omp simd loops below: build.py's VECTOR_MATH */
+#pragma omp declare simd notinbranch
+float expf(float);
+#endif
 #include <stdlib.h>
 #include <string.h>
 
