@@ -19,6 +19,7 @@ from typing import Any
 
 import orjson
 
+from common.cpu_features import auto_dtype
 from common.parallel_config import DataParallelConfig
 
 _ENV_PREFIX = "SHUTTLE_"
@@ -40,7 +41,11 @@ class ModelConfig:
             "nargs": "+",
         },
     )
-    dtype: str = _field("float32", "weights and KV dtype: float32 | bfloat16")
+    dtype: str = _field(
+        "float32",
+        "weights and KV dtype: float32 | bfloat16 | auto (bfloat16 on CUDA and on CPUs with "
+        "avx512_bf16 or AMX, float32 elsewhere)",
+    )
     device: str = _field("cpu", "cpu | cuda")
     max_model_len: int = _field(0, "longest prompt + output in tokens (0: the model's own)")
     seed: int = _field(0, "seed for unseeded sampling")
@@ -52,6 +57,12 @@ class ModelConfig:
         "on the CPU, C kernels for linear layers over a few rows (decode of 1-8 sequences); "
         "--no-cpu-kernels: torch only, the reference path",
     )
+    cpu_packed_weights: bool = _field(
+        True,
+        "on the CPU, float32 linear weights also pre-packed for oneDNN, for prefill chunks and "
+        "decode batches over 8 rows (a second copy of them in memory; "
+        "--no-cpu-packed-weights: torch's GEMM there)",
+    )
     max_graph_batch_size: int = _field(64, "largest decode batch captured as a CUDA graph")
     generation_config: str = _field(
         "auto",
@@ -60,7 +71,7 @@ class ModelConfig:
     )
 
     def __post_init__(self) -> None:
-        _check(self.dtype in ("float32", "bfloat16"), "dtype", "float32 or bfloat16")
+        _check(self.dtype in ("float32", "bfloat16", "auto"), "dtype", "float32, bfloat16 or auto")
         _check(self.generation_config in ("auto", "vllm"), "generation_config", "auto or vllm")
         _check(self.device in ("cpu", "cuda"), "device", "cpu or cuda")
         _check(self.max_model_len >= 0, "max_model_len", ">= 0")
@@ -72,6 +83,11 @@ class ModelConfig:
             "attention_backend",
             "auto, torch or triton",
         )
+
+    @property
+    def resolved_dtype(self) -> str:
+        """float32 or bfloat16: --dtype, with auto decided by the device and the CPU."""
+        return auto_dtype(self.device) if self.dtype == "auto" else self.dtype
 
     @property
     def served_model_names(self) -> list[str]:

@@ -14,3 +14,8 @@ import os
 # an operator's own settings win.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+# oneDNN keeps one compiled primitive per linear shape, and the number of rows changes with
+# every step (prefill chunks, decode batches): ~1 ms to create one, against 0.3-5 ms to run
+# it (gpu_worker/cpu/linear.py). Room for every row count up to a few thousand across the
+# model's five weight shapes, instead of the default 1024 entries.
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8192")

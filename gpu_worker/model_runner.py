@@ -131,6 +131,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
         max_graph_batch_size: int = 64,
         speculative: str = "",
         cpu_kernels: bool = True,
+        cpu_packed_weights: bool = True,
         draft_model: str = "",
         prompt_lookup_min: int = 2,
         prompt_lookup_max: int = 4,
@@ -154,6 +155,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
         self.speculative = speculative
         # C kernels for few-row linears on the CPU (gpu_worker/cpu/linear.py); off: torch only
         self.cpu_kernels = cpu_kernels and self.device.type == "cpu"
+        self.cpu_packed_weights = cpu_packed_weights
         self.prompt_lookup = (prompt_lookup_min, prompt_lookup_max)
         self._init_model(attention_backend, max_model_len)
         self._init_kv_cache(
@@ -213,7 +215,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
         swap = config.scheduler.preemption_mode == "swap"
         return cls(
             model_path,
-            dtype=m.dtype,
+            dtype=m.resolved_dtype,
             device=m.device,
             block_size=c.block_size,
             kv_cache_memory_gib=c.kv_cache_memory,
@@ -227,6 +229,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
             swap_space_gib=c.swap_space if swap else 0.0,
             speculative=spec.method,
             cpu_kernels=m.cpu_kernels,
+            cpu_packed_weights=m.cpu_packed_weights,
             draft_model=str(Path(spec.draft_model).expanduser()) if spec.draft_model else "",
             prompt_lookup_min=spec.prompt_lookup_min,
             prompt_lookup_max=spec.prompt_lookup_max,
@@ -259,7 +262,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
         )
         if self.cpu_kernels and backend.name == "torch":  # C kernels: few-row linears, fp32
             # norms/rotary/activation (the triton backend has its own layers)
-            use_small_batch_linear(model)
+            use_small_batch_linear(model, pack=self.cpu_packed_weights)
             use_cpu_layers(model)
         return model
 

@@ -130,6 +130,7 @@ class FakeEngine:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
         timeout: float = 10.0,
     ) -> list[int]:
         """Characters as token ids: the prompt's, or the messages' contents joined by

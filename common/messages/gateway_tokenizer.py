@@ -31,6 +31,9 @@ class GenerateRequest:
     # the extra variables it renders with (e.g. {"enable_thinking": false})
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # chat only: the functions the prompt offers ({"name", "description", "parameters"} each;
+    # None: no tools), rendered by services/tokenizer/tool_prompt.py
+    tools: list[dict[str, Any]] | None = None
 
 
 @message("request_error")
@@ -65,6 +68,7 @@ class TokenizeQuery:
     add_generation_prompt: bool = True  # messages only
     chat_template: str | None = None  # messages only: as GenerateRequest's
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # messages only: as GenerateRequest's
 
 
 @message("detokenize_query")

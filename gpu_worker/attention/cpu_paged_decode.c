@@ -15,10 +15,15 @@
  */
 #include <math.h>
 #include <stdint.h>
+
+#ifdef SHUTTLE_LIBMVEC
+/* glibc's vector expf (libmvec) for the omp simd loops below: build.py's VECTOR_MATH */
+#pragma omp declare simd notinbranch
+float expf(float);
+#endif
 #include <stdlib.h>
 #include <string.h>
 
-#define LANES 16
 
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t u = ((uint32_t)x) << 16;
@@ -27,15 +32,11 @@ static inline float bf16_to_f32(uint16_t x) {
     return f;
 }
 
-/* Independent partial sums, one per lane, so the compiler vectorises without reassociating. */
+/* A vector reduction the compiler lays out (lanes, then a log-step horizontal sum). */
 static inline float dot(const float *a, const float *b, int d) {
-    float acc[LANES] = {0};
-    int x = 0;
-    for (; x + LANES <= d; x += LANES)
-        for (int y = 0; y < LANES; y++) acc[y] += a[x + y] * b[x + y];
     float s = 0.0f;
-    for (int y = 0; y < LANES; y++) s += acc[y];
-    for (; x < d; x++) s += a[x] * b[x];
+#pragma omp simd reduction(+ : s)
+    for (int x = 0; x < d; x++) s += a[x] * b[x];
     return s;
 }
 

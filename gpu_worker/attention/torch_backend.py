@@ -73,8 +73,10 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         assert isinstance(meta, TorchAttentionMetadata), "call build_metadata first"
         _store_kv(kv_cache, k, v, meta.slot_mapping)
-        out = torch.empty_like(q)
         num_decodes = meta.num_decodes
+        if num_decodes == meta.num_reqs:  # a decode-only step: no output to assemble
+            return self._decode(q, kv_cache, meta)
+        out = torch.empty_like(q)
         if num_decodes:
             out[:num_decodes] = self._decode(q[:num_decodes], kv_cache, meta)
         for r in range(num_decodes, meta.num_reqs):

@@ -9,6 +9,7 @@ half a file. The libraries use torch's OpenMP runtime (the process's libgomp: sa
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import hashlib
 import logging
 import os
@@ -20,9 +21,12 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from common.cpu_features import cpu_flags
+
 log = logging.getLogger(__name__)
 
-# -ffast-math for libmvec's vector expf and reassociated sums; infinities stay meaningful
+# -ffast-math for reassociated sums; infinities stay meaningful (-fno-finite-math-only, which
+# also turns off -ffast-math's use of glibc's vector expf: VECTOR_MATH declares it again)
 FLAGS = [
     "-O3",
     "-march=native",
@@ -32,25 +36,23 @@ FLAGS = [
     "-shared",
     "-fPIC",
 ]
+# glibc's libmvec (x86-64 Linux): `expf` in `omp simd` loops becomes its 8/16-lane version
+# (~1.7x faster measured, within 2e-7 relative, infinities kept) when the source sees
+# SHUTTLE_LIBMVEC
+VECTOR_MATH = ["-DSHUTTLE_LIBMVEC", "-lmvec"]
 
 
-def cpu_flags() -> str:
-    """This CPU's feature flags (the `flags` line of /proc/cpuinfo)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+def build_flags() -> list[str]:
+    """FLAGS, with VECTOR_MATH where this machine has libmvec."""
+    has_mvec = platform.machine() == "x86_64" and ctypes.util.find_library("mvec") is not None
+    return FLAGS + VECTOR_MATH if has_mvec else FLAGS
 
 
 def library_path(source: Path) -> Path:
     from common.prepare_model import cache_root
 
-    key = hashlib.sha256(
-        source.read_bytes() + " ".join(FLAGS).encode() + cpu_flags().encode()
-    ).hexdigest()[:16]
+    flags = " ".join(build_flags()) + " ".join(sorted(cpu_flags()))
+    key = hashlib.sha256(source.read_bytes() + flags.encode()).hexdigest()[:16]
     return cache_root() / "kernels" / f"{source.stem}-{key}.so"
 
 
@@ -63,7 +65,7 @@ def _build(source: Path, target: Path) -> None:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *FLAGS, str(source), "-o", tmp, "-lm"],
+            [compiler, *build_flags(), str(source), "-o", tmp, "-lm"],
             check=True,
             capture_output=True,
             text=True,

@@ -9,6 +9,12 @@
 #include <math.h>
 #include <stdint.h>
 
+#ifdef SHUTTLE_LIBMVEC
+/* glibc's vector expf (libmvec) for the omp simd loops below: build.py's VECTOR_MATH */
+#pragma omp declare simd notinbranch
+float expf(float);
+#endif
+
 #define PAR_ROWS 16 /* fewer rows: one thread */
 
 static void norm_row(const float *x, const float *w, float eps, float *out, int dim) {

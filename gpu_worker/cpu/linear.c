@@ -18,7 +18,14 @@
 #include <string.h>
 
 #define MAX_ROWS 8
-#define TILE 4     /* weight rows per inner loop: four dot products share each x load */
+/* weight rows per inner loop, all sharing each x load: as many as there are vector
+ * registers for their partial sums (16 with AVX-512's 32 registers, measured 15-25% faster
+ * than 4 or 8 at one row of x; 8 with AVX2's 16) */
+#if defined(__AVX512F__)
+#define TILE 16
+#else
+#define TILE 8
+#endif
 #define CHUNK 64   /* weight rows per scheduling unit */
 
 static inline float bf16_to_f32(uint16_t v) {
@@ -33,24 +40,17 @@ static void rows(const float *x, int nb, const float *w, const float *bias, floa
                  int out, int in, int lo, int hi) {
     int o = lo;
     for (; o + TILE <= hi; o += TILE) {
-        const float *w0 = w + (int64_t)(o - lo) * in, *w1 = w0 + in, *w2 = w1 + in,
-                    *w3 = w2 + in;
+        const float *w0 = w + (int64_t)(o - lo) * in;
         for (int b = 0; b < nb; b++) {
             const float *xb = x + (int64_t)b * in;
-            float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
+            float acc[TILE] = {0};
+#pragma omp simd reduction(+ : acc[:TILE])
             for (int i = 0; i < in; i++) {
                 float xv = xb[i];
-                a0 += xv * w0[i];
-                a1 += xv * w1[i];
-                a2 += xv * w2[i];
-                a3 += xv * w3[i];
+                for (int t = 0; t < TILE; t++) acc[t] += xv * w0[t * in + i];
             }
             float *yb = y + (int64_t)b * out + o;
-            yb[0] = a0 + (bias ? bias[o] : 0.f);
-            yb[1] = a1 + (bias ? bias[o + 1] : 0.f);
-            yb[2] = a2 + (bias ? bias[o + 2] : 0.f);
-            yb[3] = a3 + (bias ? bias[o + 3] : 0.f);
+            for (int t = 0; t < TILE; t++) yb[t] = acc[t] + (bias ? bias[o + t] : 0.f);
         }
     }
     for (; o < hi; o++) {

@@ -4,7 +4,11 @@ A decode step of one to a few sequences multiplies [rows <= 8, in] activations b
 weight of the model, and is bound by reading those weights; torch's BLAS path for such thin
 products reads them at a third of the memory bandwidth (docs/benchmarks.md, "Peers"). The C
 kernel streams each weight row once for all rows of x. Prefill chunks and large decode
-batches (compute-bound) stay on torch.
+batches (compute-bound) go to oneDNN with the weight pre-packed once at load into its
+blocked layout (`torch.ops.mkldnn._linear_pointwise`, what vLLM's CPU backend and
+torch.compile's CPU freezing do): torch's default path, MKL's sgemm, repacks the weight on
+every call and on AMD CPUs does not reach oneDNN's throughput (docs/benchmarks.md). The
+packed copy costs a second copy of the float32 weights in memory.
 
 `use_small_batch_linear(model)` changes the class of the model's nn.Linear modules in place
 (parameters and state-dict names stay). Float32 and bfloat16 weights; activations are fed
@@ -27,6 +31,8 @@ SOURCE = Path(__file__).with_name("linear.c")
 # the most rows of x the kernel takes, per weight dtype: where it stopped beating torch's
 # fp32 GEMM and bf16 oneDNN path on a 2-core AVX-512 EPYC (not measured on AVX2-only CPUs)
 MAX_ROWS = {torch.float32: 8, torch.bfloat16: 4}
+# the batch size oneDNN picks the packed layout for: a prefill chunk's order of rows
+PACK_ROWS_HINT = 256
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -78,20 +84,46 @@ def linear_small(
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
+def can_pack(dtype: torch.dtype) -> bool:
+    """Whether weights of `dtype` go to oneDNN pre-packed for many rows: float32 when torch
+    has oneDNN (bfloat16 already takes oneDNN in F.linear)."""
+    return dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out, in] in oneDNN's blocked layout for linear_packed (an opaque tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+
+
+def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., in] @ weight.T (+ bias) by oneDNN on a weight from pack_weight."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
+
+
 class SmallBatchLinear(nn.Linear):
-    """nn.Linear whose forward takes the C kernel for a few rows, torch otherwise."""
+    """nn.Linear whose forward takes the C kernel for a few rows, oneDNN on the pre-packed
+    weight for more (when `packed` is set), torch otherwise."""
+
+    packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear_small(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias) if y is None else y
+        if y is not None:
+            return y
+        if self.packed is not None and x.dtype == self.weight.dtype:
+            return linear_packed(x, self.packed, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
-def use_small_batch_linear(model: nn.Module) -> bool:
-    """Switch every nn.Linear of `model` (on the CPU) to SmallBatchLinear; False, and the
-    model untouched, when the kernel library cannot be had."""
+def use_small_batch_linear(model: nn.Module, pack: bool = True) -> bool:
+    """Switch every nn.Linear of `model` (on the CPU) to SmallBatchLinear, with its weight
+    pre-packed for many rows when `pack` and the dtype allows; False, and the model
+    untouched, when the kernel library cannot be had."""
     if load() is None:
         return False
     for module in model.modules():
         if type(module) is nn.Linear and module.weight.device.type == "cpu":
             module.__class__ = SmallBatchLinear
+            if pack and can_pack(module.weight.dtype):
+                module.packed = pack_weight(module.weight)
     return True

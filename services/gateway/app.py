@@ -62,7 +62,8 @@ from services.gateway.protocol import (
     parse_request,
 )
 from services.gateway.tokenize_routes import tokenize_router
-from services.gateway.tools import ToolPlan, ToolStream, call_deltas, chat_message
+from services.gateway.tool_stream import ToolStream
+from services.gateway.tools import ToolPlan, chat_message
 
 log = logging.getLogger("shuttle.gateway")
 
@@ -478,12 +479,15 @@ class _Reply:
         finish = "tool_calls" if called and reason == FinishReason.STOP else reason.openai
         return self._event({}, "", finish, index)
 
+    def call_events(self, deltas: list[dict[str, Any]], index: int) -> list[bytes]:
+        """A streamed choice's tool_calls deltas (services/gateway/tool_stream.py)."""
+        return [self._event(d, "", None, index) for d in deltas]
+
     def tool_events(self, stream: ToolStream, index: int) -> tuple[list[bytes], bool]:
-        """A streamed choice's held-back text at its finish: content, then its tool calls."""
-        content, calls = stream.finish()
-        events = [self.text(content, index)] if content else []
-        events += [self._event(d, "", None, index) for d in call_deltas(calls)]
-        return events, bool(calls)
+        """A streamed choice's held-back text at its finish: content, then the calls' rest."""
+        piece, _ = stream.finish()
+        events = [self.text(piece.content, index)] if piece.content else []
+        return events + self.call_events(piece.deltas, index), stream.called
 
     def usage(self, usage: Usage) -> bytes:
         counts = (usage.num_prompt_tokens, usage.num_output_tokens)
@@ -562,11 +566,14 @@ async def sse_stream(
         tools: dict[int, ToolStream] = {}  # with tools: each choice's calls held back
         while True:
             usage.add(delta)
-            stream = None
+            stream, calls = None, []
             if reply.tools is not None:
                 stream = tools.setdefault(delta.index, ToolStream(reply.tools))
-                delta = dataclasses.replace(delta, text=stream.feed(delta.text))
+                piece = stream.feed(delta.text)
+                delta, calls = dataclasses.replace(delta, text=piece.content), piece.deltas
             for event in reply.delta(delta, first=delta.index not in seen):
+                yield event
+            for event in reply.call_events(calls, delta.index):
                 yield event
             seen.add(delta.index)
             if delta.finish_reason != FinishReason.NONE:

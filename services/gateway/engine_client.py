@@ -143,10 +143,12 @@ class EngineClient(Protocol):
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
         timeout: float = 10.0,
     ) -> list[int]:
         """The served model's token ids of `prompt` or of chat `messages` (rendered by
-        `chat_template`, else the server's, else the model's, with `chat_template_kwargs`),
+        `chat_template`, else the server's, else the model's, with `chat_template_kwargs` and
+        `tools`),
         as a tokenizer process makes them (POST /tokenize). Raises RequestFailed when
         refused, TimeoutError when no tokenizer answers."""
         ...

@@ -37,7 +37,8 @@ from services.gateway.protocol import (
     check_model,
     validate_request,
 )
-from services.gateway.tools import ToolCall, ToolPlan, ToolStream
+from services.gateway.tool_stream import ToolStream
+from services.gateway.tools import ToolCall, ToolPlan
 
 REQUEST_ID_PREFIX = "gen-"
 _OPTIONAL_FIELDS = (
@@ -282,11 +283,11 @@ def to_response(
     set) also carries its usage and the version. With tools (`tools`: the sequence's
     ToolStream), text that may start a call is held back; the last message carries the
     rest of the text and the calls."""
-    text = delta.text if tools is None else tools.feed(delta.text)
+    text = delta.text if tools is None else tools.feed(delta.text).content
     calls: list[ToolCall] = []
     if tools is not None and delta.finish_reason != FinishReason.NONE:
-        content, calls = tools.finish()
-        text += content or ""
+        rest, calls = tools.finish()
+        text += rest.content
     response = pb.GenerateResponse(
         request_id=request_id,
         text=text,

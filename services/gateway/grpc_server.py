@@ -48,7 +48,8 @@ from services.gateway.grpc_protocol import (
     wants_token_ids,
 )
 from services.gateway.protocol import RequestRejected
-from services.gateway.tools import ToolPlan, ToolStream
+from services.gateway.tool_stream import ToolStream
+from services.gateway.tools import ToolPlan
 
 log = logging.getLogger("shuttle.gateway.grpc")
 

@@ -83,7 +83,7 @@ from services.gateway.structured import (
     check_compatible,
     parse_structured,
 )
-from services.gateway.tools import ToolPlan, forced_grammar, plan_tools, render_messages
+from services.gateway.tools import ToolPlan, forced_grammar, plan_tools
 
 MAX_STOP = 64  # stop strings per request
 MAX_STOP_CHARS = 256  # characters per stop string
@@ -447,7 +447,8 @@ class ChatCompletionRequest(_CommonRequest):
                 self.prompt_logprobs,
                 forced,
             ),
-            messages=render_messages([m.as_dict() for m in self.messages], plan),
+            messages=[m.as_dict() for m in self.messages],
+            tools=list(plan.tools.values()) if plan is not None else None,
             add_generation_prompt=self.add_generation_prompt is not False,
             chat_template=self.chat_template,
             chat_template_kwargs=self.chat_template_kwargs,

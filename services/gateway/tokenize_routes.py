@@ -1,14 +1,15 @@
 """vLLM's tokenizer routes, answered by a tokenizer process (the gateway never tokenises):
 
     POST /tokenize    {model?, prompt | messages, add_special_tokens?, add_generation_prompt?,
-                       chat_template?, chat_template_kwargs?}
+                       chat_template?, chat_template_kwargs?, tools?}
                       -> {count, max_model_len, tokens, token_strs: null}
     POST /detokenize  {model?, tokens} -> {prompt}
 
 As in vLLM, `add_special_tokens` defaults to true for a prompt and to false for messages
 (the chat template writes the special tokens it wants); `add_generation_prompt` (messages
 only) to true; `chat_template` (with --trust-request-chat-template) and
-`chat_template_kwargs` render messages as they would a chat request. The ids are those the
+`chat_template_kwargs` render messages as they would a chat request, and so do `tools` (as a
+chat request with tool_choice auto renders them). The ids are those the
 served model's tokenizer makes for a generate request with the same prompt. Both routes want
 the API key when one is set.
 """
@@ -36,7 +37,8 @@ from services.gateway.protocol import (
     parse_request,
     trusted_chat_template,
 )
-from services.gateway.tools import render_messages
+from services.gateway.structured import StructuredError
+from services.gateway.tools import check_tools
 
 TOKENIZER_TIMEOUT_S = 10.0
 MAX_DETOKENIZE_IDS = 1 << 20
@@ -56,6 +58,7 @@ class TokenizeRequest(BaseModel):
     return_token_strs: bool | None = None
     chat_template: ChatTemplate | None = None  # messages only
     chat_template_kwargs: dict[str, Any] | None = None  # messages only
+    tools: Any = None  # messages only: as a chat request's
 
     _trusted_template = field_validator("chat_template")(trusted_chat_template)
     _bounded_kwargs = field_validator("chat_template_kwargs")(bounded_template_kwargs)
@@ -67,10 +70,19 @@ class TokenizeRequest(BaseModel):
             raise PydanticCustomError("unsupported", "token strings are not supported")
         return value
 
+    def functions(self) -> list[dict[str, Any]] | None:
+        """The tools' function objects, checked as a chat request's (None: no tools)."""
+        if not self.tools:
+            return None
+        try:
+            return list(check_tools(self.tools).values())
+        except StructuredError as e:
+            raise RequestRejected(str(e), e.field) from None
+
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise RequestRejected("prompt: send exactly one of `prompt` or `messages`", "prompt")
-        for name in ("chat_template", "chat_template_kwargs"):
+        for name in ("chat_template", "chat_template_kwargs", "tools"):
             if self.prompt is not None and getattr(self, name) is not None:
                 raise RequestRejected(f"{name}: only with `messages`", name)
 
@@ -96,15 +108,14 @@ def tokenize_router(engine: EngineClient, context: dict[str, Any] | None = None)
         ids = await _answer(
             engine.tokenize(
                 body.prompt,
-                render_messages([m.as_dict() for m in body.messages], None)
-                if body.messages is not None
-                else None,
+                [m.as_dict() for m in body.messages] if body.messages is not None else None,
                 add_special_tokens=(
                     body.add_special_tokens if body.add_special_tokens is not None else not is_chat
                 ),
                 add_generation_prompt=body.add_generation_prompt is not False,
                 chat_template=body.chat_template,
                 chat_template_kwargs=body.chat_template_kwargs,
+                tools=body.functions(),
                 timeout=TOKENIZER_TIMEOUT_S,
             )
         )

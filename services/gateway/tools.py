@@ -1,22 +1,8 @@
 """Tool calling: `tools`, `tool_choice`, `parallel_tool_calls` in, `tool_calls` out.
 
-Prompt: tools are rendered by a built-in Hermes-style template (`render_messages`), the format
-Hermes, Qwen2.5 and many small models are tuned on, for any model's chat template (the default
-model's template has no tool support): the tool list goes into the system message,
-
-    # Tools
-    You may call one or more functions to assist with the user query.
-    <tools>
-    {"type": "function", "function": {"name": ..., "description": ..., "parameters": ...}}
-    </tools>
-    For each function call, return a json object with function name and arguments within
-    <tool_call></tool_call> XML tags:
-    <tool_call>
-    {"name": <function-name>, "arguments": <args-json-object>}
-    </tool_call>
-
-an assistant turn's `tool_calls` become such blocks in its content, and a `tool` message
-becomes a user turn `<tool_response>...</tool_response>`.
+Prompt: the tokenizer renders the tools, by the chat template when it has tool support,
+else by a built-in Hermes-style prompt (services/tokenizer/tool_prompt.py); the gateway
+sends it the conversation as the client wrote it and the functions of the plan.
 
 Output (`parse_output`), by `--tool-call-parser`: `hermes` finds the `<tool_call>{json}
 </tool_call>` blocks (text around them stays content); `json` reads the whole output as one
@@ -163,53 +149,6 @@ def forced_grammar(plan: ToolPlan) -> Structured | None:
     return Structured("json", orjson.dumps(schema).decode(), "tools")
 
 
-def render_messages(messages: list[dict[str, Any]], plan: ToolPlan | None) -> list[dict[str, Any]]:
-    """The built-in template: the tool list into the system message, assistant tool calls
-    and tool results as text the chat template renders like any turn."""
-    out: list[dict[str, Any]] = []
-    for m in messages:
-        role = m["role"]
-        if role == "assistant" and m.get("tool_calls"):
-            blocks = [_call_block(c) for c in m["tool_calls"]]
-            text = "\n".join(([m["content"]] if m.get("content") else []) + blocks)
-            out.append({"role": "assistant", "content": text})
-        elif role == "tool":
-            response = f"<tool_response>\n{m['content']}\n</tool_response>"
-            out.append({"role": "user", "content": response})
-        else:
-            out.append({k: v for k, v in m.items() if k in ("role", "content", "name")})
-    if plan is not None:
-        block = _tools_block(plan)
-        if out and out[0]["role"] == "system":
-            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{block}"}
-        else:
-            out.insert(0, {"role": "system", "content": block})
-    return out
-
-
-def _call_block(call: dict[str, Any]) -> str:
-    fn = call["function"]
-    try:
-        arguments = orjson.loads(fn["arguments"])
-    except orjson.JSONDecodeError:
-        arguments = fn["arguments"]
-    body = orjson.dumps({"name": fn["name"], "arguments": arguments}).decode()
-    return f"<tool_call>\n{body}\n</tool_call>"
-
-
-def _tools_block(plan: ToolPlan) -> str:
-    lines = "\n".join(
-        orjson.dumps({"type": "function", "function": fn}).decode() for fn in plan.tools.values()
-    )
-    return (
-        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-        f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
-        f"{lines}\n</tools>\n\nFor each function call, return a json object with function "
-        "name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
-    )
-
-
 def parse_output(text: str, plan: ToolPlan) -> tuple[str | None, list[ToolCall]]:
     """(content, tool calls) of a finished output; no call found: the text is content."""
     if plan.parser == "json":
@@ -254,47 +193,6 @@ def _call_of(item: Any, plan: ToolPlan) -> ToolCall | None:
     return ToolCall(item["name"], orjson.dumps(arguments).decode())
 
 
-class ToolStream:
-    """One streamed choice's text with tool calls taken out: text that cannot be part of a
-    call is passed on as it comes; from a possible call on (hermes: a `<tool_call>` tag, or
-    a prefix of one; json: everything), text is held until the end, then parsed."""
-
-    def __init__(self, plan: ToolPlan) -> None:
-        self.plan = plan
-        self.held = ""
-        self.holding = plan.parser == "json"
-
-    def feed(self, text: str) -> str:
-        """The part of `text` that can be sent as content now."""
-        if self.holding:
-            self.held += text
-            return ""
-        self.held += text
-        start = self.held.find(OPEN_TAG)
-        if start >= 0:
-            out, self.held, self.holding = self.held[:start], self.held[start:], True
-            return out
-        keep = _partial_tag(self.held)  # a tail that may become the tag
-        out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
-        return out
-
-    def finish(self) -> tuple[str | None, list[ToolCall]]:
-        """The held text's remaining content and calls."""
-        if not self.held:
-            return None, []
-        if not self.holding:
-            return self.held, []
-        return parse_output(self.held, self.plan)
-
-
-def _partial_tag(text: str) -> int:
-    """How many characters at the end of `text` start the open tag."""
-    for k in range(min(len(OPEN_TAG) - 1, len(text)), 0, -1):
-        if OPEN_TAG.startswith(text[-k:]):
-            return k
-    return 0
-
-
 def chat_message(
     text: str, finish: str | None, plan: ToolPlan | None
 ) -> tuple[dict[str, Any], str | None]:
@@ -307,14 +205,3 @@ def chat_message(
         return {"role": "assistant", "content": text}, finish
     message = {"role": "assistant", "content": content, "tool_calls": [c.as_dict() for c in calls]}
     return message, "tool_calls" if finish == "stop" else finish
-
-
-def call_deltas(calls: list[ToolCall]) -> list[dict[str, Any]]:
-    """A streamed choice's tool calls as OpenAI streams them: per call, its id and name
-    first (arguments ""), then its arguments."""
-    out: list[dict[str, Any]] = []
-    for i, call in enumerate(calls):
-        head = {"index": i, "id": call.id, "type": "function"}
-        out.append({"tool_calls": [head | {"function": {"name": call.name, "arguments": ""}}]})
-        out.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
-    return out

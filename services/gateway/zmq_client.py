@@ -270,6 +270,7 @@ class ZmqEngineClient:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
         timeout: float = 10.0,
     ) -> list[int]:
         """A tokenizer's token ids of the prompt or messages (POST /tokenize)."""
@@ -282,6 +283,7 @@ class ZmqEngineClient:
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
         )
         return (await self._ask_tokenizer(query, timeout)).token_ids
 

@@ -18,6 +18,8 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import orjson
+
 from common.actor import Actor
 from common.config import Config
 from common.messages import (
@@ -34,6 +36,13 @@ from common.model_facts import load_model_facts, tokenizer_fingerprint
 from common.parallel_config import engine_entry_addr
 from services.tokenizer.chat_template import load_chat_template, template_kwargs
 from services.tokenizer.sampling import bad_words_token_ids, fill_defaults, read_sampling_defaults
+from services.tokenizer.tool_prompt import (
+    builtin_messages,
+    check_tools_rendered,
+    renders_tools,
+    template_messages,
+    tool_specs,
+)
 from services.tokenizer.validate import (
     InvalidRequest,
     check_control_token_ids,
@@ -209,6 +218,7 @@ class TokenizerActor(Actor):
                 model,
                 req.chat_template,
                 req.chat_template_kwargs,
+                req.tools,
             )
         return self._text_ids(req.prompt, True, model)
 
@@ -220,28 +230,49 @@ class TokenizerActor(Actor):
         model: ServedModel,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Messages rendered by the chat template (the request's, the operator's or the
-        model's), then tokenised (the template writes the special tokens it wants, so
-        generation adds none)."""
+        model's; with `tools` as services/tokenizer/tool_prompt.py says), then tokenised (the
+        template writes the special tokens it wants, so generation adds none)."""
         if not messages:
             raise InvalidRequest("messages", "must hold at least one message")
         num_chars = sum(len(str(m.get("content") or "")) for m in messages)
+        num_chars += len(orjson.dumps(tools)) if tools else 0
         check_prompt_chars("messages", num_chars, self.config.server.max_prompt_chars)
         extra = template_kwargs(chat_template_kwargs)
-        try:
-            text = model.tokenizer.apply_chat_template(
-                messages,
-                chat_template=chat_template or self.chat_template,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                **extra,
+        template = chat_template or self.chat_template
+        own_tools = renders_tools(
+            template if template is not None else model.tokenizer.chat_template
+        )
+
+        def render(tools: list[dict[str, Any]] | None) -> str:
+            if own_tools:
+                kwargs = extra if tools is None else {**extra, "tools": tool_specs(tools)}
+                chat = template_messages(messages)
+            else:
+                kwargs, chat = extra, builtin_messages(messages, tools)
+            return str(
+                model.tokenizer.apply_chat_template(
+                    chat,
+                    chat_template=template,
+                    tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                    **kwargs,
+                )
             )
+
+        try:
+            text = render(tools)
+            bare = render([]) if tools else ""  # what the tools add, apart from history
         except Exception as e:  # a template may raise on roles it does not allow
             if chat_template:  # the request's own template: the fault may be its
                 raise InvalidRequest("chat_template", f"cannot render the messages: {e}") from e
-            raise InvalidRequest("messages", f"the chat template rejected them: {e}") from e
-        return list(model.tokenizer.encode(str(text), add_special_tokens=add_special_tokens))
+            field = "tools" if tools else "messages"
+            raise InvalidRequest(field, f"the chat template rejected them: {e}") from e
+        if tools:
+            check_tools_rendered(text, bare, tools)
+        return list(model.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def _text_ids(
         self, prompt: str | None, add_special_tokens: bool, model: ServedModel
@@ -264,6 +295,7 @@ class TokenizerActor(Actor):
                     model,
                     q.chat_template,
                     q.chat_template_kwargs,
+                    q.tools,
                 )
             else:
                 ids = self._text_ids(q.prompt, q.add_special_tokens, model)

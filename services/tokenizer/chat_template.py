@@ -51,7 +51,11 @@ def load_chat_template(value: str) -> str | None:
     if not value:
         return None
     path = Path(value)
-    if path.is_file():
+    try:
+        is_file = path.is_file()
+    except OSError:  # an inline template longer than a file name may be
+        is_file = False
+    if is_file:
         text = path.read_text()
     elif any(c in value for c in _JINJA_CHARS):
         text = value

@@ -126,3 +126,30 @@ def test_grpc_chat_with_template_kwargs(server: Server) -> None:
     out = asyncio.run(go())
     with server.client() as c:
         assert out[-1].usage.prompt_tokens == _count(c, "<<hello there>>")
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+]
+# a request's tool-aware template (the Hugging Face way: it reads `tools`)
+TOOL_TEMPLATE = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{{ messages[-1].content }}"
+
+
+def test_tools_render_by_the_template_that_can_else_are_a_400(server: Server) -> None:
+    with server.client() as c:
+        # the operator's template has no tool support: the built-in prompt's system turn
+        r = c.post(
+            "/tokenize", json={"messages": CHAT, "tools": TOOLS, "add_special_tokens": False}
+        )
+        text = c.post("/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"]
+        assert text.startswith("<<# Tools") and '"name":"get_weather"' in text
+        assert text.endswith("<<hello there>> [think]")
+        own = _prompt_tokens(c, server, tools=TOOLS, chat_template=TOOL_TEMPLATE)
+        assert own == _count(c, "[get_weather]hello there")
+        # a template that shows the model neither the tool list nor a system turn
+        drops = "{% for m in messages if m.role != 'system' %}{{ m.content }}{% endfor %}"
+        body = {"messages": CHAT, "max_tokens": 1, "tools": TOOLS, "chat_template": drops}
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "tools" and "get_weather" in r.text
+        assert _prompt_tokens(c, server) == _count(c, "<<hello there>> [think]")  # serving on

@@ -78,7 +78,7 @@ def test_forced_calls_parse_and_match_the_schema(
     assert len(choice.message.tool_calls or []) == 1  # parallel_tool_calls: false
 
 
-def test_a_named_call_streams_name_first_then_arguments(server: Server) -> None:
+def test_a_named_call_streams_name_first_then_arguments_in_pieces(server: Server) -> None:
     stream = _client(server).chat.completions.create(
         model=server.model,
         messages=ASK,
@@ -90,7 +90,7 @@ def test_a_named_call_streams_name_first_then_arguments(server: Server) -> None:
         seed=1,
         stream=True,
     )
-    names, arguments, finish, ids = [], "", None, []
+    names, arguments, finish, ids, pieces = [], "", None, [], 0
     for chunk in stream:
         for choice in chunk.choices:
             for call in choice.delta.tool_calls or []:
@@ -100,8 +100,10 @@ def test_a_named_call_streams_name_first_then_arguments(server: Server) -> None:
                     assert not arguments  # the name comes before any argument
                 if call.function and call.function.arguments:
                     arguments += call.function.arguments
+                    pieces += 1
             finish = choice.finish_reason or finish
     assert names == ["get_weather"] and ids[0] and finish == "tool_calls"
+    assert pieces > 1  # the arguments stream as they are generated, not in one piece
     jsonschema.validate(json.loads(arguments), WEATHER)
 
 

@@ -96,6 +96,7 @@ FLAGS = {
     "--no-async-scheduling": None,
     "--no-enable-prefix-caching": None,
     "--no-cpu-kernels": None,
+    "--no-cpu-packed-weights": None,
 }
 
 
@@ -133,6 +134,7 @@ def test_runner_settings_reach_the_model_runner(config: Config, monkeypatch) -> 
         "swap_space_gib": 0.3,
         "speculative": "ngram",
         "cpu_kernels": False,
+        "cpu_packed_weights": False,
         "draft_model": "",
         "prompt_lookup_min": 3,
         "prompt_lookup_max": 5,

@@ -57,3 +57,20 @@ def test_model_layers_switch_class_and_keep_their_weights() -> None:
     torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
     big = torch.randn(40, 8)  # many rows: torch's path, same answer
     torch.testing.assert_close(model(big), nn.Sequential(*model)(big))
+
+
+@pytest.mark.skipif(not linear.can_pack(torch.float32), reason="torch without oneDNN")
+@pytest.mark.parametrize("rows", [9, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_many_rows_take_the_packed_weight_and_match_torch(rows: int, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    layer = nn.Linear(577, 130, bias=bias)
+    x = torch.randn(rows, 577, generator=gen)
+    expected = layer(x)
+    assert linear.use_small_batch_linear(layer)
+    assert isinstance(layer, linear.SmallBatchLinear) and layer.packed is not None
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-4)
+    # any leading shape: a prefill's [tokens, in] or [batch, tokens, in]
+    torch.testing.assert_close(layer(x.view(rows, 1, 577)), expected.view(rows, 1, 130))
+    unpacked = nn.Linear(3, 4)
+    assert linear.use_small_batch_linear(unpacked, pack=False) and unpacked.packed is None

@@ -196,9 +196,10 @@ def test_tools_convert_as_over_http_and_calls_come_back_on_the_last_message() ->
     (call,) = out[-1].tool_calls
     assert call.name == "weather" and call.arguments == '{"city":"Oslo"}'
     assert out[-1].finish_reason == pb.FINISH_REASON_TOOL_CALLS
-    sent = engine.requests[0].messages
-    assert "# Tools" in sent[0]["content"] and "<tool_call>" in sent[2]["content"]
-    assert sent[3] == {"role": "user", "content": "<tool_response>\n21C\n</tool_response>"}
+    sent = engine.requests[0]  # the conversation as sent; the tokenizer renders the tools
+    assert [fn["name"] for fn in sent.tools] == ["weather"]
+    assert sent.messages[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Rome"}'
+    assert sent.messages[2] == {"role": "tool", "content": "21C", "tool_call_id": "c1"}
 
 
 def test_sampling_controls_convert_as_the_http_api_converts_them() -> None:

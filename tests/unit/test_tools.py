@@ -1,7 +1,6 @@
 """Tool calling in the gateway, without processes: the request's tools and tool_choice, the
-built-in Hermes-style template, the hermes and json parsers (whole and streamed), and the
-HTTP answers (tool_calls, content null, finish_reason "tool_calls") from a scripted
-engine."""
+hermes and json parsers (whole and streamed), and the HTTP answers (tool_calls, content
+null, finish_reason "tool_calls") from a scripted engine."""
 
 from __future__ import annotations
 
@@ -14,13 +13,10 @@ import pytest
 from services.gateway.structured import StructuredError
 from services.gateway.tools import (
     ToolPlan,
-    ToolStream,
-    call_deltas,
     chat_message,
     forced_grammar,
     parse_output,
     plan_tools,
-    render_messages,
 )
 from tests.fake_engine import FakeEngine, delta
 from tests.unit.test_gateway_app import CHAT, STOP, chat_body, error_of, run
@@ -94,27 +90,6 @@ def test_forced_grammar_is_a_list_of_calls_of_the_allowed_tools() -> None:
     assert forced_grammar(_plan()) is None  # auto: free
 
 
-def test_the_built_in_template_renders_tools_calls_and_results() -> None:
-    messages = [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Weather?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function",
-             "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "21C"},
-    ]  # fmt: skip
-    out = render_messages(messages, _plan())
-    assert out[0]["role"] == "system" and out[0]["content"].startswith("Be brief.\n\n# Tools")
-    assert '"name":"weather"' in out[0]["content"] and "<tool_call>" in out[0]["content"]
-    assert out[2] == {
-        "role": "assistant",
-        "content": '<tool_call>\n{"name":"weather","arguments":{"city":"Paris"}}\n</tool_call>',
-    }
-    assert out[3] == {"role": "user", "content": "<tool_response>\n21C\n</tool_response>"}
-    no_tools = render_messages(messages[1:2], None)
-    assert no_tools == [{"role": "user", "content": "Weather?"}]
-
-
 # --- the output -------------------------------------------------------------------------------
 def test_hermes_parser_takes_calls_out_of_the_text() -> None:
     content, calls = parse_output("Let me look.\n" + CALL, _plan())
@@ -137,28 +112,12 @@ def test_json_parser_reads_one_call_or_a_list() -> None:
     assert parse_output("just words", plan) == ("just words", [])
 
 
-def test_a_stream_passes_text_and_holds_back_calls_character_by_character() -> None:
-    stream = ToolStream(_plan())
-    text = "Sure <thing>. " + CALL
-    passed = "".join(stream.feed(ch) for ch in text)
-    assert passed == "Sure <thing>. "
-    content, calls = stream.finish()
-    assert content is None and [c.name for c in calls] == ["weather"]
-    plain = ToolStream(_plan())
-    assert plain.feed("no calls <tool") == "no calls "
-    assert plain.finish() == ("<tool", [])
-
-
-def test_the_message_and_the_streamed_deltas() -> None:
+def test_the_message() -> None:
     message, finish = chat_message(CALL, "stop", _plan())
     assert message["content"] is None and finish == "tool_calls"
     assert message["tool_calls"][0]["function"]["name"] == "weather"
     assert chat_message("hi", "stop", _plan()) == ({"role": "assistant", "content": "hi"}, "stop")
     assert chat_message(CALL, "length", _plan())[1] == "length"
-    _, calls = parse_output(CALL, _plan())
-    first, second = call_deltas(calls)
-    assert first["tool_calls"][0]["function"] == {"name": "weather", "arguments": ""}
-    assert orjson.loads(second["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
 
 
 # --- over HTTP (a scripted engine) ------------------------------------------------------------
@@ -169,8 +128,9 @@ def test_chat_answers_with_tool_calls() -> None:
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"]["content"] == "Checking."
     assert choice["message"]["tool_calls"][0]["function"]["name"] == "weather"
-    sent = engine.requests[-1]
-    assert "# Tools" in sent.messages[0]["content"]  # the built-in template's system turn
+    sent = engine.requests[-1]  # the tokenizer renders the tools (services/tokenizer/tool_prompt)
+    assert [fn["name"] for fn in sent.tools] == ["weather", "time"]
+    assert sent.messages == [{"role": "user", "content": "hello big world"}]
 
 
 def test_chat_streams_tool_calls_name_first() -> None:

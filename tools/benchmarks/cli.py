@@ -7,6 +7,8 @@
     tools/bench --compare shuttle,vllm,llamacpp --json out/peers.json    (peers.py)
     tools/bench --num-prompts 64 --input-len 32:512 --output-len 16:256 \
         --logprobs 5 --repetition-penalty 1.1     # the mixed load, every request asking
+    tools/bench --num-prompts 64 --input-len 32:512 --output-len 16:256 \
+        --structured-share 0.5                    # half of it under a JSON schema
 
 (`tools/bench` runs `python -m tools.benchmarks`, this module.) Prompts are random token ids
 (as `vllm bench serve --dataset-name random`), optionally behind a shared prefix, or the
@@ -17,8 +19,11 @@ Poisson at --rate, capped by --concurrency, or one run per rate of --sweep-rates
 afterwards on the same prompts and lengths, in this process, same dtype and threads
 (baselines.py). --logprobs N and --repetition-penalty X make every request ask for them
 (`logprobs: N`, the completions form of top_logprobs, and `repetition_penalty`): the cost of
-asking, measured against the same load without them. Figures and their definitions:
-report.py; plots: plots.py.
+asking, measured against the same load without them. --structured-share F puts that share
+of the requests under a JSON schema (`response_format`, BENCH_SCHEMA: a list of at least 300
+records, so no request can finish before its max_tokens and the lengths stay the workload's;
+those requests drop ignore_eos, which a grammar refuses): the cost of the masks. Figures and
+their definitions: report.py; plots: plots.py.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from tools.benchmarks.baselines import hf_baseline  # noqa: E402
-from tools.benchmarks.load import INF, Progress, run_load  # noqa: E402
+from tools.benchmarks.load import INF, Extras, Progress, run_load  # noqa: E402
 from tools.benchmarks.peers import add_flags as add_compare_flags  # noqa: E402
 from tools.benchmarks.report import Slo, per_request, print_report, summarize  # noqa: E402
 from tools.benchmarks.workload import Workload, load_jsonl, make_workload  # noqa: E402
@@ -137,8 +142,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="every request asks for this repetition_penalty (> 0; 1 is off)",
     )
+    p.add_argument(
+        "--structured-share",
+        type=float,
+        default=0.0,
+        help="this share of the requests (0..1) asks for JSON under BENCH_SCHEMA",
+    )
     add_compare_flags(p)
     args = p.parse_args(argv)
+    if not 0.0 <= args.structured_share <= 1.0:
+        p.error(f"--structured-share: must be 0..1, got {args.structured_share}")
     if args.logprobs is not None and not 0 <= args.logprobs <= 20:
         p.error(f"--logprobs: must be 0..20, got {args.logprobs}")
     if args.repetition_penalty is not None and not args.repetition_penalty > 0:
@@ -146,14 +159,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def request_extras(args: argparse.Namespace) -> dict[str, Any]:
-    """The body fields every request adds: what --logprobs and --repetition-penalty ask."""
-    extra: dict[str, Any] = {}
+# records that never end in time: at least 300 of them, a token or more each, outlast any
+# output length of the workloads, so a constrained request runs to its max_tokens
+BENCH_SCHEMA: dict[str, Any] = {
+    "type": "array",
+    "minItems": 300,
+    "items": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "role": {"enum": ["admin", "user", "guest"]},
+        },
+        "required": ["name", "age", "role"],
+        "additionalProperties": False,
+    },
+}
+
+
+def request_extras(args: argparse.Namespace) -> Extras:
+    """The body fields requests add: what --logprobs and --repetition-penalty ask of every
+    one, and --structured-share's JSON schema of that share."""
+    every: dict[str, Any] = {}
     if args.logprobs is not None:
-        extra["logprobs"] = args.logprobs  # /v1/completions: top logprobs per token
+        every["logprobs"] = args.logprobs  # /v1/completions: top logprobs per token
     if args.repetition_penalty is not None:
-        extra["repetition_penalty"] = args.repetition_penalty
-    return extra
+        every["repetition_penalty"] = args.repetition_penalty
+    schema = {"type": "json_schema", "json_schema": {"name": "bench", "schema": BENCH_SCHEMA}}
+    chosen = {"ignore_eos": False, "response_format": schema}
+    return Extras(every, chosen, args.structured_share)
 
 
 def _workload(args: argparse.Namespace, model_dir: str) -> tuple[Workload, str]:
@@ -213,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             "sweep_rates": args.sweep_rates,
             "dtype": args.dtype,
             "threads": threads,
-            "request_extras": request_extras(args),
+            "request_extras": request_extras(args).every,
+            "structured_share": args.structured_share,
             "batch_policy": _flag(flags, "--batch-policy", "continuous")
             if not args.url
             else "external",

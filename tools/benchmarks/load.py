@@ -1,14 +1,16 @@
 """The load: streamed /v1/completions requests at a rate, each turned into a Timing.
 
 Every request goes out with `ignore_eos`, streamed, so TTFT and every inter-token gap are
-seen; `extra` adds body fields to every request (tools/bench --logprobs,
---repetition-penalty). Arrivals: all at once (rate inf), or Poisson at `rate`, capped by
-`concurrency`. The lean client (client.py) carries plain http:// URLs; httpx anything else.
+seen; `Extras` adds body fields to every request (tools/bench --logprobs,
+--repetition-penalty) and others to a share of them (--structured-share: a JSON schema).
+Arrivals: all at once (rate inf), or Poisson at `rate`, capped by `concurrency`. The lean
+client (client.py) carries plain http:// URLs; httpx anything else.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import sys
 import time
@@ -50,6 +52,20 @@ class Progress:
             if self.done == self.total:
                 sys.stderr.write("\n")
             sys.stderr.flush()
+
+
+@dataclasses.dataclass(frozen=True)
+class Extras:
+    """Body fields a request adds: `every` to all, `chosen` to a `share` of them (spread
+    evenly: request i is chosen when (i + 1) * share passes a whole number)."""
+
+    every: dict[str, Any] = dataclasses.field(default_factory=dict)
+    chosen: dict[str, Any] = dataclasses.field(default_factory=dict)
+    share: float = 0.0
+
+    def of(self, i: int) -> dict[str, Any]:
+        picked = int((i + 1) * self.share) > int(i * self.share)
+        return self.every | self.chosen if picked else self.every
 
 
 def _body(
@@ -150,11 +166,12 @@ async def run_load(
     seed: int,
     progress: Progress | None = None,
     lean: bool = True,
-    extra: dict[str, Any] | None = None,
+    extras: Extras | None = None,
 ) -> tuple[list[Timing], float, int]:
     """Send every request of `wl`; returns their timings, the duration and peak concurrency.
-    `lean`: the lean client on http:// URLs (client.py), else httpx. `extra`: body fields
-    every request adds (e.g. {"logprobs": 5, "repetition_penalty": 1.1})."""
+    `lean`: the lean client on http:// URLs (client.py), else httpx. `extras`: body fields
+    requests add (e.g. {"logprobs": 5, "repetition_penalty": 1.1})."""
+    extras = extras or Extras()
     n = len(wl.prompts)
     slots = concurrency if concurrency > 0 else n
     lean = lean and url.startswith("http://")
@@ -167,6 +184,7 @@ async def run_load(
     peak = active = 0
 
     async def send(client: httpx.AsyncClient, i: int) -> Timing:
+        extra = extras.of(i)
         if not lean:
             return await _one(client, model, wl.prompts[i], wl.output_lens[i], extra)
         conn = pool.get_nowait()  # the semaphore guarantees one is free

@@ -156,6 +156,8 @@ def print_report(result: dict[str, Any]) -> None:
     )
     if w.get("request_extras"):
         print(f"every request also asks for {w['request_extras']}")
+    if w.get("structured_share"):
+        print(f"{w['structured_share']:.0%} of the requests ask for JSON (BENCH_SCHEMA)")
     for run in result.get("sweep", []):
         print(
             f"  rate {run['rate']:>6}: {_line(run)}; TTFT p99 "

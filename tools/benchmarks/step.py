@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--backend", default="torch")
     p.add_argument("--no-cpu-kernels", action="store_true", help="torch only (the reference)")
+    p.add_argument("--no-cpu-packed-weights", action="store_true", help="torch's GEMM for >8 rows")
     p.add_argument("--profile", type=int, default=0, help="profile decode at this batch size")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
@@ -130,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         kv_cache_memory_gib=1.5,
         attention_backend=args.backend,
         cpu_kernels=not args.no_cpu_kernels,
+        cpu_packed_weights=not args.no_cpu_packed_weights,
     )
     if args.profile:
         return _profile(runner, args.profile, args.context)
