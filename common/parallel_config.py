@@ -106,3 +106,13 @@ def replica_config(config: Config, index: int) -> Config:
         },
         data_parallel={"replica_index": index},
     )
+
+
+def replica_gpus(visible: list[str], size: int) -> list[list[str]]:
+    """The GPUs each replica's worker (group) sees: the visible ones split into `size`
+    contiguous groups of equal size (a replica of a tensor-parallel group takes its ranks'
+    GPUs from its own group). Fewer GPUs than replicas: every replica sees them all."""
+    if len(visible) < size:
+        return [list(visible)] * size
+    per = len(visible) // size
+    return [visible[i * per : (i + 1) * per] for i in range(size)]

@@ -28,7 +28,13 @@ from common.config import Config, ConfigError, add_flags, from_args
 from common.curve import CurveKeys, uses_curve
 from common.messages import Drain, Drained, ProcessDown, Ready
 from common.model_paths import is_synthetic_spec, resolve_model_path
-from common.parallel_config import replica_addrs, replica_config, replica_name, router_addr
+from common.parallel_config import (
+    replica_addrs,
+    replica_config,
+    replica_gpus,
+    replica_name,
+    router_addr,
+)
 from services.tokenizer.chat_template import load_chat_template
 
 _GRACE_S = 10.0
@@ -39,6 +45,7 @@ class Supervisor:
         self.config = config
         self.children: dict[str, subprocess.Popen[bytes]] = {}
         self.commands: dict[str, list[str]] = {}
+        self._env: dict[str, dict[str, str]] = {}  # extra environment of some children
         self._restarts: dict[str, list[float]] = {}
         self._peers: dict[str, zmq.Socket] = {}
         self.ready: dict[str, dict] = {}
@@ -89,16 +96,34 @@ class Supervisor:
         return specs
 
     def write_replica_configs(self) -> None:
+        """Each replica's config; on CUDA each replica's worker its own GPUs, or, with fewer
+        GPUs than replicas, a share of --gpu-memory-utilization each."""
         size = self.config.data_parallel.data_parallel_size
-        for i in range(size if size > 1 else 0):
+        if size == 1:
+            return
+        visible = _visible_gpus() if self.config.model.device == "cuda" else []
+        gpus = replica_gpus(visible, size) if visible else []
+        util = self.config.cache.gpu_memory_utilization
+        for i in range(size):
+            config = replica_config(self.config, i)
+            if gpus:
+                self._env[replica_name("worker", i, size)] = {
+                    "CUDA_VISIBLE_DEVICES": ",".join(gpus[i])
+                }
+                if gpus[i] == gpus[(i + 1) % size]:  # shared: size replicas on these GPUs
+                    config = config.replace(cache={"gpu_memory_utilization": util / size})
             path = Path(self.config.server.run_dir) / f"config-replica-{i}.json"
-            path.write_bytes(replica_config(self.config, i).to_json())
+            path.write_bytes(config.to_json())
+
+    def _popen(self, name: str) -> subprocess.Popen[bytes]:
+        env = {**os.environ, **self._env[name]} if name in self._env else None
+        return subprocess.Popen(self.commands[name], cwd=_repo_root(), env=env)
 
     def start(self) -> None:
         self.write_replica_configs()
         self.commands = dict(self.specs())
-        for name, cmd in self.commands.items():
-            self.children[name] = subprocess.Popen(cmd, cwd=_repo_root())
+        for name in self.commands:
+            self.children[name] = self._popen(name)
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + self.config.server.ready_timeout
@@ -172,7 +197,7 @@ class Supervisor:
         notice = codec.encode(ProcessDown(name=name, exit_code=code))
         for peer in self._told_of_death(name):
             self._send(peer, notice)
-        self.children[name] = subprocess.Popen(self.commands[name], cwd=_repo_root())
+        self.children[name] = self._popen(name)
 
     def _told_of_death(self, name: str) -> list[str]:
         """Who hears that `name` died: the gateway; the schedulers (a worker's death only its
@@ -250,6 +275,16 @@ class Supervisor:
 
 class ChildDied(RuntimeError):
     pass
+
+
+def _visible_gpus() -> list[str]:
+    """The GPUs children may use: CUDA_VISIBLE_DEVICES, else every NVIDIA GPU the driver
+    lists (no torch import in the supervisor)."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [g.strip() for g in env.split(",") if g.strip()]
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return [str(i) for i in range(len(list(gpus.iterdir())))] if gpus.is_dir() else []
 
 
 def _repo_root() -> str:

@@ -3,6 +3,7 @@ the gateway's merge of every replica's answers, /metrics labelled by replica, th
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ from common.parallel_config import (
     engine_entry_addr,
     replica_addrs,
     replica_config,
+    replica_gpus,
     replica_name,
 )
 from services.gateway.metrics import _SchedulerStats
@@ -195,3 +197,39 @@ def test_explicit_addresses_must_name_every_replica() -> None:
 def test_bad_settings_fail_at_start_up(bad: dict[str, Any]) -> None:
     with pytest.raises(ConfigError):
         Config().replace(data_parallel=bad)
+
+
+def test_replicas_split_the_gpus_or_share_them() -> None:
+    assert replica_gpus(["0", "1", "2", "3"], 2) == [["0", "1"], ["2", "3"]]
+    assert replica_gpus(["4", "7"], 2) == [["4"], ["7"]]
+    assert replica_gpus(["0", "1", "2"], 2) == [["0"], ["1"]]
+    assert replica_gpus(["0"], 2) == [["0"], ["0"]]
+
+
+@pytest.mark.parametrize("visible", ["0,1", "0"])
+def test_the_supervisor_gives_each_replica_its_gpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, visible: str
+) -> None:
+    from services import launch
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    config = Config().replace(
+        server={"run_dir": str(tmp_path)},
+        model={"device": "cuda"},
+        cache={"gpu_memory_utilization": 0.8},
+        data_parallel={"data_parallel_size": 2},
+    )
+    sup = launch.Supervisor(config)
+    try:
+        sup.write_replica_configs()
+    finally:
+        sup.inbox.close(linger=0)
+    envs = [sup._env[f"worker-{i}"]["CUDA_VISIBLE_DEVICES"] for i in range(2)]
+    utils = [
+        Config.from_json((tmp_path / f"config-replica-{i}.json").read_bytes()).cache
+        for i in range(2)
+    ]
+    if visible == "0,1":
+        assert envs == ["0", "1"] and [u.gpu_memory_utilization for u in utils] == [0.8, 0.8]
+    else:  # one GPU for both: each takes half of what one would
+        assert envs == ["0", "0"] and [u.gpu_memory_utilization for u in utils] == [0.4, 0.4]
