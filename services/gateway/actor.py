@@ -25,6 +25,7 @@ from common.messages import (
     SwapResult,
     TokenizeResult,
 )
+from common.parallel_config import router_addr
 from services.gateway.zmq_client import ZmqEngineClient
 
 if TYPE_CHECKING:
@@ -75,6 +76,11 @@ class GatewayActor(Actor):
             inbox_addr=self.inbox_addr,
             aliases=self.config.model.served_model_names,
             num_replicas=self.config.data_parallel.data_parallel_size,
+            router=(
+                self.outbox(router_addr(self.config))
+                if self.config.data_parallel.data_parallel_size > 1
+                else None
+            ),
         )
         server = self.config.server
         app = create_app(self.engine, server, self.config.scheduler)

@@ -100,11 +100,13 @@ class ZmqEngineClient:
         inbox_addr: str,
         aliases: Sequence[str] = (),
         num_replicas: int = 1,
+        router: Sender | None = None,
     ) -> None:
         self.tokenizers = tokenizers
         self.aliases = list(aliases)  # --served-model-name: more names the model answers to
         self.scheduler = scheduler  # every replica's scheduler (a fan-out with several)
         self.num_replicas = num_replicas
+        self.router = router  # data parallelism: asked for its routing counters
         self.inbox_addr = inbox_addr
         self.served: ModelChanged | None = None  # what the scheduler last said it serves
         self._is_serving = False  # False again while the worker or the scheduler restarts
@@ -241,25 +243,43 @@ class ZmqEngineClient:
 
     async def stats(self, timeout: float = 5.0, what: str = "stats") -> dict[str, Any]:
         """The scheduler's counters (`what="requests"`: its live requests, one row each).
-        With several replicas, theirs merged (services/gateway/replicas.py); one that does
-        not answer within `timeout` (restarting) counts as not ready."""
+        With several replicas, theirs merged (services/gateway/replicas.py), a replica that
+        does not answer within `timeout` (restarting) as not ready, and the router's
+        counters under `router`."""
+        if self.num_replicas == 1:
+            answers = await self._ask(self.scheduler, 1, what, timeout)
+            if not answers:
+                raise TimeoutError("the scheduler did not answer")
+            return next(iter(answers.values()))
+        asks = [self._ask(self.scheduler, self.num_replicas, what, timeout)]
+        if self.router is not None and what == "stats":
+            asks.append(self._ask(self.router, 1, what, timeout))
+        replicas, *routing = await asyncio.gather(*asks)
+        if not replicas:
+            raise TimeoutError("no replica answered")
+        if what == "requests":
+            return merge_request_rows(replicas)
+        merged = merge_stats(replicas, self.num_replicas)
+        if routing and "router" in routing[0]:
+            merged["router"] = routing[0]["router"]
+        return merged
+
+    async def _ask(
+        self, to: Sender, expected: int, what: str, timeout: float
+    ) -> dict[str, dict[str, Any]]:
+        """A StatsQuery to `to` (a fan-out: `expected` answers): the answers by who gave
+        them, those that came within `timeout`."""
         qid = next(self._query_ids)
-        replies: Replies[dict[str, Any]] = Replies(self.num_replicas)
+        replies: Replies[dict[str, Any]] = Replies(expected)
         self._stats_waiters[qid] = replies
         try:
-            self.scheduler.send(StatsQuery(reply_to=self.inbox_addr, query_id=qid, what=what))
-            try:
-                await asyncio.wait_for(replies.done.wait(), timeout)
-            except TimeoutError:
-                if self.num_replicas == 1 or not replies.items:
-                    raise
+            to.send(StatsQuery(reply_to=self.inbox_addr, query_id=qid, what=what))
+            await asyncio.wait_for(replies.done.wait(), timeout)
+        except TimeoutError:
+            pass
         finally:
             self._stats_waiters.pop(qid, None)
-        if self.num_replicas == 1:
-            return next(iter(replies.items.values()))
-        if what == "requests":
-            return merge_request_rows(replies.items)
-        return merge_stats(replies.items, self.num_replicas)
+        return replies.items
 
     async def tokenize(
         self,

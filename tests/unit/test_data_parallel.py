@@ -3,6 +3,7 @@ the gateway's merge of every replica's answers, /metrics labelled by replica, th
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -233,3 +234,65 @@ def test_the_supervisor_gives_each_replica_its_gpus(
         assert envs == ["0", "1"] and [u.gpu_memory_utilization for u in utils] == [0.8, 0.8]
     else:  # one GPU for both: each takes half of what one would
         assert envs == ["0", "0"] and [u.gpu_memory_utilization for u in utils] == [0.4, 0.4]
+
+
+async def _sent(box: Any, n: int) -> None:
+    """Until the client has sent `n` messages through `box` (its tasks run in turn)."""
+    while len(box.sent) < n:
+        await asyncio.sleep(0)
+
+
+def test_the_gateway_gathers_every_replica_and_the_router() -> None:
+    from common.messages import Stats, StatsQuery, SwapResult
+    from services.gateway.zmq_client import ZmqEngineClient
+    from tests.unit.test_zmq_client import FakeOutbox
+
+    schedulers, router = FakeOutbox(), FakeOutbox()
+    client = ZmqEngineClient(
+        FakeOutbox(),  # type: ignore[arg-type]
+        schedulers,
+        "inproc://gateway",
+        num_replicas=2,
+        router=router,
+    )
+
+    async def run() -> tuple[dict[str, Any], SwapResult]:
+        task = asyncio.create_task(client.stats())
+        await _sent(schedulers, 1)
+        await _sent(router, 1)
+        (query,) = schedulers.sent
+        (routing,) = router.sent
+        assert isinstance(query, StatsQuery) and isinstance(routing, StatsQuery)
+        for i in range(2):
+            client.on_stats(Stats(name=f"scheduler-{i}", query_id=query.query_id, data=_stats()))
+        client.on_stats(Stats(name="router", query_id=routing.query_id, data={"n": 1}))
+        stats = await task
+        swap = asyncio.create_task(client.swap_model("/m", "v2", "overlap"))
+        await _sent(schedulers, 2)
+        ticket = schedulers.sent[-1].ticket
+        for _ in range(2):
+            client.on_swap_result(SwapResult(ticket=ticket, ok=True, version="v2"))
+        return stats, await swap
+
+    stats, swap = asyncio.run(run())
+    assert stats["num_running"] == 2 and stats["router"] == {"n": 1}
+    assert swap.ok and swap.version == "v2"
+
+
+def test_a_replica_that_never_answers_times_out_to_not_ready() -> None:
+    from common.messages import Stats
+    from services.gateway.zmq_client import ZmqEngineClient
+    from tests.unit.test_zmq_client import FakeOutbox
+
+    schedulers = FakeOutbox()
+    client = ZmqEngineClient(FakeOutbox(), schedulers, "inproc://g", num_replicas=2)  # type: ignore[arg-type]
+
+    async def run() -> dict[str, Any]:
+        task = asyncio.create_task(client.stats(timeout=0.05))
+        await _sent(schedulers, 1)
+        qid = schedulers.sent[0].query_id
+        client.on_stats(Stats(name="scheduler-1", query_id=qid, data=_stats()))
+        return await task
+
+    stats = asyncio.run(run())
+    assert [r["ready"] for r in stats["replicas"]] == [False, True]
