@@ -155,10 +155,9 @@ class GatewayActor(Actor):
     def _on_process_down(self, msg: ProcessDown) -> None:
         """The scheduler or detokenizer holds every request's state: fail them all. A
         tokenizer (or the router) held only requests not yet scheduled: fail those with no
-        output yet. (The
-        scheduler fails the requests of a dead worker itself.) With several replicas, one
-        replica's worker or scheduler: the others serve on; the router fails the requests
-        a dead scheduler held, its scheduler those of a dead worker."""
+        output yet. (The scheduler fails the requests of a dead worker itself.) With several
+        replicas, one replica's worker or scheduler: the others serve on; the router fails
+        the requests a dead scheduler held, its scheduler those of a dead worker."""
         if msg.name.startswith(("worker-", "scheduler-")):
             log.warning("%s died: its replica is routed around until it is back", msg.name)
             return
