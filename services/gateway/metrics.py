@@ -295,10 +295,16 @@ class _SchedulerStats:
         self.model_name = model_name
         self.prefix = prefix
         self.last: dict[str, float] = {}
-        # data parallelism: each replica's last values, exported labelled replica="<i>"
+        # data parallelism: each replica's last values, exported labelled replica="<i>", and
+        # the router's decisions
         self.last_by_replica: dict[str, dict[str, float]] = {}
+        self.routed: dict[str, float] = {}
 
     def update(self, stats: dict[str, Any]) -> None:
+        router = stats.get("router") or {}
+        for how in ("prefix", "least_loaded"):
+            if isinstance(router.get(f"num_{how}_routed"), int | float):
+                self.routed[how] = float(router[f"num_{how}_routed"])
         for row in stats.get("replicas", ()):
             if row.get("ready"):
                 self.last_by_replica[str(row["replica"])] = self._values(row)
@@ -331,6 +337,15 @@ class _SchedulerStats:
 
     def _collect_by_replica(self) -> Iterator[Metric]:
         model, labels = self.model_name(), ["model_name", "replica"]
+        routed = CounterMetricFamily(
+            f"{self.prefix}:dp_routed_requests",
+            "Data parallelism: requests the router sent by prefix affinity (prefix) or to the "
+            "least-loaded replica (least_loaded).",
+            labels=["model_name", "how"],
+        )
+        for how, value in sorted(self.routed.items()):
+            routed.add_metric([model, how], value)
+        yield routed
         for families, kind in (
             (self.GAUGES, GaugeMetricFamily),
             (self.COUNTERS, CounterMetricFamily),

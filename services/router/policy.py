@@ -90,7 +90,7 @@ class Router:
         self.load_bound = load_bound
         self._turn = 0
         self.num_prefix_routed = 0  # sent to a replica holding a prefix of the prompt
-        self.num_least_loaded = 0  # a miss (or every holder too busy): least loaded
+        self.num_least_loaded_routed = 0  # a miss (or every holder too busy): least loaded
 
     # notices -------------------------------------------------------------------------------
     def on_notice(self, msg: ReplicaNotice) -> None:
@@ -158,7 +158,7 @@ class Router:
             self.num_prefix_routed += 1
         else:
             chosen = min(ready, key=lambda r: (r.load, r.num_routed, r.index))
-            self.num_least_loaded += 1
+            self.num_least_loaded_routed += 1
         return chosen, chains[(chosen.cache_root, chosen.block_size)], hits[chosen.index]
 
     def load_cap(self, ready: list[ReplicaView]) -> int:
@@ -171,7 +171,7 @@ class Router:
         return {
             "routing": self.routing,
             "num_prefix_routed": self.num_prefix_routed,
-            "num_least_loaded": self.num_least_loaded,
+            "num_least_loaded_routed": self.num_least_loaded_routed,
             "replicas": [
                 {
                     "replica": r.index,

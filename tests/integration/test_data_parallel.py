@@ -133,6 +133,8 @@ def test_a_cancel_storm_over_both_replicas_fails_nothing(tiny: Server) -> None:
 def test_shared_prefixes_land_on_one_replica(tiny: Server, models: dict[str, Path]) -> None:
     prefix_rate, prefix_delta = _shared_prefix_hit_rate(tiny)
     assert _stats(tiny)["router"]["num_prefix_routed"] >= 9  # the repeats, by affinity
+    metrics = httpx.get(tiny.url + "/metrics", timeout=30).text
+    assert re.search(r'dp_routed_requests_total\{[^}]*how="prefix"[^}]*\} (\d+)', metrics)
     with running_server(*_tiny_flags(models, "round-robin")) as rr:
         rr_rate, rr_delta = _shared_prefix_hit_rate(rr)
     print(f"\nprefix hit rate: prefix routing {prefix_rate:.3f} {prefix_delta}")

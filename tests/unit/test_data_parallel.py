@@ -151,12 +151,19 @@ def test_a_swap_succeeds_when_every_replica_swapped() -> None:
 
 def test_metrics_are_labelled_by_replica() -> None:
     collector = _SchedulerStats(lambda: "m")
-    collector.update(merge_stats({"scheduler-0": _stats(), "scheduler-1": _stats()}, 2))
+    merged = merge_stats({"scheduler-0": _stats(), "scheduler-1": _stats()}, 2)
+    merged["router"] = {"num_prefix_routed": 7, "num_least_loaded_routed": 3}
+    collector.update(merged)
     families = {f.name: f for f in collector.collect()}
     hits = families["shuttle:prefix_cache_hits"]
     assert [(s.labels["replica"], s.value) for s in hits.samples if s.name.endswith("_total")] == [
         ("0", 40.0),
         ("1", 40.0),
+    ]
+    routed = families["shuttle:dp_routed_requests"]
+    assert sorted((s.labels["how"], s.value) for s in routed.samples) == [
+        ("least_loaded", 3.0),
+        ("prefix", 7.0),
     ]
 
 

@@ -68,7 +68,7 @@ def test_a_miss_goes_to_the_least_loaded_and_spreads_ties() -> None:
     router = _router()
     picks = [router.route(f"r{i}", [i] * 40) for i in range(4)]
     assert [p.replica for p in picks if p] == [0, 1, 0, 1]
-    assert router.num_least_loaded == 4
+    assert router.num_least_loaded_routed == 4
 
 
 def test_routed_prompts_are_expected_before_any_notice() -> None:
