@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from common import codec
 from common.messages import ReplicaNotice
@@ -170,3 +172,46 @@ def test_replica_notice_round_trip() -> None:
     assert codec.decode(codec.encode(msg)) == msg
     big = _notice(0, [2**63 - 1, -(2**63)], cache_root=2**64 - 1)
     assert codec.decode(codec.encode(big)) == big
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["route", "end", "notice"]), st.integers(0, 5), st.integers(0, 3)
+        ),
+        max_size=60,
+    ),
+    st.sampled_from([1.0, 1.25, 2.0]),
+)
+def test_decisions_keep_their_rules(ops: list[tuple[str, int, int]], bound: float) -> None:
+    """Whatever the order of requests, ends and notices: a request goes by affinity only to a
+    replica within the load cap holding the most of its blocks, else to a least-loaded one;
+    the router's load is exactly its live requests."""
+    router = _router(3, bound=bound)
+    prompts = [[*SYSTEM[: 4 * (k + 1)], k] for k in range(6)]
+    live: dict[str, int] = {}
+    for n, (op, k, replica) in enumerate(ops):
+        if op == "route":
+            loads = [r.load for r in router.replicas]
+            cap = router.load_cap([r for r in router.replicas if r.is_ready])
+            hashes = list(prefix_hashes(ROOT, prompts[k], BS))
+            hits = [r.num_leading_hits(hashes) for r in router.replicas]
+            d = router.route(f"r{n}", prompts[k])
+            assert d is not None and d.num_hit_blocks == hits[d.replica]
+            holders = [i for i in range(3) if hits[i] and loads[i] + 1 <= cap]
+            if holders:
+                assert hits[d.replica] == max(hits[i] for i in holders)
+                assert loads[d.replica] + 1 <= cap
+            else:
+                assert loads[d.replica] == min(loads)
+            live[f"r{n}"] = d.replica
+        elif op == "end" and live:
+            rid = sorted(live)[k % len(live)]
+            router.on_notice(_notice(live.pop(rid), ended_request_ids=[rid]))
+        elif op == "notice":
+            hashes = list(prefix_hashes(ROOT, prompts[k], BS))
+            router.on_notice(_notice(replica % 3, hashes[: 1 + k % len(hashes)]))
+        assert [r.load for r in router.replicas] == [
+            sum(1 for v in live.values() if v == i) for i in range(3)
+        ]
