@@ -12,11 +12,15 @@ instead of N, and tokenizers stay stateless. It costs one more local hop per req
     scheduler-<i> ─ReplicaNotice────┘
     supervisor ─ProcessDown(scheduler-<i>)─▶ router: its live requests fail (503, retry)
 
-Until some replica has said it is ready (start-up), requests wait here instead of failing.
+At start-up (and after a restart of the router itself) requests wait here instead of
+failing until every replica has told what it holds, or, when one is ready but another stays
+silent (down), for at most `_HEAR_ALL_S` after the first ready one: routed earlier, a
+request would go to whichever replica spoke first, missing the prefix cached on another.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -31,9 +35,11 @@ from common.messages import (
     TokenizedRequest,
 )
 from common.parallel_config import replica_addrs, replica_name, router_addr
-from services.router.policy import Router
+from services.router.policy import ReplicaView, Router
 
 log = logging.getLogger(__name__)
+
+_HEAR_ALL_S = 1.0
 
 
 class RouterActor(Actor):
@@ -47,7 +53,8 @@ class RouterActor(Actor):
             replica_name("scheduler", i, dp.data_parallel_size)
             for i in range(dp.data_parallel_size)
         ]
-        self.parked: list[TokenizedRequest] = []  # before any replica was ever ready
+        self.parked: list[TokenizedRequest] = []  # until the replicas have been heard
+        self.heard: set[int] = set()  # replicas that have sent a notice
         self.was_ever_ready = False
         self.handlers.update(
             {
@@ -79,11 +86,28 @@ class RouterActor(Actor):
 
     def _on_notice(self, msg: ReplicaNotice) -> None:
         self.router.on_notice(msg)
-        if msg.is_ready and not self.was_ever_ready:
-            self.was_ever_ready = True
-            parked, self.parked = self.parked, []
-            for req in parked:
-                self._on_request(req)
+        if self.was_ever_ready:
+            return
+        first_ready = msg.is_ready and not any(r.is_ready for r in self._others(msg.replica))
+        self.heard.add(msg.replica)
+        if len(self.heard) == len(self.replica_boxes) and any(
+            r.is_ready for r in self.router.replicas
+        ):
+            self._release()
+        elif first_ready:
+            asyncio.get_running_loop().call_later(_HEAR_ALL_S, self._release)
+
+    def _others(self, index: int) -> list[ReplicaView]:
+        return [r for r in self.router.replicas if r.index != index]
+
+    def _release(self) -> None:
+        """Route the requests that waited for the replicas to be heard."""
+        if self.was_ever_ready:
+            return
+        self.was_ever_ready = True
+        parked, self.parked = self.parked, []
+        for req in parked:
+            self._on_request(req)
 
     def _on_process_down(self, msg: ProcessDown) -> None:
         if msg.name not in self.names:
