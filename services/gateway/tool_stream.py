@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -92,7 +93,8 @@ class ToolStream:
 
     # --- one move of the state machine; False when it needs more text ---------------------
     def _step(self, out: Piece) -> bool:
-        return getattr(self, "_" + self.mode)(out)  # type: ignore[no-any-return]
+        move: Callable[[Piece], bool] = getattr(self, "_" + self.mode)
+        return move(out)
 
     def _text(self, out: Piece) -> bool:
         if self.after_call:
