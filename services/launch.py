@@ -29,6 +29,7 @@ from common.curve import CurveKeys, uses_curve
 from common.messages import Drain, Drained, ProcessDown, Ready
 from common.model_paths import is_synthetic_spec, resolve_model_path
 from services.tokenizer.chat_template import load_chat_template
+from services.worker_group import WORKER, check_parallel, is_worker_rank, rank_specs, stop_all
 
 _GRACE_S = 10.0
 
@@ -58,7 +59,7 @@ class Supervisor:
         base = [sys.executable, "-m"]
         cfg = ["--config-file", str(Path(self.config.server.run_dir) / "config.json")]
         specs = [
-            ("worker", [*base, "gpu_worker", *cfg]),
+            *rank_specs(self.config, cfg),  # "worker", and "worker-rank-R" under TP
             ("scheduler", [*base, "services.scheduler", *cfg]),
             ("detokenizer", [*base, "services.detokenizer", *cfg]),
         ]
@@ -127,27 +128,39 @@ class Supervisor:
         the scheduler, so requests in flight through it fail with a retryable error."""
         while not self._stop:
             for name, proc in list(self.children.items()):
-                if proc.poll() is not None and not self._stop:
+                # (a rank restarted with its group this round is a new process already)
+                if proc.poll() is not None and not self._stop and self.children[name] is proc:
                     self._restart(name, proc.returncode)
             self._drain_inbox()
             time.sleep(0.1)
 
     def _restart(self, name: str, code: int) -> None:
+        """Start `name` again; a worker rank takes its whole tensor-parallel group along."""
+        unit = WORKER if is_worker_rank(name) else name
         now = time.monotonic()
-        recent = [t for t in self._restarts.get(name, []) if now - t < 60.0]
+        recent = [t for t in self._restarts.get(unit, []) if now - t < 60.0]
         if len(recent) >= self.config.server.max_restarts:
             raise ChildDied(
                 f"{name} died {len(recent) + 1} times within a minute (last exit code {code})"
             )
-        self._restarts[name] = [*recent, now]
+        self._restarts[unit] = [*recent, now]
         print(
-            f"shuttle: {name} exited with code {code}; restarting it", file=sys.stderr, flush=True
+            f"shuttle: {name} exited with code {code}; restarting {unit if unit != name else 'it'}",
+            file=sys.stderr,
+            flush=True,
         )
-        notice = codec.encode(ProcessDown(name=name, exit_code=code))
+        names = [name]
+        if unit == WORKER:  # the group lives and dies together, on a fresh rendezvous
+            names = [n for n in self.children if is_worker_rank(n)]
+            stop_all([self.children[n] for n in names])
+            cfg = ["--config-file", str(Path(self.config.server.run_dir) / "config.json")]
+            self.commands.update(rank_specs(self.config, cfg))
+        notice = codec.encode(ProcessDown(name=unit, exit_code=code))
         for peer in ("gateway", "scheduler"):
             if peer != name:
                 self._send(peer, notice)
-        self.children[name] = subprocess.Popen(self.commands[name], cwd=_repo_root())
+        for n in names:
+            self.children[n] = subprocess.Popen(self.commands[n], cwd=_repo_root())
 
     def _send(self, name: str, frame: bytes) -> None:
         sock = self._peers.get(name)
@@ -225,6 +238,9 @@ def prepare(config: Config) -> Config:
     if template and Path(template).is_file():  # the children may run in another folder
         template = str(Path(template).resolve())
     path = resolve_model_path(config)
+    if config.parallel.node_rank != 0:
+        raise ConfigError("--node-rank > 0: run `shuttle worker-ranks` on that host instead")
+    check_parallel(config, None if is_synthetic_spec(config.model.model) else path)
     run_dir = config.server.run_dir or tempfile.mkdtemp(prefix="shuttle-")
     return config.replace(
         model={
