@@ -1,0 +1,115 @@
+"""Tensor parallelism on this host: decode tok/s at TP=1 vs TP=N, and what the ranks say.
+
+    .venv/bin/python -m tools.benchmarks.tensor_parallel --tp-sizes 1,2 --batch-sizes 1,4
+
+For each size N it starts N processes forming a gloo group (as the worker ranks do), each
+building the shipped ModelRunner on its shard with cores / N threads and driving it with the
+same StepPlans (tools/benchmarks/step.py's driver; deterministic, so no broadcast is
+needed). B requests are prefilled to --context tokens, then --steps decode steps are timed
+on rank 0 (median), with the time and bytes of rank 0's collectives (the all-reduces after
+the embedding, o_proj and down_proj, and the all-gather of the logits) over those steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+
+def _rank(rank: int, size: int, addr: str, args: argparse.Namespace, out: Any) -> None:
+    from gpu_worker.model_runner import ModelRunner
+    from gpu_worker.sharding import threads_per_rank
+    from gpu_worker.tensor_parallel import join_group
+    from tools.benchmarks.step import start_batch
+
+    tp = join_group(rank, size, addr, "cpu")
+    runner = ModelRunner(
+        args.model,
+        num_threads=threads_per_rank(len(os.sched_getaffinity(0)), size),
+        kv_cache_memory_gib=0.5,
+        cpu_kernels=not args.no_cpu_kernels,
+        tp=tp,
+    )
+    rows = []
+    for batch in (int(b) for b in args.batch_sizes.split(",")):
+        drv, rids, _ = start_batch(runner, batch, args.context, 512, batch)
+        drv.step({}, [(r, 1) for r in rids])  # warm-up
+        tp.comm_s, tp.comm_bytes, tp.num_collectives = 0.0, 0, 0
+        times = [drv.step({}, [(r, 1) for r in rids]) for _ in range(args.steps)]
+        drv.finish(rids)
+        step = statistics.median(times)
+        rows.append(
+            {
+                "tp": size,
+                "batch": batch,
+                "decode_step_ms": step * 1e3,
+                "decode_tok_s": batch / step,
+                "comm_ms_per_step": tp.comm_s / args.steps * 1e3,
+                "comm_share": tp.comm_s / sum(times),
+                "collectives_per_step": tp.num_collectives / args.steps,
+                "bytes_per_token": tp.comm_bytes / args.steps / batch,
+            }
+        )
+    if rank == 0:
+        out.put(rows)
+
+
+def run_size(size: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    import torch.multiprocessing as mp
+
+    from services.worker_group import free_loopback_addr
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    addr = free_loopback_addr()
+    procs = [ctx.Process(target=_rank, args=(r, size, addr, args, queue)) for r in range(size)]
+    for p in procs:
+        p.start()
+    rows: list[dict[str, Any]] = queue.get(timeout=1800)
+    for p in procs:
+        p.join()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="", help="HF folder (default: SmolLM2)")
+    p.add_argument("--tp-sizes", default="1,2")
+    p.add_argument("--batch-sizes", default="1,4")
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--no-cpu-kernels", action="store_true")
+    p.add_argument("--json", default="")
+    args = p.parse_args(argv)
+    if not args.model:
+        from common.prepare_model import prepare_default_model
+
+        args.model = str(prepare_default_model())
+    load = os.getloadavg()[0]
+    rows = []
+    for size in (int(n) for n in args.tp_sizes.split(",")):
+        start = time.perf_counter()
+        for row in run_size(size, args):
+            rows.append(row)
+            print(
+                f"TP={row['tp']} B={row['batch']:3d}: {row['decode_step_ms']:7.1f} ms/step, "
+                f"{row['decode_tok_s']:7.1f} tok/s; collectives {row['comm_ms_per_step']:6.2f} "
+                f"ms/step ({row['comm_share']:.0%}, {row['collectives_per_step']:.0f} calls), "
+                f"{row['bytes_per_token']:.0f} B/token sent by rank 0",
+                flush=True,
+            )
+        print(f"(TP={size} run took {time.perf_counter() - start:.0f} s)", flush=True)
+    print(f"load average before: {load:.2f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"load_average": load, "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
