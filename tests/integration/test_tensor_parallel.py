@@ -257,10 +257,10 @@ def smol() -> tuple[Path, list[list[int]]]:
 
 
 def test_tp3_default_model_batched_and_chunked(smol: tuple[Path, list[list[int]]]) -> None:
-    path, prompts = smol
-    num_new = 16
+    path, prompts = smol[0], smol[1][:3]  # (the long one is for the slow variant)
+    num_new = 12
     expected = [hf_greedy(path, p, num_new) for p in prompts]
-    flags = ("--tensor-parallel-size", "3", "--max-num-batched-tokens", "16")
+    flags = ("--tensor-parallel-size", "3", "--max-num-batched-tokens", "8")
     with running_server(*flags) as server:
         assert _together(server, prompts, num_new) == expected
 

@@ -175,6 +175,15 @@ def parity() -> dict[str, Any]:
     return result
 
 
+def tensor_parallel() -> dict[str, Any]:
+    """TP=1 vs TP=2 decode on SmolLM2, with the collectives' time and bytes (rank 0)."""
+    from tools.benchmarks import tensor_parallel as tp
+
+    path = OUT / "tensor_parallel.json"
+    tp.main(["--tp-sizes", "1,2", "--batch-sizes", "1,4", "--json", str(path)])
+    return dict(json.loads(path.read_text()))
+
+
 STEPS: dict[str, Callable[[], dict[str, Any]]] = {
     "step": step_times,
     "mixed": mixed,
@@ -183,6 +192,7 @@ STEPS: dict[str, Callable[[], dict[str, Any]]] = {
     "synthetic": synthetic,
     "parity": parity,
     "peers": peers,
+    "tensor_parallel": tensor_parallel,
 }
 
 

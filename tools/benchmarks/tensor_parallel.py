@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average before: {load:.2f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"load_average": load, "rows": rows}, f, indent=2)
+            json.dump({"load_average": load, "context": args.context, "rows": rows}, f, indent=2)
     return 0
 
 
