@@ -105,10 +105,12 @@ def test_tp2_tiny_llama_equals_transformers(tiny: dict[str, Path]) -> None:
     flags = ["--model", str(tiny["a"]), "--tensor-parallel-size", "2", "--admin-token", TOKEN]
     # a 24-token budget chunks every prompt over 5; 14 blocks cannot hold them all: preemption
     flags += ["--max-num-batched-tokens", "24", "--kv-cache-memory", _gib(14, TINY_BLOCK_BYTES)]
+    flags += ["--speculative", "ngram"]  # drafts verified on every rank alike
     with running_server(*flags) as server:
         assert _stats(server)["num_total_blocks"] == 14
         assert server.logs().count('"rank 1 ready"') == 1
         _check_parity_everywhere(server, prompts, expected)
+        assert _stats(server)["spec_num_draft_tokens"] > 0
 
 
 @pytest.fixture(scope="module")
