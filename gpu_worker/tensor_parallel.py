@@ -98,11 +98,16 @@ class TensorParallel:
         return buf.numpy().tobytes()
 
 
-def join_group(rank: int, size: int, init_addr: str, device_type: str) -> TensorParallel:
+def join_group(
+    rank: int, size: int, init_addr: str, device_type: str, local_rank: int = 0
+) -> TensorParallel:
     """Join the group of `size` ranks whose rendezvous (a TCP store) rank 0 serves at
-    `init_addr` (host:port); blocks until every rank has joined."""
+    `init_addr` (host:port); blocks until every rank has joined. On CUDA the rank's device
+    is cuda:`local_rank` (its index among this host's ranks)."""
     if size == 1:
         return TensorParallel()
+    if device_type == "cuda":  # NCCL works on the current device: one per rank
+        torch.cuda.set_device(local_rank)
     host = init_addr.rpartition(":")[0]
     if host in ("127.0.0.1", "localhost"):  # one host: gloo talks over the loopback
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

@@ -96,6 +96,7 @@ class WorkerActor(Actor):
             parallel.tensor_parallel_size,
             parallel.dist_init_addr,
             self.config.model.device,
+            local_rank=self.rank % parallel.ranks_per_node,
         )
         log.info("rank %d of %d joined", tp.rank, tp.size)
         return tp
