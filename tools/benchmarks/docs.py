@@ -176,11 +176,11 @@ def parity() -> dict[str, Any]:
 
 
 def tensor_parallel() -> dict[str, Any]:
-    """TP=1 vs TP=2 decode on SmolLM2, with the collectives' time and bytes (rank 0)."""
+    """TP=1 vs TP=3 decode on SmolLM2, with the collectives' time and bytes (rank 0)."""
     from tools.benchmarks import tensor_parallel as tp
 
     path = OUT / "tensor_parallel.json"
-    tp.main(["--tp-sizes", "1,2", "--batch-sizes", "1,4", "--json", str(path)])
+    tp.main(["--tp-sizes", "1,3", "--batch-sizes", "1,4", "--json", str(path)])
     return dict(json.loads(path.read_text()))
 
 

@@ -340,7 +340,7 @@ def _tensor_parallel(out: Path, loads: dict[str, Any]) -> str:
     text = (
         "## Tensor parallelism\n\n"
         + _load_line(loads, "tensor_parallel")
-        + "`python -m tools.benchmarks.tensor_parallel --tp-sizes 1,2 --batch-sizes 1,4 "
+        + "`python -m tools.benchmarks.tensor_parallel --tp-sizes 1,3 --batch-sizes 1,4 "
         "--json docs/bench/tensor_parallel.json`: SmolLM2 fp32, the shipped ModelRunner on "
         "each rank's shard (gloo, cores / N threads per rank, C kernels on), requests "
         f"prefilled to {r.get('context', 128)} tokens, the median decode step; the "

@@ -1,6 +1,9 @@
 """Tensor parallelism on this host: decode tok/s at TP=1 vs TP=N, and what the ranks say.
 
-    .venv/bin/python -m tools.benchmarks.tensor_parallel --tp-sizes 1,2 --batch-sizes 1,4
+    .venv/bin/python -m tools.benchmarks.tensor_parallel --tp-sizes 1,3 --batch-sizes 1,4
+
+SmolLM2 (9 heads, 3 KV heads) splits over 1 or 3 ranks only: TP=2 is refused for it; pass
+--model with a model whose heads divide by 2 to measure that.
 
 For each size N it starts N processes forming a gloo group (as the worker ranks do), each
 building the shipped ModelRunner on its shard with cores / N threads and driving it with the
@@ -18,6 +21,7 @@ import os
 import statistics
 import sys
 import time
+from queue import Empty
 from typing import Any
 
 
@@ -70,7 +74,15 @@ def run_size(size: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     procs = [ctx.Process(target=_rank, args=(r, size, addr, args, queue)) for r in range(size)]
     for p in procs:
         p.start()
-    rows: list[dict[str, Any]] = queue.get(timeout=1800)
+    rows: list[dict[str, Any]] | None = None
+    while rows is None:
+        try:
+            rows = queue.get(timeout=1.0)
+        except Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"a rank of TP={size} failed (its traceback is above)") from None
     for p in procs:
         p.join()
     return rows
@@ -79,7 +91,7 @@ def run_size(size: int, args: argparse.Namespace) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="", help="HF folder (default: SmolLM2)")
-    p.add_argument("--tp-sizes", default="1,2")
+    p.add_argument("--tp-sizes", default="1,3")
     p.add_argument("--batch-sizes", default="1,4")
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--steps", type=int, default=30)
