@@ -176,12 +176,16 @@ def parity() -> dict[str, Any]:
 
 
 def tensor_parallel() -> dict[str, Any]:
-    """TP=1 vs TP=3 decode on SmolLM2, with the collectives' time and bytes (rank 0)."""
+    """TP=1 vs 3 on SmolLM2, TP=1 vs 2 on a SmolLM2-sized 8-head model; collectives timed."""
     from tools.benchmarks import tensor_parallel as tp
 
-    path = OUT / "tensor_parallel.json"
-    tp.main(["--tp-sizes", "1,3", "--batch-sizes", "1,4", "--json", str(path)])
-    return dict(json.loads(path.read_text()))
+    path, rows = OUT / "tensor_parallel.json", []
+    for flags in (["--tp-sizes", "1,3"], ["--tp-sizes", "1,2", "--smol-shaped", "8"]):
+        tp.main([*flags, "--batch-sizes", "1,4", "--json", str(path)])
+        rows += json.loads(path.read_text())["rows"]
+    result = {**json.loads(path.read_text()), "rows": rows}
+    path.write_text(json.dumps(result, indent=2))
+    return result
 
 
 STEPS: dict[str, Callable[[], dict[str, Any]]] = {

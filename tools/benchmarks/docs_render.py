@@ -340,18 +340,22 @@ def _tensor_parallel(out: Path, loads: dict[str, Any]) -> str:
     text = (
         "## Tensor parallelism\n\n"
         + _load_line(loads, "tensor_parallel")
-        + "`python -m tools.benchmarks.tensor_parallel --tp-sizes 1,3 --batch-sizes 1,4 "
-        "--json docs/bench/tensor_parallel.json`: SmolLM2 fp32, the shipped ModelRunner on "
-        "each rank's shard (gloo, cores / N threads per rank, C kernels on), requests "
+        + "`python -m tools.benchmarks.docs --only tensor_parallel`, i.e. "
+        "`python -m tools.benchmarks.tensor_parallel --tp-sizes 1,3 --batch-sizes 1,4` on "
+        "SmolLM2 (9 heads, 3 KV heads: TP=2 is refused for it) and `--tp-sizes 1,2 "
+        "--smol-shaped 8` on a random model of SmolLM2's sizes with 8 heads and 4 KV heads; "
+        "fp32, the shipped ModelRunner on each rank's shard (gloo, cores / N threads per "
+        "rank, C kernels on), requests "
         f"prefilled to {r.get('context', 128)} tokens, the median decode step; the "
         "collectives are timed on rank 0 inside the worker (the all-reduces after the "
         "embedding, o_proj and down_proj, and the logits all-gather) over the same steps.\n\n"
-        "| TP | batch | decode ms/step | decode tok/s | collectives ms/step | share of step | "
-        "calls/step | bytes/token sent by rank 0 |\n|---|---|---|---|---|---|---|---|\n"
+        "| model | TP | batch | decode ms/step | decode tok/s | collectives ms/step | "
+        "share of step | calls/step | bytes/token sent by rank 0 |\n"
+        "|---|---|---|---|---|---|---|---|---|\n"
     )
     for row in r["rows"]:
         text += (
-            f"| {row['tp']} | {row['batch']} | {row['decode_step_ms']:.1f} | "
+            f"| {row['model']} | {row['tp']} | {row['batch']} | {row['decode_step_ms']:.1f} | "
             f"{row['decode_tok_s']:.1f} | {row['comm_ms_per_step']:.2f} | "
             f"{row['comm_share']:.0%} | {row['collectives_per_step']:.0f} | "
             f"{row['bytes_per_token']:,.0f} |\n"

@@ -2,8 +2,12 @@
 
     .venv/bin/python -m tools.benchmarks.tensor_parallel --tp-sizes 1,3 --batch-sizes 1,4
 
-SmolLM2 (9 heads, 3 KV heads) splits over 1 or 3 ranks only: TP=2 is refused for it; pass
---model with a model whose heads divide by 2 to measure that.
+    .venv/bin/python -m tools.benchmarks.tensor_parallel --tp-sizes 1,2 --smol-shaped 8
+
+SmolLM2 (9 heads, 3 KV heads) splits over 1 or 3 ranks only: TP=2 is refused for it.
+`--smol-shaped H` builds (once, under /tmp) a random Llama of SmolLM2's sizes (30 layers,
+hidden 576, MLP 1536, vocabulary 49152, tied) with H heads and H / 2 KV heads instead, so
+TP=2 can be timed on the same amount of compute.
 
 For each size N it starts N processes forming a gloo group (as the worker ranks do), each
 building the shipped ModelRunner on its shard with cores / N threads and driving it with the
@@ -49,6 +53,7 @@ def _rank(rank: int, size: int, addr: str, args: argparse.Namespace, out: Any) -
         step = statistics.median(times)
         rows.append(
             {
+                "model": os.path.basename(args.model.rstrip("/")),
                 "tp": size,
                 "batch": batch,
                 "decode_step_ms": step * 1e3,
@@ -88,6 +93,34 @@ def run_size(size: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def smol_shaped(num_heads: int) -> str:
+    """A random Llama folder with SmolLM2's sizes and `num_heads` heads (built once)."""
+    from pathlib import Path
+
+    folder = Path(f"/tmp/shuttle-smol-shaped-{num_heads}h")
+    if (folder / "config.json").is_file():
+        return str(folder)
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=num_heads,
+        num_key_value_heads=max(1, num_heads // 2),
+        head_dim=64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(
+        folder
+    )
+    return str(folder)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="", help="HF folder (default: SmolLM2)")
@@ -96,8 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--no-cpu-kernels", action="store_true")
+    p.add_argument("--smol-shaped", type=int, default=0, help="heads of a SmolLM2-sized model")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
+    if args.smol_shaped:
+        args.model = smol_shaped(args.smol_shaped)
     if not args.model:
         from common.prepare_model import prepare_default_model
 
