@@ -277,3 +277,29 @@ def test_tp3_default_model_everywhere(smol: tuple[Path, list[list[int]]]) -> Non
     flags += ["--max-num-batched-tokens", "32", "--kv-cache-memory", _gib(16, block_bytes)]
     with running_server(*flags) as server:
         _check_parity_everywhere(server, prompts, expected)
+
+
+@pytest.mark.slow
+def test_tp2_ranks_on_a_second_host_join_through_worker_ranks(
+    tiny: dict[str, Path], tmp_path: Path
+) -> None:
+    """`shuttle worker-ranks` runs "host B"'s rank (both hosts are this one, on loopback)."""
+    from services.worker_group import free_loopback_addr
+
+    addr = free_loopback_addr()
+    group = ["--tensor-parallel-size", "2", "--nnodes", "2", "--dist-init-addr", addr]
+    group += ["--model", str(tiny["a"])]
+    host_b = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "worker-ranks", *group, "--node-rank", "1"]
+        + ["--run-dir", str(tmp_path / "host-b")],
+        cwd=REPO,
+        start_new_session=True,
+    )
+    try:
+        with running_server(*group, "--node-rank", "0") as server:
+            assert [name for name, _ in server.children()].count("gpu_worker") == 1
+            prompt = _prompts((21,), seed=6)[0]
+            assert _tokens(server, prompt) == hf_greedy(tiny["a"], prompt, NUM_NEW)
+    finally:
+        host_b.send_signal(signal.SIGTERM)
+        host_b.wait(30)
