@@ -29,7 +29,11 @@ def _build(config: Config, args: argparse.Namespace) -> Actor:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_actor("worker", _build, argv, _flags)
+    pre = argparse.ArgumentParser(add_help=False)
+    _flags(pre)
+    rank = pre.parse_known_args(argv)[0].rank
+    name = "worker" if rank == 0 else f"worker-rank-{rank}"  # its log lines' "proc"
+    return run_actor(name, _build, argv, _flags)
 
 
 if __name__ == "__main__":
