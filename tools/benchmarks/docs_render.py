@@ -343,7 +343,7 @@ def _tensor_parallel(out: Path, loads: dict[str, Any]) -> str:
         + "`python -m tools.benchmarks.docs --only tensor_parallel`, i.e. "
         "`python -m tools.benchmarks.tensor_parallel --tp-sizes 1,3 --batch-sizes 1,4` on "
         "SmolLM2 (9 heads, 3 KV heads: TP=2 is refused for it) and `--tp-sizes 1,2 "
-        "--smol-shaped 8` on a random model of SmolLM2's sizes with 8 heads and 4 KV heads; "
+        "--smol-shaped 8` on SmolLM2 cut to its first 8 heads and 2 KV heads; "
         "fp32, the shipped ModelRunner on each rank's shard (gloo, cores / N threads per "
         "rank, C kernels on), requests "
         f"prefilled to {r.get('context', 128)} tokens, the median decode step; the "

@@ -5,9 +5,9 @@
     .venv/bin/python -m tools.benchmarks.tensor_parallel --tp-sizes 1,2 --smol-shaped 8
 
 SmolLM2 (9 heads, 3 KV heads) splits over 1 or 3 ranks only: TP=2 is refused for it.
-`--smol-shaped H` builds (once, under /tmp) a random Llama of SmolLM2's sizes (30 layers,
-hidden 576, MLP 1536, vocabulary 49152, tied) with H heads and H / 2 KV heads instead, so
-TP=2 can be timed on the same amount of compute.
+`--smol-shaped H` builds (once, under /tmp) SmolLM2 cut to its first H query heads and H / 4
+KV heads (30 layers, hidden 576, MLP 1536, vocabulary 49152, tied, as SmolLM2), so TP=2 can
+be timed on nearly the same compute.
 
 For each size N it starts N processes forming a gloo group (as the worker ranks do), each
 building the shipped ModelRunner on its shard with cores / N threads and driving it with the
@@ -94,30 +94,39 @@ def run_size(size: int, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def smol_shaped(num_heads: int) -> str:
-    """A random Llama folder with SmolLM2's sizes and `num_heads` heads (built once)."""
+    """SmolLM2 cut to `num_heads` query heads and num_heads / 4 KV heads (its first ones):
+    the same sizes otherwise, and real weights (a random init decays into subnormal floats,
+    which are many times slower on the CPU). Built once under /tmp; only for timing."""
+    import json
     from pathlib import Path
 
-    folder = Path(f"/tmp/shuttle-smol-shaped-{num_heads}h")
-    if (folder / "config.json").is_file():
-        return str(folder)
-    import torch
-    import transformers
+    from safetensors.torch import load_file, save_file
 
-    config = transformers.LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=num_heads,
-        num_key_value_heads=max(1, num_heads // 2),
-        head_dim=64,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
+    from common.prepare_model import prepare_default_model
+
+    folder = Path(f"/tmp/shuttle-smol-shaped-{num_heads}h")
+    if (folder / "model.safetensors").is_file():
+        return str(folder)
+    source = prepare_default_model()
+    config = json.loads((source / "config.json").read_text())
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    q_rows, kv_rows = num_heads * head_dim, num_heads // 4 * head_dim
+    weights = {}
+    for path in sorted(source.glob("*.safetensors")):
+        for name, t in load_file(str(path)).items():
+            if name.endswith("q_proj.weight"):
+                t = t[:q_rows]
+            elif name.endswith(("k_proj.weight", "v_proj.weight")):
+                t = t[:kv_rows]
+            elif name.endswith("o_proj.weight"):
+                t = t[:, :q_rows]
+            weights[name] = t.contiguous()
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(folder / "model.safetensors"))
+    config.update(
+        num_attention_heads=num_heads, num_key_value_heads=num_heads // 4, head_dim=head_dim
     )
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(
-        folder
-    )
+    (folder / "config.json").write_text(json.dumps(config))
     return str(folder)
 
 
