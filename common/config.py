@@ -194,6 +194,48 @@ class SpeculativeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism: the worker is a group of ranks, one process per device."""
+
+    tensor_parallel_size: int = _field(
+        1, "worker ranks that split each layer (heads, MLP, vocabulary), one process each"
+    )
+    dist_init_addr: str = _field(
+        "",
+        "host:port where rank 0 serves the ranks' rendezvous (torch.distributed TCP store); "
+        "empty: a free loopback port (one host only)",
+    )
+    nnodes: int = _field(1, "hosts the worker ranks span (each runs an equal share)")
+    node_rank: int = _field(
+        0, "this host's index among --nnodes: 0 runs `shuttle serve`, others `shuttle worker-ranks`"
+    )
+
+    def __post_init__(self) -> None:
+        _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", ">= 1")
+        _check(
+            self.nnodes >= 1 and self.tensor_parallel_size % self.nnodes == 0,
+            "nnodes",
+            f">= 1 and divide --tensor-parallel-size {self.tensor_parallel_size}",
+        )
+        _check(0 <= self.node_rank < self.nnodes, "node_rank", f"in [0, {self.nnodes})")
+        _check(
+            self.nnodes == 1 or ":" in self.dist_init_addr,
+            "dist_init_addr",
+            "host:port (rank 0's host) when the ranks span several hosts",
+        )
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    @property
+    def local_ranks(self) -> range:
+        """The global ranks this host runs."""
+        first = self.node_rank * self.ranks_per_node
+        return range(first, first + self.ranks_per_node)
+
+
+@dataclasses.dataclass(frozen=True)
 class ServerConfig:
     host: str = _field("127.0.0.1", "HTTP bind address")
     port: int = _field(8000, "HTTP port (0: pick a free one)")
@@ -287,6 +329,7 @@ class Config:
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     server: ServerConfig = dataclasses.field(default_factory=ServerConfig)
     addresses: AddressConfig = dataclasses.field(default_factory=AddressConfig)
     data_parallel: DataParallelConfig = dataclasses.field(default_factory=DataParallelConfig)

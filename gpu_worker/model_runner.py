@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import itertools
+import os
 import random
 import time
 from pathlib import Path
@@ -39,7 +40,7 @@ from gpu_worker.attention import (
 from gpu_worker.cpu.layers import use_cpu_layers
 from gpu_worker.cpu.linear import use_small_batch_linear
 from gpu_worker.cuda_graphs import CUDAGraphRunner, maybe_capture_graphs, run_model
-from gpu_worker.kv_cache import GIB, KVCache, cuda_kv_budget_bytes
+from gpu_worker.kv_cache import GIB, KVCache, bytes_per_block, cuda_kv_budget_bytes
 from gpu_worker.logits_controls import History, TokenCounts
 from gpu_worker.logprobs import (
     add_prompt_entries,
@@ -49,11 +50,19 @@ from gpu_worker.logprobs import (
     take_prompt_logprobs,
 )
 from gpu_worker.models.llama import LlamaConfig, LlamaForCausalLM
-from gpu_worker.models.loader import eos_token_ids, load_model, read_hf_config, weights_version
+from gpu_worker.models.loader import (
+    check_tensor_parallel,
+    eos_token_ids,
+    load_model,
+    read_hf_config,
+    weights_version,
+)
 from gpu_worker.runner import PlanRunner, RequestState, RequestTable
 from gpu_worker.sampling import make_generator, sample
+from gpu_worker.sharding import threads_per_rank
 from gpu_worker.speculative import DraftModel, ngram_propose, verify
 from gpu_worker.structured import GrammarCache, RowGrammar, apply_grammars, hf_tokenizer_info
+from gpu_worker.tensor_parallel import TensorParallel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -107,6 +116,20 @@ def kv_budget_bytes(
     return int(memory_gib * GIB * share)
 
 
+def rank_device_and_threads(config: Config, tp: TensorParallel) -> tuple[str, int | None]:
+    """This rank's device (cuda:LOCAL_RANK under tensor parallelism on CUDA) and torch
+    threads: --num-threads, else with several ranks on a host each takes cores / ranks."""
+    device, threads = config.model.device, config.model.num_threads or None
+    if tp.size == 1:
+        return device, threads
+    per_host = config.parallel.ranks_per_node
+    if device == "cuda":
+        device = f"cuda:{tp.rank % per_host}"
+    if threads is None:
+        threads = threads_per_rank(len(os.sched_getaffinity(0)), per_host)
+    return device, threads
+
+
 class ModelRunner(PlanRunner[ModelVersion]):
     """Owns the weights, the KV cache and every request's worker-side state: a `Runner`
     (gpu_worker.runner) whose plan rules are the shared `RequestTable`'s; this class adds the
@@ -135,12 +158,16 @@ class ModelRunner(PlanRunner[ModelVersion]):
         draft_model: str = "",
         prompt_lookup_min: int = 2,
         prompt_lookup_max: int = 4,
+        tp: TensorParallel | None = None,
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         self.model_path = model_path
+        # tensor parallelism: this rank's shard of each model; every rank runs every plan
+        # and samples the same tokens from the same all-gathered logits (gpu_worker/rank.py)
+        self.tp = tp or TensorParallel()
         self.dtype = DTYPES[dtype]
         self.device = torch.device(device)
         self.block_size = block_size
@@ -208,15 +235,18 @@ class ModelRunner(PlanRunner[ModelVersion]):
         self._fingerprints: dict[str, str] = {}
 
     @classmethod
-    def from_config(cls, model_path: str, config: Config) -> ModelRunner:
+    def from_config(
+        cls, model_path: str, config: Config, tp: TensorParallel | None = None
+    ) -> ModelRunner:
         """The runner the worker serves `model_path` with: every model, cache and speculative
-        setting comes from `config`, here and nowhere else."""
+        setting comes from `config`, here and nowhere else (`tp`: this rank's group)."""
         m, c, spec = config.model, config.cache, config.speculative
         swap = config.scheduler.preemption_mode == "swap"
+        device, threads = rank_device_and_threads(config, tp or TensorParallel())
         return cls(
             model_path,
             dtype=m.resolved_dtype,
-            device=m.device,
+            device=device,
             block_size=c.block_size,
             kv_cache_memory_gib=c.kv_cache_memory,
             gpu_memory_utilization=c.gpu_memory_utilization,
@@ -225,7 +255,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
             attention_backend=m.attention_backend,
             enforce_eager=m.enforce_eager or None,
             max_graph_batch_size=m.max_graph_batch_size,
-            num_threads=m.num_threads or None,
+            num_threads=threads,
             swap_space_gib=c.swap_space if swap else 0.0,
             speculative=spec.method,
             cpu_kernels=m.cpu_kernels,
@@ -233,21 +263,16 @@ class ModelRunner(PlanRunner[ModelVersion]):
             draft_model=str(Path(spec.draft_model).expanduser()) if spec.draft_model else "",
             prompt_lookup_min=spec.prompt_lookup_min,
             prompt_lookup_max=spec.prompt_lookup_max,
+            tp=tp,
         )
 
     def _init_model(self, attention_backend: str, max_model_len: int | None) -> None:
         hf_config = read_hf_config(self.model_path)
         self.config = LlamaConfig.from_hf(hf_config)
+        check_tensor_parallel(self.config, self.tp.size, self.model_path)
         limit = self.config.max_position_embeddings
         self.max_model_len = min(limit, max_model_len) if max_model_len else limit
-        self.backend = create_backend(
-            attention_backend,
-            num_heads=self.config.num_heads,
-            num_kv_heads=self.config.num_kv_heads,
-            head_dim=self.config.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-        )
+        self.backend = self._create_backend(attention_backend, self.config)
         self.model = self._load_model(self.model_path, self.backend)
         if self.backend.name == "triton":  # fused RMSNorm / rotary kernels in the layers
             from gpu_worker.kernels.fused_layers import use_triton_layers
@@ -256,9 +281,25 @@ class ModelRunner(PlanRunner[ModelVersion]):
         self.eos_token_ids = eos_token_ids(self.model_path, hf_config)
         self.weights_version = weights_version(self.model_path)
 
+    def _create_backend(self, name: str, config: LlamaConfig) -> AttentionBackend:
+        """An attention backend for this rank's heads of `config`."""
+        return create_backend(
+            name,
+            num_heads=config.num_heads // self.tp.size,
+            num_kv_heads=config.num_kv_heads // self.tp.size,
+            head_dim=config.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
     def _load_model(self, path: str, backend: AttentionBackend) -> LlamaForCausalLM:
         model = load_model(
-            path, backend, dtype=self.dtype, device=self.device, max_positions=self.max_model_len
+            path,
+            backend,
+            dtype=self.dtype,
+            device=self.device,
+            max_positions=self.max_model_len,
+            tp=self.tp,
         )
         if self.cpu_kernels and backend.name == "torch":  # C kernels: few-row linears, fp32
             # norms/rotary/activation (the triton backend has its own layers)
@@ -272,25 +313,31 @@ class ModelRunner(PlanRunner[ModelVersion]):
         if not draft_model:
             return 0.0
         draft = LlamaConfig.from_hf(read_hf_config(draft_model))
-        mine = self.config.num_layers * self.config.num_kv_heads * self.config.head_dim
+        # this rank's KV heads of the target; the draft model is whole on every rank
+        kv_heads = self.config.num_kv_heads // self.tp.size
+        mine = self.config.num_layers * kv_heads * self.config.head_dim
         theirs = draft.num_layers * draft.num_kv_heads * draft.head_dim
         return theirs / (mine + theirs)
 
     def _init_kv_cache(self, memory_gib: float, num_blocks: int | None, share: float) -> None:
-        """The target's pool: `share` of the KV budget (the rest is the draft model's)."""
+        """The target's pool: `share` of the KV budget (the rest is the draft model's). Under
+        tensor parallelism it holds this rank's KV heads, and every rank takes the number of
+        blocks the tightest rank can hold, so one block id means one block everywhere."""
         layout: dict[str, Any] = dict(
             num_layers=self.config.num_layers,
             block_size=self.block_size,
-            num_kv_heads=self.config.num_kv_heads,
+            num_kv_heads=self.config.num_kv_heads // self.tp.size,
             head_dim=self.config.head_dim,
             dtype=self.dtype,
-            device=self.device,
         )
-        if num_blocks is not None:
-            self.kv_cache = KVCache(num_blocks=num_blocks, **layout)
-        else:
+        if num_blocks is None:
             budget = kv_budget_bytes(self.device, memory_gib, self.gpu_memory_utilization, share)
-            self.kv_cache = KVCache.from_budget(budget, **layout)
+            per_block = bytes_per_block(**layout)
+            num_blocks = budget // per_block
+            if num_blocks < 1:
+                raise ValueError(f"KV budget of {budget} bytes holds no block of {per_block} bytes")
+        num_blocks = self.tp.agree_min(num_blocks)
+        self.kv_cache = KVCache(num_blocks=num_blocks, device=self.device, **layout)
         self.num_blocks = self.kv_cache.num_blocks
 
     def model_info(self) -> dict[str, Any]:
@@ -310,6 +357,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
             "num_host_blocks": self.num_host_blocks,
             "device": str(self.device),
             "speculative": self.speculative,
+            "tensor_parallel_size": self.tp.size,
         }
 
     # model versions (hot swap) -------------------------------------------------------------
@@ -329,14 +377,8 @@ class ModelRunner(PlanRunner[ModelVersion]):
         version = version or weights_version(path)
         if version in self.versions:
             raise ValueError(f"model version {version!r} is already loaded")
-        backend = create_backend(
-            self.backend.name,
-            num_heads=config.num_heads,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-        )
+        check_tensor_parallel(config, self.tp.size, path)
+        backend = self._create_backend(self.backend.name, config)
         model = self._load_model(path, backend)
         graphs = maybe_capture_graphs(
             model,

@@ -1,4 +1,15 @@
-"""The worker process: holds the model and the KV tensors, runs each planned step."""
+"""The worker process: holds the model and the KV tensors, runs each planned step.
+
+With --tensor-parallel-size N this is rank 0 of a group of N worker processes (one per
+device). The scheduler does not know N: rank 0 alone has the ZMQ inbox, and it broadcasts
+every message that changes worker state (plans, model loads and unloads, resets, grammar
+compiles, shutdown) to ranks 1.. over the group's gloo control group before handling it
+itself, so every rank sees the same messages in the same order (gpu_worker/rank.py).
+Broadcast, not a ZMQ publish to every rank: ordering across all message types comes free,
+nothing on the scheduler's side changes, a late-joining subscriber cannot miss a message,
+and a dead rank breaks the collective, which takes the whole group down. Only rank 0
+answers the scheduler.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +20,12 @@ import logging
 import os
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from common import codec
 from common.actor import Actor
 from common.config import Config
+from common.ipc import Outbox
 from common.messages import (
     CompileGrammar,
     GrammarCompiled,
@@ -20,6 +33,7 @@ from common.messages import (
     ModelLoaded,
     Ready,
     Reset,
+    Shutdown,
     StepPlan,
     StepResult,
     UnloadModel,
@@ -30,14 +44,29 @@ from common.parallel_config import own_name
 from gpu_worker.runner import Runner
 from gpu_worker.synthetic import SyntheticRunner
 
+if TYPE_CHECKING:  # torch is imported only by a real model's worker
+    from gpu_worker.tensor_parallel import TensorParallel
+
 log = logging.getLogger(__name__)
+
+# what every rank of a tensor-parallel group must see, in rank 0's order
+REPLICATED = (StepPlan, LoadModel, UnloadModel, Reset, CompileGrammar, Shutdown)
+
+
+class Discard:
+    """The scheduler outbox of ranks 1..: they answer nobody."""
+
+    def send(self, msg: object) -> None:
+        pass
 
 
 class WorkerActor(Actor):
     name = "worker"
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, rank: int = 0) -> None:
         super().__init__(config)
+        self.rank = rank
+        self.tp: TensorParallel | None = None  # the group, when there is one (start())
         self.runner: Runner  # built in start()
         self.boot_id = uuid.uuid4().hex
         self.handlers.update(
@@ -51,16 +80,50 @@ class WorkerActor(Actor):
         )
 
     async def start(self) -> None:
+        self.tp = self._join_group()
         self.runner = self._build(str(resolve_model_path(self.config)))
-        self.scheduler = self.outbox(self.config.addr("scheduler"))
+        self.scheduler = self._scheduler_outbox()
         log.info("model loaded: %s", self.runner.model_info())
+
+    def _join_group(self) -> TensorParallel | None:
+        """Join the tensor-parallel group (blocks until every rank has joined)."""
+        parallel = self.config.parallel
+        if parallel.tensor_parallel_size == 1:
+            return None
+        from gpu_worker.tensor_parallel import join_group
+
+        tp = join_group(
+            self.rank,
+            parallel.tensor_parallel_size,
+            parallel.dist_init_addr,
+            self.config.model.device,
+            local_rank=self.rank % parallel.ranks_per_node,
+        )
+        log.info("rank %d of %d joined", tp.rank, tp.size)
+        return tp
+
+    def _scheduler_outbox(self) -> Outbox | Discard:
+        return self.outbox(self.config.addr("scheduler"))
 
     def _build(self, path: str) -> Runner:
         if synthetic_params(path) is not None:  # --model synthetic: no compute at all
             return SyntheticRunner.from_config(path, self.config)
         from gpu_worker.model_runner import ModelRunner  # imports torch: only when needed
 
-        return ModelRunner.from_config(path, self.config)
+        return ModelRunner.from_config(path, self.config, self.tp)
+
+    async def dispatch(self, msg: Any) -> None:
+        """Rank 0 of a group hands the message to the other ranks first."""
+        if self.tp is not None and self.tp.is_leader and isinstance(msg, REPLICATED):
+            self.tp.broadcast_frame(codec.encode(msg))  # a broken group raises: we stop
+        await super().dispatch(msg)
+
+    def _stop_if_group_broken(self, e: Exception) -> None:
+        """In a group a failed collective (RuntimeError) leaves the ranks out of step: stop
+        this rank, so the supervisor restarts the whole group."""
+        if self.tp is not None and isinstance(e, RuntimeError):
+            log.critical("rank %d stops: %s: %s", self.rank, type(e).__name__, e)
+            raise SystemExit(1) from e
 
     def ready_info(self) -> dict[str, Any]:
         return self.model_info()
@@ -100,6 +163,7 @@ class WorkerActor(Actor):
                 self._replace(msg.path, msg.version)
             reply = ModelLoaded(version=self.runner.default_version, info=self.model_info())
         except Exception as e:  # a bad folder, bad weights, a layout mismatch: old one serves
+            self._stop_if_group_broken(e)
             log.exception("loading %s failed", msg.path)
             reply = ModelLoaded(version=msg.version, info={}, error=f"{type(e).__name__}: {e}")
         self.scheduler.send(reply)
@@ -146,6 +210,7 @@ class WorkerActor(Actor):
             result = self.runner.execute(plan)
         except Exception as e:
             # A failed step must not wedge the scheduler: it fails that step's requests.
+            self._stop_if_group_broken(e)
             log.exception("step %d failed", plan.step_id, extra={"step_id": plan.step_id})
             for req_id in plan.req_ids:
                 self.runner.drop(req_id)

@@ -14,6 +14,10 @@ def main(argv: list[str] | None = None) -> int:
         from services.launch import serve
 
         return serve(argv[1:])
+    if argv[0] == "worker-ranks":  # tensor-parallel ranks on a host other than rank 0's
+        from services.worker_group import worker_ranks
+
+        return worker_ranks(argv[1:])
     if argv[0] == "prepare-model":
         from common.prepare_model import main as prepare
 

@@ -36,6 +36,7 @@ from common.parallel_config import (
     router_addr,
 )
 from services.tokenizer.chat_template import load_chat_template
+from services.worker_group import WORKER, check_parallel, is_worker_rank, rank_specs, stop_all
 
 _GRACE_S = 10.0
 
@@ -75,17 +76,19 @@ class Supervisor:
 
     def _replica_specs(self, base: list[str]) -> list[tuple[str, list[str]]]:
         """Each engine replica's worker and scheduler (with --data-parallel-size N > 1: on
-        the replica's own config, `config-replica-<i>.json`), then the router."""
+        the replica's own config, `config-replica-<i>.json`), then the router. One replica's
+        worker may be a tensor-parallel group: "worker" and "worker-rank-R"."""
         size = self.config.data_parallel.data_parallel_size
         run_dir = Path(self.config.server.run_dir)
         specs = []
         for i in range(size):
             name = "config.json" if size == 1 else f"config-replica-{i}.json"
             cfg = ["--config-file", str(run_dir / name)]
-            specs += [
-                (replica_name("worker", i, size), [*base, "gpu_worker", *cfg]),
-                (replica_name("scheduler", i, size), [*base, "services.scheduler", *cfg]),
-            ]
+            if size == 1:
+                specs += rank_specs(self.config, cfg)
+            else:
+                specs.append((replica_name("worker", i, size), [*base, "gpu_worker", *cfg]))
+            specs.append((replica_name("scheduler", i, size), [*base, "services.scheduler", *cfg]))
         if size > 1:
             specs.append(
                 (
@@ -178,26 +181,38 @@ class Supervisor:
         the scheduler, so requests in flight through it fail with a retryable error."""
         while not self._stop:
             for name, proc in list(self.children.items()):
-                if proc.poll() is not None and not self._stop:
+                # (a rank restarted with its group this round is a new process already)
+                if proc.poll() is not None and not self._stop and self.children[name] is proc:
                     self._restart(name, proc.returncode)
             self._drain_inbox()
             time.sleep(0.1)
 
     def _restart(self, name: str, code: int) -> None:
+        """Start `name` again; a worker rank takes its whole tensor-parallel group along."""
+        unit = WORKER if is_worker_rank(name) else name
         now = time.monotonic()
-        recent = [t for t in self._restarts.get(name, []) if now - t < 60.0]
+        recent = [t for t in self._restarts.get(unit, []) if now - t < 60.0]
         if len(recent) >= self.config.server.max_restarts:
             raise ChildDied(
                 f"{name} died {len(recent) + 1} times within a minute (last exit code {code})"
             )
-        self._restarts[name] = [*recent, now]
+        self._restarts[unit] = [*recent, now]
         print(
-            f"shuttle: {name} exited with code {code}; restarting it", file=sys.stderr, flush=True
+            f"shuttle: {name} exited with code {code}; restarting {unit if unit != name else 'it'}",
+            file=sys.stderr,
+            flush=True,
         )
-        notice = codec.encode(ProcessDown(name=name, exit_code=code))
-        for peer in self._told_of_death(name):
+        names = [name]
+        if unit == WORKER:  # the group lives and dies together, on a fresh rendezvous
+            names = [n for n in self.children if is_worker_rank(n)]
+            stop_all([self.children[n] for n in names])
+            cfg = ["--config-file", str(Path(self.config.server.run_dir) / "config.json")]
+            self.commands.update(rank_specs(self.config, cfg))
+        notice = codec.encode(ProcessDown(name=unit, exit_code=code))
+        for peer in self._told_of_death(unit):
             self._send(peer, notice)
-        self.children[name] = self._popen(name)
+        for n in names:
+            self.children[n] = self._popen(n)
 
     def _told_of_death(self, name: str) -> list[str]:
         """Who hears that `name` died: the gateway; the schedulers (a worker's death only its
@@ -305,6 +320,9 @@ def prepare(config: Config) -> Config:
     if template and Path(template).is_file():  # the children may run in another folder
         template = str(Path(template).resolve())
     path = resolve_model_path(config)
+    if config.parallel.node_rank != 0:
+        raise ConfigError("--node-rank > 0: run `shuttle worker-ranks` on that host instead")
+    check_parallel(config, None if is_synthetic_spec(config.model.model) else path)
     run_dir = config.server.run_dir or tempfile.mkdtemp(prefix="shuttle-")
     return config.replace(
         model={

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.attention import AttentionBackend, AttentionMetadata
+from gpu_worker.sharding import vocab_shard_size
+from gpu_worker.tensor_parallel import TensorParallel, VocabParallelEmbedding
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -179,16 +181,22 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention; the backend stores K/V and attends over the cache."""
+    """Grouped-query self-attention; the backend stores K/V and attends over the cache.
+    Under tensor parallelism it holds this rank's heads and KV heads; its o_proj output is
+    a partial sum (the decoder layer all-reduces it)."""
 
     def __init__(
-        self, cfg: LlamaConfig, rotary: RotaryEmbedding, backend: AttentionBackend
+        self,
+        cfg: LlamaConfig,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        tp: TensorParallel,
     ) -> None:
         super().__init__()
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
+        self.num_heads = cfg.num_heads // tp.size
+        self.num_kv_heads = cfg.num_kv_heads // tp.size
         self.head_dim = cfg.head_dim
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
@@ -217,12 +225,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up as one matmul."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up as one matmul (this rank's
+    share of the width under tensor parallelism: down's output is then a partial sum)."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        width = cfg.intermediate_size // (tp.size if tp else 1)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * width, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -230,16 +240,22 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention and MLP, each added to the residual stream."""
+    """Pre-norm attention and MLP, each added to the residual stream; under tensor
+    parallelism each branch's partial output is all-reduced first (2 per layer)."""
 
     def __init__(
-        self, cfg: LlamaConfig, rotary: RotaryEmbedding, backend: AttentionBackend
+        self,
+        cfg: LlamaConfig,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        tp: TensorParallel,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary, backend)
+        self.self_attn = Attention(cfg, rotary, backend, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
+        self.tp = tp
 
     def forward(
         self,
@@ -248,9 +264,9 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
+        h = self.tp.all_reduce(self.self_attn(self.input_layernorm(x), rope, kv_cache, meta))
         h, x = self.add_and_norm(h, x)
-        return x + self.mlp(h)
+        return x + self.tp.all_reduce(self.mlp(h))
 
     def add_and_norm(self, h: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(post-attention norm of x + h, x + h): the kernel backends fuse the two."""
@@ -281,15 +297,20 @@ class LlamaModel(nn.Module):
         *,
         max_positions: int,
         device: torch.device,
+        tp: TensorParallel,
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens: nn.Module = (
+            nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            if tp.size == 1
+            else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        )
         # built on `device` explicitly: the loader constructs the rest on "meta"
         self.rotary = RotaryEmbedding(
             cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, self.rotary, backend) for _ in range(cfg.num_layers)
+            DecoderLayer(cfg, self.rotary, backend, tp) for _ in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -308,7 +329,9 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The model plus its LM head; forward returns float32 logits for chosen positions."""
+    """The model plus its LM head; forward returns float32 logits for chosen positions.
+    With `tp` of size N it is one rank's shard (gpu_worker/sharding.py): the LM head holds a
+    vocabulary slice and the logits are all-gathered, so every rank returns all of them."""
 
     def __init__(
         self,
@@ -317,11 +340,14 @@ class LlamaForCausalLM(nn.Module):
         *,
         max_positions: int,
         device: torch.device,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, backend, max_positions=max_positions, device=device)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tp = tp = tp or TensorParallel()
+        self.model = LlamaModel(cfg, backend, max_positions=max_positions, device=device, tp=tp)
+        vocab = vocab_shard_size(cfg.vocab_size, tp.size)
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
 
     def forward(
         self,
@@ -333,4 +359,4 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [S, vocab_size] float32
         hidden = self.model(input_ids, positions, kv_cache, meta)
         hidden = self.model.norm(hidden[logits_indices])
-        return self.lm_head(hidden).float()
+        return self.tp.gather_vocab(self.lm_head(hidden), self.config.vocab_size).float()

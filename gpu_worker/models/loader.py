@@ -3,7 +3,8 @@
 The checkpoint's separate q/k/v and gate/up projections are concatenated into the fused
 `qkv_proj` and `gate_up_proj` weights our model uses; a tied LM head reuses the embedding.
 The model is built on the "meta" device and the loaded tensors are assigned to it, so the
-weights are never initialised and then overwritten.
+weights are never initialised and then overwritten. Under tensor parallelism each rank reads
+only its slices from the files (safetensors slices, gpu_worker/sharding.py says which).
 """
 
 from __future__ import annotations
@@ -14,10 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from gpu_worker.attention import AttentionBackend
 from gpu_worker.models.llama import LlamaConfig, LlamaForCausalLM
+from gpu_worker.sharding import Split, check_divisible, shard_range, split_of, vocab_shard_size
+from gpu_worker.tensor_parallel import TensorParallel
 
 _MIB = 1 << 20
 
@@ -89,6 +93,51 @@ def _concat(weights: dict[str, torch.Tensor], names: list[str], fused: str) -> N
     weights[fused] = torch.cat([weights.pop(n) for n in names], dim=0)
 
 
+def check_tensor_parallel(cfg: LlamaConfig, world: int, folder: str | Path = "") -> None:
+    """Refuse (ValueError naming --tensor-parallel-size) a model that does not split."""
+    check_divisible(
+        world,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        intermediate_size=cfg.intermediate_size,
+        model=str(folder) or "the model",
+    )
+
+
+def read_weights(folder: str | Path, tp: TensorParallel) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors (HF names), or under tensor parallelism this rank's slices
+    of them: only those bytes are read."""
+    weights: dict[str, torch.Tensor] = {}
+    for path in safetensors_files(folder):
+        if tp.size == 1:
+            weights.update(load_file(str(path), device="cpu"))
+            continue
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118  # safe_open is not a mapping
+                weights[name] = _read_shard(f, name, tp)
+    return weights
+
+
+def _read_shard(f: Any, name: str, tp: TensorParallel) -> torch.Tensor:
+    split = split_of(name)
+    if split is Split.REPLICATED:
+        return f.get_tensor(name)
+    if split is Split.ROW_BIAS:  # added once, after the all-reduce: rank 0 holds it
+        bias = f.get_tensor(name)
+        return bias if tp.is_leader else torch.zeros_like(bias)
+    sliced = f.get_slice(name)
+    shape = tuple(sliced.get_shape())
+    start, end = shard_range(split, shape, tp.rank, tp.size)
+    if split is Split.ROW:
+        return sliced[:, start:end]
+    part = sliced[start:end]
+    if split is Split.VOCAB:  # pad the last shards to the common size with zero rows
+        rows = vocab_shard_size(shape[0], tp.size)
+        pad = part.new_zeros(rows - part.shape[0], *part.shape[1:])
+        part = torch.cat([part, pad]) if pad.numel() else part
+    return part
+
+
 def load_model(
     folder: str | Path,
     backend: AttentionBackend,
@@ -96,15 +145,16 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
+    tp: TensorParallel | None = None,
 ) -> LlamaForCausalLM:
-    """Build the model for `folder` on `device` in `dtype`, ready for inference."""
+    """Build the model for `folder` on `device` in `dtype`, ready for inference (with `tp`:
+    this rank's shard of it)."""
+    tp = tp or TensorParallel()
     cfg = LlamaConfig.from_hf(read_hf_config(folder))
-    weights: dict[str, torch.Tensor] = {}
-    for path in safetensors_files(folder):
-        weights.update(load_file(str(path), device="cpu"))
-    weights = fuse_weights(weights, cfg)
+    check_tensor_parallel(cfg, tp.size, folder)
+    weights = fuse_weights(read_weights(folder, tp), cfg)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend, max_positions=max_positions, device=device)
+        model = LlamaForCausalLM(cfg, backend, max_positions=max_positions, device=device, tp=tp)
     # pop as we go: a dtype or device change never holds two copies of the whole model
     converted = {name: weights.pop(name).to(device=device, dtype=dtype) for name in list(weights)}
     if cfg.tie_word_embeddings or "lm_head.weight" not in converted:

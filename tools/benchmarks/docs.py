@@ -185,6 +185,19 @@ def data_parallel() -> dict[str, Any]:
     return result
 
 
+def tensor_parallel() -> dict[str, Any]:
+    """TP=1 vs 3 on SmolLM2, TP=1 vs 2 on a SmolLM2-sized 8-head model; collectives timed."""
+    from tools.benchmarks import tensor_parallel as tp
+
+    path, rows = OUT / "tensor_parallel.json", []
+    for flags in (["--tp-sizes", "1,3"], ["--tp-sizes", "1,2", "--smol-shaped", "8"]):
+        tp.main([*flags, "--batch-sizes", "1,4", "--json", str(path)])
+        rows += json.loads(path.read_text())["rows"]
+    result = {**json.loads(path.read_text()), "rows": rows}
+    path.write_text(json.dumps(result, indent=2))
+    return result
+
+
 STEPS: dict[str, Callable[[], dict[str, Any]]] = {
     "step": step_times,
     "mixed": mixed,
@@ -194,6 +207,7 @@ STEPS: dict[str, Callable[[], dict[str, Any]]] = {
     "parity": parity,
     "peers": peers,
     "data_parallel": data_parallel,
+    "tensor_parallel": tensor_parallel,
 }
 
 

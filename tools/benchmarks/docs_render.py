@@ -350,6 +350,36 @@ def _data_parallel(out: Path) -> str:
     )
 
 
+def _tensor_parallel(out: Path, loads: dict[str, Any]) -> str:
+    r = _load(out, "tensor_parallel")
+    if r is None:
+        return ""
+    text = (
+        "## Tensor parallelism\n\n"
+        + _load_line(loads, "tensor_parallel")
+        + "`python -m tools.benchmarks.docs --only tensor_parallel`, i.e. "
+        "`python -m tools.benchmarks.tensor_parallel --tp-sizes 1,3 --batch-sizes 1,4` on "
+        "SmolLM2 (9 heads, 3 KV heads: TP=2 is refused for it) and `--tp-sizes 1,2 "
+        "--smol-shaped 8` on SmolLM2 cut to its first 8 heads and 2 KV heads; "
+        "fp32, the shipped ModelRunner on each rank's shard (gloo, cores / N threads per "
+        "rank, C kernels on), requests "
+        f"prefilled to {r.get('context', 128)} tokens, the median decode step; the "
+        "collectives are timed on rank 0 inside the worker (the all-reduces after the "
+        "embedding, o_proj and down_proj, and the logits all-gather) over the same steps.\n\n"
+        "| model | TP | batch | decode ms/step | decode tok/s | collectives ms/step | "
+        "share of step | calls/step | bytes/token sent by rank 0 |\n"
+        "|---|---|---|---|---|---|---|---|---|\n"
+    )
+    for row in r["rows"]:
+        text += (
+            f"| {row['model']} | {row['tp']} | {row['batch']} | {row['decode_step_ms']:.1f} | "
+            f"{row['decode_tok_s']:.1f} | {row['comm_ms_per_step']:.2f} | "
+            f"{row['comm_share']:.0%} | {row['collectives_per_step']:.0f} | "
+            f"{row['bytes_per_token']:,.0f} |\n"
+        )
+    return text + "\n" + _note(out, "tensor_parallel")
+
+
 def render(out: Path) -> str:
     loads = json.loads((out / "load.json").read_text()) if (out / "load.json").is_file() else {}
     head = (
@@ -376,6 +406,7 @@ def render(out: Path) -> str:
         + _synthetic(out, loads)
         + _speculative(out)
         + _data_parallel(out)
+        + _tensor_parallel(out, loads)
         + _parity(out)
         + _note(out, "soak")
     )

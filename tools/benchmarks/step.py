@@ -72,7 +72,7 @@ class _Driver:
             self.free.extend(self.tables.pop(rid))
 
 
-def _start(
+def start_batch(
     runner: Any, batch: int, context: int, chunk: int, seed: int
 ) -> tuple[_Driver, list[str], float]:
     """B requests prefilled to `context` tokens (one request per step, chunked)."""
@@ -93,7 +93,7 @@ def measure(
     runner: Any, batch: int, context: int, steps: int, chunk: int = 512, seed: int = 0
 ) -> dict[str, float]:
     """Median decode-step seconds at `batch` requests of ~`context` tokens, and prefill tok/s."""
-    drv, rids, prefill_s = _start(runner, batch, context, chunk, seed)
+    drv, rids, prefill_s = start_batch(runner, batch, context, chunk, seed)
     times = [drv.step({}, [(r, 1) for r in rids]) for _ in range(steps)]
     drv.finish(rids)
     median = statistics.median(times)
@@ -156,7 +156,7 @@ def _profile(runner: Any, batch: int, context: int) -> int:
     """The torch profiler's table over 5 decode steps at `batch` (prefill not included)."""
     import torch.profiler as tp
 
-    drv, rids, _ = _start(runner, batch, context, 512, 3)
+    drv, rids, _ = start_batch(runner, batch, context, 512, 3)
     drv.step({}, [(r, 1) for r in rids])
     with tp.profile(activities=[tp.ProfilerActivity.CPU]) as prof:
         for _ in range(5):

@@ -47,7 +47,7 @@ def main(steps: int = 30) -> int:
     for owner, name, key in patches:
         setattr(owner, name, _timed(spent, key, getattr(owner, name)))
     runner = ModelRunner(str(prepare_default_model()), num_threads=2, kv_cache_memory_gib=1.5)
-    drv, rids, _ = step._start(runner, 1, 200, 512, 0)
+    drv, rids, _ = step.start_batch(runner, 1, 200, 512, 0)
     for _ in range(3):
         drv.step({}, [(r, 1) for r in rids])
     spent.clear()
