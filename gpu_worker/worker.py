@@ -69,6 +69,8 @@ class WorkerActor(Actor):
         self.tp: TensorParallel | None = None  # the group, when there is one (start())
         self.runner: Runner  # built in start()
         self.boot_id = uuid.uuid4().hex
+        # grammar compiles running on the runner's thread, not answered yet
+        self._compiles: list[tuple[concurrent.futures.Future[None], CompileGrammar]] = []
         self.handlers.update(
             {
                 StepPlan: self._on_step_plan,
@@ -193,17 +195,31 @@ class WorkerActor(Actor):
 
     def _on_compile_grammar(self, msg: CompileGrammar) -> None:
         """Compile on the runner's background thread; answer from this loop's thread (the
-        socket is not thread-safe) when done. Steps keep running meanwhile."""
+        socket is not thread-safe) when done. Steps keep running meanwhile, and each step
+        answers the compiles done by then: while plans keep coming, the loop runs handlers
+        back to back and a callback scheduled on it would wait until the queue empties (the
+        constrained requests held that long behind the others)."""
         loop = asyncio.get_running_loop()
         future = self.runner.compile_grammar(msg.kind, msg.spec, msg.tokenizer_fingerprint)
+        self._compiles.append((future, msg))
 
-        def done(f: concurrent.futures.Future[None]) -> None:
-            error = "the worker is stopping" if f.cancelled() else str(f.exception() or "")
-            reply = GrammarCompiled(msg.request_id, error, msg.tokenizer_fingerprint)
+        def done(_: concurrent.futures.Future[None]) -> None:  # an idle worker: wake the loop
             if not loop.is_closed():
-                loop.call_soon_threadsafe(self.scheduler.send, reply)
+                loop.call_soon_threadsafe(self._answer_compiles)
 
         future.add_done_callback(done)
+
+    def _answer_compiles(self) -> None:
+        """GrammarCompiled for each compile that has finished and is not answered yet."""
+        finished = [(f, m) for f, m in self._compiles if f.done()]
+        if not finished:
+            return
+        self._compiles = [(f, m) for f, m in self._compiles if not f.done()]
+        for future, msg in finished:
+            error = (
+                "the worker is stopping" if future.cancelled() else str(future.exception() or "")
+            )
+            self.scheduler.send(GrammarCompiled(msg.request_id, error, msg.tokenizer_fingerprint))
 
     def _on_step_plan(self, plan: StepPlan) -> None:
         try:
@@ -218,6 +234,7 @@ class WorkerActor(Actor):
                 step_id=plan.step_id, req_ids=[], token_ids=[], error=f"{type(e).__name__}: {e}"
             )
         self.scheduler.send(result)
+        self._answer_compiles()
 
 
 def check_loadable(path: str) -> None:

@@ -451,3 +451,25 @@ def test_worker_reset_and_a_swap_to_a_folder_without_tokenizer(
     worker._on_load_model(LoadModel(path=str(synthetic_dir), version="v3", mode="drain"))
     assert outbox.sent[-1].error == "" and outbox.sent[-1].version == "v3"
     assert worker.runner is not runner and worker.runner.default_version == "v3"
+
+
+def test_a_compiled_grammar_is_answered_at_the_next_step_while_plans_keep_coming(
+    tmp_path: Path, tiny_dir: Path
+) -> None:
+    """The loop runs queued handlers back to back: the answer must not wait for a callback
+    that only runs once the queue is empty (constrained requests held behind the rest)."""
+    import asyncio
+
+    from common.messages import CompileGrammar, GrammarCompiled, StepResult
+
+    worker, outbox = _worker(tmp_path, tiny_dir)
+
+    async def steps() -> None:
+        worker._on_compile_grammar(CompileGrammar("g", "json", '{"type": "object"}', ""))
+        worker._compiles[0][0].result(timeout=60)  # compiled; the loop has not run since
+        worker._on_step_plan(_plan(0, [("a", 0, 3, [0])], new={"a": A}))
+
+    asyncio.run(steps())
+    assert [type(m) for m in outbox.sent[-2:]] == [StepResult, GrammarCompiled]
+    answer = outbox.sent[-1]
+    assert answer.request_id == "g" and answer.error == "" and not worker._compiles
