@@ -405,6 +405,7 @@ def render(out: Path) -> str:
         + _scheduling(out)
         + _synthetic(out, loads)
         + _speculative(out)
+        + _note(out, "structured")
         + _data_parallel(out)
         + _tensor_parallel(out, loads)
         + _parity(out)
