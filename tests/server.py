@@ -49,6 +49,18 @@ class Server:
     def logs(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def serves(self) -> bool:
+        """Whether a short completion succeeds right now (a restart over, say)."""
+        try:
+            r = httpx.post(
+                self.url + "/v1/completions",
+                timeout=30,
+                json={"model": self.model, "prompt": "Hello", "max_tokens": 2},
+            )
+        except httpx.HTTPError:
+            return False
+        return r.status_code == 200
+
     def children(self) -> list[tuple[str, int]]:
         """(module, pid) of each process the supervisor runs: gpu_worker, services.gateway,
         services.tokenizer (one per tokenizer), ..."""

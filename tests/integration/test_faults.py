@@ -27,20 +27,8 @@ def _pid_of(server: Server, module: str) -> int:
     return pid
 
 
-def _serves(server: Server) -> bool:
-    try:
-        r = httpx.post(
-            server.url + "/v1/completions",
-            timeout=30,
-            json={"model": server.model, "prompt": "Hello", "max_tokens": 2},
-        )
-    except httpx.HTTPError:
-        return False
-    return r.status_code == 200
-
-
 def _wait_serving(server: Server) -> None:
-    wait_until(lambda: _serves(server), 120, "a completion to succeed", 0.2)
+    wait_until(server.serves, 120, "a completion to succeed", 0.2)
 
 
 def _idle(server: Server) -> bool:

@@ -209,20 +209,8 @@ def _rank_pid(server: Server, rank: int) -> int:
     raise AssertionError(f"no rank {rank} among {server.children()}")
 
 
-def _serves(server: Server) -> bool:
-    try:
-        r = httpx.post(
-            server.url + "/v1/completions",
-            timeout=30,
-            json={"model": server.model, "prompt": "Hi", "max_tokens": 2},
-        )
-    except httpx.HTTPError:
-        return False
-    return r.status_code == 200
-
-
 def test_tp2_killed_rank_restarts_the_group(tp_server: Server, tiny: dict[str, Path]) -> None:
-    wait_until(lambda: _serves(tp_server), 120, "a completion to succeed")
+    wait_until(tp_server.serves, 120, "a completion to succeed")
     rank0, rank1 = _rank_pid(tp_server, 0), _rank_pid(tp_server, 1)
     out: dict[str, str] = {}
     rids = [f"tp-kill-{i}" for i in range(4)]
@@ -232,7 +220,7 @@ def test_tp2_killed_rank_restarts_the_group(tp_server: Server, tiny: dict[str, P
         t.join(120)
     # 900 tokens each: had they survived the restart they would end with "length"
     assert out == {rid: "error 503" for rid in rids}
-    wait_until(lambda: _serves(tp_server), 120, "serving again")
+    wait_until(tp_server.serves, 120, "serving again")
     assert {_rank_pid(tp_server, 0), _rank_pid(tp_server, 1)}.isdisjoint({rank0, rank1})
     wait_until(lambda: _idle(tp_server), 60, "every block free, nothing running")
     stats = _stats(tp_server)
