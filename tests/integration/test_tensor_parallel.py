@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -41,7 +40,7 @@ def _prompts(lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, 49000) for _ in range(n)] for n in lengths]
 
 
-def _complete(server: Server, prompt: list[int], num_new: int = NUM_NEW) -> dict:
+def _complete(server: Server, prompt: list[int] | list[list[int]], num_new: int = NUM_NEW) -> dict:
     r = httpx.post(
         server.url + "/v1/completions",
         timeout=600,
@@ -63,8 +62,10 @@ def _tokens(server: Server, prompt: list[int], num_new: int = NUM_NEW) -> list[i
 
 
 def _together(server: Server, prompts: list[list[int]], num_new: int = NUM_NEW) -> list[list[int]]:
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(lambda p: _tokens(server, p, num_new), prompts))
+    """All prompts in one request (a batch of prompts): they reach the scheduler together
+    however busy the machine is, so the small pool must preempt."""
+    choices = _complete(server, prompts, num_new)["choices"]
+    return [c["token_ids"] for c in sorted(choices, key=lambda c: c["index"])]
 
 
 def _stats(server: Server) -> dict:
