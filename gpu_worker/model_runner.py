@@ -37,6 +37,7 @@ from gpu_worker.attention import (
     build_metadata,
     create_backend,
 )
+from gpu_worker.cpu.decode_step import use_decode_step
 from gpu_worker.cpu.layers import use_cpu_layers
 from gpu_worker.cpu.linear import use_small_batch_linear
 from gpu_worker.cuda_graphs import CUDAGraphRunner, maybe_capture_graphs, run_model
@@ -304,7 +305,8 @@ class ModelRunner(PlanRunner[ModelVersion]):
         if self.cpu_kernels and backend.name == "torch":  # C kernels: few-row linears, fp32
             # norms/rotary/activation (the triton backend has its own layers)
             use_small_batch_linear(model, pack=self.cpu_packed_weights)
-            use_cpu_layers(model)
+            if use_cpu_layers(model):
+                use_decode_step(model)  # a few decodes: every layer in one C call
         return model
 
     def _draft_kv_share(self, draft_model: str) -> float:

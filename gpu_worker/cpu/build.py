@@ -48,11 +48,14 @@ def build_flags() -> list[str]:
     return FLAGS + VECTOR_MATH if has_mvec else FLAGS
 
 
-def library_path(source: Path) -> Path:
+def library_path(source: Path, includes: tuple[Path, ...] = ()) -> Path:
+    """Where `source`'s library goes: named by the source, the files it #includes, the
+    flags and this CPU's features."""
     from common.prepare_model import cache_root
 
     flags = " ".join(build_flags()) + " ".join(sorted(cpu_flags()))
-    key = hashlib.sha256(source.read_bytes() + flags.encode()).hexdigest()[:16]
+    text = b"".join(p.read_bytes() for p in (source, *includes))
+    key = hashlib.sha256(text + flags.encode()).hexdigest()[:16]
     return cache_root() / "kernels" / f"{source.stem}-{key}.so"
 
 
@@ -79,10 +82,10 @@ def _build(source: Path, target: Path) -> None:
             os.unlink(tmp)
 
 
-def load_library(source: Path) -> ctypes.CDLL:
-    """The library of `source`, built first if this machine has none. Raises OSError,
-    RuntimeError or SubprocessError when it cannot be built or loaded."""
-    path = library_path(source)
+def load_library(source: Path, includes: tuple[Path, ...] = ()) -> ctypes.CDLL:
+    """The library of `source` (which #includes `includes`), built first if this machine has
+    none. Raises OSError, RuntimeError or SubprocessError when it cannot be built or loaded."""
+    path = library_path(source, includes)
     if not path.is_file():
         _build(source, path)
     return ctypes.CDLL(str(path))
@@ -90,11 +93,18 @@ def load_library(source: Path) -> ctypes.CDLL:
 
 class KernelLibrary:
     """One C source's library, built and loaded on first use, once per process; `declare`
-    sets its functions' ctypes signatures. `load()` is None, after one logged warning, when
+    sets its functions' ctypes signatures; `includes` are the sources it #includes (their
+    text goes into the library's name too). `load()` is None, after one logged warning, when
     it cannot be had: callers keep their torch path."""
 
-    def __init__(self, source: Path, declare: Callable[[ctypes.CDLL], None], what: str) -> None:
-        self.source, self.declare, self.what = source, declare, what
+    def __init__(
+        self,
+        source: Path,
+        declare: Callable[[ctypes.CDLL], None],
+        what: str,
+        includes: tuple[Path, ...] = (),
+    ) -> None:
+        self.source, self.declare, self.what, self.includes = source, declare, what, includes
         self._lock = threading.Lock()
         self._lib: ctypes.CDLL | None = None
         self._failed = False
@@ -105,7 +115,7 @@ class KernelLibrary:
         with self._lock:
             if self._lib is None and not self._failed:
                 try:
-                    lib = load_library(self.source)
+                    lib = load_library(self.source, self.includes)
                     self.declare(lib)
                     self._lib = lib
                 except (OSError, RuntimeError, subprocess.SubprocessError) as e:

@@ -28,12 +28,15 @@
 #endif
 #define CHUNK 64   /* weight rows per scheduling unit */
 
+#ifndef SHUTTLE_BF16_TO_F32 /* one definition when sources are compiled together */
+#define SHUTTLE_BF16_TO_F32
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;
     float f;
     memcpy(&f, &u, 4);
     return f;
 }
+#endif
 
 /* rows [lo, hi) of W (already float32, row stride `in`) against every row of x */
 static void rows(const float *x, int nb, const float *w, const float *bias, float *y,

@@ -1,0 +1,211 @@
+"""A decode step of a few sequences through every decoder layer in one C call (decode_step.c).
+
+Layer by layer from Python, a decode step of one sequence spends ~6 ms of its ~25 ms in torch
+dispatch, tensor bookkeeping and ~10 ctypes calls per layer (tools/benchmarks/step_account.py);
+the C loop runs the same kernels (linear.c, layers.c, cpu_paged_decode.c) in the same order
+with the same arithmetic, so its hidden states equal the layer-by-layer path's exactly.
+
+`use_decode_step(model)` changes the class of the model's LlamaModel in place, after
+`use_small_batch_linear` and `use_cpu_layers`; its forward takes the C loop for a
+decode-only step of at most linear.MAX_ROWS float32 sequences and the layers otherwise
+(prefill and extend chunks, larger batches, speculative verification). Only a model of the
+shape the kernels take: float32 on the CPU, one tensor-parallel rank, neox rotary, no
+per-head q/k norm, the torch attention backend with its C decode kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from gpu_worker.attention import AttentionMetadata
+from gpu_worker.attention.torch_backend import TorchAttentionBackend
+from gpu_worker.cpu import linear
+from gpu_worker.cpu.build import KernelLibrary
+from gpu_worker.cpu.layers import CpuDecoderLayer, CpuMLP, CpuRotaryEmbedding
+from gpu_worker.cpu.linear import SmallBatchLinear
+from gpu_worker.models.llama import LlamaForCausalLM, LlamaModel
+
+HERE = Path(__file__).parent
+SOURCE = HERE / "decode_step.c"
+INCLUDES = (
+    HERE / "linear.c",
+    HERE / "layers.c",
+    HERE.parent / "attention" / "cpu_paged_decode.c",
+)
+MAX_ROWS = linear.MAX_ROWS[torch.float32]
+_P = ctypes.c_void_p
+_WEIGHTS = (
+    "input_norm",
+    "qkv_w",
+    "qkv_b",
+    "o_w",
+    "o_b",
+    "post_norm",
+    "gate_up_w",
+    "gate_up_b",
+    "down_w",
+    "down_b",
+)
+
+
+class _Layer(ctypes.Structure):
+    """decode_step.c's decode_layer_t: one layer's weight pointers."""
+
+    _fields_ = [(name, _P) for name in _WEIGHTS]
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i, f, i64 = ctypes.c_int, ctypes.c_float, ctypes.c_int64
+    lib.decode_forward.restype = i
+    lib.decode_forward.argtypes = [
+        *(_P, i, _P, i, i, i, i, i, i, f),  # layers .. eps
+        *(_P, _P, _P, _P, _P, i64, i64),  # cos .. half_stride
+        *(_P, i, _P, i, f, i),  # tables .. nthreads
+    ]
+
+
+_LIBRARY = KernelLibrary(SOURCE, _declare, "CPU decode-step kernel", INCLUDES)
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library (built on first use), or None when it cannot be had."""
+    return _LIBRARY.load()
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _layer_pointers(model: LlamaModel) -> ctypes.Array[_Layer]:
+    """The weight pointers of every layer, in order."""
+    table = (_Layer * len(model.layers))()
+    for slot, layer in zip(table, model.layers, strict=True):
+        attn, mlp = layer.self_attn, layer.mlp
+        for name, tensor in zip(
+            _WEIGHTS,
+            (
+                layer.input_layernorm.weight,
+                attn.qkv_proj.weight,
+                attn.qkv_proj.bias,
+                attn.o_proj.weight,
+                attn.o_proj.bias,
+                layer.post_attention_layernorm.weight,
+                mlp.gate_up_proj.weight,
+                mlp.gate_up_proj.bias,
+                mlp.down_proj.weight,
+                mlp.down_proj.bias,
+            ),
+            strict=True,
+        ):
+            setattr(slot, name, _ptr(tensor))
+    return table
+
+
+class CpuLlamaModel(LlamaModel):
+    """LlamaModel whose decode steps of a few sequences run all layers in one C call."""
+
+    _pointers: ctypes.Array[_Layer] | None = None
+    _weights_at: int = 0
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        n = input_ids.shape[0]
+        if meta.num_decodes != meta.num_reqs or n > MAX_ROWS or not kv_cache.is_contiguous():
+            return super().forward(input_ids, positions, kv_cache, meta)
+        x = self.embed_tokens(input_ids).contiguous()
+        if self._decode(x, positions, kv_cache, meta):
+            return x
+        return super().forward(input_ids, positions, kv_cache, meta)
+
+    def _decode(
+        self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> bool:
+        """All layers over x in place; False (x untouched or the step redone by the caller)
+        when the kernel refuses."""
+        lib = load()
+        first = self.layers[0].self_attn.qkv_proj.weight.data_ptr()
+        if lib is None or kv_cache.dtype != torch.float32:
+            return False
+        if self._pointers is None or self._weights_at != first:  # built once per weights
+            self._pointers, self._weights_at = _layer_pointers(self), first
+        attn = self.layers[0].self_attn
+        cos, sin = self.rotary.tables()
+        tables, lens = meta.block_tables, meta.seq_lens
+        assert tables.dtype == torch.int32 and lens.dtype == torch.int32
+        slots, pos = meta.slot_mapping, positions.to(torch.int64).contiguous()
+        n, hidden = x.shape
+        backend = attn.backend
+        assert isinstance(backend, TorchAttentionBackend)
+        code = lib.decode_forward(
+            self._pointers,
+            len(self.layers),
+            x.data_ptr(),
+            n,
+            hidden,
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_dim,
+            self.layers[0].mlp.down_proj.in_features,
+            self.layers[0].input_layernorm.eps,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            pos.data_ptr(),
+            slots.data_ptr(),
+            kv_cache.data_ptr(),
+            kv_cache.stride(0),
+            kv_cache.stride(1),
+            tables.data_ptr(),
+            tables.stride(0),
+            lens.data_ptr(),
+            meta.block_size,
+            backend.scale,
+            torch.get_num_threads(),
+        )
+        return code == 0
+
+
+def can_use(model: nn.Module) -> bool:
+    """Whether `model` is of the shape decode_step.c takes (see the module docstring)."""
+    if not isinstance(model, LlamaForCausalLM) or model.tp.size != 1:
+        return False
+    params = list(model.parameters())
+    if not params or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in params):
+        return False
+    inner = model.model
+    if not isinstance(inner.rotary, CpuRotaryEmbedding) or not inner.rotary.is_neox_style:
+        return False
+    for layer in inner.layers:
+        attn = layer.self_attn
+        backend = attn.backend
+        if (
+            not isinstance(layer, CpuDecoderLayer)
+            or not isinstance(layer.mlp, CpuMLP)
+            or attn.q_norm is not None
+            or not isinstance(backend, TorchAttentionBackend)
+            or not backend.cpu_decode_kernel
+            or not all(
+                type(m) is SmallBatchLinear and m.weight.is_contiguous()
+                for m in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            )
+        ):
+            return False
+    return True
+
+
+def use_decode_step(model: nn.Module) -> bool:
+    """Switch `model`'s LlamaModel to CpuLlamaModel; False, and the model untouched, when it
+    is not of a shape the kernel takes or the library cannot be had."""
+    if not can_use(model) or load() is None:
+        return False
+    assert isinstance(model, LlamaForCausalLM)
+    model.model.__class__ = CpuLlamaModel
+    return True

@@ -1,0 +1,113 @@
+"""The one-call decode step (gpu_worker/cpu/decode_step.py) against the layer-by-layer path
+it replaces: the same kernels in the same order, so the same hidden states bit for bit and
+the same K/V written, for every batch size it takes and on the models it takes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_worker.attention.metadata import build_metadata
+from gpu_worker.attention.torch_backend import TorchAttentionBackend
+from gpu_worker.cpu import decode_step
+from gpu_worker.cpu.layers import use_cpu_layers
+from gpu_worker.cpu.linear import use_small_batch_linear
+from gpu_worker.models.llama import LlamaForCausalLM, LlamaModel
+from gpu_worker.models.loader import load_model, read_hf_config
+from tests.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.skipif(decode_step.load() is None, reason="no C compiler here")
+
+BLOCK_SIZE, NUM_BLOCKS = 4, 64
+
+
+def _model(folder: Path, *, cpu_layers: bool = True) -> LlamaForCausalLM:
+    cfg = read_hf_config(folder)
+    heads = cfg["num_attention_heads"]
+    backend = TorchAttentionBackend(
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    model = load_model(
+        folder, backend, dtype=torch.float32, device=torch.device("cpu"), max_positions=256
+    )
+    if cpu_layers:
+        use_small_batch_linear(model)
+        use_cpu_layers(model)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("decode-step")
+    return {arch: make_tiny_model(root / arch, arch, num_layers=3) for arch in ("llama", "qwen2")}
+
+
+def _step(model: LlamaForCausalLM, n: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """A decode step of n sequences of different lengths over a randomly filled cache."""
+    gen = torch.Generator().manual_seed(seed)
+    inner = model.model
+    attn = inner.layers[0].self_attn
+    kv = torch.randn(
+        len(inner.layers), 2, NUM_BLOCKS, BLOCK_SIZE, attn.num_kv_heads, attn.head_dim,
+        generator=gen,
+    )  # fmt: skip
+    computed = [int(c) for c in torch.randint(0, 40, (n,), generator=gen)]
+    blocks = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    tables = []
+    for c in computed:  # scattered blocks, enough for the new token
+        need = c // BLOCK_SIZE + 1
+        tables.append(blocks[:need])
+        blocks = blocks[need:]
+    meta = attn.backend.build_metadata(build_metadata(computed, [1] * n, tables, BLOCK_SIZE))
+    ids = torch.randint(0, model.config.vocab_size, (n,), generator=gen)
+    return ids, kv, meta  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("n", [1, 2, 5, 8])
+def test_one_call_equals_the_layers_bit_for_bit(tiny: dict[str, Path], arch: str, n: int) -> None:
+    model = _model(tiny[arch])
+    assert decode_step.use_decode_step(model)
+    assert type(model.model) is decode_step.CpuLlamaModel
+    ids, kv, meta = _step(model, n, seed=n)
+    kv_layers = kv.clone()
+    with torch.inference_mode():
+        expected = LlamaModel.forward(model.model, ids, meta.positions, kv_layers, meta)
+        got = model.model(ids, meta.positions, kv, meta)
+    assert torch.equal(got, expected)
+    assert torch.equal(kv, kv_layers)  # the new tokens' K/V stored alike, nothing else touched
+
+
+def test_prefill_and_large_batches_take_the_layers(tiny: dict[str, Path]) -> None:
+    model = _model(tiny["llama"])
+    assert decode_step.use_decode_step(model)
+    calls = []
+    lib = decode_step.load()
+    assert lib is not None
+    original = lib.decode_forward
+    try:
+        lib.decode_forward = lambda *a: calls.append(a) or original(*a)
+        for n in (decode_step.MAX_ROWS + 1, 3):
+            ids, kv, meta = _step(model, n, seed=0)
+            with torch.inference_mode():
+                model.model(ids, meta.positions, kv, meta)
+        backend = model.model.layers[0].self_attn.backend
+        prefill = backend.build_metadata(build_metadata([0], [6], [[0, 1]], BLOCK_SIZE))
+        with torch.inference_mode():
+            model.model(torch.arange(6), prefill.positions, kv, prefill)
+    finally:
+        lib.decode_forward = original
+    assert len(calls) == 1  # only the 3-sequence decode step
+
+
+def test_only_models_it_takes_are_switched(tiny: dict[str, Path], tmp_path: Path) -> None:
+    plain = _model(tiny["llama"], cpu_layers=False)  # torch layers: not the kernels' shape
+    assert not decode_step.use_decode_step(plain) and type(plain.model) is LlamaModel
+    qk_norm = _model(make_tiny_model(tmp_path / "qwen3", "qwen3", num_layers=1))
+    assert not decode_step.use_decode_step(qk_norm) and type(qk_norm.model) is LlamaModel
