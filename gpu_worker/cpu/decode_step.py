@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -27,7 +28,7 @@ from gpu_worker.cpu import linear
 from gpu_worker.cpu.build import KernelLibrary
 from gpu_worker.cpu.layers import CpuDecoderLayer, CpuMLP, CpuRotaryEmbedding
 from gpu_worker.cpu.linear import SmallBatchLinear
-from gpu_worker.models.llama import LlamaForCausalLM, LlamaModel
+from gpu_worker.models.llama import DecoderLayer, LlamaForCausalLM, LlamaModel
 
 HERE = Path(__file__).parent
 SOURCE = HERE / "decode_step.c"
@@ -80,10 +81,15 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _layers(model: LlamaModel) -> list[DecoderLayer]:
+    return [cast(DecoderLayer, layer) for layer in model.layers]
+
+
 def _layer_pointers(model: LlamaModel) -> ctypes.Array[_Layer]:
     """The weight pointers of every layer, in order."""
-    table = (_Layer * len(model.layers))()
-    for slot, layer in zip(table, model.layers, strict=True):
+    layers = _layers(model)
+    table = (_Layer * len(layers))()
+    for slot, layer in zip(table, layers, strict=True):
         attn, mlp = layer.self_attn, layer.mlp
         for name, tensor in zip(
             _WEIGHTS,
@@ -127,17 +133,22 @@ class CpuLlamaModel(LlamaModel):
         return super().forward(input_ids, positions, kv_cache, meta)
 
     def _decode(
-        self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
     ) -> bool:
         """All layers over x in place; False (x untouched or the step redone by the caller)
         when the kernel refuses."""
         lib = load()
-        first = self.layers[0].self_attn.qkv_proj.weight.data_ptr()
+        layer = _layers(self)[0]
+        attn = layer.self_attn
+        first = attn.qkv_proj.weight.data_ptr()
         if lib is None or kv_cache.dtype != torch.float32:
             return False
         if self._pointers is None or self._weights_at != first:  # built once per weights
             self._pointers, self._weights_at = _layer_pointers(self), first
-        attn = self.layers[0].self_attn
         cos, sin = self.rotary.tables()
         tables, lens = meta.block_tables, meta.seq_lens
         assert tables.dtype == torch.int32 and lens.dtype == torch.int32
@@ -154,8 +165,8 @@ class CpuLlamaModel(LlamaModel):
             attn.num_heads,
             attn.num_kv_heads,
             attn.head_dim,
-            self.layers[0].mlp.down_proj.in_features,
-            self.layers[0].input_layernorm.eps,
+            layer.mlp.down_proj.in_features,
+            layer.input_layernorm.eps,
             cos.data_ptr(),
             sin.data_ptr(),
             pos.data_ptr(),
@@ -183,7 +194,7 @@ def can_use(model: nn.Module) -> bool:
     inner = model.model
     if not isinstance(inner.rotary, CpuRotaryEmbedding) or not inner.rotary.is_neox_style:
         return False
-    for layer in inner.layers:
+    for layer in _layers(inner):
         attn = layer.self_attn
         backend = attn.backend
         if (
