@@ -1,12 +1,16 @@
-"""Where a B=1 decode step's time goes: timers around the C kernels and the model's forward,
-decode steps driven as tools/benchmarks/step.py drives them (context 200, 2 threads).
+"""Where a decode step's time goes: timers around the C kernels, the oneDNN linears, the K/V
+store and the model's forward, decode steps driven as tools/benchmarks/step.py drives them
+(B=1 at context 200 by default, 2 threads).
 
     .venv/bin/python -m tools.benchmarks.step_account
+    .venv/bin/python -m tools.benchmarks.step_account --batch 64 --context 300
+    .venv/bin/python -m tools.benchmarks.step_account --layer-by-layer   # kernels one by one
     GOMP_SPINCOUNT=0 .venv/bin/python -m tools.benchmarks.step_account   # threads sleep at once
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
 import os
 import sys
@@ -15,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import gpu_worker.attention.cpu_kernel as attention
+import gpu_worker.attention.torch_backend as torch_backend
 import gpu_worker.cpu.decode_step as decode_step
 import gpu_worker.cpu.layers as layers
 import gpu_worker.cpu.linear as linear
@@ -25,7 +30,8 @@ from tools.benchmarks import step
 
 LINEAR, ATTENTION, LAYERS = "linear (C, weights streamed)", "attention (C)", "norm/rotary/silu (C)"
 ONE_CALL = "every decoder layer (C, one call)"
-KERNELS = (ONE_CALL, LINEAR, ATTENTION, LAYERS)
+PACKED, STORE = "linear (oneDNN, packed weights)", "K/V store (torch index_copy_)"
+KERNELS = (ONE_CALL, LINEAR, PACKED, ATTENTION, STORE, LAYERS)
 
 
 def _timed(spent: dict[str, float], key: str, f: Callable[..., Any]) -> Callable[..., Any]:
@@ -39,11 +45,22 @@ def _timed(spent: dict[str, float], key: str, f: Callable[..., Any]) -> Callable
     return wrapper
 
 
-def main(steps: int = 30) -> int:
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=1, help="sequences decoding together")
+    p.add_argument("--context", type=int, default=200, help="tokens each has before")
+    p.add_argument("--steps", type=int, default=30, help="decode steps timed")
+    p.add_argument("--layer-by-layer", action="store_true", help="not the one-call C step")
+    args = p.parse_args()
+    if args.layer_by_layer:
+        decode_step.MAX_ROWS = 0
+    steps = args.steps
     spent: dict[str, float] = collections.defaultdict(float)
     patches: list[tuple[Any, str, str]] = [
         (linear, "linear_small", LINEAR),
+        (linear, "linear_packed", PACKED),
         (attention, "paged_decode", ATTENTION),
+        (torch_backend, "_store_kv", STORE),
         (LlamaForCausalLM, "forward", "forward"),
         (decode_step.CpuLlamaModel, "_decode", ONE_CALL),
         *((layers, n, LAYERS) for n in ("rms_norm", "add_rms_norm", "rotary_neox", "silu_mul")),
@@ -51,7 +68,7 @@ def main(steps: int = 30) -> int:
     for owner, name, key in patches:
         setattr(owner, name, _timed(spent, key, getattr(owner, name)))
     runner = ModelRunner(str(prepare_default_model()), num_threads=2, kv_cache_memory_gib=1.5)
-    drv, rids, _ = step.start_batch(runner, 1, 200, 512, 0)
+    drv, rids, _ = step.start_batch(runner, args.batch, args.context, 512, 0)
     for _ in range(3):
         drv.step({}, [(r, 1) for r in rids])
     spent.clear()
@@ -65,7 +82,7 @@ def main(steps: int = 30) -> int:
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} "
         f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', '-')}"
     )
-    print(f"decode step (B=1, context 200): {total:.1f} ms")
+    print(f"decode step (B={args.batch}, context {args.context}): {total:.1f} ms")
     print(f"  model forward: {ms['forward']:.1f} ms")
     for key in KERNELS:
         if key in ms:
