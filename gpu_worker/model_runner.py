@@ -305,8 +305,8 @@ class ModelRunner(PlanRunner[ModelVersion]):
         if self.cpu_kernels and backend.name == "torch":  # C kernels: few-row linears, fp32
             # norms/rotary/activation (the triton backend has its own layers)
             use_small_batch_linear(model, pack=self.cpu_packed_weights)
-            if use_cpu_layers(model):
-                use_decode_step(model)  # a few decodes: every layer in one C call
+            use_cpu_layers(model)
+            use_decode_step(model)  # a few decodes: every layer in one C call
         return model
 
     def _draft_kv_share(self, draft_model: str) -> float:

@@ -6,11 +6,15 @@ the C loop runs the same kernels (linear.c, layers.c, cpu_paged_decode.c) in the
 with the same arithmetic, so its hidden states equal the layer-by-layer path's exactly.
 
 `use_decode_step(model)` changes the class of the model's LlamaModel in place, after
-`use_small_batch_linear` and `use_cpu_layers`; its forward takes the C loop for a
-decode-only step of at most linear.MAX_ROWS float32 sequences and the layers otherwise
-(prefill and extend chunks, larger batches, speculative verification). Only a model of the
-shape the kernels take: float32 on the CPU, one tensor-parallel rank, neox rotary, no
-per-head q/k norm, the torch attention backend with its C decode kernel.
+`use_small_batch_linear`; its forward takes the C loop for a decode-only step of at most
+linear.MAX_ROWS sequences (per weight dtype) and the layers otherwise (prefill and extend
+chunks, larger batches, speculative verification). Only a model of the shape the kernels
+take: float32 or bfloat16 on the CPU, one tensor-parallel rank, neox rotary, no per-head q/k
+norm, the torch attention backend with its C decode kernel.
+
+A bfloat16 model keeps float32 activations between the kernels inside the loop (torch's bf16
+layers round every op's output to bf16): its hidden states equal the layer-by-layer path's
+only within bf16's precision, and are closer to the float32 model's.
 """
 
 from __future__ import annotations
@@ -26,9 +30,8 @@ from gpu_worker.attention import AttentionMetadata
 from gpu_worker.attention.torch_backend import TorchAttentionBackend
 from gpu_worker.cpu import linear
 from gpu_worker.cpu.build import KernelLibrary
-from gpu_worker.cpu.layers import CpuDecoderLayer, CpuMLP, CpuRotaryEmbedding
 from gpu_worker.cpu.linear import SmallBatchLinear
-from gpu_worker.models.llama import DecoderLayer, LlamaForCausalLM, LlamaModel
+from gpu_worker.models.llama import DecoderLayer, LlamaForCausalLM, LlamaModel, RotaryEmbedding
 
 HERE = Path(__file__).parent
 SOURCE = HERE / "decode_step.c"
@@ -37,8 +40,8 @@ INCLUDES = (
     HERE / "layers.c",
     HERE.parent / "attention" / "cpu_paged_decode.c",
 )
-MAX_ROWS = linear.MAX_ROWS[torch.float32]
 _P = ctypes.c_void_p
+enabled = True  # False: every step layer by layer (tools/benchmarks/step_account --layer-by-layer)
 _WEIGHTS = (
     "input_norm",
     "qkv_w",
@@ -65,7 +68,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.decode_forward.argtypes = [
         *(_P, i, _P, i, i, i, i, i, i, f),  # layers .. eps
         *(_P, _P, _P, _P, _P, i64, i64),  # cos .. half_stride
-        *(_P, i, _P, i, f, i),  # tables .. nthreads
+        *(_P, i, _P, i, f, i, i, i),  # tables .. nthreads
     ]
 
 
@@ -85,8 +88,18 @@ def _layers(model: LlamaModel) -> list[DecoderLayer]:
     return [cast(DecoderLayer, layer) for layer in model.layers]
 
 
-def _layer_pointers(model: LlamaModel) -> ctypes.Array[_Layer]:
-    """The weight pointers of every layer, in order."""
+def _float32(t: torch.Tensor | None, keep: list[torch.Tensor]) -> torch.Tensor | None:
+    """t as a contiguous float32 tensor (a copy, kept alive in `keep`, when it is not)."""
+    if t is None or (t.dtype == torch.float32 and t.is_contiguous()):
+        return t
+    copy = t.detach().to(torch.float32).contiguous()
+    keep.append(copy)
+    return copy
+
+
+def _layer_pointers(model: LlamaModel, keep: list[torch.Tensor]) -> ctypes.Array[_Layer]:
+    """The weight pointers of every layer, in order: the linears' weights as they are, the
+    norms' weights and the biases in float32 (copies kept in `keep` for a bf16 model)."""
     layers = _layers(model)
     table = (_Layer * len(layers))()
     for slot, layer in zip(table, layers, strict=True):
@@ -107,7 +120,8 @@ def _layer_pointers(model: LlamaModel) -> ctypes.Array[_Layer]:
             ),
             strict=True,
         ):
-            setattr(slot, name, _ptr(tensor))
+            # norms and biases: the kernels read float32
+            setattr(slot, name, _ptr(tensor if name.endswith("_w") else _float32(tensor, keep)))
     return table
 
 
@@ -116,6 +130,8 @@ class CpuLlamaModel(LlamaModel):
 
     _pointers: ctypes.Array[_Layer] | None = None
     _weights_at: int = 0
+    _float32_copies: list[torch.Tensor]  # a bf16 model's norms, biases and rotary tables
+    _rope: tuple[torch.Tensor, torch.Tensor]
 
     def forward(
         self,
@@ -125,11 +141,17 @@ class CpuLlamaModel(LlamaModel):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         n = input_ids.shape[0]
-        if meta.num_decodes != meta.num_reqs or n > MAX_ROWS or not kv_cache.is_contiguous():
+        dtype = kv_cache.dtype
+        if (
+            not enabled
+            or meta.num_decodes != meta.num_reqs
+            or n > linear.MAX_ROWS.get(dtype, 0)
+            or not kv_cache.is_contiguous()
+        ):
             return super().forward(input_ids, positions, kv_cache, meta)
-        x = self.embed_tokens(input_ids).contiguous()
+        x = self.embed_tokens(input_ids).to(torch.float32).contiguous()
         if self._decode(x, positions, kv_cache, meta):
-            return x
+            return x.to(dtype)
         return super().forward(input_ids, positions, kv_cache, meta)
 
     def _decode(
@@ -145,11 +167,16 @@ class CpuLlamaModel(LlamaModel):
         layer = _layers(self)[0]
         attn = layer.self_attn
         first = attn.qkv_proj.weight.data_ptr()
-        if lib is None or kv_cache.dtype != torch.float32:
+        weight_dtype = attn.qkv_proj.weight.dtype
+        if lib is None or kv_cache.dtype not in (torch.float32, torch.bfloat16):
             return False
         if self._pointers is None or self._weights_at != first:  # built once per weights
-            self._pointers, self._weights_at = _layer_pointers(self), first
-        cos, sin = self.rotary.tables()
+            self._float32_copies = []
+            self._pointers = _layer_pointers(self, self._float32_copies)
+            self._weights_at = first
+            keep = self._float32_copies
+            self._rope = tuple(_float32(t, keep) for t in self.rotary.tables())  # type: ignore[assignment]  # two tensors in, two out
+        cos, sin = self._rope
         tables, lens = meta.block_tables, meta.seq_lens
         assert tables.dtype == torch.int32 and lens.dtype == torch.int32
         slots, pos = meta.slot_mapping, positions.to(torch.int64).contiguous()
@@ -179,6 +206,8 @@ class CpuLlamaModel(LlamaModel):
             lens.data_ptr(),
             meta.block_size,
             backend.scale,
+            int(weight_dtype == torch.bfloat16),
+            int(kv_cache.dtype == torch.bfloat16),
             torch.get_num_threads(),
         )
         return code == 0
@@ -189,18 +218,19 @@ def can_use(model: nn.Module) -> bool:
     if not isinstance(model, LlamaForCausalLM) or model.tp.size != 1:
         return False
     params = list(model.parameters())
-    if not params or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in params):
+    dtypes = {p.dtype for p in params}
+    if not params or any(p.device.type != "cpu" for p in params):
+        return False
+    if dtypes != {torch.float32} and dtypes != {torch.bfloat16}:
         return False
     inner = model.model
-    if not isinstance(inner.rotary, CpuRotaryEmbedding) or not inner.rotary.is_neox_style:
+    if not isinstance(inner.rotary, RotaryEmbedding) or not inner.rotary.is_neox_style:
         return False
     for layer in _layers(inner):
         attn = layer.self_attn
         backend = attn.backend
         if (
-            not isinstance(layer, CpuDecoderLayer)
-            or not isinstance(layer.mlp, CpuMLP)
-            or attn.q_norm is not None
+            attn.q_norm is not None
             or not isinstance(backend, TorchAttentionBackend)
             or not backend.cpu_decode_kernel
             or not all(

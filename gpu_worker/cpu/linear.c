@@ -5,8 +5,10 @@
  * reads W at a third of this machine's bandwidth; here each weight row is read once, for
  * every row of x, by plain loops that gcc vectorizes (-O3 -march=native -ffast-math).
  *
- * W is row-major [out, in] (nn.Linear's layout), float32 or bfloat16 (widened to float32 as
- * it is read: bf16 is the top half of an fp32). x, bias and y are float32, contiguous.
+ * W is row-major [out, in] (nn.Linear's layout), float32 or bfloat16. bf16 weights go, on a
+ * CPU with AVX512_BF16, to its bf16 dot product with x rounded to bf16 (what a bf16 model's
+ * activations are); elsewhere they are widened to float32 as they are read (bf16 is the top
+ * half of an fp32). x, bias and y are float32, contiguous.
  * Rows of W are handed out to the OpenMP threads in chunks, dynamically: on a machine whose
  * cores the server's other processes share, a thread that runs late gets fewer chunks
  * instead of holding the whole step at a barrier.
@@ -35,6 +37,56 @@ static inline float bf16_to_f32(uint16_t v) {
     float f;
     memcpy(&f, &u, 4);
     return f;
+}
+#endif
+
+/* float32 to bfloat16, rounded to nearest even, NaN kept (torch's conversion) */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#define DP_TILE 16
+static inline float dp_row(const uint16_t *xb, const uint16_t *wr, int in) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int i = 0; i < in; i += 32)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(wr + i),
+                               (__m512bh)_mm512_loadu_si512(xb + i));
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* rows [lo, hi) of bf16 W against x rounded to bf16 (xh), by the CPU's bf16 dot product
+ * (pairs of bf16 products summed into float32 lanes): half the bytes of float32 weights and
+ * no widening. `in` is a multiple of 32. */
+static void rows_dp(const uint16_t *xh, int nb, const uint16_t *w, const float *bias, float *y,
+                    int out, int in, int lo, int hi) {
+    int o = lo;
+    for (; o + DP_TILE <= hi; o += DP_TILE) {
+        const uint16_t *w0 = w + (int64_t)(o - lo) * in;
+        for (int b = 0; b < nb; b++) {
+            const uint16_t *xb = xh + (int64_t)b * in;
+            __m512 acc[DP_TILE];
+            for (int t = 0; t < DP_TILE; t++) acc[t] = _mm512_setzero_ps();
+            for (int i = 0; i < in; i += 32) {
+                __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + i);
+                for (int t = 0; t < DP_TILE; t++)
+                    acc[t] = _mm512_dpbf16_ps(
+                        acc[t], (__m512bh)_mm512_loadu_si512(w0 + (int64_t)t * in + i), xv);
+            }
+            float *yb = y + (int64_t)b * out + o;
+            for (int t = 0; t < DP_TILE; t++)
+                yb[t] = _mm512_reduce_add_ps(acc[t]) + (bias ? bias[o + t] : 0.f);
+        }
+    }
+    for (; o < hi; o++)
+        for (int b = 0; b < nb; b++)
+            y[(int64_t)b * out + o] =
+                dp_row(xh + (int64_t)b * in, w + (int64_t)(o - lo) * in, in) +
+                (bias ? bias[o] : 0.f);
 }
 #endif
 
@@ -73,6 +125,20 @@ int linear_small(const float *x, int nb, const void *w, int is_bf16, const float
                  float *y, int out, int in, int nthreads) {
     if (nb < 1 || nb > MAX_ROWS || in < 1 || out < 1) return 1;
     int chunks = (out + CHUNK - 1) / CHUNK, failed = 0;
+#if defined(__AVX512BF16__)
+    if (is_bf16 && in % 32 == 0) { /* x rounded to bf16 once, then the bf16 dot product */
+        uint16_t *xh = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)nb * in);
+        if (!xh) return 2;
+        for (int64_t i = 0; i < (int64_t)nb * in; i++) xh[i] = f32_to_bf16(x[i]);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+        for (int c = 0; c < chunks; c++) {
+            int lo = c * CHUNK, hi = lo + CHUNK < out ? lo + CHUNK : out;
+            rows_dp(xh, nb, (const uint16_t *)w + (int64_t)lo * in, bias, y, out, in, lo, hi);
+        }
+        free(xh);
+        return 0;
+    }
+#endif
 #pragma omp parallel num_threads(nthreads)
     {
         /* one chunk of bf16 rows widened to fp32, per thread (L2-sized for small models) */

@@ -13,7 +13,7 @@ from gpu_worker.attention.metadata import build_metadata
 from gpu_worker.attention.torch_backend import TorchAttentionBackend
 from gpu_worker.cpu import decode_step
 from gpu_worker.cpu.layers import use_cpu_layers
-from gpu_worker.cpu.linear import use_small_batch_linear
+from gpu_worker.cpu.linear import MAX_ROWS, use_small_batch_linear
 from gpu_worker.models.llama import LlamaForCausalLM, LlamaModel
 from gpu_worker.models.loader import load_model, read_hf_config
 from tests.tiny_models import make_tiny_model
@@ -23,19 +23,19 @@ pytestmark = pytest.mark.skipif(decode_step.load() is None, reason="no C compile
 BLOCK_SIZE, NUM_BLOCKS = 4, 64
 
 
-def _model(folder: Path, *, cpu_layers: bool = True) -> LlamaForCausalLM:
+def _model(
+    folder: Path, *, cpu_layers: bool = True, dtype: torch.dtype = torch.float32
+) -> LlamaForCausalLM:
     cfg = read_hf_config(folder)
     heads = cfg["num_attention_heads"]
     backend = TorchAttentionBackend(
         num_heads=heads,
         num_kv_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        dtype=torch.float32,
+        dtype=dtype,
         device=torch.device("cpu"),
     )
-    model = load_model(
-        folder, backend, dtype=torch.float32, device=torch.device("cpu"), max_positions=256
-    )
+    model = load_model(folder, backend, dtype=dtype, device=torch.device("cpu"), max_positions=256)
     if cpu_layers:
         use_small_batch_linear(model)
         use_cpu_layers(model)
@@ -56,7 +56,7 @@ def _step(model: LlamaForCausalLM, n: int, seed: int) -> tuple[torch.Tensor, ...
     kv = torch.randn(
         len(inner.layers), 2, NUM_BLOCKS, BLOCK_SIZE, attn.num_kv_heads, attn.head_dim,
         generator=gen,
-    )  # fmt: skip
+    ).to(attn.qkv_proj.weight.dtype)  # fmt: skip
     computed = [int(c) for c in torch.randint(0, 40, (n,), generator=gen)]
     blocks = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
     tables = []
@@ -84,6 +84,33 @@ def test_one_call_equals_the_layers_bit_for_bit(tiny: dict[str, Path], arch: str
     assert torch.equal(kv, kv_layers)  # the new tokens' K/V stored alike, nothing else touched
 
 
+@pytest.mark.parametrize("n", [1, 4])
+def test_bfloat16_within_bf16_precision(tiny: dict[str, Path], n: int) -> None:
+    """Activations stay float32 inside the C loop, where torch's bf16 layers round each op:
+    the step is within bf16's precision of both the bf16 layers and the float32 model on the
+    same (bf16-rounded) weights, and K/V land in the new tokens' slots only."""
+    model = _model(tiny["qwen2"], dtype=torch.bfloat16)
+    assert decode_step.use_decode_step(model)
+    exact = _model(tiny["qwen2"])
+    with torch.no_grad():
+        for p32, p16 in zip(exact.parameters(), model.parameters(), strict=True):
+            p32.copy_(p16.float())
+    ids, kv, meta = _step(model, n, seed=10 + n)
+    kv_layers, kv_exact = kv.clone(), kv.float()
+    with torch.inference_mode():
+        layers = LlamaModel.forward(model.model, ids, meta.positions, kv_layers, meta).float()
+        reference = LlamaModel.forward(exact.model, ids, meta.positions, kv_exact, meta)
+        got = model.model(ids, meta.positions, kv, meta)
+    assert got.dtype == torch.bfloat16
+    scale = reference.abs().max()
+    assert (got.float() - reference).abs().max() <= 0.015 * scale  # measured 0.005-0.008
+    assert (got.float() - layers).abs().max() <= 0.05 * scale  # measured 0.012-0.02
+    slots = set(meta.slot_mapping.tolist())
+    changed = (kv != kv_layers).any(dim=-1).any(dim=-1).nonzero().tolist()
+    assert all(b * BLOCK_SIZE + o in slots for _, _, b, o in changed)
+    torch.testing.assert_close(kv.float(), kv_layers.float(), rtol=0.05, atol=0.05)
+
+
 def test_prefill_and_large_batches_take_the_layers(tiny: dict[str, Path]) -> None:
     model = _model(tiny["llama"])
     assert decode_step.use_decode_step(model)
@@ -93,7 +120,7 @@ def test_prefill_and_large_batches_take_the_layers(tiny: dict[str, Path]) -> Non
     original = lib.decode_forward
     try:
         lib.decode_forward = lambda *a: calls.append(a) or original(*a)
-        for n in (decode_step.MAX_ROWS + 1, 3):
+        for n in (MAX_ROWS[torch.float32] + 1, 3):
             ids, kv, meta = _step(model, n, seed=0)
             with torch.inference_mode():
                 model.model(ids, meta.positions, kv, meta)

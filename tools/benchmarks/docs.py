@@ -157,14 +157,20 @@ def synthetic() -> dict[str, Any]:
     }
 
 
-def peers() -> dict[str, Any]:
+def peers(dtype: str = "float32") -> dict[str, Any]:
     """shuttle, vLLM and llama.cpp on the same workloads (needs ../shared/peers/setup.sh)."""
     from tools.benchmarks import cli
 
-    out = OUT / "peers.json"
-    cli.main(["--compare", "shuttle,vllm,llamacpp", "--threads", "2", "--json", str(out)])
+    out = OUT / ("peers.json" if dtype == "float32" else "peers_bf16.json")
+    args = ["--compare", "shuttle,vllm,llamacpp", "--threads", "2", "--dtype", dtype]
+    cli.main([*args, "--json", str(out)])
     result: dict[str, Any] = json.loads(out.read_text())
     return result
+
+
+def peers_bf16() -> dict[str, Any]:
+    """The same three servers in bfloat16 (each one's best dtype on a CPU with avx512_bf16)."""
+    return peers("bfloat16")
 
 
 def parity() -> dict[str, Any]:
@@ -206,6 +212,7 @@ STEPS: dict[str, Callable[[], dict[str, Any]]] = {
     "synthetic": synthetic,
     "parity": parity,
     "peers": peers,
+    "peers_bf16": peers_bf16,
     "data_parallel": data_parallel,
     "tensor_parallel": tensor_parallel,
 }

@@ -330,6 +330,24 @@ def _peers(out: Path, loads: dict[str, Any]) -> str:
         + table(result)
         + "\n\n"
         + _note(out, "peers")
+        + _peers_bf16(out, loads)
+    )
+
+
+def _peers_bf16(out: Path, loads: dict[str, Any]) -> str:
+    result = _load(out, "peers_bf16")
+    if result is None:
+        return ""
+    from tools.benchmarks.peers import table
+
+    return (
+        "### The same in bfloat16\n\n"
+        + _load_line(loads, "peers_bf16")
+        + "`python -m tools.benchmarks.docs --only peers_bf16`, i.e. the same with "
+        "`--dtype bfloat16` for all three (llama.cpp on a bf16 GGUF).\n\n"
+        + table(result)
+        + "\n\n"
+        + _note(out, "peers_bf16")
     )
 
 

@@ -50,10 +50,11 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=1, help="sequences decoding together")
     p.add_argument("--context", type=int, default=200, help="tokens each has before")
     p.add_argument("--steps", type=int, default=30, help="decode steps timed")
+    p.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     p.add_argument("--layer-by-layer", action="store_true", help="not the one-call C step")
     args = p.parse_args()
     if args.layer_by_layer:
-        decode_step.MAX_ROWS = 0
+        decode_step.enabled = False
     steps = args.steps
     spent: dict[str, float] = collections.defaultdict(float)
     patches: list[tuple[Any, str, str]] = [
@@ -67,7 +68,9 @@ def main() -> int:
     ]
     for owner, name, key in patches:
         setattr(owner, name, _timed(spent, key, getattr(owner, name)))
-    runner = ModelRunner(str(prepare_default_model()), num_threads=2, kv_cache_memory_gib=1.5)
+    runner = ModelRunner(
+        str(prepare_default_model()), dtype=args.dtype, num_threads=2, kv_cache_memory_gib=1.5
+    )
     drv, rids, _ = step.start_batch(runner, args.batch, args.context, 512, 0)
     for _ in range(3):
         drv.step({}, [(r, 1) for r in rids])
@@ -82,7 +85,7 @@ def main() -> int:
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} "
         f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', '-')}"
     )
-    print(f"decode step (B={args.batch}, context {args.context}): {total:.1f} ms")
+    print(f"decode step (B={args.batch}, context {args.context}, {args.dtype}): {total:.1f} ms")
     print(f"  model forward: {ms['forward']:.1f} ms")
     for key in KERNELS:
         if key in ms:
