@@ -51,6 +51,26 @@ def test_kernel_matches_naive_attention(num_seqs: int, q_per_kv: int, block_size
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])  # the sizes with a compiled-in loop
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_seqs", [2, 12])  # one KV head per task, or whole sequences
+def test_fixed_head_sizes_match_naive_attention(
+    head_dim: int, dtype: torch.dtype, num_seqs: int
+) -> None:
+    contexts = [1 + (53 * i) % 200 for i in range(num_seqs)]
+    q, cache, tables = _case(
+        contexts, block_size=16, num_kv_heads=3, q_per_kv=3, head_dim=head_dim, dtype=dtype
+    )
+    meta = build_metadata([c - 1 for c in contexts], [1] * num_seqs, tables, 16)
+    scale = head_dim**-0.5
+    out = cpu_kernel.paged_decode(q, cache, meta.block_tables, meta.seq_lens, scale)
+    prior = [c - 1 for c in contexts]
+    ref = naive_attention(q.float(), cache.float(), prior, [1] * num_seqs, tables)
+    assert out is not None and out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+
+
 def test_head_dim_off_the_vector_width_and_bfloat16() -> None:
     contexts = [5, 17, 33]
     q, cache, tables = _case(
