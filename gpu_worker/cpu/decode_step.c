@@ -68,10 +68,10 @@ int decode_forward(const decode_layer_t *layers, int num_layers, float *x, int n
         int64_t size = kv_bf16 ? 2 : 4;
         char *k_cache = (char *)kv_base + l * layer_stride * size;
         char *v_cache = k_cache + half_stride * size;
-        rms_norm(x, NULL, w->input_norm, eps, h, NULL, n, hidden, nthreads);
+        rms_norm(x, NULL, w->input_norm, eps, h, NULL, n, hidden, nthreads, 0);
         code |= linear_small(h, n, w->qkv_w, w_bf16, w->qkv_b, qkv, qkv_size, hidden, nthreads);
-        rotary_neox(qkv, positions, cos_t, sin_t, n, heads, d, qkv_size, nthreads);
-        rotary_neox(qkv + q_size, positions, cos_t, sin_t, n, kvh, d, qkv_size, nthreads);
+        rotary_neox(qkv, positions, cos_t, sin_t, n, heads, d, qkv_size, nthreads, 0);
+        rotary_neox(qkv + q_size, positions, cos_t, sin_t, n, kvh, d, qkv_size, nthreads, 0);
         for (int i = 0; i < n; i++) {
             const float *row = qkv + (size_t)i * qkv_size;
             memcpy(q + (size_t)i * q_size, row, sizeof(float) * q_size);
@@ -90,10 +90,10 @@ int decode_forward(const decode_layer_t *layers, int num_layers, float *x, int n
             code = 2;
         code |= linear_small(att, n, w->o_w, w_bf16, w->o_b, proj, hidden, q_size, nthreads);
         /* x + proj into x, and its norm into h (the post-attention add-and-norm) */
-        rms_norm(proj, x, w->post_norm, eps, h, x, n, hidden, nthreads);
+        rms_norm(proj, x, w->post_norm, eps, h, x, n, hidden, nthreads, 0);
         code |= linear_small(h, n, w->gate_up_w, w_bf16, w->gate_up_b, gate_up, 2 * inter, hidden,
                              nthreads);
-        silu_mul(gate_up, act, n, inter, nthreads);
+        silu_mul(gate_up, act, n, inter, nthreads, 0);
         code |= linear_small(act, n, w->down_w, w_bf16, w->down_b, proj, hidden, inter, nthreads);
         for (size_t i = 0; i < (size_t)n * hidden; i++) x[i] += proj[i];
     }

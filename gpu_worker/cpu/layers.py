@@ -9,8 +9,9 @@ Triton kernels on CUDA:
     RotaryEmbedding  -> CpuRotaryEmbedding  q and k rotated in place, cos/sin read by position
     MLP              -> CpuMLP              silu(gate) * up in one call
 
-Float32 CPU models only (`use_cpu_layers` returns False and changes nothing otherwise, or
-when the library cannot be built). A decode step of one sequence runs ~60 torch ops per
+Float32 and bfloat16 CPU models (`use_cpu_layers` returns False and changes nothing
+otherwise, or when the library cannot be built); in bf16 the kernels round where the torch
+modules round (layers.c). A decode step of one sequence runs ~60 torch ops per
 layer whose dispatch costs more than their arithmetic; this leaves ~25.
 """
 
@@ -37,11 +38,11 @@ SOURCE = Path(__file__).with_name("layers.c")
 def _declare(lib: ctypes.CDLL) -> None:
     p, i, f, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64
     lib.rms_norm.restype = None
-    lib.rms_norm.argtypes = [p, p, p, f, p, p, i, i, i]
+    lib.rms_norm.argtypes = [p, p, p, f, p, p, i, i, i, i]
     lib.rotary_neox.restype = None
-    lib.rotary_neox.argtypes = [p, p, p, p, i, i, i, i64, i]
+    lib.rotary_neox.argtypes = [p, p, p, p, i, i, i, i64, i, i]
     lib.silu_mul.restype = None
-    lib.silu_mul.argtypes = [p, p, i, i, i]
+    lib.silu_mul.argtypes = [p, p, i, i, i, i]
 
 
 _LIBRARY = KernelLibrary(SOURCE, _declare, "CPU layer kernels")
@@ -58,8 +59,12 @@ def _lib_loaded() -> ctypes.CDLL:
     return lib
 
 
+def _is_bf16(x: torch.Tensor) -> int:
+    return int(x.dtype == torch.bfloat16)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """rmsnorm(x) * weight over the last dimension, x [..., dim] float32."""
+    """rmsnorm(x) * weight over the last dimension, x [..., dim] (weight of x's dtype)."""
     x = x.contiguous()
     out = torch.empty_like(x)
     _norm(x, None, weight, eps, out, None)
@@ -96,13 +101,15 @@ def _norm(
         x.numel() // dim,
         dim,
         torch.get_num_threads(),
+        _is_bf16(x),
     )
 
 
 def rotary_neox(
     x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> torch.Tensor:
-    """x [tokens, heads, head_dim] (heads contiguous, any token stride) rotated in place."""
+    """x [tokens, heads, head_dim] (heads contiguous, any token stride) rotated in place;
+    cos/sin float32 tables whatever x's dtype."""
     tokens, heads, head_dim = x.shape
     assert x.stride(2) == 1 and x.stride(1) == head_dim, "heads must be contiguous per token"
     assert positions.dtype == torch.int64 and positions.is_contiguous()
@@ -116,6 +123,7 @@ def rotary_neox(
         head_dim,
         x.stride(0),
         torch.get_num_threads(),
+        _is_bf16(x),
     )
     return x
 
@@ -126,7 +134,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     out = torch.empty(rows, two_n // 2, dtype=gate_up.dtype)
     _lib_loaded().silu_mul(
-        gate_up.data_ptr(), out.data_ptr(), rows, two_n // 2, torch.get_num_threads()
+        gate_up.data_ptr(),
+        out.data_ptr(),
+        rows,
+        two_n // 2,
+        torch.get_num_threads(),
+        _is_bf16(gate_up),
     )
     return out
 
@@ -142,7 +155,13 @@ class CpuRotaryEmbedding(RotaryEmbedding):
     def forward(  # type: ignore[override]  # rope is (cos, sin, positions) for the kernel
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return (*self.tables(), positions.to(torch.int64).contiguous())
+        cos, sin = self.tables()
+        if cos.dtype != torch.float32:  # the kernel reads float32 tables: a bf16 model's, once
+            cached = getattr(self, "_float32_tables", None)
+            if cached is None:
+                cached = self._float32_tables = (cos.float(), sin.float())
+            cos, sin = cached
+        return cos, sin, positions.to(torch.int64).contiguous()
 
     def rotate(  # type: ignore[override]  # takes positions too: the kernel gathers cos/sin
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
@@ -172,10 +191,14 @@ _SWAPS: dict[type[nn.Module], type[nn.Module]] = {
 
 
 def use_cpu_layers(model: nn.Module) -> bool:
-    """Switch a float32 CPU model's norms, layers, rotary and MLPs to the C kernels; False,
-    and the model untouched, when it is not such a model or the library cannot be had."""
+    """Switch a float32 or bfloat16 CPU model's norms, layers, rotary and MLPs to the C
+    kernels; False, and the model untouched, when it is not such a model or the library
+    cannot be had."""
     params = list(model.parameters())
-    if not params or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in params):
+    dtypes = {p.dtype for p in params}
+    if not params or any(p.device.type != "cpu" for p in params):
+        return False
+    if dtypes != {torch.float32} and dtypes != {torch.bfloat16}:
         return False
     rotaries = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
     if any(not r.is_neox_style for r in rotaries) or load() is None:

@@ -40,6 +40,8 @@ static inline float bf16_to_f32(uint16_t v) {
 }
 #endif
 
+#ifndef SHUTTLE_F32_TO_BF16 /* one definition when sources are compiled together */
+#define SHUTTLE_F32_TO_BF16
 /* float32 to bfloat16, rounded to nearest even, NaN kept (torch's conversion) */
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
@@ -47,6 +49,7 @@ static inline uint16_t f32_to_bf16(float f) {
     if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
+#endif
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>

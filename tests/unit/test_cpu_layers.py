@@ -57,7 +57,7 @@ def _cfg() -> LlamaConfig:
     )  # fmt: skip
 
 
-def test_modules_switch_class_only_for_float32_cpu_models() -> None:
+def test_modules_switch_class_only_for_float32_and_bfloat16_cpu_models() -> None:
     mlp = MLP(_cfg())
     x = torch.randn(3, 64)
     expected = mlp(x)
@@ -65,5 +65,43 @@ def test_modules_switch_class_only_for_float32_cpu_models() -> None:
     assert layers.use_cpu_layers(wrapper)
     assert isinstance(mlp, layers.CpuMLP) and isinstance(wrapper[1], layers.CpuRMSNorm)
     torch.testing.assert_close(mlp(x), expected, **CLOSE)
-    other = copy.deepcopy(MLP(_cfg())).to(torch.bfloat16)
+    other = copy.deepcopy(MLP(_cfg())).to(torch.float16)
     assert not layers.use_cpu_layers(other) and type(other) is MLP
+
+
+BF16_ULP = dict(rtol=2**-7, atol=1e-6)  # one bf16 rounding
+
+
+def test_bfloat16_kernels_round_where_the_torch_modules_round() -> None:
+    gen = torch.Generator().manual_seed(7)
+    rows, dim = 20, 576  # over PAR_ROWS: both threads
+    norm = RMSNorm(dim, 1e-5)
+    norm.weight.data = torch.randn(dim, generator=gen)
+    norm = norm.to(torch.bfloat16)
+    x = torch.randn(rows, dim, generator=gen).to(torch.bfloat16)
+    res = torch.randn(rows, dim, generator=gen).to(torch.bfloat16)
+    assert torch.equal(layers.rms_norm(x, norm.weight, norm.eps), norm(x))
+    out, total = layers.add_rms_norm(x, res, norm.weight, norm.eps)
+    assert torch.equal(total, x + res) and torch.equal(out, norm(x + res))
+
+    rope = RotaryEmbedding(64, 512, 10000.0, None, torch.device("cpu"))
+    qkv = torch.randn(rows, 9 * 64 + 2 * 3 * 64, generator=gen).to(torch.bfloat16)
+    q = qkv[:, : 9 * 64].view(rows, 9, 64)
+    positions = torch.randint(0, 512, (rows,), generator=gen)
+    expected = rope.rotate(q.clone(), *rope(positions, torch.bfloat16))
+    layers.rotary_neox(q, positions, *rope.tables())
+    assert torch.equal(q, expected)
+
+    gate_up = (torch.randn(rows, 2 * 1536, generator=gen) * 4).to(torch.bfloat16)
+    gate, up = gate_up.chunk(2, dim=-1)
+    silu = layers.silu_mul(gate_up)
+    assert silu.dtype == torch.bfloat16
+    torch.testing.assert_close(silu, torch.nn.functional.silu(gate) * up, **BF16_ULP)
+
+
+def test_bfloat16_models_switch_too() -> None:
+    mlp = MLP(_cfg()).to(torch.bfloat16)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    expected = mlp(x)
+    assert layers.use_cpu_layers(mlp) and isinstance(mlp, layers.CpuMLP)
+    torch.testing.assert_close(mlp(x), expected, **BF16_ULP)
