@@ -30,7 +30,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.paged_decode.argtypes += [ctypes.c_float, _P, _I]
 
 
-_LIBRARY = KernelLibrary(SOURCE, _declare, "CPU paged-decode kernel")
+_LIBRARY = KernelLibrary(
+    SOURCE, _declare, "CPU paged-decode kernel", (Path(__file__).parent.parent / "cpu" / "bf16.h",)
+)
 
 
 def load() -> ctypes.CDLL | None:

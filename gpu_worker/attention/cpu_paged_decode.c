@@ -24,16 +24,9 @@ float expf(float);
 #include <stdlib.h>
 #include <string.h>
 
+#include "../cpu/bf16.h"
 
-#ifndef SHUTTLE_BF16_TO_F32 /* one definition when sources are compiled together */
-#define SHUTTLE_BF16_TO_F32
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = ((uint32_t)x) << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-#endif
+
 
 /* A vector reduction the compiler lays out (lanes, then a log-step horizontal sum). */
 static inline float dot(const float *a, const float *b, int d) {

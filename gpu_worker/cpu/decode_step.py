@@ -30,12 +30,14 @@ from gpu_worker.attention import AttentionMetadata
 from gpu_worker.attention.torch_backend import TorchAttentionBackend
 from gpu_worker.cpu import linear
 from gpu_worker.cpu.build import KernelLibrary
+from gpu_worker.cpu.layers import is_cpu_model_for_kernels
 from gpu_worker.cpu.linear import SmallBatchLinear
 from gpu_worker.models.llama import DecoderLayer, LlamaForCausalLM, LlamaModel, RotaryEmbedding
 
 HERE = Path(__file__).parent
 SOURCE = HERE / "decode_step.c"
 INCLUDES = (
+    HERE / "bf16.h",
     HERE / "linear.c",
     HERE / "layers.c",
     HERE.parent / "attention" / "cpu_paged_decode.c",
@@ -217,11 +219,7 @@ def can_use(model: nn.Module) -> bool:
     """Whether `model` is of the shape decode_step.c takes (see the module docstring)."""
     if not isinstance(model, LlamaForCausalLM) or model.tp.size != 1:
         return False
-    params = list(model.parameters())
-    dtypes = {p.dtype for p in params}
-    if not params or any(p.device.type != "cpu" for p in params):
-        return False
-    if dtypes != {torch.float32} and dtypes != {torch.bfloat16}:
+    if not is_cpu_model_for_kernels(model):
         return False
     inner = model.model
     if not isinstance(inner.rotary, RotaryEmbedding) or not inner.rotary.is_neox_style:

@@ -17,31 +17,14 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #ifdef SHUTTLE_LIBMVEC
 /* glibc's vector expf (libmvec) for the omp simd loops below: build.py's VECTOR_MATH */
 #pragma omp declare simd notinbranch
 float expf(float);
 #endif
 
-#ifndef SHUTTLE_BF16_TO_F32 /* one definition when sources are compiled together */
-#define SHUTTLE_BF16_TO_F32
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-#endif
-#ifndef SHUTTLE_F32_TO_BF16
-#define SHUTTLE_F32_TO_BF16
-/* float32 to bfloat16, rounded to nearest even, NaN kept (torch's conversion) */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-#endif
 
 /* v rounded to the nearest bf16, as a float */
 static inline float round_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }

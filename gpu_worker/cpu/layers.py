@@ -45,7 +45,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.silu_mul.argtypes = [p, p, i, i, i, i]
 
 
-_LIBRARY = KernelLibrary(SOURCE, _declare, "CPU layer kernels")
+_LIBRARY = KernelLibrary(
+    SOURCE, _declare, "CPU layer kernels", (Path(__file__).with_name("bf16.h"),)
+)
 
 
 def load() -> ctypes.CDLL | None:
@@ -190,15 +192,21 @@ _SWAPS: dict[type[nn.Module], type[nn.Module]] = {
 }
 
 
+def is_cpu_model_for_kernels(model: nn.Module) -> bool:
+    """Whether every parameter of `model` is on the CPU, all float32 or all bfloat16: the
+    models the C kernels take."""
+    params = list(model.parameters())
+    if not params or any(p.device.type != "cpu" for p in params):
+        return False
+    dtypes = {p.dtype for p in params}
+    return dtypes in ({torch.float32}, {torch.bfloat16})
+
+
 def use_cpu_layers(model: nn.Module) -> bool:
     """Switch a float32 or bfloat16 CPU model's norms, layers, rotary and MLPs to the C
     kernels; False, and the model untouched, when it is not such a model or the library
     cannot be had."""
-    params = list(model.parameters())
-    dtypes = {p.dtype for p in params}
-    if not params or any(p.device.type != "cpu" for p in params):
-        return False
-    if dtypes != {torch.float32} and dtypes != {torch.bfloat16}:
+    if not is_cpu_model_for_kernels(model):
         return False
     rotaries = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
     if any(not r.is_neox_style for r in rotaries) or load() is None:

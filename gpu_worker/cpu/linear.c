@@ -19,6 +19,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define MAX_ROWS 8
 /* weight rows per inner loop, all sharing each x load: as many as there are vector
  * registers for their partial sums (16 with AVX-512's 32 registers, measured 15-25% faster
@@ -30,26 +32,7 @@
 #endif
 #define CHUNK 64   /* weight rows per scheduling unit */
 
-#ifndef SHUTTLE_BF16_TO_F32 /* one definition when sources are compiled together */
-#define SHUTTLE_BF16_TO_F32
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-#endif
 
-#ifndef SHUTTLE_F32_TO_BF16 /* one definition when sources are compiled together */
-#define SHUTTLE_F32_TO_BF16
-/* float32 to bfloat16, rounded to nearest even, NaN kept (torch's conversion) */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-#endif
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>

@@ -41,7 +41,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.linear_small.argtypes = [p, i, p, i, p, p, i, i, i]
 
 
-_LIBRARY = KernelLibrary(SOURCE, _declare, "CPU small-batch linear kernel")
+_LIBRARY = KernelLibrary(
+    SOURCE, _declare, "CPU small-batch linear kernel", (Path(__file__).with_name("bf16.h"),)
+)
 
 
 def load() -> ctypes.CDLL | None:

@@ -314,40 +314,32 @@ def _speculative(out: Path) -> str:
     return text + "\n" + _note(out, "speculative")
 
 
-def _peers(out: Path, loads: dict[str, Any]) -> str:
-    result = _load(out, "peers")
+def _peers_table(out: Path, loads: dict[str, Any], name: str, heading: str, how: str) -> str:
+    result = _load(out, name)
     if result is None:
         return ""
     from tools.benchmarks.peers import table
 
-    return (
-        "## Peers: shuttle beside vLLM and llama.cpp\n\n"
-        + _load_line(loads, "peers")
-        + "`python -m tools.benchmarks.docs --only peers`, i.e. `tools/bench --compare "
+    return heading + _load_line(loads, name) + how + table(result) + "\n\n" + _note(out, name)
+
+
+def _peers(out: Path, loads: dict[str, Any]) -> str:
+    return _peers_table(
+        out,
+        loads,
+        "peers",
+        "## Peers: shuttle beside vLLM and llama.cpp\n\n",
+        "`python -m tools.benchmarks.docs --only peers`, i.e. `tools/bench --compare "
         "shuttle,vllm,llamacpp --threads 2` (tools/benchmarks/peers.py): each server started "
         "in turn with 2 threads on the same converted weights (the peers by "
-        "../shared/peers/start-*.sh), the same load generator, one sitting.\n\n"
-        + table(result)
-        + "\n\n"
-        + _note(out, "peers")
-        + _peers_bf16(out, loads)
-    )
-
-
-def _peers_bf16(out: Path, loads: dict[str, Any]) -> str:
-    result = _load(out, "peers_bf16")
-    if result is None:
-        return ""
-    from tools.benchmarks.peers import table
-
-    return (
-        "### The same in bfloat16\n\n"
-        + _load_line(loads, "peers_bf16")
-        + "`python -m tools.benchmarks.docs --only peers_bf16`, i.e. the same with "
-        "`--dtype bfloat16` for all three (llama.cpp on a bf16 GGUF).\n\n"
-        + table(result)
-        + "\n\n"
-        + _note(out, "peers_bf16")
+        "../shared/peers/start-*.sh), the same load generator, one sitting.\n\n",
+    ) + _peers_table(
+        out,
+        loads,
+        "peers_bf16",
+        "### The same in bfloat16\n\n",
+        "`python -m tools.benchmarks.docs --only peers_bf16`, i.e. the same with "
+        "`--dtype bfloat16` for all three (llama.cpp on a bf16 GGUF).\n\n",
     )
 
 
