@@ -90,8 +90,13 @@ def can_pack(dtype: torch.dtype) -> bool:
     """Whether weights of `dtype` go to oneDNN pre-packed for many rows: float32 and
     bfloat16 when torch has oneDNN (bf16 F.linear takes oneDNN too, but packs the weight on
     every call: pre-packed, a 64-row decode's linears ran 321 -> 397 GFLOP/s, a 512-row
-    prefill chunk's 400 -> 424, on a 2-core AVX512_BF16 EPYC)."""
-    return dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+    prefill chunk's 400 -> 424, on a 2-core AVX512_BF16 EPYC). oneDNN packs bf16 only where
+    the CPU has AVX-512 BW/VL/DQ or AVX-NE-CONVERT (it raises elsewhere: an AVX2-only CPU)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -157,11 +157,11 @@ def synthetic() -> dict[str, Any]:
     }
 
 
-def peers(dtype: str = "float32") -> dict[str, Any]:
+def peers(dtype: str = "float32", name: str = "") -> dict[str, Any]:
     """shuttle, vLLM and llama.cpp on the same workloads (needs ../shared/peers/setup.sh)."""
     from tools.benchmarks import cli
 
-    out = OUT / ("peers.json" if dtype == "float32" else "peers_bf16.json")
+    out = OUT / f"{name or ('peers' if dtype == 'float32' else 'peers_bf16')}.json"
     args = ["--compare", "shuttle,vllm,llamacpp", "--threads", "2", "--dtype", dtype]
     cli.main([*args, "--json", str(out)])
     result: dict[str, Any] = json.loads(out.read_text())
@@ -171,6 +171,16 @@ def peers(dtype: str = "float32") -> dict[str, Any]:
 def peers_bf16() -> dict[str, Any]:
     """The same three servers in bfloat16 (each one's best dtype on a CPU with avx512_bf16)."""
     return peers("bfloat16")
+
+
+def peers_avx2() -> dict[str, Any]:
+    """The float32 comparison on a CPU without AVX-512 (the machine kind issue 16 came from),
+    kept beside the AVX-512 sitting's: the same machine kind, a different CPU."""
+    from common.cpu_features import cpu_flags
+
+    if "avx512f" in cpu_flags():
+        raise SystemExit("peers_avx2: this CPU has AVX-512 (run `--only peers` here)")
+    return peers("float32", "peers_avx2")
 
 
 def parity() -> dict[str, Any]:
@@ -213,6 +223,7 @@ STEPS: dict[str, Callable[[], dict[str, Any]]] = {
     "parity": parity,
     "peers": peers,
     "peers_bf16": peers_bf16,
+    "peers_avx2": peers_avx2,
     "data_parallel": data_parallel,
     "tensor_parallel": tensor_parallel,
 }
@@ -230,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     if loads_path.is_file():
         loads = json.loads(loads_path.read_text())
     if not args.render:
-        for name in [n for n in args.only.split(",") if n] or list(STEPS):
+        default = [n for n in STEPS if n != "peers_avx2"]  # its own machine: --only
+        for name in [n for n in args.only.split(",") if n] or default:
             before, start = os.getloadavg(), time.time()
             print(f"== {name}", flush=True)
             STEPS[name]()

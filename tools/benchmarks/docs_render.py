@@ -340,6 +340,14 @@ def _peers(out: Path, loads: dict[str, Any]) -> str:
         "### The same in bfloat16\n\n",
         "`python -m tools.benchmarks.docs --only peers_bf16`, i.e. the same with "
         "`--dtype bfloat16` for all three (llama.cpp on a bf16 GGUF).\n\n",
+    ) + _peers_table(
+        out,
+        loads,
+        "peers_avx2",
+        "### The same on a CPU without AVX-512\n\n",
+        "`python -m tools.benchmarks.docs --only peers_avx2` on a machine of the same kind "
+        "whose CPU has AVX2 only (no AVX-512, no bf16 instructions: float32 is every "
+        "server's best dtype there).\n\n",
     )
 
 
