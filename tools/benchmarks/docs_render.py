@@ -323,31 +323,34 @@ def _peers_table(out: Path, loads: dict[str, Any], name: str, heading: str, how:
     return heading + _load_line(loads, name) + how + table(result) + "\n\n" + _note(out, name)
 
 
-def _peers(out: Path, loads: dict[str, Any]) -> str:
-    return _peers_table(
-        out,
-        loads,
+PEERS_SITTINGS = (
+    (
         "peers",
         "## Peers: shuttle beside vLLM and llama.cpp\n\n",
         "`python -m tools.benchmarks.docs --only peers`, i.e. `tools/bench --compare "
         "shuttle,vllm,llamacpp --threads 2` (tools/benchmarks/peers.py): each server started "
         "in turn with 2 threads on the same converted weights (the peers by "
         "../shared/peers/start-*.sh), the same load generator, one sitting.\n\n",
-    ) + _peers_table(
-        out,
-        loads,
+    ),
+    (
         "peers_bf16",
         "### The same in bfloat16\n\n",
         "`python -m tools.benchmarks.docs --only peers_bf16`, i.e. the same with "
         "`--dtype bfloat16` for all three (llama.cpp on a bf16 GGUF).\n\n",
-    ) + _peers_table(
-        out,
-        loads,
+    ),
+    (
         "peers_avx2",
         "### The same on a CPU without AVX-512\n\n",
         "`python -m tools.benchmarks.docs --only peers_avx2` on a machine of the same kind "
         "whose CPU has AVX2 only (no AVX-512, no bf16 instructions: float32 is every "
         "server's best dtype there).\n\n",
+    ),
+)
+
+
+def _peers(out: Path, loads: dict[str, Any]) -> str:
+    return "".join(
+        _peers_table(out, loads, name, heading, how) for name, heading, how in PEERS_SITTINGS
     )
 
 
