@@ -63,6 +63,12 @@ class ModelConfig:
         "decode batches over 8 rows (a second copy of them in memory; "
         "--no-cpu-packed-weights: torch's GEMM there)",
     )
+    cpu_huge_pages: bool = _field(
+        True,
+        "on the CPU, the weights and the KV cache in transparent huge pages where the kernel "
+        "has them (fewer TLB misses as a decode step streams them); --no-cpu-huge-pages: "
+        "torch's allocator",
+    )
     max_graph_batch_size: int = _field(64, "largest decode batch captured as a CUDA graph")
     generation_config: str = _field(
         "auto",

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from gpu_worker.cpu import huge_pages as cpu_huge_pages
+
 GIB = 1 << 30
 
 
@@ -43,14 +45,20 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        huge_pages: bool = False,
     ) -> None:
+        """`huge_pages`: on the CPU, the tensor in transparent huge pages (gpu_worker/cpu/
+        huge_pages.py) where the kernel has them."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of one slot, got {num_blocks}x{block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         # zeros, not empty: a masked score of 0 times a NaN from stale memory is still NaN
-        self.tensor = torch.zeros(shape, dtype=dtype, device=device)
+        if huge_pages and device.type == "cpu" and cpu_huge_pages.available():
+            self.tensor = cpu_huge_pages.zeros(shape, dtype)
+        else:
+            self.tensor = torch.zeros(shape, dtype=dtype, device=device)
         self.host: torch.Tensor | None = None
 
     @classmethod

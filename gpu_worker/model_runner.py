@@ -38,6 +38,7 @@ from gpu_worker.attention import (
     create_backend,
 )
 from gpu_worker.cpu.decode_step import use_decode_step
+from gpu_worker.cpu.huge_pages import use_huge_pages
 from gpu_worker.cpu.layers import use_cpu_layers
 from gpu_worker.cpu.linear import use_small_batch_linear
 from gpu_worker.cuda_graphs import CUDAGraphRunner, maybe_capture_graphs, run_model
@@ -156,6 +157,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
         speculative: str = "",
         cpu_kernels: bool = True,
         cpu_packed_weights: bool = True,
+        cpu_huge_pages: bool = True,
         draft_model: str = "",
         prompt_lookup_min: int = 2,
         prompt_lookup_max: int = 4,
@@ -184,6 +186,8 @@ class ModelRunner(PlanRunner[ModelVersion]):
         # C kernels for few-row linears on the CPU (gpu_worker/cpu/linear.py); off: torch only
         self.cpu_kernels = cpu_kernels and self.device.type == "cpu"
         self.cpu_packed_weights = cpu_packed_weights
+        # weights and KV cache in transparent huge pages (gpu_worker/cpu/huge_pages.py)
+        self.cpu_huge_pages = cpu_huge_pages and self.device.type == "cpu"
         self.prompt_lookup = (prompt_lookup_min, prompt_lookup_max)
         self._init_model(attention_backend, max_model_len)
         self._init_kv_cache(
@@ -261,6 +265,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
             speculative=spec.method,
             cpu_kernels=m.cpu_kernels,
             cpu_packed_weights=m.cpu_packed_weights,
+            cpu_huge_pages=m.cpu_huge_pages,
             draft_model=str(Path(spec.draft_model).expanduser()) if spec.draft_model else "",
             prompt_lookup_min=spec.prompt_lookup_min,
             prompt_lookup_max=spec.prompt_lookup_max,
@@ -307,6 +312,8 @@ class ModelRunner(PlanRunner[ModelVersion]):
             use_small_batch_linear(model, pack=self.cpu_packed_weights)
             use_cpu_layers(model)
             use_decode_step(model)  # a few decodes: every layer in one C call
+        if self.cpu_huge_pages:
+            use_huge_pages(model)
         return model
 
     def _draft_kv_share(self, draft_model: str) -> float:
@@ -339,7 +346,9 @@ class ModelRunner(PlanRunner[ModelVersion]):
             if num_blocks < 1:
                 raise ValueError(f"KV budget of {budget} bytes holds no block of {per_block} bytes")
         num_blocks = self.tp.agree_min(num_blocks)
-        self.kv_cache = KVCache(num_blocks=num_blocks, device=self.device, **layout)
+        self.kv_cache = KVCache(
+            num_blocks=num_blocks, device=self.device, huge_pages=self.cpu_huge_pages, **layout
+        )
         self.num_blocks = self.kv_cache.num_blocks
 
     def model_info(self) -> dict[str, Any]:

@@ -97,6 +97,7 @@ FLAGS = {
     "--no-enable-prefix-caching": None,
     "--no-cpu-kernels": None,
     "--no-cpu-packed-weights": None,
+    "--no-cpu-huge-pages": None,
 }
 
 
@@ -135,6 +136,7 @@ def test_runner_settings_reach_the_model_runner(config: Config, monkeypatch) -> 
         "speculative": "ngram",
         "cpu_kernels": False,
         "cpu_packed_weights": False,
+        "cpu_huge_pages": False,
         "draft_model": "",
         "prompt_lookup_min": 3,
         "prompt_lookup_max": 5,

@@ -74,6 +74,7 @@ def main() -> int:
     p.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     p.add_argument("--layer-by-layer", action="store_true", help="not the one-call C step")
     p.add_argument("--prefill", type=int, default=0, help="time N-token prefill steps instead")
+    p.add_argument("--no-huge-pages", action="store_true", help="weights, KV in 4 KB pages")
     args = p.parse_args()
     if args.layer_by_layer:
         decode_step.enabled = False
@@ -92,7 +93,11 @@ def main() -> int:
     for owner, name, key in patches:
         setattr(owner, name, _timed(spent, key, getattr(owner, name)))
     runner = ModelRunner(
-        str(prepare_default_model()), dtype=args.dtype, num_threads=2, kv_cache_memory_gib=1.5
+        str(prepare_default_model()),
+        dtype=args.dtype,
+        num_threads=2,
+        kv_cache_memory_gib=1.5,
+        cpu_huge_pages=not args.no_huge_pages,
     )
     if args.prefill:
         total, ms = _prefills(runner, args.prefill, steps, spent)
