@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import itertools
+import logging
 import os
 import random
 import time
@@ -37,11 +38,9 @@ from gpu_worker.attention import (
     build_metadata,
     create_backend,
 )
-from gpu_worker.cpu.decode_step import use_decode_step
 from gpu_worker.cpu.huge_pages import use_huge_pages
-from gpu_worker.cpu.layers import use_cpu_layers
-from gpu_worker.cpu.linear import use_small_batch_linear
 from gpu_worker.cuda_graphs import CUDAGraphRunner, maybe_capture_graphs, run_model
+from gpu_worker.kernel_choice import choose_kernels
 from gpu_worker.kv_cache import GIB, KVCache, bytes_per_block, cuda_kv_budget_bytes
 from gpu_worker.logits_controls import History, TokenCounts
 from gpu_worker.logprobs import (
@@ -65,6 +64,8 @@ from gpu_worker.sharding import threads_per_rank
 from gpu_worker.speculative import DraftModel, ngram_propose, verify
 from gpu_worker.structured import GrammarCache, RowGrammar, apply_grammars, hf_tokenizer_info
 from gpu_worker.tensor_parallel import TensorParallel
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -280,10 +281,6 @@ class ModelRunner(PlanRunner[ModelVersion]):
         self.max_model_len = min(limit, max_model_len) if max_model_len else limit
         self.backend = self._create_backend(attention_backend, self.config)
         self.model = self._load_model(self.model_path, self.backend)
-        if self.backend.name == "triton":  # fused RMSNorm / rotary kernels in the layers
-            from gpu_worker.kernels.fused_layers import use_triton_layers
-
-            use_triton_layers(self.model)
         self.eos_token_ids = eos_token_ids(self.model_path, hf_config)
         self.weights_version = weights_version(self.model_path)
 
@@ -299,6 +296,13 @@ class ModelRunner(PlanRunner[ModelVersion]):
         )
 
     def _load_model(self, path: str, backend: AttentionBackend) -> LlamaForCausalLM:
+        kernels = choose_kernels(
+            device=self.device,
+            backend_name=backend.name,
+            dtype=self.dtype,
+            cpu_kernels=self.cpu_kernels,
+            cpu_packed_weights=self.cpu_packed_weights,
+        )
         model = load_model(
             path,
             backend,
@@ -306,12 +310,9 @@ class ModelRunner(PlanRunner[ModelVersion]):
             device=self.device,
             max_positions=self.max_model_len,
             tp=self.tp,
+            kernels=kernels,
         )
-        if self.cpu_kernels and backend.name == "torch":  # C kernels: few-row linears, fp32
-            # norms/rotary/activation (the triton backend has its own layers)
-            use_small_batch_linear(model, pack=self.cpu_packed_weights)
-            use_cpu_layers(model)
-            use_decode_step(model)  # a few decodes: every layer in one C call
+        log.info("model %s: %s", path, kernels.describe())
         if self.cpu_huge_pages:
             use_huge_pages(model)
         return model

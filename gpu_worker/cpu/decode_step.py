@@ -5,12 +5,13 @@ dispatch, tensor bookkeeping and ~10 ctypes calls per layer (tools/benchmarks/st
 the C loop runs the same kernels (linear.c, layers.c, cpu_paged_decode.c) in the same order
 with the same arithmetic, so its hidden states equal the layer-by-layer path's exactly.
 
-`use_decode_step(model)` changes the class of the model's LlamaModel in place, after
-`use_small_batch_linear`; its forward takes the C loop for a decode-only step of at most
-linear.MAX_ROWS sequences (per weight dtype) and the layers otherwise (prefill and extend
-chunks, larger batches, speculative verification). Only a model of the shape the kernels
-take: float32 or bfloat16 on the CPU, one tensor-parallel rank, neox rotary, no per-head q/k
-norm, the torch attention backend with its C decode kernel.
+`decode_step_for(model)` is the model's `decode_step` (chosen at load by
+gpu_worker/kernel_choice.py): it takes the C loop for a decode-only step of at most
+linear.MAX_ROWS sequences (per weight dtype) and returns None otherwise, so the model runs
+its layers (prefill and extend chunks, larger batches, speculative verification). Only a
+model of the shape the kernels take: float32 or bfloat16 on the CPU with the C layer ops and
+linear methods, one tensor-parallel rank, no per-head q/k norm, the torch attention backend
+with its C decode kernel.
 
 A bfloat16 model keeps float32 activations between the kernels inside the loop (torch's bf16
 layers round every op's output to bf16): its hidden states equal the layer-by-layer path's
@@ -30,8 +31,8 @@ from gpu_worker.attention import AttentionMetadata
 from gpu_worker.attention.torch_backend import TorchAttentionBackend
 from gpu_worker.cpu import linear
 from gpu_worker.cpu.build import KernelLibrary
-from gpu_worker.cpu.layers import is_cpu_model_for_kernels
-from gpu_worker.cpu.linear import SmallBatchLinear
+from gpu_worker.cpu.layers import CpuLayerOps
+from gpu_worker.linear_methods.cpu_float import CpuFloatLinearMethod
 from gpu_worker.models.llama import DecoderLayer, LlamaForCausalLM, LlamaModel, RotaryEmbedding
 
 HERE = Path(__file__).parent
@@ -43,7 +44,6 @@ INCLUDES = (
     HERE.parent / "attention" / "cpu_paged_decode.c",
 )
 _P = ctypes.c_void_p
-enabled = True  # False: every step layer by layer (tools/benchmarks/step_account --layer-by-layer)
 _WEIGHTS = (
     "input_norm",
     "qkv_w",
@@ -127,8 +127,10 @@ def _layer_pointers(model: LlamaModel, keep: list[torch.Tensor]) -> ctypes.Array
     return table
 
 
-class CpuLlamaModel(LlamaModel):
-    """LlamaModel whose decode steps of a few sequences run all layers in one C call."""
+class CpuDecodeStep:
+    """The model's `decode_step` (models/llama.py's DecodeStep): a decode-only step of at
+    most linear.MAX_ROWS sequences through every layer in one C call. Holds the layers'
+    weight pointers, built once per weights."""
 
     _pointers: ctypes.Array[_Layer] | None = None
     _weights_at: int = 0
@@ -137,27 +139,31 @@ class CpuLlamaModel(LlamaModel):
 
     def forward(
         self,
+        model: LlamaModel,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         n = input_ids.shape[0]
         dtype = kv_cache.dtype
         if (
-            not enabled
-            or meta.num_decodes != meta.num_reqs
+            meta.num_decodes != meta.num_reqs
             or n > linear.MAX_ROWS.get(dtype, 0)
             or not kv_cache.is_contiguous()
         ):
-            return super().forward(input_ids, positions, kv_cache, meta)
-        x = self.embed_tokens(input_ids).to(torch.float32).contiguous()
-        if self._decode(x, positions, kv_cache, meta):
+            return None
+        x = model.embed_tokens(input_ids).to(torch.float32).contiguous()
+        if self._decode(model, x, positions, kv_cache, meta):
             return x.to(dtype)
-        return super().forward(input_ids, positions, kv_cache, meta)
+        return None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
 
     def _decode(
         self,
+        model: LlamaModel,
         x: torch.Tensor,
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
@@ -166,7 +172,7 @@ class CpuLlamaModel(LlamaModel):
         """All layers over x in place; False (x untouched or the step redone by the caller)
         when the kernel refuses."""
         lib = load()
-        layer = _layers(self)[0]
+        layer = _layers(model)[0]
         attn = layer.self_attn
         first = attn.qkv_proj.weight.data_ptr()
         weight_dtype = attn.qkv_proj.weight.dtype
@@ -174,10 +180,10 @@ class CpuLlamaModel(LlamaModel):
             return False
         if self._pointers is None or self._weights_at != first:  # built once per weights
             self._float32_copies = []
-            self._pointers = _layer_pointers(self, self._float32_copies)
+            self._pointers = _layer_pointers(model, self._float32_copies)
             self._weights_at = first
             keep = self._float32_copies
-            self._rope = tuple(_float32(t, keep) for t in self.rotary.tables())  # type: ignore[assignment]  # two tensors in, two out
+            self._rope = tuple(_float32(t, keep) for t in model.rotary.tables())  # type: ignore[assignment]  # two tensors in, two out
         cos, sin = self._rope
         tables, lens = meta.block_tables, meta.seq_lens
         assert tables.dtype == torch.int32 and lens.dtype == torch.int32
@@ -187,7 +193,7 @@ class CpuLlamaModel(LlamaModel):
         assert isinstance(backend, TorchAttentionBackend)
         code = lib.decode_forward(
             self._pointers,
-            len(self.layers),
+            len(model.layers),
             x.data_ptr(),
             n,
             hidden,
@@ -219,7 +225,7 @@ def can_use(model: nn.Module) -> bool:
     """Whether `model` is of the shape decode_step.c takes (see the module docstring)."""
     if not isinstance(model, LlamaForCausalLM) or model.tp.size != 1:
         return False
-    if not is_cpu_model_for_kernels(model):
+    if not isinstance(model.model.ops, CpuLayerOps) or not _one_float_dtype(model):
         return False
     inner = model.model
     if not isinstance(inner.rotary, RotaryEmbedding) or not inner.rotary.is_neox_style:
@@ -232,7 +238,7 @@ def can_use(model: nn.Module) -> bool:
             or not isinstance(backend, TorchAttentionBackend)
             or not backend.cpu_decode_kernel
             or not all(
-                type(m) is SmallBatchLinear and m.weight.is_contiguous()
+                isinstance(m.method, CpuFloatLinearMethod) and m.weight.is_contiguous()
                 for m in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
             )
         ):
@@ -240,11 +246,15 @@ def can_use(model: nn.Module) -> bool:
     return True
 
 
-def use_decode_step(model: nn.Module) -> bool:
-    """Switch `model`'s LlamaModel to CpuLlamaModel; False, and the model untouched, when it
-    is not of a shape the kernel takes or the library cannot be had."""
+def _one_float_dtype(model: nn.Module) -> bool:
+    """Every parameter float32, or every one bfloat16: the models the kernels take."""
+    dtypes = {p.dtype for p in model.parameters()}
+    return dtypes in ({torch.float32}, {torch.bfloat16})
+
+
+def decode_step_for(model: nn.Module) -> CpuDecodeStep | None:
+    """The one-call decode step for `model`, or None when it is not of a shape the kernel
+    takes or the library cannot be had."""
     if not can_use(model) or load() is None:
-        return False
-    assert isinstance(model, LlamaForCausalLM)
-    model.model.__class__ = CpuLlamaModel
-    return True
+        return None
+    return CpuDecodeStep()

@@ -1,18 +1,17 @@
 """A Llama layer's norms, rotary and SwiGLU activation by the C kernels of layers.c.
 
-`use_cpu_layers(model)` changes the class of four kinds of modules in place (parameters,
-buffers and state-dict names stay), like gpu_worker/kernels/fused_layers.py does for the
-Triton kernels on CUDA:
+`CpuLayerOps` is the model's layer ops (gpu_worker/models/layer_ops.py) on the CPU, chosen
+at load by gpu_worker/kernel_choice.py, as `TritonLayerOps` is on CUDA:
 
-    RMSNorm          -> CpuRMSNorm          one call instead of ~8 torch ops
-    DecoderLayer     -> CpuDecoderLayer     the residual add fused into the post-attention norm
-    RotaryEmbedding  -> CpuRotaryEmbedding  q and k rotated in place, cos/sin read by position
-    MLP              -> CpuMLP              silu(gate) * up in one call
+    rms_norm      one call instead of ~8 torch ops
+    add_rms_norm  the residual add fused into the post-attention norm
+    rope/rotate   q and k rotated in place, cos/sin read by position
+    silu_mul      silu(gate) * up in one call
 
-Float32 and bfloat16 CPU models (`use_cpu_layers` returns False and changes nothing
-otherwise, or when the library cannot be built); in bf16 the kernels round where the torch
-modules round (layers.c). A decode step of one sequence runs ~60 torch ops per
-layer whose dispatch costs more than their arithmetic; this leaves ~25.
+Float32 and bfloat16 CPU models (`cpu_layer_ops` returns None otherwise, or when the library
+cannot be built); in bf16 the kernels round where the torch ops round (layers.c). A decode
+step of one sequence runs ~60 torch ops per layer whose dispatch costs more than their
+arithmetic; this leaves ~25.
 """
 
 from __future__ import annotations
@@ -21,16 +20,9 @@ import ctypes
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from gpu_worker.cpu.build import KernelLibrary
-from gpu_worker.models.llama import (
-    MLP,
-    DecoderLayer,
-    RMSNorm,
-    RotaryEmbedding,
-    swap_module_classes,
-)
+from gpu_worker.models.layer_ops import Rope
 
 SOURCE = Path(__file__).with_name("layers.c")
 
@@ -57,7 +49,7 @@ def load() -> ctypes.CDLL | None:
 
 def _lib_loaded() -> ctypes.CDLL:
     lib = _LIBRARY.load()
-    assert lib is not None, "use_cpu_layers loads the library before any class is swapped"
+    assert lib is not None, "cpu_layer_ops loads the library before the ops are used"
     return lib
 
 
@@ -146,70 +138,48 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class CpuRMSNorm(RMSNorm):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+class CpuLayerOps:
+    """The layer ops (gpu_worker/models/layer_ops.py) by the C kernels of layers.c: float32
+    and bfloat16 activations; the rope is (cos table, sin table, positions), gathered by the
+    rotary kernel itself."""
 
+    name = "cpu"
 
-class CpuRotaryEmbedding(RotaryEmbedding):
-    """ "rope" is (cos table, sin table, positions): the kernel reads each token's angles."""
+    def __init__(self) -> None:
+        self._float32_tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def forward(  # type: ignore[override]  # rope is (cos, sin, positions) for the kernel
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        cos, sin = self.tables()
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return add_rms_norm(h, x, weight, eps)
+
+    def rope(
+        self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+    ) -> Rope:
         if cos.dtype != torch.float32:  # the kernel reads float32 tables: a bf16 model's, once
-            cached = getattr(self, "_float32_tables", None)
+            cached = self._float32_tables.get(cos.data_ptr())
             if cached is None:
-                cached = self._float32_tables = (cos.float(), sin.float())
+                cached = self._float32_tables[cos.data_ptr()] = (cos.float(), sin.float())
             cos, sin = cached
         return cos, sin, positions.to(torch.int64).contiguous()
 
-    def rotate(  # type: ignore[override]  # takes positions too: the kernel gathers cos/sin
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
-    ) -> torch.Tensor:
+    def rotate(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        cos, sin, positions = rope
         return rotary_neox(x, positions, cos, sin)
 
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_mul(gate_up)
 
-class CpuMLP(MLP):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
-
-
-class CpuDecoderLayer(DecoderLayer):
-    """DecoderLayer whose post-attention norm also performs the residual add."""
-
-    def add_and_norm(self, h: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        norm = self.post_attention_layernorm
-        return add_rms_norm(h, x, norm.weight, norm.eps)
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
 
 
-_SWAPS: dict[type[nn.Module], type[nn.Module]] = {
-    RMSNorm: CpuRMSNorm,
-    DecoderLayer: CpuDecoderLayer,
-    RotaryEmbedding: CpuRotaryEmbedding,
-    MLP: CpuMLP,
-}
-
-
-def is_cpu_model_for_kernels(model: nn.Module) -> bool:
-    """Whether every parameter of `model` is on the CPU, all float32 or all bfloat16: the
-    models the C kernels take."""
-    params = list(model.parameters())
-    if not params or any(p.device.type != "cpu" for p in params):
-        return False
-    dtypes = {p.dtype for p in params}
-    return dtypes in ({torch.float32}, {torch.bfloat16})
-
-
-def use_cpu_layers(model: nn.Module) -> bool:
-    """Switch a float32 or bfloat16 CPU model's norms, layers, rotary and MLPs to the C
-    kernels; False, and the model untouched, when it is not such a model or the library
-    cannot be had."""
-    if not is_cpu_model_for_kernels(model):
-        return False
-    rotaries = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
-    if any(not r.is_neox_style for r in rotaries) or load() is None:
-        return False
-    swap_module_classes(model, _SWAPS)
-    return True
+def cpu_layer_ops(model_dtype: torch.dtype) -> CpuLayerOps | None:
+    """The C layer ops for a CPU model of `model_dtype`, or None where they do not serve it
+    (another dtype, or the library cannot be had)."""
+    if model_dtype not in (torch.float32, torch.bfloat16) or load() is None:
+        return None
+    return CpuLayerOps()

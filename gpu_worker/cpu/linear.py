@@ -10,10 +10,10 @@ torch.compile's CPU freezing do): torch's default path, MKL's sgemm, repacks the
 every call and on AMD CPUs does not reach oneDNN's throughput (docs/benchmarks.md). The
 packed copy costs a second copy of the weights in memory.
 
-`use_small_batch_linear(model)` changes the class of the model's nn.Linear modules in place
-(parameters and state-dict names stay). Float32 and bfloat16 weights; activations are fed
-to the kernel in float32 and the result cast back to the layer's dtype. If the library
-cannot be built, the model is left as it is.
+`gpu_worker/linear_methods/cpu_float.py` calls these for a float CPU model's layers (chosen
+at load by gpu_worker/kernel_choice.py when the library can be built). Float32 and bfloat16
+weights; activations are fed to the kernel in float32 and the result cast back to the
+layer's dtype.
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ import ctypes
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from gpu_worker.cpu.build import KernelLibrary
 
@@ -107,32 +105,3 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., in] @ weight.T (+ bias) by oneDNN on a weight from pack_weight."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
-
-
-class SmallBatchLinear(nn.Linear):
-    """nn.Linear whose forward takes the C kernel for a few rows, oneDNN on the pre-packed
-    weight for more (when `packed` is set), torch otherwise."""
-
-    packed: torch.Tensor | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear_small(x, self.weight, self.bias)
-        if y is not None:
-            return y
-        if self.packed is not None and x.dtype == self.weight.dtype:
-            return linear_packed(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
-
-
-def use_small_batch_linear(model: nn.Module, pack: bool = True) -> bool:
-    """Switch every nn.Linear of `model` (on the CPU) to SmallBatchLinear, with its weight
-    pre-packed for many rows when `pack` and the dtype allows; False, and the model
-    untouched, when the kernel library cannot be had."""
-    if load() is None:
-        return False
-    for module in model.modules():
-        if type(module) is nn.Linear and module.weight.device.type == "cpu":
-            module.__class__ = SmallBatchLinear
-            if pack and can_pack(module.weight.dtype):
-                module.packed = pack_weight(module.weight)
-    return True

@@ -11,19 +11,25 @@ grouped-query heads; Qwen2 adds q/k/v biases, Qwen3 an RMSNorm per head on q and
 rotary. q/k/v are one fused matmul and gate/up another (the loader concatenates weights).
 Tokens of every request in the step are packed into one [T] sequence; the attention backend
 and its metadata (passed in, per step) keep requests apart.
+
+What runs is chosen once at load and held where it is used: each `Linear` holds its method
+(gpu_worker/models/linear.py: float, GGUF, int8; torch, C or Triton), the norms, attention and
+MLP hold the layer ops (gpu_worker/models/layer_ops.py), and `LlamaModel.decode_step` the
+one-call decode kernel where one serves the model (gpu_worker/cpu/decode_step.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.attention import AttentionBackend, AttentionMetadata
+from gpu_worker.models.layer_ops import TORCH_OPS, LayerOps, Rope, rotate_neox
+from gpu_worker.models.linear import Linear
 from gpu_worker.sharding import vocab_shard_size
 from gpu_worker.tensor_parallel import TensorParallel, VocabParallelEmbedding
 
@@ -123,18 +129,17 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32 like HF, then cast back."""
+    """x / rms(x) * weight over the last dimension, by the layer ops (torch: in float32 like
+    HF, then cast back)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, ops: LayerOps = TORCH_OPS) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.to(torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -174,8 +179,7 @@ class RotaryEmbedding(nn.Module):
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, heads, head_dim] rotated pair by pair."""
         if self.is_neox_style:  # pairs are (i, i + d/2): HF's rotate_half
-            x1, x2 = x.chunk(2, dim=-1)
-            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+            return rotate_neox(x, cos, sin)
         x1, x2 = x[..., 0::2], x[..., 1::2]  # pairs are (2i, 2i + 1): GPT-J
         return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
 
@@ -188,9 +192,9 @@ class Attention(nn.Module):
     def __init__(
         self,
         cfg: LlamaConfig,
-        rotary: RotaryEmbedding,
         backend: AttentionBackend,
         tp: TensorParallel,
+        ops: LayerOps = TORCH_OPS,
     ) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads // tp.size
@@ -198,17 +202,17 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rotate = rotary.rotate  # a bound method: the module stays owned by the model
+        self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
         self.backend = backend
+        self.ops = ops
 
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: Rope,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -219,7 +223,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotate(q, *rope), self.rotate(k, *rope)
+        q, k = self.ops.rotate(q, rope), self.ops.rotate(k, rope)
         o = self.backend.forward(q, k, v, kv_cache, meta)
         return self.o_proj(o.reshape(num_tokens, -1))
 
@@ -228,15 +232,17 @@ class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up as one matmul (this rank's
     share of the width under tensor parallelism: down's output is then a partial sum)."""
 
-    def __init__(self, cfg: LlamaConfig, tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self, cfg: LlamaConfig, tp: TensorParallel | None = None, ops: LayerOps = TORCH_OPS
+    ) -> None:
         super().__init__()
         width = cfg.intermediate_size // (tp.size if tp else 1)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * width, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * width, bias=cfg.mlp_bias)
+        self.down_proj = Linear(width, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -246,45 +252,46 @@ class DecoderLayer(nn.Module):
     def __init__(
         self,
         cfg: LlamaConfig,
-        rotary: RotaryEmbedding,
         backend: AttentionBackend,
         tp: TensorParallel,
+        ops: LayerOps = TORCH_OPS,
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary, backend, tp)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.self_attn = Attention(cfg, backend, tp, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.mlp = MLP(cfg, tp, ops)
         self.tp = tp
+        self.ops = ops
 
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: Rope,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         h = self.tp.all_reduce(self.self_attn(self.input_layernorm(x), rope, kv_cache, meta))
-        h, x = self.add_and_norm(h, x)
+        norm = self.post_attention_layernorm
+        h, x = self.ops.add_rms_norm(h, x, norm.weight, norm.eps)
         return x + self.tp.all_reduce(self.mlp(h))
 
-    def add_and_norm(self, h: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(post-attention norm of x + h, x + h): the kernel backends fuse the two."""
-        x = x + h
-        return self.post_attention_layernorm(x), x
 
+class DecodeStep(Protocol):
+    """A kernel that runs a whole decode step through every decoder layer (the CPU's one-call
+    step, gpu_worker/cpu/decode_step.py), for the steps it takes."""
 
-def swap_module_classes(model: nn.Module, swaps: dict[type[nn.Module], type[nn.Module]]) -> None:
-    """Change the class of each of `model`'s modules that `swaps` names, in place (parameters,
-    buffers and state-dict names stay): how the kernel backends put their layers in."""
-    for module in model.modules():
-        swap = swaps.get(type(module))
-        if swap is not None:
-            module.__class__ = swap
-    for module in model.modules():
-        if isinstance(module, Attention):
-            # Attention keeps the rotary's bound method: bind it again to the new class
-            module.rotate = module.rotate.__self__.rotate  # type: ignore[attr-defined]  # a bound method's __self__
+    def forward(
+        self,
+        model: LlamaModel,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor | None:
+        """The hidden states after the last layer, or None for a step it does not take (the
+        model then runs its layers)."""
+        ...
 
 
 class LlamaModel(nn.Module):
@@ -298,6 +305,7 @@ class LlamaModel(nn.Module):
         max_positions: int,
         device: torch.device,
         tp: TensorParallel,
+        ops: LayerOps = TORCH_OPS,
     ) -> None:
         super().__init__()
         self.embed_tokens: nn.Module = (
@@ -310,9 +318,12 @@ class LlamaModel(nn.Module):
             cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, self.rotary, backend, tp) for _ in range(cfg.num_layers)
+            DecoderLayer(cfg, backend, tp, ops) for _ in range(cfg.num_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.ops = ops
+        # the one-call decode kernel, when the loader found one that takes this model
+        self.decode_step: DecodeStep | None = None
 
     def forward(
         self,
@@ -321,8 +332,13 @@ class LlamaModel(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        if self.decode_step is not None:
+            hidden = self.decode_step.forward(self, input_ids, positions, kv_cache, meta)
+            if hidden is not None:
+                return hidden
         x = self.embed_tokens(input_ids)
-        rope = self.rotary(positions, x.dtype)  # once per step, shared by every layer
+        # once per step, shared by every layer
+        rope = self.ops.rope(*self.rotary.tables(), positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, kv_cache[i], meta)
         return x  # before the final norm, which only the sampled positions need
@@ -341,13 +357,20 @@ class LlamaForCausalLM(nn.Module):
         max_positions: int,
         device: torch.device,
         tp: TensorParallel | None = None,
+        ops: LayerOps = TORCH_OPS,
     ) -> None:
         super().__init__()
         self.config = cfg
         self.tp = tp = tp or TensorParallel()
-        self.model = LlamaModel(cfg, backend, max_positions=max_positions, device=device, tp=tp)
+        self.model = LlamaModel(
+            cfg, backend, max_positions=max_positions, device=device, tp=tp, ops=ops
+        )
         vocab = vocab_shard_size(cfg.vocab_size, tp.size)
-        self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, vocab, bias=False)
+
+    def linears(self) -> list[tuple[str, Linear]]:
+        """Every linear layer with its name, in the model's order."""
+        return [(n, m) for n, m in self.named_modules() if isinstance(m, Linear)]
 
     def forward(
         self,

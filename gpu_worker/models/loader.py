@@ -19,6 +19,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from gpu_worker.attention import AttentionBackend
+from gpu_worker.kernel_choice import TORCH_KERNELS, KernelChoice
+from gpu_worker.linear_methods.weights import concat_rows
 from gpu_worker.models.llama import LlamaConfig, LlamaForCausalLM
 from gpu_worker.sharding import Split, check_divisible, shard_range, split_of, vocab_shard_size
 from gpu_worker.tensor_parallel import TensorParallel
@@ -72,8 +74,9 @@ def weights_version(folder: str | Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def fuse_weights(weights: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
-    """HF names -> ours: q/k/v into qkv_proj, gate/up into gate_up_proj."""
+def fuse_weights(weights: dict[str, Any], cfg: LlamaConfig) -> dict[str, Any]:
+    """HF names -> ours: q/k/v into qkv_proj, gate/up into gate_up_proj (float tensors or
+    quantized weights, gpu_worker/linear_methods/weights.py)."""
     out = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
     for i in range(cfg.num_layers):
         attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
@@ -84,13 +87,13 @@ def fuse_weights(weights: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str
     return out
 
 
-def _concat(weights: dict[str, torch.Tensor], names: list[str], fused: str) -> None:
+def _concat(weights: dict[str, Any], names: list[str], fused: str) -> None:
     if not any(n in weights for n in names):
         return
     missing = [n for n in names if n not in weights]
     if missing:
         raise KeyError(f"checkpoint has some of {names} but not {missing}")
-    weights[fused] = torch.cat([weights.pop(n) for n in names], dim=0)
+    weights[fused] = concat_rows([weights.pop(n) for n in names])
 
 
 def check_tensor_parallel(cfg: LlamaConfig, world: int, folder: str | Path = "") -> None:
@@ -146,18 +149,65 @@ def load_model(
     device: torch.device,
     max_positions: int,
     tp: TensorParallel | None = None,
+    kernels: KernelChoice = TORCH_KERNELS,
 ) -> LlamaForCausalLM:
     """Build the model for `folder` on `device` in `dtype`, ready for inference (with `tp`:
-    this rank's shard of it)."""
+    this rank's shard of it), its layer ops, linear methods and decode step from `kernels`."""
     tp = tp or TensorParallel()
     cfg = LlamaConfig.from_hf(read_hf_config(folder))
     check_tensor_parallel(cfg, tp.size, folder)
     weights = fuse_weights(read_weights(folder, tp), cfg)
+    return build_model(cfg, weights, backend, dtype, device, max_positions, tp, kernels)
+
+
+def build_model(
+    cfg: LlamaConfig,
+    weights: dict[str, Any],
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    tp: TensorParallel,
+    kernels: KernelChoice,
+) -> LlamaForCausalLM:
+    """The model built on "meta" and given `weights` (our names, fused; float tensors or
+    quantized weights): each linear layer's method from `kernels` takes its weight, the
+    rest is assigned; nothing is initialised and then overwritten."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend, max_positions=max_positions, device=device, tp=tp)
+        model = LlamaForCausalLM(
+            cfg, backend, max_positions=max_positions, device=device, tp=tp, ops=kernels.ops
+        )
+    if cfg.tie_word_embeddings or "lm_head.weight" not in weights:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    for name, layer in model.linears():
+        weight = weights.pop(f"{name}.weight")
+        bias = weights.pop(f"{name}.bias", None)
+        layer.method = kernels.linear_method(weight)
+        layer.method.load_weights(
+            layer, _to(weight, device, dtype), None if bias is None else _to(bias, device, dtype)
+        )
     # pop as we go: a dtype or device change never holds two copies of the whole model
-    converted = {name: weights.pop(name).to(device=device, dtype=dtype) for name in list(weights)}
-    if cfg.tie_word_embeddings or "lm_head.weight" not in converted:
-        converted["lm_head.weight"] = converted["model.embed_tokens.weight"]
-    model.load_state_dict(converted, strict=True, assign=True)
+    rest = {name: _to(weights.pop(name), device, dtype) for name in list(weights)}
+    missing, unexpected = model.load_state_dict(rest, strict=False, assign=True)
+    missing = [m for m in missing if m in _not_linear(model)]
+    if missing or unexpected:
+        raise KeyError(f"checkpoint does not fit the model: missing {missing}, extra {unexpected}")
+    for _, layer in model.linears():
+        layer.method.process_weights_after_loading(layer)
+    model.model.decode_step = kernels.decode_step_for(model)
     return model.eval().requires_grad_(False)
+
+
+def _to(weight: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    """A float tensor in the model's dtype on its device; quantized weights as they are."""
+    if isinstance(weight, torch.Tensor) and weight.is_floating_point():
+        return weight.to(device=device, dtype=dtype)
+    return weight
+
+
+def _not_linear(model: LlamaForCausalLM) -> set[str]:
+    """The state-dict names of everything but the linear layers (which the methods load)."""
+    linear_params = {
+        f"{name}.{p}" for name, layer in model.linears() for p, _ in layer.named_parameters()
+    }
+    return set(model.state_dict()) - linear_params

@@ -18,8 +18,8 @@ import torch
 from common.messages.scheduler_worker import StepPlan
 from common.messages.types import SamplingParams
 from common.prepare_model import default_model_dir
-from gpu_worker.cpu.linear import SmallBatchLinear
 from gpu_worker.cpu.linear import load as linear_kernel
+from gpu_worker.linear_methods.cpu_float import CpuFloatLinearMethod
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models.llama import LlamaConfig
 from tests.tiny_models import TINY_ARCHS, VOCAB_SIZE, make_tiny_model
@@ -212,7 +212,7 @@ def smol_runner(request, smol: tuple[Path, list[list[int]], list[list[int]]]) ->
     (gpu_worker/cpu/linear.py), and the torch-only reference (--no-cpu-kernels)."""
     kernels = request.param == "cpu-kernels"
     runner = ModelRunner(str(smol[0]), num_blocks=256, seed=0, cpu_kernels=kernels)
-    in_c = [isinstance(m, SmallBatchLinear) for m in runner.model.modules()]
+    in_c = [isinstance(m.method, CpuFloatLinearMethod) for _, m in runner.model.linears()]
     assert any(in_c) == (kernels and linear_kernel() is not None)
     return runner
 

@@ -15,7 +15,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 from common.messages.scheduler_worker import StepPlan  # noqa: E402
 from common.messages.types import SamplingParams  # noqa: E402
 from gpu_worker.attention import build_metadata, create_backend  # noqa: E402
-from gpu_worker.kernels.fused_layers import TritonDecoderLayer, use_triton_layers  # noqa: E402
+from gpu_worker.kernels.fused_layers import TritonLayerOps  # noqa: E402
 from gpu_worker.model_runner import ModelRunner  # noqa: E402
 from tests.kernels.paged import randn  # noqa: E402
 
@@ -90,8 +90,7 @@ def test_worker_greedy_tokens_match_torch_backend(arch, tiny_model_dir, device) 
     kwargs = dict(device=str(device), num_blocks=16, block_size=4)
     torch_runner = ModelRunner(path, attention_backend="torch", **kwargs)
     triton_runner = ModelRunner(path, attention_backend="triton", **kwargs)
-    use_triton_layers(triton_runner.model)
-    assert isinstance(triton_runner.model.model.layers[0], TritonDecoderLayer)
+    assert isinstance(triton_runner.model.model.layers[0].ops, TritonLayerOps)
     expected = _greedy_tokens(torch_runner)
     assert sum(len(ids) for ids, _ in expected) == 9  # a: steps 0-4, b: steps 1-4
     assert _greedy_tokens(triton_runner) == expected

@@ -12,9 +12,9 @@ import torch
 from gpu_worker.attention.metadata import build_metadata
 from gpu_worker.attention.torch_backend import TorchAttentionBackend
 from gpu_worker.cpu import decode_step
-from gpu_worker.cpu.layers import use_cpu_layers
-from gpu_worker.cpu.linear import MAX_ROWS, use_small_batch_linear
-from gpu_worker.models.llama import LlamaForCausalLM, LlamaModel
+from gpu_worker.cpu.linear import MAX_ROWS
+from gpu_worker.kernel_choice import KernelChoice, choose_kernels
+from gpu_worker.models.llama import LlamaForCausalLM
 from gpu_worker.models.loader import load_model, read_hf_config
 from tests.tiny_models import make_tiny_model
 
@@ -35,11 +35,22 @@ def _model(
         dtype=dtype,
         device=torch.device("cpu"),
     )
-    model = load_model(folder, backend, dtype=dtype, device=torch.device("cpu"), max_positions=256)
-    if cpu_layers:
-        use_small_batch_linear(model)
-        use_cpu_layers(model)
-    return model
+    cpu = torch.device("cpu")
+    kernels = (
+        choose_kernels(device=cpu, backend_name="torch", dtype=dtype)
+        if cpu_layers
+        else KernelChoice(dtype=dtype)
+    )
+    return load_model(folder, backend, dtype=dtype, device=cpu, max_positions=256, kernels=kernels)
+
+
+def _layer_by_layer(model: LlamaForCausalLM, *args: torch.Tensor) -> torch.Tensor:
+    """The model's forward with its layers one by one (no one-call step)."""
+    step, model.model.decode_step = model.model.decode_step, None
+    try:
+        return model.model(*args)
+    finally:
+        model.model.decode_step = step
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +84,11 @@ def _step(model: LlamaForCausalLM, n: int, seed: int) -> tuple[torch.Tensor, ...
 @pytest.mark.parametrize("n", [1, 2, 5, 8])
 def test_one_call_equals_the_layers_bit_for_bit(tiny: dict[str, Path], arch: str, n: int) -> None:
     model = _model(tiny[arch])
-    assert decode_step.use_decode_step(model)
-    assert type(model.model) is decode_step.CpuLlamaModel
+    assert isinstance(model.model.decode_step, decode_step.CpuDecodeStep)
     ids, kv, meta = _step(model, n, seed=n)
     kv_layers = kv.clone()
     with torch.inference_mode():
-        expected = LlamaModel.forward(model.model, ids, meta.positions, kv_layers, meta)
+        expected = _layer_by_layer(model, ids, meta.positions, kv_layers, meta)
         got = model.model(ids, meta.positions, kv, meta)
     assert torch.equal(got, expected)
     assert torch.equal(kv, kv_layers)  # the new tokens' K/V stored alike, nothing else touched
@@ -90,7 +100,7 @@ def test_bfloat16_within_bf16_precision(tiny: dict[str, Path], n: int) -> None:
     the step is within bf16's precision of both the bf16 layers and the float32 model on the
     same (bf16-rounded) weights, and K/V land in the new tokens' slots only."""
     model = _model(tiny["qwen2"], dtype=torch.bfloat16)
-    assert decode_step.use_decode_step(model)
+    assert model.model.decode_step is not None
     exact = _model(tiny["qwen2"])
     with torch.no_grad():
         for p32, p16 in zip(exact.parameters(), model.parameters(), strict=True):
@@ -98,8 +108,8 @@ def test_bfloat16_within_bf16_precision(tiny: dict[str, Path], n: int) -> None:
     ids, kv, meta = _step(model, n, seed=10 + n)
     kv_layers, kv_exact = kv.clone(), kv.float()
     with torch.inference_mode():
-        layers = LlamaModel.forward(model.model, ids, meta.positions, kv_layers, meta).float()
-        reference = LlamaModel.forward(exact.model, ids, meta.positions, kv_exact, meta)
+        layers = _layer_by_layer(model, ids, meta.positions, kv_layers, meta).float()
+        reference = _layer_by_layer(exact, ids, meta.positions, kv_exact, meta)
         got = model.model(ids, meta.positions, kv, meta)
     assert got.dtype == torch.bfloat16
     scale = reference.abs().max()
@@ -113,7 +123,7 @@ def test_bfloat16_within_bf16_precision(tiny: dict[str, Path], n: int) -> None:
 
 def test_prefill_and_large_batches_take_the_layers(tiny: dict[str, Path]) -> None:
     model = _model(tiny["llama"])
-    assert decode_step.use_decode_step(model)
+    assert model.model.decode_step is not None
     calls = []
     lib = decode_step.load()
     assert lib is not None
@@ -133,8 +143,8 @@ def test_prefill_and_large_batches_take_the_layers(tiny: dict[str, Path]) -> Non
     assert len(calls) == 1  # only the 3-sequence decode step
 
 
-def test_only_models_it_takes_are_switched(tiny: dict[str, Path], tmp_path: Path) -> None:
+def test_only_models_it_takes_get_it(tiny: dict[str, Path], tmp_path: Path) -> None:
     plain = _model(tiny["llama"], cpu_layers=False)  # torch layers: not the kernels' shape
-    assert not decode_step.use_decode_step(plain) and type(plain.model) is LlamaModel
+    assert plain.model.decode_step is None and decode_step.decode_step_for(plain) is None
     qk_norm = _model(make_tiny_model(tmp_path / "qwen3", "qwen3", num_layers=1))
-    assert not decode_step.use_decode_step(qk_norm) and type(qk_norm.model) is LlamaModel
+    assert qk_norm.model.decode_step is None

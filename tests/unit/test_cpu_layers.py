@@ -57,16 +57,23 @@ def _cfg() -> LlamaConfig:
     )  # fmt: skip
 
 
-def test_modules_switch_class_only_for_float32_and_bfloat16_cpu_models() -> None:
+def _with_ops(module: nn.Module, ops: layers.CpuLayerOps) -> nn.Module:
+    """A copy of `module` whose norms and MLPs call `ops` (as the loader builds them)."""
+    copied = copy.deepcopy(module)
+    for m in copied.modules():
+        if isinstance(m, RMSNorm | MLP):
+            m.ops = ops
+    return copied
+
+
+def test_the_cpu_ops_serve_float32_and_bfloat16_models_only() -> None:
     mlp = MLP(_cfg())
     x = torch.randn(3, 64)
-    expected = mlp(x)
+    ops = layers.cpu_layer_ops(torch.float32)
+    assert ops is not None and layers.cpu_layer_ops(torch.bfloat16) is not None
     wrapper = nn.Sequential(mlp, RMSNorm(64, 1e-5))
-    assert layers.use_cpu_layers(wrapper)
-    assert isinstance(mlp, layers.CpuMLP) and isinstance(wrapper[1], layers.CpuRMSNorm)
-    torch.testing.assert_close(mlp(x), expected, **CLOSE)
-    other = copy.deepcopy(MLP(_cfg())).to(torch.float16)
-    assert not layers.use_cpu_layers(other) and type(other) is MLP
+    torch.testing.assert_close(_with_ops(wrapper, ops)(x), wrapper(x), **CLOSE)
+    assert layers.cpu_layer_ops(torch.float16) is None
 
 
 BF16_ULP = dict(rtol=2**-7, atol=1e-6)  # one bf16 rounding
@@ -99,9 +106,10 @@ def test_bfloat16_kernels_round_where_the_torch_modules_round() -> None:
     torch.testing.assert_close(silu, torch.nn.functional.silu(gate) * up, **BF16_ULP)
 
 
-def test_bfloat16_models_switch_too() -> None:
+def test_bfloat16_models_take_the_ops_too() -> None:
     mlp = MLP(_cfg()).to(torch.bfloat16)
     x = torch.randn(3, 64).to(torch.bfloat16)
     expected = mlp(x)
-    assert layers.use_cpu_layers(mlp) and isinstance(mlp, layers.CpuMLP)
-    torch.testing.assert_close(mlp(x), expected, **BF16_ULP)
+    ops = layers.cpu_layer_ops(torch.bfloat16)
+    assert ops is not None
+    torch.testing.assert_close(_with_ops(mlp, ops)(x), expected, **BF16_ULP)

@@ -1,13 +1,15 @@
-"""The C small-batch linear kernel (gpu_worker/cpu/linear.py) against torch's F.linear."""
+"""The C small-batch linear kernel (gpu_worker/cpu/linear.py) and the CPU float linear method
+(gpu_worker/linear_methods/cpu_float.py) against torch's F.linear."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from gpu_worker.cpu import linear
+from gpu_worker.linear_methods.cpu_float import CpuFloatLinearMethod
+from gpu_worker.models.linear import FloatLinearMethod, Linear, LinearMethod
 
 pytestmark = pytest.mark.skipif(linear.load() is None, reason="no C compiler here")
 
@@ -46,17 +48,25 @@ def test_inputs_it_does_not_take_fall_back() -> None:
     assert linear.linear_small(torch.randn(2, 8), w.half(), None) is None
 
 
-def test_model_layers_switch_class_and_keep_their_weights() -> None:
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4, bias=False))
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    x = torch.randn(3, 8)
-    expected = model(x)
-    assert linear.use_small_batch_linear(model)
-    assert all(isinstance(model[i], linear.SmallBatchLinear) for i in (0, 2))
-    assert model.state_dict().keys() == before.keys()
-    torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
-    big = torch.randn(40, 8)  # many rows: torch's path, same answer
-    torch.testing.assert_close(model(big), nn.Sequential(*model)(big))
+def _layer(in_features: int, out_features: int, bias: bool, method: LinearMethod) -> Linear:
+    """A Linear with random float weights given to `method`, as the loader gives them."""
+    gen = torch.Generator().manual_seed(in_features * 31 + out_features)
+    layer = Linear(in_features, out_features, bias)
+    w = torch.randn(out_features, in_features, generator=gen) / in_features**0.5
+    b = torch.randn(out_features, generator=gen) if bias else None
+    layer.method = method
+    method.load_weights(layer, w, b)
+    method.process_weights_after_loading(layer)
+    return layer
+
+
+def test_the_cpu_method_equals_torch_for_few_and_many_rows() -> None:
+    layer = _layer(8, 16, True, CpuFloatLinearMethod())
+    reference = _layer(8, 16, True, FloatLinearMethod())
+    for rows in (3, 40):  # the C kernel; oneDNN packed
+        x = torch.randn(rows, 8)
+        torch.testing.assert_close(layer(x), reference(x), rtol=1e-5, atol=1e-5)
+    assert "CpuFloatLinearMethod" in repr(layer)  # what runs is visible in the model
 
 
 @pytest.mark.skipif(not linear.can_pack(torch.float32), reason="torch without oneDNN")
@@ -64,13 +74,14 @@ def test_model_layers_switch_class_and_keep_their_weights() -> None:
 @pytest.mark.parametrize("bias", [False, True])
 def test_many_rows_take_the_packed_weight_and_match_torch(rows: int, bias: bool) -> None:
     gen = torch.Generator().manual_seed(rows)
-    layer = nn.Linear(577, 130, bias=bias)
+    method = CpuFloatLinearMethod()
+    layer = _layer(577, 130, bias, method)
     x = torch.randn(rows, 577, generator=gen)
-    expected = layer(x)
-    assert linear.use_small_batch_linear(layer)
-    assert isinstance(layer, linear.SmallBatchLinear) and layer.packed is not None
+    expected = F.linear(x, layer.weight, layer.bias)
+    assert method.packed is not None
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-4)
     # any leading shape: a prefill's [tokens, in] or [batch, tokens, in]
     torch.testing.assert_close(layer(x.view(rows, 1, 577)), expected.view(rows, 1, 130))
-    unpacked = nn.Linear(3, 4)
-    assert linear.use_small_batch_linear(unpacked, pack=False) and unpacked.packed is None
+    unpacked = CpuFloatLinearMethod(pack=False)
+    _layer(3, 4, True, unpacked)
+    assert unpacked.packed is None

@@ -76,8 +76,6 @@ def main() -> int:
     p.add_argument("--prefill", type=int, default=0, help="time N-token prefill steps instead")
     p.add_argument("--no-huge-pages", action="store_true", help="weights, KV in 4 KB pages")
     args = p.parse_args()
-    if args.layer_by_layer:
-        decode_step.enabled = False
     steps = args.steps
     spent: dict[str, float] = collections.defaultdict(float)
     patches: list[tuple[Any, str, str]] = [
@@ -87,7 +85,7 @@ def main() -> int:
         (torch_backend.TorchAttentionBackend, "_extend", EXTEND),
         (torch_backend, "_store_kv", STORE),
         (LlamaForCausalLM, "forward", "forward"),
-        (decode_step.CpuLlamaModel, "_decode", ONE_CALL),
+        (decode_step.CpuDecodeStep, "_decode", ONE_CALL),
         *((layers, n, LAYERS) for n in ("rms_norm", "add_rms_norm", "rotary_neox", "silu_mul")),
     ]
     for owner, name, key in patches:
@@ -99,6 +97,8 @@ def main() -> int:
         kv_cache_memory_gib=1.5,
         cpu_huge_pages=not args.no_huge_pages,
     )
+    if args.layer_by_layer:  # the model's layers one by one, not the one-call C step
+        runner.model.model.decode_step = None
     if args.prefill:
         total, ms = _prefills(runner, args.prefill, steps, spent)
         what = f"prefill step ({args.prefill} tokens, {args.dtype})"

@@ -18,7 +18,7 @@ import torch
 
 from gpu_worker.attention import AttentionBackend, build_metadata, create_backend
 from gpu_worker.cuda_graphs import CUDAGraphRunner, run_model
-from gpu_worker.kernels.fused_layers import use_triton_layers
+from gpu_worker.kernel_choice import choose_kernels
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.models.llama import LlamaConfig
 from gpu_worker.models.loader import load_model, read_hf_config
@@ -61,10 +61,9 @@ class Engine:
             backend, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim, dtype=dtype, device=self.device,
         )  # fmt: skip
+        kernels = choose_kernels(device=self.device, backend_name=backend, dtype=dtype)
         self.model = load_model(folder, self.backend, dtype=dtype, device=self.device,
-                                max_positions=max_model_len)  # fmt: skip
-        if backend == "triton":
-            use_triton_layers(self.model)
+                                max_positions=max_model_len, kernels=kernels)  # fmt: skip
         self.kv = KVCache(num_layers=cfg.num_layers, num_blocks=num_blocks, block_size=block_size,
                           num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype,
                           device=self.device)  # fmt: skip
