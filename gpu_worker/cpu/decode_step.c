@@ -14,8 +14,10 @@
  * x [n, hidden] is the residual stream, updated in place; what comes out is the input of the
  * final norm. The kernels are linear.c, layers.c and cpu_paged_decode.c, compiled in here.
  *
- * A bfloat16 model (w_bf16, kv_bf16) runs the same loop with bf16 linear weights (linear.c's
- * bf16 path) and a bf16 cache (K/V rounded to nearest even as they are stored, as torch
+ * Each linear runs the kernel of its layer's linear method (run_linear): float32 or bf16
+ * weights (linear.c), GGUF blocks (gguf.c), int8 W8A8 (int8.c), the same kernels the layers
+ * call one by one. A bfloat16 model (bf16 weights, kv_bf16) runs the same loop with linear.c's
+ * bf16 path and a bf16 cache (K/V rounded to nearest even as they are stored, as torch
  * rounds); activations stay float32 between the kernels, where torch's bf16 layers round
  * each op's output to bf16, so it equals that path only within bf16's precision
  * (tests/unit/test_cpu_decode_step.py bounds it).
@@ -27,6 +29,8 @@
 #include <string.h>
 
 #include "linear.c"
+#include "gguf.c"
+#include "int8.c"
 #include "layers.c"
 #include "../attention/cpu_paged_decode.c"
 
@@ -34,12 +38,57 @@
  * cpu_kernel.py's SMALL_WORK, the same choice */
 #define ATTEND_SMALL_WORK (1 << 18)
 
-/* One layer's weights: the linears' in nn.Linear's [out, in] layout, contiguous, float32 or
- * bfloat16 (decode_forward's w_bf16); norms' weights and biases float32; biases may be NULL */
+/* One linear layer's weight as its linear method keeps it (gpu_worker/linear_methods/):
+ *   LIN_F32, LIN_BF16  w[0] [out, in] float32 / bfloat16 (linear.c)
+ *   LIN_GGUF           nshards row ranges, each rows[s] x in of GGUF type qtype[s] (gguf.c)
+ *   LIN_INT8           w[0] int8 [out, in], scale[out] float32 (int8.c)
+ * b: the bias, float32, or NULL */
+enum { LIN_F32 = 0, LIN_BF16 = 1, LIN_GGUF = 2, LIN_INT8 = 3 };
+#define MAX_SHARDS 4
 typedef struct {
-    const float *input_norm, *qkv_w, *qkv_b, *o_w, *o_b;
-    const float *post_norm, *gate_up_w, *gate_up_b, *down_w, *down_b;
+    int kind, nshards;
+    const void *w[MAX_SHARDS];
+    int qtype[MAX_SHARDS], rows[MAX_SHARDS];
+    const float *scale, *b;
+} decode_linear_t;
+
+/* One layer: its norms' weights (float32) and its four linears */
+typedef struct {
+    const float *input_norm, *post_norm;
+    decode_linear_t qkv, o, gate_up, down;
 } decode_layer_t;
+
+/* y [n, out] = x [n, in] W^T (+ b) by the layer's kernel; tmp holds n * out floats for a GGUF
+ * weight of several shards (each shard's columns are gathered into y's rows) */
+static int run_linear(const decode_linear_t *L, const float *x, int n, float *y, int out, int in,
+                      float *tmp, int nthreads) {
+    switch (L->kind) {
+    case LIN_F32:
+    case LIN_BF16:
+        return linear_small(x, n, L->w[0], L->kind == LIN_BF16, L->b, y, out, in, nthreads);
+    case LIN_INT8:
+        return int8_linear_rows(x, n, (const int8_t *)L->w[0], L->scale, L->b, y, out, in,
+                                nthreads);
+    case LIN_GGUF:
+        if (L->nshards == 1)
+            return gguf_linear_rows(x, n, (const uint8_t *)L->w[0], L->qtype[0], L->b, y, out,
+                                    in, nthreads);
+        for (int s = 0, at = 0; s < L->nshards; at += L->rows[s], s++) {
+            int rows = L->rows[s];
+            if (gguf_linear_rows(x, n, (const uint8_t *)L->w[s], L->qtype[s], NULL, tmp, rows,
+                                 in, nthreads))
+                return 1;
+            for (int i = 0; i < n; i++)
+                memcpy(y + (size_t)i * out + at, tmp + (size_t)i * rows, sizeof(float) * rows);
+        }
+        if (L->b)
+            for (int i = 0; i < n; i++)
+                for (int o = 0; o < out; o++) y[(size_t)i * out + o] += L->b[o];
+        return 0;
+    default:
+        return 1;
+    }
+}
 
 /* Returns 0; 1 when the shapes are outside what it takes (n > MAX_ROWS), 2 when memory ran
  * out or a kernel refused (the caller runs the layers one by one). kv_base is the cache
@@ -50,18 +99,20 @@ int decode_forward(const decode_layer_t *layers, int num_layers, float *x, int n
                    const float *sin_t, const int64_t *positions, const int64_t *slots,
                    void *kv_base, int64_t layer_stride, int64_t half_stride,
                    const int32_t *tables, int table_stride, const int32_t *seq_lens, int bs,
-                   float scale, int w_bf16, int kv_bf16, int nthreads) {
+                   float scale, int kv_bf16, int nthreads) {
     if (n < 1 || n > MAX_ROWS || heads % kvh != 0) return 1;
     int q_size = heads * d, kv_size = kvh * d, qkv_size = q_size + 2 * kv_size;
     int64_t work = 0;
     for (int i = 0; i < n; i++) work += (int64_t)seq_lens[i] * kv_size;
     int attend_threads = work < ATTEND_SMALL_WORK ? 1 : nthreads;
-    size_t floats = (size_t)n * (2 * hidden + qkv_size + 2 * q_size + 3 * inter);
+    size_t widest = (size_t)(qkv_size > 2 * inter ? qkv_size : 2 * inter);
+    size_t floats = (size_t)n * (2 * hidden + qkv_size + 2 * q_size + 3 * inter + widest);
     float *buf = malloc(sizeof(float) * floats);
     if (!buf) return 2;
     float *h = buf, *qkv = h + (size_t)n * hidden, *q = qkv + (size_t)n * qkv_size;
     float *att = q + (size_t)n * q_size, *proj = att + (size_t)n * q_size;
     float *gate_up = proj + (size_t)n * hidden, *act = gate_up + (size_t)n * 2 * inter;
+    float *tmp = act + (size_t)n * inter;
     int code = 0;
     for (int l = 0; l < num_layers && code == 0; l++) {
         const decode_layer_t *w = layers + l;
@@ -69,7 +120,7 @@ int decode_forward(const decode_layer_t *layers, int num_layers, float *x, int n
         char *k_cache = (char *)kv_base + l * layer_stride * size;
         char *v_cache = k_cache + half_stride * size;
         rms_norm(x, NULL, w->input_norm, eps, h, NULL, n, hidden, nthreads, 0);
-        code |= linear_small(h, n, w->qkv_w, w_bf16, w->qkv_b, qkv, qkv_size, hidden, nthreads);
+        code |= run_linear(&w->qkv, h, n, qkv, qkv_size, hidden, tmp, nthreads);
         rotary_neox(qkv, positions, cos_t, sin_t, n, heads, d, qkv_size, nthreads, 0);
         rotary_neox(qkv + q_size, positions, cos_t, sin_t, n, kvh, d, qkv_size, nthreads, 0);
         for (int i = 0; i < n; i++) {
@@ -88,13 +139,12 @@ int decode_forward(const decode_layer_t *layers, int num_layers, float *x, int n
         if (paged_decode(q, k_cache, v_cache, kv_bf16, tables, table_stride, seq_lens, n, heads, kvh,
                          d, bs, scale, att, attend_threads) != 0)
             code = 2;
-        code |= linear_small(att, n, w->o_w, w_bf16, w->o_b, proj, hidden, q_size, nthreads);
+        code |= run_linear(&w->o, att, n, proj, hidden, q_size, tmp, nthreads);
         /* x + proj into x, and its norm into h (the post-attention add-and-norm) */
         rms_norm(proj, x, w->post_norm, eps, h, x, n, hidden, nthreads, 0);
-        code |= linear_small(h, n, w->gate_up_w, w_bf16, w->gate_up_b, gate_up, 2 * inter, hidden,
-                             nthreads);
+        code |= run_linear(&w->gate_up, h, n, gate_up, 2 * inter, hidden, tmp, nthreads);
         silu_mul(gate_up, act, n, inter, nthreads, 0);
-        code |= linear_small(act, n, w->down_w, w_bf16, w->down_b, proj, hidden, inter, nthreads);
+        code |= run_linear(&w->down, act, n, proj, hidden, inter, tmp, nthreads);
         for (size_t i = 0; i < (size_t)n * hidden; i++) x[i] += proj[i];
     }
     free(buf);

@@ -33,6 +33,9 @@ from gpu_worker.cpu import linear
 from gpu_worker.cpu.build import KernelLibrary
 from gpu_worker.cpu.layers import CpuLayerOps
 from gpu_worker.linear_methods.cpu_float import CpuFloatLinearMethod
+from gpu_worker.linear_methods.gguf import GGUFLinearMethod
+from gpu_worker.linear_methods.int8 import Int8LinearMethod
+from gpu_worker.models.linear import Linear
 from gpu_worker.models.llama import DecoderLayer, LlamaForCausalLM, LlamaModel, RotaryEmbedding
 
 HERE = Path(__file__).parent
@@ -40,28 +43,42 @@ SOURCE = HERE / "decode_step.c"
 INCLUDES = (
     HERE / "bf16.h",
     HERE / "linear.c",
+    HERE / "gguf.c",
+    HERE / "gguf.h",
+    HERE / "int8.c",
     HERE / "layers.c",
     HERE.parent / "attention" / "cpu_paged_decode.c",
 )
 _P = ctypes.c_void_p
-_WEIGHTS = (
-    "input_norm",
-    "qkv_w",
-    "qkv_b",
-    "o_w",
-    "o_b",
-    "post_norm",
-    "gate_up_w",
-    "gate_up_b",
-    "down_w",
-    "down_b",
-)
+MAX_SHARDS = 4  # decode_step.c's
+LIN_F32, LIN_BF16, LIN_GGUF, LIN_INT8 = range(4)  # decode_step.c's decode_linear_t kinds
+
+
+class _Linear(ctypes.Structure):
+    """decode_step.c's decode_linear_t: one linear layer's weight as its method keeps it."""
+
+    _fields_ = [
+        ("kind", ctypes.c_int),
+        ("nshards", ctypes.c_int),
+        ("w", _P * MAX_SHARDS),
+        ("qtype", ctypes.c_int * MAX_SHARDS),
+        ("rows", ctypes.c_int * MAX_SHARDS),
+        ("scale", _P),
+        ("b", _P),
+    ]
 
 
 class _Layer(ctypes.Structure):
-    """decode_step.c's decode_layer_t: one layer's weight pointers."""
+    """decode_step.c's decode_layer_t: one layer's norms and linears."""
 
-    _fields_ = [(name, _P) for name in _WEIGHTS]
+    _fields_ = [
+        ("input_norm", _P),
+        ("post_norm", _P),
+        ("qkv", _Linear),
+        ("o", _Linear),
+        ("gate_up", _Linear),
+        ("down", _Linear),
+    ]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -70,7 +87,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.decode_forward.argtypes = [
         *(_P, i, _P, i, i, i, i, i, i, f),  # layers .. eps
         *(_P, _P, _P, _P, _P, i64, i64),  # cos .. half_stride
-        *(_P, i, _P, i, f, i, i, i),  # tables .. nthreads
+        *(_P, i, _P, i, f, i, i),  # tables .. nthreads
     ]
 
 
@@ -99,31 +116,46 @@ def _float32(t: torch.Tensor | None, keep: list[torch.Tensor]) -> torch.Tensor |
     return copy
 
 
-def _layer_pointers(model: LlamaModel, keep: list[torch.Tensor]) -> ctypes.Array[_Layer]:
-    """The weight pointers of every layer, in order: the linears' weights as they are, the
-    norms' weights and the biases in float32 (copies kept in `keep` for a bf16 model)."""
+def _linear(layer: Linear, keep: list[torch.Tensor]) -> _Linear | None:
+    """The descriptor of one linear layer for its method's C kernel, or None when its method
+    has none (the step then runs layer by layer)."""
+    method = layer.method
+    desc = _Linear(nshards=1, b=_ptr(_float32(layer.bias, keep)))
+    if isinstance(method, CpuFloatLinearMethod) and layer.weight.is_contiguous():
+        desc.kind = LIN_BF16 if layer.weight.dtype == torch.bfloat16 else LIN_F32
+        desc.w[0] = layer.weight.data_ptr()
+    elif isinstance(method, GGUFLinearMethod) and method.kernel == "cpu":
+        shards = method.shards(layer)
+        if len(shards) > MAX_SHARDS:
+            return None
+        desc.kind, desc.nshards = LIN_GGUF, len(shards)
+        for s, (w, qtype, rows) in enumerate(zip(shards, method.qtypes, method.rows, strict=True)):
+            desc.w[s], desc.qtype[s], desc.rows[s] = w.data_ptr(), qtype, rows
+    elif isinstance(method, Int8LinearMethod) and method.kernel == "cpu":
+        desc.kind = LIN_INT8
+        desc.w[0] = layer.weight.data_ptr()
+        desc.scale = layer.get_parameter("weight_scale").data_ptr()
+    else:
+        return None
+    return desc
+
+
+def _layer_pointers(model: LlamaModel, keep: list[torch.Tensor]) -> ctypes.Array[_Layer] | None:
+    """Every layer's descriptor, in order: the linears' weights as their methods keep them,
+    the norms' weights and the biases in float32 (copies kept in `keep` for a bf16 model);
+    None when a linear's method has no kernel here."""
     layers = _layers(model)
     table = (_Layer * len(layers))()
     for slot, layer in zip(table, layers, strict=True):
         attn, mlp = layer.self_attn, layer.mlp
-        for name, tensor in zip(
-            _WEIGHTS,
-            (
-                layer.input_layernorm.weight,
-                attn.qkv_proj.weight,
-                attn.qkv_proj.bias,
-                attn.o_proj.weight,
-                attn.o_proj.bias,
-                layer.post_attention_layernorm.weight,
-                mlp.gate_up_proj.weight,
-                mlp.gate_up_proj.bias,
-                mlp.down_proj.weight,
-                mlp.down_proj.bias,
-            ),
-            strict=True,
-        ):
-            # norms and biases: the kernels read float32
-            setattr(slot, name, _ptr(tensor if name.endswith("_w") else _float32(tensor, keep)))
+        slot.input_norm = _ptr(_float32(layer.input_layernorm.weight, keep))
+        slot.post_norm = _ptr(_float32(layer.post_attention_layernorm.weight, keep))
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        for name, linear_layer in zip(("qkv", "o", "gate_up", "down"), linears, strict=True):
+            desc = _linear(linear_layer, keep)
+            if desc is None:
+                return None
+            setattr(slot, name, desc)
     return table
 
 
@@ -175,7 +207,6 @@ class CpuDecodeStep:
         layer = _layers(model)[0]
         attn = layer.self_attn
         first = attn.qkv_proj.weight.data_ptr()
-        weight_dtype = attn.qkv_proj.weight.dtype
         if lib is None or kv_cache.dtype not in (torch.float32, torch.bfloat16):
             return False
         if self._pointers is None or self._weights_at != first:  # built once per weights
@@ -184,6 +215,8 @@ class CpuDecodeStep:
             self._weights_at = first
             keep = self._float32_copies
             self._rope = tuple(_float32(t, keep) for t in model.rotary.tables())  # type: ignore[assignment]  # two tensors in, two out
+        if self._pointers is None:
+            return False
         cos, sin = self._rope
         tables, lens = meta.block_tables, meta.seq_lens
         assert tables.dtype == torch.int32 and lens.dtype == torch.int32
@@ -214,7 +247,6 @@ class CpuDecodeStep:
             lens.data_ptr(),
             meta.block_size,
             backend.scale,
-            int(weight_dtype == torch.bfloat16),
             int(kv_cache.dtype == torch.bfloat16),
             torch.get_num_threads(),
         )
@@ -238,7 +270,7 @@ def can_use(model: nn.Module) -> bool:
             or not isinstance(backend, TorchAttentionBackend)
             or not backend.cpu_decode_kernel
             or not all(
-                isinstance(m.method, CpuFloatLinearMethod) and m.weight.is_contiguous()
+                _linear(m, []) is not None
                 for m in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
             )
         ):
@@ -247,8 +279,9 @@ def can_use(model: nn.Module) -> bool:
 
 
 def _one_float_dtype(model: nn.Module) -> bool:
-    """Every parameter float32, or every one bfloat16: the models the kernels take."""
-    dtypes = {p.dtype for p in model.parameters()}
+    """Every float parameter float32, or every one bfloat16 (quantized weights aside): the
+    models the kernels take."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     return dtypes in ({torch.float32}, {torch.bfloat16})
 
 
