@@ -263,7 +263,9 @@ def _fill_tokenizer_folder(
     eot = field_value(reader, "tokenizer.ggml.eot_token_id")
     if eot is not None and int(eot) not in eos:  # llama.cpp ends generation on it too
         eos.append(int(eot))
-    generation = {k: config[k] for k in ("bos_token_id", "pad_token_id") if k in config}
+    generation: dict[str, Any] = {
+        k: config[k] for k in ("bos_token_id", "pad_token_id") if k in config
+    }
     if eos:
         generation["eos_token_id"] = eos[0] if len(eos) == 1 else eos
     (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
