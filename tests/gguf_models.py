@@ -122,7 +122,7 @@ def write_gguf(
         writer.add_tensor(gguf_name(hf_name), data_t.numpy(), raw_dtype=raw)
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if rope.get("rope_type") == "llama3":
-        writer.add_tensor("rope_freqs.weight", _llama3_rope_freqs(cfg, rope).numpy())
+        writer.add_tensor("rope_freqs.weight", _llama3_rope_freqs(cfg, rope))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -152,15 +152,29 @@ def _write_hparams(writer: gguf.GGUFWriter, arch: str, cfg: dict[str, Any]) -> N
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
 
 
-def _llama3_rope_freqs(cfg: dict[str, Any], rope: dict[str, Any]) -> torch.Tensor:
-    """llama.cpp's LlamaModel.generate_extra_tensors for rope_type llama3, transcribed."""
-    base = rope.get("rope_theta", 10000.0)
+def _llama3_rope_freqs(cfg: dict[str, Any], rope: dict[str, Any]) -> np.ndarray:
     dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return llama3_rope_factors_reference(
+        rope.get("rope_theta", 10000.0),
+        dim,
+        rope.get("factor", 8.0),
+        rope.get("low_freq_factor", 1.0),
+        rope.get("high_freq_factor", 4.0),
+        rope.get("original_max_position_embeddings", 8192),
+    )
+
+
+def llama3_rope_factors_reference(
+    base: float,
+    dim: int,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    old_context_len: int,
+) -> np.ndarray:
+    """llama.cpp's LlamaModel.generate_extra_tensors for rope_type llama3, transcribed:
+    rope_freqs.weight, float32 [dim // 2]."""
     freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    factor = rope.get("factor", 8.0)
-    low_freq_factor = rope.get("low_freq_factor", 1.0)
-    high_freq_factor = rope.get("high_freq_factor", 4.0)
-    old_context_len = rope.get("original_max_position_embeddings", 8192)
     low_freq_wavelen = old_context_len / low_freq_factor
     high_freq_wavelen = old_context_len / high_freq_factor
     rope_factors = []
@@ -175,7 +189,7 @@ def _llama3_rope_freqs(cfg: dict[str, Any], rope: dict[str, Any]) -> torch.Tenso
                 high_freq_factor - low_freq_factor
             )
             rope_factors.append(1 / ((1 - smooth) / factor + smooth))
-    return torch.tensor(rope_factors, dtype=torch.float32)
+    return torch.tensor(rope_factors, dtype=torch.float32).numpy()
 
 
 def _write_tokenizer(writer: gguf.GGUFWriter, folder: Path, cfg: dict[str, Any]) -> None:
