@@ -1,4 +1,7 @@
-"""Facts read from a Hugging Face model folder that several processes need (no torch)."""
+"""Facts read from a Hugging Face model folder that several processes need (no torch).
+
+Each function also takes a GGUF file (`--model X.gguf`): it reads the folder written from the
+file's metadata (common/model_paths.tokenizer_dir), so callers pass the model path as is."""
 
 from __future__ import annotations
 
@@ -10,8 +13,18 @@ from typing import Any
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
+def _folder(model: Path) -> Path:
+    """The folder itself, or a GGUF file's tokenizer folder."""
+    if Path(model).suffix.lower() != ".gguf":
+        return model
+    from common.model_paths import tokenizer_dir
+
+    return tokenizer_dir(model)
+
+
 def load_model_facts(model_dir: Path, max_model_len_override: int = 0) -> dict[str, Any]:
     """EOS ids, context length and vocabulary size from config.json/generation_config.json."""
+    model_dir = _folder(model_dir)
     cfg = json.loads((model_dir / "config.json").read_text())
     gen_path = model_dir / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
@@ -33,6 +46,7 @@ def load_model_facts(model_dir: Path, max_model_len_override: int = 0) -> dict[s
 
 def tokenizer_fingerprint(model_dir: Path) -> str:
     """A hash of the tokenizer files: a different tokenizer means different token ids."""
+    model_dir = _folder(model_dir)
     h = hashlib.sha256()
     for name in _TOKENIZER_FILES:
         path = model_dir / name
@@ -43,6 +57,7 @@ def tokenizer_fingerprint(model_dir: Path) -> str:
 
 def position_config(model_dir: Path) -> str:
     """The rope / position settings, canonically serialised (part of the cache root)."""
+    model_dir = _folder(model_dir)
     cfg = json.loads((model_dir / "config.json").read_text())
     keys = (
         "rope_theta",

@@ -3,6 +3,9 @@ synthetic spec. Folder logic only (no torch): the supervisor resolves the folder
 process starts, and the worker resolves it the same way.
 
     --model /path/to/hf-folder        that folder (it must hold config.json)
+    --model /path/to/file.gguf        that file, served as it is; its tokenizer and config
+                                      come from a folder written once from its metadata
+                                      (tokenizer_dir, common/gguf_meta.py)
     --model ""                        the default model, converted once (common/prepare_model.py)
     --model synthetic[:key=value,...] a folder beside the default model's
 
@@ -47,16 +50,55 @@ def resolve_model_path(config: Config) -> Path:
         return prepare_synthetic_folder(config.model.model)
     if config.model.model:
         path = Path(config.model.model).expanduser()
+        if path.suffix.lower() == ".gguf":
+            return _checked_gguf(path)
         if not (path / "config.json").is_file():
             raise ConfigError(f"--model {path}: no config.json there (a Hugging Face folder?)")
         return path
     return prepare_default_model()
 
 
+def _checked_gguf(path: Path) -> Path:
+    """The GGUF file, its tokenizer folder written now (once) so that a file we cannot
+    serve (architecture, tensor type) stops the start here, not in a child."""
+    from common.gguf_meta import gguf_tokenizer_folder
+
+    if not path.is_file():
+        raise ConfigError(f"--model {path}: no such GGUF file")
+    try:
+        gguf_tokenizer_folder(path)
+    except ValueError as e:
+        raise ConfigError(f"--model {path}: {e}") from e
+    return path.resolve()
+
+
+def tokenizer_dir(model: str | Path) -> Path:
+    """The Hugging Face folder holding the model's config.json, tokenizer files and
+    generation_config.json: the model folder itself, or for a GGUF file the folder written
+    from its metadata (created on first use, then cached)."""
+    from common.gguf_meta import gguf_tokenizer_folder, is_gguf_file
+
+    return gguf_tokenizer_folder(model) if is_gguf_file(model) else Path(model)
+
+
+def hf_config_of(model: str | Path) -> dict[str, Any]:
+    """The model's config.json as a dict, for a folder or a GGUF file alike."""
+    path = tokenizer_dir(model) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{model} has no config.json: not a Hugging Face model folder")
+    config: dict[str, Any] = json.loads(path.read_text())
+    return config
+
+
+def model_display_name(path: Path) -> str:
+    """A folder's name, or a GGUF file's name without .gguf."""
+    return path.stem if path.suffix.lower() == ".gguf" and path.is_file() else path.name
+
+
 def served_model_name(config: Config) -> str:
-    """The name responses report: the first --served-model-name, else the folder's name."""
+    """The name responses report: the first --served-model-name, else the model's name."""
     names = config.model.served_model_names
-    return names[0] if names else resolve_model_path(config).name
+    return names[0] if names else model_display_name(resolve_model_path(config))
 
 
 def is_synthetic_spec(model: str) -> bool:
@@ -115,6 +157,6 @@ def prepare_synthetic_folder(model: str, tokenizer_dir: Path | None = None) -> P
 def synthetic_params(folder: str | Path) -> dict[str, Any] | None:
     """The parameters if `folder` is a synthetic model's, else None."""
     path = Path(folder) / "config.json"
-    if not path.is_file():
+    if not path.is_file():  # a GGUF file too: never synthetic
         return None
     return json.loads(path.read_text()).get(MARKER)

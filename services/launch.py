@@ -27,7 +27,7 @@ from common import codec
 from common.config import Config, ConfigError, add_flags, from_args
 from common.curve import CurveKeys, uses_curve
 from common.messages import Drain, Drained, ProcessDown, Ready
-from common.model_paths import is_synthetic_spec, resolve_model_path
+from common.model_paths import is_synthetic_spec, model_display_name, resolve_model_path
 from common.parallel_config import (
     replica_addrs,
     replica_config,
@@ -327,7 +327,7 @@ def prepare(config: Config) -> Config:
     return config.replace(
         model={
             "model": str(path),
-            "served_model_name": config.model.served_model_name or path.name,
+            "served_model_name": config.model.served_model_name or model_display_name(path),
         },
         server={"run_dir": run_dir, "chat_template": template},
     )

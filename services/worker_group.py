@@ -84,10 +84,10 @@ def check_parallel(config: Config, model_path: Path | None) -> None:
         )
     if model_path is None or is_synthetic_spec(config.model.model):
         raise ConfigError("--tensor-parallel-size > 1 needs a real model, not --model synthetic")
-    from gpu_worker.models.loader import read_hf_config
+    from common.model_paths import hf_config_of
     from gpu_worker.sharding import check_divisible
 
-    hf = read_hf_config(model_path)
+    hf = hf_config_of(model_path)  # a folder's config.json, or a GGUF file's
     heads = hf["num_attention_heads"]
     try:
         check_divisible(

@@ -27,6 +27,7 @@ from common.messages import (
     TokenBatch,
 )
 from common.model_facts import tokenizer_fingerprint
+from common.model_paths import tokenizer_dir
 from services.detokenizer.incremental import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ SeqKey = tuple[str, int]  # (request id, sequence index)
 
 
 def load_tokenizer(model_dir: Path) -> Tokenizer:
-    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    return Tokenizer.from_file(str(tokenizer_dir(model_dir) / "tokenizer.json"))
 
 
 class _Stream:

@@ -22,6 +22,7 @@ import orjson
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
+from common.gguf_meta import is_gguf_file
 from services.gateway.engine_client import EngineClient
 from services.gateway.protocol import RequestRejected
 
@@ -111,16 +112,18 @@ def _swap_body(raw: bytes) -> dict[str, Any]:
 
 def resolve_model_folder(path: str, model_root: str | None) -> Path:
     """The folder a swap may load: inside --model-root when one is set (no `..` or link
-    escapes), and a Hugging Face folder (config.json)."""
+    escapes), and a Hugging Face folder (config.json) or a GGUF file."""
     folder = Path(path).expanduser()
     if model_root:
         root = Path(model_root).resolve()
         folder = (root / folder).resolve() if not folder.is_absolute() else folder.resolve()
         if not folder.is_relative_to(root):
             raise RequestRejected(f"model: {path!r} is outside the model root {root}", "model", 403)
-    if not (folder / "config.json").is_file():
+    if not (folder / "config.json").is_file() and not is_gguf_file(folder):
         raise RequestRejected(
-            f"model: no Hugging Face model folder (config.json) at {path!r}", "model", 404
+            f"model: no Hugging Face model folder (config.json) or GGUF file at {path!r}",
+            "model",
+            404,
         )
     return folder
 

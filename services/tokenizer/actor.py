@@ -33,6 +33,7 @@ from common.messages import (
     TokenizeResult,
 )
 from common.model_facts import load_model_facts, tokenizer_fingerprint
+from common.model_paths import tokenizer_dir
 from common.parallel_config import engine_entry_addr
 from services.tokenizer.chat_template import load_chat_template, template_kwargs
 from services.tokenizer.sampling import bad_words_token_ids, fill_defaults, read_sampling_defaults
@@ -74,7 +75,8 @@ class ServedModel:
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
-    tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(model_dir)
+    # a GGUF file's tokenizer: the folder written from its metadata
+    tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(tokenizer_dir(model_dir))
     return tokenizer
 
 

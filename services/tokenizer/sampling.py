@@ -25,6 +25,7 @@ from typing import Any
 
 from common.messages import SamplingParams
 from common.messages.types import MODEL_DEFAULT_FIELDS
+from common.model_paths import tokenizer_dir
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ def read_sampling_defaults(model_dir: Path, mode: str = "auto") -> dict[str, flo
     generation_config.json, or for values outside their range (logged, then ignored)."""
     if mode not in GENERATION_CONFIG_MODES:
         raise ValueError(f"generation_config must be one of {GENERATION_CONFIG_MODES}")
-    path = model_dir / "generation_config.json"
+    path = tokenizer_dir(model_dir) / "generation_config.json"  # a GGUF file's: its folder's
     if mode == "vllm" or not path.is_file():
         return {}
     try:
