@@ -18,9 +18,17 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from common.gguf_meta import is_gguf_file
+from common.model_paths import hf_config_of, tokenizer_dir
 from gpu_worker.attention import AttentionBackend
 from gpu_worker.kernel_choice import TORCH_KERNELS, KernelChoice
-from gpu_worker.linear_methods.weights import concat_rows
+from gpu_worker.linear_methods.weights import GGUFShard, GGUFWeight, concat_rows
+from gpu_worker.models.gguf_file import (
+    GGUFTensor,
+    dequantize_tensor,
+    gguf_weights_version,
+    read_gguf_tensors,
+)
 from gpu_worker.models.llama import LlamaConfig, LlamaForCausalLM
 from gpu_worker.sharding import Split, check_divisible, shard_range, split_of, vocab_shard_size
 from gpu_worker.tensor_parallel import TensorParallel
@@ -29,6 +37,9 @@ _MIB = 1 << 20
 
 
 def read_hf_config(folder: str | Path) -> dict[str, Any]:
+    """The model's config.json: a folder's, or the one written from a GGUF file's metadata."""
+    if is_gguf_file(folder):
+        return hf_config_of(folder)
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{folder} has no config.json: not a Hugging Face model folder")
@@ -46,7 +57,7 @@ def eos_token_ids(folder: str | Path, hf_config: dict[str, Any]) -> list[int]:
     """EOS ids from config.json and generation_config.json together, sorted."""
     ids: set[int] = set()
     sources = [hf_config]
-    gen_path = Path(folder) / "generation_config.json"
+    gen_path = tokenizer_dir(folder) / "generation_config.json"
     if gen_path.is_file():
         sources.append(json.loads(gen_path.read_text()))
     for source in sources:
@@ -61,8 +72,11 @@ def eos_token_ids(folder: str | Path, hf_config: dict[str, Any]) -> list[int]:
 def weights_version(folder: str | Path) -> str:
     """16 hex chars of sha256 over each weights file's name, size, first and last MiB.
 
-    Cheap on multi-GB checkpoints, yet any re-export or fine-tune changes it.
+    Cheap on multi-GB checkpoints, yet any re-export or fine-tune changes it. A GGUF file:
+    the same over the file.
     """
+    if is_gguf_file(folder):
+        return gguf_weights_version(folder)
     digest = hashlib.sha256()
     for path in safetensors_files(folder):
         size = path.stat().st_size
@@ -156,7 +170,15 @@ def load_model(
     tp = tp or TensorParallel()
     cfg = LlamaConfig.from_hf(read_hf_config(folder))
     check_tensor_parallel(cfg, tp.size, folder)
-    weights = fuse_weights(read_weights(folder, tp), cfg)
+    if is_gguf_file(folder):
+        if tp.size != 1:
+            raise ValueError(
+                f"{folder}: a GGUF file is served on one rank (--tensor-parallel-size 1)"
+            )
+        raw = read_gguf_weights(folder)
+    else:
+        raw = read_weights(folder, tp)
+    weights = fuse_weights(raw, cfg)
     return build_model(cfg, weights, backend, dtype, device, max_positions, tp, kernels)
 
 
@@ -177,8 +199,10 @@ def build_model(
         model = LlamaForCausalLM(
             cfg, backend, max_positions=max_positions, device=device, tp=tp, ops=kernels.ops
         )
+    tied = weights.pop(TIED_BLOCKS, None)
     if cfg.tie_word_embeddings or "lm_head.weight" not in weights:
-        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+        # the LM head reads the embedding's weight (a GGUF file's blocks, as they are)
+        weights["lm_head.weight"] = tied if tied is not None else weights[EMBED]
     for name, layer in model.linears():
         weight = weights.pop(f"{name}.weight")
         bias = weights.pop(f"{name}.bias", None)
@@ -196,6 +220,32 @@ def build_model(
         layer.method.process_weights_after_loading(layer)
     model.model.decode_step = kernels.decode_step_for(model)
     return model.eval().requires_grad_(False)
+
+
+def read_gguf_weights(path: str | Path) -> dict[str, Any]:
+    """A GGUF file's tensors by HF name: each linear layer's block-quantized weight as it is
+    stored (GGUFWeight), every other tensor (and float-typed linears) as float. The
+    embedding is dequantized for lookups; a tied LM head keeps the embedding's blocks."""
+    weights: dict[str, Any] = {}
+    for name, tensor in read_gguf_tensors(path).items():
+        if name == EMBED and tensor.is_quantized and "lm_head.weight" not in weights:
+            weights[TIED_BLOCKS] = _gguf_weight(tensor)
+        is_linear = name.endswith("_proj.weight") or name == "lm_head.weight"
+        if is_linear and tensor.is_quantized:
+            weights[name] = _gguf_weight(tensor)
+        else:
+            weights[name] = dequantize_tensor(tensor)
+    if "lm_head.weight" in weights:
+        weights.pop(TIED_BLOCKS, None)
+    return weights
+
+
+def _gguf_weight(tensor: GGUFTensor) -> GGUFWeight:
+    return GGUFWeight((GGUFShard(tensor.qtype, tensor.data),), in_features=tensor.shape[1])
+
+
+EMBED = "model.embed_tokens.weight"
+TIED_BLOCKS = "lm_head.tied_blocks"  # a GGUF embedding's blocks, for a tied LM head
 
 
 def _to(weight: Any, device: torch.device, dtype: torch.dtype) -> Any:
