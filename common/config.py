@@ -69,6 +69,12 @@ class ModelConfig:
         "has them (fewer TLB misses as a decode step streams them); --no-cpu-huge-pages: "
         "torch's allocator",
     )
+    quantization: str = _field(
+        "",
+        "quantize a float checkpoint's linear layers at load: '' (serve the weights as "
+        "stored; GGUF files and int8 checkpoints are served as they are) | int8 (W8A8: int8 "
+        "weights with a scale per output channel, activations quantized per token)",
+    )
     max_graph_batch_size: int = _field(64, "largest decode batch captured as a CUDA graph")
     generation_config: str = _field(
         "auto",
@@ -79,6 +85,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _check(self.dtype in ("float32", "bfloat16", "auto"), "dtype", "float32, bfloat16 or auto")
         _check(self.generation_config in ("auto", "vllm"), "generation_config", "auto or vllm")
+        _check(self.quantization in ("", "int8"), "quantization", "'' or int8")
         _check(self.device in ("cpu", "cuda"), "device", "cpu or cuda")
         _check(self.max_model_len >= 0, "max_model_len", ">= 0")
         _check(self.num_threads >= 0, "num_threads", ">= 0")

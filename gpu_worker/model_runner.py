@@ -159,6 +159,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
         cpu_kernels: bool = True,
         cpu_packed_weights: bool = True,
         cpu_huge_pages: bool = True,
+        quantization: str = "",
         draft_model: str = "",
         prompt_lookup_min: int = 2,
         prompt_lookup_max: int = 4,
@@ -189,6 +190,8 @@ class ModelRunner(PlanRunner[ModelVersion]):
         self.cpu_packed_weights = cpu_packed_weights
         # weights and KV cache in transparent huge pages (gpu_worker/cpu/huge_pages.py)
         self.cpu_huge_pages = cpu_huge_pages and self.device.type == "cpu"
+        # '' or int8: a float checkpoint's linears quantized at load (gpu_worker/models/loader.py)
+        self.quantization = quantization
         self.prompt_lookup = (prompt_lookup_min, prompt_lookup_max)
         self._init_model(attention_backend, max_model_len)
         self._init_kv_cache(
@@ -267,6 +270,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
             cpu_kernels=m.cpu_kernels,
             cpu_packed_weights=m.cpu_packed_weights,
             cpu_huge_pages=m.cpu_huge_pages,
+            quantization=m.quantization,
             draft_model=str(Path(spec.draft_model).expanduser()) if spec.draft_model else "",
             prompt_lookup_min=spec.prompt_lookup_min,
             prompt_lookup_max=spec.prompt_lookup_max,
@@ -311,6 +315,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
             max_positions=self.max_model_len,
             tp=self.tp,
             kernels=kernels,
+            quantization=self.quantization,
         )
         log.info("model %s: %s", path, kernels.describe())
         if self.cpu_huge_pages:

@@ -22,6 +22,13 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(xf / scale).clamp(-127, 127).to(torch.int8), scale
 
 
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight [out, in] as int8 [out, in] and a float32 scale [out] per output row
+    (symmetric: scale = absmax / 127), as LLM Compressor's W8A8 channel scheme."""
+    values, scale = quantize_rows(weight)
+    return values, scale.squeeze(-1)
+
+
 def int8_reference(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:

@@ -22,7 +22,8 @@ from common.gguf_meta import is_gguf_file
 from common.model_paths import hf_config_of, tokenizer_dir
 from gpu_worker.attention import AttentionBackend
 from gpu_worker.kernel_choice import TORCH_KERNELS, KernelChoice
-from gpu_worker.linear_methods.weights import GGUFShard, GGUFWeight, concat_rows
+from gpu_worker.linear_methods.int8 import quantize_weight
+from gpu_worker.linear_methods.weights import GGUFShard, GGUFWeight, Int8Weight, concat_rows
 from gpu_worker.models.gguf_file import (
     GGUFTensor,
     dequantize_tensor,
@@ -164,9 +165,11 @@ def load_model(
     max_positions: int,
     tp: TensorParallel | None = None,
     kernels: KernelChoice = TORCH_KERNELS,
+    quantization: str = "",
 ) -> LlamaForCausalLM:
     """Build the model for `folder` on `device` in `dtype`, ready for inference (with `tp`:
-    this rank's shard of it), its layer ops, linear methods and decode step from `kernels`."""
+    this rank's shard of it), its layer ops, linear methods and decode step from `kernels`;
+    with `quantization` "int8", a float checkpoint's decoder linears quantized as it loads."""
     tp = tp or TensorParallel()
     cfg = LlamaConfig.from_hf(read_hf_config(folder))
     check_tensor_parallel(cfg, tp.size, folder)
@@ -179,6 +182,8 @@ def load_model(
     else:
         raw = read_weights(folder, tp)
     weights = fuse_weights(raw, cfg)
+    if quantization == "int8":
+        weights = quantize_linears_int8(weights)
     return build_model(cfg, weights, backend, dtype, device, max_positions, tp, kernels)
 
 
@@ -237,6 +242,15 @@ def read_gguf_weights(path: str | Path) -> dict[str, Any]:
             weights[name] = dequantize_tensor(tensor)
     if "lm_head.weight" in weights:
         weights.pop(TIED_BLOCKS, None)
+    return weights
+
+
+def quantize_linears_int8(weights: dict[str, Any]) -> dict[str, Any]:
+    """Every float weight of a decoder layer's linears as int8 W8A8 (per output channel,
+    symmetric); the embedding and the LM head stay float, as LLM Compressor leaves them."""
+    for name, weight in weights.items():
+        if name.endswith("_proj.weight") and isinstance(weight, torch.Tensor):
+            weights[name] = Int8Weight(*quantize_weight(weight))
     return weights
 
 
