@@ -42,24 +42,26 @@ FLAGS = [
 VECTOR_MATH = ["-DSHUTTLE_LIBMVEC", "-lmvec"]
 
 
-def build_flags() -> list[str]:
-    """FLAGS, with VECTOR_MATH where this machine has libmvec."""
+def build_flags(march: str = "native") -> list[str]:
+    """FLAGS, with VECTOR_MATH where this machine has libmvec; `march` for another
+    instruction set than this CPU's (tests build an AVX2-only library with "haswell")."""
     has_mvec = platform.machine() == "x86_64" and ctypes.util.find_library("mvec") is not None
-    return FLAGS + VECTOR_MATH if has_mvec else FLAGS
+    flags = [f"-march={march}" if f == "-march=native" else f for f in FLAGS]
+    return flags + VECTOR_MATH if has_mvec else flags
 
 
-def library_path(source: Path, includes: tuple[Path, ...] = ()) -> Path:
+def library_path(source: Path, includes: tuple[Path, ...] = (), march: str = "native") -> Path:
     """Where `source`'s library goes: named by the source, the files it #includes, the
     flags and this CPU's features."""
     from common.prepare_model import cache_root
 
-    flags = " ".join(build_flags()) + " ".join(sorted(cpu_flags()))
+    flags = " ".join(build_flags(march)) + " ".join(sorted(cpu_flags()))
     text = b"".join(p.read_bytes() for p in (source, *includes))
     key = hashlib.sha256(text + flags.encode()).hexdigest()[:16]
     return cache_root() / "kernels" / f"{source.stem}-{key}.so"
 
 
-def _build(source: Path, target: Path) -> None:
+def _build(source: Path, target: Path, march: str = "native") -> None:
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         raise RuntimeError("no C compiler (gcc) on PATH")
@@ -68,7 +70,7 @@ def _build(source: Path, target: Path) -> None:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *build_flags(), str(source), "-o", tmp, "-lm"],
+            [compiler, *build_flags(march), str(source), "-o", tmp, "-lm"],
             check=True,
             capture_output=True,
             text=True,
@@ -82,20 +84,23 @@ def _build(source: Path, target: Path) -> None:
             os.unlink(tmp)
 
 
-def load_library(source: Path, includes: tuple[Path, ...] = ()) -> ctypes.CDLL:
+def load_library(
+    source: Path, includes: tuple[Path, ...] = (), march: str = "native"
+) -> ctypes.CDLL:
     """The library of `source` (which #includes `includes`), built first if this machine has
     none. Raises OSError, RuntimeError or SubprocessError when it cannot be built or loaded."""
-    path = library_path(source, includes)
+    path = library_path(source, includes, march)
     if not path.is_file():
-        _build(source, path)
+        _build(source, path, march)
     return ctypes.CDLL(str(path))
 
 
 class KernelLibrary:
     """One C source's library, built and loaded on first use, once per process; `declare`
     sets its functions' ctypes signatures; `includes` are the sources it #includes (their
-    text goes into the library's name too). `load()` is None, after one logged warning, when
-    it cannot be had: callers keep their torch path."""
+    text goes into the library's name too); `march` the instruction set it is built for.
+    `load()` is None, after one logged warning, when it cannot be had: callers keep their
+    torch path."""
 
     def __init__(
         self,
@@ -103,8 +108,10 @@ class KernelLibrary:
         declare: Callable[[ctypes.CDLL], None],
         what: str,
         includes: tuple[Path, ...] = (),
+        march: str = "native",
     ) -> None:
         self.source, self.declare, self.what, self.includes = source, declare, what, includes
+        self.march = march
         self._lock = threading.Lock()
         self._lib: ctypes.CDLL | None = None
         self._failed = False
@@ -115,7 +122,7 @@ class KernelLibrary:
         with self._lock:
             if self._lib is None and not self._failed:
                 try:
-                    lib = load_library(self.source, self.includes)
+                    lib = load_library(self.source, self.includes, self.march)
                     self.declare(lib)
                     self._lib = lib
                 except (OSError, RuntimeError, subprocess.SubprocessError) as e:

@@ -1,0 +1,200 @@
+"""Linear layers on GGUF block-format weights (Q4_0 ... Q6_K) by the C kernels of gguf.c.
+
+The weight is the GGUF tensor's raw bytes, a uint8 tensor [out_features, row_bytes] (one row
+of the matrix = in_features / block_values blocks, laid out as ggml stores them). A few rows
+of x (a decode step) go to the int8 kernel: each row of x quantized to int8 per 32 values
+(per row, so a sequence's output never depends on its batch), the weights streamed once in
+their block format. More rows (prefill chunks) dequantize the weight to float32 once per call
+and multiply with torch (oneDNN), compute-bound where the int8 kernel is not faster
+(`MAX_KERNEL_ROWS`, measured by tools/benchmarks/gguf_kernels.py).
+
+`GgufKernels(march)` holds one built library: this CPU's instruction set by default, another
+(`"haswell"`: AVX2 only) for tests. The module functions use this CPU's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from gpu_worker.cpu.build import KernelLibrary
+
+SOURCE = Path(__file__).with_name("gguf.c")
+HEADER = Path(__file__).with_name("gguf.h")
+_T = gguf.GGMLQuantizationType
+SUPPORTED = frozenset({_T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1, _T.Q8_0, _T.Q4_K, _T.Q5_K, _T.Q6_K})
+# the most rows of x the int8 kernel takes; more go to dequantize + torch.mm (measured on a
+# busy 2-core Sapphire Rapids, tools/benchmarks/gguf_kernels.py)
+MAX_KERNEL_ROWS = 8
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i = ctypes.c_void_p, ctypes.c_int
+    for name in ("gguf_linear_rows", "gguf_linear_rows_f32"):
+        fn = getattr(lib, name)
+        fn.restype = i
+        fn.argtypes = [p, i, p, i, p, p, i, i, i]
+    lib.gguf_dequantize.restype = i
+    lib.gguf_dequantize.argtypes = [p, i, p, i, i, i]
+    lib.gguf_sum_bytes.restype = ctypes.c_uint64
+    lib.gguf_sum_bytes.argtypes = [p, ctypes.c_int64, i]
+
+
+def supported_types() -> frozenset[int]:
+    """The gguf.GGMLQuantizationType values these kernels take."""
+    return frozenset(SUPPORTED)
+
+
+def row_bytes(qtype: int, in_features: int) -> int:
+    """Bytes of one weight row of `in_features` values in `qtype`."""
+    block_values, block_bytes = gguf.GGML_QUANT_SIZES[_T(qtype)]
+    if in_features % block_values:
+        raise ValueError(f"in_features {in_features} is not a multiple of {block_values}")
+    return in_features // block_values * block_bytes
+
+
+def _check_weight(weight: torch.Tensor, qtype: int, out_features: int, in_features: int) -> None:
+    if qtype not in SUPPORTED:
+        raise ValueError(f"GGUF type {qtype} is not one of {sorted(SUPPORTED)}")
+    shape = (out_features, row_bytes(qtype, in_features))
+    if weight.dtype != torch.uint8 or tuple(weight.shape) != shape or weight.device.type != "cpu":
+        raise ValueError(f"weight must be uint8 {shape} on the CPU, got {weight.dtype} {weight.shape}")
+    if not weight.is_contiguous():
+        raise ValueError("weight must be contiguous")
+
+
+class GgufKernels:
+    """The GGUF kernels of one library built for `march` ("native": this CPU)."""
+
+    def __init__(self, march: str = "native") -> None:
+        self._library = KernelLibrary(
+            SOURCE, _declare, f"GGUF CPU kernels ({march})", (HEADER,), march
+        )
+
+    def load(self) -> ctypes.CDLL | None:
+        """The library (built on first use), or None when it cannot be had."""
+        return self._library.load()
+
+    def _lib(self) -> ctypes.CDLL:
+        lib = self.load()
+        if lib is None:
+            raise RuntimeError("the GGUF CPU kernel library could not be built")
+        return lib
+
+    def linear_rows(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        qtype: int,
+        out_features: int,
+        in_features: int,
+        bias: torch.Tensor | None = None,
+        float_path: bool = False,
+    ) -> torch.Tensor:
+        """x [rows, in] float32 @ W.T (+ bias) -> [rows, out] float32, W streamed in its
+        block format: by the int8 kernel, or (`float_path`) dequantized per row in float32."""
+        _check_weight(weight, qtype, out_features, in_features)
+        xf = x.to(torch.float32).contiguous()
+        if xf.dim() != 2 or xf.shape[1] != in_features:
+            raise ValueError(f"x must be [rows, {in_features}], got {tuple(x.shape)}")
+        y = torch.empty(xf.shape[0], out_features, dtype=torch.float32)
+        if xf.shape[0] == 0:
+            return y
+        bf = bias.to(torch.float32).contiguous() if bias is not None else None
+        lib = self._lib()
+        fn = lib.gguf_linear_rows_f32 if float_path else lib.gguf_linear_rows
+        code = fn(
+            xf.data_ptr(),
+            xf.shape[0],
+            weight.data_ptr(),
+            int(qtype),
+            bf.data_ptr() if bf is not None else None,
+            y.data_ptr(),
+            out_features,
+            in_features,
+            torch.get_num_threads(),
+        )
+        if code != 0:
+            raise RuntimeError(f"gguf_linear_rows failed ({code})")
+        return y
+
+    def dequantize(
+        self, weight: torch.Tensor, qtype: int, out_features: int, in_features: int
+    ) -> torch.Tensor:
+        """W [out, in] float32 from its GGUF bytes [out, row_bytes]."""
+        _check_weight(weight, qtype, out_features, in_features)
+        y = torch.empty(out_features, in_features, dtype=torch.float32)
+        lib = self.load()
+        if lib is None:  # gguf-py's numpy dequantization: slow, same values
+            values = gguf.quants.dequantize(weight.numpy(), _T(qtype))
+            return y.copy_(torch.from_numpy(np.ascontiguousarray(values)))
+        code = lib.gguf_dequantize(
+            weight.data_ptr(),
+            int(qtype),
+            y.data_ptr(),
+            out_features,
+            in_features,
+            torch.get_num_threads(),
+        )
+        if code != 0:
+            raise RuntimeError(f"gguf_dequantize failed ({code})")
+        return y
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        qtype: int,
+        out_features: int,
+        in_features: int,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [..., in] (float32 or bfloat16) @ W.T (+ bias) in x's dtype: the int8 kernel for
+        up to MAX_KERNEL_ROWS rows, dequantize + torch beyond."""
+        x2 = x.reshape(-1, in_features)
+        if 0 < x2.shape[0] <= MAX_KERNEL_ROWS and self.load() is not None:
+            y = self.linear_rows(x2, weight, qtype, out_features, in_features, bias)
+        else:
+            w = self.dequantize(weight, qtype, out_features, in_features)
+            bf = bias.to(torch.float32) if bias is not None else None
+            y = F.linear(x2.to(torch.float32), w, bf)
+        return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
+
+    def sum_bytes(self, data: torch.Tensor) -> int:
+        """The sum of a contiguous uint8 tensor's bytes (the memory read limit, measured)."""
+        if data.dtype != torch.uint8 or not data.is_contiguous():
+            raise ValueError("data must be a contiguous uint8 tensor")
+        return int(self._lib().gguf_sum_bytes(data.data_ptr(), data.numel(), torch.get_num_threads()))
+
+
+_NATIVE = GgufKernels()
+
+
+def load() -> ctypes.CDLL | None:
+    """This CPU's kernel library (built on first use), or None when it cannot be had."""
+    return _NATIVE.load()
+
+
+def gguf_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    qtype: int,
+    out_features: int,
+    in_features: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [..., in] (float32 or bfloat16) @ W.T (+ bias) in x's dtype; W is the GGUF tensor's
+    bytes, uint8 [out_features, row_bytes], of a type in supported_types()."""
+    return _NATIVE.linear(x, weight, qtype, out_features, in_features, bias)
+
+
+def dequantize(
+    weight: torch.Tensor, qtype: int, out_features: int, in_features: int
+) -> torch.Tensor:
+    """W [out_features, in_features] float32 from its GGUF bytes [out_features, row_bytes]."""
+    return _NATIVE.dequantize(weight, qtype, out_features, in_features)
