@@ -12,12 +12,13 @@ import pytest
 from transformers import AutoTokenizer
 
 from common.messages import SamplingParams
-from common.prepare_model import _gguf_path, prepare_default_model
+from common.prepare_model import prepare_default_model
 from gpu_worker.linear_methods.gguf import GGUFLinearMethod
 from gpu_worker.linear_methods.int8 import Int8LinearMethod
 from gpu_worker.model_runner import ModelRunner
 from services.scheduler.policy import PolicyConfig
 from tests.engine import LocalEngine
+from tests.gguf_models import default_gguf_file
 
 NUM_NEW = 24
 SYSTEM = "You are a careful assistant. Answer briefly and never invent sources. " * 3
@@ -39,7 +40,7 @@ def runner(request: pytest.FixtureRequest) -> ModelRunner:
         r = ModelRunner(str(prepare_default_model()), quantization="int8", **kw)  # type: ignore[arg-type]
         method: type = Int8LinearMethod
     else:
-        r = ModelRunner(str(_gguf_path()), **kw)  # type: ignore[arg-type]
+        r = ModelRunner(str(default_gguf_file()), **kw)  # type: ignore[arg-type]
         method = GGUFLinearMethod
     assert all(
         isinstance(m.method, method) for _, m in r.model.linears() if m is not r.model.lm_head
