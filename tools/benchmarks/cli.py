@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shlex
 import sys
@@ -91,7 +90,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="tools/bench", description=__doc__.splitlines()[0])
     p.add_argument("--url", default="", help="server to load (default: start shuttle here)")
     p.add_argument("--model", default="", help="model name on the server (default: its first)")
-    p.add_argument("--model-dir", default="", help="HF folder for baselines (default: SmolLM2)")
+    p.add_argument(
+        "--model-dir",
+        default="",
+        help="the model served: an HF folder (float or int8) or a GGUF file (default: SmolLM2)",
+    )
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--input-len", default="128", help="N or LO:HI prompt tokens")
     p.add_argument("--output-len", default="64", help="N or LO:HI output tokens")
@@ -191,11 +194,13 @@ def request_extras(args: argparse.Namespace) -> Extras:
 
 
 def _workload(args: argparse.Namespace, model_dir: str) -> tuple[Workload, str]:
+    from common.model_paths import hf_config_of
+
     if args.jsonl:
         return load_jsonl(
             args.jsonl, args.output_len, args.seed, args.num_prompts
         ), f"jsonl {args.jsonl}"
-    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    vocab = hf_config_of(model_dir)["vocab_size"]
     wl = make_workload(
         args.num_prompts, args.input_len, args.output_len, vocab, args.seed, args.shared_prefix
     )

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -60,6 +61,18 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-url", default="", help="a running vLLM to load instead of starting")
     p.add_argument("--llamacpp-url", default="", help="a running llama-server, likewise")
     p.add_argument("--start-timeout", type=float, default=900.0, help="s for a server to start")
+    p.add_argument(
+        "--vllm-model",
+        default="",
+        help="folder vLLM serves (default: --model when it is a folder, else the converted "
+        "float32 default model: vLLM's CPU backend has no GGUF)",
+    )
+    p.add_argument(
+        "--llamacpp-model",
+        default="",
+        help="what llama.cpp serves: f32 | bf16 | q8_0 | FILE.gguf (default: --model when it "
+        "is a GGUF file, else the --dtype's f32/bf16 file of setup.sh)",
+    )
 
 
 # --- the machine -----------------------------------------------------------------------------
@@ -75,11 +88,7 @@ def machine(model_dir: str, dtype: str, threads: int) -> dict[str, Any]:
             if line.startswith("flags") and not info["flags"]:
                 have = set(line.split(":", 1)[1].split())
                 info["flags"] = [f for f in FLAGS_OF_INTEREST if f in have]
-    itemsize = 2 if dtype == "bfloat16" else 4
-    params = (
-        sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors")) // 4
-    )  # the converted folder holds float32 weights
-    weight_bytes = params * itemsize
+    weight_bytes = served_weight_bytes(model_dir, dtype)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -99,6 +108,37 @@ def machine(model_dir: str, dtype: str, threads: int) -> dict[str, Any]:
         "single_stream_limit_ms": weight_bytes / (read_gb_s * 1e9) * 1e3,
     }
     return info
+
+
+def served_weight_bytes(model: str, dtype: str) -> int:
+    """The bytes of weights a decode step of one sequence reads: a GGUF file's size; a
+    folder's safetensors (a float32 folder read in `dtype`; an int8 one as it is)."""
+    path = Path(model)
+    if path.suffix.lower() == ".gguf":
+        return path.stat().st_size
+    stored = sum(p.stat().st_size for p in path.glob("*.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    if "quantization_config" in config or dtype != "bfloat16":
+        return stored
+    return stored // 2  # a float32 folder served in bfloat16
+
+
+def vllm_model(args: argparse.Namespace, model: str) -> str:
+    if args.vllm_model:
+        return str(args.vllm_model)
+    if Path(model).suffix.lower() == ".gguf":
+        from common.prepare_model import prepare_default_model
+
+        return str(prepare_default_model())
+    return model
+
+
+def llamacpp_weights(args: argparse.Namespace, model: str) -> str:
+    if args.llamacpp_model:
+        return str(args.llamacpp_model)
+    if Path(model).suffix.lower() == ".gguf":
+        return model
+    return "bf16" if args.dtype == "bfloat16" else "f32"
 
 
 # --- the servers -----------------------------------------------------------------------------
@@ -128,8 +168,8 @@ def peer(name: str, args: argparse.Namespace, model_dir: str, log: Path) -> Iter
     script = Path(args.peers_scripts) / ("start-vllm.sh" if name == "vllm" else "start-llamacpp.sh")
     cmd = ["bash", str(script), str(port)]
     if name == "llamacpp":
-        cmd.append("bf16" if args.dtype == "bfloat16" else "f32")
-    env = {**os.environ, "MODEL_DIR": model_dir, "DTYPE": args.dtype}
+        cmd.append(llamacpp_weights(args, model_dir))
+    env = {**os.environ, "MODEL_DIR": vllm_model(args, model_dir), "DTYPE": args.dtype}
     if args.peers_dir:
         env["PEERS_DIR"] = args.peers_dir
     with log.open("wb") as out:
@@ -193,19 +233,24 @@ def load_server(url: str, names: list[str], vocab: int, seed: int) -> dict[str, 
 def compare(
     args: argparse.Namespace, model_dir: str, flags: list[str], threads: int
 ) -> dict[str, Any]:
-    import json
+    from common.model_paths import hf_config_of
 
     names = [s for s in args.compare.split(",") if s]
     unknown = set(names) - set(SERVERS)
     if unknown:
         raise SystemExit(f"--compare: unknown server(s) {sorted(unknown)}; known: {SERVERS}")
     loads = [w for w in args.workloads.split(",") if w]
-    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    vocab = hf_config_of(model_dir)["vocab_size"]
     result: dict[str, Any] = {
         "machine": machine(model_dir, args.dtype, threads),
         "dtype": args.dtype,
         "workloads": {w: WORKLOADS[w] for w in loads},
         "servers": {},
+        "weights": {
+            "shuttle": model_dir,
+            **({"vllm": vllm_model(args, model_dir)} if "vllm" in names else {}),
+            **({"llamacpp": llamacpp_weights(args, model_dir)} if "llamacpp" in names else {}),
+        },
     }
     logs = Path(tempfile.mkdtemp(prefix="compare-"))  # each server's log, kept for a look
     print(f"server logs: {logs}", flush=True)
