@@ -29,8 +29,8 @@ def _f16(b: torch.Tensor) -> torch.Tensor:  # [n, 2] uint8 -> [n, 1] float32
 def _nibbles(qs: torch.Tensor, group: int) -> torch.Tensor:
     """[n, B] bytes -> [n, 2B] values: per group of `group` bytes, low nibbles then high."""
     n = qs.shape[0]
-    q = qs.reshape(n, -1, 1, group) >> torch.tensor([0, 4], dtype=torch.uint8,
-                                                    device=qs.device).reshape(1, 1, 2, 1)  # fmt: skip
+    shifts = torch.tensor([0, 4], dtype=torch.uint8, device=qs.device).reshape(1, 1, 2, 1)
+    q = qs.reshape(n, -1, 1, group) >> shifts
     return (q & 0x0F).reshape(n, -1)
 
 
@@ -92,6 +92,26 @@ def dequantize_reference(weight: torch.Tensor, qtype: int, k: int) -> torch.Tens
     blocks = weight.reshape(-1, size)
     values = _k_quant(qtype, blocks) if block == 256 else _legacy(qtype, blocks)
     return values.reshape(weight.shape[0], k)
+
+
+# byte offsets of each block's fp16 scale fields (d, and dmin or m): the rest is quants
+_F16_FIELDS = {Q4_0: (0,), Q5_0: (0,), Q8_0: (0,), Q4_1: (0, 2), Q5_1: (0, 2), Q4_K: (0, 2),
+               Q5_K: (0, 2), Q6_K: (208,)}  # fmt: skip
+
+
+def random_gguf_weight(
+    qtype: int, n: int, k: int, *, seed: int, scale: float, device: str | torch.device = "cpu"
+) -> torch.Tensor:
+    """Valid random blocks [n, row_bytes] uint8: random quant bytes, finite fp16 scales drawn
+    from N(0, scale) (gguf-py cannot quantize K-quants; any bytes but the scales are valid)."""
+    _, size = GGUF_BLOCKS[qtype]
+    gen = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (n * row_bytes(qtype, k) // size, size), generator=gen,
+                           dtype=torch.uint8)  # fmt: skip
+    for at in _F16_FIELDS[qtype]:
+        d = (torch.randn(blocks.shape[0], 1, generator=gen) * scale).to(torch.float16)
+        blocks[:, at : at + 2] = d.view(torch.uint8)
+    return blocks.reshape(n, -1).to(device)
 
 
 def gguf_matmul_reference(

@@ -1,0 +1,137 @@
+"""W8A8: per-row dynamic int8 quantization of x, then an int8 GEMM with int32 accumulation."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gpu_worker.kernels import check_device, next_power_of_2
+
+MAX_QUANT_BLOCK = 4096  # columns a quantize program holds at once; longer rows loop
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    cols,
+    stride_x,
+    stride_q,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for c0 in range(0, cols, BLOCK):
+        x = tl.load(x_ptr + row * stride_x + c0 + offs, mask=c0 + offs < cols, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    scale = tl.max(amax, 0) / 127.0
+    tl.store(scale_ptr + row, scale)
+    for c0 in range(0, cols, BLOCK):
+        mask = c0 + offs < cols
+        x = tl.load(x_ptr + row * stride_x + c0 + offs, mask=mask, other=0.0).to(tl.float32)
+        v = x / tl.where(scale > 0, scale, 1.0)  # an all-zero row stays zero
+        q = tl.minimum(tl.floor(tl.abs(v) + 0.5), 127.0)  # round half away from zero
+        q = tl.where(v < 0, -q, q)
+        tl.store(q_ptr + row * stride_q + c0 + offs, q.to(tl.int8), mask=mask)
+
+
+@triton.jit
+def _int8_matmul_kernel(
+    xq_ptr,
+    x_scale_ptr,
+    w_ptr,
+    w_scale_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    x_rows = xq_ptr + rm[:, None].to(tl.int64) * stride_xm  # [BLOCK_M, 1]
+    w_cols = w_ptr + rn[None, :].to(tl.int64) * stride_wn  # [1, BLOCK_N]: W^T tiles
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + rk
+        x = tl.load(x_rows + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K), other=0)
+        w = tl.load(w_cols + k[:, None], mask=(k[:, None] < K) & (rn[None, :] < N), other=0)
+        acc = tl.dot(x, w, acc, out_dtype=tl.int32)
+    x_scale = tl.load(x_scale_ptr + rm, mask=rm < M, other=0.0)
+    w_scale = tl.load(w_scale_ptr + rn, mask=rn < N, other=0.0)
+    result = acc.to(tl.float32) * x_scale[:, None] * w_scale[None, :]
+    out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+    tl.store(out, result.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C] float -> (int8 [R, C], float32 scale [R]), as `quantize_rows_reference`."""
+    assert x.dim() == 2 and x.stride(1) == 1, "x must be [rows, cols] with contiguous rows"
+    assert x.dtype in (torch.float16, torch.bfloat16, torch.float32), f"x is {x.dtype}"
+    check_device(x)
+    q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+    scale = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    if x.numel() == 0:
+        return q, scale
+    block = min(MAX_QUANT_BLOCK, next_power_of_2(x.shape[1]))
+    _quantize_rows_kernel[(x.shape[0],)](
+        x, q, scale, x.shape[1], x.stride(0), q.stride(0),
+        BLOCK=block, num_warps=min(8, max(1, block // 256)),
+    )  # fmt: skip
+    return q, scale
+
+
+def int8_tiles(m: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for m rows: decode to prefill."""
+    if m <= 16:
+        return 16, 64, 128, 4, 3
+    if m < 64:
+        return 32, 64, 128, 4, 3
+    return 64, 128, 64, 4, 3
+
+
+def int8_matmul(
+    x: torch.Tensor,  # [M, K] fp16 / bf16 / fp32
+    weight: torch.Tensor,  # [N, K] int8
+    weight_scale: torch.Tensor,  # [N] float32, per output channel
+    out: torch.Tensor | None = None,  # [M, N] in x's dtype
+) -> torch.Tensor:
+    """x @ (weight * weight_scale[:, None])^T with x quantized per row to int8; x's dtype."""
+    assert x.dim() == 2 and x.stride(1) == 1, "x must be [M, K] with contiguous rows"
+    m, k = x.shape
+    n = weight.shape[0]
+    assert weight.dtype == torch.int8 and weight.shape == (n, k) and weight.stride(1) == 1, (
+        f"weight must be int8 [N, {k}] with contiguous rows, got {weight.dtype} "
+        f"{tuple(weight.shape)}"
+    )
+    assert weight_scale.dtype == torch.float32 and weight_scale.shape == (n,), (
+        f"weight_scale must be float32 [{n}], got {weight_scale.dtype} {tuple(weight_scale.shape)}"
+    )
+    assert weight_scale.is_contiguous(), "weight_scale must be contiguous"
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    assert out.shape == (m, n) and out.dtype == x.dtype and out.stride(1) == 1, "bad out"
+    check_device(x, weight, weight_scale, out)
+    if m == 0 or n == 0:
+        return out
+    xq, x_scale = quantize_rows(x)
+    block_m, block_n, block_k, warps, stages = int8_tiles(m)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+    _int8_matmul_kernel[grid](
+        xq, x_scale, weight, weight_scale, out, m, n, k,
+        xq.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
