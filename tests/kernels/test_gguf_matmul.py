@@ -95,12 +95,14 @@ def test_matches_reference_half(qtype: int, dtype: torch.dtype, device) -> None:
 
 
 @pytest.mark.parametrize("qtype", [Q8_0, Q4_K], ids=QTYPE_NAMES.get)
-def test_prefill_tiles_and_strided_rows(qtype: int, device) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_prefill_tiles_and_strided_rows(qtype: int, dtype: torch.dtype, device) -> None:
     m, k = 70, k_for(qtype)
-    assert gguf_tiles(m)[0] == 64 and gguf_tiles(1)[0] == 16
+    assert gguf_tiles(m, dtype)[0] > gguf_tiles(1, dtype)[0] == 16  # the prefill tiles
     weight = make_weight(qtype, 32, k, seed=3).to(device)
-    x = torch.randn(m, k + 24, generator=torch.Generator().manual_seed(3)).to(device)[:, 8 : 8 + k]
-    out = torch.full((m, 32), float("nan"), device=device)
+    x = torch.randn(m, k + 24, generator=torch.Generator().manual_seed(3)).to(device, dtype)
+    x = x[:, 8 : 8 + k]  # rows with a stride of k + 24
+    out = torch.full((m, 32), float("nan"), dtype=dtype, device=device)
     assert gguf_matmul(x, weight, qtype, 32, k, out=out) is out
     assert_close(out, x, weight, qtype)
 

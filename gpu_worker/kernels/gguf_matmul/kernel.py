@@ -29,48 +29,66 @@ def _f16(ptr, mask):
 
 
 @triton.jit
-def _legacy(base, j, mask, QTYPE: tl.constexpr):
-    """Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1: element j (< 32) of the block at `base`."""
-    d = _f16(base, mask)
-    if QTYPE == _Q8_0:
-        q = tl.load(base + 2 + j, mask=mask, other=0).to(tl.int8, bitcast=True)
-        return d * q.to(tl.float32)
+def _legacy(blk, i, mask, QTYPE: tl.constexpr):
+    """Q4_0 / Q4_1 / Q5_0 / Q5_1: the [32, BLOCK_N] tile of the blocks at `blk`
+    ([1, BLOCK_N] pointers, one block per column); i = arange(32)[:, None]."""
+    d = _f16(blk, mask)  # [1, BLOCK_N]
     HAS_MIN: tl.constexpr = QTYPE == _Q4_1 or QTYPE == _Q5_1
     HAS_HIGH: tl.constexpr = QTYPE == _Q5_0 or QTYPE == _Q5_1
     QH_AT: tl.constexpr = 4 if HAS_MIN else 2
     QS_AT: tl.constexpr = QH_AT + 4 if HAS_HIGH else QH_AT
-    q = (_byte(base + QS_AT + (j % 16), mask) >> ((j // 16) * 4)) & 0xF
-    if HAS_HIGH:  # bit j of a little-endian uint32
-        q |= ((_byte(base + QH_AT + j // 8, mask) >> (j % 8)) & 1) << 4
+    q = (_byte(blk + QS_AT + (i % 16), mask) >> ((i // 16) * 4)) & 0xF
+    if HAS_HIGH:  # bit i of a little-endian uint32
+        q |= ((_byte(blk + QH_AT + i // 8, mask) >> (i % 8)) & 1) << 4
     if HAS_MIN:
-        return d * q.to(tl.float32) + _f16(base + 2, mask)
-    OFFSET: tl.constexpr = 16 if HAS_HIGH else 8
-    return d * (q - OFFSET).to(tl.float32)
+        w = d * q.to(tl.float32) + _f16(blk + 2, mask)
+    else:
+        OFFSET: tl.constexpr = 16 if HAS_HIGH else 8
+        w = d * (q - OFFSET).to(tl.float32)
+    return w
 
 
 @triton.jit
-def _k_quant(base, j, mask, QTYPE: tl.constexpr):
-    """Q4_K / Q5_K / Q6_K: element j (< 256) of the super-block at `base`."""
-    if QTYPE == _Q6_K:
-        q = (_byte(base + (j // 128) * 64 + j % 64, mask) >> (((j // 64) & 1) * 4)) & 0xF
-        high = _byte(base + 128 + (j // 128) * 32 + j % 32, mask)
-        q |= ((high >> (((j // 32) & 3) * 2)) & 3) << 4
-        sc = tl.load(base + 192 + j // 16, mask=mask, other=0).to(tl.int8, bitcast=True)
-        return _f16(base + 208, mask) * sc.to(tl.float32) * (q - 32).to(tl.float32)
-    # sub-block s = j / 32: 6-bit scale and min, s < 4 in bytes 4..11, s >= 4 split in three
-    s = j // 32
-    is_hi = s >= 4
-    a = _byte(base + 4 + (s & 3), mask)
-    b = _byte(base + 8 + (s & 3), mask)
-    c = _byte(base + 12 + (s & 3), mask)
-    sc = tl.where(is_hi, (c & 0x0F) | ((a >> 2) & 0x30), a & 0x3F)
-    mn = tl.where(is_hi, (c >> 4) | ((b >> 2) & 0x30), b & 0x3F)
+def _q8_0(blk, i, mask):
+    """Q8_0: the [32, BLOCK_N] tile of the blocks at `blk`; i = arange(32)[:, None]."""
+    q = tl.load(blk + 2 + i, mask=mask, other=0).to(tl.int8, bitcast=True)
+    return _f16(blk, mask) * q.to(tl.float32)
+
+
+@triton.jit
+def _q6_k(blk, j0, i, mask):
+    """Q6_K: elements j0 + i (i = arange(32)[:, None], j0 a multiple of 32) of the
+    super-blocks at `blk` ([1, BLOCK_N] pointers): a [32, BLOCK_N] tile."""
+    q = (_byte(blk + (j0 // 128) * 64 + j0 % 64 + i, mask) >> (((j0 // 64) & 1) * 4)) & 0xF
+    high = _byte(blk + 128 + (j0 // 128) * 32 + i, mask)
+    q |= ((high >> (((j0 // 32) & 3) * 2)) & 3) << 4
+    # one int8 scale per 16 elements: two per tile
+    sc0 = tl.load(blk + 192 + j0 // 16, mask=mask, other=0).to(tl.int8, bitcast=True)
+    sc1 = tl.load(blk + 193 + j0 // 16, mask=mask, other=0).to(tl.int8, bitcast=True)
+    sc = tl.where(i < 16, sc0.to(tl.float32), sc1.to(tl.float32))
+    return _f16(blk + 208, mask) * sc * (q - 32).to(tl.float32)
+
+
+@triton.jit
+def _q45_k(blk, j0, i, mask, QTYPE: tl.constexpr):
+    """Q4_K / Q5_K: elements j0 + i as `_q6_k`."""
+    # sub-block s = j0 / 32: 6-bit scale and min, s < 4 in bytes 4..11, s >= 4 split in three
+    s = j0 // 32
+    a = _byte(blk + 4 + (s & 3), mask)
+    b = _byte(blk + 8 + (s & 3), mask)
+    if s >= 4:
+        c = _byte(blk + 12 + (s & 3), mask)
+        sc = (c & 0x0F) | ((a >> 2) & 0x30)
+        mn = (c >> 4) | ((b >> 2) & 0x30)
+    else:
+        sc = a & 0x3F
+        mn = b & 0x3F
     QS_AT: tl.constexpr = 16 if QTYPE == _Q4_K else 48
-    q = (_byte(base + QS_AT + (j // 64) * 32 + j % 32, mask) >> ((s & 1) * 4)) & 0xF
+    q = (_byte(blk + QS_AT + (j0 // 64) * 32 + i, mask) >> ((s & 1) * 4)) & 0xF
     if QTYPE == _Q5_K:
-        q |= ((_byte(base + 16 + j % 32, mask) >> s) & 1) << 4
-    d = _f16(base, mask) * sc.to(tl.float32)
-    return d * q.to(tl.float32) - _f16(base + 2, mask) * mn.to(tl.float32)
+        q |= ((_byte(blk + 16 + i, mask) >> s) & 1) << 4
+    d = _f16(blk, mask) * sc.to(tl.float32)
+    return d * q.to(tl.float32) - _f16(blk + 2, mask) * mn.to(tl.float32)
 
 
 @triton.jit
@@ -89,39 +107,47 @@ def _gguf_matmul_kernel(
     TYPE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
+    # one K step is 32 elements: a legacy block or a K-quant sub-block, so every scale of a
+    # tile is one value per column, and K (a multiple of 32) needs no mask
+    BLOCK_K: tl.constexpr = 32
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm  # [BLOCK_M, 1]
-    w_rows = w_ptr + rn[None, :].to(tl.int64) * stride_wn  # [1, BLOCK_N]: W^T tiles
+    i = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm + i[None, :]  # [BLOCK_M, BLOCK_K]
+    x_mask = rm[:, None] < M
+    w_cols = w_ptr + rn[None, :].to(tl.int64) * stride_wn  # [1, BLOCK_N]: W^T tiles
+    w_mask = rn[None, :] < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k = k0 + rk
-        x = tl.load(x_rows + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K), other=0.0)
-        kk = k[:, None]  # [BLOCK_K, 1]
-        base = w_rows + (kk // QK) * TYPE_SIZE  # [BLOCK_K, BLOCK_N]: each element's block
-        mask = (kk < K) & (rn[None, :] < N)
-        if QK == 32:
-            w = _legacy(base, kk % QK, mask, QTYPE)
+        x = tl.load(x_rows + k0, mask=x_mask, other=0.0)
+        blk = w_cols + (k0 // QK) * TYPE_SIZE
+        if QTYPE == _Q8_0:
+            w = _q8_0(blk, i[:, None], w_mask)
+        elif QTYPE == _Q6_K:
+            w = _q6_k(blk, k0 % QK, i[:, None], w_mask)
+        elif QK == 256:
+            w = _q45_k(blk, k0 % QK, i[:, None], w_mask, QTYPE)
         else:
-            w = _k_quant(base, kk % QK, mask, QTYPE)
+            w = _legacy(blk, i[:, None], w_mask, QTYPE)
         acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PRECISION)
     out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def gguf_tiles(m: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for m rows: decode (m <= 16) to prefill."""
+def gguf_tiles(m: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for m rows of x in dtype; BLOCK_K is 32.
+
+    Decode (m <= 16): narrow N tiles, for more programs on a weight-bound GEMM. Prefill:
+    64 x 64 over 8 warps; 32 x 64 in float32, whose IEEE dot runs on FMAs and would spill
+    in 64 x 64. Registers per thread (sm_90 / sm_80, no spills) are in
+    tests/kernels/cuda_compile.py's output."""
     if m <= 16:
-        return 16, 64, 64, 4
-    if m < 64:
-        return 32, 64, 64, 4
-    return 64, 64, 64, 4
+        return 16, 32, 4
+    return (32 if dtype == torch.float32 else 64), 64, 8
 
 
 def gguf_matmul(
@@ -149,12 +175,12 @@ def gguf_matmul(
     check_device(x, weight, out)
     if m == 0 or n == 0:
         return out
-    block_m, block_n, block_k, warps = gguf_tiles(m)
+    block_m, block_n, warps = gguf_tiles(m, x.dtype)
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     _gguf_matmul_kernel[grid](
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         QTYPE=qtype, QK=qk, TYPE_SIZE=type_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(x.dtype), num_warps=warps,
     )  # fmt: skip
     return out
