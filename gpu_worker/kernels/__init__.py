@@ -16,7 +16,15 @@ import os
 
 import torch
 
-KERNEL_NAMES = ("kv_store", "paged_decode", "extend_attention", "rmsnorm", "rotary")
+KERNEL_NAMES = (
+    "kv_store",
+    "paged_decode",
+    "extend_attention",
+    "rmsnorm",
+    "rotary",
+    "gguf_matmul",
+    "int8_matmul",
+)
 
 
 def triton_available() -> bool:
