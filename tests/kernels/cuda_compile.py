@@ -120,7 +120,7 @@ def _gguf(arch: int, dt: str) -> list[dict]:
     dtype = torch.float32 if dt == "fp32" else torch.bfloat16
     pointers = {"x_ptr": f"*{dt}", "w_ptr": "*u8", "out_ptr": f"*{dt}"}
     # weight rows are K / 32 blocks of 18..210 bytes: no alignment to assume for stride_wn
-    aligned = ("x_ptr", "w_ptr", "out_ptr", "K", "stride_xm", "stride_om")
+    aligned = ("x_ptr", "w_ptr", "out_ptr", "K", "stride_xm", "stride_om", "k_per_split")
     rows = []
     for qtype, (qk, type_size) in GGUF_BLOCKS.items():
         for m in (DECODE_M, PREFILL_M):
@@ -137,11 +137,12 @@ def _int8(arch: int, dt: str) -> list[dict]:
     """The W8A8 GEMM in the decode and the prefill tiles, and the row quantizer."""
     pointers = {"xq_ptr": "*i8", "x_scale_ptr": "*fp32", "w_ptr": "*i8",
                 "w_scale_ptr": "*fp32", "out_ptr": f"*{dt}"}  # fmt: skip
-    aligned = (*pointers, "K", "stride_xm", "stride_wn", "stride_om")
+    aligned = (*pointers, "K", "stride_xm", "stride_wn", "stride_om", "k_per_split")
     rows = []
-    for m in (DECODE_M, PREFILL_M):
+    # decode launches may split K (int32 partials); prefill never does
+    for m, split in ((DECODE_M, False), (DECODE_M, True), (PREFILL_M, False)):
         block_m, block_n, block_k, warps, stages = int8.int8_tiles(m)
-        tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split)
         rows.append(_compile(int8._int8_matmul_kernel, arch, pointers, tiles, aligned,
                              num_warps=warps, num_stages=stages))  # fmt: skip
     quant = {"x_ptr": f"*{dt}", "q_ptr": "*i8", "scale_ptr": "*fp32"}

@@ -20,7 +20,7 @@ gguf = pytest.importorskip("gguf", reason="gguf-py is not installed")
 
 from gguf import quants  # noqa: E402
 
-from gpu_worker.kernels import interpreting  # noqa: E402
+from gpu_worker.kernels import decode_split_k, interpreting  # noqa: E402
 from gpu_worker.kernels.gguf_matmul.kernel import gguf_matmul, gguf_tiles  # noqa: E402
 from gpu_worker.kernels.gguf_matmul.reference import (  # noqa: E402
     GGUF_BLOCKS,
@@ -108,6 +108,24 @@ def test_prefill_tiles_and_strided_rows(qtype: int, dtype: torch.dtype, device) 
     out = torch.full((m, 32), float("nan"), dtype=dtype, device=device)
     assert gguf_matmul(x, weight, qtype, 32, k, out=out) is out
     assert_close(out, x, weight, qtype)
+
+
+@pytest.mark.parametrize("qtype", [Q8_0, Q4_K], ids=QTYPE_NAMES.get)
+def test_split_k_matches_reference(qtype: int, device) -> None:
+    k = k_for(qtype)  # 5 or 16 K steps of 32: ranges of 2+2+1 or 6+6+4 steps
+    weight = make_weight(qtype, 48, k, seed=11).to(device)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(11)).to(device)
+    split = gguf_matmul(x, weight, qtype, 48, k, split_k=3)
+    assert_close(split, x, weight, qtype)
+    assert_close(gguf_matmul(x, weight, qtype, 48, k, split_k=64), x, weight, qtype)  # 1 step
+
+
+def test_decode_split_k() -> None:
+    assert decode_split_k(num_tiles=128, k_steps=128, num_sms=0) == 1  # the interpreter
+    assert decode_split_k(num_tiles=128, k_steps=128, num_sms=132) == 2  # 4096-wide, H200
+    assert decode_split_k(num_tiles=18, k_steps=18, num_sms=132) == 4  # >= 4 steps a range
+    assert decode_split_k(num_tiles=1, k_steps=4096, num_sms=132) == 16
+    assert decode_split_k(num_tiles=4000, k_steps=128, num_sms=132) == 1
 
 
 def _smollm2_gguf() -> Path | None:

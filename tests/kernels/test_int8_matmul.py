@@ -85,6 +85,16 @@ def test_rows_do_not_depend_on_the_batch(device) -> None:
     assert torch.equal(int8_matmul(x, w, w_scale)[4:5], alone)
 
 
+def test_split_k_is_bit_identical(device) -> None:
+    w, w_scale = weight(80, 512, seed=12)  # 4 K steps of 128
+    w, w_scale = w.to(device), w_scale.to(device)
+    x = randn(5, 512, seed=13).to(device)
+    whole = int8_matmul(x, w, w_scale, split_k=1)
+    assert torch.equal(int8_matmul(x, w, w_scale, split_k=2), whole)
+    assert torch.equal(int8_matmul(x, w, w_scale, split_k=3), whole)  # ranges of 2+2 steps
+    assert torch.equal(int8_matmul(x, w, w_scale, split_k=4), whole)
+
+
 def test_launcher_rejects_bad_inputs(device) -> None:
     w, w_scale = weight(32, 64, seed=0)
     w, w_scale = w.to(device), w_scale.to(device)

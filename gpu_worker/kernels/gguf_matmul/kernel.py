@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_worker.kernels import check_device, dot_precision
+from gpu_worker.kernels import check_device, decode_split_k, dot_precision, sm_count
 from gpu_worker.kernels.gguf_matmul.reference import GGUF_BLOCKS, QTYPE_NAMES, row_bytes
 
 # the ggml type ids of reference.py, as constexprs the kernel's branches compare against
@@ -102,6 +102,8 @@ def _gguf_matmul_kernel(
     stride_xm,
     stride_wn,
     stride_om,
+    stride_os,
+    k_per_split,
     QTYPE: tl.constexpr,
     QK: tl.constexpr,
     TYPE_SIZE: tl.constexpr,
@@ -111,9 +113,10 @@ def _gguf_matmul_kernel(
 ):
     # one K step is 32 elements: a legacy block or a K-quant sub-block, so every scale of a
     # tile is one value per column, and K (a multiple of 32) needs no mask
-    BLOCK_K: tl.constexpr = 32
+    BLOCK_K: tl.constexpr = 32  # GGUF_BLOCK_K
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)  # split-K: this program's K range; partials summed after
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     i = tl.arange(0, BLOCK_K)
@@ -122,7 +125,8 @@ def _gguf_matmul_kernel(
     w_cols = w_ptr + rn[None, :].to(tl.int64) * stride_wn  # [1, BLOCK_N]: W^T tiles
     w_mask = rn[None, :] < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = pid_k * k_per_split
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         x = tl.load(x_rows + k0, mask=x_mask, other=0.0)
         blk = w_cols + (k0 // QK) * TYPE_SIZE
         if QTYPE == _Q8_0:
@@ -134,8 +138,11 @@ def _gguf_matmul_kernel(
         else:
             w = _legacy(blk, i[:, None], w_mask, QTYPE)
         acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PRECISION)
-    out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+    out = out_ptr + pid_k * stride_os + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+GGUF_BLOCK_K = 32  # the kernel's K step: one legacy block or one K-quant sub-block
 
 
 def gguf_tiles(m: int, dtype: torch.dtype) -> tuple[int, int, int]:
@@ -157,8 +164,13 @@ def gguf_matmul(
     n: int,
     k: int,
     out: torch.Tensor | None = None,  # [M, N] in x's dtype
+    split_k: int | None = None,  # K ranges summed in float32 after; None: decode_split_k
 ) -> torch.Tensor:
-    """x @ dequantize(weight)^T, [M, N] in x's dtype, accumulated in float32."""
+    """x @ dequantize(weight)^T, [M, N] in x's dtype, accumulated in float32.
+
+    Decode-sized x (M <= 16) on a GPU may split K over more programs (`decode_split_k`);
+    the split depends on N and K only, never on M, so every row of a decode batch gets the
+    same summation order whatever the batch."""
     assert qtype in GGUF_BLOCKS, f"unsupported ggml type {qtype}: {sorted(QTYPE_NAMES.values())}"
     qk, type_size = GGUF_BLOCKS[qtype]
     assert x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1, "x must be [M, K], rows dense"
@@ -176,11 +188,22 @@ def gguf_matmul(
     if m == 0 or n == 0:
         return out
     block_m, block_n, warps = gguf_tiles(m, x.dtype)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+    k_steps = k // GGUF_BLOCK_K
+    if split_k is None:
+        split_k = (
+            decode_split_k(triton.cdiv(n, block_n), k_steps, sm_count(x.device)) if m <= 16 else 1
+        )
+    per_split = triton.cdiv(k_steps, split_k) * GGUF_BLOCK_K
+    split_k = triton.cdiv(k, per_split)  # no empty ranges
+    target = out if split_k == 1 else torch.empty(split_k, m, n, device=x.device)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split_k)
     _gguf_matmul_kernel[grid](
-        x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        x, weight, target, m, n, k, x.stride(0), weight.stride(0), target.stride(-2),
+        0 if split_k == 1 else target.stride(0), per_split,
         QTYPE=qtype, QK=qk, TYPE_SIZE=type_size,
         BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(x.dtype), num_warps=warps,
     )  # fmt: skip
+    if split_k > 1:
+        out.copy_(target.sum(0))
     return out

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_worker.kernels import check_device, next_power_of_2
+from gpu_worker.kernels import check_device, decode_split_k, next_power_of_2, sm_count
 
 MAX_QUANT_BLOCK = 4096  # columns a quantize program holds at once; longer rows loop
 
@@ -51,28 +51,39 @@ def _int8_matmul_kernel(
     stride_xm,
     stride_wn,
     stride_om,
+    stride_os,
+    k_per_split,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,  # store raw int32 sums of this program's K range, scaled after
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     x_rows = xq_ptr + rm[:, None].to(tl.int64) * stride_xm  # [BLOCK_M, 1]
     w_cols = w_ptr + rn[None, :].to(tl.int64) * stride_wn  # [1, BLOCK_N]: W^T tiles
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + rk
-        x = tl.load(x_rows + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K), other=0)
-        w = tl.load(w_cols + k[:, None], mask=(k[:, None] < K) & (rn[None, :] < N), other=0)
+        x = tl.load(x_rows + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < k_end), other=0)
+        w = tl.load(w_cols + k[:, None], mask=(k[:, None] < k_end) & (rn[None, :] < N), other=0)
         acc = tl.dot(x, w, acc, out_dtype=tl.int32)
-    x_scale = tl.load(x_scale_ptr + rm, mask=rm < M, other=0.0)
-    w_scale = tl.load(w_scale_ptr + rn, mask=rn < N, other=0.0)
-    result = acc.to(tl.float32) * x_scale[:, None] * w_scale[None, :]
-    out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
-    tl.store(out, result.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+    out_mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if SPLIT:
+        part = out_ptr + pid_k * stride_os + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+        tl.store(part, acc, mask=out_mask)
+    else:
+        x_scale = tl.load(x_scale_ptr + rm, mask=rm < M, other=0.0)
+        w_scale = tl.load(w_scale_ptr + rn, mask=rn < N, other=0.0)
+        result = acc.to(tl.float32) * x_scale[:, None] * w_scale[None, :]
+        out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+        tl.store(out, result.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,8 +117,12 @@ def int8_matmul(
     weight: torch.Tensor,  # [N, K] int8
     weight_scale: torch.Tensor,  # [N] float32, per output channel
     out: torch.Tensor | None = None,  # [M, N] in x's dtype
+    split_k: int | None = None,  # K ranges of exact int32 sums; None: decode_split_k
 ) -> torch.Tensor:
-    """x @ (weight * weight_scale[:, None])^T with x quantized per row to int8; x's dtype."""
+    """x @ (weight * weight_scale[:, None])^T with x quantized per row to int8; x's dtype.
+
+    Decode-sized x (M <= 16) on a GPU may split K over more programs (`decode_split_k`):
+    the int32 sums are exact, so the result is bit-identical whatever the split."""
     assert x.dim() == 2 and x.stride(1) == 1, "x must be [M, K] with contiguous rows"
     m, k = x.shape
     n = weight.shape[0]
@@ -127,11 +142,23 @@ def int8_matmul(
         return out
     xq, x_scale = quantize_rows(x)
     block_m, block_n, block_k, warps, stages = int8_tiles(m)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+    k_steps = triton.cdiv(k, block_k)
+    if split_k is None:
+        split_k = (
+            decode_split_k(triton.cdiv(n, block_n), k_steps, sm_count(x.device)) if m <= 16 else 1
+        )
+    per_split = triton.cdiv(k_steps, split_k) * block_k
+    split_k = triton.cdiv(k, per_split)  # no empty ranges
+    target = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.int32,
+                                                  device=x.device)  # fmt: skip
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split_k)
     _int8_matmul_kernel[grid](
-        xq, x_scale, weight, weight_scale, out, m, n, k,
-        xq.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        xq, x_scale, weight, weight_scale, target, m, n, k,
+        xq.stride(0), weight.stride(0), target.stride(-2),
+        0 if split_k == 1 else target.stride(0), per_split,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split_k > 1,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
+    if split_k > 1:  # exact integer sums, then the kernel's own scaling order
+        out.copy_(target.sum(0).float() * x_scale[:, None] * weight_scale[None, :])
     return out
