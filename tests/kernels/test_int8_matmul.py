@@ -95,6 +95,14 @@ def test_split_k_is_bit_identical(device) -> None:
     assert torch.equal(int8_matmul(x, w, w_scale, split_k=4), whole)
 
 
+def test_empty_shapes(device) -> None:
+    w = torch.zeros(8, 0, dtype=torch.int8, device=device)
+    out = int8_matmul(torch.ones(2, 0, device=device), w, torch.ones(8, device=device))
+    assert out.shape == (2, 8) and (out == 0).all()
+    w, w_scale = (t.to(device) for t in weight(8, 4, seed=0))
+    assert int8_matmul(torch.ones(0, 4, device=device), w, w_scale).shape == (0, 8)
+
+
 def test_launcher_rejects_bad_inputs(device) -> None:
     w, w_scale = weight(32, 64, seed=0)
     w, w_scale = w.to(device), w_scale.to(device)

@@ -185,8 +185,8 @@ def gguf_matmul(
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     assert out.shape == (m, n) and out.dtype == x.dtype and out.stride(1) == 1, "bad out"
     check_device(x, weight, out)
-    if m == 0 or n == 0:
-        return out
+    if m == 0 or n == 0 or k == 0:
+        return out.zero_()  # an empty sum
     block_m, block_n, warps = gguf_tiles(m, x.dtype)
     k_steps = k // GGUF_BLOCK_K
     if split_k is None:

@@ -138,8 +138,8 @@ def int8_matmul(
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     assert out.shape == (m, n) and out.dtype == x.dtype and out.stride(1) == 1, "bad out"
     check_device(x, weight, weight_scale, out)
-    if m == 0 or n == 0:
-        return out
+    if m == 0 or n == 0 or k == 0:
+        return out.zero_()  # an empty sum
     xq, x_scale = quantize_rows(x)
     block_m, block_n, block_k, warps, stages = int8_tiles(m)
     k_steps = triton.cdiv(k, block_k)
