@@ -50,7 +50,7 @@ class Plan:
             flops_cases=((1, 8192), (8, 2048)), iters=20,
             graph_batches=(1, 8, 64), graph_context=512, model_shape="smollm2",
             parity_prompts=4, parity_new_tokens=32,
-            quant_checks=((1, 4096, 4096), (7, 1000, 1536), (300, 2048, 4096)),
+            quant_checks=((7, 1000, 1536), (300, 2048, 4096)),  # decode and prefill tiles
             quant_speed_cases=((1, 4096, 4096), (8, 14336, 4096), (64, 4096, 14336),
                                (512, 4096, 4096)),
         )  # fmt: skip
