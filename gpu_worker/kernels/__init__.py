@@ -11,12 +11,21 @@ before any `kernel.py` is imported (triton reads it when `@triton.jit` decorates
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
 import torch
 
-KERNEL_NAMES = ("kv_store", "paged_decode", "extend_attention", "rmsnorm", "rotary")
+KERNEL_NAMES = (
+    "kv_store",
+    "paged_decode",
+    "extend_attention",
+    "rmsnorm",
+    "rotary",
+    "gguf_matmul",
+    "int8_matmul",
+)
 
 
 def triton_available() -> bool:
@@ -46,3 +55,23 @@ def check_device(*tensors: torch.Tensor) -> None:
     assert device.type == "cuda" or interpreting(), (
         f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 on the CPU), got {device}"
     )
+
+
+@functools.cache
+def _cuda_sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 0 elsewhere (the interpreter)."""
+    if device.type != "cuda":
+        return 0
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def decode_split_k(num_tiles: int, k_steps: int, num_sms: int) -> int:
+    """How many K ranges a few-row (decode) GEMM of `num_tiles` output tiles and `k_steps`
+    K steps splits into: enough programs for ~2 per SM, each range >= 4 steps, at most 16.
+    A weight-bound GEMV of a narrow layer (N / BLOCK_N tiles) otherwise leaves SMs idle.
+    1 without SMs (the interpreter)."""
+    return max(1, min(2 * num_sms // max(1, num_tiles), k_steps // 4, 16))

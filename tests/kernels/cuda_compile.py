@@ -5,22 +5,30 @@
 The interpreter runs kernels as Python and so misses what only the compiler checks (tl.dot
 tile sizes, types, shared memory). This compiles the launch configurations the launchers
 pick, for the model shapes of tools/gpu-check, and prints one JSON line per kernel with
-its shared memory. Must run in a process where TRITON_INTERPRET is unset or 0.
+its shared memory, registers per thread and stack (local memory: spills) from Triton's
+bundled cuobjdump. Must run in a process where TRITON_INTERPRET is unset or 0.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
+from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.compiler import compile as triton_compile
 
 from gpu_worker.kernels import dot_precision, next_power_of_2
 from gpu_worker.kernels.extend_attention import kernel as extend
+from gpu_worker.kernels.gguf_matmul import kernel as gguf
+from gpu_worker.kernels.gguf_matmul.reference import GGUF_BLOCKS, QTYPE_NAMES
+from gpu_worker.kernels.int8_matmul import kernel as int8
 from gpu_worker.kernels.kv_store import kernel as kv_store
 from gpu_worker.kernels.paged_decode import kernel as decode
 from gpu_worker.kernels.rmsnorm import kernel as rmsnorm
@@ -31,19 +39,35 @@ SHAPES = ((9, 3, 64), (32, 8, 128))  # heads, KV heads, head_dim
 FLOAT_ARGS = ("qk_scale", "eps")
 
 
+def _resources(cubin: bytes) -> dict[str, int]:
+    """Registers per thread and stack bytes per thread (spills live there) of one kernel."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([knobs.nvidia.cuobjdump.path, "-res-usage", f.name],
+                               capture_output=True, text=True, check=True).stdout  # fmt: skip
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    assert found, usage
+    return {"registers": int(found[1]), "stack_bytes": int(found[2])}
+
+
 def _compile(fn: Any, arch: int, pointers: dict[str, str], constexprs: dict[str, Any],
-             **options: int) -> dict[str, Any]:  # fmt: skip
+             aligned: tuple[str, ...] = (), **options: int) -> dict[str, Any]:  # fmt: skip
+    """`aligned`: arguments the launcher's JIT sees 16-byte aligned / divisible by 16 (torch
+    allocations, hidden sizes), as it specializes them at run time."""
     signature = {
         name: "constexpr" if name in constexprs
         else pointers.get(name, "fp32" if name in FLOAT_ARGS else "i32")
         for name in fn.arg_names
     }  # fmt: skip
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     start = time.monotonic()
-    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton_compile(source, target=GPUTarget("cuda", arch, 32), options=options)
     seconds = round(time.monotonic() - start, 1)
     return {"kernel": fn.__name__, "arch": arch, **{k: str(v) for k, v in constexprs.items()},
-            "shared_bytes": compiled.metadata.shared, "s": seconds}  # fmt: skip
+            "shared_bytes": compiled.metadata.shared, **_resources(compiled.asm["cubin"]),
+            "s": seconds}  # fmt: skip
 
 
 def _attention(arch: int, dt: str, heads: int, kv_heads: int, head_dim: int) -> list[dict]:
@@ -86,6 +110,56 @@ def _elementwise(arch: int, dt: str) -> list[dict]:
     ]  # fmt: skip
 
 
+DECODE_M, PREFILL_M = 8, 64  # the launchers' tiles for M = 1..8 and for M >= 64
+
+
+def _gguf(arch: int, dt: str) -> list[dict]:
+    """Every block type in the decode and the prefill tiles."""
+    import torch
+
+    dtype = torch.float32 if dt == "fp32" else torch.bfloat16
+    pointers = {"x_ptr": f"*{dt}", "w_ptr": "*u8", "out_ptr": f"*{dt}"}
+    # weight rows are K / 32 blocks of 18..210 bytes: no alignment to assume for stride_wn
+    aligned = ("x_ptr", "w_ptr", "out_ptr", "K", "stride_xm", "stride_om", "k_per_split")
+    rows = []
+    for qtype, (qk, type_size) in GGUF_BLOCKS.items():
+        for m in (DECODE_M, PREFILL_M):
+            block_m, block_n, warps = gguf.gguf_tiles(m, dtype)
+            tiles = dict(QTYPE=qtype, QK=qk, TYPE_SIZE=type_size, BLOCK_M=block_m,
+                         BLOCK_N=block_n, DOT_PRECISION=dot_precision(dtype))  # fmt: skip
+            row = _compile(gguf._gguf_matmul_kernel, arch, pointers, tiles, aligned,
+                           num_warps=warps)  # fmt: skip
+            rows.append({**row, "qtype": QTYPE_NAMES[qtype]})
+    return rows
+
+
+def _int8(arch: int, dt: str) -> list[dict]:
+    """The W8A8 GEMM in the decode and the prefill tiles, and the row quantizer."""
+    pointers = {"xq_ptr": "*i8", "x_scale_ptr": "*fp32", "w_ptr": "*i8",
+                "w_scale_ptr": "*fp32", "out_ptr": f"*{dt}"}  # fmt: skip
+    aligned = (*pointers, "K", "stride_xm", "stride_wn", "stride_om", "k_per_split")
+    rows = []
+    # decode launches may split K (int32 partials); prefill never does
+    for m, split in ((DECODE_M, False), (DECODE_M, True), (PREFILL_M, False)):
+        block_m, block_n, block_k, warps, stages = int8.int8_tiles(m)
+        tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split)
+        rows.append(_compile(int8._int8_matmul_kernel, arch, pointers, tiles, aligned,
+                             num_warps=warps, num_stages=stages))  # fmt: skip
+    quant = {"x_ptr": f"*{dt}", "q_ptr": "*i8", "scale_ptr": "*fp32"}
+    block = int8.MAX_QUANT_BLOCK
+    rows.append(
+        _compile(
+            int8._quantize_rows_kernel,
+            arch,
+            quant,
+            dict(BLOCK=block),
+            (*quant, "stride_x", "stride_q"),
+            num_warps=min(8, block // 256),
+        )
+    )
+    return rows  # fmt: skip
+
+
 def main(archs: list[int]) -> int:
     for i, arch in enumerate(archs):
         # the first architecture gets every variant, the others the bf16 production ones
@@ -93,7 +167,7 @@ def main(archs: list[int]) -> int:
             for shape in SHAPES:
                 for row in _attention(arch, dt, *shape):
                     print(json.dumps({"dtype": dt, "shape": list(shape), **row}), flush=True)
-            for row in _elementwise(arch, dt):
+            for row in _elementwise(arch, dt) + _gguf(arch, dt) + _int8(arch, dt):
                 print(json.dumps({"dtype": dt, **row}), flush=True)
     return 0
 

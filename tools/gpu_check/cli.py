@@ -8,6 +8,8 @@ On a CUDA machine it
   3. measures the extend kernel's TFLOP/s against torch's scaled_dot_product_attention;
   4. times a bf16 decode step with and without CUDA graphs at batch 1, 8 and 64;
   5. compares greedy tokens (fp32, triton backend, CUDA graphs) with transformers;
+  6. times the quantized GEMMs (every GGUF block type, W8A8 int8; checked in step 1) against
+     dequantize-then-torch.mm and torch.mm on dense weights, decode M=1/8 to prefill M=512;
 then writes one JSON file and prints a table. It needs only torch, triton and transformers.
 
 `--dry-run` validates the plan anywhere: it prints the plan and its memory estimate, then

@@ -34,6 +34,9 @@ class Plan:
     model_shape: str  # "smollm2" or "tiny" (random weights when no default model)
     parity_prompts: int
     parity_new_tokens: int
+    # (M, N, K) of the quantized GEMMs, every GGUF type and int8; K a multiple of 256
+    quant_checks: tuple[tuple[int, int, int], ...]
+    quant_speed_cases: tuple[tuple[int, int, int], ...]
 
     @classmethod
     def full(cls) -> Plan:
@@ -47,6 +50,9 @@ class Plan:
             flops_cases=((1, 8192), (8, 2048)), iters=20,
             graph_batches=(1, 8, 64), graph_context=512, model_shape="smollm2",
             parity_prompts=4, parity_new_tokens=32,
+            quant_checks=((7, 1000, 1536), (300, 2048, 4096)),  # decode and prefill tiles
+            quant_speed_cases=((1, 4096, 4096), (8, 14336, 4096), (64, 4096, 14336),
+                               (512, 4096, 4096)),
         )  # fmt: skip
 
     @classmethod
@@ -59,6 +65,7 @@ class Plan:
             flops_cases=((1, 32),), iters=1,
             graph_batches=(1, 2), graph_context=16, model_shape="tiny",
             parity_prompts=2, parity_new_tokens=4,
+            quant_checks=((3, 40, 256),), quant_speed_cases=((2, 32, 256),),
         )  # fmt: skip
 
 
@@ -77,8 +84,11 @@ def memory_estimate(plan: Plan) -> dict[str, float]:
         scores = max(3 * big.num_heads * n * (c + n) * 4 for c, n in reqs)
         extend = max(extend, kv + scores)
     bandwidth = max(kv_cache_bytes([ctx] * b, big, bs, 2) for b, ctx in plan.bandwidth_cases)
+    # a float32 dequantized weight, its bf16 copy and the raw weight, at most 4 bytes each
+    quant = max(3 * 4 * n * k for _, n, k in plan.quant_checks + plan.quant_speed_cases)
     sizes = {
         "kernels": max(decode, extend) / GIB,
+        "quant": quant / GIB,
         "bandwidth": max(bandwidth, 2 * plan.copy_bytes) / GIB,
         "model": 2.0 if plan.model_shape == "smollm2" else 0.1,
     }
@@ -106,6 +116,8 @@ def plan_problems(plan: Plan) -> list[str]:
     buckets = graph_batch_sizes(max(plan.graph_batches))
     if not set(plan.graph_batches) <= set(buckets):
         problems.append(f"graph batches {plan.graph_batches} are not all buckets of {buckets}")
+    if any(k % 256 for _, _, k in plan.quant_checks + plan.quant_speed_cases):
+        problems.append("quantized GEMM K must be a multiple of 256 (the K-quant blocks)")
     peak = memory_estimate(plan)["peak"]
     if peak > MAX_PEAK_GIB:
         problems.append(f"peak memory estimate {peak:.1f} GiB exceeds {MAX_PEAK_GIB} GiB")

@@ -73,6 +73,12 @@ def print_table(doc: dict[str, Any]) -> None:
         doc.get("extend_speed", []),
         ["shape", "batch", "new_tokens", "ours_TFLOPs", "sdpa_TFLOPs", "ours_over_sdpa"],
     )
+    _table(
+        "quantized GEMMs (x @ W^T) vs dequantize-then-torch.mm and torch.mm on dense W",
+        doc.get("quant_speed", []),
+        ["format", "m", "n", "k", "ours_ms", "dequant_mm_ms", "mm_ms", "ours_over_dequant_mm",
+         "ours_over_mm", "weight_GBps"],
+    )  # fmt: skip
     graphs = doc.get("cuda_graphs", {})
     _table(
         f"decode step, {doc.get('model', '')} model",

@@ -12,6 +12,7 @@ from common.prepare_model import default_model_dir
 from gpu_worker.cuda_graphs import graph_batch_sizes
 from tools.gpu_check import kernels as K
 from tools.gpu_check import model as M
+from tools.gpu_check import quant as Q
 from tools.gpu_check.plan import SHAPES, Plan
 from tools.gpu_check.report import Report
 
@@ -36,6 +37,9 @@ def kernel_checks(plan: Plan, device: str) -> list[dict[str, Any]]:
             rows.append(K.check_kv_store(shape, plan.store_tokens, plan.block_size, dtype, device))
             rows.append(K.check_rotary(shape, plan.store_tokens, dtype, device))
         rows.append(K.check_rms_norm(*plan.norm_shape, dtype, device))
+        for m, n, k in plan.quant_checks:
+            rows += [Q.check_gguf(qtype, m, n, k, dtype, device) for qtype in Q.QTYPES]
+            rows.append(Q.check_int8(m, n, k, dtype, device))
     return rows
 
 
@@ -64,6 +68,16 @@ def extend_speed(plan: Plan, device: str) -> list[dict[str, Any]]:
         for shape in _shapes()
         for b, n in plan.flops_cases
     ]
+
+
+def quant_speed(plan: Plan, device: str) -> list[dict[str, Any]]:
+    """GGUF and int8 GEMMs vs dequantize-then-torch.mm and vs torch.mm on dense weights."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    rows = []
+    for m, n, k in plan.quant_speed_cases:
+        rows += [Q.gguf_speed(qtype, m, n, k, dtype, device, plan.iters) for qtype in Q.QTYPES]
+        rows.append(Q.int8_speed(m, n, k, dtype, device, plan.iters))
+    return rows
 
 
 def model_folder(plan: Plan, given: Path | None, tmp: Path) -> tuple[Path, str]:
@@ -118,3 +132,4 @@ def run_sections(report: Report, plan: Plan, device: str, model: Path | None, tm
     report.run("cuda_graphs", lambda: graph_timing(plan, device, folder))
     report.run("decode_bandwidth", lambda: decode_bandwidth(plan, device))
     report.run("extend_speed", lambda: extend_speed(plan, device))
+    report.run("quant_speed", lambda: quant_speed(plan, device))
