@@ -26,10 +26,10 @@ from common.messages import (
     TokenizeResult,
 )
 from common.parallel_config import router_addr
-from services.gateway.zmq_client import ZmqEngineClient
+from services.gateway.engine.zmq_client import ZmqEngineClient
 
 if TYPE_CHECKING:
-    from services.gateway.grpc_server import GrpcGateway
+    from services.gateway.grpc.server import GrpcGateway
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class GatewayActor(Actor):
         )
 
     async def start(self) -> None:
-        from services.gateway.app import create_app
+        from services.gateway.http.app import create_app
 
         self.engine = ZmqEngineClient(
             tokenizers=self.outbox(self.config.tokenizer_addrs()),
@@ -108,7 +108,7 @@ class GatewayActor(Actor):
             await self._start_grpc()
 
     async def _start_grpc(self) -> None:
-        from services.gateway.grpc_server import GrpcGateway
+        from services.gateway.grpc.server import GrpcGateway
 
         server = self.config.server
         self.grpc = GrpcGateway(self.engine, server, self.config.scheduler)
