@@ -40,10 +40,6 @@ class SwapCoordinator:
         self.swap: _Swap | None = None
         self.num_swaps = 0
 
-    @property
-    def in_progress(self) -> bool:
-        return self.swap is not None
-
     def status(self) -> dict[str, Any] | None:
         if self.swap is None:
             return None

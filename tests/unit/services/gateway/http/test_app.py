@@ -15,8 +15,8 @@ from common.messages import FinishReason
 from services.gateway.engine.client import RequestFailed
 from services.gateway.http import app as app_module
 from services.gateway.http.app import SseResponse, create_app
-from services.gateway.http.sse import parse_sse
 from tests.fake_engine import HANG, MODEL, FakeEngine, delta
+from tests.sse_events import parse_sse
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

@@ -10,11 +10,11 @@ from services.gateway.http.sse import (
     chat_chunk,
     completion_chunk,
     error_chunk,
-    parse_sse,
     sse_comment,
     sse_event,
     usage_chunk,
 )
+from tests.sse_events import parse_sse
 
 RID, MODEL, CREATED, FP = "chatcmpl-abc", "SmolLM2-135M-Instruct", 1_700_000_000, "v1"
 

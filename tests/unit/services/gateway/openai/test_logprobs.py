@@ -7,9 +7,9 @@ from typing import Any
 
 from common.messages import FinishReason
 from services.gateway.engine.client import OutputDelta
-from services.gateway.http.sse import parse_sse
 from services.gateway.openai.logprobs import TokenLogprob
 from tests.fake_engine import FakeEngine
+from tests.sse_events import parse_sse
 from tests.unit.services.gateway.http.test_app import CHAT, COMPLETIONS, chat_body, run
 
 HI = TokenLogprob(5, " hi", -0.5, [(5, " hi", -0.5), (6, " yo", -1.5)])
