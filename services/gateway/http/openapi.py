@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from services.gateway.openai.protocol import MAX_PROMPTS
+from common.limits import MAX_PROMPTS
 
 _TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}
 _TEXT = {"type": "string", "minLength": 1}

@@ -17,8 +17,9 @@ Defaults:
   from its generation_config.json instead (`--generation-config auto`, as vLLM).
 - `n` 1, `stream` false; every other control off.
 
-Limits: at most `MAX_STOP` stop strings of 1..`MAX_STOP_CHARS` characters each; `n` (choices
-per prompt, sampled as sequences that share the prompt's KV blocks) at most `MAX_N`;
+Limits (common/limits.py): at most `MAX_STOP_STRINGS` stop strings of 1..`MAX_STOP_CHARS`
+characters each; `n` (choices per prompt, sampled as sequences that share the prompt's KV
+blocks) at most `MAX_N`;
 `best_of` only equal to `n`; at most `MAX_PROMPTS` prompts in a /v1/completions batch (a
 list of strings or of token-id lists; each is its own engine request). Not yet supported,
 refused with a clear message: `suffix`. `stream_options` only with `stream: true`.
@@ -68,6 +69,34 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from common.limits import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    LOGIT_BIAS_VALUE,
+    MAX_BAD_WORD_CHARS,
+    MAX_BAD_WORDS,
+    MAX_CHAT_TEMPLATE_CHARS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_PROMPTS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TIMEOUT_S,
+    MAX_TOKENS,
+    MIN_P,
+    MIN_TOKENS,
+    PENALTY,
+    REPETITION_PENALTY,
+    TEMPERATURE,
+    TOKEN_ID,
+    TOP_K,
+    TOP_P,
+    Range,
+)
 from common.messages import GenerateRequest, SamplingParams
 from common.messages.types import MODEL_DEFAULT_FIELDS
 from services.gateway.openai.chat_messages import ChatMessage
@@ -85,21 +114,6 @@ from services.gateway.openai.structured import (
 )
 from services.gateway.openai.tools import ToolPlan, forced_grammar, plan_tools
 
-MAX_STOP = 64  # stop strings per request
-MAX_STOP_CHARS = 256  # characters per stop string
-MAX_STOP_TOKEN_IDS = 64
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-MAX_N = 16  # choices per request: each is a sequence holding its own KV blocks
-MAX_PROMPTS = 64  # prompts in one /v1/completions request (one engine request each)
-MAX_TIMEOUT_S = 86400.0  # a day
-MAX_LOGIT_BIAS = 1024  # entries of logit_bias
-MAX_BAD_WORDS = 64
-MAX_BAD_WORD_CHARS = 256
-MAX_CHAT_TEMPLATE_CHARS = 64 * 1024  # a request's chat_template; its chat_template_kwargs
-MAX_LOGPROBS = 20  # top logprobs per token (OpenAI's limit)
-_INT32_MAX = 2**31 - 1
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1  # orjson carries 64-bit ints
-
 # a client-chosen request id (X-Request-Id, gRPC request_id): safe in logs and headers
 REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 # a logit_bias key: a token id in canonical digits, so two keys never name one token ("5", "05")
@@ -111,19 +125,30 @@ _STRUCTURED_FIELDS = {
     "guided_grammar",
 }  # fmt: skip
 
-MaxTokens = Annotated[int, Field(ge=1, le=_INT32_MAX)]
-Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
-TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
-TopK = Annotated[int, Field(ge=-1, le=_INT32_MAX)]
-Seed = Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)]
-Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
-RepetitionPenalty = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
-MinP = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
-MinTokens = Annotated[int, Field(ge=0, le=_INT32_MAX)]
-Bias = Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
-TokenId = Annotated[int, Field(ge=0, le=_INT32_MAX)]
+
+def _int32(allowed: Range) -> Any:
+    """An integer field's constraints: its range, and at most INT32_MAX on the wire."""
+    return Field(**({"le": INT32_MAX} | allowed.bounds()))
+
+
+def _finite(allowed: Range) -> Any:
+    return Field(**allowed.bounds(), allow_inf_nan=False)
+
+
+# every range is common/limits.py's, shared with the tokenizer's checks
+MaxTokens = Annotated[int, _int32(MAX_TOKENS)]
+Temperature = Annotated[float, _finite(TEMPERATURE)]
+TopP = Annotated[float, _finite(TOP_P)]
+TopK = Annotated[int, _int32(TOP_K)]
+Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Penalty = Annotated[float, _finite(PENALTY)]
+RepetitionPenalty = Annotated[float, _finite(REPETITION_PENALTY)]
+MinP = Annotated[float, _finite(MIN_P)]
+MinTokens = Annotated[int, _int32(MIN_TOKENS)]
+Bias = Annotated[float, _finite(LOGIT_BIAS_VALUE)]
+TokenId = Annotated[int, _int32(TOKEN_ID)]
 NumChoices = Annotated[int, Field(ge=1, le=MAX_N)]
-Priority = Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)]
+Priority = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 Timeout = Annotated[float, Field(gt=0.0, le=MAX_TIMEOUT_S, allow_inf_nan=False)]
 NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 
@@ -202,8 +227,8 @@ class _CommonRequest(BaseModel):
         stops = [value] if isinstance(value, str) else [] if value is None else value
         if not isinstance(stops, list):
             raise PydanticCustomError("stop_type", "must be a string or a list of strings")
-        if len(stops) > MAX_STOP:
-            raise PydanticCustomError("stop_count", f"at most {MAX_STOP} stop strings")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise PydanticCustomError("stop_count", f"at most {MAX_STOP_STRINGS} stop strings")
         for s in stops:
             if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_CHARS:
                 raise PydanticCustomError(
@@ -219,7 +244,7 @@ class _CommonRequest(BaseModel):
         if len(value) > MAX_LOGIT_BIAS:
             raise PydanticCustomError("logit_bias_count", f"at most {MAX_LOGIT_BIAS} entries")
         for key in value:
-            if not _TOKEN_ID_KEY.fullmatch(key) or int(key) > _INT32_MAX:
+            if not _TOKEN_ID_KEY.fullmatch(key) or int(key) > INT32_MAX:
                 raise PydanticCustomError(
                     "logit_bias_key",
                     "keys must be token ids (non-negative integers, as strings), got {key!r}",
@@ -493,11 +518,11 @@ def _prompt(value: Any, where: str) -> Prompt:
         raise PydanticCustomError("prompt_empty", "{where}must not be empty", {"where": where})
     if isinstance(value, list):
         for t in value:
-            if type(t) is not int or not 0 <= t <= _INT32_MAX:
+            if type(t) is not int or not 0 <= t <= INT32_MAX:
                 raise PydanticCustomError(
                     "prompt_token",
                     "{where}token ids must be integers in [0, {limit}]",
-                    {"where": where, "limit": _INT32_MAX},
+                    {"where": where, "limit": INT32_MAX},
                 )
     return value
 
