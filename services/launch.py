@@ -28,13 +28,7 @@ from common.config import Config, ConfigError, add_flags, from_args
 from common.curve import CurveKeys, uses_curve
 from common.messages import Drain, Drained, ProcessDown, Ready
 from common.model_paths import is_synthetic_spec, resolve_model_path
-from common.parallel_config import (
-    replica_addrs,
-    replica_config,
-    replica_gpus,
-    replica_name,
-    router_addr,
-)
+from common.topology import replica_addrs, replica_config, replica_gpus, replica_name, router_addr
 from services.tokenizer.chat_template import load_chat_template
 from services.worker_group import WORKER, check_parallel, is_worker_rank, rank_specs, stop_all
 

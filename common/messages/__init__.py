@@ -47,7 +47,7 @@ from common.messages.scheduler_worker import (
     UnloadModel,
 )
 from common.messages.tokenizer_scheduler import TokenizedRequest
-from common.messages.types import FinishReason, SamplingParams
+from common.messages.types import FinishReason, ModelInfo, SamplingParams
 
 __all__ = [
     "Abort",
@@ -70,6 +70,7 @@ __all__ = [
     "SwapModel",
     "SwapResult",
     "LoadModel",
+    "ModelInfo",
     "ModelLoaded",
     "UnloadModel",
     "CompileGrammar",

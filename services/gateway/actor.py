@@ -25,7 +25,7 @@ from common.messages import (
     SwapResult,
     TokenizeResult,
 )
-from common.parallel_config import router_addr
+from common.topology import replica_addrs, router_addr
 from services.gateway.engine.zmq_client import ZmqEngineClient
 
 if TYPE_CHECKING:
@@ -80,7 +80,8 @@ class GatewayActor(Actor):
 
         self._engine = ZmqEngineClient(
             tokenizers=self.outbox(self.config.tokenizer_addrs()),
-            scheduler=self.schedulers(),
+            # every replica's scheduler at once (aborts, stats, swaps)
+            scheduler=self.outboxes(replica_addrs(self.config, "scheduler")),
             inbox_addr=self.inbox_addr,
             aliases=self.config.model.served_model_names,
             num_replicas=self.config.data_parallel.data_parallel_size,

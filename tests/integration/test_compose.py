@@ -18,8 +18,8 @@ import orjson
 import pytest
 
 from common.config import Config, from_args
-from common.parallel_config import engine_entry_addr, replica_addrs, router_addr
 from common.prepare_model import cache_root
+from common.topology import engine_entry_addr, replica_addrs, router_addr
 from tests.compose_harness import (
     COMPOSE_FILE,
     ComposeHarness,

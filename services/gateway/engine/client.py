@@ -13,7 +13,31 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any, Protocol
 
 from common.messages import FinishReason, GenerateRequest, SwapResult
-from services.gateway.openai.logprobs import TokenLogprob
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One token's entry: the token, its logprob (None for the prompt's first token, which
+    nothing precedes), and the top k (id, text, logprob), best first."""
+
+    token_id: int
+    token: str
+    logprob: float | None
+    top: list[tuple[int, str, float]]
+
+
+def entries(
+    ids: list[list[int]], values: list[list[float]], texts: list[list[str]]
+) -> list[TokenLogprob]:
+    """Entries from the engine's lists ([token, top 1..k] per token); [] where a token has
+    none (its request did not ask)."""
+    out = []
+    for token_ids, lps, tokens in zip(ids, values, texts, strict=True):
+        if not token_ids:
+            return []
+        top = list(zip(token_ids[1:], tokens[1:], lps[1:], strict=True))
+        out.append(TokenLogprob(token_ids[0], tokens[0], lps[0] if lps else None, top))
+    return out
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

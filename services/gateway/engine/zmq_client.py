@@ -35,14 +35,13 @@ from common.messages import (
     TokenizeQuery,
     TokenizeResult,
 )
-from services.gateway.engine.client import OutputDelta, RequestFailed, RequestObserver
+from services.gateway.engine.client import OutputDelta, RequestFailed, RequestObserver, entries
 from services.gateway.engine.replicas import (
     Replies,
     merge_request_rows,
     merge_stats,
     merge_swap_results,
 )
-from services.gateway.openai.logprobs import entries
 
 log = logging.getLogger(__name__)
 

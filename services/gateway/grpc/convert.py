@@ -27,8 +27,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from common.messages import FinishReason, GenerateRequest
 from proto import shuttle_pb2 as pb
-from services.gateway.engine.client import EngineClient, OutputDelta
-from services.gateway.openai.logprobs import TokenLogprob
+from services.gateway.engine.client import EngineClient, OutputDelta, TokenLogprob
 from services.gateway.openai.protocol import (
     REQUEST_ID_PATTERN,
     ChatCompletionRequest,

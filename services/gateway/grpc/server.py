@@ -34,6 +34,7 @@ from grpc_reflection.v1alpha import reflection
 from common.config import SchedulerConfig, ServerConfig
 from proto import shuttle_pb2 as pb
 from proto import shuttle_pb2_grpc as pb_grpc
+from services.gateway.admin_auth import check_admin_token, resolve_model_folder
 from services.gateway.engine.client import EngineClient, OutputDelta, RequestFailed
 from services.gateway.grpc.convert import (
     check_request_id,
@@ -46,7 +47,6 @@ from services.gateway.grpc.convert import (
     tool_plan_of,
     wants_token_ids,
 )
-from services.gateway.http.admin import check_admin_token, resolve_model_folder
 from services.gateway.openai.protocol import RequestRejected
 from services.gateway.openai.tool_stream import ToolStream
 from services.gateway.openai.tools import ToolPlan

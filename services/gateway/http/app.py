@@ -45,14 +45,14 @@ from starlette.types import Receive, Scope, Send
 from common.config import SchedulerConfig, ServerConfig
 from common.messages import FinishReason, GenerateRequest
 from services.gateway.engine.batch import merge_deltas
-from services.gateway.engine.client import EngineClient, OutputDelta, RequestFailed
+from services.gateway.engine.client import EngineClient, OutputDelta, RequestFailed, TokenLogprob
 from services.gateway.http import sse
 from services.gateway.http.admin import admin_router
 from services.gateway.http.body_limits import BodyLimitMiddleware, BodyLimits
 from services.gateway.http.metrics import install_metrics
 from services.gateway.http.openapi import json_body
 from services.gateway.http.tokenize_routes import tokenize_router
-from services.gateway.openai.logprobs import ChoiceLogprobs, TokenLogprob, merge_completion
+from services.gateway.openai.logprobs import ChoiceLogprobs, merge_completion
 from services.gateway.openai.protocol import (
     REQUEST_ID_PATTERN,
     ChatCompletionRequest,

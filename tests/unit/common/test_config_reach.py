@@ -21,7 +21,7 @@ from common.config import Config, add_flags, from_args
 from common.messages import RequestError, SamplingParams, TokenizedRequest
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.policy import PolicyConfig
-from tests.unit.services.scheduler.test_engine_core import Outbox
+from tests.unit.services.scheduler.test_engine_core import Outbox, _info
 
 REPO = Path(__file__).resolve().parents[3]
 SERVING = ("common", "services", "gpu_worker")
@@ -158,15 +158,7 @@ def test_scheduler_settings_reach_the_engine(config: Config) -> None:
         num_speculative_tokens=6,
     )
     assert core.max_in_flight == 1  # --no-async-scheduling (and speculation)
-    core.on_worker_ready(
-        {
-            "num_blocks": 16,
-            "block_size": 8,
-            "max_model_len": 77,
-            "weights_version": "v",
-            "model_name": "m",
-        }
-    )
+    core.on_worker_ready(_info("v", num_blocks=16, block_size=8, max_model_len=77, model_name="m"))
     assert core.policy is not None and not core.policy.blocks.enable_prefix_caching
     for rid in ("a", "b"):  # --max-waiting 1: the second queued request is refused
         core.add(

@@ -349,7 +349,7 @@ def test_relabel_renames_the_default_version_and_its_requests(make_runner) -> No
     old = runner.default_version
     runner.relabel(old)  # the same label: nothing to do
     runner.relabel("v2")
-    assert runner.default_version == "v2" and runner.model_info()["weights_version"] == "v2"
+    assert runner.default_version == "v2" and runner.model_info().weights_version == "v2"
     assert list(runner.versions) == ["v2"]
     assert _table(runner)["a"][3] == "v2"
     assert runner.execute(_plan(1, [("a", 2, 1, [])])).req_ids == ["a"]  # runs on v2

@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 
 from common import codec
 from common.messages import ReplicaNotice
+from common.prefix_hash import prefix_hashes
 from services.router.policy import MAX_PENDING_HASHES, Router
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.prefix_hash import prefix_hashes
 
 ROOT, BS = 1234, 4
 

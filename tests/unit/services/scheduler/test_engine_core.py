@@ -14,6 +14,7 @@ from common.messages import (
     FinishReason,
     LoadModel,
     ModelChanged,
+    ModelInfo,
     ModelLoaded,
     RequestError,
     Retokenize,
@@ -40,8 +41,13 @@ TOKEN = 7
 
 def _info(
     version: str = "v1", fingerprint: str = "tok-a", boot_id: str = "boot-1", **kw: Any
-) -> dict[str, Any]:
-    return {
+) -> ModelInfo:
+    fields: dict[str, Any] = {
+        "model_type": "llama",
+        "num_layers": 2,
+        "num_kv_heads": 1,
+        "head_dim": 8,
+        "dtype": "float32",
         "num_blocks": 64,
         "block_size": 4,
         "max_model_len": 128,
@@ -52,8 +58,8 @@ def _info(
         "eos_token_ids": [2],
         "vocab_size": 100,
         "tokenizer_fingerprint": fingerprint,
-        **kw,
     }
+    return ModelInfo(**(fields | kw))
 
 
 @dataclasses.dataclass
@@ -94,7 +100,7 @@ class Outbox:
         return StepResult(step_id=plan.step_id, req_ids=sampled, token_ids=[TOKEN] * len(sampled))
 
 
-def _core(info: dict[str, Any] | None = None, **scheduler: Any) -> tuple[EngineCore, Outbox]:
+def _core(info: ModelInfo | None = None, **scheduler: Any) -> tuple[EngineCore, Outbox]:
     out = Outbox()
     config = Config().replace(scheduler={"async_scheduling": False, **scheduler})
     core = EngineCore(config, out)
@@ -284,7 +290,7 @@ def test_overlap_swap_starts_new_requests_on_the_new_version() -> None:
     _swap(core, "overlap")
     (load,) = out.of(LoadModel)
     assert (load.mode, load.version) == ("overlap", "v2")
-    core.on_model_loaded(ModelLoaded(version="v2", info=_info("v2")))
+    core.on_model_loaded(ModelLoaded(version="v2", model=_info("v2")))
     assert out.of(ModelChanged)[-1].version == "v2"
     assert not out.of(SwapResult)  # the old version still serves "old"
     core.add(_request("new"))
@@ -313,7 +319,7 @@ def test_drain_swap_waits_for_started_requests_and_holds_queued_ones() -> None:
     (load,) = out.of(LoadModel)
     assert load.mode == "drain"
     assert ("queued", 0) not in _tokens(out)
-    core.on_model_loaded(ModelLoaded(version="v2", info=_info("v2", num_blocks=32)))
+    core.on_model_loaded(ModelLoaded(version="v2", model=_info("v2", num_blocks=32)))
     assert core.policy.blocks.num_blocks == 32  # another layout: the pool was rebuilt
     _run(core, out)
     assert _tokens(out)[("queued", 0)] == [TOKEN] * 3
@@ -325,7 +331,7 @@ def test_a_new_tokenizer_sends_unstarted_requests_back_to_be_tokenised() -> None
     core.add(_request("started", n=2, max_tokens=20))
     core.step()
     _swap(core, "overlap")
-    core.on_model_loaded(ModelLoaded(version="v2", info=_info("v2", fingerprint="tok-b")))
+    core.on_model_loaded(ModelLoaded(version="v2", model=_info("v2", fingerprint="tok-b")))
     core.add(_request("late", fingerprint="tok-a"))  # tokenised before the tokenizers knew
     assert [m.request_id for m in out.of(Retokenize)] == ["late"]
     core.add(_request("fresh", fingerprint="tok-b"))
@@ -343,7 +349,7 @@ def test_drain_to_a_new_tokenizer_retokenises_the_queue() -> None:
     _swap(core, "drain")
     core.add(_request("queued", n=2))
     _run(core, out)
-    core.on_model_loaded(ModelLoaded(version="v2", info=_info("v2", fingerprint="tok-b")))
+    core.on_model_loaded(ModelLoaded(version="v2", model=_info("v2", fingerprint="tok-b")))
     assert [m.request_id for m in out.of(Retokenize)] == ["queued"]
     forget = out.of(TokenBatch)[-1]  # the detokenizer forgets both sequences silently
     assert forget.request_ids == ["queued"] * 2
@@ -355,7 +361,7 @@ def test_drain_to_a_new_tokenizer_retokenises_the_queue() -> None:
 def test_a_failed_load_keeps_the_old_model() -> None:
     core, out = _core()
     _swap(core, "overlap")
-    core.on_model_loaded(ModelLoaded(version="v2", info={}, error="OSError: no tokenizer"))
+    core.on_model_loaded(ModelLoaded(version="v2", error="OSError: no tokenizer"))
     (result,) = out.of(SwapResult)
     assert not result.ok and "tokenizer" in result.error
     assert len(out.of(ModelChanged)) == 1 and core.policy.version == "v1"

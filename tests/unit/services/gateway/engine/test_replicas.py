@@ -11,7 +11,8 @@ import pytest
 
 from common.config import Config, ConfigError
 from common.messages import SwapResult
-from common.parallel_config import (
+from common.prefix_hash import prefix_hashes
+from common.topology import (
     engine_entry_addr,
     replica_addrs,
     replica_config,
@@ -21,7 +22,6 @@ from common.parallel_config import (
 from services.gateway.engine.replicas import merge_request_rows, merge_stats, merge_swap_results
 from services.gateway.http.metrics import _SchedulerStats
 from services.scheduler.engine_core import EngineCore
-from services.scheduler.prefix_hash import prefix_hashes
 from services.scheduler.replica_notices import NoticeBuilder
 from tests.unit.services.scheduler.test_engine_core import Outbox, _info, _request, _run
 

@@ -24,9 +24,8 @@ from common.messages import (
     TokenizeQuery,
     TokenizeResult,
 )
-from services.gateway.engine.client import OutputDelta, RequestFailed
+from services.gateway.engine.client import OutputDelta, RequestFailed, TokenLogprob
 from services.gateway.engine.zmq_client import MAX_RETOKENIZE, ZmqEngineClient
-from services.gateway.openai.logprobs import TokenLogprob
 
 NONE, STOP, LENGTH = FinishReason.NONE, FinishReason.STOP, FinishReason.LENGTH
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from common.messages import FinishReason
-from services.gateway.engine.client import OutputDelta
-from services.gateway.openai.logprobs import TokenLogprob
+from services.gateway.engine.client import OutputDelta, TokenLogprob
 from tests.fake_engine import FakeEngine
 from tests.sse_events import parse_sse
 from tests.unit.services.gateway.http.test_app import CHAT, COMPLETIONS, chat_body, run
