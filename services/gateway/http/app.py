@@ -23,21 +23,18 @@ handler fails, in a `finally` that cancellation cannot skip.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import hmac
 import importlib.metadata
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, Literal, TypeVar
 
 import anyio
 import orjson
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -45,45 +42,39 @@ from starlette.types import Receive, Scope, Send
 from common.config import SchedulerConfig, ServerConfig
 from common.messages import FinishReason, GenerateRequest
 from services.gateway.engine.batch import merge_deltas
-from services.gateway.engine.client import EngineClient, OutputDelta, RequestFailed, TokenLogprob
+from services.gateway.engine.client import EngineClient, OutputDelta, RequestFailed
 from services.gateway.http import sse
 from services.gateway.http.admin import admin_router
 from services.gateway.http.body_limits import BodyLimitMiddleware, BodyLimits
+from services.gateway.http.chat import ChatReply
+from services.gateway.http.completions import CompletionReply
+from services.gateway.http.deltas import (
+    DeltaReader,
+    Usage,
+    close_shielded,
+    collect,
+    until_disconnected,
+)
+from services.gateway.http.errors import REQUEST_ID_HEADER, error_type, install_error_handlers
 from services.gateway.http.metrics import install_metrics
 from services.gateway.http.openapi import json_body
+from services.gateway.http.reply import Reply
 from services.gateway.http.tokenize_routes import tokenize_router
-from services.gateway.openai.logprobs import ChoiceLogprobs, merge_completion
+from services.gateway.openai.logprobs import ChoiceLogprobs
 from services.gateway.openai.protocol import (
     REQUEST_ID_PATTERN,
     ChatCompletionRequest,
     CompletionRequest,
     RequestRejected,
     check_model,
-    describe_error,
     parse_request,
 )
 from services.gateway.openai.tool_stream import ToolStream
-from services.gateway.openai.tools import ToolPlan, chat_message
 
 log = logging.getLogger("shuttle.gateway")
 
 KEEPALIVE_S = 15.0  # an SSE comment after this long without a delta keeps proxies patient
-REQUEST_ID_HEADER = "X-Request-Id"
 _REQUEST_ID = REQUEST_ID_PATTERN
-_CLIENT_GONE = 499  # nginx's "client closed request"; nobody reads it, logs do
-_ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    403: "PermissionDeniedError",
-    404: "NotFoundError",
-    405: "MethodNotAllowedError",
-    409: "ConflictError",
-    413: "RequestTooLargeError",
-    429: "RateLimitError",
-    _CLIENT_GONE: "ClientClosedRequest",
-    500: "InternalServerError",
-    503: "ServiceUnavailableError",
-}
 T = TypeVar("T")
 
 
@@ -95,10 +86,6 @@ def _package_version() -> str:
 
 
 SERVER_VERSION = _package_version()
-
-
-class ClientGone(Exception):
-    """The client disconnected before its (non-streamed) answer was ready."""
 
 
 def create_app(
@@ -114,7 +101,7 @@ def create_app(
     scheduler = scheduler or SchedulerConfig()
     api_key, admin_token = server.api_key or None, server.admin_token or None
     app = FastAPI(title="shuttle", docs_url=None, redoc_url=None)
-    _install_error_handlers(app)
+    install_error_handlers(app)
     limits = BodyLimits(server.max_request_bytes, server.request_body_timeout)
     app.add_middleware(BodyLimitMiddleware, limits=limits)
     context = {
@@ -216,17 +203,14 @@ class OpenAIRoutes:
             with_prompt_logprobs=body.prompt_logprobs is not None,
             n=n,
         )
-        reply = _Reply(
-            api.kind,
-            _response_id(request_id, api.id_prefix),
-            engine.model_name,
-            int(time.time()),
-            engine.system_fingerprint,
-            n * len(requests),
-            n,
-            lp,
-            body.tool_plan if isinstance(body, ChatCompletionRequest) else None,
-        )
+        ids = (_response_id(request_id, api.id_prefix), engine.model_name, int(time.time()))
+        reply: Reply
+        if isinstance(body, ChatCompletionRequest):
+            reply = ChatReply(
+                *ids, engine.system_fingerprint, n * len(requests), n, lp, tools=body.tool_plan
+            )
+        else:
+            reply = CompletionReply(*ids, engine.system_fingerprint, n * len(requests), n, lp)
         if len(requests) == 1:
             deltas = engine.generate(requests[0])
         else:  # a batch of prompts: one engine request each, merged into one answer
@@ -289,271 +273,11 @@ def _require_key(api_key: str) -> Callable[[Request], Awaitable[None]]:
     return require_key
 
 
-# --- reading the engine ---------------------------------------------------------------------
-
-
-class DeltaReader:
-    """Reads one request's deltas, each in a task of its own, so that a wait can time out
-    (keep-alive) or lose a race with a disconnect without cancelling the engine mid-read."""
-
-    def __init__(
-        self, deltas: AsyncGenerator[OutputDelta, None], prompt_field: str = "prompt"
-    ) -> None:
-        self._deltas = deltas
-        self._prompt_field = prompt_field  # what the endpoint calls the prompt, for refusals
-        self._pending: asyncio.Task[OutputDelta | None] | None = None
-        self.version = ""  # the model version named by the deltas read so far
-
-    async def next(self, timeout: float | None = None) -> OutputDelta:
-        """The next delta. Raises TimeoutError if none came within `timeout` (the read goes
-        on, the next call picks it up) and RequestFailed if the engine failed the request."""
-        if self._pending is None:
-            self._pending = asyncio.create_task(_next_or_none(self._deltas))
-        done, _ = await asyncio.wait({self._pending}, timeout=timeout)
-        if not done:
-            raise TimeoutError
-        task, self._pending = self._pending, None
-        try:
-            delta = task.result()
-        except RequestFailed as e:
-            raise e.naming_prompt(self._prompt_field) from None
-        if delta is None:
-            raise RequestFailed(500, "the engine ended the stream without a finish reason")
-        self.version = delta.version or self.version
-        return delta
-
-    async def aclose(self) -> None:
-        """Stop reading and close the engine's iterator, which aborts the request there."""
-        task, self._pending = self._pending, None
-        if task is not None:
-            task.cancel()
-            await asyncio.wait({task})
-            if not task.cancelled():
-                task.exception()  # retrieved, so asyncio does not log it as lost
-        await self._deltas.aclose()
-
-
-async def _next_or_none(deltas: AsyncIterator[OutputDelta]) -> OutputDelta | None:
-    return await anext(deltas, None)
-
-
-async def close_shielded(reader: DeltaReader) -> None:
-    # this often runs while the request is being cancelled; the engine must still hear of it
-    with anyio.CancelScope(shield=True):
-        await reader.aclose()
-
-
-@dataclasses.dataclass(slots=True)
-class Choice:
-    """One sequence's whole output, gathered from its deltas."""
-
-    index: int
-    parts: list[str] = dataclasses.field(default_factory=list)
-    token_ids: list[int] = dataclasses.field(default_factory=list)
-    finish_reason: FinishReason = FinishReason.NONE
-    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # when asked
-
-    @property
-    def text(self) -> str:
-        return "".join(self.parts)
-
-
-class Usage:
-    """A request's token counts: each prompt once (its `n` sequences share it), summed over
-    a batch of prompts; outputs summed over every sequence."""
-
-    def __init__(self, n: int = 1) -> None:
-        self.n = n  # choices per prompt: choice index // n is the prompt's
-        self._num_prompt_tokens: dict[int, int] = {}  # prompt index -> its count
-        self._num_output_tokens: dict[int, int] = {}  # index -> that sequence's count so far
-
-    def add(self, delta: OutputDelta) -> None:
-        self._num_prompt_tokens[delta.index // self.n] = delta.num_prompt_tokens
-        self._num_output_tokens[delta.index] = delta.num_output_tokens
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(self._num_prompt_tokens.values())
-
-    @property
-    def num_output_tokens(self) -> int:
-        return sum(self._num_output_tokens.values())
-
-
-async def collect(
-    reader: DeltaReader, n: int = 1, lp: ChoiceLogprobs | None = None
-) -> tuple[list[Choice], Usage]:
-    """Every sequence's text, token ids, logprobs and finish reason (by index), and the
-    usage (`n` choices per prompt); prompt logprobs go to `lp`."""
-    choices: dict[int, Choice] = {}
-    usage = Usage(n)
-    while True:
-        delta = await reader.next()
-        usage.add(delta)
-        choice = choices.setdefault(delta.index, Choice(delta.index))
-        choice.parts.append(delta.text)
-        choice.token_ids.extend(delta.token_ids)
-        choice.logprobs.extend(delta.logprobs)
-        if lp is not None:
-            lp.see_prompt(delta.index, delta.prompt_logprobs)
-        if delta.finish_reason != FinishReason.NONE:
-            choice.finish_reason = delta.finish_reason
-        if delta.last:
-            return sorted(choices.values(), key=lambda c: c.index), usage
-
-
-async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`; if the client disconnects first, cancel it and raise ClientGone."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.create_task(_wait_disconnect(request.receive))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        task.cancel()  # no-ops on finished tasks
-        gone.cancel()
-        await asyncio.wait({task, gone})
-    if task.cancelled():
-        raise ClientGone
-    return task.result()
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    # the body has been read, so the next ASGI message is the disconnect (when it comes)
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-# --- writing the answer ---------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Reply:
-    """What every chunk or body of one response repeats, and how to build them."""
-
-    kind: Literal["chat", "completion"]
-    request_id: str
-    model: str
-    created: int
-    fingerprint: str
-    n: int = 1  # choices (sequences) in the answer
-    n_per_prompt: int = 1  # of them, per prompt of a batch (the request's `n`)
-    lp: ChoiceLogprobs | None = None  # logprobs and echo, when asked
-    tools: ToolPlan | None = None  # chat with tools: tool calls are read from the output
-
-    def head(self) -> list[bytes]:
-        """The chat stream's role chunks, one per choice, before any text."""
-        if self.kind == "chat":
-            role = {"role": "assistant", "content": ""}
-            return [self._event(role, "", None, index) for index in range(self.n)]
-        return []
-
-    def text(
-        self,
-        text: str,
-        index: int = 0,
-        logprobs: dict[str, Any] | None = None,
-        extra: dict[str, Any] | None = None,
-    ) -> bytes:
-        return self._event({"content": text}, text, None, index, logprobs, extra)
-
-    def delta(self, delta: OutputDelta, first: bool) -> list[bytes]:
-        """A delta's chunks before its finish: with echo, the choice's prompt first (`first`
-        delta of the choice); its text, with its tokens' logprobs when asked; the prompt's
-        logprobs (prompt_logprobs) with the first chunk that can carry them."""
-        lp, i = self.lp, delta.index
-        if lp is None:
-            return [self.text(delta.text, i)] if delta.text else []
-        out = []
-        lp.see_prompt(i, delta.prompt_logprobs)
-        extra = lp.stream_extra(i)
-        if first and lp.echo_texts is not None:
-            out.append(self.text(lp.echo_text(i), i, lp.echo(i), extra))
-            extra = {}
-        if lp.is_on and delta.logprobs:
-            return [*out, self.text(delta.text, i, lp.tokens(i, delta.logprobs), extra)]
-        if delta.text or extra:
-            out.append(self.text(delta.text, i, None, extra))
-        return out
-
-    def finish(self, reason: FinishReason, index: int = 0, called: bool = False) -> bytes:
-        finish = "tool_calls" if called and reason == FinishReason.STOP else reason.openai
-        return self._event({}, "", finish, index)
-
-    def call_events(self, deltas: list[dict[str, Any]], index: int) -> list[bytes]:
-        """A streamed choice's tool_calls deltas (services/gateway/openai/tool_stream.py)."""
-        return [self._event(d, "", None, index) for d in deltas]
-
-    def tool_events(self, stream: ToolStream, index: int) -> tuple[list[bytes], bool]:
-        """A streamed choice's held-back text at its finish: content, then the calls' rest."""
-        piece, _ = stream.finish()
-        events = [self.text(piece.content, index)] if piece.content else []
-        return events + self.call_events(piece.deltas, index), stream.called
-
-    def usage(self, usage: Usage) -> bytes:
-        counts = (usage.num_prompt_tokens, usage.num_output_tokens)
-        ids = (self.request_id, self.model, self.created)
-        return sse.sse_event(sse.usage_chunk(self.kind, *ids, *counts, self.fingerprint))
-
-    def _event(
-        self,
-        delta: dict[str, Any],
-        text: str,
-        finish: str | None,
-        index: int,
-        logprobs: dict[str, Any] | None = None,
-        extra: dict[str, Any] | None = None,
-    ) -> bytes:
-        ids = (self.request_id, self.model, self.created)
-        fp = self.fingerprint
-        if self.kind == "chat":
-            return sse.sse_event(sse.chat_chunk(*ids, delta, finish, fp, index, logprobs, extra))
-        chunk = sse.completion_chunk(*ids, text, finish, fp, index, logprobs, extra)
-        return sse.sse_event(chunk)
-
-    def _choice(self, choice: Choice, with_token_ids: bool) -> dict[str, Any]:
-        out: dict[str, Any] = {"index": choice.index}
-        lp, i = self.lp, choice.index
-        if lp is not None and lp.echo_texts is not None:  # (echo's text offsets come first)
-            echoed = lp.echo(i)
-            logprobs = merge_completion(echoed, lp.tokens(i, choice.logprobs))
-        else:
-            logprobs = lp.tokens(i, choice.logprobs) if lp is not None else None
-        finish = choice.finish_reason.openai
-        if self.kind == "chat":
-            out["message"], finish = chat_message(choice.text, finish, self.tools)
-        else:
-            out["text"] = (lp.echo_text(i) if lp is not None else "") + choice.text
-        out |= {"logprobs": logprobs, "finish_reason": finish}
-        if lp is not None and self.kind == "completion":
-            out |= lp.extra(i)
-        if with_token_ids:
-            out["token_ids"] = choice.token_ids
-        return out
-
-    def body(self, choices: list[Choice], usage: Usage, with_token_ids: bool) -> dict[str, Any]:
-        """The non-streamed answer (with the output token ids when asked for)."""
-        prompt, output = usage.num_prompt_tokens, usage.num_output_tokens
-        out = {
-            "id": self.request_id,
-            "object": "chat.completion" if self.kind == "chat" else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": self.fingerprint,
-            "choices": [self._choice(c, with_token_ids) for c in choices],
-            "usage": dict(
-                prompt_tokens=prompt, completion_tokens=output, total_tokens=prompt + output
-            ),
-        }
-        if self.lp is not None and self.kind == "chat":  # vLLM: the response's, for chat
-            out |= self.lp.extra(0)
-        return out
-
-
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 async def sse_stream(
-    reader: DeltaReader, first: OutputDelta, reply: _Reply, include_usage: bool
+    reader: DeltaReader, first: OutputDelta, reply: Reply, include_usage: bool
 ) -> AsyncGenerator[bytes, None]:
     """The SSE body: [role chunks], text and finish chunks per choice, [usage chunk], [DONE].
     A failure after the first byte becomes an error event, still followed by [DONE]."""
@@ -563,12 +287,14 @@ async def sse_stream(
         usage = Usage(reply.n_per_prompt)
         delta = first
         seen: set[int] = set()  # choices that had a delta
-        tools: dict[int, ToolStream] = {}  # with tools: each choice's calls held back
+        tools: dict[int, ToolStream | None] = {}  # with tools: each choice's calls held back
         while True:
             usage.add(delta)
-            stream, calls = None, []
-            if reply.tools is not None:
-                stream = tools.setdefault(delta.index, ToolStream(reply.tools))
+            calls: list[dict[str, Any]] = []
+            if delta.index not in tools:
+                tools[delta.index] = reply.tool_stream()
+            stream = tools[delta.index]
+            if stream is not None:
                 piece = stream.feed(delta.text)
                 delta, calls = dataclasses.replace(delta, text=piece.content), piece.deltas
             for event in reply.delta(delta, first=delta.index not in seen):
@@ -594,10 +320,10 @@ async def sse_stream(
         if include_usage:
             yield reply.usage(usage)
     except RequestFailed as e:
-        yield sse.sse_event(sse.error_chunk(e.message, _error_type(e.status), e.status, e.param))
+        yield sse.sse_event(sse.error_chunk(e.message, error_type(e.status), e.status, e.param))
     except Exception:
         log.exception("stream %s failed", reply.request_id)
-        yield sse.sse_event(sse.error_chunk("internal error", _error_type(500), 500))
+        yield sse.sse_event(sse.error_chunk("internal error", error_type(500), 500))
     finally:
         await close_shielded(reader)
     yield sse.SSE_DONE
@@ -624,67 +350,6 @@ class SseResponse(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self._events.aclose()
-
-
-# --- errors ---------------------------------------------------------------------------------
-
-
-def _error_type(status: int) -> str:
-    return _ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError")
-
-
-def error_response(
-    request: Request, status: int, message: str, param: str | None = None
-) -> Response:
-    """An OpenAI-shaped error, echoing the request id when it is known."""
-    body = {"message": message, "type": _error_type(status), "param": param, "code": status}
-    headers = {}
-    if (request_id := _known_request_id(request)) is not None:
-        headers[REQUEST_ID_HEADER] = request_id
-    if status in (429, 503):
-        headers["Retry-After"] = "1"
-    return _json({"error": body}, status, headers)
-
-
-def _known_request_id(request: Request) -> str | None:
-    """The request's id once a route chose it; before that (a refusal by the API key check,
-    say) the client's own `X-Request-Id` when it is a valid one."""
-    request_id = getattr(request.state, "request_id", None)
-    if request_id is None:
-        request_id = request.headers.get(REQUEST_ID_HEADER)
-        if request_id is not None and not _REQUEST_ID.fullmatch(request_id):
-            return None
-    return request_id
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    async def rejected(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, RequestRejected | RequestFailed)
-        return error_response(request, exc.status, exc.message, exc.param)
-
-    async def invalid(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, RequestValidationError)
-        error = dict(exc.errors()[0])
-        error["loc"] = tuple(error.get("loc", ()))[1:]  # drop "body" / "header" / "query"
-        message, param = describe_error(error)
-        return error_response(request, 400, message, param)
-
-    async def http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        return error_response(request, exc.status_code, str(exc.detail))
-
-    async def client_gone(request: Request, exc: Exception) -> Response:
-        return error_response(request, _CLIENT_GONE, "client closed the request")
-
-    async def internal(request: Request, exc: Exception) -> Response:
-        return error_response(request, 500, "internal error")
-
-    app.add_exception_handler(RequestRejected, rejected)
-    app.add_exception_handler(RequestFailed, rejected)
-    app.add_exception_handler(RequestValidationError, invalid)
-    app.add_exception_handler(HTTPException, http_error)
-    app.add_exception_handler(ClientGone, client_gone)
-    app.add_exception_handler(Exception, internal)
 
 
 def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:

@@ -23,6 +23,7 @@ import dataclasses
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.gateway.http.errors import error_type
 from services.gateway.openai.protocol import REQUEST_ID_PATTERN, RequestRejected
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
@@ -170,7 +171,7 @@ def _client_request_id(scope: Scope) -> bytes | None:
 async def _send_error(send: Send, refusal: RequestRejected, request_id: bytes | None) -> None:
     error = {
         "message": refusal.message,
-        "type": _ERROR_TYPES.get(refusal.status, "BadRequestError"),
+        "type": error_type(refusal.status),
         "param": refusal.param,
         "code": refusal.status,
     }
@@ -188,10 +189,3 @@ async def _send_error(send: Send, refusal: RequestRejected, request_id: bytes | 
         }
     )
     await send({"type": "http.response.body", "body": body})
-
-
-_ERROR_TYPES = {
-    408: "RequestTimeoutError",
-    413: "RequestTooLargeError",
-    415: "UnsupportedMediaTypeError",
-}
