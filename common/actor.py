@@ -20,7 +20,7 @@ from typing import Any
 from common.config import Config, ConfigError
 from common.curve import CurveKeys
 from common.ipc import Fanout, Inbox, Outbox, Sender
-from common.messages import ModelInfo, Ping, Pong, Ready, Shutdown
+from common.messages import ModelInfo, Ping, Pong, Progress, Ready, Shutdown
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +56,22 @@ class Actor:
         """The model this actor serves, for its Ready (a worker's); None elsewhere."""
         return None
 
-    def ready_targets(self) -> list[str]:
-        """Inboxes told when this actor is ready (the supervisor, when there is one)."""
+    def report_progress(self, stage: str) -> None:
+        """Tell whoever waits for this actor's Ready (the supervisor) what it is doing now."""
+        progress = Progress(name=self.inbox_name, stage=stage)
+        for target in self.supervisors():
+            self.outbox(target).send(progress)
+
+    def supervisors(self) -> list[str]:
+        """The supervisor's inbox when there is one (told of progress and of Ready)."""
         try:
             return [self.config.addr("supervisor")]
         except ConfigError:
             return []
+
+    def ready_targets(self) -> list[str]:
+        """Inboxes told when this actor is ready (the supervisor, when there is one)."""
+        return self.supervisors()
 
     async def on_idle(self) -> None:
         """Called after each drained batch of messages."""

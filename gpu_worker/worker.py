@@ -85,9 +85,16 @@ class WorkerActor(Actor):
 
     async def start(self) -> None:
         self.tp = self._join_group()
-        self.runner = self._build(str(resolve_model_path(self.config)))
+        path = str(resolve_model_path(self.config))
+        self.report_progress(f"loading weights from {path}, building kernels, warming up")
+        self.runner = self._build(path)
         self.scheduler = self._scheduler_outbox()
-        log.info("model loaded: %s", self.runner.model_info())
+        info = self.runner.model_info()
+        log.info("model loaded: %s", info)
+        self.report_progress(
+            f"model loaded: {info.num_blocks} KV blocks of {info.block_size} tokens, "
+            f"{info.dtype} on {info.device}"
+        )
 
     def _join_group(self) -> TensorParallel | None:
         """Join the tensor-parallel group (blocks until every rank has joined)."""

@@ -30,6 +30,15 @@ class Ready:
     model: ModelInfo | None = None
 
 
+@message("progress")
+class Progress:
+    """An actor's start-up stage, before its Ready, for the supervisor to print (a worker
+    loading weights takes seconds that would otherwise pass in silence)."""
+
+    name: str
+    stage: str  # what it is doing now, in words ("loading weights from PATH")
+
+
 @message("shutdown")
 class Shutdown:
     reason: str = ""
