@@ -1,6 +1,6 @@
 """The import graph of the shipped packages, read from the source (ast, nothing imported):
-no circle; no service importing another service's package; common/ and gpu_worker/
-importing no service; the gateway's layers in order.
+no circle; no service importing another service's package or the worker; common/ and
+gpu_worker/ importing no service; the gateway's layers in order.
 
     common  <-  gpu_worker            services/<one package each>  <-  services/*.py
        ^                                   (the supervisor, launch.py and friends)
@@ -147,6 +147,19 @@ def test_common_and_the_worker_import_no_service(graph: dict[str, set[str]]) -> 
         if d.split(".")[0] in ("services", "tools")
     ]
     assert upward == []
+
+
+def test_no_service_package_imports_the_worker(graph: dict[str, set[str]]) -> None:
+    """The CPU processes never load the model's code (torch); only the supervisor's
+    worker_group reads the model's config to check a tensor-parallel layout."""
+    wrong = [
+        (m, d)
+        for m, deps in graph.items()
+        if _service(m)
+        for d in deps
+        if d.startswith("gpu_worker")
+    ]
+    assert wrong == []
 
 
 def _gateway_layer(module: str) -> int | None:
