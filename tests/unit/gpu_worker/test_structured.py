@@ -1,31 +1,19 @@
-"""Structured outputs without processes or a model: the gateway's reading of the request
-fields, the worker's grammar cache, matchers and token bitmask (on a tiny character vocab),
-the request table's matchers, and the scheduler holding a request until its grammar is
-compiled."""
+"""Structured outputs on the worker (gpu_worker/structured.py), without processes or a
+model: the grammar cache, matchers and token bitmask (on a tiny character vocab), and the
+request table's matchers."""
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
-import orjson
 import pytest
 import torch
 import xgrammar as xgr
 
 from common.messages import (
-    CompileGrammar,
-    FinishReason,
-    GrammarCompiled,
-    RequestError,
     SamplingParams,
     StepPlan,
-    TokenBatch,
 )
 from gpu_worker.runner import RequestTable
 from gpu_worker.structured import GrammarCache, GrammarError, RowGrammar, apply_grammars
-from services.gateway.openai.structured import StructuredError, parse_structured
-from tests.unit.services.scheduler.test_engine_core import _core, _request, _run, _tokens
 
 # a tiny vocabulary: id -> text; 0 ends the sequence. The model's logits have more rows
 # (VOCAB) than the tokenizer has tokens, as real models often do
@@ -58,85 +46,6 @@ def _matcher(cache: GrammarCache, kind: str, spec: str) -> RowGrammar:
     grammar = cache.matcher(params, "tok")
     assert grammar is not None
     return grammar
-
-
-# --- the gateway's fields ---------------------------------------------------------------------
-SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
-
-
-@pytest.mark.parametrize(
-    ("body", "kind", "field"),
-    [
-        ({"response_format": {"type": "json_object"}}, "json_object", "response_format"),
-        (
-            {
-                "response_format": {
-                    "type": "json_schema",
-                    "json_schema": {"name": "n", "schema": SCHEMA, "strict": True},
-                }
-            },  # fmt: skip
-            "json",
-            "response_format.json_schema.schema",
-        ),
-        ({"structured_outputs": {"json": SCHEMA}}, "json", "structured_outputs.json"),
-        ({"structured_outputs": {"regex": "a+"}}, "regex", "structured_outputs.regex"),
-        ({"structured_outputs": {"choice": ["x"]}}, "choice", "structured_outputs.choice"),
-        (
-            {"structured_outputs": {"grammar": "root ::= 'a'"}},
-            "grammar",
-            "structured_outputs.grammar",
-        ),  # fmt: skip
-        (
-            {"structured_outputs": {"json_object": True}},
-            "json_object",
-            "structured_outputs.json_object",
-        ),  # fmt: skip
-        ({"guided_json": orjson.dumps(SCHEMA).decode()}, "json", "guided_json"),
-        ({"guided_regex": "a+"}, "regex", "guided_regex"),
-        ({"guided_choice": ["a", "b"]}, "choice", "guided_choice"),
-        ({"guided_grammar": "root ::= 'a'"}, "grammar", "guided_grammar"),
-    ],
-)
-def test_each_field_gives_one_grammar(body: dict[str, Any], kind: str, field: str) -> None:
-    got = parse_structured(body)
-    assert got is not None and (got.kind, got.field) == (kind, field)
-    if kind == "json":
-        assert orjson.loads(got.spec) == SCHEMA
-
-
-def test_free_text_asks_for_nothing() -> None:
-    assert parse_structured({}) is None
-    assert parse_structured({"response_format": {"type": "text"}}) is None
-
-
-@pytest.mark.parametrize(
-    ("body", "field"),
-    [
-        ({"response_format": {"type": "yaml"}}, "response_format.type"),
-        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
-        (
-            {"response_format": {"type": "json_schema", "json_schema": {"name": "n"}}},
-            "response_format.json_schema.schema",
-        ),  # fmt: skip
-        ({"guided_json": "{not json"}, "guided_json"),
-        ({"guided_json": [1]}, "guided_json"),
-        ({"guided_choice": []}, "guided_choice"),
-        ({"guided_choice": ["a", 1]}, "guided_choice"),
-        ({"guided_regex": ""}, "guided_regex"),
-        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
-        ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
-        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
-        ({"structured_outputs": {"regex": "a", "flavour": 1}}, "structured_outputs.flavour"),
-        (
-            {"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "x": 1}}},
-            "response_format.json_schema.x",
-        ),  # fmt: skip
-    ],
-)
-def test_bad_shapes_name_the_field(body: dict[str, Any], field: str) -> None:
-    with pytest.raises(StructuredError) as e:
-        parse_structured(body)
-    assert e.value.field == field and str(e.value).startswith(field + ": ")
 
 
 # --- the worker's cache, matchers and bitmask ---------------------------------------------------
@@ -255,85 +164,3 @@ def test_a_table_without_grammars_refuses_a_constrained_request() -> None:
     )
     with pytest.raises(ValueError, match="no structured outputs"):
         table.apply_diffs(plan, "v", {"v"})
-
-
-# --- the scheduler holds a request until its grammar is compiled --------------------------------
-def _constrained(rid: str, n: int = 1) -> Any:
-    msg = _request(rid, n=n)
-    sampling = dataclasses.replace(
-        msg.sampling, structured_kind="regex", structured_spec="a", structured_field="guided_regex"
-    )
-    return dataclasses.replace(msg, sampling=sampling)
-
-
-def test_a_request_waits_for_its_grammar_then_runs() -> None:
-    core, out = _core()
-    core.add(_constrained("g", n=2))
-    core.add(_request("free"))
-    (ask,) = out.of(CompileGrammar)
-    assert (ask.request_id, ask.kind, ask.spec, ask.tokenizer_fingerprint) == (
-        "g", "regex", "a", "tok-a"
-    )  # fmt: skip
-    _run(core, out)
-    assert not any("g" in p.req_ids[i] for p in out.of(StepPlan) for i in range(len(p.req_ids)))
-    assert _tokens(out)[("free", 0)]  # the free request ran meanwhile
-    core.on_grammar_compiled(GrammarCompiled(request_id="g", tokenizer_fingerprint="tok-a"))
-    _run(core, out)
-    got = _tokens(out)
-    assert len(got[("g", 0)]) == 3 and len(got[("g", 1)]) == 3
-    assert not core.groups and core.policy is not None and not core.policy.requests
-
-
-def test_a_grammar_that_does_not_compile_is_a_400_naming_its_field() -> None:
-    core, out = _core()
-    core.add(_constrained("g"))
-    failed = GrammarCompiled("g", "Unsupported regex", tokenizer_fingerprint="tok-a")
-    core.on_grammar_compiled(failed)
-    (error,) = out.of(RequestError)
-    assert (error.status, error.param) == (400, "guided_regex")
-    assert error.message == "guided_regex: Unsupported regex"
-    assert not core.groups and not len(core.grammar_wait)
-    assert core.policy is not None and core.policy.blocks.num_used_blocks == 0
-
-
-def test_a_request_aborted_while_its_grammar_compiles_ends_there() -> None:
-    core, out = _core()
-    core.add(_constrained("g", n=2))
-    core.abort(["g"], FinishReason.CANCELLED)
-    (batch,) = out.of(TokenBatch)
-    assert batch.finish_reasons == [int(FinishReason.CANCELLED)] * 2
-    assert not core.groups and not len(core.grammar_wait)
-    # late: nothing to queue
-    core.on_grammar_compiled(GrammarCompiled(request_id="g", tokenizer_fingerprint="tok-a"))
-    assert core.policy is not None and not core.policy.requests
-
-
-def test_a_worker_restart_fails_requests_waiting_for_a_grammar() -> None:
-    core, out = _core()
-    core.add(_constrained("g"))
-    core.on_worker_down("the worker died")
-    (error,) = out.of(RequestError)
-    assert error.status == 503 and not core.groups and not len(core.grammar_wait)
-
-
-def test_a_request_past_its_deadline_while_its_grammar_compiles_times_out() -> None:
-    core, out = _core()
-    core.add(dataclasses.replace(_constrained("late", n=2), timeout=1.0, arrival_time=1.0))
-    core.add(_constrained("on-time"))
-    core.expire()  # the clock is far past 1.0 + 1.0
-    (batch,) = out.of(TokenBatch)
-    assert batch.request_ids == ["late", "late"]
-    assert batch.finish_reasons == [int(FinishReason.TIMEOUT)] * 2
-    assert "late" not in core.groups and "on-time" in core.grammar_wait
-
-
-def test_an_answer_for_another_tokenizer_does_not_release_a_request() -> None:
-    # tokenised again for a new tokenizer (a swap) while the old compile was running
-    core, out = _core()
-    core.add(_constrained("g"))
-    core.on_grammar_compiled(GrammarCompiled(request_id="g", tokenizer_fingerprint="tok-old"))
-    assert "g" in core.grammar_wait
-    core.on_grammar_compiled(GrammarCompiled(request_id="g", tokenizer_fingerprint="tok-a"))
-    assert "g" not in core.grammar_wait
-    _run(core, out)
-    assert len(_tokens(out)[("g", 0)]) == 3

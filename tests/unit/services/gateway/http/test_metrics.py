@@ -11,9 +11,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from common.messages import FinishReason, GenerateRequest
 from common.messages.types import SamplingParams
 from services.gateway.engine.client import OutputDelta
+from services.gateway.engine.replicas import merge_stats
 from services.gateway.http import metrics as metrics_module
-from services.gateway.http.metrics import GatewayMetrics, install_metrics
+from services.gateway.http.metrics import GatewayMetrics, _SchedulerStats, install_metrics
 from tests.fake_engine import FakeEngine
+from tests.unit.services.gateway.engine.test_replicas import _stats
 
 
 def _request(n: int = 1) -> GenerateRequest:
@@ -271,3 +273,21 @@ def test_an_unset_chat_max_tokens_is_not_observed_as_zero() -> None:
     m = _samples(metrics)
     assert "shuttle:request_params_max_tokens_count" not in m
     assert m["shuttle:request_params_n_count"] == 1
+
+
+def test_metrics_are_labelled_by_replica() -> None:
+    collector = _SchedulerStats(lambda: "m")
+    merged = merge_stats({"scheduler-0": _stats(), "scheduler-1": _stats()}, 2)
+    merged["router"] = {"num_prefix_routed": 7, "num_least_loaded_routed": 3}
+    collector.update(merged)
+    families = {f.name: f for f in collector.collect()}
+    hits = families["shuttle:prefix_cache_hits"]
+    assert [(s.labels["replica"], s.value) for s in hits.samples if s.name.endswith("_total")] == [
+        ("0", 40.0),
+        ("1", 40.0),
+    ]
+    routed = families["shuttle:dp_routed_requests"]
+    assert sorted((s.labels["how"], s.value) for s in routed.samples) == [
+        ("least_loaded", 3.0),
+        ("prefix", 7.0),
+    ]
