@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Literal
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # orjson carries 64-bit ints
@@ -94,6 +95,38 @@ MAX_TOKENS = Range(1, None)  # a request's
 ENGINE_MAX_TOKENS = Range(0, None, note="0 = as many as fit")  # SamplingParams'
 TOP_K = Range(-1, None)  # a request's: -1 or 0 = off (vLLM)
 ENGINE_TOP_K = Range(0, None, note="0 = off")  # SamplingParams'
+
+# what is wrong with a list field, when something is: ("count" | "item", the message)
+Problem = tuple[Literal["count", "item"], str]
+
+
+def stop_strings_problem(stops: Sequence[object]) -> Problem | None:
+    """Too many stop strings, or one empty or too long (or not a string)."""
+    if len(stops) > MAX_STOP_STRINGS:
+        return "count", f"at most {MAX_STOP_STRINGS} stop strings"
+    if any(not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_CHARS for s in stops):
+        return "item", f"each stop string must be 1..{MAX_STOP_CHARS} characters"
+    return None
+
+
+def bad_words_problem(words: Sequence[object]) -> Problem | None:
+    """Too many bad words, or one blank or too long (or not a string)."""
+    if len(words) > MAX_BAD_WORDS:
+        return "count", f"at most {MAX_BAD_WORDS} words"
+    for word in words:
+        if not isinstance(word, str) or not word.strip() or len(word) > MAX_BAD_WORD_CHARS:
+            return (
+                "item",
+                f"each bad word must be 1..{MAX_BAD_WORD_CHARS} characters, not all spaces",
+            )
+    return None
+
+
+def logit_bias_problem(num_entries: int) -> Problem | None:
+    if num_entries > MAX_LOGIT_BIAS:
+        return "count", f"at most {MAX_LOGIT_BIAS} entries"
+    return None
+
 
 # the float fields of SamplingParams by name, checked alike by the tokenizer
 SAMPLING_FLOAT_RANGES: dict[str, Range] = {

@@ -6,14 +6,12 @@ from common.limits import (
     ENGINE_MAX_TOKENS,
     ENGINE_TOP_K,
     LOGIT_BIAS_VALUE,
-    MAX_BAD_WORD_CHARS,
-    MAX_BAD_WORDS,
-    MAX_LOGIT_BIAS,
-    MAX_STOP_CHARS,
-    MAX_STOP_STRINGS,
     MIN_TOKENS,
     SAMPLING_FLOAT_RANGES,
     Range,
+    bad_words_problem,
+    logit_bias_problem,
+    stop_strings_problem,
 )
 from common.messages import SamplingParams
 
@@ -39,13 +37,8 @@ def check_sampling(sp: SamplingParams) -> None:
     the field."""
     check_range("max_tokens", sp.max_tokens, ENGINE_MAX_TOKENS, integer=True)
     check_range("top_k", sp.top_k, ENGINE_TOP_K, integer=True)
-    if len(sp.stop) > MAX_STOP_STRINGS:
-        raise InvalidRequest("stop", f"at most {MAX_STOP_STRINGS} strings, got {len(sp.stop)}")
-    for s in sp.stop:
-        if not s or len(s) > MAX_STOP_CHARS:
-            raise InvalidRequest(
-                "stop", f"each stop string must have 1..{MAX_STOP_CHARS} characters"
-            )
+    if (problem := stop_strings_problem(sp.stop)) is not None:
+        raise InvalidRequest("stop", problem[1])
     check_controls(sp)
 
 
@@ -56,22 +49,16 @@ def check_controls(sp: SamplingParams) -> None:
         check_range(name, getattr(sp, name), allowed)
     if len(sp.logit_bias_token_ids) != len(sp.logit_bias_values):
         raise InvalidRequest("logit_bias", "token ids and values differ in number")
-    if len(sp.logit_bias_token_ids) > MAX_LOGIT_BIAS:
-        raise InvalidRequest("logit_bias", f"at most {MAX_LOGIT_BIAS} entries")
+    if (problem := logit_bias_problem(len(sp.logit_bias_token_ids))) is not None:
+        raise InvalidRequest("logit_bias", problem[1])
     for token, bias in zip(sp.logit_bias_token_ids, sp.logit_bias_values, strict=True):
         if bias not in LOGIT_BIAS_VALUE:
             raise InvalidRequest(
                 "logit_bias", f"bias of token {token} must be {LOGIT_BIAS_VALUE.describe()}"
             )
     check_range("min_tokens", sp.min_tokens, MIN_TOKENS, integer=True)
-    if len(sp.bad_words) > MAX_BAD_WORDS:
-        raise InvalidRequest("bad_words", f"at most {MAX_BAD_WORDS} words, got {len(sp.bad_words)}")
-    for word in sp.bad_words:
-        if not word.strip() or len(word) > MAX_BAD_WORD_CHARS:
-            raise InvalidRequest(
-                "bad_words",
-                f"each bad word must have 1..{MAX_BAD_WORD_CHARS} characters, not all spaces",
-            )
+    if (problem := bad_words_problem(sp.bad_words)) is not None:
+        raise InvalidRequest("bad_words", problem[1])
 
 
 def check_min_tokens(min_tokens: int, max_tokens: int) -> None:

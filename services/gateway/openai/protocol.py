@@ -75,15 +75,10 @@ from common.limits import (
     INT64_MAX,
     INT64_MIN,
     LOGIT_BIAS_VALUE,
-    MAX_BAD_WORD_CHARS,
-    MAX_BAD_WORDS,
     MAX_CHAT_TEMPLATE_CHARS,
-    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_N,
     MAX_PROMPTS,
-    MAX_STOP_CHARS,
-    MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     MAX_TIMEOUT_S,
     MAX_TOKENS,
@@ -96,6 +91,9 @@ from common.limits import (
     TOP_K,
     TOP_P,
     Range,
+    bad_words_problem,
+    logit_bias_problem,
+    stop_strings_problem,
 )
 from common.messages import GenerateRequest, SamplingParams
 from common.messages.types import MODEL_DEFAULT_FIELDS
@@ -227,13 +225,8 @@ class _CommonRequest(BaseModel):
         stops = [value] if isinstance(value, str) else [] if value is None else value
         if not isinstance(stops, list):
             raise PydanticCustomError("stop_type", "must be a string or a list of strings")
-        if len(stops) > MAX_STOP_STRINGS:
-            raise PydanticCustomError("stop_count", f"at most {MAX_STOP_STRINGS} stop strings")
-        for s in stops:
-            if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_CHARS:
-                raise PydanticCustomError(
-                    "stop_item", f"each stop string must be 1..{MAX_STOP_CHARS} characters"
-                )
+        if (problem := stop_strings_problem(stops)) is not None:
+            raise PydanticCustomError(f"stop_{problem[0]}", problem[1])
         return stops
 
     @field_validator("logit_bias")
@@ -241,8 +234,8 @@ class _CommonRequest(BaseModel):
     def _logit_bias_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         if value is None:
             return value
-        if len(value) > MAX_LOGIT_BIAS:
-            raise PydanticCustomError("logit_bias_count", f"at most {MAX_LOGIT_BIAS} entries")
+        if (problem := logit_bias_problem(len(value))) is not None:
+            raise PydanticCustomError(f"logit_bias_{problem[0]}", problem[1])
         for key in value:
             if not _TOKEN_ID_KEY.fullmatch(key) or int(key) > INT32_MAX:
                 raise PydanticCustomError(
@@ -259,14 +252,8 @@ class _CommonRequest(BaseModel):
             return value
         if not isinstance(value, list):
             raise PydanticCustomError("bad_words_type", "must be a list of strings")
-        if len(value) > MAX_BAD_WORDS:
-            raise PydanticCustomError("bad_words_count", f"at most {MAX_BAD_WORDS} words")
-        for word in value:
-            if not isinstance(word, str) or not word.strip() or len(word) > MAX_BAD_WORD_CHARS:
-                raise PydanticCustomError(
-                    "bad_words_item",
-                    f"each bad word must be 1..{MAX_BAD_WORD_CHARS} characters, not all spaces",
-                )
+        if (problem := bad_words_problem(value)) is not None:
+            raise PydanticCustomError(f"bad_words_{problem[0]}", problem[1])
         return value
 
     @field_validator("stream_options")

@@ -83,3 +83,26 @@ def test_the_engine_takes_max_tokens_0_and_says_so_when_refusing() -> None:
     with pytest.raises(InvalidRequest) as e:
         check_sampling(SamplingParams(max_tokens=-1))
     assert e.value.message == "max_tokens: must be >= 0 (0 = as many as fit), got -1"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("stop", ["s"] * 65),
+        ("stop", [""]),
+        ("stop", ["x" * 257]),
+        ("bad_words", ["w"] * 65),
+        ("bad_words", ["  "]),
+        ("bad_words", ["w" * 257]),
+    ],
+)
+def test_gateway_and_tokenizer_refuse_a_list_field_with_one_message(
+    field: str, value: list[str]
+) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], field: value}
+    with pytest.raises(RequestRejected) as at_gateway:
+        parse_request(ChatCompletionRequest, orjson.dumps(body))
+    with pytest.raises(InvalidRequest) as at_tokenizer:
+        check_sampling(dataclasses.replace(SamplingParams(), **{field: value}))
+    assert at_gateway.value.message == at_tokenizer.value.message
+    assert at_tokenizer.value.message.startswith(f"{field}: ")
