@@ -20,8 +20,7 @@ from typing import Any
 from common.config import Config, ConfigError
 from common.curve import CurveKeys
 from common.ipc import Fanout, Inbox, Outbox, Sender
-from common.messages import Ping, Pong, Ready, Shutdown
-from common.parallel_config import replica_addrs
+from common.messages import ModelInfo, Ping, Pong, Progress, Ready, Shutdown
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +52,26 @@ class Actor:
     def ready_info(self) -> dict[str, Any]:
         return {}
 
-    def ready_targets(self) -> list[str]:
-        """Inboxes told when this actor is ready (the supervisor, when there is one)."""
+    def ready_model(self) -> ModelInfo | None:
+        """The model this actor serves, for its Ready (a worker's); None elsewhere."""
+        return None
+
+    def report_progress(self, stage: str) -> None:
+        """Tell whoever waits for this actor's Ready (the supervisor) what it is doing now."""
+        progress = Progress(name=self.inbox_name, stage=stage)
+        for target in self.supervisors():
+            self.outbox(target).send(progress)
+
+    def supervisors(self) -> list[str]:
+        """The supervisor's inbox when there is one (told of progress and of Ready)."""
         try:
             return [self.config.addr("supervisor")]
         except ConfigError:
             return []
+
+    def ready_targets(self) -> list[str]:
+        """Inboxes told when this actor is ready (the supervisor, when there is one)."""
+        return self.supervisors()
 
     async def on_idle(self) -> None:
         """Called after each drained batch of messages."""
@@ -74,10 +87,8 @@ class Actor:
             box = self._outboxes[key] = Outbox(addrs, self.curve)
         return box
 
-    def schedulers(self) -> Sender:
-        """Every replica's scheduler at once (aborts, stats, swaps): the one scheduler, or
-        with --data-parallel-size N a fan-out to N."""
-        addrs = replica_addrs(self.config, "scheduler")
+    def outboxes(self, addrs: list[str]) -> Sender:
+        """One sender to every address at once: an outbox for one, a fan-out for several."""
         if len(addrs) == 1:
             return self.outbox(addrs[0])
         return Fanout([self.outbox(a) for a in addrs])
@@ -108,7 +119,7 @@ class Actor:
     async def _serve(self) -> None:
         assert self.inbox is not None
         await self.start()
-        ready = Ready(name=self.inbox_name, info=self.ready_info())
+        ready = Ready(name=self.inbox_name, info=self.ready_info(), model=self.ready_model())
         for target in self.ready_targets():
             self.outbox(target).send(ready)
         log.info("ready", extra={"addr": self.inbox.addr})

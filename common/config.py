@@ -19,14 +19,16 @@ from typing import Any
 
 import orjson
 
+# ConfigError is re-exported: every caller names it common.config.ConfigError
+from common.config_base import ConfigError as ConfigError
+from common.config_base import config_field
 from common.cpu_features import auto_dtype
 from common.parallel_config import DataParallelConfig
 
 _ENV_PREFIX = "SHUTTLE_"
 
 
-def _field(default: Any, help: str) -> Any:
-    return dataclasses.field(default=default, metadata={"help": help})
+_field = config_field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,10 +387,6 @@ class Config:
             self,
             **{s: dataclasses.replace(getattr(self, s), **v) for s, v in sections.items()},
         )
-
-
-class ConfigError(ValueError):
-    pass
 
 
 def _check(ok: bool, name: str, expected: str) -> None:

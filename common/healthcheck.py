@@ -28,7 +28,7 @@ from common import codec
 from common.config import Config, ConfigError, add_flags, from_args
 from common.curve import CurveKeys, uses_curve
 from common.messages import Ping, Pong
-from common.parallel_config import router_addr
+from common.topology import router_addr
 
 
 def resolve_target(config: Config, target: str) -> str:

@@ -1,52 +1,34 @@
-"""Data parallelism's config section and the replica layout it implies (DESIGN §13).
-
-    gateway ─▶ tokenizer ×T ─▶ router ─▶ scheduler-0 ─▶ worker-0     replica 0
-                                     └─▶ scheduler-1 ─▶ worker-1     replica 1
-    detokenizer (shared) ◀── token ids from every scheduler
-
-A replica is one scheduler and its worker (group), addressed by index. With
---data-parallel-size 1 (the default) nothing changes: no router, the processes are named
-`scheduler` and `worker`, and tokenizers push straight to the scheduler. With N > 1 each
-replica's processes run on a config of their own (`replica_config`) whose scheduler and
-worker addresses are the replica's, so the scheduler and worker code need not know N.
-"""
+"""Data parallelism's config section (DESIGN §13); the replica layout it implies is
+common/topology.py's."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from common.config import Config
+from common.config_base import ConfigError, config_field
 
 ROUTINGS = ("prefix", "round-robin")
 
 
-def _field(default: Any, help: str) -> Any:
-    return dataclasses.field(default=default, metadata={"help": help})
-
-
 @dataclasses.dataclass(frozen=True)
 class DataParallelConfig:
-    data_parallel_size: int = _field(1, "engine replicas (scheduler + worker each)")
-    dp_routing: str = _field(
+    data_parallel_size: int = config_field(1, "engine replicas (scheduler + worker each)")
+    dp_routing: str = config_field(
         "prefix",
         "prefix: to the replica holding the request's leading blocks (bounded by "
         "--dp-load-bound), else the least loaded; round-robin: in turn",
     )
-    dp_load_bound: float = _field(
+    dp_load_bound: float = config_field(
         1.25,
         "prefix routing: a replica takes a request only while its load (running + waiting "
         "requests) stays within this multiple of the mean (at least 1)",
     )
-    replica_index: int = _field(0, "this process's replica (set by the supervisor/compose)")
-    router_addr: str = _field("", "router inbox (data parallelism)")
-    scheduler_addrs: str = _field("", "comma-separated scheduler inboxes, one per replica")
-    worker_addrs: str = _field("", "comma-separated worker inboxes, one per replica")
+    replica_index: int = config_field(0, "this process's replica (set by the supervisor/compose)")
+    router_addr: str = config_field("", "router inbox (data parallelism)")
+    scheduler_addrs: str = config_field("", "comma-separated scheduler inboxes, one per replica")
+    worker_addrs: str = config_field("", "comma-separated worker inboxes, one per replica")
 
     def __post_init__(self) -> None:
-        from common.config import ConfigError
-
         if self.data_parallel_size < 1:
             raise ConfigError("--data-parallel-size must be >= 1")
         if self.dp_routing not in ROUTINGS:
@@ -55,64 +37,3 @@ class DataParallelConfig:
             raise ConfigError("--dp-load-bound must be >= 1")
         if not 0 <= self.replica_index < self.data_parallel_size:
             raise ConfigError("--replica-index must be in [0, --data-parallel-size)")
-
-
-def replica_name(base: str, index: int, size: int) -> str:
-    """`scheduler`/`worker` with one replica; `scheduler-1`, `worker-1`, ... with several."""
-    return base if size == 1 else f"{base}-{index}"
-
-
-def own_name(config: Config, base: str) -> str:
-    """This process's name for `base` (scheduler, worker) in its replica."""
-    dp = config.data_parallel
-    return replica_name(base, dp.replica_index, dp.data_parallel_size)
-
-
-def _split(addrs: str) -> list[str]:
-    return [a.strip() for a in addrs.split(",") if a.strip()]
-
-
-def replica_addrs(config: Config, base: str) -> list[str]:
-    """Inbox of `base` (scheduler, worker) in each replica, by index."""
-    dp = config.data_parallel
-    explicit = _split(dp.scheduler_addrs if base == "scheduler" else dp.worker_addrs)
-    if explicit:  # (more than N: the first N, so one list serves every layout up to it)
-        if len(explicit) < dp.data_parallel_size:
-            raise ValueError(f"--{base}-addrs names {len(explicit)}, not one per replica")
-        return explicit[: dp.data_parallel_size]
-    size = dp.data_parallel_size
-    return [config.addr(replica_name(base, i, size)) for i in range(size)]
-
-
-def router_addr(config: Config) -> str:
-    return config.data_parallel.router_addr or config.addr("router")
-
-
-def engine_entry_addr(config: Config) -> str:
-    """Where tokenised requests go: the router with several replicas, else the scheduler."""
-    return (
-        router_addr(config)
-        if config.data_parallel.data_parallel_size > 1
-        else config.addr("scheduler")
-    )
-
-
-def replica_config(config: Config, index: int) -> Config:
-    """The config of replica `index`'s scheduler and worker: their own addresses."""
-    return config.replace(
-        addresses={
-            "scheduler_addr": replica_addrs(config, "scheduler")[index],
-            "worker_addr": replica_addrs(config, "worker")[index],
-        },
-        data_parallel={"replica_index": index},
-    )
-
-
-def replica_gpus(visible: list[str], size: int) -> list[list[str]]:
-    """The GPUs each replica's worker (group) sees: the visible ones split into `size`
-    contiguous groups of equal size (a replica of a tensor-parallel group takes its ranks'
-    GPUs from its own group). Fewer GPUs than replicas: every replica sees them all."""
-    if len(visible) < size:
-        return [list(visible)] * size
-    per = len(visible) // size
-    return [visible[i * per : (i + 1) * per] for i in range(size)]

@@ -61,35 +61,6 @@ class KVCache:
             self.tensor = torch.zeros(shape, dtype=dtype, device=device)
         self.host: torch.Tensor | None = None
 
-    @classmethod
-    def from_budget(
-        cls,
-        budget_bytes: int,
-        *,
-        num_layers: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> KVCache:
-        """As many blocks as fit in `budget_bytes`; fails if not even one does."""
-        per_block = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
-        num_blocks = budget_bytes // per_block
-        if num_blocks < 1:
-            raise ValueError(
-                f"KV budget of {budget_bytes} bytes holds no block of {per_block} bytes"
-            )
-        return cls(
-            num_layers=num_layers,
-            num_blocks=num_blocks,
-            block_size=block_size,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            dtype=dtype,
-            device=device,
-        )
-
     def allocate_host(self, budget_bytes: int) -> int:
         """A host-memory pool for swapped-out blocks (pinned when the cache is on CUDA)."""
         per_block = self.tensor[:, :, 0].numel() * self.tensor.element_size()

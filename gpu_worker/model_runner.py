@@ -30,7 +30,7 @@ import xgrammar
 
 from common.config import Config
 from common.messages.scheduler_worker import StepPlan, StepResult
-from common.messages.types import SamplingParams
+from common.messages.types import ModelInfo, SamplingParams
 from common.model_facts import tokenizer_fingerprint
 from gpu_worker.attention import (
     AttentionBackend,
@@ -357,25 +357,25 @@ class ModelRunner(PlanRunner[ModelVersion]):
         )
         self.num_blocks = self.kv_cache.num_blocks
 
-    def model_info(self) -> dict[str, Any]:
-        """What the worker tells the scheduler at start-up (the Ready message's info)."""
-        return {
-            "model_type": self.config.model_type,
-            "num_layers": self.config.num_layers,
-            "num_kv_heads": self.config.num_kv_heads,
-            "head_dim": self.config.head_dim,
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "num_blocks": self.num_blocks,
-            "block_size": self.block_size,
-            "max_model_len": self.max_model_len,
-            "vocab_size": self.config.vocab_size,
-            "eos_token_ids": list(self.eos_token_ids),
-            "weights_version": self.weights_version,
-            "num_host_blocks": self.num_host_blocks,
-            "device": str(self.device),
-            "speculative": self.speculative,
-            "tensor_parallel_size": self.tp.size,
-        }
+    def model_info(self) -> ModelInfo:
+        """What the worker tells the scheduler at start-up (the Ready message's model)."""
+        return ModelInfo(
+            model_type=self.config.model_type,
+            num_layers=self.config.num_layers,
+            num_kv_heads=self.config.num_kv_heads,
+            head_dim=self.config.head_dim,
+            dtype=str(self.dtype).removeprefix("torch."),
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            vocab_size=self.config.vocab_size,
+            eos_token_ids=list(self.eos_token_ids),
+            weights_version=self.weights_version,
+            num_host_blocks=self.num_host_blocks,
+            device=str(self.device),
+            speculative=self.speculative,
+            tensor_parallel_size=self.tp.size,
+        )
 
     # model versions (hot swap) -------------------------------------------------------------
     def load_version(self, path: str, version: str = "") -> str:

@@ -25,10 +25,10 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Callable, Collection
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from common.messages.scheduler_worker import StepPlan, StepResult
-from common.messages.types import SamplingParams
+from common.messages.types import ModelInfo, SamplingParams
 
 if TYPE_CHECKING:  # the synthetic runner runs without torch ever being imported
     import concurrent.futures
@@ -88,8 +88,8 @@ class Runner(Protocol):
 
     def num_requests(self) -> int: ...
 
-    def model_info(self) -> dict[str, Any]:
-        """What the worker tells the scheduler (the Ready message's info)."""
+    def model_info(self) -> ModelInfo:
+        """What the worker tells the scheduler (the Ready message's model)."""
         ...
 
     def load_version(self, path: str, version: str = "") -> str:

@@ -35,6 +35,7 @@ from typing import Any
 
 from common.config import Config, ConfigError
 from common.messages.scheduler_worker import StepPlan, StepResult
+from common.messages.types import ModelInfo
 from common.model_paths import synthetic_params
 from gpu_worker.runner import PlanRunner, RequestState, RequestTable
 
@@ -105,24 +106,24 @@ class SyntheticRunner(PlanRunner[str]):
             max_model_len=m.max_model_len or None,
         )
 
-    def model_info(self) -> dict[str, Any]:
+    def model_info(self) -> ModelInfo:
         c = self.config
         heads = c.get("num_attention_heads", 1)
-        return {
-            "model_type": "synthetic",
-            "num_layers": c.get("num_hidden_layers", 1),
-            "num_kv_heads": c.get("num_key_value_heads") or heads,
-            "head_dim": c.get("head_dim") or c.get("hidden_size", 64) // heads,
-            "dtype": self.dtype,
-            "num_blocks": self.num_blocks,
-            "block_size": self.block_size,
-            "max_model_len": self.max_model_len,
-            "vocab_size": c.get("vocab_size", 0),
-            "eos_token_ids": list(self.eos_token_ids),
-            "weights_version": self.weights_version,
-            "num_host_blocks": 0,
-            "device": "none",
-        }
+        return ModelInfo(
+            model_type="synthetic",
+            num_layers=c.get("num_hidden_layers", 1),
+            num_kv_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or c.get("hidden_size", 64) // heads,
+            dtype=self.dtype,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            vocab_size=c.get("vocab_size", 0),
+            eos_token_ids=list(self.eos_token_ids),
+            weights_version=self.weights_version,
+            num_host_blocks=0,
+            device="none",
+        )
 
     # hot swap: a synthetic model serves one version; a drain-mode swap replaces the runner
     def load_version(self, path: str, version: str = "") -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import gc
 import logging
 import os
@@ -30,6 +31,7 @@ from common.messages import (
     CompileGrammar,
     GrammarCompiled,
     LoadModel,
+    ModelInfo,
     ModelLoaded,
     Ready,
     Reset,
@@ -40,7 +42,7 @@ from common.messages import (
 )
 from common.model_facts import position_config, tokenizer_fingerprint
 from common.model_paths import resolve_model_path, served_model_name, synthetic_params
-from common.parallel_config import own_name
+from common.topology import own_name
 from gpu_worker.runner import Runner
 from gpu_worker.synthetic import SyntheticRunner
 
@@ -83,9 +85,16 @@ class WorkerActor(Actor):
 
     async def start(self) -> None:
         self.tp = self._join_group()
-        self.runner = self._build(str(resolve_model_path(self.config)))
+        path = str(resolve_model_path(self.config))
+        self.report_progress(f"loading weights from {path}, building kernels, warming up")
+        self.runner = self._build(path)
         self.scheduler = self._scheduler_outbox()
-        log.info("model loaded: %s", self.runner.model_info())
+        info = self.runner.model_info()
+        log.info("model loaded: %s", info)
+        self.report_progress(
+            f"model loaded: {info.num_blocks} KV blocks of {info.block_size} tokens, "
+            f"{info.dtype} on {info.device}"
+        )
 
     def _join_group(self) -> TensorParallel | None:
         """Join the tensor-parallel group (blocks until every rank has joined)."""
@@ -127,20 +136,21 @@ class WorkerActor(Actor):
             log.critical("rank %d stops: %s: %s", self.rank, type(e).__name__, e)
             raise SystemExit(1) from e
 
-    def ready_info(self) -> dict[str, Any]:
+    def ready_model(self) -> ModelInfo:
         return self.model_info()
 
-    def model_info(self) -> dict[str, Any]:
-        info = dict(self.runner.model_info())
+    def model_info(self) -> ModelInfo:
         path = Path(self.runner.model_path)
-        info["model_name"] = served_model_name(self.config)
-        info["model_path"] = str(path)  # its tokenizer files, for the tokenizer processes
-        info["tokenizer_fingerprint"] = tokenizer_fingerprint(path)
-        info["position_config"] = position_config(path)
-        info["pid"] = os.getpid()
-        # unique per process start: in a container a restarted worker has the same pid (1)
-        info["boot_id"] = self.boot_id
-        return info
+        return dataclasses.replace(
+            self.runner.model_info(),
+            model_name=served_model_name(self.config),
+            model_path=str(path),  # its tokenizer files, for the tokenizer processes
+            tokenizer_fingerprint=tokenizer_fingerprint(path),
+            position_config=position_config(path),
+            pid=os.getpid(),
+            # unique per process start: in a container a restarted worker has pid 1 again
+            boot_id=self.boot_id,
+        )
 
     @property
     def inbox_name(self) -> str:
@@ -152,7 +162,7 @@ class WorkerActor(Actor):
     def _on_reset(self, msg: Reset) -> None:
         """A new scheduler: forget every request, announce the pool again."""
         self.runner.reset()
-        self.scheduler.send(Ready(name=self.name, info=self.model_info()))
+        self.scheduler.send(Ready(name=self.name, info={}, model=self.model_info()))
 
     def _on_load_model(self, msg: LoadModel) -> None:
         """Hot swap: load beside the served versions (overlap) or instead of them (drain)."""
@@ -163,11 +173,11 @@ class WorkerActor(Actor):
                 self.runner.set_default_version(version)
             else:
                 self._replace(msg.path, msg.version)
-            reply = ModelLoaded(version=self.runner.default_version, info=self.model_info())
+            reply = ModelLoaded(version=self.runner.default_version, model=self.model_info())
         except Exception as e:  # a bad folder, bad weights, a layout mismatch: old one serves
             self._stop_if_group_broken(e)
             log.exception("loading %s failed", msg.path)
-            reply = ModelLoaded(version=msg.version, info={}, error=f"{type(e).__name__}: {e}")
+            reply = ModelLoaded(version=msg.version, error=f"{type(e).__name__}: {e}")
         self.scheduler.send(reply)
 
     def _replace(self, path: str, version: str) -> None:

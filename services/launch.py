@@ -26,15 +26,9 @@ import zmq
 from common import codec
 from common.config import Config, ConfigError, add_flags, from_args
 from common.curve import CurveKeys, uses_curve
-from common.messages import Drain, Drained, ProcessDown, Ready
+from common.messages import Drain, Drained, ProcessDown, Progress, Ready
 from common.model_paths import is_synthetic_spec, model_display_name, resolve_model_path
-from common.parallel_config import (
-    replica_addrs,
-    replica_config,
-    replica_gpus,
-    replica_name,
-    router_addr,
-)
+from common.topology import replica_addrs, replica_config, replica_gpus, replica_name, router_addr
 from services.tokenizer.chat_template import load_chat_template
 from services.worker_group import WORKER, check_parallel, is_worker_rank, rank_specs, stop_all
 
@@ -129,7 +123,9 @@ class Supervisor:
             self.children[name] = self._popen(name)
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + self.config.server.ready_timeout
+        started = time.monotonic()
+        deadline = started + self.config.server.ready_timeout
+        print(f"shuttle: starting {', '.join(self.children)}", flush=True)
         while len(self.ready) < len(self.children):
             self._check_children()
             if self._stop:
@@ -141,6 +137,8 @@ class Supervisor:
                 )
             if self.inbox.poll(200):
                 msg = codec.decode(self.inbox.recv())
+                if isinstance(msg, Ready | Progress):
+                    print(startup_line(msg, time.monotonic() - started), flush=True)
                 if isinstance(msg, Ready):
                     self.ready[msg.name] = msg.info
         self._wait_healthy(deadline)
@@ -331,6 +329,14 @@ def prepare(config: Config) -> Config:
         },
         server={"run_dir": run_dir, "chat_template": template},
     )
+
+
+def startup_line(msg: Ready | Progress, elapsed_s: float) -> str:
+    """What `shuttle serve` prints while it starts: each process's stages and its Ready,
+    with the seconds since the start (a model's load is seconds, not silence)."""
+    if isinstance(msg, Progress):
+        return f"shuttle: [{elapsed_s:5.1f}s] {msg.name}: {msg.stage}"
+    return f"shuttle: [{elapsed_s:5.1f}s] {msg.name} ready"
 
 
 def serve(argv: list[str] | None = None) -> int:

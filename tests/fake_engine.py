@@ -1,5 +1,5 @@
 """One scripted engine for the gateway's unit tests (HTTP, gRPC, admin routes, /metrics): the
-whole `EngineClient` protocol (services/gateway/engine_client.py) in process, no sockets.
+whole `EngineClient` protocol (services/gateway/engine/client.py) in process, no sockets.
 
 mypy (`make lint`) checks this file, so the fake cannot drift from the protocol.
 """
@@ -11,10 +11,10 @@ from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING, Any
 
 from common.messages import FinishReason, GenerateRequest, SwapResult
-from services.gateway.engine_client import OutputDelta, RequestObserver
+from services.gateway.engine.client import OutputDelta, RequestObserver
 
 if TYPE_CHECKING:
-    from services.gateway.engine_client import EngineClient
+    from services.gateway.engine.client import EngineClient
 
 MODEL = "test-model"
 HANG = "hang"  # script step: wait until cancelled

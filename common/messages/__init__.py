@@ -18,6 +18,7 @@ from common.messages.control import (
     Ping,
     Pong,
     ProcessDown,
+    Progress,
     Ready,
     Reset,
     Shutdown,
@@ -47,7 +48,7 @@ from common.messages.scheduler_worker import (
     UnloadModel,
 )
 from common.messages.tokenizer_scheduler import TokenizedRequest
-from common.messages.types import FinishReason, SamplingParams
+from common.messages.types import FinishReason, ModelInfo, SamplingParams
 
 __all__ = [
     "Abort",
@@ -57,6 +58,7 @@ __all__ = [
     "OutputBatch",
     "Ping",
     "Pong",
+    "Progress",
     "Ready",
     "RequestError",
     "SamplingParams",
@@ -70,6 +72,7 @@ __all__ = [
     "SwapModel",
     "SwapResult",
     "LoadModel",
+    "ModelInfo",
     "ModelLoaded",
     "UnloadModel",
     "CompileGrammar",

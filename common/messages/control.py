@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from common.codec import message
+from common.messages.types import ModelInfo
 
 
 @message("ping")
@@ -21,10 +22,21 @@ class Pong:
 
 @message("ready")
 class Ready:
-    """Sent once by an actor when it can serve; `info` holds what it learned at start-up."""
+    """Sent once by an actor when it can serve; `info` holds what it learned at start-up
+    for the supervisor (its ports); a worker's `model` describes its model and KV pool."""
 
     name: str
     info: dict[str, Any]
+    model: ModelInfo | None = None
+
+
+@message("progress")
+class Progress:
+    """An actor's start-up stage, before its Ready, for the supervisor to print (a worker
+    loading weights takes seconds that would otherwise pass in silence)."""
+
+    name: str
+    stage: str  # what it is doing now, in words ("loading weights from PATH")
 
 
 @message("shutdown")

@@ -16,10 +16,9 @@ the same forward, and returns the accepted ones plus one; rejected slots are rol
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from common.codec import message
-from common.messages.types import SamplingParams
+from common.messages.types import ModelInfo, SamplingParams
 
 
 @message("step_plan")
@@ -105,10 +104,10 @@ class LoadModel:
 @message("model_loaded")
 class ModelLoaded:
     """worker -> scheduler: the answer to LoadModel; `error` set when it failed (the old
-    model goes on serving). `info` is the new version's model info (a Ready's info)."""
+    model goes on serving). `model` describes the new version (None on error)."""
 
     version: str
-    info: dict[str, Any]
+    model: ModelInfo | None = None
     error: str = ""
 
 

@@ -117,3 +117,33 @@ class SamplingParams:
             or self.min_tokens > 0
             or bool(self.bad_words_token_ids)
         )
+
+
+@struct
+class ModelInfo:
+    """What a worker tells the scheduler about the model it serves and its KV pool: in its
+    Ready (at start-up, and after a Reset) and in ModelLoaded (after a swap). The runner fills
+    the model and pool fields; the worker adds where the model came from and who it is."""
+
+    model_type: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # "float32" | "bfloat16"
+    num_blocks: int  # KV blocks in the pool
+    block_size: int  # tokens per block
+    max_model_len: int
+    vocab_size: int  # 0: unknown (token ids are not checked)
+    eos_token_ids: list[int]
+    weights_version: str
+    num_host_blocks: int = 0  # host-memory blocks for swapped-out KV
+    device: str = ""
+    speculative: str = ""  # the speculative method, "" = off
+    tensor_parallel_size: int = 1
+    # the worker's additions
+    model_name: str = ""  # the served model's name
+    model_path: str = ""  # its folder (tokenizer files, for the tokenizer processes)
+    tokenizer_fingerprint: str = ""
+    position_config: str = ""  # rope/position settings, part of the prefix cache's root
+    pid: int = 0
+    boot_id: str = ""  # unique per process start (a restarted container keeps pid 1)

@@ -28,6 +28,7 @@ from common.messages import (
 )
 from common.model_facts import tokenizer_fingerprint
 from common.model_paths import tokenizer_dir
+from common.topology import replica_addrs
 from services.detokenizer.incremental import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
@@ -123,7 +124,8 @@ class DetokenizerActor(Actor):
         model_dir = Path(self.config.model.model)
         self.tokenizers = Tokenizers(load_tokenizer(model_dir), tokenizer_fingerprint(model_dir))
         self.gateway = self.outbox(self.config.addr("gateway"))
-        self.scheduler = self.schedulers()  # a stop string's abort: whichever replica holds it
+        # a stop string's abort goes to every replica: whichever holds the request ends it
+        self.scheduler = self.outboxes(replica_addrs(self.config, "scheduler"))
 
     def _on_model_changed(self, msg: ModelChanged) -> None:
         try:

@@ -25,11 +25,11 @@ from common.messages import (
     SwapResult,
     TokenizeResult,
 )
-from common.parallel_config import router_addr
-from services.gateway.zmq_client import ZmqEngineClient
+from common.topology import replica_addrs, router_addr
+from services.gateway.engine.zmq_client import ZmqEngineClient
 
 if TYPE_CHECKING:
-    from services.gateway.grpc_server import GrpcGateway
+    from services.gateway.grpc.server import GrpcGateway
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,8 @@ class GatewayActor(Actor):
     def __init__(self, config: Config) -> None:
         super().__init__(config)
         self.port = 0
+        self._engine: ZmqEngineClient | None = None  # built in start()
+        self.server: _Server | None = None
         self.grpc: GrpcGateway | None = None
         self.grpc_port = 0
         self.handlers.update(
@@ -67,12 +69,19 @@ class GatewayActor(Actor):
             }
         )
 
-    async def start(self) -> None:
-        from services.gateway.app import create_app
+    @property
+    def engine(self) -> ZmqEngineClient:
+        if self._engine is None:
+            raise RuntimeError("the gateway's engine client exists once start() has run")
+        return self._engine
 
-        self.engine = ZmqEngineClient(
+    async def start(self) -> None:
+        from services.gateway.http.app import create_app
+
+        self._engine = ZmqEngineClient(
             tokenizers=self.outbox(self.config.tokenizer_addrs()),
-            scheduler=self.schedulers(),
+            # every replica's scheduler at once (aborts, stats, swaps)
+            scheduler=self.outboxes(replica_addrs(self.config, "scheduler")),
             inbox_addr=self.inbox_addr,
             aliases=self.config.model.served_model_names,
             num_replicas=self.config.data_parallel.data_parallel_size,
@@ -93,22 +102,22 @@ class GatewayActor(Actor):
             access_log=False,
             timeout_graceful_shutdown=5,
         )
-        self.server = _Server(uv_config)
-        self.server_task = asyncio.create_task(self.server.serve())
-        while not self.server.started:
+        self.server = uv_server = _Server(uv_config)
+        self.server_task = asyncio.create_task(uv_server.serve())
+        while not uv_server.started:
             if self.server_task.done():
                 self.server_task.result()
                 raise RuntimeError(
                     f"cannot serve HTTP on {self.config.server.host}:{self.config.server.port}"
                 )
             await asyncio.sleep(0.02)
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.port = uv_server.servers[0].sockets[0].getsockname()[1]
         log.info("HTTP on %s:%d", self.config.server.host, self.port)
         if server.grpc_port >= 0:
             await self._start_grpc()
 
     async def _start_grpc(self) -> None:
-        from services.gateway.grpc_server import GrpcGateway
+        from services.gateway.grpc.server import GrpcGateway
 
         server = self.config.server
         self.grpc = GrpcGateway(self.engine, server, self.config.scheduler)
@@ -124,7 +133,7 @@ class GatewayActor(Actor):
     async def stop(self) -> None:
         # both front ends drain at once: streams in flight get the same grace on each
         draining = []
-        if hasattr(self, "server"):
+        if self.server is not None:
             self.server.should_exit = True
             draining.append(asyncio.wait_for(self.server_task, 10))
         if self.grpc is not None:
@@ -175,7 +184,7 @@ class GatewayActor(Actor):
         """SIGTERM on the gateway itself (compose stops it first, its peers still running):
         drain as the supervisor's Drain does, up to --shutdown-timeout, then stop. A second
         signal, or nothing in flight, stops at once."""
-        engine = getattr(self, "engine", None)  # (none before start)
+        engine = self._engine  # (none before start)
         if engine is None or engine.draining or not engine.num_in_flight:
             super().request_stop()
             return

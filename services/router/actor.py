@@ -34,7 +34,7 @@ from common.messages import (
     StatsQuery,
     TokenizedRequest,
 )
-from common.parallel_config import replica_addrs, replica_name, router_addr
+from common.topology import replica_addrs, replica_name, router_addr
 from services.router.policy import ReplicaView, Router
 
 log = logging.getLogger(__name__)

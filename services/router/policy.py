@@ -13,7 +13,7 @@ Load is the number of live requests (waiting + running + on their way there), co
 router itself, so a burst routed between two notices is counted at once.
 
 `prefix` routing hashes the prompt's matchable full blocks with the scheduler's own chain
-(services/scheduler/prefix_hash.py, on the replica's cache root) and sends the request to
+(common/prefix_hash.py, on the replica's cache root) and sends the request to
 the ready replica holding the longest run of its leading blocks, unless that replica's
 load would go above `load_bound` times the mean (at least 1 request); on a miss, or when
 the holders are all too busy, to the least loaded replica (ties: the one given fewest
@@ -27,7 +27,7 @@ import math
 from collections import OrderedDict
 
 from common.messages.scheduler_router import ReplicaNotice
-from services.scheduler.prefix_hash import prefix_hashes
+from common.prefix_hash import prefix_hashes
 
 MAX_PENDING_HASHES = 8192
 

@@ -10,6 +10,7 @@ before the next plan. A stop seen one step late costs one discarded token, nothi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any
 
@@ -31,7 +32,7 @@ from common.messages import (
     SwapResult,
     TokenizedRequest,
 )
-from common.parallel_config import own_name, router_addr
+from common.topology import own_name, router_addr
 from services.scheduler.engine_core import EngineCore, ToDetokenizer, ToGateway, ToWorker
 from services.scheduler.engine_view import request_rows, stats
 from services.scheduler.replica_notices import NoticeBuilder
@@ -113,11 +114,12 @@ class SchedulerActor(Actor):
         return own_name(self.config, "scheduler")
 
     def ready_info(self) -> dict[str, Any]:
-        return self.core.served.info if self.core.served else {}
+        return dataclasses.asdict(self.core.served.info) if self.core.served else {}
 
     def _on_ready(self, msg: Ready) -> None:
-        if msg.name in ("worker", self.worker_name):  # (its Reset answer names it `worker`)
-            self.core.on_worker_ready(msg.info)
+        # (a worker's answer to our Reset names it `worker`)
+        if msg.name in ("worker", self.worker_name) and msg.model is not None:
+            self.core.on_worker_ready(msg.model)
 
     def _on_tokenized(self, msg: TokenizedRequest) -> None:
         if self.notices is not None:

@@ -13,6 +13,10 @@ BATCH_POLICIES = ("continuous", "static", "dynamic")
 
 
 class BatchGate:
+    """How many waiting requests a step may admit under the batch policy. It holds no timer:
+    the scheduler asks at every step, and its actor steps at least every 50 ms
+    (services/scheduler/actor.py `_TICK_S`), so a window closes within one tick of its end."""
+
     def __init__(
         self, policy: str, max_batch: int, batch_window: float, static_batch_timeout: float
     ) -> None:
@@ -35,9 +39,3 @@ class BatchGate:
     def admitted(self) -> None:
         if self._num_open:
             self._num_open -= 1
-
-    def next_deadline(self, num_running: int, oldest_wait_s: float) -> float | None:
-        """Seconds until the gate may open by time alone (the scheduler sets a timer)."""
-        if self.policy == "continuous" or num_running or self._num_open:
-            return None
-        return max(0.0, self.wait_s - oldest_wait_s)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
 
-from services.scheduler.prefix_hash import block_hash, num_matchable_blocks
+from common.prefix_hash import block_hash, num_matchable_blocks
 
 
 class BlockManager:

@@ -33,6 +33,7 @@ from common.messages import (
     GrammarCompiled,
     LoadModel,
     ModelChanged,
+    ModelInfo,
     ModelLoaded,
     RequestError,
     Retokenize,
@@ -97,28 +98,25 @@ class _InFlight:
 class _Served:
     """The model new requests start on, as the worker described it."""
 
-    info: dict[str, Any]
+    info: ModelInfo
     name: str
     root: int
 
     @property
     def version(self) -> str:
-        return str(self.info["weights_version"])
+        return self.info.weights_version
 
     @property
     def tokenizer_fingerprint(self) -> str:
-        return str(self.info.get("tokenizer_fingerprint", ""))
+        return self.info.tokenizer_fingerprint
 
     @property
     def max_model_len(self) -> int:
-        return min(
-            int(self.info["max_model_len"]),
-            int(self.info["num_blocks"]) * int(self.info["block_size"]),
-        )
+        return min(self.info.max_model_len, self.info.num_blocks * self.info.block_size)
 
     @property
     def vocab_size(self) -> int:
-        return int(self.info.get("vocab_size") or 0)  # 0: unknown (no check)
+        return self.info.vocab_size  # 0: unknown (no check)
 
 
 class EngineCore:
@@ -164,11 +162,11 @@ class EngineCore:
         return bool(self.in_flight) or (self.policy is not None and self.policy.has_work())
 
     # the worker ----------------------------------------------------------------------------
-    def on_worker_ready(self, info: dict[str, Any]) -> None:
+    def on_worker_ready(self, info: ModelInfo) -> None:
         """A worker announced its pool and model: serve it. A worker that announces itself
         again with another boot id restarted: every live request fails (retryable)."""
         if self.policy is not None and self.served is not None:
-            same = info.get("boot_id") == self.served.info.get("boot_id")
+            same = info.boot_id == self.served.info.boot_id
             if same and not self.policy.requests and not self.in_flight:
                 return  # the answer to our own Reset at start-up: nothing changed
             log.warning("worker re-announced itself; resetting the block pool")
@@ -177,14 +175,14 @@ class EngineCore:
         self.policy = Scheduler(
             self._block_manager(info),
             self.policy_config,
-            host_pool=HostBlockPool(info.get("num_host_blocks", 0)),
+            host_pool=HostBlockPool(info.num_host_blocks),
         )
         self.in_flight.clear()
         self.adopt(info)
         log.info(
             "worker ready: %d blocks of %d tokens (max %d seqs)",
-            info["num_blocks"],
-            info["block_size"],
+            info.num_blocks,
+            info.block_size,
             s.max_num_seqs,
         )
 
@@ -194,34 +192,31 @@ class EngineCore:
         self.in_flight.clear()
         self.policy = None
 
-    def _block_manager(self, info: dict[str, Any]) -> BlockManager:
+    def _block_manager(self, info: ModelInfo) -> BlockManager:
         return BlockManager(
-            info["num_blocks"],
-            info["block_size"],
+            info.num_blocks,
+            info.block_size,
             enable_prefix_caching=self.config.cache.enable_prefix_caching,
             # several replicas: the router hears which blocks each caches
             track_hash_changes=self.config.data_parallel.data_parallel_size > 1,
         )
 
-    def adopt(self, info: dict[str, Any]) -> None:
+    def adopt(self, info: ModelInfo) -> None:
         """Serve the model `info` describes: new requests start on its version and root;
         everyone who depends on the served model hears of it."""
         policy = self.policy
         assert policy is not None
-        name = self.served.name if self.served else str(info.get("model_name", ""))
+        name = self.served.name if self.served else info.model_name
         blocks = policy.blocks
-        if (info["num_blocks"], info["block_size"]) != (blocks.num_blocks, blocks.block_size):
+        if (info.num_blocks, info.block_size) != (blocks.num_blocks, blocks.block_size):
             # a drain swap to another KV layout: nothing holds blocks now, rebuild the pool
             assert blocks.num_used_blocks == 0, "pool rebuilt while blocks are in use"
             policy.blocks = self._block_manager(info)
         old_fingerprint = self.served.tokenizer_fingerprint if self.served else None
         root = cache_root(
-            name,
-            info["weights_version"],
-            info.get("tokenizer_fingerprint", ""),
-            info.get("position_config", ""),
+            name, info.weights_version, info.tokenizer_fingerprint, info.position_config
         )
-        self.served = _Served(info=dict(info), name=name, root=root)
+        self.served = _Served(info=info, name=name, root=root)
         policy.set_version(self.served.version, root)
         if old_fingerprint not in (None, self.served.tokenizer_fingerprint):
             self._retokenize_unstarted()
@@ -237,11 +232,11 @@ class EngineCore:
             ModelChanged(
                 name=served.name,
                 version=served.version,
-                path=str(served.info.get("model_path", "")),
+                path=served.info.model_path,
                 tokenizer_fingerprint=served.tokenizer_fingerprint,
                 max_model_len=served.max_model_len,
                 vocab_size=served.vocab_size,
-                eos_token_ids=list(served.info.get("eos_token_ids", [])),
+                eos_token_ids=list(served.info.eos_token_ids),
             )
         )
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -72,7 +73,7 @@ def stats(core: EngineCore) -> dict[str, Any]:
         # yields (vLLM's "mean acceptance length")
         "spec_mean_accepted_length": 1 + p.num_accepted_tokens / max(1, p.num_spec_rounds),
         "request_ids": sorted(core.groups),
-        "model": {**core.served.info, "model_name": core.served.name},
+        "model": {**dataclasses.asdict(core.served.info), "model_name": core.served.name},
     }
 
 

@@ -16,6 +16,7 @@ from common.messages import (
     CompileGrammar,
     GrammarCompiled,
     ModelChanged,
+    ModelInfo,
     RequestError,
     Retokenize,
     SamplingParams,
@@ -36,7 +37,7 @@ class StepRunner(Protocol):
 
     def execute(self, plan: StepPlan) -> StepResult: ...
 
-    def model_info(self) -> dict[str, Any]: ...
+    def model_info(self) -> ModelInfo: ...
 
     def compile_grammar(
         self, kind: str, spec: str, tokenizer_fingerprint: str
@@ -95,11 +96,11 @@ class InProcessEngine:
         self.runner = runner
         self.collector = _Collector()
         self.core = EngineCore(config or Config(), self.collector, policy_config)
-        info = dict(runner.model_info())
+        info = runner.model_info()
         if num_blocks is not None:  # a smaller pool than the runner's, to force preemption
-            info["num_blocks"] = num_blocks
+            info = dataclasses.replace(info, num_blocks=num_blocks)
         if num_host_blocks is not None:
-            info["num_host_blocks"] = num_host_blocks
+            info = dataclasses.replace(info, num_host_blocks=num_host_blocks)
         self.core.on_worker_ready(info)
         self.check_integrity = check_integrity
         self.results: list[StepResult] = []  # every step's result, in order
@@ -123,13 +124,13 @@ class InProcessEngine:
     ) -> list[SequenceId]:
         """Queue a request (n sequences for sampling.n > 1); returns the sequences' ids."""
         rid = request_id or f"r{next(self._ids)}"
-        info = self.core.served.info if self.core.served else {}
+        served = self.core.served
         self.core.add(
             TokenizedRequest(
                 request_id=rid,
                 prompt_token_ids=list(prompt),
                 sampling=sampling,
-                eos_token_ids=list(info.get("eos_token_ids", [])),
+                eos_token_ids=list(served.info.eos_token_ids) if served else [],
             )
         )
         self._compile_grammars()

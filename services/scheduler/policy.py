@@ -181,12 +181,6 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
-    def seconds_until_admission(self) -> float | None:
-        """When a waiting request may be admitted by time alone (batch windows)."""
-        if not self.waiting:
-            return None
-        return self.gate.next_deadline(len(self.running), self._oldest_wait())
-
     def _oldest_wait(self) -> float:
         return self.clock() - min(self._queued_at[r.request_id] for r in self.waiting)
 

@@ -17,7 +17,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from common.messages import LoadModel, ModelLoaded, SwapModel, SwapResult, UnloadModel
+from common.messages import (
+    LoadModel,
+    ModelInfo,
+    ModelLoaded,
+    SwapModel,
+    SwapResult,
+    UnloadModel,
+)
 from services.scheduler.policy import Scheduler
 
 log = logging.getLogger(__name__)
@@ -39,10 +46,6 @@ class SwapCoordinator:
         self.reply = reply
         self.swap: _Swap | None = None
         self.num_swaps = 0
-
-    @property
-    def in_progress(self) -> bool:
-        return self.swap is not None
 
     def status(self) -> dict[str, Any] | None:
         if self.swap is None:
@@ -93,7 +96,7 @@ class SwapCoordinator:
             self._done(policy, ok=True)
 
     def on_loaded(
-        self, msg: ModelLoaded, policy: Scheduler, adopt: Callable[[dict[str, Any]], None]
+        self, msg: ModelLoaded, policy: Scheduler, adopt: Callable[[ModelInfo], None]
     ) -> None:
         """The worker's answer to LoadModel: `adopt` installs the new version's info."""
         s = self.swap
@@ -104,7 +107,10 @@ class SwapCoordinator:
             log.error("swap failed: %s", msg.error)
             self._done(policy, ok=False, error=msg.error)
             return
-        adopt(msg.info)
+        if msg.model is None:
+            self._done(policy, ok=False, error="the worker described no model")
+            return
+        adopt(msg.model)
         if s.request.mode == "drain":
             self._done(policy, ok=True)
         else:

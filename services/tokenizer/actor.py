@@ -34,7 +34,7 @@ from common.messages import (
 )
 from common.model_facts import load_model_facts, tokenizer_fingerprint
 from common.model_paths import tokenizer_dir
-from common.parallel_config import engine_entry_addr
+from common.topology import engine_entry_addr
 from services.tokenizer.chat_template import load_chat_template, template_kwargs
 from services.tokenizer.sampling import bad_words_token_ids, fill_defaults, read_sampling_defaults
 from services.tokenizer.tool_prompt import (

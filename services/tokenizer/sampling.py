@@ -18,11 +18,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from common.limits import GENERATION_CONFIG_RANGES
 from common.messages import SamplingParams
 from common.messages.types import MODEL_DEFAULT_FIELDS
 from common.model_paths import tokenizer_dir
@@ -59,19 +59,12 @@ def read_sampling_defaults(model_dir: Path, mode: str = "auto") -> dict[str, flo
 
 
 def _valid(name: str, value: Any) -> bool:
+    """In the range a request may ask for (common/limits.py); top_k an integer."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return False
-    if not math.isfinite(value):
+    if name == "top_k" and not isinstance(value, int):
         return False
-    if name == "top_k":
-        return isinstance(value, int) and value >= -1
-    if name == "temperature":
-        return 0.0 <= value <= 2.0
-    if name == "top_p":
-        return 0.0 < value <= 1.0
-    if name == "min_p":
-        return 0.0 <= value <= 1.0
-    return value > 0.0  # repetition_penalty
+    return value in GENERATION_CONFIG_RANGES[name]
 
 
 def fill_defaults(

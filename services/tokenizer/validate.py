@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-import math
-
+from common.limits import (
+    ENGINE_MAX_TOKENS,
+    ENGINE_TOP_K,
+    LOGIT_BIAS_VALUE,
+    MIN_TOKENS,
+    SAMPLING_FLOAT_RANGES,
+    Range,
+    bad_words_problem,
+    logit_bias_problem,
+    stop_strings_problem,
+)
 from common.messages import SamplingParams
-
-MAX_STOP_STRINGS = 64
-MAX_STOP_LEN = 256
-MAX_LOGIT_BIAS = 1024  # entries of logit_bias
-MAX_BAD_WORDS = 64
-MAX_BAD_WORD_LEN = 256
 
 
 class InvalidRequest(ValueError):
@@ -21,54 +24,41 @@ class InvalidRequest(ValueError):
         self.status = status
 
 
+def check_range(param: str, value: float, allowed: Range, integer: bool = False) -> None:
+    """Refuse `value` outside `allowed` (or not an int where one is due), naming the range."""
+    if (integer and (not isinstance(value, int) or isinstance(value, bool))) or (
+        value not in allowed
+    ):
+        raise InvalidRequest(param, f"must be {allowed.describe()}, got {value}")
+
+
 def check_sampling(sp: SamplingParams) -> None:
-    """Ranges of every sampling parameter; raises InvalidRequest naming the field."""
-    if not isinstance(sp.max_tokens, int) or sp.max_tokens < 0:
-        raise InvalidRequest("max_tokens", f"must be >= 1, got {sp.max_tokens}")
-    if not math.isfinite(sp.temperature) or not 0.0 <= sp.temperature <= 2.0:
-        raise InvalidRequest("temperature", f"must be in [0, 2], got {sp.temperature}")
-    if not math.isfinite(sp.top_p) or not 0.0 < sp.top_p <= 1.0:
-        raise InvalidRequest("top_p", f"must be in (0, 1], got {sp.top_p}")
-    if sp.top_k < 0:
-        raise InvalidRequest("top_k", f"must be >= 0 (0 = off), got {sp.top_k}")
-    if len(sp.stop) > MAX_STOP_STRINGS:
-        raise InvalidRequest("stop", f"at most {MAX_STOP_STRINGS} strings, got {len(sp.stop)}")
-    for s in sp.stop:
-        if not s or len(s) > MAX_STOP_LEN:
-            raise InvalidRequest("stop", f"each stop string must have 1..{MAX_STOP_LEN} characters")
+    """Ranges of every sampling parameter (common/limits.py); raises InvalidRequest naming
+    the field."""
+    check_range("max_tokens", sp.max_tokens, ENGINE_MAX_TOKENS, integer=True)
+    check_range("top_k", sp.top_k, ENGINE_TOP_K, integer=True)
+    if (problem := stop_strings_problem(sp.stop)) is not None:
+        raise InvalidRequest("stop", problem[1])
     check_controls(sp)
 
 
 def check_controls(sp: SamplingParams) -> None:
-    """Ranges of min_p, the penalties, logit_bias values, min_tokens and bad_words (their
-    token ids are checked against the vocabulary by `check_control_token_ids`)."""
-    if not _in(sp.min_p, 0.0, 1.0):
-        raise InvalidRequest("min_p", f"must be in [0, 1], got {sp.min_p}")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(sp, name)
-        if not _in(value, -2.0, 2.0):
-            raise InvalidRequest(name, f"must be in [-2, 2], got {value}")
-    if not math.isfinite(sp.repetition_penalty) or sp.repetition_penalty <= 0.0:
-        raise InvalidRequest(
-            "repetition_penalty", f"must be > 0 (1 = off), got {sp.repetition_penalty}"
-        )
+    """Ranges of the float fields, logit_bias values, min_tokens and bad_words (their token
+    ids are checked against the vocabulary by `check_control_token_ids`)."""
+    for name, allowed in SAMPLING_FLOAT_RANGES.items():
+        check_range(name, getattr(sp, name), allowed)
     if len(sp.logit_bias_token_ids) != len(sp.logit_bias_values):
         raise InvalidRequest("logit_bias", "token ids and values differ in number")
-    if len(sp.logit_bias_token_ids) > MAX_LOGIT_BIAS:
-        raise InvalidRequest("logit_bias", f"at most {MAX_LOGIT_BIAS} entries")
+    if (problem := logit_bias_problem(len(sp.logit_bias_token_ids))) is not None:
+        raise InvalidRequest("logit_bias", problem[1])
     for token, bias in zip(sp.logit_bias_token_ids, sp.logit_bias_values, strict=True):
-        if not _in(bias, -100.0, 100.0):
-            raise InvalidRequest("logit_bias", f"bias of token {token} must be in [-100, 100]")
-    if not isinstance(sp.min_tokens, int) or sp.min_tokens < 0:
-        raise InvalidRequest("min_tokens", f"must be >= 0, got {sp.min_tokens}")
-    if len(sp.bad_words) > MAX_BAD_WORDS:
-        raise InvalidRequest("bad_words", f"at most {MAX_BAD_WORDS} words, got {len(sp.bad_words)}")
-    for word in sp.bad_words:
-        if not word.strip() or len(word) > MAX_BAD_WORD_LEN:
+        if bias not in LOGIT_BIAS_VALUE:
             raise InvalidRequest(
-                "bad_words",
-                f"each bad word must have 1..{MAX_BAD_WORD_LEN} characters, not all spaces",
+                "logit_bias", f"bias of token {token} must be {LOGIT_BIAS_VALUE.describe()}"
             )
+    check_range("min_tokens", sp.min_tokens, MIN_TOKENS, integer=True)
+    if (problem := bad_words_problem(sp.bad_words)) is not None:
+        raise InvalidRequest("bad_words", problem[1])
 
 
 def check_min_tokens(min_tokens: int, max_tokens: int) -> None:
@@ -88,10 +78,6 @@ def check_control_token_ids(sp: SamplingParams, vocab_size: int) -> None:
             )
     if any(not 0 <= t < vocab_size for ids in sp.bad_words_token_ids for t in ids):
         raise InvalidRequest("bad_words", "a word has a token id outside the vocabulary")
-
-
-def _in(value: float, low: float, high: float) -> bool:
-    return math.isfinite(value) and low <= value <= high
 
 
 def check_prompt_chars(param: str, num_chars: int, max_chars: int) -> None:

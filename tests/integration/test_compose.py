@@ -18,8 +18,8 @@ import orjson
 import pytest
 
 from common.config import Config, from_args
-from common.parallel_config import engine_entry_addr, replica_addrs, router_addr
 from common.prepare_model import cache_root
+from common.topology import engine_entry_addr, replica_addrs, router_addr
 from tests.compose_harness import (
     COMPOSE_FILE,
     ComposeHarness,
@@ -107,6 +107,28 @@ def test_the_data_parallel_layout_is_one_set_of_replicas(profile: str) -> None:
         assert engine_entry_addr(config_of(name)) == router_addr(gateway)
     if profile == "cpu":  # reachable as tcp://worker-1 in either profile
         assert "worker-1" in services[worker_1]["networks"]["default"]["aliases"]
+
+
+def test_the_monitoring_profile_adds_prometheus_and_grafana() -> None:
+    """`--profile monitoring`: Prometheus scraping the gateway and Grafana with shuttle's
+    dashboard, both published on loopback only, their files mounted from deploy/."""
+    profiles = ["cpu", "monitoring"]
+    out = subprocess.run(
+        [str(_binary()), "-f", str(COMPOSE_FILE), "--profile", profiles[0], "--profile",
+         profiles[1], "config", "--quiet"],
+        capture_output=True, text=True, env=clean_env(), timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    services = compose_config(profiles)["services"]
+    assert set(services) == PROCESSES | ONE_OFFS | {"worker-cpu", "prometheus", "grafana"}
+    assert "prometheus" not in compose_config("cpu")["services"]  # only when asked for
+    for name, port in (("prometheus", 9090), ("grafana", 3000)):
+        (published,) = services[name]["ports"]
+        assert (published["target"], published["host_ip"]) == (port, "127.0.0.1"), name
+        for volume in services[name]["volumes"]:
+            if volume["type"] == "bind":
+                assert Path(volume["source"]).exists(), volume["source"]
+    assert "gateway" in services["prometheus"]["depends_on"]
 
 
 def test_docker_compose_rejects_a_broken_file(tmp_path: Path) -> None:

@@ -234,10 +234,10 @@ def test_smol_chunked_prefill_mixed_with_decodes(smol, smol_runner) -> None:
 
 def test_smol_model_info(smol_runner) -> None:
     info = smol_runner.model_info()
-    assert info["model_type"] == "llama" and info["num_layers"] == 30
-    assert (info["num_kv_heads"], info["head_dim"], info["vocab_size"]) == (3, 64, 49152)
-    assert info["eos_token_ids"] == [2] and info["max_model_len"] == 8192
-    assert info["num_blocks"] == 256 and len(info["weights_version"]) == 16
+    assert info.model_type == "llama" and info.num_layers == 30
+    assert (info.num_kv_heads, info.head_dim, info.vocab_size) == (3, 64, 49152)
+    assert info.eos_token_ids == [2] and info.max_model_len == 8192
+    assert info.num_blocks == 256 and len(info.weights_version) == 16
 
 
 # --- tiny random models of each architecture ------------------------------------------------

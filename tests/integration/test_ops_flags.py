@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proto import shuttle_pb2 as pb
 from proto import shuttle_pb2_grpc as pb_grpc
 from tests.server import Server, running_server
-from tests.unit.test_metrics import VLLM_DASHBOARD_SERIES
+from tests.unit.services.gateway.http.test_metrics import VLLM_DASHBOARD_SERIES
 
 TEMPLATE = (
     "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"

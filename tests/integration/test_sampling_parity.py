@@ -6,9 +6,10 @@ transformers model loaded from the same folder, decoding greedily with the match
 processors: RepetitionPenaltyLogitsProcessor (repetition_penalty), NoBadWordsLogitsProcessor
 (bad words), MinNewTokensLengthLogitsProcessor (min_tokens), SequenceBiasLogitsProcessor
 (logit_bias), and a plain processor written here for OpenAI's presence/frequency penalties
-(transformers has none). min_p changes no greedy choice; tests/unit/test_sampling.py covers
-it. The run is repeated with a pool so small that requests are preempted and recomputed,
-and with overlapped steps: a request's token counts must survive both.
+(transformers has none). min_p changes no greedy choice;
+tests/unit/gpu_worker/test_sampling.py covers it. The run is repeated with a pool so small
+that requests are preempted and recomputed, and with overlapped steps: a request's token
+counts must survive both.
 """
 
 from __future__ import annotations

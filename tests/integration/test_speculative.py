@@ -19,7 +19,7 @@ from gpu_worker.model_runner import ModelRunner
 from services.scheduler.policy import PolicyConfig
 from tests.engine import LocalEngine
 from tests.tiny_models import make_tiny_model
-from tests.unit.test_speculative import CHI2_999, chi_square
+from tests.unit.gpu_worker.test_speculative import CHI2_999, chi_square
 from tests.waiting import wait_until
 
 SYSTEM = "You are a helpful assistant. Keep answers short and exact. " * 3

@@ -1,0 +1,17 @@
+"""What every config section is built from: the error a bad value raises and the field helper
+(a default and the flag's help). Its own module so that sections outside common/config.py
+(common/parallel_config.py) need not import the tree that holds them."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config value that cannot be served: raised at start-up, naming the flag."""
+
+
+def config_field(default: Any, help: str) -> Any:
+    """A config field with its default and its flag's help text."""
+    return dataclasses.field(default=default, metadata={"help": help})

@@ -1,0 +1,378 @@
+"""The real EngineClient: requests go out over ZeroMQ, deltas come back into per-request queues.
+
+A request with n > 1 comes back as n sequences (request id, index 0..n-1); their deltas go
+into the request's queue tagged with the index, and the request ends when the last of them
+finishes.
+
+What the engine serves (model name, version, context length) is pushed by the scheduler
+(`ModelChanged`): once the worker is ready, and after every swap or worker restart. A request
+the scheduler cannot start because a swap changed the tokenizer after it was tokenised comes
+back as `Retokenize`; the client still holds it and sends it to a tokenizer again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncGenerator, Callable, Sequence
+from typing import Any
+
+from common.ipc import Outbox, Sender
+from common.messages import (
+    Abort,
+    DetokenizeQuery,
+    FinishReason,
+    GenerateRequest,
+    ModelChanged,
+    OutputBatch,
+    RequestError,
+    Retokenize,
+    Stats,
+    StatsQuery,
+    SwapModel,
+    SwapResult,
+    TokenizeQuery,
+    TokenizeResult,
+)
+from services.gateway.engine.client import OutputDelta, RequestFailed, RequestObserver, entries
+from services.gateway.engine.replicas import (
+    Replies,
+    merge_request_rows,
+    merge_stats,
+    merge_swap_results,
+)
+
+log = logging.getLogger(__name__)
+
+# A request is tokenised again at most this many times (each time a swap changed the
+# tokenizer before it started); then it fails with a retryable 503.
+MAX_RETOKENIZE = 4
+
+
+class _Stream:
+    """One in-flight request: the request itself (to tokenise it again), its queue, and
+    which of its sequences are still running."""
+
+    def __init__(self, request: GenerateRequest) -> None:
+        self.request = request
+        self.queue: asyncio.Queue[OutputDelta | RequestFailed] = asyncio.Queue()
+        self.running = set(range(request.sampling.n))
+        self.has_output = False
+        self.num_retokenized = 0
+
+    def put(self, msg: OutputBatch, i: int, index: int) -> None:
+        finish = FinishReason(msg.finish_reasons[i])
+        self.has_output = True
+        if finish != FinishReason.NONE:
+            self.running.discard(index)
+        self.queue.put_nowait(
+            OutputDelta(
+                text=msg.texts[i],
+                token_ids=msg.token_ids[i],
+                finish_reason=finish,
+                num_prompt_tokens=msg.num_prompt_tokens[i],
+                num_output_tokens=msg.num_output_tokens[i],
+                last=not self.running,
+                index=index,
+                version=msg.versions[i] if msg.versions else "",
+                logprobs=(
+                    entries(msg.logprob_token_ids[i], msg.logprob_values[i], msg.logprob_tokens[i])
+                    if msg.logprob_token_ids
+                    else []
+                ),
+                prompt_logprobs=(
+                    entries(
+                        msg.prompt_logprob_token_ids[i],
+                        msg.prompt_logprob_values[i],
+                        msg.prompt_logprob_tokens[i],
+                    )
+                    if msg.prompt_logprob_token_ids
+                    else []
+                ),
+            )
+        )
+
+
+class ZmqEngineClient:
+    """Keeps one queue per in-flight request; the gateway actor feeds them from its inbox."""
+
+    def __init__(
+        self,
+        tokenizers: Outbox,
+        scheduler: Sender,
+        inbox_addr: str,
+        aliases: Sequence[str] = (),
+        num_replicas: int = 1,
+        router: Sender | None = None,
+    ) -> None:
+        self.tokenizers = tokenizers
+        self.aliases = list(aliases)  # --served-model-name: more names the model answers to
+        self.scheduler = scheduler  # every replica's scheduler (a fan-out with several)
+        self.num_replicas = num_replicas
+        self.router = router  # data parallelism: asked for its routing counters
+        self.inbox_addr = inbox_addr
+        self.served: ModelChanged | None = None  # what the scheduler last said it serves
+        self._is_serving = False  # False again while the worker or the scheduler restarts
+        self._streams: dict[str, _Stream] = {}
+        self._stats_waiters: dict[int, Replies[dict[str, Any]]] = {}
+        self._swap_waiters: dict[int, Replies[SwapResult]] = {}
+        self._tokenize_waiters: dict[int, asyncio.Future[TokenizeResult]] = {}
+        self.swap_status: dict[str, Any] | None = None  # the swap this gateway asked for
+        self.draining = False  # shutting down: new requests get 503
+        self._query_ids = itertools.count()
+        # request timings (services/gateway/http/metrics.py): called with each request on arrival
+        self.observer: Callable[[GenerateRequest], RequestObserver] | None = None
+
+    @property
+    def model_name(self) -> str:
+        return self.served.name if self.served is not None else ""
+
+    @property
+    def model_names(self) -> list[str]:
+        if self.served is None:
+            return []
+        return [self.served.name, *(a for a in self.aliases if a != self.served.name)]
+
+    @property
+    def system_fingerprint(self) -> str:
+        return self.served.version if self.served is not None else ""
+
+    @property
+    def max_model_len(self) -> int:
+        return self.served.max_model_len if self.served is not None else 0
+
+    def is_ready(self) -> bool:
+        """Serving: the scheduler has said which model (and nothing died since)."""
+        return self._is_serving and not self.draining
+
+    def fail_all(self, why: str, only_waiting: bool = False) -> int:
+        """A process behind us died: end requests in flight with a retryable 503 (those with
+        no output yet when `only_waiting`). Returns how many."""
+        failed = 0
+        for stream in self._streams.values():
+            if not (only_waiting and stream.has_output):
+                stream.queue.put_nowait(RequestFailed(503, f"{why}; retry the request"))
+                failed += 1
+        return failed
+
+    def on_model_changed(self, msg: ModelChanged) -> None:
+        """The scheduler serves this model now (pushed before a swap's SwapResult)."""
+        if self.served is None or msg.version != self.served.version:
+            log.info("serving %s version %s", msg.name, msg.version)
+        self.served = msg
+        self._is_serving = True
+
+    def on_model_lost(self) -> None:
+        """The worker or the scheduler died: not ready until the scheduler says again what
+        it serves. /v1/models keeps naming the last model meanwhile."""
+        self._is_serving = False
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[OutputDelta, None]:
+        rid = request.request_id
+        if rid in self._streams:
+            raise RequestFailed(
+                400, f"X-Request-Id: request id {rid!r} is already in flight", "X-Request-Id"
+            )
+        stream = _Stream(request)
+        self._streams[rid] = stream
+        finished = False
+        timer = self.observer(request) if self.observer is not None else None
+        try:
+            self.tokenizers.send(request)
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, RequestFailed):
+                    finished = True
+                    if timer is not None:
+                        timer.failed(item.status)
+                    raise item
+                finished = item.last
+                if timer is not None:
+                    timer.delta(item)
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:  # the client went away or the caller stopped reading
+                # one Abort for the request id: the scheduler aborts all its sequences
+                self.scheduler.send(Abort(request_ids=[rid], reason=int(FinishReason.CANCELLED)))
+            # state goes only after the abort is sent (DESIGN §8)
+            self._streams.pop(rid, None)
+            if timer is not None:
+                timer.end()
+
+    def is_in_flight(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    async def swap_model(
+        self, path: str, version: str, mode: str, timeout: float = 600.0
+    ) -> SwapResult:
+        """Ask the scheduler (every replica's) to swap the served model; wait for the
+        outcome (every replica's)."""
+        ticket = next(self._query_ids)
+        replies: Replies[SwapResult] = Replies(self.num_replicas)
+        self._swap_waiters[ticket] = replies
+        status = {
+            "mode": mode,
+            "path": path,
+            "from": self.system_fingerprint,
+            "to": version or "(hash of the weights)",
+        }
+        self.swap_status = status
+        try:
+            self.scheduler.send(
+                SwapModel(
+                    ticket=ticket, reply_to=self.inbox_addr, path=path, version=version, mode=mode
+                )
+            )
+            await asyncio.wait_for(replies.done.wait(), timeout)
+            return merge_swap_results(list(replies.items.values()), self.num_replicas)
+        finally:
+            self._swap_waiters.pop(ticket, None)
+            if self.swap_status is status:
+                self.swap_status = None
+
+    def on_swap_result(self, msg: SwapResult) -> None:
+        replies = self._swap_waiters.get(msg.ticket)
+        if replies is not None:
+            replies.add(str(len(replies.items)), msg)
+
+    async def abort(self, request_id: str) -> None:
+        self.scheduler.send(Abort(request_ids=[request_id], reason=int(FinishReason.CANCELLED)))
+
+    async def stats(self, timeout: float = 5.0, what: str = "stats") -> dict[str, Any]:
+        """The scheduler's counters (`what="requests"`: its live requests, one row each).
+        With several replicas, theirs merged (services/gateway/engine/replicas.py), a replica that
+        does not answer within `timeout` (restarting) as not ready, and the router's
+        counters under `router`."""
+        if self.num_replicas == 1:
+            answers = await self._ask(self.scheduler, 1, what, timeout)
+            if not answers:
+                raise TimeoutError("the scheduler did not answer")
+            return next(iter(answers.values()))
+        asks = [self._ask(self.scheduler, self.num_replicas, what, timeout)]
+        if self.router is not None and what == "stats":
+            asks.append(self._ask(self.router, 1, what, timeout))
+        replicas, *routing = await asyncio.gather(*asks)
+        if not replicas:
+            raise TimeoutError("no replica answered")
+        if what == "requests":
+            return merge_request_rows(replicas)
+        merged = merge_stats(replicas, self.num_replicas)
+        if routing and "router" in routing[0]:
+            merged["router"] = routing[0]["router"]
+        return merged
+
+    async def _ask(
+        self, to: Sender, expected: int, what: str, timeout: float
+    ) -> dict[str, dict[str, Any]]:
+        """A StatsQuery to `to` (a fan-out: `expected` answers): the answers by who gave
+        them, those that came within `timeout`."""
+        qid = next(self._query_ids)
+        replies: Replies[dict[str, Any]] = Replies(expected)
+        self._stats_waiters[qid] = replies
+        try:
+            to.send(StatsQuery(reply_to=self.inbox_addr, query_id=qid, what=what))
+            await asyncio.wait_for(replies.done.wait(), timeout)
+        except TimeoutError:
+            pass
+        finally:
+            self._stats_waiters.pop(qid, None)
+        return replies.items
+
+    async def tokenize(
+        self,
+        prompt: str | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        *,
+        add_special_tokens: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        timeout: float = 10.0,
+    ) -> list[int]:
+        """A tokenizer's token ids of the prompt or messages (POST /tokenize)."""
+        query = TokenizeQuery(
+            query_id=next(self._query_ids),
+            reply_to=self.inbox_addr,
+            prompt=prompt,
+            messages=messages,
+            add_special_tokens=add_special_tokens,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
+        )
+        return (await self._ask_tokenizer(query, timeout)).token_ids
+
+    async def detokenize(self, token_ids: list[int], timeout: float = 10.0) -> str:
+        """A tokenizer's text of the token ids (POST /detokenize)."""
+        query = DetokenizeQuery(
+            query_id=next(self._query_ids), reply_to=self.inbox_addr, token_ids=token_ids
+        )
+        return (await self._ask_tokenizer(query, timeout)).text
+
+    async def _ask_tokenizer(
+        self, query: TokenizeQuery | DetokenizeQuery, timeout: float
+    ) -> TokenizeResult:
+        """Send the query to a tokenizer (round robin); its answer, or RequestFailed."""
+        fut: asyncio.Future[TokenizeResult] = asyncio.get_running_loop().create_future()
+        self._tokenize_waiters[query.query_id] = fut
+        try:
+            self.tokenizers.send(query)
+            result = await asyncio.wait_for(fut, timeout)
+        finally:
+            self._tokenize_waiters.pop(query.query_id, None)
+        if result.status != 200:
+            raise RequestFailed(result.status, result.message, result.param)
+        return result
+
+    # fed by the gateway actor ---------------------------------------------------------------
+    def on_outputs(self, msg: OutputBatch) -> None:
+        indices = msg.seq_indices or [0] * len(msg.request_ids)
+        for i, (rid, index) in enumerate(zip(msg.request_ids, indices, strict=True)):
+            stream = self._streams.get(rid)
+            if stream is not None:  # else: finished or aborted, its late outputs are moot
+                stream.put(msg, i, index)
+
+    def on_error(self, msg: RequestError) -> None:
+        stream = self._streams.get(msg.request_id)
+        if stream is not None:  # an error fails every sequence of the request
+            stream.queue.put_nowait(RequestFailed(msg.status, msg.message, msg.param))
+
+    def on_retokenize(self, msg: Retokenize) -> None:
+        """A swap changed the tokenizer before the request started: the scheduler dropped
+        it; send it to a tokenizer again (which now has the new tokenizer)."""
+        stream = self._streams.get(msg.request_id)
+        if stream is None:
+            return  # the client went away meanwhile
+        if stream.num_retokenized >= MAX_RETOKENIZE:
+            stream.queue.put_nowait(
+                RequestFailed(
+                    503,
+                    f"the served model changed {stream.num_retokenized + 1} times before the "
+                    "request could start; retry the request",
+                )
+            )
+            return
+        stream.num_retokenized += 1
+        log.info(
+            "tokenising again (%d)", stream.num_retokenized, extra={"request_id": msg.request_id}
+        )
+        self.tokenizers.send(stream.request)
+
+    def on_tokenize_result(self, msg: TokenizeResult) -> None:
+        fut = self._tokenize_waiters.get(msg.query_id)
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
+
+    def on_stats(self, msg: Stats) -> None:
+        replies = self._stats_waiters.get(msg.query_id)
+        if replies is not None:
+            replies.add(msg.name, msg.data)

@@ -1,0 +1,59 @@
+"""The /v1/chat/completions response: role chunks first, `delta` chunks, a `message` per
+choice in the body (with tool calls read from the output when the request has tools), and
+the response-level prompt logprobs vLLM puts beside the choices."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Literal
+
+from services.gateway.http import sse
+from services.gateway.http.deltas import Choice, Usage
+from services.gateway.http.reply import Reply
+from services.gateway.openai.tool_stream import ToolStream
+from services.gateway.openai.tools import ToolPlan, chat_message
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChatReply(Reply):
+    """A chat completion's chunks and body."""
+
+    kind: ClassVar[Literal["chat", "completion"]] = "chat"
+    object_name: ClassVar[str] = "chat.completion"
+
+    tools: ToolPlan | None = None  # with tools: tool calls are read from the output
+
+    def head(self) -> list[bytes]:
+        """The stream's role chunks, one per choice, before any text."""
+        role = {"role": "assistant", "content": ""}
+        return [self._event(role, "", None, index) for index in range(self.n)]
+
+    def tool_stream(self) -> ToolStream | None:
+        return ToolStream(self.tools) if self.tools is not None else None
+
+    def body(self, choices: list[Choice], usage: Usage, with_token_ids: bool) -> dict[str, Any]:
+        out = Reply.body(self, choices, usage, with_token_ids)
+        if self.lp is not None:  # vLLM: the response's prompt logprobs, for chat
+            out |= self.lp.extra(0)
+        return out
+
+    def _event(
+        self,
+        delta: dict[str, Any],
+        text: str,
+        finish: str | None,
+        index: int,
+        logprobs: dict[str, Any] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> bytes:
+        ids = (self.request_id, self.model, self.created)
+        chunk = sse.chat_chunk(*ids, delta, finish, self.fingerprint, index, logprobs, extra)
+        return sse.sse_event(chunk)
+
+    def _choice(self, choice: Choice, with_token_ids: bool) -> dict[str, Any]:
+        message, finish = chat_message(choice.text, choice.finish_reason.openai, self.tools)
+        out: dict[str, Any] = {"index": choice.index, "message": message}
+        out |= {"logprobs": self._choice_logprobs(choice), "finish_reason": finish}
+        if with_token_ids:
+            out["token_ids"] = choice.token_ids
+        return out

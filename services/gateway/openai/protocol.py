@@ -1,0 +1,687 @@
+"""OpenAI request bodies for /v1/chat/completions and /v1/completions, and their conversion
+to a `GenerateRequest`.
+
+Parsing is strict about types (a string "5" is not an integer, `true` is not a number,
+NaN and infinities are refused) and lenient about presence: `null` means "use the default",
+as OpenAI treats it. Every field of the OpenAI and vLLM APIs is honoured, refused (a 400
+naming it, services/gateway/openai/refused.py), or on that module's short list of fields that
+change nothing (`user`, `metadata`, `store`, ...); fields nobody defines are ignored, since
+clients send extras. Every refusal is a `RequestRejected` whose message starts with the
+field it names.
+
+Defaults:
+- `max_tokens`: 16 for completions (OpenAI's legacy default); for chat 0, meaning as many as
+  fit in the model's context after the prompt (the tokenizer resolves it).
+- `temperature` 1.0, `top_p` 1.0, `top_k` off (-1 or 0), `min_p` 0, `repetition_penalty` 1:
+  when the client leaves one of these unset, the tokenizer may take the model's default
+  from its generation_config.json instead (`--generation-config auto`, as vLLM).
+- `n` 1, `stream` false; every other control off.
+
+Limits (common/limits.py): at most `MAX_STOP_STRINGS` stop strings of 1..`MAX_STOP_CHARS`
+characters each; `n` (choices per prompt, sampled as sequences that share the prompt's KV
+blocks) at most `MAX_N`;
+`best_of` only equal to `n`; at most `MAX_PROMPTS` prompts in a /v1/completions batch (a
+list of strings or of token-id lists; each is its own engine request). Not yet supported,
+refused with a clear message: `suffix`. `stream_options` only with `stream: true`.
+
+Logprobs (from the model's raw distribution, as vLLM's default): chat `logprobs: true` with
+`top_logprobs` in [0, `MAX_LOGPROBS`] (refused without `logprobs: true`); completions
+`logprobs` in [0, `MAX_LOGPROBS`] and `echo` (the prompt before the output, and with
+`logprobs` its tokens' logprobs first); vLLM's `prompt_logprobs` in [0, `MAX_LOGPROBS`] on
+both endpoints, streamed too (in the first chunk of each completion choice, or of a chat
+response; vLLM refuses them with `stream`).
+
+Sampling controls: `presence_penalty` and `frequency_penalty` in [-2, 2] (OpenAI), `logit_bias`
+(a map of token ids, as strings, to a bias in [-100, 100]: at most `MAX_LOGIT_BIAS`; ids
+outside the vocabulary are refused by the tokenizer, naming `logit_bias`); vLLM's
+`repetition_penalty` (> 0), `min_p` in [0, 1], `min_tokens` (<= max_tokens; EOS, stop
+token ids and stop strings do not end the output before it, as vLLM) and `bad_words`
+(at most `MAX_BAD_WORDS` strings).
+
+Structured outputs (services/gateway/openai/structured.py reads them; the worker compiles and
+enforces them): `response_format` (json_object, json_schema), vLLM's `structured_outputs`
+and `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`; at most one, and not
+with `ignore_eos` or `min_tokens`.
+
+vLLM extensions: `top_k`, `ignore_eos`, `return_token_ids`, `stop_token_ids`,
+`add_generation_prompt` (chat), `priority` (int, default 0: lower is served first; anything
+but 0 is refused unless the server runs `--scheduling-policy priority`, as vLLM does) and
+`timeout` (seconds, at most `MAX_TIMEOUT_S`: past it the request ends with finish reason
+"timeout").
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Annotated, Any, TypeVar
+
+import orjson
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from common.limits import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    LOGIT_BIAS_VALUE,
+    MAX_CHAT_TEMPLATE_CHARS,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_PROMPTS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TIMEOUT_S,
+    MAX_TOKENS,
+    MIN_P,
+    MIN_TOKENS,
+    PENALTY,
+    REPETITION_PENALTY,
+    TEMPERATURE,
+    TOKEN_ID,
+    TOP_K,
+    TOP_P,
+    Range,
+    bad_words_problem,
+    logit_bias_problem,
+    stop_strings_problem,
+)
+from common.messages import GenerateRequest, SamplingParams
+from common.messages.types import MODEL_DEFAULT_FIELDS
+from services.gateway.openai.chat_messages import ChatMessage
+from services.gateway.openai.refused import (
+    REFUSED_CHAT,
+    REFUSED_COMPLETION,
+    check_disjoint,
+    refuse_unsupported,
+)
+from services.gateway.openai.structured import (
+    Structured,
+    StructuredError,
+    check_compatible,
+    parse_structured,
+)
+from services.gateway.openai.tools import ToolPlan, forced_grammar, plan_tools
+
+# a client-chosen request id (X-Request-Id, gRPC request_id): safe in logs and headers
+REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+# a logit_bias key: a token id in canonical digits, so two keys never name one token ("5", "05")
+_TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,9}")
+
+_STRICT = ConfigDict(strict=True, extra="ignore")
+_STRUCTURED_FIELDS = {
+    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar",
+}  # fmt: skip
+
+
+def _int32(allowed: Range) -> Any:
+    """An integer field's constraints: its range, and at most INT32_MAX on the wire."""
+    return Field(**({"le": INT32_MAX} | allowed.bounds()))
+
+
+def _finite(allowed: Range) -> Any:
+    return Field(**allowed.bounds(), allow_inf_nan=False)
+
+
+# every range is common/limits.py's, shared with the tokenizer's checks
+MaxTokens = Annotated[int, _int32(MAX_TOKENS)]
+Temperature = Annotated[float, _finite(TEMPERATURE)]
+TopP = Annotated[float, _finite(TOP_P)]
+TopK = Annotated[int, _int32(TOP_K)]
+Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Penalty = Annotated[float, _finite(PENALTY)]
+RepetitionPenalty = Annotated[float, _finite(REPETITION_PENALTY)]
+MinP = Annotated[float, _finite(MIN_P)]
+MinTokens = Annotated[int, _int32(MIN_TOKENS)]
+Bias = Annotated[float, _finite(LOGIT_BIAS_VALUE)]
+TokenId = Annotated[int, _int32(TOKEN_ID)]
+NumChoices = Annotated[int, Field(ge=1, le=MAX_N)]
+Priority = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Timeout = Annotated[float, Field(gt=0.0, le=MAX_TIMEOUT_S, allow_inf_nan=False)]
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+
+
+class RequestRejected(Exception):
+    """A request the gateway refuses with `status`; `message` starts with the field it names."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+
+
+def check_model(requested: str | None, served_names: list[str], ready: bool) -> None:
+    """Refuse a request the served model cannot take: 503 (retryable) while nothing is
+    served or the engine is not taking requests, 404 for a name the model does not answer
+    to. Readiness first: while starting, no name is known yet, and a right one is not 404."""
+    if not ready:
+        raise RequestRejected("the engine is not ready yet; retry the request", None, 503)
+    if requested is not None and requested not in served_names:
+        raise RequestRejected(f"model: the model `{requested}` does not exist", "model", 404)
+
+
+def _refuse(message: str) -> PydanticCustomError:
+    return PydanticCustomError("unsupported", message)
+
+
+class StreamOptions(BaseModel):
+    """OpenAI's `stream_options`."""
+
+    model_config = _STRICT
+    include_usage: bool | None = None
+
+
+class _CommonRequest(BaseModel):
+    """Fields shared by both endpoints."""
+
+    model_config = _STRICT
+
+    model: str | None = None  # None: the served model
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None  # vLLM extension; -1 or 0 = off
+    seed: Seed | None = None
+    stop: list[str] = Field(default_factory=list)  # also a single str, see _stop_list
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    n: NumChoices | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = None  # vLLM extension
+    return_token_ids: bool | None = None  # vLLM extension: output token ids in the answer
+    user: str | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None  # vLLM extension
+    min_p: MinP | None = None  # vLLM extension
+    min_tokens: MinTokens | None = None  # vLLM extension
+    logit_bias: dict[str, Bias] | None = None  # token id (a string, as JSON keys) -> bias
+    bad_words: list[str] | None = None  # vLLM extension
+    priority: Priority | None = None  # vLLM extension: lower first (priority scheduling)
+    timeout: Timeout | None = None  # vLLM-style extension: seconds until finish "timeout"
+    prompt_logprobs: NumLogprobs | None = None  # vLLM extension
+    # structured outputs (services/gateway/openai/structured.py checks them; at most one)
+    response_format: Any = None
+    structured_outputs: Any = None  # vLLM extension, and its older guided_* fields:
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, value: Any) -> list[str]:
+        stops = [value] if isinstance(value, str) else [] if value is None else value
+        if not isinstance(stops, list):
+            raise PydanticCustomError("stop_type", "must be a string or a list of strings")
+        if (problem := stop_strings_problem(stops)) is not None:
+            raise PydanticCustomError(f"stop_{problem[0]}", problem[1])
+        return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is None:
+            return value
+        if (problem := logit_bias_problem(len(value))) is not None:
+            raise PydanticCustomError(f"logit_bias_{problem[0]}", problem[1])
+        for key in value:
+            if not _TOKEN_ID_KEY.fullmatch(key) or int(key) > INT32_MAX:
+                raise PydanticCustomError(
+                    "logit_bias_key",
+                    "keys must be token ids (non-negative integers, as strings), got {key!r}",
+                    {"key": key[:40]},
+                )
+        return value
+
+    @field_validator("bad_words", mode="before")
+    @classmethod
+    def _bad_words(cls, value: Any) -> Any:
+        if value is None:
+            return value
+        if not isinstance(value, list):
+            raise PydanticCustomError("bad_words_type", "must be a list of strings")
+        if (problem := bad_words_problem(value)) is not None:
+            raise PydanticCustomError(f"bad_words_{problem[0]}", problem[1])
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(
+        cls, value: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        # as vLLM: options for a stream that is not asked for are a mistake, not a no-op
+        if value is not None and "stream" in info.data and not info.data["stream"]:
+            raise _refuse("only allowed when stream is true")
+        return value
+
+    @field_validator("priority")
+    @classmethod
+    def _priority_policy(cls, value: int | None, info: ValidationInfo) -> int | None:
+        # parse_request's context names the server's --scheduling-policy (HTTP); as vLLM,
+        # a priority other than 0 is an error unless the policy orders by it
+        policy = (info.context or {}).get("scheduling_policy", "priority")
+        if value and policy != "priority":
+            raise _refuse(f"needs --scheduling-policy priority; this server schedules by {policy}")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _sampling(
+        self,
+        max_tokens: int | None,
+        field: str,
+        default: int,
+        max_model_len: int,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        forced: Structured | None = None,
+    ) -> SamplingParams:
+        limit = max_tokens if max_tokens is not None else default
+        if limit > max_model_len:
+            raise RequestRejected(
+                f"{field}: must be <= {max_model_len} (the model's context length), got {limit}",
+                field,
+            )
+        if self.min_tokens and limit and self.min_tokens > limit:  # (limit 0: as many as fit)
+            raise RequestRejected(
+                f"min_tokens: must be <= {field} ({limit}), got {self.min_tokens}", "min_tokens"
+            )
+        bias = sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
+        try:
+            structured = parse_structured(self.model_dump(include=_STRUCTURED_FIELDS))
+            if forced is not None and structured is not None:
+                raise StructuredError(
+                    "tool_choice", f"cannot force a tool call and {structured.field} at once"
+                )
+            structured = structured or forced
+            check_compatible(
+                structured, {"ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens}
+            )
+        except StructuredError as e:
+            raise RequestRejected(str(e), e.field) from None
+        return SamplingParams(
+            max_tokens=limit,
+            temperature=1.0 if self.temperature is None else float(self.temperature),
+            top_p=1.0 if self.top_p is None else float(self.top_p),
+            top_k=max(self.top_k or 0, 0),
+            seed=self.seed,
+            stop=list(self.stop),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=bool(self.ignore_eos),
+            n=self.n or 1,
+            min_p=float(self.min_p or 0.0),
+            presence_penalty=float(self.presence_penalty or 0.0),
+            frequency_penalty=float(self.frequency_penalty or 0.0),
+            repetition_penalty=(
+                1.0 if self.repetition_penalty is None else float(self.repetition_penalty)
+            ),
+            logit_bias_token_ids=[token for token, _ in bias],
+            logit_bias_values=[value for _, value in bias],
+            min_tokens=self.min_tokens or 0,
+            bad_words=list(self.bad_words or []),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            structured_kind=structured.kind if structured else "",
+            structured_spec=structured.spec if structured else "",
+            structured_field=structured.field if structured else "",
+        )
+
+    def _unset_sampling(self) -> list[str]:
+        """The fields a model's generation_config may fill: those the client left unset."""
+        return [name for name in MODEL_DEFAULT_FIELDS if getattr(self, name) is None]
+
+    def _scheduling(self) -> dict[str, Any]:
+        """The GenerateRequest fields that steer the scheduler rather than sampling, and
+        the sampling fields left unset."""
+        return {
+            "priority": self.priority or 0,
+            "timeout": self.timeout,
+            "unset_sampling": self._unset_sampling(),
+        }
+
+
+ChatTemplate = Annotated[str, Field(min_length=1, max_length=MAX_CHAT_TEMPLATE_CHARS)]
+
+
+def trusted_chat_template(value: str | None, info: ValidationInfo) -> str | None:
+    """A request's `chat_template`: as vLLM, a client's template runs on the server only if
+    the operator allows it (parse_request's context says so)."""
+    if value is not None and not (info.context or {}).get("trust_request_chat_template"):
+        raise _refuse("needs --trust-request-chat-template on this server")
+    return value
+
+
+def bounded_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A request's `chat_template_kwargs`: bounded, and carried by orjson to the tokenizer."""
+    if value is None:
+        return value
+    try:
+        size = len(orjson.dumps(value))
+    except orjson.JSONEncodeError:
+        raise _refuse("integers must fit in 64 bits") from None
+    if size > MAX_CHAT_TEMPLATE_CHARS:
+        raise _refuse(f"at most {MAX_CHAT_TEMPLATE_CHARS} bytes of JSON")
+    return value
+
+
+class ChatCompletionRequest(_CommonRequest):
+    """Body of POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: MaxTokens | None = None  # OpenAI's newer name for max_tokens
+    add_generation_prompt: bool | None = None  # vLLM extension
+    # vLLM extensions: the request's own Jinja template (with --trust-request-chat-template)
+    # and extra variables for the template, e.g. {"enable_thinking": false}
+    chat_template: ChatTemplate | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: NumLogprobs | None = None
+    # tool calling (services/gateway/openai/tools.py)
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    _tool_plan: ToolPlan | None = PrivateAttr(default=None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        return refuse_unsupported(data, REFUSED_CHAT, cls.__name__)
+
+    @model_validator(mode="after")
+    def _plan_tools(self, info: ValidationInfo) -> ChatCompletionRequest:
+        # parse_request's context names the server's --tool-call-parser
+        parser = (info.context or {}).get("tool_call_parser", "hermes")
+        try:
+            self._tool_plan = plan_tools(
+                self.tools, self.tool_choice, self.parallel_tool_calls, parser
+            )
+        except StructuredError as e:  # (a RequestRejected is not wrapped by pydantic)
+            raise RequestRejected(str(e), e.field) from None
+        return self
+
+    @property
+    def tool_plan(self) -> ToolPlan | None:
+        """The request's tools and how to read its output (None: no tools)."""
+        return self._tool_plan
+
+    _trusted_template = field_validator("chat_template")(trusted_chat_template)
+    _bounded_kwargs = field_validator("chat_template_kwargs")(bounded_template_kwargs)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        # as vLLM: alternatives without the tokens' own logprobs are a mistake
+        if value and not info.data.get("logprobs"):
+            raise _refuse("needs logprobs: true")
+        return value
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top logprobs per output token (None: none asked)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def to_generate_requests(
+        self, request_id: str, model: str, max_model_len: int
+    ) -> list[GenerateRequest]:
+        return [self.to_generate_request(request_id, model, max_model_len)]
+
+    def to_generate_request(
+        self, request_id: str, model: str, max_model_len: int
+    ) -> GenerateRequest:
+        # as vLLM does: the newer name wins when both are given
+        field = "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        plan = self._tool_plan
+        forced = forced_grammar(plan) if plan is not None else None
+        return GenerateRequest(
+            request_id=request_id,
+            model=model,
+            sampling=self._sampling(
+                max_tokens,
+                field,
+                0,
+                max_model_len,
+                self.num_logprobs,
+                self.prompt_logprobs,
+                forced,
+            ),
+            messages=[m.as_dict() for m in self.messages],
+            tools=list(plan.tools.values()) if plan is not None else None,
+            add_generation_prompt=self.add_generation_prompt is not False,
+            chat_template=self.chat_template,
+            chat_template_kwargs=self.chat_template_kwargs,
+            arrival_time=time.time(),
+            **self._scheduling(),
+        )
+
+
+Prompt = str | list[int]  # text, or token ids
+
+
+def _prompts(value: Any) -> list[Prompt]:
+    """`prompt` as a batch: a string or a list of token ids is one prompt; a list of strings
+    or of token-id lists is several (at most MAX_PROMPTS)."""
+    if isinstance(value, str) or (
+        isinstance(value, list) and value and not isinstance(value[0], str | list)
+    ):
+        return [_prompt(value, "")]
+    if not isinstance(value, list):
+        raise PydanticCustomError(
+            "prompt_type", "must be a string, a list of token ids, or a list of those"
+        )
+    if not value:
+        raise PydanticCustomError("prompt_empty", "must not be empty")
+    if len(value) > MAX_PROMPTS:
+        raise PydanticCustomError(
+            "prompt_count",
+            "at most {limit} prompts in one request, got {count}",
+            {"limit": MAX_PROMPTS, "count": len(value)},
+        )
+    where = "prompt {index} " if len(value) > 1 else ""
+    return [_prompt(p, where.format(index=i)) for i, p in enumerate(value)]
+
+
+def _prompt(value: Any, where: str) -> Prompt:
+    """One prompt of the batch (`where` names it in a batch of several)."""
+    if not isinstance(value, str | list):
+        raise PydanticCustomError(
+            "prompt_type", "{where}must be a string or a list of token ids", {"where": where}
+        )
+    if not value:
+        raise PydanticCustomError("prompt_empty", "{where}must not be empty", {"where": where})
+    if isinstance(value, list):
+        for t in value:
+            if type(t) is not int or not 0 <= t <= INT32_MAX:
+                raise PydanticCustomError(
+                    "prompt_token",
+                    "{where}token ids must be integers in [0, {limit}]",
+                    {"where": where, "limit": INT32_MAX},
+                )
+    return value
+
+
+class CompletionRequest(_CommonRequest):
+    """Body of POST /v1/completions."""
+
+    prompt: Any  # list[Prompt] once validated: one engine request each
+    echo: bool | None = None
+    logprobs: NumLogprobs | None = None
+    best_of: Annotated[int, Field(ge=1)] | None = None  # only = n: no ranking of choices
+    suffix: str | None = None
+
+    _check_prompt = field_validator("prompt", mode="before")(_prompts)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        return refuse_unsupported(data, REFUSED_COMPLETION, cls.__name__)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """What the engine computes for the prompt: `prompt_logprobs`, or with echo and
+        logprobs at least that many (echo shows the prompt tokens' logprobs)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        # `n` is declared (so validated) first; when it failed, that error is the one reported
+        if value is None or "n" not in info.data:
+            return value
+        n = info.data["n"] or 1
+        if value != n:
+            raise _refuse(f"only best_of = n ({n}) is supported, got {value}")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise _refuse("suffix is not supported")
+        return value
+
+    def to_generate_requests(
+        self, request_id: str, model: str, max_model_len: int
+    ) -> list[GenerateRequest]:
+        """One engine request per prompt: `request_id` for a single prompt, else
+        `<request_id>-<k>` for prompt k."""
+        sampling = self._sampling(
+            self.max_tokens,
+            "max_tokens",
+            COMPLETIONS_DEFAULT_MAX_TOKENS,
+            max_model_len,
+            self.logprobs,
+            self.engine_prompt_logprobs,
+        )
+        prompts: list[Prompt] = self.prompt
+        arrival = time.time()
+        return [
+            GenerateRequest(
+                request_id=request_id if len(prompts) == 1 else f"{request_id}-{k}",
+                model=model,
+                sampling=sampling,
+                prompt=prompt if isinstance(prompt, str) else None,
+                prompt_token_ids=None if isinstance(prompt, str) else list(prompt),
+                arrival_time=arrival,
+                **self._scheduling(),
+            )
+            for k, prompt in enumerate(prompts)
+        ]
+
+    def to_generate_request(
+        self, request_id: str, model: str, max_model_len: int
+    ) -> GenerateRequest:
+        """The engine request of a body with one prompt (ValueError for a batch)."""
+        (request,) = self.to_generate_requests(request_id, model, max_model_len)
+        return request
+
+
+# a field is honoured (declared above) or refused (services/gateway/openai/refused.py), not both
+check_disjoint(ChatCompletionRequest.model_fields, REFUSED_CHAT, "ChatCompletionRequest")
+check_disjoint(CompletionRequest.model_fields, REFUSED_COMPLETION, "CompletionRequest")
+
+R = TypeVar("R", bound=BaseModel)
+
+
+def parse_request(cls: type[R], body: bytes, context: dict[str, Any] | None = None) -> R:
+    """Validate a JSON body; raise RequestRejected naming the first offending field.
+    `context`: what the server is set up to do (`scheduling_policy`)."""
+    try:
+        return cls.model_validate_json(body, context=context)
+    except ValidationError as e:
+        raise _rejection(e) from None
+
+
+def validate_request(
+    cls: type[R], data: dict[str, Any], context: dict[str, Any] | None = None
+) -> R:
+    """Validate a body already decoded (the gRPC front end builds it from a proto message)
+    by the same rules and with the same messages as `parse_request`."""
+    try:
+        return cls.model_validate(data, context=context)
+    except ValidationError as e:
+        raise _rejection(e) from None
+
+
+def _rejection(e: ValidationError) -> RequestRejected:
+    errors = e.errors(include_url=False)
+    message, param = describe_error(errors[0])
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more error(s))"
+    return RequestRejected(message, param)
+
+
+def field_path(loc: tuple[Any, ...]) -> str:
+    """("messages", 0, "role") -> "messages[0].role"."""
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else f".{part}" if path else str(part)
+    return path
+
+
+def describe_error(error: Any) -> tuple[str, str | None]:
+    """One pydantic error as ("<field>: <what is wrong>", field)."""
+    kind, ctx = error["type"], error.get("ctx") or {}
+    if kind == "json_invalid":
+        return f"body: is not valid JSON ({ctx.get('error', '')})", None
+    param = field_path(error["loc"]) or None
+    what = _WHAT.get(kind)
+    text = what.format(**ctx) if what else error["msg"]
+    if kind in _SHOW_INPUT:
+        text += f", got {_json_repr(error.get('input'))}"
+    return f"{param or 'body'}: {text}", param
+
+
+_WHAT = {
+    "missing": "is required",
+    "greater_than_equal": "must be >= {ge}",
+    "greater_than": "must be > {gt}",
+    "less_than_equal": "must be <= {le}",
+    "less_than": "must be < {lt}",
+    "int_type": "must be an integer",
+    "float_type": "must be a number",
+    "bool_type": "must be a boolean",
+    "string_type": "must be a string",
+    "list_type": "must be a list",
+    "model_type": "must be a JSON object",
+    "dict_type": "must be a JSON object",
+    "finite_number": "must be a finite number",
+    "literal_error": "must be one of {expected}",
+    "too_short": "must have at least {min_length} item(s)",
+    "too_long": "must have at most {max_length} item(s)",
+}
+_SHOW_INPUT = set(_WHAT) - {"missing", "too_short", "too_long"}
+
+
+def _json_repr(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return f"string {value[:40]!r}"
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "a list"
+    return repr(value)

@@ -1,0 +1,50 @@
+"""services/launch.py: what `shuttle serve` prints as it starts; each replica's GPUs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from common.config import Config
+from common.messages import Progress, Ready
+from services.launch import startup_line
+
+
+def test_each_stage_and_each_ready_is_a_line_with_the_time_since_the_start() -> None:
+    stage = Progress(name="worker", stage="loading weights from /m, building kernels")
+    assert startup_line(stage, 1.25) == (
+        "shuttle: [  1.2s] worker: loading weights from /m, building kernels"
+    )
+    assert startup_line(Ready(name="gateway", info={"port": 1}), 6.0) == (
+        "shuttle: [  6.0s] gateway ready"
+    )
+
+
+@pytest.mark.parametrize("visible", ["0,1", "0"])
+def test_the_supervisor_gives_each_replica_its_gpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, visible: str
+) -> None:
+    from services import launch
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    config = Config().replace(
+        server={"run_dir": str(tmp_path)},
+        model={"device": "cuda"},
+        cache={"gpu_memory_utilization": 0.8},
+        data_parallel={"data_parallel_size": 2},
+    )
+    sup = launch.Supervisor(config)
+    try:
+        sup.write_replica_configs()
+    finally:
+        sup.inbox.close(linger=0)
+    envs = [sup._env[f"worker-{i}"]["CUDA_VISIBLE_DEVICES"] for i in range(2)]
+    utils = [
+        Config.from_json((tmp_path / f"config-replica-{i}.json").read_bytes()).cache
+        for i in range(2)
+    ]
+    if visible == "0,1":
+        assert envs == ["0", "1"] and [u.gpu_memory_utilization for u in utils] == [0.8, 0.8]
+    else:  # one GPU for both: each takes half of what one would
+        assert envs == ["0", "0"] and [u.gpu_memory_utilization for u in utils] == [0.4, 0.4]

@@ -1,0 +1,184 @@
+"""The import graph of the shipped packages, read from the source (ast, nothing imported):
+no circle; no service importing another service's package or the worker; common/ and
+gpu_worker/ importing no service; the gateway's layers in order.
+
+    common  <-  gpu_worker            services/<one package each>  <-  services/*.py
+       ^                                   (the supervisor, launch.py and friends)
+       └──────────── services/gateway: engine <- openai <- (http | grpc) <- actor
+
+An import under `if TYPE_CHECKING:` is for annotations only and does not count; an import
+inside a function does (it runs)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGES = ("common", "services", "gpu_worker", "tools", "proto")
+# the gateway's layers, bottom first: a layer imports only from layers below it (and its own)
+GATEWAY_LAYERS = {"engine": 0, "openai": 1, "admin_auth": 2, "http": 3, "grpc": 3}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")}
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imported_names(tree: ast.AST) -> set[str]:
+    names: set[str] = set()
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            names |= {n for child in node.orelse for n in _imported_names(child)}
+            continue
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names |= {f"{node.module}.{alias.name}" for alias in node.names}
+        names |= _imported_names(node)
+    return names
+
+
+def _graph() -> dict[str, set[str]]:
+    """module -> the shipped modules it imports (a name resolves to its longest module)."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps = set()
+        for imported in _imported_names(ast.parse(path.read_text())):
+            while imported and imported not in modules:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name and not name.startswith(imported + "."):
+                deps.add(imported)  # (a package's own __init__ is not an edge back)
+        graph[name] = deps
+    return graph
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    return _graph()
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_graph_is_read(graph: dict[str, set[str]]) -> None:
+    assert "common.config" in graph["common.actor"]
+    assert "common.prefix_hash" in graph["services.router.policy"]
+
+
+def test_no_import_circle(graph: dict[str, set[str]]) -> None:
+    assert _cycles(graph) == []
+
+
+def test_the_checker_finds_a_circle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def _service(module: str) -> str | None:
+    """The service package a module belongs to (`services.router.policy` -> router), or
+    None for a module of services/ itself (the supervisor, the CLI)."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "services" and len(parts) > 2 else None
+
+
+def test_no_service_imports_another_services_module(graph: dict[str, set[str]]) -> None:
+    crossing = [
+        (m, d)
+        for m, deps in graph.items()
+        for d in deps
+        if _service(m) and _service(d) and _service(m) != _service(d)
+    ]
+    assert crossing == []
+
+
+def test_common_and_the_worker_import_no_service(graph: dict[str, set[str]]) -> None:
+    upward = [
+        (m, d)
+        for m, deps in graph.items()
+        if m.split(".")[0] in ("common", "gpu_worker")
+        for d in deps
+        if d.split(".")[0] in ("services", "tools")
+    ]
+    assert upward == []
+
+
+def test_no_service_package_imports_the_worker(graph: dict[str, set[str]]) -> None:
+    """The CPU processes never load the model's code (torch); only the supervisor's
+    worker_group reads the model's config to check a tensor-parallel layout."""
+    wrong = [
+        (m, d)
+        for m, deps in graph.items()
+        if _service(m)
+        for d in deps
+        if d.startswith("gpu_worker")
+    ]
+    assert wrong == []
+
+
+def _gateway_layer(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[:2] != ["services", "gateway"] or len(parts) < 3:
+        return None
+    return GATEWAY_LAYERS.get(parts[2])  # None: actor, main (above every layer)
+
+
+def test_the_gateways_layers_import_downwards_only(graph: dict[str, set[str]]) -> None:
+    wrong = []
+    for m, deps in graph.items():
+        layer = _gateway_layer(m)
+        if layer is None:
+            continue
+        for d in deps:
+            below = _gateway_layer(d)
+            if d.startswith("services.gateway.") and (below is None or below > layer):
+                wrong.append((m, d))
+            elif below == layer and m.split(".")[2] != d.split(".")[2]:
+                wrong.append((m, d))  # http and grpc are beside each other, not stacked
+    assert wrong == []
