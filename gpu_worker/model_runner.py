@@ -50,6 +50,7 @@ from gpu_worker.logprobs import (
     step_result_fields,
     take_prompt_logprobs,
 )
+from gpu_worker.models.linear import quantization_of, resident_weight_bytes
 from gpu_worker.models.llama import LlamaConfig, LlamaForCausalLM
 from gpu_worker.models.loader import (
     check_tensor_parallel,
@@ -317,7 +318,13 @@ class ModelRunner(PlanRunner[ModelVersion]):
             kernels=kernels,
             quantization=self.quantization,
         )
-        log.info("model %s: %s", path, kernels.describe())
+        log.info(
+            "model %s: %.1f MB of weights resident (%s), %s",
+            path,
+            resident_weight_bytes(model) / 1e6,
+            quantization_of(model) or "float",
+            kernels.describe(),
+        )
         if self.cpu_huge_pages:
             use_huge_pages(model)
         return model
@@ -375,6 +382,8 @@ class ModelRunner(PlanRunner[ModelVersion]):
             device=str(self.device),
             speculative=self.speculative,
             tensor_parallel_size=self.tp.size,
+            weight_bytes=resident_weight_bytes(self.model),
+            quantization=quantization_of(self.model),
         )
 
     # model versions (hot swap) -------------------------------------------------------------

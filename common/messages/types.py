@@ -140,6 +140,8 @@ class ModelInfo:
     device: str = ""
     speculative: str = ""  # the speculative method, "" = off
     tensor_parallel_size: int = 1
+    weight_bytes: int = 0  # the model's weights resident in the worker (this rank's shard)
+    quantization: str = ""  # how its linears are stored: "" (float), "int8", "gguf:Q4_1+Q8_0"
     # the worker's additions
     model_name: str = ""  # the served model's name
     model_path: str = ""  # its folder (tokenizer files, for the tokenizer processes)

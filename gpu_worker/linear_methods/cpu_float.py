@@ -41,5 +41,10 @@ class CpuFloatLinearMethod:
     def weight_bytes(self, layer: Linear) -> int:
         return layer.weight.numel() * layer.weight.element_size()
 
+    def extra_bytes(self, layer: Linear) -> int:
+        return self.weight_bytes(layer) if self.packed is not None else 0
+
+    storage = ""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(packed={self.packed is not None})"

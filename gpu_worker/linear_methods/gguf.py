@@ -107,8 +107,14 @@ class GGUFLinearMethod:
             return layer.weight.numel() * layer.weight.element_size()
         return self.nbytes
 
-    def __repr__(self) -> str:
+    def extra_bytes(self, layer: Linear) -> int:
+        return 0
+
+    @property
+    def storage(self) -> str:
         from gguf import GGMLQuantizationType
 
-        types = "+".join(GGMLQuantizationType(q).name for q in self.qtypes)
-        return f"{type(self).__name__}({types}, kernel={self.kernel})"
+        return "gguf:" + "+".join(sorted({GGMLQuantizationType(q).name for q in self.qtypes}))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.storage.removeprefix('gguf:')}, kernel={self.kernel})"

@@ -84,5 +84,10 @@ class Int8LinearMethod:
     def weight_bytes(self, layer: Linear) -> int:
         return layer.weight.numel() + 4 * layer.out_features
 
+    def extra_bytes(self, layer: Linear) -> int:
+        return 0
+
+    storage = "int8"
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(kernel={self.kernel})"

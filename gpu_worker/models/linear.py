@@ -42,6 +42,15 @@ class LinearMethod(Protocol):
         """The bytes of weights a forward reads (the resident size of the layer's weights)."""
         ...
 
+    def extra_bytes(self, layer: Linear) -> int:
+        """Bytes the method keeps beside the layer's parameters (a packed copy), 0 if none."""
+        ...
+
+    @property
+    def storage(self) -> str:
+        """How the weight is stored: "" (float), "int8", "gguf:<types>"."""
+        ...
+
 
 def set_parameter(layer: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
     """Register `tensor` as the layer's frozen parameter `name` (None: no such parameter)."""
@@ -74,6 +83,11 @@ class FloatLinearMethod:
     def weight_bytes(self, layer: Linear) -> int:
         return layer.weight.numel() * layer.weight.element_size()
 
+    def extra_bytes(self, layer: Linear) -> int:
+        return 0
+
+    storage = ""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -103,3 +117,23 @@ class Linear(nn.Module):
     def extra_repr(self) -> str:
         bias = self.bias is not None
         return f"in={self.in_features}, out={self.out_features}, bias={bias}, {self.method!r}"
+
+
+def resident_weight_bytes(model: nn.Module) -> int:
+    """The bytes a model's weights hold in memory: every parameter once (a tied weight is
+    one), plus what the linear methods keep beside them (oneDNN's packed copies)."""
+    seen: dict[int, int] = {}
+    for p in model.parameters():
+        seen.setdefault(p.data_ptr(), p.numel() * p.element_size())
+    extra = sum(m.method.extra_bytes(m) for m in model.modules() if isinstance(m, Linear))
+    return sum(seen.values()) + extra
+
+
+def quantization_of(model: nn.Module) -> str:
+    """How the model's linears are stored: "" (float), "int8", or "gguf:" with the GGUF
+    types in use (the LM head's among them)."""
+    names = sorted({m.method.storage for m in model.modules() if isinstance(m, Linear)} - {""})
+    gguf = [n.removeprefix("gguf:") for n in names if n.startswith("gguf:")]
+    other = [n for n in names if not n.startswith("gguf:")]
+    types = sorted({t for g in gguf for t in g.split("+")})
+    return ",".join(other + ([f"gguf:{'+'.join(types)}"] if types else []))

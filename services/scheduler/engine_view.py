@@ -72,6 +72,7 @@ def stats(core: EngineCore) -> dict[str, Any]:
         # tokens per verification round: the accepted drafts plus the token every step
         # yields (vLLM's "mean acceptance length")
         "spec_mean_accepted_length": 1 + p.num_accepted_tokens / max(1, p.num_spec_rounds),
+        "model_weight_bytes": core.served.info.weight_bytes,
         "request_ids": sorted(core.groups),
         "model": {**dataclasses.asdict(core.served.info), "model_name": core.served.name},
     }

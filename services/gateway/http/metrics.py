@@ -260,6 +260,11 @@ class _SchedulerStats:
         ("num_requests_waiting", "num_waiting", "Requests waiting to be processed."),
         ("kv_cache_usage_perc", "kv_cache_usage", "KV-cache usage, 1 means 100 percent."),
         (
+            "model_weight_bytes",
+            "model_weight_bytes",
+            "Bytes of model weights resident in the worker (quantized ones as stored).",
+        ),
+        (
             "spec_decode_acceptance_rate",
             "spec_acceptance_rate",
             "Speculative decoding: accepted / proposed draft tokens.",

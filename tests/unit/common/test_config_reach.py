@@ -98,6 +98,7 @@ FLAGS = {
     "--no-cpu-kernels": None,
     "--no-cpu-packed-weights": None,
     "--no-cpu-huge-pages": None,
+    "--quantization": "int8",
 }
 
 
@@ -137,6 +138,7 @@ def test_runner_settings_reach_the_model_runner(config: Config, monkeypatch) -> 
         "cpu_kernels": False,
         "cpu_packed_weights": False,
         "cpu_huge_pages": False,
+        "quantization": "int8",
         "draft_model": "",
         "prompt_lookup_min": 3,
         "prompt_lookup_max": 5,
