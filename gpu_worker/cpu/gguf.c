@@ -27,6 +27,11 @@
 
 #define GGUF_ROW_TILE 8 /* rows of x per pass over a chunk of weight rows */
 #define GGUF_CHUNK 16   /* weight rows per scheduling unit */
+#ifndef GGUF_PREFETCH
+/* bytes of weights ahead of the block being read, prefetched: one thread streaming SmolLM2's
+ * Q4_1 weights (CPU time, busy Sapphire Rapids): 18.5 ms with none, 12.8 (512), 11.4 (1024), 10.2 (2048), 10.3 (4096) */
+#define GGUF_PREFETCH 2048
+#endif
 
 /* rows of x quantized per 32 values: q [rows, in], d and s [rows, in / 32] */
 typedef struct {
@@ -102,6 +107,7 @@ static inline __attribute__((always_inline)) void gguf_dot32(int qt, const uint8
     const int bb = gguf_block_bytes(qt);
     for (int u = 0; u < x->nu; u++) {
         const uint8_t *b = w + (int64_t)u * bb;
+        _mm_prefetch((const char *)b + GGUF_PREFETCH, _MM_HINT_T0);
         __m256 sv = _mm256_set1_ps(gguf_half(b));
         float mw = 0.f;
         __m256i q;
@@ -184,6 +190,8 @@ static inline __attribute__((always_inline)) void gguf_dotk(int qt, const uint8_
     const int bb = gguf_block_bytes(qt);
     for (int u0 = 0; u0 < x->nu; u0 += 8) {
         const uint8_t *b = w + (int64_t)(u0 / 8) * bb;
+        for (int l = 0; l < bb; l += 64)
+            _mm_prefetch((const char *)b + GGUF_PREFETCH + l, _MM_HINT_T0);
         if (qt == GGUF_Q6_K)
             gguf_q6k_block(b, u0, x, r0, nr, acc, macc);
         else
@@ -192,14 +200,25 @@ static inline __attribute__((always_inline)) void gguf_dotk(int qt, const uint8_
     for (int r = 0; r < nr; r++) res[r] = gguf_hsum(acc[r]) + macc[r];
 }
 
-/* one weight row against rows [r0, r0 + nr) of x; one row of x gets its own copy (its
- * accumulators stay in registers) */
+/* one weight row against rows [r0, r0 + nr) of x, compiled once per row count (1..8) so that
+ * the accumulators stay in registers (a runtime count kept them on the stack: 3x slower at 4
+ * rows) */
+#define GGUF_NR(T, FN, N)                                                                      \
+    case N:                                                                                    \
+        FN(T, w, x, r0, N, res);                                                               \
+        return;
 #define GGUF_CASE(T, FN)                                                                       \
     case T:                                                                                    \
-        if (nr == 1)                                                                           \
-            FN(T, w, x, r0, 1, res);                                                           \
-        else                                                                                   \
-            FN(T, w, x, r0, nr, res);                                                          \
+        switch (nr) {                                                                          \
+            GGUF_NR(T, FN, 1)                                                                  \
+            GGUF_NR(T, FN, 2)                                                                  \
+            GGUF_NR(T, FN, 3)                                                                  \
+            GGUF_NR(T, FN, 4)                                                                  \
+            GGUF_NR(T, FN, 5)                                                                  \
+            GGUF_NR(T, FN, 6)                                                                  \
+            GGUF_NR(T, FN, 7)                                                                  \
+            GGUF_NR(T, FN, 8)                                                                  \
+        }                                                                                      \
         return;
 
 static void gguf_dot_row(int qt, const uint8_t *w, const gguf_xq *x, int r0, int nr,
@@ -341,7 +360,23 @@ int gguf_dequantize(const uint8_t *w, int qtype, float *y, int out, int in, int 
 /* the sum of n bytes: the memory read limit the kernels are measured against */
 uint64_t gguf_sum_bytes(const uint8_t *p, int64_t n, int nthreads) {
     uint64_t total = 0;
-#pragma omp parallel for simd reduction(+ : total) schedule(static) num_threads(nthreads)
-    for (int64_t i = 0; i < n; i++) total += p[i];
+    int64_t n32 = n / 32;
+#pragma omp parallel for reduction(+ : total) schedule(static) num_threads(nthreads)
+    for (int64_t k = 0; k < n32; k += 64) {
+        int64_t end = k + 64 < n32 ? k + 64 : n32;
+#if defined(__AVX2__)
+        __m256i acc = _mm256_setzero_si256();
+        for (int64_t i = k; i < end; i++)
+            acc = _mm256_add_epi64(
+                acc, _mm256_sad_epu8(_mm256_loadu_si256((const __m256i *)(p + 32 * i)),
+                                     _mm256_setzero_si256()));
+        uint64_t lanes[4];
+        _mm256_storeu_si256((__m256i *)lanes, acc);
+        total += lanes[0] + lanes[1] + lanes[2] + lanes[3];
+#else
+        for (int64_t i = 32 * k; i < 32 * end; i++) total += p[i];
+#endif
+    }
+    for (int64_t i = 32 * n32; i < n; i++) total += p[i];
     return total;
 }
