@@ -28,9 +28,10 @@ SOURCE = Path(__file__).with_name("gguf.c")
 HEADER = Path(__file__).with_name("gguf.h")
 _T = gguf.GGMLQuantizationType
 SUPPORTED = frozenset({_T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1, _T.Q8_0, _T.Q4_K, _T.Q5_K, _T.Q6_K})
-# the most rows of x the int8 kernel takes; more go to dequantize + torch.mm (measured on a
-# busy 2-core Sapphire Rapids, tools/benchmarks/gguf_kernels.py)
-MAX_KERNEL_ROWS = 8
+# the most rows of x the int8 kernel takes; more go to dequantize + torch.mm: where the two met
+# for SmolLM2's Q4_1 shapes (16 rows: 0.375 vs 0.479 ms for [1536, 576], 32 rows 0.711 vs 0.648;
+# one thread of a busy 2-core Sapphire Rapids, tools/benchmarks/gguf_kernels.py)
+MAX_KERNEL_ROWS = 16
 
 
 def _declare(lib: ctypes.CDLL) -> None:

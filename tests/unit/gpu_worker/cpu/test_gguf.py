@@ -129,7 +129,8 @@ def test_kernels_match_gguf_py(march: str, qtype: int, shape: tuple[int, int]) -
     seed = int(qtype) * 1000 + out + inn
     w = random_weight(qtype, out, inn, seed)
     wt, ref = torch.from_numpy(w), reference(w, qtype)
-    torch.testing.assert_close(k.dequantize(wt, qtype, out, inn).double(), ref, rtol=1e-6, atol=0)
+    scale = float(ref.abs().max())  # one rounding (fma) where gguf-py rounds twice
+    torch.testing.assert_close(k.dequantize(wt, qtype, out, inn).double(), ref, rtol=1e-6, atol=1e-6 * scale)
     gen = torch.Generator().manual_seed(seed)
     bias = torch.randn(out, generator=gen)
     for rows in ROWS:
@@ -143,15 +144,16 @@ def test_kernels_match_gguf_py(march: str, qtype: int, shape: tuple[int, int]) -
         check(k.linear_rows(xe, wt, qtype, out, inn), xe.double() @ ref.T, rounding(xe, ref))
 
 
-@pytest.mark.parametrize("march", list(KERNELS))
-def test_vocabulary_projection(march: str) -> None:
+def test_vocabulary_projection() -> None:
     """SmolLM2's tied embedding as the output layer: Q8_0 [49152, 576], as in its GGUF."""
-    k, out, inn, qtype = KERNELS[march], 49152, 576, T.Q8_0
+    out, inn, qtype = 49152, 576, T.Q8_0
     w = random_weight(qtype, out, inn, 7)
     wt, ref = torch.from_numpy(w), reference(w, qtype)
     for rows in (1, 17):
         x = torch.randn(rows, inn, generator=torch.Generator().manual_seed(rows))
-        check(k.linear(x, wt, qtype, out, inn), x.double() @ ref.T, int8_bound(x, w, qtype, ref))
+        y_ref, bound = x.double() @ ref.T, int8_bound(x, w, qtype, ref)
+        for k in KERNELS.values():
+            check(k.linear(x, wt, qtype, out, inn), y_ref, bound)
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q6_K])
