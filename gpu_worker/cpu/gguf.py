@@ -64,7 +64,9 @@ def _check_weight(weight: torch.Tensor, qtype: int, out_features: int, in_featur
         raise ValueError(f"GGUF type {qtype} is not one of {sorted(SUPPORTED)}")
     shape = (out_features, row_bytes(qtype, in_features))
     if weight.dtype != torch.uint8 or tuple(weight.shape) != shape or weight.device.type != "cpu":
-        raise ValueError(f"weight must be uint8 {shape} on the CPU, got {weight.dtype} {weight.shape}")
+        raise ValueError(
+            f"weight must be uint8 {shape} on the CPU, got {weight.dtype} {weight.shape}"
+        )
     if not weight.is_contiguous():
         raise ValueError("weight must be contiguous")
 
@@ -170,7 +172,9 @@ class GgufKernels:
         """The sum of a contiguous uint8 tensor's bytes (the memory read limit, measured)."""
         if data.dtype != torch.uint8 or not data.is_contiguous():
             raise ValueError("data must be a contiguous uint8 tensor")
-        return int(self._lib().gguf_sum_bytes(data.data_ptr(), data.numel(), torch.get_num_threads()))
+        return int(
+            self._lib().gguf_sum_bytes(data.data_ptr(), data.numel(), torch.get_num_threads())
+        )
 
 
 _NATIVE = GgufKernels()

@@ -123,7 +123,7 @@ def whole_step(k: GgufKernels, tensors: list) -> None:
     for rows in (1, 4, 8):
         xs = {inn: torch.randn(rows, inn) for *_, inn in tensors}
 
-        def step() -> None:
+        def step(xs: dict[int, torch.Tensor] = xs) -> None:
             for _, w, qtype, out, inn in tensors:
                 k.linear_rows(xs[inn], w, qtype, out, inn)
 

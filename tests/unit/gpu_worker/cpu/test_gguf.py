@@ -130,7 +130,9 @@ def test_kernels_match_gguf_py(march: str, qtype: int, shape: tuple[int, int]) -
     w = random_weight(qtype, out, inn, seed)
     wt, ref = torch.from_numpy(w), reference(w, qtype)
     scale = float(ref.abs().max())  # one rounding (fma) where gguf-py rounds twice
-    torch.testing.assert_close(k.dequantize(wt, qtype, out, inn).double(), ref, rtol=1e-6, atol=1e-6 * scale)
+    torch.testing.assert_close(
+        k.dequantize(wt, qtype, out, inn).double(), ref, rtol=1e-6, atol=1e-6 * scale
+    )
     gen = torch.Generator().manual_seed(seed)
     bias = torch.randn(out, generator=gen)
     for rows in ROWS:
