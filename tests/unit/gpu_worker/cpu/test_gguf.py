@@ -32,7 +32,7 @@ T = gguf.GGMLQuantizationType
 SMALL_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
 K_TYPES = [T.Q4_K, T.Q5_K, T.Q6_K]
 # SmolLM2-135M's (out, in): qkv/o 576, k/v 192 (= 3 * 64), MLP 1536; K-quants need in % 256
-SMALL_SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536)]
+SMALL_SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (40, 96)]  # 96: odd blocks
 K_SHAPES = [(576, 1536), (192, 1536), (64, 512)]
 ROWS = [1, 3, 8, 17, 64]
 
