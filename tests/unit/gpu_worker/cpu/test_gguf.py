@@ -152,11 +152,13 @@ def test_vocabulary_projection() -> None:
     out, inn, qtype = 49152, 576, T.Q8_0
     w = random_weight(qtype, out, inn, 7)
     wt, ref = torch.from_numpy(w), reference(w, qtype, np.float32)
-    for rows in (1, 17):
+    bias = torch.randn(out, generator=torch.Generator().manual_seed(0))
+    for rows in (1, 17):  # the int8 kernel, then dequantization a tile at a time + torch
         x = torch.randn(rows, inn, generator=torch.Generator().manual_seed(rows))
-        y_ref, bound = (x @ ref.T).double(), int8_bound(x, w, qtype, ref).double()
+        y_ref = (x @ ref.T + bias).double()
+        bound = int8_bound(x, w, qtype, ref).double()
         for k in KERNELS.values():
-            check(k.linear(x, wt, qtype, out, inn), y_ref, bound)
+            check(k.linear(x, wt, qtype, out, inn, bias), y_ref, bound)
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q6_K])
