@@ -132,9 +132,12 @@ def _onednn(
     return y
 
 
-def _torch(
+def int8_linear_torch(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
+    """int8_linear of x [rows, in] float32 in torch (the path without a C compiler): the
+    same quantization, exact int32 sums (`torch._int_mm`), the same float epilogue; a row's
+    result is bitwise the C kernel's."""
     xq, xs = quantize_rows(x)
     y = torch._int_mm(xq, weight.t()).to(torch.float32).mul_(scale).mul_(xs[:, None])
     return y.add_(bias) if bias is not None else y
@@ -161,7 +164,7 @@ def int8_linear(
     if rows == 0:
         y = xf.new_empty(0, out_features)
     elif lib is None:
-        y = _torch(xf, weight, scale, bf)
+        y = int8_linear_torch(xf, weight, scale, bf)
     elif packed is not None and rows > MAX_KERNEL_ROWS:
         y = _onednn(lib, xf, packed, scale, bf)
     else:
