@@ -38,9 +38,9 @@ SERVED = {
         "num_bits": 8,
         "type": "int",
         "symmetric": True,
+        "dynamic": True,
         "strategy": "token",
         "group_size": None,
-        "dynamic": True,
     },
 }
 
