@@ -10,9 +10,11 @@ in any batch.
 Paths, chosen per call by the number of rows (docs/benchmarks.md, "int8 W8A8"):
   few rows (decode)   the C kernel (int8.c): per-row quantization, VNNI / AVX2 dot products
   many rows (prefill) oneDNN's int8 GEMM on a weight pre-packed once (`pack_weight`), with x
-  quantized by the C kernel and the epilogue in C; only where the CPU has VNNI (AVX512-VNNI,
-  AVX-VNNI or AMX): without it oneDNN's int8 sums saturate (measured: off by 7% of the
-  largest sum with ONEDNN_MAX_CPU_ISA=AVX2), so AVX2-only CPUs keep the C kernel.
+                      quantized by the C kernel and the epilogue in C; only where the CPU has
+                      VNNI (AVX512-VNNI, AVX-VNNI or AMX): without it oneDNN's int8 sums
+                      saturate (measured: off by 7% of the largest sum with
+                      ONEDNN_MAX_CPU_ISA=AVX2). Elsewhere (or without a packed weight) torch's
+                      float32 GEMM on the integer values, which sums them exactly.
   no C compiler       torch: the same quantization, `torch._int_mm`, the same epilogue.
 """
 
@@ -27,8 +29,16 @@ from common.cpu_features import cpu_flags
 from gpu_worker.cpu.build import KernelLibrary
 
 SOURCE = Path(__file__).with_name("int8.c")
-# the most rows of x the C kernel takes when a packed weight offers oneDNN for more
-MAX_KERNEL_ROWS = 16
+# the most rows of x the C kernel takes when a packed weight offers oneDNN for more: 4 rows
+# tie on SmolLM2's layers, at 8 oneDNN (AMX) is as fast or faster (docs/benchmarks.md)
+MAX_KERNEL_ROWS = 4
+# more rows than this, without a packed weight, go to the float32 GEMM on the integers: with
+# AVX2 alone the C kernel is 2x slower than float32 at 512 rows, on par at 16 (an AVX2 build
+# on an AVX-512 CPU: not measured on an AVX2-only CPU)
+MAX_KERNEL_ROWS_UNPACKED = 16
+# the float32 GEMM's sums stay exact integers over this many products (127 * 128 * 1024 < 2**24)
+EXACT_K = 1024
+OUT_BLOCK = 8192  # weight rows widened to float32 at a time (32 MiB at in = 1024)
 # CPU flags with which oneDNN sums int8 products exactly (u8 x s8 -> s32 instructions)
 VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 QMAX = 127
@@ -108,6 +118,33 @@ def _kernel(
         raise RuntimeError(f"int8_linear_rows failed ({code})")
 
 
+def _quantize(lib: ctypes.CDLL, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    xq = torch.empty(x.shape, dtype=torch.int8)
+    xs = torch.empty(x.shape[0], dtype=torch.float32)
+    code = lib.int8_quantize_rows(
+        x.data_ptr(), x.shape[0], x.shape[1], xq.data_ptr(), xs.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if code != 0:
+        raise RuntimeError(f"int8_quantize_rows failed ({code})")
+    return xq, xs
+
+
+def _finish(
+    lib: ctypes.CDLL,
+    sums: torch.Tensor,
+    xs: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """The C kernel's epilogue, in place, on exact sums [rows, out] held as float32."""
+    lib.int8_finish_rows(
+        sums.data_ptr(), sums.shape[0], xs.data_ptr(), scale.data_ptr(),
+        bias.data_ptr() if bias is not None else None, sums.shape[1], torch.get_num_threads(),
+    )  # fmt: skip
+    return sums
+
+
 def _onednn(
     lib: ctypes.CDLL,
     x: torch.Tensor,
@@ -115,21 +152,43 @@ def _onednn(
     scale: torch.Tensor,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    rows, (out, in_features) = x.shape[0], (scale.shape[0], x.shape[1])
-    xq = torch.empty(rows, in_features, dtype=torch.int8)
-    xs = torch.empty(rows, dtype=torch.float32)
-    threads = torch.get_num_threads()
-    if lib.int8_quantize_rows(x.data_ptr(), rows, in_features, xq.data_ptr(), xs.data_ptr(),
-                              threads) != 0:  # fmt: skip
-        raise RuntimeError("int8_quantize_rows failed")
+    xq, xs = _quantize(lib, x)
+    out = scale.shape[0]
     ones, zero_points = torch.ones(out), torch.zeros(out, dtype=torch.int64)
     # every scale 1: oneDNN's output is the exact int32 sums, as float32
-    y = torch.ops.onednn.qlinear_pointwise(
+    sums = torch.ops.onednn.qlinear_pointwise(
         xq, 1.0, 0, packed, ones, zero_points, None, 1.0, 0, torch.float32, "none", [], ""
     ).contiguous()
-    lib.int8_finish_rows(y.data_ptr(), rows, xs.data_ptr(), scale.data_ptr(),
-                         bias.data_ptr() if bias is not None else None, out, threads)  # fmt: skip
-    return y
+    return _finish(lib, sums, xs, scale, bias)
+
+
+def _float_gemm(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """Exact int32 sums by torch's float32 GEMM on the integers: every product (<= 127 * 128)
+    and every partial sum of EXACT_K of them is below 2**24, so float32 holds them exactly
+    whatever order the GEMM adds in; slices of EXACT_K are added in float64 (exact), rounded
+    once to float32 as the C kernel rounds its int32 sums. The weight is widened per call,
+    OUT_BLOCK rows at a time."""
+    xq, xs = _quantize(lib, x)
+    xf = xq.to(torch.float32)
+    out, in_features = weight.shape
+    sums = torch.empty(x.shape[0], out, dtype=torch.float32)
+    for o0 in range(0, out, OUT_BLOCK):
+        w = weight[o0 : o0 + OUT_BLOCK]
+        if in_features <= EXACT_K:
+            sums[:, o0 : o0 + len(w)] = xf @ w.to(torch.float32).t()
+            continue
+        acc = torch.zeros(x.shape[0], len(w), dtype=torch.float64)
+        for k0 in range(0, in_features, EXACT_K):
+            k = slice(k0, k0 + EXACT_K)
+            acc += xf[:, k] @ w[:, k].to(torch.float32).t()
+        sums[:, o0 : o0 + len(w)] = acc
+    return _finish(lib, sums, xs, scale, bias)
 
 
 def int8_linear_torch(
@@ -153,7 +212,7 @@ def int8_linear(
     """x [..., in] (float32 or bfloat16) @ dequantized weight.T (+ bias), with x quantized per
     row; returns x's dtype, shape [..., out]. `weight` int8 [out, in], `weight_scale` float32
     [out]; `packed` (pack_weight's, where can_pack()) sends more than MAX_KERNEL_ROWS rows to
-    oneDNN."""
+    oneDNN; without it more than MAX_KERNEL_ROWS_UNPACKED go to the float32 GEMM."""
     if weight.dtype != torch.int8 or weight.dim() != 2:
         raise ValueError(f"weight must be int8 [out, in], got {weight.dtype} {tuple(weight.shape)}")
     out_features, in_features = weight.shape
@@ -167,6 +226,8 @@ def int8_linear(
         y = int8_linear_torch(xf, weight, scale, bf)
     elif packed is not None and rows > MAX_KERNEL_ROWS:
         y = _onednn(lib, xf, packed, scale, bf)
+    elif rows > MAX_KERNEL_ROWS_UNPACKED and torch.get_float32_matmul_precision() == "highest":
+        y = _float_gemm(lib, xf, weight, scale, bf)  # (no bf16 or tf32 float32 matmuls)
     else:
         y = torch.empty(rows, out_features, dtype=torch.float32)
         _kernel(lib, xf, weight.contiguous(), scale, bf, y)

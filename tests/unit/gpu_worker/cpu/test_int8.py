@@ -45,13 +45,32 @@ def test_matches_float_reference_on_every_path(shape: tuple[int, int], rows: int
     wq, ws, bias = _weights(out, inn, rows + out)
     x = torch.randn(rows, inn, generator=torch.Generator().manual_seed(rows))
     ref = int8.reference_linear(x, wq, ws, bias)
-    kernel = int8.int8_linear(x, wq, ws, bias)
-    assert kernel.shape == (rows, out) and kernel.dtype == torch.float32
-    assert ((kernel - ref).abs() <= _bound(x, wq, ws)).all()
-    # the torch path (no compiler) and oneDNN's (many rows, VNNI CPUs) give the same bits
+    y = int8.int8_linear(x, wq, ws, bias)
+    assert y.shape == (rows, out) and y.dtype == torch.float32
+    assert ((y - ref).abs() <= _bound(x, wq, ws)).all()
+    # every path gives the same bits: the C kernel, the float32 GEMM on the integers, the
+    # torch path (no compiler) and oneDNN's (VNNI CPUs)
+    lib = int8.load()
+    assert lib is not None
+    kernel = torch.empty(rows, out)
+    int8._kernel(lib, x, wq, ws, bias, kernel)
+    assert torch.equal(kernel, y)
+    assert torch.equal(int8._float_gemm(lib, x, wq, ws, bias), kernel)
     assert torch.equal(int8.int8_linear_torch(x, wq, ws, bias), kernel)
     if int8.can_pack():
         assert torch.equal(int8.int8_linear(x, wq, ws, bias, int8.pack_weight(wq)), kernel)
+
+
+def test_float_gemm_sums_stay_exact_at_the_extremes() -> None:
+    """Every product at its largest (127 * -128) over 3000 terms: sums past 2**24, exact."""
+    lib = int8.load()
+    assert lib is not None
+    wq = torch.full((3, 3000), -128, dtype=torch.int8)
+    ws, x = torch.ones(3), torch.full((2, 3000), 5.0)
+    kernel = torch.empty(2, 3)
+    int8._kernel(lib, x, wq, ws, None, kernel)
+    assert torch.equal(int8._float_gemm(lib, x, wq, ws, None), kernel)
+    assert abs(kernel[0, 0].item() + 128 * 3000 * 5.0) < 1.0  # x = 5 is 127 * (5 / 127)
 
 
 @pytest.mark.parametrize("packed", [False, True])
