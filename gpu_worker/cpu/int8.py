@@ -13,9 +13,9 @@ Paths, chosen per call by the number of rows (docs/benchmarks.md, "int8 W8A8"):
                       quantized by the C kernel and the epilogue in C; only where the CPU has
                       VNNI (AVX512-VNNI, AVX-VNNI or AMX): without it oneDNN's int8 sums
                       saturate (measured: off by 7% of the largest sum with
-                      ONEDNN_MAX_CPU_ISA=AVX2). Elsewhere (or without a packed weight) torch's
-                      float32 GEMM on the integer values, which sums them exactly.
-  no C compiler       torch: the same quantization, `torch._int_mm`, the same epilogue.
+                      ONEDNN_MAX_CPU_ISA=AVX2), so AVX2-only CPUs keep the C kernel.
+  no C compiler       torch: the same quantization, exact sums (`torch._int_mm` with VNNI,
+                      else the float32 GEMM on the integer values), the same epilogue.
 """
 
 from __future__ import annotations
@@ -30,15 +30,10 @@ from gpu_worker.cpu.build import KernelLibrary
 
 SOURCE = Path(__file__).with_name("int8.c")
 # the most rows of x the C kernel takes when a packed weight offers oneDNN for more: 4 rows
-# tie on SmolLM2's layers, at 8 oneDNN (AMX) is as fast or faster (docs/benchmarks.md)
+# tie on SmolLM2's layers, from 8 oneDNN (AMX here) is as fast or faster (docs/benchmarks.md)
 MAX_KERNEL_ROWS = 4
-# more rows than this, without a packed weight, go to the float32 GEMM on the integers: with
-# AVX2 alone the C kernel is 2x slower than float32 at 512 rows, on par at 16 (an AVX2 build
-# on an AVX-512 CPU: not measured on an AVX2-only CPU)
-MAX_KERNEL_ROWS_UNPACKED = 16
 # the float32 GEMM's sums stay exact integers over this many products (127 * 128 * 1024 < 2**24)
 EXACT_K = 1024
-OUT_BLOCK = 8192  # weight rows widened to float32 at a time (32 MiB at in = 1024)
 # CPU flags with which oneDNN sums int8 products exactly (u8 x s8 -> s32 instructions)
 VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 QMAX = 127
@@ -84,14 +79,17 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def can_pack() -> bool:
-    """Whether many rows go to oneDNN's int8 GEMM here: oneDNN available and the CPU sums int8
-    products exactly (VNNI_FLAGS)."""
+    """Whether oneDNN's int8 GEMMs sum exactly here: oneDNN available and a CPU with VNNI_FLAGS
+    (without them its int8 sums saturate: off by 7% of the largest sum, measured with
+    ONEDNN_MAX_CPU_ISA=AVX2; `torch._int_mm` too)."""
     return torch.backends.mkldnn.is_available() and any(f in cpu_flags() for f in VNNI_FLAGS)
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """int8 `weight` [out, in] in oneDNN's blocked layout, for int8_linear's many-row path (an
-    opaque tensor; a second copy of the weight)."""
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """int8 `weight` [out, in] in oneDNN's blocked layout for int8_linear's many-row path (an
+    opaque tensor, a second copy of the weight), or None where can_pack() is False."""
+    if not can_pack():
+        return None
     return torch.ops.onednn.qlinear_prepack(weight.detach().contiguous(), None)
 
 
@@ -118,33 +116,6 @@ def _kernel(
         raise RuntimeError(f"int8_linear_rows failed ({code})")
 
 
-def _quantize(lib: ctypes.CDLL, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    xq = torch.empty(x.shape, dtype=torch.int8)
-    xs = torch.empty(x.shape[0], dtype=torch.float32)
-    code = lib.int8_quantize_rows(
-        x.data_ptr(), x.shape[0], x.shape[1], xq.data_ptr(), xs.data_ptr(),
-        torch.get_num_threads(),
-    )  # fmt: skip
-    if code != 0:
-        raise RuntimeError(f"int8_quantize_rows failed ({code})")
-    return xq, xs
-
-
-def _finish(
-    lib: ctypes.CDLL,
-    sums: torch.Tensor,
-    xs: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None,
-) -> torch.Tensor:
-    """The C kernel's epilogue, in place, on exact sums [rows, out] held as float32."""
-    lib.int8_finish_rows(
-        sums.data_ptr(), sums.shape[0], xs.data_ptr(), scale.data_ptr(),
-        bias.data_ptr() if bias is not None else None, sums.shape[1], torch.get_num_threads(),
-    )  # fmt: skip
-    return sums
-
-
 def _onednn(
     lib: ctypes.CDLL,
     x: torch.Tensor,
@@ -152,53 +123,50 @@ def _onednn(
     scale: torch.Tensor,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    xq, xs = _quantize(lib, x)
-    out = scale.shape[0]
+    """x quantized by the C kernel, oneDNN's exact int32 sums (as float32: every scale 1), the
+    C kernel's epilogue in place."""
+    rows, in_features, out = x.shape[0], x.shape[1], scale.shape[0]
+    xq = torch.empty(rows, in_features, dtype=torch.int8)
+    xs = torch.empty(rows, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    if lib.int8_quantize_rows(x.data_ptr(), rows, in_features, xq.data_ptr(), xs.data_ptr(),
+                              threads) != 0:  # fmt: skip
+        raise RuntimeError("int8_quantize_rows failed")
     ones, zero_points = torch.ones(out), torch.zeros(out, dtype=torch.int64)
-    # every scale 1: oneDNN's output is the exact int32 sums, as float32
     sums = torch.ops.onednn.qlinear_pointwise(
         xq, 1.0, 0, packed, ones, zero_points, None, 1.0, 0, torch.float32, "none", [], ""
     ).contiguous()
-    return _finish(lib, sums, xs, scale, bias)
+    lib.int8_finish_rows(sums.data_ptr(), rows, xs.data_ptr(), scale.data_ptr(),
+                         bias.data_ptr() if bias is not None else None, out, threads)  # fmt: skip
+    return sums
 
 
-def _float_gemm(
-    lib: ctypes.CDLL,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None,
-) -> torch.Tensor:
-    """Exact int32 sums by torch's float32 GEMM on the integers: every product (<= 127 * 128)
-    and every partial sum of EXACT_K of them is below 2**24, so float32 holds them exactly
-    whatever order the GEMM adds in; slices of EXACT_K are added in float64 (exact), rounded
-    once to float32 as the C kernel rounds its int32 sums. The weight is widened per call,
-    OUT_BLOCK rows at a time."""
-    xq, xs = _quantize(lib, x)
+def exact_sums(xq: torch.Tensor, weight: torch.Tensor, int_mm: bool | None = None) -> torch.Tensor:
+    """xq [rows, in] int8 @ weight.T int8, exactly, as float32 [rows, out] (each sum rounded
+    once, as the C kernel converts its int32 sums): `torch._int_mm` where it is exact
+    (can_pack()), else torch's float32 GEMM on the integer values: every product (<= 127 * 128)
+    and every partial sum of EXACT_K of them is below 2**24, so float32 holds them exactly in
+    any order of addition; slices of EXACT_K are added in float64. `int_mm` forces a choice."""
+    if can_pack() if int_mm is None else int_mm:
+        return torch._int_mm(xq, weight.t()).to(torch.float32)
     xf = xq.to(torch.float32)
-    out, in_features = weight.shape
-    sums = torch.empty(x.shape[0], out, dtype=torch.float32)
-    for o0 in range(0, out, OUT_BLOCK):
-        w = weight[o0 : o0 + OUT_BLOCK]
-        if in_features <= EXACT_K:
-            sums[:, o0 : o0 + len(w)] = xf @ w.to(torch.float32).t()
-            continue
-        acc = torch.zeros(x.shape[0], len(w), dtype=torch.float64)
-        for k0 in range(0, in_features, EXACT_K):
-            k = slice(k0, k0 + EXACT_K)
-            acc += xf[:, k] @ w[:, k].to(torch.float32).t()
-        sums[:, o0 : o0 + len(w)] = acc
-    return _finish(lib, sums, xs, scale, bias)
+    if xq.shape[1] <= EXACT_K:
+        return xf @ weight.to(torch.float32).t()
+    acc = torch.zeros(xq.shape[0], weight.shape[0], dtype=torch.float64)
+    for k0 in range(0, xq.shape[1], EXACT_K):
+        k = slice(k0, k0 + EXACT_K)
+        acc += xf[:, k] @ weight[:, k].to(torch.float32).t()
+    return acc.to(torch.float32)
 
 
 def int8_linear_torch(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """int8_linear of x [rows, in] float32 in torch (the path without a C compiler): the
-    same quantization, exact int32 sums (`torch._int_mm`), the same float epilogue; a row's
-    result is bitwise the C kernel's."""
+    same quantization, exact sums, the same float epilogue; a row's result is bitwise the C
+    kernel's."""
     xq, xs = quantize_rows(x)
-    y = torch._int_mm(xq, weight.t()).to(torch.float32).mul_(scale).mul_(xs[:, None])
+    y = exact_sums(xq, weight).mul_(scale).mul_(xs[:, None])
     return y.add_(bias) if bias is not None else y
 
 
@@ -211,8 +179,7 @@ def int8_linear(
 ) -> torch.Tensor:
     """x [..., in] (float32 or bfloat16) @ dequantized weight.T (+ bias), with x quantized per
     row; returns x's dtype, shape [..., out]. `weight` int8 [out, in], `weight_scale` float32
-    [out]; `packed` (pack_weight's, where can_pack()) sends more than MAX_KERNEL_ROWS rows to
-    oneDNN; without it more than MAX_KERNEL_ROWS_UNPACKED go to the float32 GEMM."""
+    [out]; `packed` (pack_weight's) sends more than MAX_KERNEL_ROWS rows to oneDNN."""
     if weight.dtype != torch.int8 or weight.dim() != 2:
         raise ValueError(f"weight must be int8 [out, in], got {weight.dtype} {tuple(weight.shape)}")
     out_features, in_features = weight.shape
@@ -226,8 +193,6 @@ def int8_linear(
         y = int8_linear_torch(xf, weight, scale, bf)
     elif packed is not None and rows > MAX_KERNEL_ROWS:
         y = _onednn(lib, xf, packed, scale, bf)
-    elif rows > MAX_KERNEL_ROWS_UNPACKED and torch.get_float32_matmul_precision() == "highest":
-        y = _float_gemm(lib, xf, weight, scale, bf)  # (no bf16 or tf32 float32 matmuls)
     else:
         y = torch.empty(rows, out_features, dtype=torch.float32)
         _kernel(lib, xf, weight.contiguous(), scale, bf, y)

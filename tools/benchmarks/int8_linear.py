@@ -4,10 +4,11 @@
     .venv/bin/python -m tools.benchmarks.int8_linear --cpu-time     # one thread, CPU time
 
 SmolLM2-135M's shapes [out, in]. Columns: float32 `F.linear` (MKL), float32 C small-batch
-kernel (gpu_worker/cpu/linear.c, <= 8 rows), float32 oneDNN on a pre-packed weight, int8 by
-torch (`torch._int_mm`, exact), int8 by torch's float32 GEMM on the integer values (exact,
-int8.py's path without VNNI), int8 by oneDNN on a pre-packed weight (x quantized per row by
-the C kernel), int8 C kernel (int8.c), and `int8_linear` as it chooses. Each figure is the
+kernel (gpu_worker/cpu/linear.c, <= 8 rows), float32 oneDNN on a pre-packed weight; int8 by
+torch (int8_linear_torch: `torch._int_mm` with VNNI), int8 sums alone by torch's float32 GEMM
+on the integer values (exact; the torch path's without VNNI), int8 by oneDNN on a pre-packed
+weight (x quantized per row by the C kernel), int8 C kernel (int8.c), and `int8_linear` as it
+chooses. Each figure is the
 fastest of as many calls as fit in `--budget` seconds: on a shared CPU the fastest is the
 run least disturbed, and medians move with the neighbours' load. Where the cores are
 oversubscribed even that is not enough: `--cpu-time` runs every path on one thread and counts
@@ -53,7 +54,7 @@ def fastest_us(
 def _calls(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], object] | None]:
     wq, ws = int8.quantize_weight(w)
     pk = linear.pack_weight(w) if linear.can_pack(torch.float32) else None
-    qpk = int8.pack_weight(wq) if int8.can_pack() else None
+    qpk = int8.pack_weight(wq)
     lib = int8.load()
     y = torch.empty(x.shape[0], w.shape[0])
     if lib is None:
@@ -63,7 +64,7 @@ def _calls(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], object] |
         "f32_c": (lambda: linear.linear_small(x, w, None)) if x.shape[0] <= 8 else None,
         "f32_pk": (lambda: linear.linear_packed(x, pk, None)) if pk is not None else None,
         "i8_torch": lambda: int8.int8_linear_torch(x, wq, ws, None),
-        "i8_fgemm": lambda: int8._float_gemm(lib, x, wq, ws, None),
+        "i8_fgemm": lambda: int8.exact_sums(int8.quantize_rows(x)[0], wq, int_mm=False),
         "i8_onednn": (lambda: int8._onednn(lib, x, qpk, ws, None)) if qpk is not None else None,
         "i8_c": lambda: int8._kernel(lib, x, wq, ws, None, y),
         "int8_linear": lambda: int8.int8_linear(x, wq, ws, None, qpk),

@@ -48,20 +48,20 @@ def test_matches_float_reference_on_every_path(shape: tuple[int, int], rows: int
     y = int8.int8_linear(x, wq, ws, bias)
     assert y.shape == (rows, out) and y.dtype == torch.float32
     assert ((y - ref).abs() <= _bound(x, wq, ws)).all()
-    # every path gives the same bits: the C kernel, the float32 GEMM on the integers, the
-    # torch path (no compiler) and oneDNN's (VNNI CPUs)
-    lib = int8.load()
-    assert lib is not None
-    kernel = torch.empty(rows, out)
-    int8._kernel(lib, x, wq, ws, bias, kernel)
-    assert torch.equal(kernel, y)
-    assert torch.equal(int8._float_gemm(lib, x, wq, ws, bias), kernel)
-    assert torch.equal(int8.int8_linear_torch(x, wq, ws, bias), kernel)
-    if int8.can_pack():
-        assert torch.equal(int8.int8_linear(x, wq, ws, bias, int8.pack_weight(wq)), kernel)
+    # every path gives the same bits: the C kernel, oneDNN's (VNNI CPUs), the torch path (no
+    # compiler) with either of its exact sums
+    assert torch.equal(int8.int8_linear_torch(x, wq, ws, bias), y)
+    packed = int8.pack_weight(wq)
+    assert (packed is not None) == int8.can_pack()
+    if packed is not None:
+        assert torch.equal(int8.int8_linear(x, wq, ws, bias, packed), y)
+    xq, _ = int8.quantize_rows(x)
+    exact = xq.double() @ wq.double().t()
+    for int_mm in [False, True] if int8.can_pack() else [False]:
+        assert torch.equal(int8.exact_sums(xq, wq, int_mm), exact.float())
 
 
-def test_float_gemm_sums_stay_exact_at_the_extremes() -> None:
+def test_sums_stay_exact_at_the_extremes() -> None:
     """Every product at its largest (127 * -128) over 3000 terms: sums past 2**24, exact."""
     lib = int8.load()
     assert lib is not None
@@ -69,8 +69,11 @@ def test_float_gemm_sums_stay_exact_at_the_extremes() -> None:
     ws, x = torch.ones(3), torch.full((2, 3000), 5.0)
     kernel = torch.empty(2, 3)
     int8._kernel(lib, x, wq, ws, None, kernel)
-    assert torch.equal(int8._float_gemm(lib, x, wq, ws, None), kernel)
+    assert torch.equal(int8.int8_linear_torch(x, wq, ws, None), kernel)
     assert abs(kernel[0, 0].item() + 128 * 3000 * 5.0) < 1.0  # x = 5 is 127 * (5 / 127)
+    xq, _ = int8.quantize_rows(x)
+    sums = int8.exact_sums(xq, wq, int_mm=False)
+    assert (sums == float(127 * -128 * 3000)).all()
 
 
 @pytest.mark.parametrize("packed", [False, True])
