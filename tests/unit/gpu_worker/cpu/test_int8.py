@@ -92,11 +92,11 @@ def test_a_row_does_not_depend_on_its_batch(packed: bool) -> None:
     assert torch.equal(int8.int8_linear(other, wq, ws, bias, pw)[0], whole[0])
 
 
-def _build(march: str, target: Path) -> ctypes.CDLL:
+def _build(march: str, target: Path, source: Path = int8.SOURCE) -> ctypes.CDLL:
     flags = [f"-march={march}" if f == "-march=native" else f for f in build_flags()]
     compiler = shutil.which("gcc") or shutil.which("cc")
     assert compiler is not None
-    subprocess.run([compiler, *flags, str(int8.SOURCE), "-o", str(target), "-lm"], check=True)
+    subprocess.run([compiler, *flags, str(source), "-o", str(target), "-lm"], check=True)
     lib = ctypes.CDLL(str(target))
     int8._declare(lib)
     return lib
@@ -107,11 +107,18 @@ def variants(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ctypes.CDLL]
     """The kernel built for each VARIANTS -march this CPU can run."""
     folder = tmp_path_factory.mktemp("int8_builds")
     flags = cpu_flags()
-    return {
+    libs = {
         march: _build(march, folder / f"int8-{march}.so")
         for march, needs in VARIANTS.items()
         if needs in flags
     }
+    # as a one-call decode step would have it: #included after the float kernels (whose
+    # fast-math options must not leak into int8.c's epilogue, nor its options out of it)
+    step = folder / "step.c"
+    cpu = int8.SOURCE.parent
+    step.write_text("".join(f'#include "{cpu / name}"\n' for name in ("linear.c", "int8.c")))
+    libs["included"] = _build("native", folder / "step.so", step)
+    return libs
 
 
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (3072, 576)] + ODD)
