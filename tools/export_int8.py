@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
 import sys
 from pathlib import Path
@@ -24,10 +23,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from gpu_worker.cpu.int8 import quantize_weight
+from gpu_worker.models.compressed_tensors import Int8Weight, quantize_linear_weights
 
-# the linear layers made int8, by Hugging Face name (Llama, Qwen2/3, Mistral)
-QUANTIZED = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
 IGNORE = ["lm_head"]
 # files of SRC not copied: its weights (rewritten) and its shard index
 _WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.pt", "*.gguf")
@@ -54,20 +51,17 @@ def _scale_dtype(hf_config: dict) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
 
 
-def quantize_tensors(
+def checkpoint_tensors(
     tensors: dict[str, torch.Tensor], scale_dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors: QUANTIZED weights as int8 `X.weight` + `X.weight_scale`
-    [out, 1] (in `scale_dtype`, the model's: the int8 values are rounded against that scale
-    as stored), the rest unchanged."""
+    """The checkpoint's tensors: each linear of QUANTIZED_LINEARS as int8 `X.weight` plus
+    `X.weight_scale` [out, 1] in `scale_dtype` (the model's, as LLM Compressor stores it; the
+    int8 values are rounded against the scale as stored), the rest unchanged."""
     out: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        if QUANTIZED.search(name) and t.dim() == 2 and t.is_floating_point():
-            _, scale = quantize_weight(t)
-            stored = scale.to(scale_dtype)
-            q = torch.round(t.to(torch.float32) / stored.to(torch.float32)[:, None])
-            out[name] = q.clamp_(-127, 127).to(torch.int8).contiguous()
-            out[f"{name}_scale"] = stored[:, None].contiguous()
+    for name, t in quantize_linear_weights(tensors, scale_dtype).items():
+        if isinstance(t, Int8Weight):
+            out[name] = t.weight
+            out[f"{name}_scale"] = t.scale.to(scale_dtype)[:, None].contiguous()
         else:
             out[name] = t.contiguous()
     return out
@@ -96,7 +90,7 @@ def export_int8(src: str | Path, dst: str | Path) -> Path:
     for path in src.iterdir():
         if path.is_file() and path.name not in skip:
             shutil.copy(path, dst / path.name)
-    quantized = quantize_tensors(tensors, _scale_dtype(hf_config))
+    quantized = checkpoint_tensors(tensors, _scale_dtype(hf_config))
     save_file(quantized, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config = QuantizationConfig.model_validate(quantization_config())
     ModelCompressor(quantization_config=config).update_config(str(dst))

@@ -57,12 +57,16 @@ def load() -> ctypes.CDLL | None:
     return _LIBRARY.load()
 
 
-def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight(
+    w: torch.Tensor, scale_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-row int8 of a float weight [out, in]: (int8 [out, in], float32
-    scale [out]) with scale = max|row| / 127 (1 for an all-zero row) and w ~ q * scale."""
+    scale [out]) with scale = max|row| / 127 (1 for an all-zero row) and w ~ q * scale. The
+    scale is first rounded to `scale_dtype` (a checkpoint's), and q rounded against that."""
     wf = w.detach().to(torch.float32)
     amax = wf.abs().amax(dim=1)
     scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
+    scale = scale.to(scale_dtype).to(torch.float32)
     q = torch.round(wf / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
     return q.contiguous(), scale.contiguous()
 

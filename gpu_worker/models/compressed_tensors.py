@@ -14,6 +14,7 @@ layers in `ignore` (the LM head, usually) and everything else stay float.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -21,6 +22,11 @@ import torch
 from safetensors import safe_open
 
 QUANT_METHOD = "compressed-tensors"
+# the linear layers made int8 from a float checkpoint, by Hugging Face weight name (Llama,
+# Qwen2/3, Mistral): attention and MLP projections; embeddings and the LM head stay float
+QUANTIZED_LINEARS = re.compile(
+    r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$"
+)
 # storage formats with the int8 [out, in] weight as it is ("naive" is the older name)
 SERVED_FORMATS = ("int-quantized", "naive-quantized")
 # the scheme served: field -> value, for weights and input activations
@@ -136,6 +142,24 @@ def read_int8_weights(folder: str | Path) -> dict[str, torch.Tensor | Int8Weight
             if f"{name}_scale" not in tensors:
                 raise ValueError(f"{name} is int8 but {name}_scale is missing")
             out[name] = Int8Weight(t.contiguous(), _scale(name, tensors[f"{name}_scale"], len(t)))
+        else:
+            out[name] = t
+    return out
+
+
+def quantize_linear_weights(
+    weights: dict[str, torch.Tensor], scale_dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor | Int8Weight]:
+    """A float checkpoint's tensors with every QUANTIZED_LINEARS weight made an Int8Weight
+    (symmetric per output row, gpu_worker/cpu/int8.py's quantize_weight; scales rounded to
+    `scale_dtype`), the rest as they are: quantization at load, and what tools/export_int8.py
+    writes."""
+    from gpu_worker.cpu.int8 import quantize_weight
+
+    out: dict[str, torch.Tensor | Int8Weight] = {}
+    for name, t in weights.items():
+        if QUANTIZED_LINEARS.search(name) and t.dim() == 2 and t.is_floating_point():
+            out[name] = Int8Weight(*quantize_weight(t, scale_dtype))
         else:
             out[name] = t
     return out

@@ -141,11 +141,13 @@ def test_other_builds_give_the_same_bits(
 
 def test_bfloat16_and_leading_dims_and_no_bias() -> None:
     wq, ws, _ = _weights(48, 64, 4)
-    x = torch.randn(2, 3, 64).bfloat16()
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
     y = int8.int8_linear(x, wq, ws)
     assert y.shape == (2, 3, 48) and y.dtype == torch.bfloat16
+    # computed in float32 from x's bf16 values, rounded to bf16 once at the end
+    assert torch.equal(y, int8.int8_linear(x.float(), wq, ws).bfloat16())
     ref = int8.reference_linear(x.float(), wq, ws, None).reshape(2, 3, 48)
-    torch.testing.assert_close(y, ref.bfloat16(), rtol=0, atol=0)
+    torch.testing.assert_close(y.float(), ref, rtol=1e-2, atol=1e-3)
     assert int8.int8_linear(x[:0], wq, ws).shape == (0, 3, 48)
 
 
@@ -159,7 +161,7 @@ def test_an_all_zero_row_gives_the_bias() -> None:
 
 
 def test_quantize_weight_is_symmetric_per_row() -> None:
-    w = torch.randn(6, 50) * torch.arange(1, 7)[:, None]
+    w = torch.randn(6, 50, generator=torch.Generator().manual_seed(6)) * torch.arange(1, 7)[:, None]
     w[2] = 0.0
     q, scale = int8.quantize_weight(w)
     assert q.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (6,)

@@ -121,3 +121,25 @@ def test_concat_stacks_rows_and_scales() -> None:
     fused = ct.concat_int8([a, b])
     assert fused.weight.shape == (8, 8) and fused.scale.shape == (8,)
     assert torch.equal(fused.weight[3:], b.weight) and torch.equal(fused.scale[:3], a.scale)
+
+
+def test_quantize_at_load_makes_the_projections_int8() -> None:
+    gen = torch.Generator().manual_seed(0)
+    weights = {
+        "model.embed_tokens.weight": torch.randn(10, 8, generator=gen),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(8, 8, generator=gen),
+        "model.layers.0.self_attn.q_proj.bias": torch.randn(8, generator=gen),
+        "model.layers.0.mlp.down_proj.weight": torch.randn(8, 16, generator=gen),
+        "model.norm.weight": torch.randn(8, generator=gen),
+        "lm_head.weight": torch.randn(10, 8, generator=gen),
+    }
+    out = ct.quantize_linear_weights(weights, torch.bfloat16)
+    assert out.keys() == weights.keys()
+    for name, t in out.items():
+        if name.endswith("proj.weight"):
+            assert isinstance(t, ct.Int8Weight)
+            assert torch.equal(t.scale, t.scale.bfloat16().float())  # as a bf16 file holds it
+            dequant = t.weight.float() * t.scale[:, None]
+            assert ((dequant - weights[name]).abs() <= t.scale[:, None] * 0.51).all()
+        else:
+            assert t is weights[name]
