@@ -236,6 +236,7 @@ int int8_linear_rows(const float *x, int rows, const int8_t *w, const float *w_s
         free(xq), free(xs), free(xsum);
         return 2;
     }
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (rows > 16)
     for (int b = 0; b < rows; b++)
         i8_quantize_row(x + (int64_t)b * in, in, xq + (int64_t)b * in, xs + b, xsum + b);
     int chunks = (out + I8_CHUNK - 1) / I8_CHUNK;

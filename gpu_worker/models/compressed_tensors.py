@@ -119,9 +119,10 @@ def _scale(name: str, scale: torch.Tensor, out_features: int) -> torch.Tensor:
 
 def read_int8_weights(folder: str | Path) -> dict[str, torch.Tensor | Int8Weight]:
     """Every tensor of an int8 W8A8 compressed-tensors folder, by Hugging Face name: an
-    Int8Weight under `X.weight` for each quantized layer (its `X.weight_scale` consumed), the
-    float tensor otherwise. Raises ValueError for a folder that is not such a checkpoint (or a
-    scheme not served) and for an int8 weight without its scale."""
+    Int8Weight under `X.weight` for each quantized layer (its `X.weight_scale` consumed, an
+    all-zero `X.weight_zero_point` dropped), the float tensor otherwise. Raises ValueError
+    for a folder that is not such a checkpoint (or a scheme not served) and for an int8
+    weight without its scale."""
     folder = Path(folder)
     hf_config = json.loads((folder / "config.json").read_text())
     qc = quantization_config(hf_config)
@@ -138,7 +139,12 @@ def read_int8_weights(folder: str | Path) -> dict[str, torch.Tensor | Int8Weight
         if name.endswith(".weight_scale"):
             if name[: -len("_scale")] not in tensors:
                 raise ValueError(f"{name} has no weight beside it")
-        elif t.dtype == torch.int8:
+        elif name.endswith(".weight_zero_point"):
+            # older compressed-tensors wrote zeros for symmetric schemes too; anything else
+            # would be an asymmetric weight, which the config check has already refused
+            if bool(t.any()):
+                raise ValueError(f"{name} is not zero; only symmetric weights are served")
+        elif t.dtype == torch.int8 and name.endswith(".weight"):
             if f"{name}_scale" not in tensors:
                 raise ValueError(f"{name} is int8 but {name}_scale is missing")
             out[name] = Int8Weight(t.contiguous(), _scale(name, tensors[f"{name}_scale"], len(t)))

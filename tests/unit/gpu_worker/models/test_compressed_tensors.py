@@ -115,6 +115,23 @@ def test_a_folder_without_the_config_or_a_scale_is_refused(exported: Path, tmp_p
         ct.read_int8_weights(folder)
 
 
+def test_zero_points_of_zeros_are_dropped_others_refused(exported: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "zero_points"
+    shutil.copytree(exported, folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    name = "model.layers.1.self_attn.o_proj.weight_zero_point"
+    tensors[name] = torch.zeros(tensors["model.layers.1.self_attn.o_proj.weight"].shape[0], 1)
+    tensors[name] = tensors[name].to(torch.int8)
+    save_file(tensors, str(folder / "model.safetensors"))
+    weights = ct.read_int8_weights(folder)
+    assert name not in weights
+    assert weights.keys() == ct.read_int8_weights(exported).keys()
+    tensors[name][3] = 1
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match="weight_zero_point is not zero"):
+        ct.read_int8_weights(folder)
+
+
 def test_concat_stacks_rows_and_scales() -> None:
     a = ct.Int8Weight(*quantize_weight(torch.randn(3, 8)))
     b = ct.Int8Weight(*quantize_weight(torch.randn(5, 8) * 4))
