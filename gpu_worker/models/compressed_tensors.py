@@ -7,7 +7,8 @@ A folder is such a checkpoint when its config.json has a `quantization_config` w
 `QuantizationConfig` and checked against the one scheme we serve (SERVED below); anything
 else (group-wise or block weights, asymmetric, static activation scales, 4-bit, float8, a KV
 cache scheme...) is refused with a ValueError naming the field. In the safetensors files a
-quantized layer `X` has `X.weight` (int8 [out, in]) and `X.weight_scale` ([out, 1], float);
+quantized layer `X` has `X.weight` (int8 [out, in]; "pack-quantized": `X.weight_packed` int32
+and `X.weight_shape`) and `X.weight_scale` ([out, 1], float);
 layers in `ignore` (the LM head, usually) and everything else stay float.
 """
 
@@ -27,8 +28,9 @@ QUANT_METHOD = "compressed-tensors"
 QUANTIZED_LINEARS = re.compile(
     r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$"
 )
-# storage formats with the int8 [out, in] weight as it is ("naive" is the older name)
-SERVED_FORMATS = ("int-quantized", "naive-quantized")
+# storage formats: the int8 [out, in] weight as it is ("naive" is the older name), or packed
+# four to an int32 (`X.weight_packed` + `X.weight_shape`, unpacked by compressed-tensors)
+SERVED_FORMATS = ("int-quantized", "naive-quantized", "pack-quantized")
 # the scheme served: field -> value, for weights and input activations
 SERVED = {
     "weights": {
@@ -117,6 +119,20 @@ def _scale(name: str, scale: torch.Tensor, out_features: int) -> torch.Tensor:
     return scale.reshape(out_features).to(torch.float32).contiguous()
 
 
+def _unpack(tensors: dict[str, torch.Tensor]) -> None:
+    """ "pack-quantized" layers in place: `X.weight_packed` + `X.weight_shape` -> `X.weight`
+    int8 (a no-op for the other formats)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    for name in [n for n in tensors if n.endswith(".weight_packed")]:
+        base = name[: -len("_packed")]
+        shape = tensors.pop(f"{base}_shape", None)
+        if shape is None:
+            raise ValueError(f"{name} has no {base}_shape beside it")
+        packed = tensors.pop(name)
+        tensors[base] = unpack_from_int32(packed, 8, torch.Size(shape.tolist())).contiguous()
+
+
 def read_int8_weights(folder: str | Path) -> dict[str, torch.Tensor | Int8Weight]:
     """Every tensor of an int8 W8A8 compressed-tensors folder, by Hugging Face name: an
     Int8Weight under `X.weight` for each quantized layer (its `X.weight_scale` consumed, an
@@ -134,6 +150,7 @@ def read_int8_weights(folder: str | Path) -> dict[str, torch.Tensor | Int8Weight
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 tensors[name] = f.get_tensor(name)
+    _unpack(tensors)
     out: dict[str, torch.Tensor | Int8Weight] = {}
     for name, t in tensors.items():
         if name.endswith(".weight_scale"):

@@ -79,7 +79,7 @@ REFUSED = [
     ),
     ("config_groups.group_0.input_activations.strategy", "tensor", "input_activations.strategy"),
     ("config_groups.group_0.input_activations", None, "input_activations"),
-    ("format", "pack-quantized", "format"),
+    ("format", "float-quantized", "format"),
 ]
 
 
@@ -130,6 +130,26 @@ def test_zero_points_of_zeros_are_dropped_others_refused(exported: Path, tmp_pat
     save_file(tensors, str(folder / "model.safetensors"))
     with pytest.raises(ValueError, match="weight_zero_point is not zero"):
         ct.read_int8_weights(folder)
+
+
+def test_pack_quantized_reads_as_int_quantized(exported: Path, tmp_path: Path) -> None:
+    """The same weights packed four to an int32 (compressed-tensors' own packing)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    folder = _with_config(exported, tmp_path / "packed", _set("format", "pack-quantized"))
+    tensors = load_file(str(folder / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(".weight") and tensors[n].dtype == torch.int8]:
+        weight = tensors.pop(name)
+        tensors[f"{name}_packed"] = pack_to_int32(weight, 8)
+        tensors[f"{name}_shape"] = torch.tensor(weight.shape)
+    save_file(tensors, str(folder / "model.safetensors"))
+    packed, plain = ct.read_int8_weights(folder), ct.read_int8_weights(exported)
+    assert packed.keys() == plain.keys()
+    for name, value in plain.items():
+        got = packed[name]
+        if isinstance(value, ct.Int8Weight):
+            assert isinstance(got, ct.Int8Weight)
+            assert torch.equal(got.weight, value.weight) and torch.equal(got.scale, value.scale)
 
 
 def test_concat_stacks_rows_and_scales() -> None:
