@@ -33,6 +33,7 @@
 #include <immintrin.h>
 #endif
 
+#define I8_MAX_IN 131072 /* 127 * 128 * 131072 < 2**31 */
 #define I8_CHUNK 64 /* weight rows per scheduling unit */
 #define I8_MAX_NB 4 /* rows of x sharing each weight load */
 /* weight rows per tile for one or two rows of x (half that for three or four): the
@@ -163,7 +164,10 @@ static inline __attribute__((always_inline)) void i8_tile(
     i8_dots(w + (int64_t)o * in, tw, xq + (int64_t)b0 * ldx, g, in, ldx, acc);
     for (int t = 0; t < tw; t++)
         for (int b = 0; b < g; b++) {
-            float a = (float)(acc[t][b] - I8_OFFSET * xsum[b0 + b]);
+            /* VNNI's sums carry +128 * sum(xq) and may wrap past int32 for long rows: the
+             * difference is taken modulo 2**32 (unsigned: defined), exact as it fits */
+            int32_t sum = (int32_t)((uint32_t)acc[t][b] - (uint32_t)(I8_OFFSET * xsum[b0 + b]));
+            float a = (float)sum;
             y[(int64_t)(b0 + b) * out + o + t] = i8_finish(a, w_scale[o + t], xs[b0 + b], bias, o + t);
         }
 }
@@ -225,10 +229,12 @@ int int8_finish_rows(float *y, int rows, const float *x_scale, const float *w_sc
 }
 
 /* y [rows, out] = int8 linear of x [rows, in] (float32) by w [out, in] int8 with w_scale [out]
- * (+ bias [out] or NULL). Returns 0; 1 on bad sizes; 2 when memory ran out. */
+ * (+ bias [out] or NULL). Returns 0; 1 on bad sizes (in > I8_MAX_IN among them); 2 when memory
+ * ran out. */
 int int8_linear_rows(const float *x, int rows, const int8_t *w, const float *w_scale,
                      const float *bias, float *y, int out, int in, int nthreads) {
-    if (rows < 1 || in < 1 || out < 1) return 1;
+    /* |sum| <= 127 * 128 * in must fit an int32 */
+    if (rows < 1 || in < 1 || out < 1 || in > I8_MAX_IN) return 1;
     int8_t *xq = (int8_t *)malloc((size_t)rows * in);
     float *xs = (float *)malloc(sizeof(float) * (size_t)rows);
     int32_t *xsum = (int32_t *)malloc(sizeof(int32_t) * (size_t)rows);

@@ -37,6 +37,8 @@ EXACT_K = 1024
 # CPU flags with which oneDNN sums int8 products exactly (u8 x s8 -> s32 instructions)
 VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 QMAX = 127
+# the widest rows whose int32 sums cannot overflow (127 * 128 * MAX_IN_FEATURES < 2**31): int8.c
+MAX_IN_FEATURES = 131072
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -187,6 +189,8 @@ def int8_linear(
     if weight.dtype != torch.int8 or weight.dim() != 2:
         raise ValueError(f"weight must be int8 [out, in], got {weight.dtype} {tuple(weight.shape)}")
     out_features, in_features = weight.shape
+    if in_features > MAX_IN_FEATURES:
+        raise ValueError(f"{in_features} input features: int32 sums take {MAX_IN_FEATURES}")
     xf = _flat(x, in_features)
     scale = weight_scale.to(torch.float32).contiguous()
     bf = bias.to(torch.float32).contiguous() if bias is not None else None

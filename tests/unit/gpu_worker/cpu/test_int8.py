@@ -172,6 +172,21 @@ def test_quantize_weight_is_symmetric_per_row() -> None:
     assert (err <= scale[:, None] / 2 * (1 + 1e-5)).all()
 
 
+def test_long_rows_sum_exactly() -> None:
+    """100000 products: VNNI's offset sums pass 2**31 and wrap; the result stays exact."""
+    wq = torch.full((2, 100_000), 127, dtype=torch.int8)
+    wq[1] = -128
+    x = torch.full((1, 100_000), 3.0)
+    y = int8.int8_linear(x, wq, torch.ones(2))
+    assert y[0, 0].item() == pytest.approx(127 * 100_000 * 3.0, rel=1e-6)
+    assert y[0, 1].item() == pytest.approx(-128 * 100_000 * 3.0, rel=1e-6)
+    assert torch.equal(y, int8.int8_linear_torch(x, wq, torch.ones(2), None))
+    with pytest.raises(ValueError, match="int32"):
+        int8.int8_linear(
+            torch.ones(1, 200_000), torch.ones(1, 200_000, dtype=torch.int8), torch.ones(1)
+        )
+
+
 def test_bad_weights_are_refused() -> None:
     with pytest.raises(ValueError, match="int8"):
         int8.int8_linear(torch.randn(2, 8), torch.randn(4, 8), torch.ones(4))
