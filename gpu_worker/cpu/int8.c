@@ -1,6 +1,8 @@
-/* int8 W8A8 linear layers on the CPU: y[b, o] = (sum_i xq[b, i] * w[o, i]) * w_scale[o] * x_scale[b]
- * (+ bias[o]), with w int8 [out, in] quantized per output row (symmetric) and x quantized here
- * per row, dynamically: x_scale[b] = max|x[b, :]| / 127, xq = round(x / x_scale) in [-127, 127].
+/* int8 W8A8 linear layers on the CPU:
+ *   y[b, o] = (sum_i xq[b, i] * w[o, i]) * w_scale[o] * x_scale[b] (+ bias[o])
+ * with w int8 [out, in] quantized per output row (symmetric) and x quantized here per row,
+ * dynamically: x_scale[b] = max|x[b, :]| / 127, xq = round(x * 127 / max|x[b, :]|) in
+ * [-127, 127].
  * Each row has its own scale, so a sequence's output never depends on the rest of its batch:
  * the dot products are exact int32 sums, and every float step below is the same for a row
  * whatever the batch, whichever path (this kernel or oneDNN's, see int8.py) computed its sums.
@@ -66,7 +68,8 @@ static void i8_quantize_row(const float *x, int in, int8_t *xq, float *x_scale, 
 }
 
 /* the one float epilogue of every path: ((float)acc * w_scale) * x_scale + bias, each step
- * rounded (what int8.py does with torch's ops on oneDNN's exact float sums) */
+ * rounded (int8_finish_rows applies it to oneDNN's sums; int8.py's torch path does the same
+ * steps with torch's elementwise ops) */
 static inline float i8_finish(float acc, float w_scale, float x_scale, const float *bias, int o) {
     float y = acc * w_scale * x_scale;
     return bias ? y + bias[o] : y;
@@ -75,8 +78,9 @@ static inline float i8_finish(float acc, float w_scale, float x_scale, const flo
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 /* sums of weight rows w[0..tw) (stride in) with nb rows of xq (stride ldx) into acc[t][b]:
  * u8(w + 128) . xq, the 128 * sum(xq) taken off by the caller; the tail by masked loads */
-static inline __attribute__((always_inline)) void i8_dots(const int8_t *w, int tw, const int8_t *xq, int nb, int in, int ldx,
-                        int32_t acc[I8_TW][I8_MAX_NB]) {
+static inline __attribute__((always_inline)) void i8_dots(
+    const int8_t *w, int tw, const int8_t *xq, int nb, int in, int ldx,
+    int32_t acc[I8_TW][I8_MAX_NB]) {
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m512i a[I8_TW][I8_MAX_NB];
     for (int t = 0; t < I8_TW; t++)
@@ -110,8 +114,9 @@ static inline __m256i i8_dot32(__m256i acc, __m256i wabs, __m256i xs) {
 }
 
 /* |w| (u8) against xq carrying w's sign: exact, no offset; the tail in plain integers */
-static inline __attribute__((always_inline)) void i8_dots(const int8_t *w, int tw, const int8_t *xq, int nb, int in, int ldx,
-                        int32_t acc[I8_TW][I8_MAX_NB]) {
+static inline __attribute__((always_inline)) void i8_dots(
+    const int8_t *w, int tw, const int8_t *xq, int nb, int in, int ldx,
+    int32_t acc[I8_TW][I8_MAX_NB]) {
     __m256i a[I8_TW][I8_MAX_NB];
     for (int t = 0; t < I8_TW; t++)
         for (int b = 0; b < I8_MAX_NB; b++) a[t][b] = _mm256_setzero_si256();
@@ -142,8 +147,9 @@ static inline __attribute__((always_inline)) void i8_dots(const int8_t *w, int t
 }
 #define I8_OFFSET 0
 #else
-static inline __attribute__((always_inline)) void i8_dots(const int8_t *w, int tw, const int8_t *xq, int nb, int in, int ldx,
-                        int32_t acc[I8_TW][I8_MAX_NB]) {
+static inline __attribute__((always_inline)) void i8_dots(
+    const int8_t *w, int tw, const int8_t *xq, int nb, int in, int ldx,
+    int32_t acc[I8_TW][I8_MAX_NB]) {
     for (int t = 0; t < tw; t++)
         for (int b = 0; b < nb; b++) {
             const int8_t *wr = w + (int64_t)t * in, *xr = xq + (int64_t)b * ldx;
@@ -168,21 +174,24 @@ static inline __attribute__((always_inline)) void i8_tile(
              * difference is taken modulo 2**32 (unsigned: defined), exact as it fits */
             int32_t sum = (int32_t)((uint32_t)acc[t][b] - (uint32_t)(I8_OFFSET * xsum[b0 + b]));
             float a = (float)sum;
-            y[(int64_t)(b0 + b) * out + o + t] = i8_finish(a, w_scale[o + t], xs[b0 + b], bias, o + t);
+            y[(int64_t)(b0 + b) * out + o + t] =
+                i8_finish(a, w_scale[o + t], xs[b0 + b], bias, o + t);
         }
 }
 
 /* weight rows [lo, hi) by rows [b0, b0 + G) of x: tiles of TW_G rows of w (as many as there
  * are registers for TW_G * G accumulators), then single rows; G and the tile sizes are
  * constants here, so the compiler unrolls the tiles into registers */
-#define I8_ROWS_OF_W(G, TW_G)                                                                  \
-    static void i8_rows_of_w_##G(const int8_t *xq, const float *xs, const int32_t *xsum,        \
-                              int b0, int ldx, const int8_t *w, const float *w_scale,         \
-                              const float *bias, float *y, int out, int in, int lo, int hi) { \
-        int o = lo;                                                                          \
-        for (; o + TW_G <= hi; o += TW_G)                                                    \
-            i8_tile(xq, xs, xsum, b0, G, ldx, w, w_scale, bias, y, out, in, o, TW_G);           \
-        for (; o < hi; o++) i8_tile(xq, xs, xsum, b0, G, ldx, w, w_scale, bias, y, out, in, o, 1); \
+#define I8_ROWS_OF_W(G, TW_G)                                                               \
+    static void i8_rows_of_w_##G(const int8_t *xq, const float *xs, const int32_t *xsum,     \
+                                 int b0, int ldx, const int8_t *w, const float *w_scale,     \
+                                 const float *bias, float *y, int out, int in, int lo,       \
+                                 int hi) {                                                   \
+        int o = lo;                                                                         \
+        for (; o + TW_G <= hi; o += TW_G)                                                   \
+            i8_tile(xq, xs, xsum, b0, G, ldx, w, w_scale, bias, y, out, in, o, TW_G);       \
+        for (; o < hi; o++)                                                                 \
+            i8_tile(xq, xs, xsum, b0, G, ldx, w, w_scale, bias, y, out, in, o, 1);          \
     }
 I8_ROWS_OF_W(1, I8_TW)
 I8_ROWS_OF_W(2, I8_TW)
@@ -190,9 +199,9 @@ I8_ROWS_OF_W(3, I8_TW / 2)
 I8_ROWS_OF_W(4, I8_TW / 2)
 
 /* weight rows [lo, hi) against every row of x, in groups of up to I8_MAX_NB rows of x */
-static void i8_rows_of_w(const int8_t *xq, const float *xs, const int32_t *xsum, int nb, int ldx,
-                      const int8_t *w, const float *w_scale, const float *bias, float *y,
-                      int out, int in, int lo, int hi) {
+static void i8_rows_of_w(const int8_t *xq, const float *xs, const int32_t *xsum, int nb,
+                         int ldx, const int8_t *w, const float *w_scale, const float *bias,
+                         float *y, int out, int in, int lo, int hi) {
     for (int b0 = 0; b0 < nb; b0 += I8_MAX_NB) {
         switch (nb - b0 < I8_MAX_NB ? nb - b0 : I8_MAX_NB) {
         case 1: i8_rows_of_w_1(xq, xs, xsum, b0, ldx, w, w_scale, bias, y, out, in, lo, hi); break;
