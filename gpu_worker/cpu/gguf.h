@@ -3,7 +3,7 @@
  * Each format stores a row of a weight matrix as blocks, exactly as ggml writes them (see
  * gguf-py's gguf/quants.py); d, m, dmin are fp16, little-endian:
  *
- *   Q4_0  32 values, 18 B: d, qs[16]            w = d * (q - 8)    q = nibble (lo: 0..15, hi: 16..31)
+ *   Q4_0  32 values, 18 B: d, qs[16]            w = d * (q - 8), q = nibble (lo: 0..15, hi: 16..31)
  *   Q4_1  32 values, 20 B: d, m, qs[16]         w = d * q + m
  *   Q5_0  32 values, 22 B: d, qh[4], qs[16]     w = d * (q - 16)   q = nibble | bit j of qh << 4
  *   Q5_1  32 values, 24 B: d, m, qh[4], qs[16]  w = d * q + m
@@ -100,7 +100,7 @@ static inline void gguf_small_quants(const uint8_t *qs, const uint8_t *qh, uint8
     }
 }
 
-static void gguf_dequant_k(const uint8_t *b, int qtype, float *y) {
+__attribute__((unused)) static void gguf_dequant_k(const uint8_t *b, int qtype, float *y) {
     if (qtype == GGUF_Q6_K) {
         const uint8_t *ql = b, *qh = b + 128;
         const int8_t *sc = (const int8_t *)(b + 192);
@@ -129,7 +129,7 @@ static void gguf_dequant_k(const uint8_t *b, int qtype, float *y) {
 }
 
 /* one block of `qtype` at b as gguf_block_values(qtype) floats */
-static void gguf_dequant_block(const uint8_t *b, int qtype, float *y) {
+__attribute__((unused)) static void gguf_dequant_block(const uint8_t *b, int qtype, float *y) {
     uint8_t q[32];
     float d = gguf_half(b);
     switch (qtype) {

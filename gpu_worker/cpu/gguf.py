@@ -28,9 +28,15 @@ SOURCE = Path(__file__).with_name("gguf.c")
 HEADER = Path(__file__).with_name("gguf.h")
 _T = gguf.GGMLQuantizationType
 SUPPORTED = frozenset({_T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1, _T.Q8_0, _T.Q4_K, _T.Q5_K, _T.Q6_K})
-# the most rows of x the int8 kernel takes; more go to dequantize + torch.mm (measured on a
-# busy 2-core Sapphire Rapids, tools/benchmarks/gguf_kernels.py)
-MAX_KERNEL_ROWS = 8
+# the most rows of x the int8 kernel takes; more go to dequantize + torch.mm: where the two met
+# for SmolLM2's Q4_1 shapes (16 rows: 0.375 vs 0.479 ms for [1536, 576], 32 rows 0.711 vs 0.648;
+# one thread of a busy 2-core Sapphire Rapids, tools/benchmarks/gguf_kernels.py)
+MAX_KERNEL_ROWS = 16
+# many rows on a matrix of more float32 bytes than TILE_ABOVE_BYTES dequantize it TILE_BYTES at
+# a time: SmolLM2's [49152, 576] vocabulary at 64 rows 86 -> 36 ms (at 512 rows 400 -> 420-450;
+# its other matrices, whole or tiled, within noise), one thread of a busy Sapphire Rapids
+TILE_ABOVE_BYTES = 8 << 20
+TILE_BYTES = 1 << 20
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -131,16 +137,18 @@ class GgufKernels:
         """W [out, in] float32 from its GGUF bytes [out, row_bytes]."""
         _check_weight(weight, qtype, out_features, in_features)
         y = torch.empty(out_features, in_features, dtype=torch.float32)
-        lib = self.load()
-        if lib is None:  # gguf-py's numpy dequantization: slow, same values
+        if self.load() is None:  # gguf-py's numpy dequantization: slow, same values
             values = gguf.quants.dequantize(weight.numpy(), _T(qtype))
             return y.copy_(torch.from_numpy(np.ascontiguousarray(values)))
-        code = lib.gguf_dequantize(
+        return self._dequantize_into(weight, qtype, y)
+
+    def _dequantize_into(self, weight: torch.Tensor, qtype: int, y: torch.Tensor) -> torch.Tensor:
+        code = self._lib().gguf_dequantize(
             weight.data_ptr(),
             int(qtype),
             y.data_ptr(),
-            out_features,
-            in_features,
+            y.shape[0],
+            y.shape[1],
             torch.get_num_threads(),
         )
         if code != 0:
@@ -162,10 +170,34 @@ class GgufKernels:
         if 0 < x2.shape[0] <= MAX_KERNEL_ROWS and self.load() is not None:
             y = self.linear_rows(x2, weight, qtype, out_features, in_features, bias)
         else:
-            w = self.dequantize(weight, qtype, out_features, in_features)
-            bf = bias.to(torch.float32) if bias is not None else None
-            y = F.linear(x2.to(torch.float32), w, bf)
+            y = self._linear_many(x2, weight, qtype, out_features, in_features, bias)
         return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
+
+    def _linear_many(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        qtype: int,
+        out_features: int,
+        in_features: int,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Many rows: the weight dequantized to float32, whole (up to TILE_ABOVE_BYTES of
+        float32) or a tile of TILE_BYTES at a time (a matrix too large for the caches is
+        then never written out), and multiplied by torch."""
+        x32 = x.to(torch.float32)
+        bf = bias.to(torch.float32) if bias is not None else None
+        if out_features * in_features * 4 <= TILE_ABOVE_BYTES or self.load() is None:
+            return F.linear(x32, self.dequantize(weight, qtype, out_features, in_features), bf)
+        _check_weight(weight, qtype, out_features, in_features)
+        tile_rows = max(16, TILE_BYTES // (4 * in_features))
+        y = torch.empty(x32.shape[0], out_features, dtype=torch.float32)
+        tile = torch.empty(tile_rows, in_features, dtype=torch.float32)
+        for lo in range(0, out_features, tile_rows):
+            hi = min(out_features, lo + tile_rows)
+            w = self._dequantize_into(weight[lo:hi], qtype, tile[: hi - lo])
+            y[:, lo:hi] = x32 @ w.T
+        return y if bf is None else y.add_(bf)
 
     def sum_bytes(self, data: torch.Tensor) -> int:
         """The sum of a contiguous uint8 tensor's bytes (the memory read limit, measured)."""

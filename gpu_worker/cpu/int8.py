@@ -10,10 +10,12 @@ in any batch.
 Paths, chosen per call by the number of rows (docs/benchmarks.md, "int8 W8A8"):
   few rows (decode)   the C kernel (int8.c): per-row quantization, VNNI / AVX2 dot products
   many rows (prefill) oneDNN's int8 GEMM on a weight pre-packed once (`pack_weight`), with x
-  quantized by the C kernel and the epilogue in C; only where the CPU has VNNI (AVX512-VNNI,
-  AVX-VNNI or AMX): without it oneDNN's int8 sums saturate (measured: off by 7% of the
-  largest sum with ONEDNN_MAX_CPU_ISA=AVX2), so AVX2-only CPUs keep the C kernel.
-  no C compiler       torch: the same quantization, `torch._int_mm`, the same epilogue.
+                      quantized by the C kernel and the epilogue in C; only where the CPU has
+                      VNNI (AVX512-VNNI, AVX-VNNI or AMX): without it oneDNN's int8 sums
+                      saturate (measured: off by 7% of the largest sum with
+                      ONEDNN_MAX_CPU_ISA=AVX2), so AVX2-only CPUs keep the C kernel.
+  no C compiler       torch: the same quantization, exact sums (`torch._int_mm` with VNNI,
+                      else the float32 GEMM on the integer values), the same epilogue.
 """
 
 from __future__ import annotations
@@ -27,11 +29,16 @@ from common.cpu_features import cpu_flags
 from gpu_worker.cpu.build import KernelLibrary
 
 SOURCE = Path(__file__).with_name("int8.c")
-# the most rows of x the C kernel takes when a packed weight offers oneDNN for more
-MAX_KERNEL_ROWS = 16
+# the most rows of x the C kernel takes when a packed weight offers oneDNN for more: 4 rows
+# tie on SmolLM2's layers, from 8 oneDNN (AMX here) is as fast or faster (docs/benchmarks.md)
+MAX_KERNEL_ROWS = 4
+# the float32 GEMM's sums stay exact integers over this many products (127 * 128 * 1024 < 2**24)
+EXACT_K = 1024
 # CPU flags with which oneDNN sums int8 products exactly (u8 x s8 -> s32 instructions)
 VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 QMAX = 127
+# the widest rows whose int32 sums cannot overflow (127 * 128 * MAX_IN_FEATURES < 2**31): int8.c
+MAX_IN_FEATURES = 131072
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -52,12 +59,16 @@ def load() -> ctypes.CDLL | None:
     return _LIBRARY.load()
 
 
-def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight(
+    w: torch.Tensor, scale_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-row int8 of a float weight [out, in]: (int8 [out, in], float32
-    scale [out]) with scale = max|row| / 127 (1 for an all-zero row) and w ~ q * scale."""
+    scale [out]) with scale = max|row| / 127 (1 for an all-zero row) and w ~ q * scale. The
+    scale is first rounded to `scale_dtype` (a checkpoint's), and q rounded against that."""
     wf = w.detach().to(torch.float32)
     amax = wf.abs().amax(dim=1)
     scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
+    scale = scale.to(scale_dtype).to(torch.float32)
     q = torch.round(wf / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
     return q.contiguous(), scale.contiguous()
 
@@ -74,14 +85,17 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def can_pack() -> bool:
-    """Whether many rows go to oneDNN's int8 GEMM here: oneDNN available and the CPU sums int8
-    products exactly (VNNI_FLAGS)."""
+    """Whether oneDNN's int8 GEMMs sum exactly here: oneDNN available and a CPU with VNNI_FLAGS
+    (without them its int8 sums saturate: off by 7% of the largest sum, measured with
+    ONEDNN_MAX_CPU_ISA=AVX2; `torch._int_mm` too)."""
     return torch.backends.mkldnn.is_available() and any(f in cpu_flags() for f in VNNI_FLAGS)
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """int8 `weight` [out, in] in oneDNN's blocked layout, for int8_linear's many-row path (an
-    opaque tensor; a second copy of the weight)."""
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """int8 `weight` [out, in] in oneDNN's blocked layout for int8_linear's many-row path (an
+    opaque tensor, a second copy of the weight), or None where can_pack() is False."""
+    if not can_pack():
+        return None
     return torch.ops.onednn.qlinear_prepack(weight.detach().contiguous(), None)
 
 
@@ -115,7 +129,9 @@ def _onednn(
     scale: torch.Tensor,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    rows, (out, in_features) = x.shape[0], (scale.shape[0], x.shape[1])
+    """x quantized by the C kernel, oneDNN's exact int32 sums (as float32: every scale 1), the
+    C kernel's epilogue in place."""
+    rows, in_features, out = x.shape[0], x.shape[1], scale.shape[0]
     xq = torch.empty(rows, in_features, dtype=torch.int8)
     xs = torch.empty(rows, dtype=torch.float32)
     threads = torch.get_num_threads()
@@ -123,20 +139,40 @@ def _onednn(
                               threads) != 0:  # fmt: skip
         raise RuntimeError("int8_quantize_rows failed")
     ones, zero_points = torch.ones(out), torch.zeros(out, dtype=torch.int64)
-    # every scale 1: oneDNN's output is the exact int32 sums, as float32
-    y = torch.ops.onednn.qlinear_pointwise(
+    sums = torch.ops.onednn.qlinear_pointwise(
         xq, 1.0, 0, packed, ones, zero_points, None, 1.0, 0, torch.float32, "none", [], ""
     ).contiguous()
-    lib.int8_finish_rows(y.data_ptr(), rows, xs.data_ptr(), scale.data_ptr(),
+    lib.int8_finish_rows(sums.data_ptr(), rows, xs.data_ptr(), scale.data_ptr(),
                          bias.data_ptr() if bias is not None else None, out, threads)  # fmt: skip
-    return y
+    return sums
 
 
-def _torch(
+def exact_sums(xq: torch.Tensor, weight: torch.Tensor, int_mm: bool | None = None) -> torch.Tensor:
+    """xq [rows, in] int8 @ weight.T int8, exactly, as float32 [rows, out] (each sum rounded
+    once, as the C kernel converts its int32 sums): `torch._int_mm` where it is exact
+    (can_pack()), else torch's float32 GEMM on the integer values: every product (<= 127 * 128)
+    and every partial sum of EXACT_K of them is below 2**24, so float32 holds them exactly in
+    any order of addition; slices of EXACT_K are added in float64. `int_mm` forces a choice."""
+    if can_pack() if int_mm is None else int_mm:
+        return torch._int_mm(xq, weight.t()).to(torch.float32)
+    xf = xq.to(torch.float32)
+    if xq.shape[1] <= EXACT_K:
+        return xf @ weight.to(torch.float32).t()
+    acc = torch.zeros(xq.shape[0], weight.shape[0], dtype=torch.float64)
+    for k0 in range(0, xq.shape[1], EXACT_K):
+        k = slice(k0, k0 + EXACT_K)
+        acc += xf[:, k] @ weight[:, k].to(torch.float32).t()
+    return acc.to(torch.float32)
+
+
+def int8_linear_torch(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
+    """int8_linear of x [rows, in] float32 in torch (the path without a C compiler): the
+    same quantization, exact sums, the same float epilogue; a row's result is bitwise the C
+    kernel's."""
     xq, xs = quantize_rows(x)
-    y = torch._int_mm(xq, weight.t()).to(torch.float32).mul_(scale).mul_(xs[:, None])
+    y = exact_sums(xq, weight).mul_(scale).mul_(xs[:, None])
     return y.add_(bias) if bias is not None else y
 
 
@@ -149,11 +185,12 @@ def int8_linear(
 ) -> torch.Tensor:
     """x [..., in] (float32 or bfloat16) @ dequantized weight.T (+ bias), with x quantized per
     row; returns x's dtype, shape [..., out]. `weight` int8 [out, in], `weight_scale` float32
-    [out]; `packed` (pack_weight's, where can_pack()) sends more than MAX_KERNEL_ROWS rows to
-    oneDNN."""
+    [out]; `packed` (pack_weight's) sends more than MAX_KERNEL_ROWS rows to oneDNN."""
     if weight.dtype != torch.int8 or weight.dim() != 2:
         raise ValueError(f"weight must be int8 [out, in], got {weight.dtype} {tuple(weight.shape)}")
     out_features, in_features = weight.shape
+    if in_features > MAX_IN_FEATURES:
+        raise ValueError(f"{in_features} input features: int32 sums take {MAX_IN_FEATURES}")
     xf = _flat(x, in_features)
     scale = weight_scale.to(torch.float32).contiguous()
     bf = bias.to(torch.float32).contiguous() if bias is not None else None
@@ -161,7 +198,7 @@ def int8_linear(
     if rows == 0:
         y = xf.new_empty(0, out_features)
     elif lib is None:
-        y = _torch(xf, weight, scale, bf)
+        y = int8_linear_torch(xf, weight, scale, bf)
     elif packed is not None and rows > MAX_KERNEL_ROWS:
         y = _onednn(lib, xf, packed, scale, bf)
     else:

@@ -1,0 +1,201 @@
+"""The GGUF block-format kernels (gpu_worker/cpu/gguf.py, gguf.c) against gguf-py's own
+`gguf.quants.dequantize` followed by a float64 matmul.
+
+Error bounds. The int8 kernel rounds each row of x to int8 per block of 32 values with scale
+d = max|x_block| / 127, so each value moves by at most d / 2 = max|x_block| / 254. The
+weight multiplies that error by its *scale part* c = w - offset (offset: the block's min m for
+Q4_1/Q5_1, -dmin * m for Q4_K/Q5_K sub-blocks, 0 otherwise; the kernel multiplies the offset
+by the exact float sum of x). So |y - y_ref| <= sum_i |c_i| * max|x_block(i)| / 254, plus float
+rounding (1e-5 of sum |x| |w|). With activations that int8 holds exactly (integers times a
+power of two, each block reaching +-127) only float rounding remains: that tight test catches
+any wrong scale, min, nibble or bit. The float path and the dequantization are float-exact up
+to rounding.
+
+Each case runs for this CPU's build and an AVX2-only build (-march=haswell, the AMD EPYC
+machines of this kind), and a baseline x86-64 build (no AVX2: the float path).
+"""
+
+from __future__ import annotations
+
+import platform
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from common.cpu_features import cpu_flags
+from gpu_worker.cpu import gguf as gguf_cpu
+from gpu_worker.cpu.gguf import GgufKernels
+
+T = gguf.GGMLQuantizationType
+SMALL_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
+K_TYPES = [T.Q4_K, T.Q5_K, T.Q6_K]
+# SmolLM2-135M's (out, in): qkv/o 576, k/v 192 (= 3 * 64), MLP 1536; K-quants need in % 256
+SMALL_SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (40, 96)]  # 96: odd blocks
+K_SHAPES = [(576, 1536), (192, 1536), (64, 512)]
+ROWS = [1, 3, 8, 17, 64]
+
+pytestmark = pytest.mark.skipif(gguf_cpu.load() is None, reason="no C compiler here")
+
+
+def _kernels() -> dict[str, GgufKernels]:
+    kernels = {"native": GgufKernels()}
+    if platform.machine() == "x86_64" and "avx2" in cpu_flags():
+        kernels["avx2"] = GgufKernels("haswell")
+        kernels["x86-64"] = GgufKernels("x86-64")
+    return kernels
+
+
+KERNELS = _kernels()
+
+
+def random_weight(qtype: int, out: int, inn: int, seed: int) -> np.ndarray:
+    """GGUF bytes [out, row_bytes] of a random matrix: gguf-py's quantizer for the 32-value
+    types; for K-quants (gguf-py cannot quantize them) random bytes with small, finite fp16
+    d and dmin."""
+    rng = np.random.default_rng(seed)
+    values, size = gguf.GGML_QUANT_SIZES[T(qtype)]
+    if values == 32:
+        w = (rng.standard_normal((out, inn)) * 0.05).astype(np.float32)
+        return np.ascontiguousarray(gguf.quants.quantize(w, T(qtype)))
+    blocks = rng.integers(0, 256, (out, inn // values, size), dtype=np.uint8)
+
+    def half(scale: float) -> np.ndarray:
+        h = (rng.random((out, inn // values, 1)) * scale + scale / 10).astype(np.float16)
+        return h.view(np.uint8)
+
+    if qtype == T.Q6_K:
+        blocks[..., 208:210] = half(1e-3)
+    else:
+        blocks[..., 0:2], blocks[..., 2:4] = half(1e-3), half(1e-3)
+    return blocks.reshape(out, -1)
+
+
+def offsets(w: np.ndarray, qtype: int, inn: int) -> np.ndarray:
+    """Each 32-value block's offset (w = c + offset), float64 [out, in / 32]."""
+    out = w.shape[0]
+    values, size = gguf.GGML_QUANT_SIZES[T(qtype)]
+    blocks = w.reshape(out, inn // values, size)
+    if qtype in (T.Q4_1, T.Q5_1):
+        return blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+    if qtype in (T.Q4_K, T.Q5_K):
+        dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float64)  # [out, nb, 1]
+        _, m = gguf.quants.Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12).copy())
+        return (-dmin * m.reshape(out, -1, 8)).reshape(out, -1)
+    return np.zeros((out, inn // 32))
+
+
+def reference(w: np.ndarray, qtype: int, dtype: type = np.float64) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(w, T(qtype)).astype(dtype))
+
+
+def int8_bound(x: torch.Tensor, w: np.ndarray, qtype: int, ref: torch.Tensor) -> torch.Tensor:
+    """The most the int8 kernel may differ from x @ ref.T (module docstring)."""
+    rows, inn = x.shape
+    c = ref - torch.from_numpy(offsets(w, qtype, inn)).to(ref.dtype).repeat_interleave(32, dim=1)
+    err = x.to(ref.dtype).abs().reshape(rows, -1, 32).amax(-1) / 254
+    return err.repeat_interleave(32, dim=1) @ c.abs().T * 1.01 + rounding(x, ref)
+
+
+def rounding(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    return 1e-5 * (x.to(ref.dtype).abs() @ ref.abs().T) + 1e-6
+
+
+def exact_int8_rows(rows: int, inn: int, seed: int) -> torch.Tensor:
+    """x that int8 per 32 values holds exactly: integers in [-127, 127] times 2^-7, each
+    block reaching 127."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(-127, 128, (rows, inn // 32, 32), generator=gen).float()
+    x[..., 5] = 127.0
+    return (x * 2.0**-7).reshape(rows, inn)
+
+
+def check(y: torch.Tensor, y_ref: torch.Tensor, bound: torch.Tensor) -> None:
+    err = (y.double() - y_ref).abs()
+    assert y.dtype == torch.float32 and y.shape == y_ref.shape
+    assert bool((err <= bound).all()), f"max error {err.max():.3g}, its bound {bound.min():.3g}"
+
+
+CASES = [(q, s) for q in SMALL_TYPES for s in SMALL_SHAPES] + [
+    (q, s) for q in K_TYPES for s in K_SHAPES
+]
+
+
+@pytest.mark.parametrize("march", list(KERNELS))
+@pytest.mark.parametrize("qtype,shape", CASES, ids=[f"{q.name}-{o}x{i}" for q, (o, i) in CASES])
+def test_kernels_match_gguf_py(march: str, qtype: int, shape: tuple[int, int]) -> None:
+    k, (out, inn) = KERNELS[march], shape
+    seed = int(qtype) * 1000 + out + inn
+    w = random_weight(qtype, out, inn, seed)
+    wt, ref = torch.from_numpy(w), reference(w, qtype)
+    scale = float(ref.abs().max())  # one rounding (fma) where gguf-py rounds twice
+    torch.testing.assert_close(
+        k.dequantize(wt, qtype, out, inn).double(), ref, rtol=1e-6, atol=1e-6 * scale
+    )
+    gen = torch.Generator().manual_seed(seed)
+    bias = torch.randn(out, generator=gen)
+    for rows in ROWS:
+        x = torch.randn(rows, inn, generator=gen)
+        y_ref = x.double() @ ref.T + bias.double()
+        check(k.linear_rows(x, wt, qtype, out, inn, bias), y_ref, int8_bound(x, w, qtype, ref))
+        y_f32 = k.linear_rows(x, wt, qtype, out, inn, bias, float_path=True)
+        check(y_f32, y_ref, rounding(x, ref))
+        check(k.linear(x, wt, qtype, out, inn, bias), y_ref, int8_bound(x, w, qtype, ref))
+        xe = exact_int8_rows(rows, inn, seed + rows)
+        check(k.linear_rows(xe, wt, qtype, out, inn), xe.double() @ ref.T, rounding(xe, ref))
+
+
+def test_vocabulary_projection() -> None:
+    """SmolLM2's tied embedding as the output layer: Q8_0 [49152, 576], as in its GGUF (the
+    reference in float32 here, for memory: the bounds keep a 1% margin)."""
+    out, inn, qtype = 49152, 576, T.Q8_0
+    w = random_weight(qtype, out, inn, 7)
+    wt, ref = torch.from_numpy(w), reference(w, qtype, np.float32)
+    bias = torch.randn(out, generator=torch.Generator().manual_seed(0))
+    for rows in (1, 17):  # the int8 kernel, then dequantization a tile at a time + torch
+        x = torch.randn(rows, inn, generator=torch.Generator().manual_seed(rows))
+        y_ref = (x @ ref.T + bias).double()
+        bound = int8_bound(x, w, qtype, ref).double()
+        for k in KERNELS.values():
+            check(k.linear(x, wt, qtype, out, inn, bias), y_ref, bound)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q6_K])
+def test_rows_do_not_depend_on_their_batch(qtype: int) -> None:
+    out, inn = 96, 512
+    wt = torch.from_numpy(random_weight(qtype, out, inn, 3))
+    x = torch.randn(13, inn, generator=torch.Generator().manual_seed(3))
+    batch = gguf_cpu.GgufKernels().linear_rows(x, wt, qtype, out, inn)
+    for r in range(13):
+        alone = gguf_cpu.GgufKernels().linear_rows(x[r : r + 1], wt, qtype, out, inn)
+        assert torch.equal(batch[r : r + 1], alone)
+
+
+def test_gguf_linear_takes_any_leading_shape_and_bfloat16() -> None:
+    out, inn, qtype = 192, 576, T.Q4_1
+    w = random_weight(qtype, out, inn, 11)
+    wt, ref = torch.from_numpy(w), reference(w, qtype)
+    for rows in (2, 40):  # the int8 kernel, then dequantize + torch.mm
+        x = torch.randn(2, rows // 2, inn, generator=torch.Generator().manual_seed(rows))
+        y = gguf_cpu.gguf_linear(x.bfloat16(), wt, qtype, out, inn)
+        assert y.dtype == torch.bfloat16 and y.shape == (2, rows // 2, out)
+        x2 = x.bfloat16().float().reshape(rows, inn)
+        y_ref = x2.double() @ ref.T
+        bound = int8_bound(x2, w, qtype, ref) + y_ref.abs() * 2.0**-8  # y rounded to bf16
+        check(y.float().reshape(rows, out), y_ref, bound)
+    torch.testing.assert_close(gguf_cpu.dequantize(wt, qtype, out, inn), ref.float())
+
+
+def test_supported_types_and_bad_inputs() -> None:
+    assert gguf_cpu.supported_types() == frozenset(SMALL_TYPES + K_TYPES)
+    assert gguf_cpu.row_bytes(T.Q4_1, 576) == 18 * 20
+    wt = torch.from_numpy(random_weight(T.Q4_1, 8, 64, 0))
+    x = torch.randn(1, 64)
+    with pytest.raises(ValueError):
+        gguf_cpu.gguf_linear(x, wt, T.F16, 8, 64)
+    with pytest.raises(ValueError):
+        gguf_cpu.gguf_linear(x, wt, T.Q4_0, 8, 64)  # Q4_0 rows are 36 bytes, not 40
+    with pytest.raises(ValueError):
+        gguf_cpu.gguf_linear(torch.randn(1, 96), wt, T.Q4_1, 8, 96)
+    assert gguf_cpu.gguf_linear(torch.randn(0, 64), wt, T.Q4_1, 8, 64).shape == (0, 8)
