@@ -1,12 +1,14 @@
 """Linear layers on GGUF block-format weights (Q4_0 ... Q6_K) by the C kernels of gguf.c.
 
 The weight is the GGUF tensor's raw bytes, a uint8 tensor [out_features, row_bytes] (one row
-of the matrix = in_features / block_values blocks, laid out as ggml stores them). A few rows
-of x (a decode step) go to the int8 kernel: each row of x quantized to int8 per 32 values
-(per row, so a sequence's output never depends on its batch), the weights streamed once in
-their block format. More rows (prefill chunks) dequantize the weight to float32 once per call
-and multiply with torch (oneDNN), compute-bound where the int8 kernel is not faster
-(`MAX_KERNEL_ROWS`, measured by tools/benchmarks/gguf_kernels.py).
+of the matrix = in_features / block_values blocks, laid out as ggml stores them). Every row
+count goes to the int8 kernel: each row of x quantized to int8 per 32 values (per row, so a
+sequence's output never depends on its batch: the same bits alone, in a batch, in a prefill
+chunk or a speculative verification), the weights streamed once in their block format for
+a tile of rows. Dequantizing to float32 and multiplying with torch (oneDNN) was faster for
+prefill chunks above MAX_KERNEL_ROWS rows (tools/benchmarks/gguf_kernels.py) but gives other
+bits than the decode path, so greedy tokens would change with the batch: it serves only where
+the library cannot be built.
 
 `GgufKernels(march)` holds one built library: this CPU's instruction set by default, another
 (`"haswell"`: AVX2 only) for tests. The module functions use this CPU's.
@@ -165,9 +167,11 @@ class GgufKernels:
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [..., in] (float32 or bfloat16) @ W.T (+ bias) in x's dtype: the int8 kernel for
-        up to MAX_KERNEL_ROWS rows, dequantize + torch beyond."""
+        any number of rows, so a row's result is the same bits whatever else is in the step
+        (a sequence's tokens never depend on its batch); dequantize + torch only where the
+        library cannot be had."""
         x2 = x.reshape(-1, in_features)
-        if 0 < x2.shape[0] <= MAX_KERNEL_ROWS and self.load() is not None:
+        if x2.shape[0] > 0 and self.load() is not None:
             y = self.linear_rows(x2, weight, qtype, out_features, in_features, bias)
         else:
             y = self._linear_many(x2, weight, qtype, out_features, in_features, bias)
