@@ -37,6 +37,7 @@ from gpu_worker.attention import (
     AttentionMetadata,
     build_metadata,
     create_backend,
+    resolve_backend_name,
 )
 from gpu_worker.cpu.huge_pages import use_huge_pages
 from gpu_worker.cuda_graphs import CUDAGraphRunner, maybe_capture_graphs, run_model
@@ -57,6 +58,7 @@ from gpu_worker.models.loader import (
     eos_token_ids,
     load_model,
     read_hf_config,
+    stores_quantized,
     weights_version,
 )
 from gpu_worker.runner import PlanRunner, RequestState, RequestTable
@@ -284,13 +286,18 @@ class ModelRunner(PlanRunner[ModelVersion]):
         check_tensor_parallel(self.config, self.tp.size, self.model_path)
         limit = self.config.max_position_embeddings
         self.max_model_len = min(limit, max_model_len) if max_model_len else limit
-        self.backend = self._create_backend(attention_backend, self.config)
+        self.backend = self._create_backend(attention_backend, self.config, self.model_path)
         self.model = self._load_model(self.model_path, self.backend)
         self.eos_token_ids = eos_token_ids(self.model_path, hf_config)
         self.weights_version = weights_version(self.model_path)
 
-    def _create_backend(self, name: str, config: LlamaConfig) -> AttentionBackend:
-        """An attention backend for this rank's heads of `config`."""
+    def _create_backend(self, name: str, config: LlamaConfig, path: str) -> AttentionBackend:
+        """An attention backend for this rank's heads of `config`; batch-invariant for a
+        model whose linears quantize activations (the torch backend on the CPU: a chunk's
+        queries by the decode kernel, so a rounding to int8 never depends on the chunking)."""
+        name = resolve_backend_name(name, self.device)
+        quantized = stores_quantized(path, self.quantization)
+        extra = {"batch_invariant": True} if name == "torch" and quantized else {}
         return create_backend(
             name,
             num_heads=config.num_heads // self.tp.size,
@@ -298,6 +305,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
             head_dim=config.head_dim,
             dtype=self.dtype,
             device=self.device,
+            **extra,
         )
 
     def _load_model(self, path: str, backend: AttentionBackend) -> LlamaForCausalLM:
@@ -404,7 +412,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
         if version in self.versions:
             raise ValueError(f"model version {version!r} is already loaded")
         check_tensor_parallel(config, self.tp.size, path)
-        backend = self._create_backend(self.backend.name, config)
+        backend = self._create_backend(self.backend.name, config, path)
         model = self._load_model(path, backend)
         graphs = maybe_capture_graphs(
             model,

@@ -11,7 +11,11 @@ K and V into a reused workspace, never per token), GQA is folded into the query 
 and positions past each sequence's end are masked. Prefill and extend chunks run one
 request at a time with `scaled_dot_product_attention` (fp32 softmax inside): a chunk that
 starts at position 0 attends to its own fresh K/V with `is_causal`, a later chunk gathers its
-cached blocks and uses an explicit mask, causal within the new tokens.
+cached blocks and uses an explicit mask, causal within the new tokens. With
+`batch_invariant` (quantized models: their activations are rounded to int8 per row, so a
+last-bit difference in attention can flip a rounding and, rarely, a greedy token) a chunk's
+queries go to the decode kernel instead, each as a decode of its own length: a token's
+attention is then the same bits however the prompt was chunked or batched.
 """
 
 from __future__ import annotations
@@ -45,7 +49,13 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
-    def __init__(self, *, cpu_decode_kernel: bool | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        cpu_decode_kernel: bool | None = None,
+        batch_invariant: bool = False,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         # the C decode kernel, on the CPU only (CUDA has the triton backend); built here, once
@@ -53,6 +63,9 @@ class TorchAttentionBackend(AttentionBackend):
         if cpu_decode_kernel is None:
             cpu_decode_kernel = self.device.type == "cpu"
         self.cpu_decode_kernel = cpu_decode_kernel and cpu_kernel.load() is not None
+        # every query row attended by the decode kernel, so a token's attention is the same
+        # bits in a decode, a prefill chunk of any size or a speculative verification
+        self.batch_invariant = batch_invariant and self.cpu_decode_kernel
 
     def build_metadata(self, common: AttentionMetadata) -> TorchAttentionMetadata:
         base = {f.name: getattr(common, f.name) for f in dataclasses.fields(AttentionMetadata)}
@@ -140,6 +153,10 @@ class TorchAttentionBackend(AttentionBackend):
         r: int,
     ) -> torch.Tensor:
         start, end = meta.query_start_loc_host[r], meta.query_start_loc_host[r + 1]
+        if self.batch_invariant:
+            o = self._extend_by_rows(q[start:end], kv_cache, meta, r)
+            if o is not None:
+                return o
         mask = meta.extend_masks[r - meta.num_decodes]
         if mask is None:  # nothing cached before this chunk: its own K/V is the context
             kr, vr = k[start:end], v[start:end]
@@ -161,6 +178,16 @@ class TorchAttentionBackend(AttentionBackend):
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
         return o[0].transpose(0, 1)
+
+    def _extend_by_rows(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: TorchAttentionMetadata, r: int
+    ) -> torch.Tensor | None:
+        """A chunk's queries as decodes of their own lengths (row i attends to the first
+        num_computed + i + 1 positions of request r's blocks), by the decode kernel."""
+        n, first = q.shape[0], meta.num_computed_host[r]
+        table = meta.block_tables[r : r + 1].expand(n, -1)  # one table for every row
+        lens = torch.arange(first + 1, first + n + 1, dtype=torch.int32)
+        return cpu_kernel.paged_decode(q, kv_cache, table, lens, self.scale)
 
     def _gather(
         self, kv_cache: torch.Tensor, block_ids: torch.Tensor

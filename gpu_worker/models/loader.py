@@ -245,6 +245,14 @@ def read_gguf_weights(path: str | Path) -> dict[str, Any]:
     return weights
 
 
+def stores_quantized(path: str | Path, quantization: str = "") -> bool:
+    """Whether the model at `path`, loaded with `quantization`, may have quantized linears:
+    a GGUF file, an int8 checkpoint, or --quantization int8."""
+    if quantization or is_gguf_file(path):
+        return True
+    return "quantization_config" in read_hf_config(path)
+
+
 def quantize_linears_int8(weights: dict[str, Any]) -> dict[str, Any]:
     """Every float weight of a decoder layer's linears as int8 W8A8 (per output channel,
     symmetric); the embedding and the LM head stay float, as LLM Compressor leaves them."""
