@@ -12,6 +12,9 @@ before q/k/v and gate/up are fused) are cut like this:
     embed_tokens lm_head                     vocabulary-parallel: rows split into equal shards
                                              of ceil(V/N), the last one padded with zero rows
     norms (q_norm, k_norm too)               replicated
+    int8 layers (compressed-tensors)         weight and weight_packed as the weight; the scale
+                                             [out, 1] split with the rows of a column-parallel
+                                             layer, whole on every rank of a row-parallel one
 
     vocab V=10, N=3: shard 4   rank 0 [0, 4)   rank 1 [4, 8)   rank 2 [8, 10) + 2 pad rows
 """
@@ -38,6 +41,8 @@ class Split(enum.Enum):
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _ROW = ("o_proj", "down_proj")
 _VOCAB = ("embed_tokens.weight", "lm_head.weight")
+# an int8 compressed-tensors checkpoint's shape of a packed weight: whole on every rank
+_INT8_META = ("weight_shape",)
 
 
 def split_of(name: str) -> Split:
@@ -46,10 +51,16 @@ def split_of(name: str) -> Split:
         return Split.VOCAB
     parts = name.split(".")
     layer = parts[-2] if len(parts) >= 2 else ""
+    if parts[-1] in _INT8_META:
+        return Split.REPLICATED
     if layer in _COLUMN:
         return Split.COLUMN
     if layer in _ROW:
-        return Split.ROW if parts[-1] == "weight" else Split.ROW_BIAS
+        if parts[-1] in ("weight", "weight_packed"):
+            return Split.ROW
+        # an int8 row-parallel layer's per-output-row scales: every rank's partial sums
+        # are scaled by all of them (gpu_worker/models/compressed_tensors.py)
+        return Split.ROW_BIAS if parts[-1] == "bias" else Split.REPLICATED
     return Split.REPLICATED
 
 

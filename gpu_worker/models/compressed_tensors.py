@@ -121,7 +121,8 @@ def _scale(name: str, scale: torch.Tensor, out_features: int) -> torch.Tensor:
 
 def _unpack(tensors: dict[str, torch.Tensor]) -> None:
     """ "pack-quantized" layers in place: `X.weight_packed` + `X.weight_shape` -> `X.weight`
-    int8 (a no-op for the other formats)."""
+    int8 (a no-op for the other formats). A tensor-parallel slice unpacks to its own rows and
+    columns (a row-parallel slice must start on a multiple of 4 columns)."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
     for name in [n for n in tensors if n.endswith(".weight_packed")]:
@@ -130,26 +131,17 @@ def _unpack(tensors: dict[str, torch.Tensor]) -> None:
         if shape is None:
             raise ValueError(f"{name} has no {base}_shape beside it")
         packed = tensors.pop(name)
-        tensors[base] = unpack_from_int32(packed, 8, torch.Size(shape.tolist())).contiguous()
+        columns = min(int(shape[1]), packed.shape[1] * 4)
+        local = torch.Size((packed.shape[0], columns))
+        tensors[base] = unpack_from_int32(packed, 8, local).contiguous()
 
 
-def read_int8_weights(folder: str | Path) -> dict[str, torch.Tensor | Int8Weight]:
-    """Every tensor of an int8 W8A8 compressed-tensors folder, by Hugging Face name: an
-    Int8Weight under `X.weight` for each quantized layer (its `X.weight_scale` consumed, an
-    all-zero `X.weight_zero_point` dropped), the float tensor otherwise. Raises ValueError
-    for a folder that is not such a checkpoint (or a scheme not served) and for an int8
-    weight without its scale."""
-    folder = Path(folder)
-    hf_config = json.loads((folder / "config.json").read_text())
-    qc = quantization_config(hf_config)
-    if qc is None:
-        raise ValueError(f"{folder}/config.json has no compressed-tensors quantization_config")
-    check_int8_w8a8(qc)
-    tensors: dict[str, torch.Tensor] = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                tensors[name] = f.get_tensor(name)
+def int8_weights(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | Int8Weight]:
+    """A checkpoint's raw tensors (all of them, or one rank's slices as loader.read_weights
+    gives them) by Hugging Face name -> an Int8Weight under `X.weight` for each int8 layer
+    (its `X.weight_scale` consumed, an all-zero `X.weight_zero_point` dropped, pack-quantized
+    layers unpacked), the float tensors as they are. `tensors` is consumed. Raises ValueError
+    for an int8 weight without its scale."""
     _unpack(tensors)
     out: dict[str, torch.Tensor | Int8Weight] = {}
     for name, t in tensors.items():
@@ -168,6 +160,24 @@ def read_int8_weights(folder: str | Path) -> dict[str, torch.Tensor | Int8Weight
         else:
             out[name] = t
     return out
+
+
+def read_int8_weights(folder: str | Path) -> dict[str, torch.Tensor | Int8Weight]:
+    """Every tensor of an int8 W8A8 compressed-tensors folder, by Hugging Face name, as
+    int8_weights gives them. Raises ValueError for a folder that is not such a checkpoint (or
+    a scheme not served)."""
+    folder = Path(folder)
+    hf_config = json.loads((folder / "config.json").read_text())
+    qc = quantization_config(hf_config)
+    if qc is None:
+        raise ValueError(f"{folder}/config.json has no compressed-tensors quantization_config")
+    check_int8_w8a8(qc)
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118  # safe_open is not a mapping
+                tensors[name] = f.get_tensor(name)
+    return int8_weights(tensors)
 
 
 def quantize_linear_weights(

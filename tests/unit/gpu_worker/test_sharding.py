@@ -43,6 +43,14 @@ from services.worker_group import check_parallel, rank_name, rank_specs
         ("model.layers.0.input_layernorm.weight", Split.REPLICATED),
         ("model.layers.0.self_attn.q_norm.weight", Split.REPLICATED),
         ("model.norm.weight", Split.REPLICATED),
+        # int8 compressed-tensors layers
+        ("model.layers.0.self_attn.q_proj.weight_scale", Split.COLUMN),
+        ("model.layers.0.mlp.up_proj.weight_packed", Split.COLUMN),
+        ("model.layers.0.mlp.up_proj.weight_shape", Split.REPLICATED),
+        ("model.layers.0.self_attn.o_proj.weight_scale", Split.REPLICATED),
+        ("model.layers.0.mlp.down_proj.weight_zero_point", Split.REPLICATED),
+        ("model.layers.0.mlp.down_proj.weight_packed", Split.ROW),
+        ("model.layers.0.mlp.down_proj.weight_shape", Split.REPLICATED),
     ],
 )
 def test_each_checkpoint_tensor_has_its_split(name: str, split: Split) -> None:

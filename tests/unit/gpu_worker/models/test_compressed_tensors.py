@@ -132,24 +132,54 @@ def test_zero_points_of_zeros_are_dropped_others_refused(exported: Path, tmp_pat
         ct.read_int8_weights(folder)
 
 
-def test_pack_quantized_reads_as_int_quantized(exported: Path, tmp_path: Path) -> None:
+def _packed_copy(exported: Path, folder: Path) -> Path:
     """The same weights packed four to an int32 (compressed-tensors' own packing)."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
-    folder = _with_config(exported, tmp_path / "packed", _set("format", "pack-quantized"))
+    _with_config(exported, folder, _set("format", "pack-quantized"))
     tensors = load_file(str(folder / "model.safetensors"))
     for name in [n for n in tensors if n.endswith(".weight") and tensors[n].dtype == torch.int8]:
         weight = tensors.pop(name)
         tensors[f"{name}_packed"] = pack_to_int32(weight, 8)
         tensors[f"{name}_shape"] = torch.tensor(weight.shape)
     save_file(tensors, str(folder / "model.safetensors"))
-    packed, plain = ct.read_int8_weights(folder), ct.read_int8_weights(exported)
+    return folder
+
+
+def test_pack_quantized_reads_as_int_quantized(exported: Path, tmp_path: Path) -> None:
+    packed = ct.read_int8_weights(_packed_copy(exported, tmp_path / "packed"))
+    plain = ct.read_int8_weights(exported)
     assert packed.keys() == plain.keys()
     for name, value in plain.items():
         got = packed[name]
         if isinstance(value, ct.Int8Weight):
             assert isinstance(got, ct.Int8Weight)
             assert torch.equal(got.weight, value.weight) and torch.equal(got.scale, value.scale)
+
+
+@pytest.mark.parametrize("fmt", ["int-quantized", "pack-quantized"])
+def test_tensor_parallel_slices_are_the_whole_cut(exported: Path, tmp_path: Path, fmt: str) -> None:
+    """loader.read_weights' slices for 2 ranks (gpu_worker/sharding.py's splits): a
+    column-parallel layer's rows and scales split, a row-parallel one's columns split and
+    its scales whole on each rank."""
+    from gpu_worker.models.loader import read_weights
+    from gpu_worker.tensor_parallel import TensorParallel
+
+    folder = exported if fmt == "int-quantized" else _packed_copy(exported, tmp_path / "packed")
+    whole = ct.read_int8_weights(exported)
+    shards = [ct.int8_weights(read_weights(folder, TensorParallel(rank=r, size=2))) for r in (0, 1)]
+    for layer, dim in [("self_attn.q_proj", 0), ("mlp.up_proj", 0), ("mlp.down_proj", 1)]:
+        name = f"model.layers.1.{layer}.weight"
+        full, parts = whole[name], [shard[name] for shard in shards]
+        assert isinstance(full, ct.Int8Weight)
+        assert all(isinstance(part, ct.Int8Weight) for part in parts)
+        weights = [part.weight for part in parts if isinstance(part, ct.Int8Weight)]
+        scales = [part.scale for part in parts if isinstance(part, ct.Int8Weight)]
+        assert torch.equal(torch.cat(weights, dim=dim), full.weight)
+        if dim == 0:
+            assert torch.equal(torch.cat(scales), full.scale)
+        else:
+            assert all(torch.equal(scale, full.scale) for scale in scales)
 
 
 def test_concat_stacks_rows_and_scales() -> None:
