@@ -17,10 +17,12 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from safetensors import safe_open
+
+from gpu_worker.linear_methods.weights import Int8Weight
 
 QUANT_METHOD = "compressed-tensors"
 # the linear layers made int8 from a float checkpoint, by Hugging Face weight name (Llama,
@@ -51,14 +53,6 @@ SERVED = {
         "group_size": None,
     },
 }
-
-
-class Int8Weight(NamedTuple):
-    """A linear layer's int8 weight [out, in] and its float32 scale per output row [out]
-    (weight ~ weight.float() * scale[:, None])."""
-
-    weight: torch.Tensor
-    scale: torch.Tensor
 
 
 def quantization_config(hf_config: dict[str, Any]) -> dict[str, Any] | None:
@@ -196,12 +190,3 @@ def quantize_linear_weights(
         else:
             out[name] = t
     return out
-
-
-def concat_int8(parts: list[Int8Weight]) -> Int8Weight:
-    """Layers stacked along their output rows (q, k, v into qkv; gate, up): the per-row
-    scales stack with them."""
-    return Int8Weight(
-        torch.cat([p.weight for p in parts]).contiguous(),
-        torch.cat([p.scale for p in parts]).contiguous(),
-    )

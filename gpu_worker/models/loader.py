@@ -22,8 +22,13 @@ from common.gguf_meta import is_gguf_file
 from common.model_paths import hf_config_of, tokenizer_dir
 from gpu_worker.attention import AttentionBackend
 from gpu_worker.kernel_choice import TORCH_KERNELS, KernelChoice
-from gpu_worker.linear_methods.int8 import quantize_weight
-from gpu_worker.linear_methods.weights import GGUFShard, GGUFWeight, Int8Weight, concat_rows
+from gpu_worker.linear_methods.weights import GGUFShard, GGUFWeight, concat_rows
+from gpu_worker.models.compressed_tensors import (
+    check_int8_w8a8,
+    int8_weights,
+    quantization_config,
+    quantize_linear_weights,
+)
 from gpu_worker.models.gguf_file import (
     GGUFTensor,
     dequantize_tensor,
@@ -173,17 +178,7 @@ def load_model(
     tp = tp or TensorParallel()
     cfg = LlamaConfig.from_hf(read_hf_config(folder))
     check_tensor_parallel(cfg, tp.size, folder)
-    if is_gguf_file(folder):
-        if tp.size != 1:
-            raise ValueError(
-                f"{folder}: a GGUF file is served on one rank (--tensor-parallel-size 1)"
-            )
-        raw = read_gguf_weights(folder)
-    else:
-        raw = read_weights(folder, tp)
-    weights = fuse_weights(raw, cfg)
-    if quantization == "int8":
-        weights = quantize_linears_int8(weights)
+    weights = fuse_weights(read_checkpoint(folder, tp, quantization), cfg)
     return build_model(cfg, weights, backend, dtype, device, max_positions, tp, kernels)
 
 
@@ -245,21 +240,29 @@ def read_gguf_weights(path: str | Path) -> dict[str, Any]:
     return weights
 
 
+def read_checkpoint(folder: str | Path, tp: TensorParallel, quantization: str) -> dict[str, Any]:
+    """The tensors of a GGUF file, an int8 W8A8 compressed-tensors folder or a float folder
+    (this rank's slices), by HF name; with `quantization` "int8", a float folder's decoder
+    linears quantized as they are read."""
+    if is_gguf_file(folder):
+        if tp.size != 1:
+            raise ValueError(
+                f"{folder}: a GGUF file is served on one rank (--tensor-parallel-size 1)"
+            )
+        return read_gguf_weights(folder)
+    raw = read_weights(folder, tp)
+    if quantization_config(read_hf_config(folder)) is not None:
+        check_int8_w8a8(quantization_config(read_hf_config(folder)) or {})
+        return int8_weights(raw)
+    return quantize_linear_weights(raw) if quantization == "int8" else raw
+
+
 def stores_quantized(path: str | Path, quantization: str = "") -> bool:
     """Whether the model at `path`, loaded with `quantization`, may have quantized linears:
     a GGUF file, an int8 checkpoint, or --quantization int8."""
     if quantization or is_gguf_file(path):
         return True
     return "quantization_config" in read_hf_config(path)
-
-
-def quantize_linears_int8(weights: dict[str, Any]) -> dict[str, Any]:
-    """Every float weight of a decoder layer's linears as int8 W8A8 (per output channel,
-    symmetric); the embedding and the LM head stay float, as LLM Compressor leaves them."""
-    for name, weight in weights.items():
-        if name.endswith("_proj.weight") and isinstance(weight, torch.Tensor):
-            weights[name] = Int8Weight(*quantize_weight(weight))
-    return weights
 
 
 def _gguf_weight(tensor: GGUFTensor) -> GGUFWeight:

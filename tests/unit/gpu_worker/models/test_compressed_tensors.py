@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gpu_worker.cpu.int8 import quantize_weight
+from gpu_worker.linear_methods.weights import concat_rows
 from gpu_worker.models import compressed_tensors as ct
 from tests.tiny_models import make_tiny_model
 from tools.export_int8 import export_int8
@@ -185,7 +186,7 @@ def test_tensor_parallel_slices_are_the_whole_cut(exported: Path, tmp_path: Path
 def test_concat_stacks_rows_and_scales() -> None:
     a = ct.Int8Weight(*quantize_weight(torch.randn(3, 8)))
     b = ct.Int8Weight(*quantize_weight(torch.randn(5, 8) * 4))
-    fused = ct.concat_int8([a, b])
+    fused = concat_rows([a, b])
     assert fused.weight.shape == (8, 8) and fused.scale.shape == (8,)
     assert torch.equal(fused.weight[3:], b.weight) and torch.equal(fused.scale[:3], a.scale)
 
