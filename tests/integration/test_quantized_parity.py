@@ -87,7 +87,7 @@ def test_preemption_keeps_the_tokens(
     runner: ModelRunner, prompts: list[list[int]], alone: list[list[int]]
 ) -> None:
     engine = _engine(
-        runner, num_blocks=10, watermark=0.0, prefix_caching=False, preemption_mode="recompute"
+        runner, num_blocks=12, watermark=0.0, prefix_caching=False, preemption_mode="recompute"
     )
     assert _serve(engine, prompts) == alone
     assert engine.policy.num_preemptions > 0
