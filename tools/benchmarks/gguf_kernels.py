@@ -81,7 +81,7 @@ def shape_row(k: GgufKernels, w: torch.Tensor, qtype: int, out: int, inn: int, r
     nbytes = w.numel()
     times = {
         "int8": best_ms(lambda: k.linear_rows(x, w, qtype, out, inn)),
-        "f32path": best_ms(lambda: k.linear_rows(x, w, qtype, out, inn, float_path=True))
+        "f32path": best_ms(lambda: k.linear_rows(x, w, qtype, out, inn, path="f32"))
         if rows <= 8
         else float("nan"),
         "deq+mm": best_ms(lambda: F.linear(x, k.dequantize(w, qtype, out, inn))),
