@@ -211,21 +211,21 @@ class GgufKernels:
             else:
                 y = self.linear_many(x2, weight, qtype, out_features, in_features, bias)
         if y is None:
-            y = self._linear_float(x2, weight, qtype, out_features, in_features, bias)
+            y = self.linear_float(x2, weight, qtype, out_features, in_features, bias)
         return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
 
-    def _linear_float(
+    def linear_float(
         self,
         x: torch.Tensor,
         weight: torch.Tensor,
         qtype: int,
         out_features: int,
         in_features: int,
-        bias: torch.Tensor | None,
+        bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Many rows: the weight dequantized to float32, whole (up to TILE_ABOVE_BYTES of
-        float32) or a tile of TILE_BYTES at a time (a matrix too large for the caches is
-        then never written out), and multiplied by torch."""
+        """x [rows, in] @ W.T (+ bias) in float32 by torch on W dequantized to float32, whole
+        (up to TILE_ABOVE_BYTES of float32) or a tile of TILE_BYTES at a time (a matrix too
+        large for the caches is then never written out): K-quants' many rows."""
         x32 = x.to(torch.float32)
         bf = bias.to(torch.float32) if bias is not None else None
         if out_features * in_features * 4 <= TILE_ABOVE_BYTES or self.load() is None:
