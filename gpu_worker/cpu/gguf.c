@@ -182,7 +182,7 @@ int gguf_linear_rows(const float *x, int rows, const uint8_t *w, int qtype, cons
 #if defined(__AVX2__)
 #define GGUF_GEMM_CASE(T)                                                                      \
     case T:                                                                                    \
-        gguf_gemm_rows(T, tile, xq->xu, xq->isum, xq, r0, rows, o0, out, bias, y);             \
+        gguf_gemm_rows(T, tile, xq, r0, rows, o0, out, bias, y);                               \
         break;
 /* every row of x against the tile of weight rows [o0, o0 + 8) */
 static void gguf_gemm_tile(int qt, const gguf_tile_unit *tile, const gguf_xq *xq, int rows,
@@ -207,11 +207,11 @@ int gguf_linear_many(const float *x, int rows, const uint8_t *w, int qtype, cons
     int64_t row_bytes = (int64_t)(in / 32) * gguf_block_bytes(qtype);
     gguf_xq xq;
     if (gguf_xq_make(x, rows, in, &xq)) return 2;
-    int tiles = (out + 7) / 8, failed = 0;
+    int tiles = (out + GGUF_GW - 1) / GGUF_GW, failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        gguf_tile_unit *tile =
-            (gguf_tile_unit *)aligned_alloc(32, sizeof(gguf_tile_unit) * (size_t)xq.nu);
+        size_t size = sizeof(gguf_tile_unit) * (size_t)xq.nu;
+        gguf_tile_unit *tile = (gguf_tile_unit *)aligned_alloc(sizeof(gguf_gvi), size);
         if (!tile) {
 #pragma omp atomic write
             failed = 1;
@@ -219,8 +219,8 @@ int gguf_linear_many(const float *x, int rows, const uint8_t *w, int qtype, cons
 #pragma omp for schedule(dynamic, 1)
         for (int t = 0; t < tiles; t++) {
             if (!tile) continue;
-            gguf_gemm_unpack(qtype, w, row_bytes, 8 * t, out, xq.nu, tile);
-            gguf_gemm_tile(qtype, tile, &xq, rows, 8 * t, out, bias, y);
+            gguf_gemm_unpack(qtype, w, row_bytes, GGUF_GW * t, out, xq.nu, tile);
+            gguf_gemm_tile(qtype, tile, &xq, rows, GGUF_GW * t, out, bias, y);
         }
         free(tile);
     }
