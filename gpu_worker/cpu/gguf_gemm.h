@@ -5,9 +5,9 @@
  *
  * A tile of 8 weight rows (16 with AVX-512 VNNI) is unpacked once (L1-resident) with its bytes
  * transposed so that a register holds 4 consecutive bytes of each row: one `vpdpbusd` then
- * adds 4 products to each of 8 (16) outputs, against 4 bytes of x broadcast. x (quantized per row as in
- * the few-row kernel) goes as the unsigned operand, x + 128; the weights' quants as the signed
- * one (raw quants, <= 31, or Q8_0's int8). So
+ * adds 4 products to each of 8 (16) outputs, against 4 bytes of x broadcast. x (quantized per
+ * row as in the few-row kernel) goes as the unsigned operand, x + 128; the weights' quants as
+ * the signed one (raw quants, <= 31, or Q8_0's int8). So
  *     dot(x, q - off) = dpbusd(x + 128, q) - 128 * sum(q) - off * sum(x)
  * with off 8 / 16 for Q4_0 / Q5_0, 0 otherwise (128 for Q8_0 is its own int8). Without VNNI,
  * maddubs's int16 pairs would saturate on Q8_0 (255 * 127 * 2): the caller gets 1 back.
