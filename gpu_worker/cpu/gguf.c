@@ -16,12 +16,12 @@
  * Two units per AVX-512 register halve the instructions per row but not the time (measured on
  * Sapphire Rapids, one thread: Q4_1 1536x576 at 8 rows 196 vs 190 us, at one row 40 vs 58;
  * Q6_K 576x1536 at 8 rows 300 vs 201 but at one row 72 vs 88), and a path chosen by the row
- * count would make a row's result depend on its batch: 256-bit only.
+ * count would make a row's result depend on its batch: 256-bit only (the GEMM uses 512).
  * Without AVX2 the same entry takes the float path: each weight row dequantized to float32
  * (L1-resident) and multiplied in float32 (gguf_linear_rows_f32, also exported to measure:
  * 3-4x slower than the int8 kernel at 1 to 8 rows).
- * More rows: gguf_linear_many, an int8 GEMM on 8 weight rows at a time (gguf_gemm.h), for the
- * 32-value types; it returns 1 for K-quants (the caller dequantizes and multiplies in float).
+ * More rows: gguf_linear_many, an int8 GEMM on 8 or 16 weight rows at a time (gguf_gemm.h),
+ * for the 32-value types; 1 for K-quants (the caller dequantizes and multiplies in float).
  *
  * Files: gguf.h (formats, scalar), gguf_rows.h (the few-row kernel's AVX2 pieces),
  * gguf_gemm.h (the GEMM), this file (x's quantization, entries).
