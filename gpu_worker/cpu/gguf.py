@@ -7,8 +7,8 @@ rows of its batch). Up to MAX_KERNEL_ROWS rows (decode) go to the few-row kernel
 streams the weights once in their block format; more rows (prefill chunks, big decode
 batches) to an int8 GEMM on 8 weight rows at a time (Q4_0, Q4_1, Q5_0, Q5_1; Q8_0 on CPUs
 with VNNI); K-quants, and CPUs without AVX2, dequantize to float32 and multiply with torch.
-The two int8 paths round differently (float sums in another order): a row's result at 8 rows
-or fewer and at more may differ in the last bits.
+The two int8 paths round differently (float sums in another order): a row's result in a batch
+of MAX_KERNEL_ROWS rows or fewer and in a larger one may differ in the last bits.
 
 `GgufKernels(march)` holds one built library: this CPU's instruction set by default, another
 (`"haswell"`: AVX2 only) for tests. The module functions use this CPU's.
@@ -31,9 +31,10 @@ HEADERS = tuple(Path(__file__).with_name(n) for n in ("gguf.h", "gguf_rows.h", "
 _T = gguf.GGMLQuantizationType
 SUPPORTED = frozenset({_T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1, _T.Q8_0, _T.Q4_K, _T.Q5_K, _T.Q6_K})
 # the most rows of x the few-row kernel takes; more go to the int8 GEMM: where the two met for
-# SmolLM2's Q4_1 shapes ([1536, 576], ms at 4 / 8 / 16 rows: 0.12 / 0.20 / 0.38 vs 0.14 / 0.16 /
-# 0.24; one thread of a busy 2-core Sapphire Rapids, CPU time)
-MAX_KERNEL_ROWS = 8
+# SmolLM2's shapes (ms, 2 threads, tools/benchmarks/gguf_kernels.py, weights hot: Q4_1
+# [1536, 576] at 4 / 8 rows 0.063 / 0.108 vs 0.060 / 0.074, Q8_0 [49152, 576] 1.75 / 3.04 vs
+# 1.98 / 2.31; on a busy 2-core Sapphire Rapids)
+MAX_KERNEL_ROWS = 4
 # many rows on a matrix of more float32 bytes than TILE_ABOVE_BYTES dequantize it TILE_BYTES at
 # a time: SmolLM2's [49152, 576] vocabulary at 64 rows 86 -> 36 ms (at 512 rows 400 -> 420-450;
 # its other matrices, whole or tiled, within noise), one thread of a busy Sapphire Rapids
