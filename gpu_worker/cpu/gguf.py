@@ -1,14 +1,14 @@
 """Linear layers on GGUF block-format weights (Q4_0 ... Q6_K) by the C kernels of gguf.c.
 
 The weight is the GGUF tensor's raw bytes, a uint8 tensor [out_features, row_bytes] (one row
-of the matrix = in_features / block_values blocks, laid out as ggml stores them). Every row
-count goes to the int8 kernel: each row of x quantized to int8 per 32 values (per row, so a
-sequence's output never depends on its batch: the same bits alone, in a batch, in a prefill
-chunk or a speculative verification), the weights streamed once in their block format for
-a tile of rows. Dequantizing to float32 and multiplying with torch (oneDNN) was faster for
-prefill chunks above MAX_KERNEL_ROWS rows (tools/benchmarks/gguf_kernels.py) but gives other
-bits than the decode path, so greedy tokens would change with the batch: it serves only where
-the library cannot be built.
+of the matrix = in_features / block_values blocks, laid out as ggml stores them). Each row of
+x is quantized to int8 per 32 values (per row, so a row's output never depends on the other
+rows of its batch). Up to MAX_KERNEL_ROWS rows (decode) go to the few-row kernel, which
+streams the weights once in their block format; more rows (prefill chunks, big decode
+batches) to an int8 GEMM on 8 weight rows at a time (Q4_0, Q4_1, Q5_0, Q5_1; Q8_0 on CPUs
+with VNNI); K-quants, and CPUs without AVX2, dequantize to float32 and multiply with torch.
+The two int8 paths round differently (float sums in another order): a row's result in a batch
+of MAX_KERNEL_ROWS rows or fewer and in a larger one may differ in the last bits.
 
 `GgufKernels(march)` holds one built library: this CPU's instruction set by default, another
 (`"haswell"`: AVX2 only) for tests. The module functions use this CPU's.
@@ -27,13 +27,14 @@ import torch.nn.functional as F
 from gpu_worker.cpu.build import KernelLibrary
 
 SOURCE = Path(__file__).with_name("gguf.c")
-HEADER = Path(__file__).with_name("gguf.h")
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("gguf.h", "gguf_rows.h", "gguf_gemm.h"))
 _T = gguf.GGMLQuantizationType
 SUPPORTED = frozenset({_T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1, _T.Q8_0, _T.Q4_K, _T.Q5_K, _T.Q6_K})
-# the most rows of x the int8 kernel takes; more go to dequantize + torch.mm: where the two met
-# for SmolLM2's Q4_1 shapes (16 rows: 0.375 vs 0.479 ms for [1536, 576], 32 rows 0.711 vs 0.648;
-# one thread of a busy 2-core Sapphire Rapids, tools/benchmarks/gguf_kernels.py)
-MAX_KERNEL_ROWS = 16
+# the most rows of x the few-row kernel takes; more go to the int8 GEMM: where the two met for
+# SmolLM2's shapes (ms, 2 threads, tools/benchmarks/gguf_kernels.py, weights hot: Q4_1
+# [1536, 576] at 4 / 8 rows 0.063 / 0.108 vs 0.060 / 0.074, Q8_0 [49152, 576] 1.75 / 3.04 vs
+# 1.98 / 2.31; on a busy 2-core Sapphire Rapids)
+MAX_KERNEL_ROWS = 4
 # many rows on a matrix of more float32 bytes than TILE_ABOVE_BYTES dequantize it TILE_BYTES at
 # a time: SmolLM2's [49152, 576] vocabulary at 64 rows 86 -> 36 ms (at 512 rows 400 -> 420-450;
 # its other matrices, whole or tiled, within noise), one thread of a busy Sapphire Rapids
@@ -43,7 +44,7 @@ TILE_BYTES = 1 << 20
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i = ctypes.c_void_p, ctypes.c_int
-    for name in ("gguf_linear_rows", "gguf_linear_rows_f32"):
+    for name in ("gguf_linear_rows", "gguf_linear_rows_f32", "gguf_linear_many"):
         fn = getattr(lib, name)
         fn.restype = i
         fn.argtypes = [p, i, p, i, p, p, i, i, i]
@@ -83,7 +84,7 @@ class GgufKernels:
 
     def __init__(self, march: str = "native") -> None:
         self._library = KernelLibrary(
-            SOURCE, _declare, f"GGUF CPU kernels ({march})", (HEADER,), march
+            SOURCE, _declare, f"GGUF CPU kernels ({march})", HEADERS, march
         )
 
     def load(self) -> ctypes.CDLL | None:
@@ -104,20 +105,54 @@ class GgufKernels:
         out_features: int,
         in_features: int,
         bias: torch.Tensor | None = None,
-        float_path: bool = False,
+        path: str = "rows",
     ) -> torch.Tensor:
-        """x [rows, in] float32 @ W.T (+ bias) -> [rows, out] float32, W streamed in its
-        block format: by the int8 kernel, or (`float_path`) dequantized per row in float32."""
+        """x [rows, in] float32 @ W.T (+ bias) -> [rows, out] float32, W in its block format:
+        by the few-row int8 kernel ("rows"), the int8 GEMM ("many"), or each weight row
+        dequantized and multiplied in float32 ("f32"). ValueError where the path does not
+        take the type on this CPU (the GEMM: Q4_0, Q4_1, Q5_0, Q5_1; Q8_0 with VNNI)."""
+        y, code = self._run(path, x, weight, qtype, out_features, in_features, bias)
+        if code == 1:
+            raise ValueError(f"the {path!r} path does not take type {qtype} on this CPU")
+        return y
+
+    def linear_many(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        qtype: int,
+        out_features: int,
+        in_features: int,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """As linear_rows by the int8 GEMM; None where it does not take the type here."""
+        y, code = self._run("many", x, weight, qtype, out_features, in_features, bias)
+        return None if code == 1 else y
+
+    def _run(
+        self,
+        path: str,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        qtype: int,
+        out_features: int,
+        in_features: int,
+        bias: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, int]:
         _check_weight(weight, qtype, out_features, in_features)
         xf = x.to(torch.float32).contiguous()
         if xf.dim() != 2 or xf.shape[1] != in_features:
             raise ValueError(f"x must be [rows, {in_features}], got {tuple(x.shape)}")
         y = torch.empty(xf.shape[0], out_features, dtype=torch.float32)
         if xf.shape[0] == 0:
-            return y
+            return y, 0
         bf = bias.to(torch.float32).contiguous() if bias is not None else None
         lib = self._lib()
-        fn = lib.gguf_linear_rows_f32 if float_path else lib.gguf_linear_rows
+        fn = {
+            "rows": lib.gguf_linear_rows,
+            "f32": lib.gguf_linear_rows_f32,
+            "many": lib.gguf_linear_many,
+        }[path]
         code = fn(
             xf.data_ptr(),
             xf.shape[0],
@@ -129,9 +164,9 @@ class GgufKernels:
             in_features,
             torch.get_num_threads(),
         )
-        if code != 0:
-            raise RuntimeError(f"gguf_linear_rows failed ({code})")
-        return y
+        if code not in (0, 1):
+            raise RuntimeError(f"GGUF {path} kernel failed ({code})")
+        return y, code
 
     def dequantize(
         self, weight: torch.Tensor, qtype: int, out_features: int, in_features: int
@@ -166,29 +201,32 @@ class GgufKernels:
         in_features: int,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [..., in] (float32 or bfloat16) @ W.T (+ bias) in x's dtype: the int8 kernel for
-        any number of rows, so a row's result is the same bits whatever else is in the step
-        (a sequence's tokens never depend on its batch); dequantize + torch only where the
-        library cannot be had."""
+        """x [..., in] (float32 or bfloat16) @ W.T (+ bias) in x's dtype: the few-row int8
+        kernel for up to MAX_KERNEL_ROWS rows, the int8 GEMM beyond where it takes the type,
+        else dequantization + torch."""
         x2 = x.reshape(-1, in_features)
+        y: torch.Tensor | None = None
         if x2.shape[0] > 0 and self.load() is not None:
-            y = self.linear_rows(x2, weight, qtype, out_features, in_features, bias)
-        else:
-            y = self._linear_many(x2, weight, qtype, out_features, in_features, bias)
+            if x2.shape[0] <= MAX_KERNEL_ROWS:
+                y = self.linear_rows(x2, weight, qtype, out_features, in_features, bias)
+            else:
+                y = self.linear_many(x2, weight, qtype, out_features, in_features, bias)
+        if y is None:
+            y = self.linear_float(x2, weight, qtype, out_features, in_features, bias)
         return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
 
-    def _linear_many(
+    def linear_float(
         self,
         x: torch.Tensor,
         weight: torch.Tensor,
         qtype: int,
         out_features: int,
         in_features: int,
-        bias: torch.Tensor | None,
+        bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Many rows: the weight dequantized to float32, whole (up to TILE_ABOVE_BYTES of
-        float32) or a tile of TILE_BYTES at a time (a matrix too large for the caches is
-        then never written out), and multiplied by torch."""
+        """x [rows, in] @ W.T (+ bias) in float32 by torch on W dequantized to float32, whole
+        (up to TILE_ABOVE_BYTES of float32) or a tile of TILE_BYTES at a time (a matrix too
+        large for the caches is then never written out): K-quants' many rows."""
         x32 = x.to(torch.float32)
         bf = bias.to(torch.float32) if bias is not None else None
         if out_features * in_features * 4 <= TILE_ABOVE_BYTES or self.load() is None:

@@ -5,16 +5,19 @@
 For each SmolLM2-135M shape, with the real Q4_1 file's tensors (its Q8_0 vocabulary matrix
 too), and each row count: milliseconds (best of a few calls, weights hot in cache) and GB/s
 of weight bytes read, for
-  int8     gguf_linear_rows: x rounded to int8 per 32 values, weights in their block format
+  int8     the few-row kernel (gguf_linear_rows): x rounded to int8 per 32 values, weights
+           streamed in their block format (gguf_linear: up to MAX_KERNEL_ROWS rows)
+  gemm     the int8 GEMM (gguf_linear_many; gguf_linear: beyond MAX_KERNEL_ROWS rows)
   f32path  gguf_linear_rows_f32: each weight row dequantized to float32, then fp32 dots
-  deq+mm   dequantize the whole matrix to float32, then torch (the many-row path)
+  deq+mm   dequantize to float32 (1 MB tiles above 8 MB), then torch (K-quants' many rows)
   fp32     torch's F.linear on the float32 matrix (4 bytes per weight)
   shuttle  shuttle's float32 path: linear.c for <= 8 rows, oneDNN pre-packed beyond
   int8pk   torch.ops.aten._weight_int8pack_mm (int8 weights, a scale per output)
   int4pk   torch.ops.aten._weight_int4pack_mm_for_cpu (int4, group 32)
   sum      a plain sum of the block bytes (the kernels' read limit, hot)
-then a whole decode step's linears: every weight tensor of the file once, in order, rows 1,
-4, 8 (cold: 96 MB streamed from memory), against a plain sum of the same bytes.
+then a whole decode step's linears by gguf_linear: every weight tensor of the file once, in
+order, for 1, 4, 8, 64 rows (96 MB, more than the caches of most CPUs), against a plain sum of
+the same bytes.
 Timings on a machine whose cores are shared are upper bounds: say so with the figures.
 """
 
@@ -81,10 +84,13 @@ def shape_row(k: GgufKernels, w: torch.Tensor, qtype: int, out: int, inn: int, r
     nbytes = w.numel()
     times = {
         "int8": best_ms(lambda: k.linear_rows(x, w, qtype, out, inn)),
-        "f32path": best_ms(lambda: k.linear_rows(x, w, qtype, out, inn, float_path=True))
+        "gemm": best_ms(lambda: k.linear_many(x, w, qtype, out, inn))
+        if k.linear_many(x, w, qtype, out, inn) is not None
+        else float("nan"),
+        "f32path": best_ms(lambda: k.linear_rows(x, w, qtype, out, inn, path="f32"))
         if rows <= 8
         else float("nan"),
-        "deq+mm": best_ms(lambda: F.linear(x, k.dequantize(w, qtype, out, inn))),
+        "deq+mm": best_ms(lambda: k.linear_float(x, w, qtype, out, inn, None)),
         "fp32": best_ms(lambda: F.linear(x, wf)),
     }
     if rows <= linear.MAX_ROWS[torch.float32]:
@@ -102,8 +108,8 @@ def shape_row(k: GgufKernels, w: torch.Tensor, qtype: int, out: int, inn: int, r
         )
     times["sum"] = best_ms(lambda: k.sum_bytes(w))
     cells = " ".join(f"{v:8.3f}" for v in times.values())
-    gbs = nbytes / times["int8"] / 1e6
-    return f"{rows:5d} {cells}   int8 {gbs:5.1f} GB/s, sum {nbytes / times['sum'] / 1e6:5.1f}"
+    fast = min(times["int8"], times["gemm"])
+    return f"{rows:5d} {cells}  {nbytes / fast / 1e6:5.1f} / {nbytes / times['sum'] / 1e6:5.1f}"
 
 
 def per_shape(k: GgufKernels, tensors: list, rows_list: list[int]) -> None:
@@ -114,25 +120,28 @@ def per_shape(k: GgufKernels, tensors: list, rows_list: list[int]) -> None:
         seen.add((qtype, out, inn))
         qname = gguf.GGMLQuantizationType(qtype).name
         print(f"\n{qname} [{out}, {inn}] ({w.numel() / 1e6:.2f} MB), ms:")
-        print(" rows     int8  f32path   deq+mm     fp32  shuttle   int8pk   int4pk      sum")
+        print(
+            " rows     int8     gemm  f32path   deq+mm     fp32  shuttle   int8pk   int4pk      sum"
+            "  best int8 / sum GB/s"
+        )
         for rows in rows_list:
             print(shape_row(k, w, qtype, out, inn, rows), flush=True)
 
 
 def whole_step(k: GgufKernels, tensors: list) -> None:
     total = sum(w.numel() for _, w, *_ in tensors)
-    print(f"\nA decode step's linears: {len(tensors)} tensors, {total / 1e6:.1f} MB, cold")
+    print(f"\nA decode step's linears: {len(tensors)} tensors, {total / 1e6:.1f} MB")
     sum_ms = best_ms(lambda: [k.sum_bytes(w) for _, w, *_ in tensors])
     print(f"  sum of the bytes  {sum_ms:7.2f} ms  {total / sum_ms / 1e6:5.1f} GB/s")
-    for rows in (1, 4, 8):
+    for rows in (1, 4, 8, 64):
         xs = {inn: torch.randn(rows, inn) for *_, inn in tensors}
 
         def step(xs: dict[int, torch.Tensor] = xs) -> None:
             for _, w, qtype, out, inn in tensors:
-                k.linear_rows(xs[inn], w, qtype, out, inn)
+                k.linear(xs[inn], w, qtype, out, inn)
 
         ms = best_ms(step)
-        print(f"  int8 rows={rows}       {ms:7.2f} ms  {total / ms / 1e6:5.1f} GB/s")
+        print(f"  gguf_linear rows={rows:<3d} {ms:7.2f} ms  {total / ms / 1e6:5.1f} GB/s")
 
 
 def main() -> None:

@@ -117,6 +117,14 @@ def check(y: torch.Tensor, y_ref: torch.Tensor, bound: torch.Tensor) -> None:
     assert bool((err <= bound).all()), f"max error {err.max():.3g}, its bound {bound.min():.3g}"
 
 
+def gemm_types(march: str) -> set[int]:
+    """The types the int8 GEMM takes in that build (Q8_0 needs VNNI: maddubs would saturate)."""
+    if march == "x86-64":
+        return set()
+    vnni = march == "native" and bool({"avx512_vnni", "avx_vnni"} & cpu_flags())
+    return {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1} | ({T.Q8_0} if vnni else set())
+
+
 CASES = [(q, s) for q in SMALL_TYPES for s in SMALL_SHAPES] + [
     (q, s) for q in K_TYPES for s in K_SHAPES
 ]
@@ -139,11 +147,18 @@ def test_kernels_match_gguf_py(march: str, qtype: int, shape: tuple[int, int]) -
         x = torch.randn(rows, inn, generator=gen)
         y_ref = x.double() @ ref.T + bias.double()
         check(k.linear_rows(x, wt, qtype, out, inn, bias), y_ref, int8_bound(x, w, qtype, ref))
-        y_f32 = k.linear_rows(x, wt, qtype, out, inn, bias, float_path=True)
+        y_f32 = k.linear_rows(x, wt, qtype, out, inn, bias, path="f32")
         check(y_f32, y_ref, rounding(x, ref))
         check(k.linear(x, wt, qtype, out, inn, bias), y_ref, int8_bound(x, w, qtype, ref))
+        many = k.linear_many(x, wt, qtype, out, inn, bias)
+        assert (many is None) == (qtype not in gemm_types(march))
+        if many is not None:
+            check(many, y_ref, int8_bound(x, w, qtype, ref))
         xe = exact_int8_rows(rows, inn, seed + rows)
-        check(k.linear_rows(xe, wt, qtype, out, inn), xe.double() @ ref.T, rounding(xe, ref))
+        y_exact = xe.double() @ ref.T
+        check(k.linear_rows(xe, wt, qtype, out, inn), y_exact, rounding(xe, ref))
+        if many is not None:
+            check(k.linear_rows(xe, wt, qtype, out, inn, path="many"), y_exact, rounding(xe, ref))
 
 
 def test_vocabulary_projection() -> None:
@@ -161,15 +176,17 @@ def test_vocabulary_projection() -> None:
             check(k.linear(x, wt, qtype, out, inn, bias), y_ref, bound)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q6_K])
-def test_rows_do_not_depend_on_their_batch(qtype: int) -> None:
+@pytest.mark.parametrize("qtype,path", [(T.Q4_1, "rows"), (T.Q6_K, "rows"), (T.Q4_1, "many")])
+def test_rows_do_not_depend_on_their_batch(qtype: int, path: str) -> None:
     out, inn = 96, 512
     wt = torch.from_numpy(random_weight(qtype, out, inn, 3))
     x = torch.randn(13, inn, generator=torch.Generator().manual_seed(3))
-    batch = gguf_cpu.GgufKernels().linear_rows(x, wt, qtype, out, inn)
+    k = KERNELS["native"]
+    batch = k.linear_rows(x, wt, qtype, out, inn, path=path)
     for r in range(13):
-        alone = gguf_cpu.GgufKernels().linear_rows(x[r : r + 1], wt, qtype, out, inn)
-        assert torch.equal(batch[r : r + 1], alone)
+        assert torch.equal(
+            batch[r : r + 1], k.linear_rows(x[r : r + 1], wt, qtype, out, inn, path=path)
+        )
 
 
 def test_gguf_linear_takes_any_leading_shape_and_bfloat16() -> None:
@@ -199,3 +216,6 @@ def test_supported_types_and_bad_inputs() -> None:
     with pytest.raises(ValueError):
         gguf_cpu.gguf_linear(torch.randn(1, 96), wt, T.Q4_1, 8, 96)
     assert gguf_cpu.gguf_linear(torch.randn(0, 64), wt, T.Q4_1, 8, 64).shape == (0, 8)
+    wk = torch.from_numpy(random_weight(T.Q4_K, 8, 256, 0))
+    with pytest.raises(ValueError):  # the GEMM takes the 32-value types only
+        KERNELS["native"].linear_rows(torch.randn(9, 256), wk, T.Q4_K, 8, 256, path="many")
