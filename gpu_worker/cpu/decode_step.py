@@ -45,6 +45,8 @@ INCLUDES = (
     HERE / "linear.c",
     HERE / "gguf.c",
     HERE / "gguf.h",
+    HERE / "gguf_rows.h",
+    HERE / "gguf_gemm.h",
     HERE / "int8.c",
     HERE / "layers.c",
     HERE.parent / "attention" / "cpu_paged_decode.c",

@@ -6,9 +6,10 @@ x is quantized to int8 per 32 values (per row, so a row's output never depends o
 rows of its batch). Up to MAX_KERNEL_ROWS rows (decode) go to the few-row kernel, which
 streams the weights once in their block format; more rows (prefill chunks, big decode
 batches) to an int8 GEMM on 8 weight rows at a time (Q4_0, Q4_1, Q5_0, Q5_1; Q8_0 on CPUs
-with VNNI); K-quants, and CPUs without AVX2, dequantize to float32 and multiply with torch.
-The two int8 paths round differently (float sums in another order): a row's result in a batch
-of MAX_KERNEL_ROWS rows or fewer and in a larger one may differ in the last bits.
+with VNNI); CPUs without AVX2 dequantize to float32 and multiply with torch.
+The two int8 paths do the same float operations in the same order, so a row's result is the
+same bits in a batch of any size (K-quants take the few-row kernel for every row count):
+greedy tokens never depend on the batch, the chunking or a speculative verification.
 
 `GgufKernels(march)` holds one built library: this CPU's instruction set by default, another
 (`"haswell"`: AVX2 only) for tests. The module functions use this CPU's.
@@ -202,15 +203,16 @@ class GgufKernels:
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [..., in] (float32 or bfloat16) @ W.T (+ bias) in x's dtype: the few-row int8
-        kernel for up to MAX_KERNEL_ROWS rows, the int8 GEMM beyond where it takes the type,
-        else dequantization + torch."""
+        kernel for up to MAX_KERNEL_ROWS rows, the int8 GEMM beyond where it takes the type
+        (both give a row the same bits), the few-row kernel for every row count elsewhere
+        (K-quants); dequantization + torch only without the library."""
         x2 = x.reshape(-1, in_features)
         y: torch.Tensor | None = None
         if x2.shape[0] > 0 and self.load() is not None:
-            if x2.shape[0] <= MAX_KERNEL_ROWS:
-                y = self.linear_rows(x2, weight, qtype, out_features, in_features, bias)
-            else:
+            if x2.shape[0] > MAX_KERNEL_ROWS:
                 y = self.linear_many(x2, weight, qtype, out_features, in_features, bias)
+            if y is None:  # few rows, or a type the GEMM does not take: the same bits
+                y = self.linear_rows(x2, weight, qtype, out_features, in_features, bias)
         if y is None:
             y = self.linear_float(x2, weight, qtype, out_features, in_features, bias)
         return y.to(x.dtype).reshape(*x.shape[:-1], out_features)

@@ -55,7 +55,8 @@ static inline float gguf_hsum(__m256 v) {
             if (sgn) xv_ = _mm256_sign_epi8(xv_, q);                                           \
             __m256 p_ = _mm256_cvtepi32_ps(gguf_dot_us(qa_, xv_));                             \
             acc[r] = _mm256_fmadd_ps(p_, _mm256_mul_ps(sv, _mm256_set1_ps(x->d[xr_])), acc[r]); \
-            macc[r] += (MIN_TERM) * x->s[xr_];                                                 \
+            macc[r] = _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(MIN_TERM), _mm_set_ss(x->s[xr_]),   \
+                                                 _mm_set_ss(macc[r])));                        \
         }                                                                                      \
     } while (0)
 
@@ -81,19 +82,30 @@ static inline float gguf_hsum(__m256 v) {
             GGUF_UNIT_ROWS(q, sgn, sv, u, MIN_TERM);                                           \
     } while (0)
 
-/* the 32-value block types: one weight row against nr rows of x */
+/* an int32 vector's lanes summed (exact) */
+static inline int32_t gguf_hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* the 32-value block types: one weight row against nr rows of x. Each unit's dot product is
+ * one exact int32, then, per row and in unit order, acc = fma(float(dot), dw * dx, acc) and
+ * for Q4_1/Q5_1 acc = fma(mw, sum(x), acc): the float operations of the GEMM
+ * (gguf_gemm.h), by intrinsics the compiler does not reassociate, so a row's result is the
+ * same bits on both paths, whatever the batch (tests/unit/gpu_worker/cpu/test_gguf.py) */
 static inline __attribute__((always_inline)) void gguf_dot32(int qt, const uint8_t *w, int nu,
                                                              const gguf_xq *x, int r0, int nr,
                                                              float *res, float *dst) {
-    __m256 acc[GGUF_ROW_TILE];
-    float macc[GGUF_ROW_TILE];
-    for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps(), macc[r] = 0.f;
+    __m128 acc[GGUF_ROW_TILE];
+    for (int r = 0; r < nr; r++) acc[r] = _mm_setzero_ps();
     const int bb = gguf_block_bytes(qt);
+    const int has_min = qt == GGUF_Q4_1 || qt == GGUF_Q5_1;
     for (int u = 0; u < nu; u++) {
         const uint8_t *b = w + (int64_t)u * bb;
         _mm_prefetch((const char *)b + GGUF_PREFETCH, _MM_HINT_T0);
-        __m256 sv = _mm256_set1_ps(gguf_half(b));
-        float mw = 0.f;
+        float dw = gguf_half(b), mw = 0.f;
         __m256i q;
         int sgn = qt == GGUF_Q8_0 || qt == GGUF_Q4_0 || qt == GGUF_Q5_0;
         if (qt == GGUF_Q8_0) {
@@ -110,9 +122,23 @@ static inline __attribute__((always_inline)) void gguf_dot32(int qt, const uint8
             mw = gguf_half(b + 2);
             q = _mm256_or_si256(gguf_nib32(b + 8), gguf_bits32(b + 4));
         }
-        GGUF_UNIT(q, sgn, sv, u, mw);
+        if (dst) {
+            __m256 sv = _mm256_set1_ps(dw);
+            GGUF_UNIT_STORE(q, sv, u, mw);
+            continue;
+        }
+        __m256i qa = sgn ? _mm256_abs_epi8(q) : q;
+        __m128 dw1 = _mm_set_ss(dw), mw1 = _mm_set_ss(mw);
+        for (int r = 0; r < nr; r++) {
+            int64_t xr = (int64_t)(r0 + r) * x->nu + u;
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(x->q + xr * 32));
+            if (sgn) xv = _mm256_sign_epi8(xv, q);
+            __m128 dot = _mm_cvtsi32_ss(_mm_setzero_ps(), gguf_hsum_epi32(gguf_dot_us(qa, xv)));
+            acc[r] = _mm_fmadd_ss(dot, _mm_mul_ss(dw1, _mm_set_ss(x->d[xr])), acc[r]);
+            if (has_min) acc[r] = _mm_fmadd_ss(mw1, _mm_set_ss(x->s[xr]), acc[r]);
+        }
     }
-    for (int r = 0; r < nr; r++) res[r] = gguf_hsum(acc[r]) + macc[r];
+    for (int r = 0; r < nr; r++) res[r] = _mm_cvtss_f32(acc[r]);
 }
 
 /* Q6_K's super-block b (units u0..u0+7): groups of 32 with a scale per 16 values */
@@ -182,7 +208,10 @@ static inline __attribute__((always_inline)) void gguf_dotk(int qt, const uint8_
         else
             gguf_q45k_block(qt, b, u0, x, r0, nr, acc, macc, dst);
     }
-    for (int r = 0; r < nr; r++) res[r] = gguf_hsum(acc[r]) + macc[r];
+    /* intrinsics, not C arithmetic: -ffast-math may not reorder them differently for each
+     * row count nr, so a row's result is the same bits in any batch */
+    for (int r = 0; r < nr; r++)
+        res[r] = _mm_cvtss_f32(_mm_add_ss(_mm_set_ss(gguf_hsum(acc[r])), _mm_set_ss(macc[r])));
 }
 
 /* one weight row against rows [r0, r0 + nr) of x, compiled once per row count (1..8) so that

@@ -189,6 +189,24 @@ def test_rows_do_not_depend_on_their_batch(qtype: int, path: str) -> None:
         )
 
 
+@pytest.mark.parametrize("march", list(KERNELS))
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K])
+def test_a_row_is_the_same_bits_alone_and_in_any_batch(march: str, qtype: int) -> None:
+    """The few-row kernel and the GEMM do the same float operations: a row alone (decode),
+    with 3 others, or in a prefill-sized batch gets the same bits from `linear`, so greedy
+    tokens never depend on what a sequence is batched with."""
+    out, inn = 96, 512
+    k = KERNELS[march]
+    wt = torch.from_numpy(random_weight(qtype, out, inn, 5))
+    x = torch.randn(40, inn, generator=torch.Generator().manual_seed(5))
+    whole = k.linear(x, wt, qtype, out, inn)
+    for lo, hi in ((0, 1), (7, 8), (3, 7), (9, 19)):  # alone, few rows, the GEMM's sizes
+        assert torch.equal(k.linear(x[lo:hi], wt, qtype, out, inn), whole[lo:hi])
+    many = k.linear_many(x, wt, qtype, out, inn, None)
+    if many is not None:
+        assert torch.equal(many, k.linear_rows(x, wt, qtype, out, inn, None))
+
+
 def test_gguf_linear_takes_any_leading_shape_and_bfloat16() -> None:
     out, inn, qtype = 192, 576, T.Q4_1
     w = random_weight(qtype, out, inn, 11)
