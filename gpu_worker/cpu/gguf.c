@@ -165,6 +165,23 @@ int gguf_linear_rows(const float *x, int rows, const uint8_t *w, int qtype, cons
         float res[GGUF_ROW_TILE];
         for (int r0 = 0; r0 < rows; r0 += GGUF_ROW_TILE) {
             int nr = rows - r0 < GGUF_ROW_TILE ? rows - r0 : GGUF_ROW_TILE;
+            if (gguf_takes_x8(qtype)) { /* 8 weight rows at a time (the last one repeated) */
+                for (int o0 = lo; o0 < hi; o0 += 8) {
+                    const uint8_t *wr[8];
+                    __m256 acc[GGUF_ROW_TILE];
+                    float v[8];
+                    for (int i = 0; i < 8; i++)
+                        wr[i] = w + (int64_t)(o0 + i < hi ? o0 + i : hi - 1) * row_bytes;
+                    gguf_dot_rows8(qtype, wr, xq.nu, &xq, r0, nr, acc);
+                    for (int r = 0; r < nr; r++) {
+                        _mm256_storeu_ps(v, acc[r]);
+                        for (int i = 0; i < 8 && o0 + i < hi; i++)
+                            y[(int64_t)(r0 + r) * out + o0 + i] =
+                                v[i] + (bias ? bias[o0 + i] : 0.f);
+                    }
+                }
+                continue;
+            }
             for (int o = lo; o < hi; o++) {
                 gguf_dot_row(qtype, w + (int64_t)o * row_bytes, &xq, r0, nr, res);
                 for (int r = 0; r < nr; r++)

@@ -141,6 +141,105 @@ static inline __attribute__((always_inline)) void gguf_dot32(int qt, const uint8
     for (int r = 0; r < nr; r++) res[r] = _mm_cvtss_f32(acc[r]);
 }
 
+/* lanes i of p[0..7] summed into lane i (exact int32 adds) */
+static inline __m256i gguf_hsum8x8(const __m256i *p) {
+    __m256i a0 = _mm256_hadd_epi32(p[0], p[1]), a1 = _mm256_hadd_epi32(p[2], p[3]);
+    __m256i a2 = _mm256_hadd_epi32(p[4], p[5]), a3 = _mm256_hadd_epi32(p[6], p[7]);
+    __m256i b0 = _mm256_hadd_epi32(a0, a1), b1 = _mm256_hadd_epi32(a2, a3);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20),
+                            _mm256_permute2x128_si256(b0, b1, 0x31));
+}
+
+/* The 32-value block types, 8 weight rows (wr[0..7]) at once against nr rows of x: lane i of
+ * acc[r] is row r's output for weight row i. Per unit: each row's 32 products summed to one
+ * exact int32 (the 8 sums reduced together), then acc = fma(float(dot), dw * dx, acc) and for
+ * Q4_1/Q5_1 acc = fma(mw, sum(x), acc): exactly the GEMM's per-output operations
+ * (gguf_gemm.h), so both give a row the same bits. Unsigned raw quants against signed x, the
+ * offset of Q4_0/Q5_0 taken off with x's integer sum (as the GEMM does); Q8_0 by the sign
+ * trick. ~10 instructions per block and row against ~27 one weight row at a time. */
+static inline __attribute__((always_inline)) void gguf_dot32x8(int qt, const uint8_t *const *wr,
+                                                               int nu, const gguf_xq *x, int r0,
+                                                               int nr, __m256 *acc) {
+    const int bb = gguf_block_bytes(qt);
+    const int off = qt == GGUF_Q4_0 ? 8 : qt == GGUF_Q5_0 ? 16 : 0;
+    const int has_min = qt == GGUF_Q4_1 || qt == GGUF_Q5_1;
+    for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
+    for (int u = 0; u < nu; u++) {
+        __m256i q[8], qa[8];
+        uint16_t dh[8], mh[8];
+        for (int i = 0; i < 8; i++) {
+            const uint8_t *b = wr[i] + (int64_t)u * bb;
+            _mm_prefetch((const char *)b + GGUF_PREFETCH, _MM_HINT_T0);
+            memcpy(dh + i, b, 2);
+            mh[i] = 0;
+            if (qt == GGUF_Q8_0) {
+                q[i] = _mm256_loadu_si256((const __m256i *)(b + 2));
+                qa[i] = _mm256_abs_epi8(q[i]);
+            } else if (qt == GGUF_Q4_0) {
+                q[i] = gguf_nib32(b + 2);
+            } else if (qt == GGUF_Q4_1) {
+                memcpy(mh + i, b + 2, 2);
+                q[i] = gguf_nib32(b + 4);
+            } else if (qt == GGUF_Q5_0) {
+                q[i] = _mm256_or_si256(gguf_nib32(b + 6), gguf_bits32(b + 2));
+            } else { /* Q5_1 */
+                memcpy(mh + i, b + 2, 2);
+                q[i] = _mm256_or_si256(gguf_nib32(b + 8), gguf_bits32(b + 4));
+            }
+        }
+        __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dh));
+        __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)mh));
+        for (int r = 0; r < nr; r++) {
+            int64_t xr = (int64_t)(r0 + r) * x->nu + u;
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(x->q + xr * 32)), p[8];
+            for (int i = 0; i < 8; i++)
+                p[i] = qt == GGUF_Q8_0 ? gguf_dot_us(qa[i], _mm256_sign_epi8(xv, q[i]))
+                                       : gguf_dot_us(q[i], xv);
+            __m256i tot = gguf_hsum8x8(p);
+            if (off) tot = _mm256_sub_epi32(tot, _mm256_set1_epi32(off * x->isum[xr]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot),
+                                     _mm256_mul_ps(dw, _mm256_set1_ps(x->d[xr])), acc[r]);
+            if (has_min) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x->s[xr]), acc[r]);
+        }
+    }
+}
+
+#define GGUF_NR8(T, N)                                                                         \
+    case N:                                                                                    \
+        gguf_dot32x8(T, wr, nu, x, r0, N, acc);                                                \
+        break;
+#define GGUF_CASE8(T)                                                                          \
+    case T:                                                                                    \
+        switch (nr) {                                                                          \
+            GGUF_NR8(T, 1)                                                                     \
+            GGUF_NR8(T, 2)                                                                     \
+            GGUF_NR8(T, 3)                                                                     \
+            GGUF_NR8(T, 4)                                                                     \
+            GGUF_NR8(T, 5)                                                                     \
+            GGUF_NR8(T, 6)                                                                     \
+            GGUF_NR8(T, 7)                                                                     \
+            GGUF_NR8(T, 8)                                                                     \
+        }                                                                                      \
+        break;
+
+/* whether gguf_dot32x8 takes qt (the 32-value block types) */
+static inline int gguf_takes_x8(int qt) {
+    return qt == GGUF_Q4_0 || qt == GGUF_Q4_1 || qt == GGUF_Q5_0 || qt == GGUF_Q5_1 ||
+           qt == GGUF_Q8_0;
+}
+
+/* 8 weight rows against rows [r0, r0 + nr) of x, nr <= GGUF_ROW_TILE (compiled per nr) */
+static void gguf_dot_rows8(int qt, const uint8_t *const *wr, int nu, const gguf_xq *x, int r0,
+                           int nr, __m256 *acc) {
+    switch (qt) {
+        GGUF_CASE8(GGUF_Q4_0)
+        GGUF_CASE8(GGUF_Q4_1)
+        GGUF_CASE8(GGUF_Q5_0)
+        GGUF_CASE8(GGUF_Q5_1)
+        GGUF_CASE8(GGUF_Q8_0)
+    }
+}
+
 /* Q6_K's super-block b (units u0..u0+7): groups of 32 with a scale per 16 values */
 static inline __attribute__((always_inline)) void gguf_q6k_block(
     const uint8_t *b, int u0, const gguf_xq *x, int r0, int nr, __m256 *acc, float *macc,

@@ -23,9 +23,11 @@ from typing import Any
 import gpu_worker.attention.cpu_kernel as attention
 import gpu_worker.attention.torch_backend as torch_backend
 import gpu_worker.cpu.decode_step as decode_step
+import gpu_worker.cpu.gguf as gguf
+import gpu_worker.cpu.int8 as int8
 import gpu_worker.cpu.layers as layers
 import gpu_worker.cpu.linear as linear
-from common.prepare_model import prepare_default_model
+from common.prepare_model import default_gguf_path, prepare_default_model
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models.llama import LlamaForCausalLM
 from tools.benchmarks import step
@@ -33,8 +35,9 @@ from tools.benchmarks import step
 LINEAR, ATTENTION, LAYERS = "linear (C, weights streamed)", "attention (C)", "norm/rotary/silu (C)"
 ONE_CALL = "every decoder layer (C, one call)"
 PACKED, STORE = "linear (oneDNN, packed weights)", "K/V store (torch index_copy_)"
+QUANT = "linear (quantized: GGUF / int8 kernels)"
 EXTEND = "prefill attention (torch SDPA, flash)"
-KERNELS = (ONE_CALL, LINEAR, PACKED, ATTENTION, EXTEND, STORE, LAYERS)
+KERNELS = (ONE_CALL, LINEAR, PACKED, QUANT, ATTENTION, EXTEND, STORE, LAYERS)
 
 
 def _timed(spent: dict[str, float], key: str, f: Callable[..., Any]) -> Callable[..., Any]:
@@ -66,6 +69,12 @@ def _prefills(
     return best
 
 
+def _model_path(model: str) -> str:
+    if model == "default-gguf":
+        return str(default_gguf_path())
+    return model or str(prepare_default_model())
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=1, help="sequences decoding together")
@@ -75,12 +84,21 @@ def main() -> int:
     p.add_argument("--layer-by-layer", action="store_true", help="not the one-call C step")
     p.add_argument("--prefill", type=int, default=0, help="time N-token prefill steps instead")
     p.add_argument("--no-huge-pages", action="store_true", help="weights, KV in 4 KB pages")
+    p.add_argument(
+        "--model",
+        default="",
+        help="a folder or GGUF file (default: the default model's float32 folder; "
+        "default-gguf: its Q4_1 file)",
+    )
+    p.add_argument("--quantization", default="", help="'' or int8 (quantized at load)")
     args = p.parse_args()
     steps = args.steps
     spent: dict[str, float] = collections.defaultdict(float)
     patches: list[tuple[Any, str, str]] = [
         (linear, "linear_small", LINEAR),
         (linear, "linear_packed", PACKED),
+        (gguf, "gguf_linear", QUANT),
+        (int8, "int8_linear", QUANT),
         (attention, "paged_decode", ATTENTION),
         (torch_backend.TorchAttentionBackend, "_extend", EXTEND),
         (torch_backend, "_store_kv", STORE),
@@ -91,7 +109,8 @@ def main() -> int:
     for owner, name, key in patches:
         setattr(owner, name, _timed(spent, key, getattr(owner, name)))
     runner = ModelRunner(
-        str(prepare_default_model()),
+        _model_path(args.model),
+        quantization=args.quantization,
         dtype=args.dtype,
         num_threads=2,
         kv_cache_memory_gib=1.5,
