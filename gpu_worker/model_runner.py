@@ -22,6 +22,7 @@ import logging
 import os
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +71,7 @@ from gpu_worker.tensor_parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclasses.dataclass
@@ -167,7 +168,10 @@ class ModelRunner(PlanRunner[ModelVersion]):
         prompt_lookup_min: int = 2,
         prompt_lookup_max: int = 4,
         tp: TensorParallel | None = None,
+        progress: Callable[[str], None] | None = None,
     ) -> None:
+        # start-up stages, for `shuttle serve`'s progress lines (the worker's report_progress)
+        self.progress = progress or (lambda stage: None)
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         if num_threads is not None:
@@ -197,6 +201,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
         self.quantization = quantization
         self.prompt_lookup = (prompt_lookup_min, prompt_lookup_max)
         self._init_model(attention_backend, max_model_len)
+        self.progress("allocating the KV cache")
         self._init_kv_cache(
             kv_cache_memory_gib, num_blocks, share=1 - self._draft_kv_share(draft_model)
         )
@@ -214,6 +219,8 @@ class ModelRunner(PlanRunner[ModelVersion]):
             )
         self.num_host_blocks = self.kv_cache.allocate_host(int(swap_space_gib * GIB))
         # CUDA graphs for decode steps; eager on CPU, or when asked
+        if self.device.type == "cuda":
+            self.progress("capturing CUDA graphs of decode steps")
         self.graphs = maybe_capture_graphs(
             self.model,
             self.backend,
@@ -248,7 +255,11 @@ class ModelRunner(PlanRunner[ModelVersion]):
 
     @classmethod
     def from_config(
-        cls, model_path: str, config: Config, tp: TensorParallel | None = None
+        cls,
+        model_path: str,
+        config: Config,
+        tp: TensorParallel | None = None,
+        progress: Callable[[str], None] | None = None,
     ) -> ModelRunner:
         """The runner the worker serves `model_path` with: every model, cache and speculative
         setting comes from `config`, here and nowhere else (`tp`: this rank's group)."""
@@ -278,6 +289,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
             prompt_lookup_min=spec.prompt_lookup_min,
             prompt_lookup_max=spec.prompt_lookup_max,
             tp=tp,
+            progress=progress,
         )
 
     def _init_model(self, attention_backend: str, max_model_len: int | None) -> None:
@@ -309,6 +321,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
         )
 
     def _load_model(self, path: str, backend: AttentionBackend) -> LlamaForCausalLM:
+        self.progress("choosing kernels (the C kernels are built by gcc on first use)")
         kernels = choose_kernels(
             device=self.device,
             backend_name=backend.name,
@@ -316,6 +329,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
             cpu_kernels=self.cpu_kernels,
             cpu_packed_weights=self.cpu_packed_weights,
         )
+        self.progress(f"reading weights from {path} ({kernels.describe()})")
         model = load_model(
             path,
             backend,

@@ -86,7 +86,7 @@ class WorkerActor(Actor):
     async def start(self) -> None:
         self.tp = self._join_group()
         path = str(resolve_model_path(self.config))
-        self.report_progress(f"loading weights from {path}, building kernels, warming up")
+        self.report_progress(f"loading the model {path}")
         self.runner = self._build(path)
         self.scheduler = self._scheduler_outbox()
         info = self.runner.model_info()
@@ -121,7 +121,7 @@ class WorkerActor(Actor):
             return SyntheticRunner.from_config(path, self.config)
         from gpu_worker.model_runner import ModelRunner  # imports torch: only when needed
 
-        return ModelRunner.from_config(path, self.config, self.tp)
+        return ModelRunner.from_config(path, self.config, self.tp, self.report_progress)
 
     async def dispatch(self, msg: Any) -> None:
         """Rank 0 of a group hands the message to the other ranks first."""

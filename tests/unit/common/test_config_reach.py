@@ -143,6 +143,7 @@ def test_runner_settings_reach_the_model_runner(config: Config, monkeypatch) -> 
         "prompt_lookup_min": 3,
         "prompt_lookup_max": 5,
         "tp": None,  # a single worker: no tensor-parallel group
+        "progress": None,  # the worker passes its report_progress
     }
 
 
