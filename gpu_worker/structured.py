@@ -148,12 +148,14 @@ class GrammarCache:
 
 
 def hf_tokenizer_info(path: str, vocab_size: int, stop_ids: list[int]) -> xgrammar.TokenizerInfo:
-    """xgrammar's view of a Hugging Face tokenizer folder, padded to the model's vocabulary
-    (its logits may have more rows than the tokenizer has tokens)."""
+    """xgrammar's view of a Hugging Face tokenizer folder (or a GGUF file's), padded to the
+    model's vocabulary (its logits may have more rows than the tokenizer has tokens)."""
     import xgrammar
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    from common.model_paths import tokenizer_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(path))  # a GGUF file's folder too
     return xgrammar.TokenizerInfo.from_huggingface(
         tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids
     )

@@ -41,7 +41,12 @@ from common.messages import (
     UnloadModel,
 )
 from common.model_facts import position_config, tokenizer_fingerprint
-from common.model_paths import resolve_model_path, served_model_name, synthetic_params
+from common.model_paths import (
+    resolve_model_path,
+    served_model_name,
+    synthetic_params,
+    tokenizer_dir,
+)
 from common.topology import own_name
 from gpu_worker.runner import Runner
 from gpu_worker.synthetic import SyntheticRunner
@@ -248,8 +253,9 @@ class WorkerActor(Actor):
 
 
 def check_loadable(path: str) -> None:
-    """Fail a model swap before anything changes when the folder at `path` is unusable: no
-    readable config.json, or a tokenizer that cannot be loaded (the tokenizer processes load
+    """Fail a model swap before anything changes when the folder (or GGUF file) at `path` is
+    unusable: no readable config.json (a GGUF file's: it names a tensor of a type we do not
+    serve), or a tokenizer that cannot be loaded (the tokenizer processes load
     it to serve the new version, so a model without one must not replace a working one)."""
     from transformers import AutoTokenizer
 
@@ -257,7 +263,7 @@ def check_loadable(path: str) -> None:
 
     read_hf_config(path)
     try:
-        AutoTokenizer.from_pretrained(path)
+        AutoTokenizer.from_pretrained(tokenizer_dir(path))
     except Exception as e:  # transformers raises OSError, ValueError, KeyError... by cause
         reason = (str(e).strip().splitlines() or [""])[0]  # its messages run to many lines
         raise ValueError(
