@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from gpu_worker.linear_methods.weights import CheckpointWeight, GGUFWeight, Int8Weight
-from gpu_worker.models.layer_ops import TORCH_OPS, LayerOps
+from gpu_worker.layer_ops import TORCH_OPS, LayerOps
 from gpu_worker.models.linear import FloatLinearMethod, LinearMethod
 from gpu_worker.models.llama import DecodeStep
 

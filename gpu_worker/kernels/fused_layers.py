@@ -1,4 +1,4 @@
-"""The layer ops (gpu_worker/models/layer_ops.py) by the Triton kernels, for CUDA models.
+"""The layer ops (gpu_worker/layer_ops.py) by the Triton kernels, for CUDA models.
 
     rms_norm      one kernel per norm instead of ~5 torch ops
     add_rms_norm  the residual add fused into the post-attention norm
@@ -16,7 +16,7 @@ import torch
 
 from gpu_worker.kernels.rmsnorm.kernel import fused_add_rms_norm, rms_norm
 from gpu_worker.kernels.rotary.kernel import rotary_embedding
-from gpu_worker.models.layer_ops import Rope, TorchLayerOps
+from gpu_worker.layer_ops import Rope, TorchLayerOps
 
 
 class TritonLayerOps(TorchLayerOps):

@@ -14,7 +14,7 @@ and its metadata (passed in, per step) keep requests apart.
 
 What runs is chosen once at load and held where it is used: each `Linear` holds its method
 (gpu_worker/models/linear.py: float, GGUF, int8; torch, C or Triton), the norms, attention and
-MLP hold the layer ops (gpu_worker/models/layer_ops.py), and `LlamaModel.decode_step` the
+MLP hold the layer ops (gpu_worker/layer_ops.py), and `LlamaModel.decode_step` the
 one-call decode kernel where one serves the model (gpu_worker/cpu/decode_step.py).
 """
 
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from gpu_worker.attention import AttentionBackend, AttentionMetadata
-from gpu_worker.models.layer_ops import TORCH_OPS, LayerOps, Rope, rotate_neox
+from gpu_worker.layer_ops import TORCH_OPS, LayerOps, Rope, rotate_neox
 from gpu_worker.models.linear import Linear
 from gpu_worker.sharding import vocab_shard_size
 from gpu_worker.tensor_parallel import TensorParallel, VocabParallelEmbedding
