@@ -1,0 +1,97 @@
+"""tools/benchmarks/perplexity.py: the held text's windows, the NLL arithmetic, and the
+transformers path against the model's own loss on a tiny random model (float32)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.tiny_models import make_tiny_model
+from tools.benchmarks.perplexity import (
+    LOGPROB_FLOOR,
+    held_text,
+    load_tokenizer,
+    load_transformers,
+    make_windows,
+    score,
+    special_prefix,
+    table,
+    tokens_digest,
+    transformers_logprobs,
+)
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama")
+    if not (folder / "tokenizer.json").is_file():
+        pytest.skip("no default model folder to copy SmolLM2's tokenizer from")
+    return folder
+
+
+def test_windows_are_consecutive_slices_of_the_held_text(tiny: Path) -> None:
+    tokenizer = load_tokenizer(str(tiny))
+    text = held_text()
+    assert text.startswith("Execution model") and text == held_text()
+    assert special_prefix(tokenizer) == []  # SmolLM2's tokenizer adds no BOS
+    windows = make_windows(tokenizer, text, 3, 40)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert windows == [ids[0:40], ids[40:80], ids[80:120]]
+    assert tokens_digest(windows) == tokens_digest(make_windows(tokenizer, text, 3, 40))
+    with pytest.raises(ValueError, match="fewer than"):
+        make_windows(tokenizer, text, 10_000, 40)
+
+
+def test_a_tokenizer_that_adds_a_bos_starts_every_window_with_it(tiny: Path) -> None:
+    from tokenizers.processors import TemplateProcessing
+
+    tokenizer = load_tokenizer(str(tiny))
+    bos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)]
+    )
+    assert special_prefix(tokenizer) == [bos]
+    windows = make_windows(tokenizer, held_text(), 2, 16)
+    ids = tokenizer(held_text(), add_special_tokens=False)["input_ids"]
+    assert windows == [[bos, *ids[0:15]], [bos, *ids[15:30]]]
+
+
+def test_score_is_the_mean_nll_over_every_scored_token() -> None:
+    s = score("x", [[math.log(0.5), math.log(0.25)], [math.log(0.125)]], 1.5)
+    assert (s.windows, s.tokens) == (2, 3)
+    assert s.nll == pytest.approx((1 + 2 + 3) * math.log(2) / 3)
+    assert s.ppl == pytest.approx(4.0)
+    line = s.as_json(window_len=2)
+    assert line["ppl"] == pytest.approx(4.0) and line["source"] == "x" and line["window_len"] == 2
+    assert "| x | 3 | 4.0000 | 1.0000 |" in table([s], s)
+    with pytest.raises(ValueError, match="not finite"):
+        score("llamacpp", [[-1.0, -3.4028234663852886e38]])  # log(0.0f) as llama-server sends it
+    assert -3.4e38 < LOGPROB_FLOOR
+
+
+def _direct_nll(model: Any, windows: list[list[int]]) -> float:
+    """The mean NLL by transformers' own shifted cross-entropy (labels = the inputs)."""
+    losses = []
+    with torch.no_grad():
+        for w in windows:
+            ids = torch.tensor([w])
+            losses.append(float(model(input_ids=ids, labels=ids).loss))
+    return sum(losses) / len(losses)  # the windows are equally long
+
+
+def test_transformers_nll_equals_the_models_own_loss(tiny: Path) -> None:
+    windows = make_windows(load_tokenizer(str(tiny)), held_text(), 2, 64)
+    model = load_transformers(str(tiny))
+    assert next(model.parameters()).dtype == torch.float32
+    logprobs = transformers_logprobs(model, windows)
+    assert [len(w) for w in logprobs] == [63, 63]
+    s = score("transformers", logprobs)
+    assert s.tokens == 126
+    assert s.nll == pytest.approx(_direct_nll(model, windows), rel=1e-5)
+    assert s.nll > 5.0  # a random model: near log(vocab) ~ 10.8, far from a trained one's ~2

@@ -1,0 +1,349 @@
+"""Perplexity over a held text, of a server or of transformers, for docs/benchmarks.md.
+
+    python -m tools.benchmarks.perplexity --tokenizer HF_FOLDER_OR.gguf \\
+        --gguf Q4_1.gguf --url http://127.0.0.1:8000 --llamacpp-url http://127.0.0.1:8080
+
+Every source scores the same token ids: each window's tokens after its first, given the
+ones before it; perplexity = exp(mean NLL over all of them). One JSON line per source
+({source, windows, tokens, nll, ppl, ...}; nll is the mean, in nats per token), then, with
+several sources, a table of each one's perplexity over the reference's (the first
+transformers source, else the first source).
+
+The held text: Python's own reference documentation, `pydoc_data.topics` of the standard
+library (offline, on every machine): the topics HELD_TOPICS in that order joined by blank
+lines. It changes with the Python minor version (3.11 here): the output names the version
+and a sha256 of the token ids, so two runs compare only when those agree. It is tokenised
+once with `--tokenizer` (an HF folder, or a .gguf file's own tokenizer), without special
+tokens, and cut into `--windows` consecutive windows of `--window-len` tokens; when that
+tokenizer puts tokens before a text (a BOS), each window starts with them and is that much
+shorter in text (SmolLM2's puts none). Every source gets these ids as they are.
+
+Sources (each flag may be repeated):
+  --transformers FOLDER  transformers in float32 (a compressed-tensors checkpoint, int8
+                         W8A8, is decompressed to float32 weights: run_compressed=False)
+  --gguf FILE            transformers dequantizing the GGUF file to float32 itself
+  --url URL              a vLLM-compatible server (shuttle, vLLM): POST /v1/completions with
+                         the window as a list of ids, max_tokens 1, temperature 0 and
+                         `prompt_logprobs: 0`, whose answer lists each prompt token's logprob
+                         given the ones before it (null for the first); --model names the
+                         served model (default: the first of /v1/models)
+  --llamacpp-url URL     llama.cpp's llama-server, by teacher forcing (below)
+
+llama.cpp: llama-server cannot return prompt token logprobs: `n_probs` covers generated
+tokens only, and its /v1/completions refuses `echo` ("Only no echo is supported",
+tools/server/server-common.cpp). So each scored position is one request to /completion:
+the window's ids before it as the prompt, `n_predict: 1`, `n_probs: 1` and a logit bias of
++1e4 on the window's next id, which is then the sampled token; the logprob llama-server
+reports for a sampled token is log_softmax of the model's raw logits, taken before any
+sampler (the bias included) runs (server-context.cpp populate_token_probs,
+post_sampling_probs false). Its prompt cache makes each request evaluate about one new
+token: (window_len - 1) requests per window, the windows in parallel slots. It computes
+that softmax in float32: a probability below ~1e-38 underflows, which is reported as an
+error, not averaged. (Not verified against a running llama-server in the sitting that
+wrote it: none was built.) llama.cpp's own figure, by its llama-perplexity tool on the same
+text (`--write-text held.txt`; build it with `cmake --build build --target llama-perplexity`):
+    llama-perplexity -m FILE.gguf -f held.txt -c 512 -b 512 --chunks 8 -t 2
+tokenises the text itself, adds the BOS its vocabulary asks for, and scores only the second
+half of each 512-token chunk: its absolute figure is not comparable with this tool's, its
+ratio between two files of the same model (Q4_1 / f32) is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import hashlib
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+HELD_TOPICS = ("execmodel", "types", "compound")  # (naming, exceptions: in execmodel)
+DEFAULT_WINDOWS = 8
+DEFAULT_WINDOW_LEN = 512
+LLAMACPP_FORCE_BIAS = 1e4  # on the next id's logit: it is sampled, whatever the model says
+LOGPROB_FLOOR = -1e30  # llama-server's log(0.0f) is -FLT_MAX: an underflow, not a logprob
+
+
+def held_text() -> str:
+    """The held text: HELD_TOPICS of the stdlib's pydoc_data.topics joined by blank lines."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[name] for name in HELD_TOPICS)
+
+
+def load_tokenizer(path: str) -> Any:
+    """An HF tokenizer from a model folder, or the one inside a .gguf file."""
+    from transformers import AutoTokenizer
+
+    p = Path(path)
+    if p.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+    return AutoTokenizer.from_pretrained(p)
+
+
+def special_prefix(tokenizer: Any) -> list[int]:
+    """The ids the tokenizer puts before a text when it adds special tokens (a BOS), or []."""
+    plain = tokenizer("Hello", add_special_tokens=False)["input_ids"]
+    full = tokenizer("Hello")["input_ids"]
+    for k in range(len(full) - len(plain) + 1):
+        if full[k : k + len(plain)] == plain:
+            return list(full[:k])
+    raise ValueError("the tokenizer's special tokens wrap the text in a way not understood")
+
+
+def make_windows(tokenizer: Any, text: str, num_windows: int, window_len: int) -> list[list[int]]:
+    """`num_windows` windows of `window_len` ids: the tokenizer's special prefix (if any),
+    then consecutive slices of the text's ids (tokenised once, without special tokens)."""
+    prefix = special_prefix(tokenizer)
+    step = window_len - len(prefix)
+    if step < 2:
+        raise ValueError(f"window_len {window_len} leaves fewer than 2 text tokens")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < num_windows * step:
+        raise ValueError(f"the text has {len(ids)} tokens, fewer than {num_windows} x {step}")
+    return [prefix + list(ids[i * step : (i + 1) * step]) for i in range(num_windows)]
+
+
+def tokens_digest(windows: list[list[int]]) -> str:
+    """A sha256 of the windows' ids: two runs scored the same tokens when these agree."""
+    return hashlib.sha256(json.dumps(windows).encode()).hexdigest()[:16]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Score:
+    """One source's result: NLL in nats per scored token (every window's tokens after the
+    first), and its perplexity exp(nll)."""
+
+    source: str
+    windows: int
+    tokens: int
+    nll: float
+    seconds: float
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(self.nll)
+
+    def as_json(self, **extra: Any) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "ppl": self.ppl, **extra}
+
+
+def score(source: str, logprobs: list[list[float]], seconds: float = 0.0) -> Score:
+    """A Score from each window's logprobs of its tokens after the first."""
+    values = [v for window in logprobs for v in window]
+    if any(not math.isfinite(v) or v < LOGPROB_FLOOR for v in values):
+        raise ValueError(f"{source}: a logprob is not finite (an underflow?)")
+    return Score(source, len(logprobs), len(values), -math.fsum(values) / len(values), seconds)
+
+
+# --- transformers ------------------------------------------------------------------------
+
+
+def load_transformers(path: str) -> Any:
+    """transformers' model in float32 from an HF folder or a .gguf file (dequantized by
+    transformers); a compressed-tensors checkpoint decompressed to float32 weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    p = Path(path)
+    kw: dict[str, Any] = {"dtype": torch.float32}
+    if p.suffix == ".gguf":
+        return AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, **kw).eval()
+    config = json.loads((p / "config.json").read_text())
+    method = config.get("quantization_config", {}).get("quant_method")
+    if method == "compressed-tensors":
+        from transformers import CompressedTensorsConfig
+
+        kw["quantization_config"] = CompressedTensorsConfig(run_compressed=False)
+    return AutoModelForCausalLM.from_pretrained(p, **kw).eval()
+
+
+def transformers_logprobs(model: Any, windows: list[list[int]]) -> list[list[float]]:
+    """Each window's logprobs of its tokens after the first: log_softmax of the float32
+    logits at the position before each, one window at a time."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for window in windows:
+            ids = torch.tensor([window])
+            logits = model(input_ids=ids).logits[0, :-1].float()
+            lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
+            out.append(lp.double().tolist())
+    return out
+
+
+# --- servers -----------------------------------------------------------------------------
+
+
+async def _in_parallel(jobs: list[Any], concurrency: int) -> list[Any]:
+    gate = asyncio.Semaphore(concurrency)
+
+    async def run(job: Any) -> Any:
+        async with gate:
+            return await job
+
+    return list(await asyncio.gather(*(run(j) for j in jobs)))
+
+
+def served_model(url: str) -> str:
+    """The first model a vLLM-compatible server lists at /v1/models."""
+    import httpx
+
+    r = httpx.get(url.rstrip("/") + "/v1/models", timeout=60)
+    r.raise_for_status()
+    return str(r.json()["data"][0]["id"])
+
+
+async def _server_window(client: Any, model: str, window: list[int]) -> list[float]:
+    body = {
+        "model": model,
+        "prompt": window,
+        "max_tokens": 1,
+        "temperature": 0.0,
+        "prompt_logprobs": 0,
+    }
+    r = await client.post("/v1/completions", json=body)
+    r.raise_for_status()
+    entries = r.json()["choices"][0]["prompt_logprobs"]
+    if len(entries) != len(window) or entries[0] is not None:
+        raise ValueError(f"prompt_logprobs has {len(entries)} entries for {len(window)} tokens")
+    return [float(e[str(t)]["logprob"]) for e, t in zip(entries[1:], window[1:], strict=True)]
+
+
+def server_logprobs(
+    url: str, model: str, windows: list[list[int]], concurrency: int = 4
+) -> list[list[float]]:
+    """Each window's prompt logprobs from a vLLM-compatible server's /v1/completions."""
+    import httpx
+
+    async def run() -> list[list[float]]:
+        async with httpx.AsyncClient(base_url=url.rstrip("/"), timeout=600) as client:
+            jobs = [_server_window(client, model, w) for w in windows]
+            return await _in_parallel(jobs, concurrency)
+
+    return asyncio.run(run())
+
+
+async def _llamacpp_window(client: Any, window: list[int]) -> list[float]:
+    out = []
+    for i in range(1, len(window)):
+        body = {
+            "prompt": window[:i],
+            "n_predict": 1,
+            "n_probs": 1,
+            "temperature": 0.0,
+            "cache_prompt": True,
+            "logit_bias": [[window[i], LLAMACPP_FORCE_BIAS]],
+        }
+        r = await client.post("/completion", json=body)
+        r.raise_for_status()
+        (entry,) = r.json()["completion_probabilities"]
+        if entry["id"] != window[i]:
+            raise ValueError(f"llama-server sampled {entry['id']}, not the forced {window[i]}")
+        out.append(float(entry["logprob"]))
+    return out
+
+
+def llamacpp_logprobs(
+    url: str, windows: list[list[int]], concurrency: int = 4
+) -> list[list[float]]:
+    """Each window's token logprobs from llama-server, one forced token per request (see the
+    module docstring)."""
+    import httpx
+
+    async def run() -> list[list[float]]:
+        async with httpx.AsyncClient(base_url=url.rstrip("/"), timeout=600) as client:
+            return await _in_parallel([_llamacpp_window(client, w) for w in windows], concurrency)
+
+    return asyncio.run(run())
+
+
+# --- the command -------------------------------------------------------------------------
+
+
+def table(scores: Sequence[Score], reference: Score) -> str:
+    """A markdown table: each source's perplexity and its ratio to the reference's."""
+    lines = [
+        f"| source | tokens | ppl | ratio to {reference.source} |",
+        "|---|---:|---:|---:|",
+    ]
+    for s in scores:
+        lines.append(f"| {s.source} | {s.tokens} | {s.ppl:.4f} | {s.ppl / reference.ppl:.4f} |")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--tokenizer", default="", help="HF folder or .gguf (default: first source's)")
+    p.add_argument("--transformers", action="append", default=[], metavar="FOLDER")
+    p.add_argument("--gguf", action="append", default=[], metavar="FILE")
+    p.add_argument("--url", action="append", default=[], help="a vLLM-compatible server")
+    p.add_argument("--model", action="append", default=[], help="of each --url, in order")
+    p.add_argument("--llamacpp-url", action="append", default=[], metavar="URL")
+    p.add_argument("--windows", type=int, default=DEFAULT_WINDOWS)
+    p.add_argument("--window-len", type=int, default=DEFAULT_WINDOW_LEN)
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight per server")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--json", default="", help="also append the JSON lines to this file")
+    p.add_argument("--write-text", default="", help="write the held text here (for llama.cpp)")
+    return p
+
+
+def _measure(args: argparse.Namespace, windows: list[list[int]]) -> list[Score]:
+    scores = []
+    for path in [*args.transformers, *args.gguf]:
+        start = time.perf_counter()
+        logprobs = transformers_logprobs(load_transformers(path), windows)
+        kind = "transformers-gguf" if path.endswith(".gguf") else "transformers"
+        scores.append(score(f"{kind}:{Path(path).name}", logprobs, time.perf_counter() - start))
+    for i, url in enumerate(args.url):
+        model = args.model[i] if i < len(args.model) else served_model(url)
+        start = time.perf_counter()
+        logprobs = server_logprobs(url, model, windows, args.concurrency)
+        scores.append(score(f"server:{model}@{url}", logprobs, time.perf_counter() - start))
+    for url in args.llamacpp_url:
+        start = time.perf_counter()
+        logprobs = llamacpp_logprobs(url, windows, args.concurrency)
+        scores.append(score(f"llamacpp@{url}", logprobs, time.perf_counter() - start))
+    return scores
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    text = held_text()
+    if args.write_text:
+        Path(args.write_text).write_text(text)
+    tokenizer_path = args.tokenizer or next(iter([*args.transformers, *args.gguf]), "")
+    if not tokenizer_path:
+        print("--tokenizer is needed without a --transformers or --gguf source", file=sys.stderr)
+        return 2
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    windows = make_windows(load_tokenizer(tokenizer_path), text, args.windows, args.window_len)
+    extra = {
+        "window_len": args.window_len,
+        "tokens_sha256": tokens_digest(windows),
+        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+    }
+    scores = _measure(args, windows)
+    for s in scores:
+        line = json.dumps(s.as_json(**extra))
+        print(line, flush=True)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(line + "\n")
+    if len(scores) > 1:
+        print(table(scores, scores[0]))  # transformers sources are measured first
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
