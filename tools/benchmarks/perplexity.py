@@ -19,8 +19,9 @@ tokenizer puts tokens before a text (a BOS), each window starts with them and is
 shorter in text (SmolLM2's puts none). Every source gets these ids as they are.
 
 Sources (each flag may be repeated):
-  --transformers FOLDER  transformers in float32 (a compressed-tensors checkpoint, int8
-                         W8A8, is decompressed to float32 weights: run_compressed=False)
+  --transformers FOLDER  transformers in float32; a compressed-tensors checkpoint (int8
+                         W8A8) is loaded with its weights dequantized (int8 x scale) into
+                         float32 linears, activations not quantized (`dequantize=True`)
   --gguf FILE            transformers dequantizing the GGUF file to float32 itself
   --url URL              a vLLM-compatible server (shuttle, vLLM): POST /v1/completions with
                          the window as a list of ids, max_tokens 1, temperature 0 and
@@ -146,7 +147,7 @@ def score(source: str, logprobs: list[list[float]], seconds: float = 0.0) -> Sco
 
 def load_transformers(path: str) -> Any:
     """transformers' model in float32 from an HF folder or a .gguf file (dequantized by
-    transformers); a compressed-tensors checkpoint decompressed to float32 weights."""
+    transformers); a compressed-tensors checkpoint's weights dequantized to float32."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -159,7 +160,7 @@ def load_transformers(path: str) -> Any:
     if method == "compressed-tensors":
         from transformers import CompressedTensorsConfig
 
-        kw["quantization_config"] = CompressedTensorsConfig(run_compressed=False)
+        kw["quantization_config"] = CompressedTensorsConfig(dequantize=True)
     return AutoModelForCausalLM.from_pretrained(p, **kw).eval()
 
 

@@ -95,3 +95,62 @@ def test_transformers_nll_equals_the_models_own_loss(tiny: Path) -> None:
     assert s.tokens == 126
     assert s.nll == pytest.approx(_direct_nll(model, windows), rel=1e-5)
     assert s.nll > 5.0  # a random model: near log(vocab) ~ 10.8, far from a trained one's ~2
+
+
+def _int8_checkpoint(tiny: Path, folder: Path) -> Path:
+    """`tiny` as a compressed-tensors int8 W8A8 checkpoint (every linear but the LM head:
+    int8 weights, a float32 scale per output row, absmax / 127), written by the library."""
+    import shutil
+
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.quant_scheme import INT8_W8A8
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    scheme = QuantizationScheme(targets=["Linear"], **INT8_W8A8)
+    apply_quantization_config(
+        model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
+    )
+    for module in model.modules():
+        if hasattr(module, "weight_scale"):
+            absmax = module.weight.abs().amax(dim=1, keepdim=True)
+            module.weight_scale.data = absmax / 127.0
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="int-quantized")
+    compressor.compress_model(model)
+    model.save_pretrained(folder)
+    compressor.update_config(str(folder))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny / name, folder / name)
+    return folder
+
+
+def test_an_int8_checkpoint_is_scored_with_its_weights_dequantized(
+    tiny: Path, tmp_path: Path
+) -> None:
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    folder = _int8_checkpoint(tiny, tmp_path / "tiny-int8")
+    dequantized: dict[str, torch.Tensor] = {}
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        for key in f.keys():
+            if key.endswith(".weight_scale"):
+                name = key.removesuffix("_scale")
+                assert f.get_tensor(name).dtype == torch.int8
+                dequantized[name] = f.get_tensor(name).float() * f.get_tensor(key)
+    assert len(dequantized) == 2 * 7  # q k v o gate up down, in 2 layers
+    float_model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    float_model.load_state_dict(dequantized, strict=False)
+    model = load_transformers(str(folder))
+    q_proj = model.model.layers[1].self_attn.q_proj
+    assert q_proj.weight.dtype == torch.float32
+    assert torch.equal(q_proj.weight, dequantized["model.layers.1.self_attn.q_proj.weight"])
+    windows = make_windows(load_tokenizer(str(folder)), held_text(), 2, 32)
+    got = score("int8", transformers_logprobs(model, windows))
+    want = score("float", transformers_logprobs(float_model, windows))
+    assert got.nll == pytest.approx(want.nll, rel=1e-6)  # activations are not quantized
