@@ -13,6 +13,7 @@ import torch
 from tests.server import running_server
 from tests.tiny_models import make_tiny_model
 from tools.benchmarks.perplexity import (
+    docs_section,
     held_text,
     load_tokenizer,
     load_transformers,
@@ -21,6 +22,7 @@ from tools.benchmarks.perplexity import (
     score,
     served_model,
     server_logprobs,
+    table,
     transformers_logprobs,
 )
 
@@ -59,5 +61,11 @@ def test_server_perplexity_equals_transformers(
     assert lines[0]["tokens_sha256"] == lines[1]["tokens_sha256"]
     assert lines[0]["ppl"] == pytest.approx(reference.ppl, rel=1e-6)
     assert lines[1]["ppl"] == pytest.approx(reference.ppl, rel=1e-3)
+    assert lines[0]["ratio"] == 1.0
+    assert lines[1]["reference"] == lines[0]["source"] == "transformers:tiny-llama"
+    assert lines[1]["ratio"] == pytest.approx(lines[1]["ppl"] / lines[0]["ppl"])
     printed = capsys.readouterr().out
-    assert printed.count("\n| ") == 3 and "ratio to transformers:tiny-llama" in printed
+    assert table(lines) in printed
+    section = docs_section(out_file)
+    assert section.startswith("## Quality") and table(lines) in section
+    assert "2 windows of 64 tokens" in section and lines[0]["tokens_sha256"] in section

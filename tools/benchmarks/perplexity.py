@@ -268,15 +268,33 @@ def llamacpp_logprobs(
 # --- the command -------------------------------------------------------------------------
 
 
-def table(scores: Sequence[Score], reference: Score) -> str:
-    """A markdown table: each source's perplexity and its ratio to the reference's."""
-    lines = [
-        f"| source | tokens | ppl | ratio to {reference.source} |",
-        "|---|---:|---:|---:|",
-    ]
-    for s in scores:
-        lines.append(f"| {s.source} | {s.tokens} | {s.ppl:.4f} | {s.ppl / reference.ppl:.4f} |")
-    return "\n".join(lines)
+def table(lines: Sequence[dict[str, Any]]) -> str:
+    """A markdown table of JSON lines: each source's perplexity and its ratio to its run's
+    reference (the first source of the run that measured it)."""
+    out = ["| source | tokens | ppl | ratio | to |", "|---|---:|---:|---:|---|"]
+    for x in lines:
+        ratio = f"{x['ratio']:.4f}" if "ratio" in x else ""
+        to = x.get("reference", "")
+        out.append(f"| {x['source']} | {x['tokens']} | {x['ppl']:.4f} | {ratio} | {to} |")
+    return "\n".join(out)
+
+
+def docs_section(jsonl: Path) -> str:
+    """docs/benchmarks.md's section from the JSON lines that runs of `--json FILE` appended
+    (one run per weight file, each with its transformers reference first)."""
+    lines = [json.loads(x) for x in jsonl.read_text().splitlines() if x.strip()]
+    digests = sorted({x["tokens_sha256"] for x in lines})
+    return (
+        "## Quality: perplexity of quantized weights\n\n"
+        "`python -m tools.benchmarks.perplexity` (its docstring has the method): "
+        f"{lines[0]['windows']} windows of {lines[0]['window_len']} tokens of Python "
+        f"{lines[0]['python']}'s reference documentation (pydoc_data.topics: "
+        f"{', '.join(HELD_TOPICS)}), every window's tokens after its first scored, the same "
+        f"ids for every source (token digest {', '.join(digests)}); ratio: perplexity over "
+        "the reference's, transformers in float32 on the same weights dequantized.\n\n"
+        + table(lines)
+        + "\n\n"
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -335,14 +353,19 @@ def main(argv: list[str] | None = None) -> int:
         "python": f"{sys.version_info.major}.{sys.version_info.minor}",
     }
     scores = _measure(args, windows)
+    reference = scores[0]  # transformers sources are measured first
+    lines = []
     for s in scores:
-        line = json.dumps(s.as_json(**extra))
-        print(line, flush=True)
+        line = s.as_json(**extra)
+        if len(scores) > 1:
+            line.update(reference=reference.source, ratio=s.ppl / reference.ppl)
+        lines.append(line)
+        print(json.dumps(line), flush=True)
         if args.json:
             with open(args.json, "a") as f:
-                f.write(line + "\n")
+                f.write(json.dumps(line) + "\n")
     if len(scores) > 1:
-        print(table(scores, scores[0]))  # transformers sources are measured first
+        print(table(lines))
     return 0
 
 

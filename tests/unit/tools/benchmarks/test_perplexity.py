@@ -69,7 +69,9 @@ def test_score_is_the_mean_nll_over_every_scored_token() -> None:
     assert s.ppl == pytest.approx(4.0)
     line = s.as_json(window_len=2)
     assert line["ppl"] == pytest.approx(4.0) and line["source"] == "x" and line["window_len"] == 2
-    assert "| x | 3 | 4.0000 | 1.0000 |" in table([s], s)
+    ref = {**line, "source": "ref", "ppl": 2.0}
+    rows = table([ref, {**line, "ratio": 2.0, "reference": "ref"}]).splitlines()
+    assert rows[2:] == ["| ref | 3 | 2.0000 |  |  |", "| x | 3 | 4.0000 | 2.0000 | ref |"]
     with pytest.raises(ValueError, match="not finite"):
         score("llamacpp", [[-1.0, -3.4028234663852886e38]])  # log(0.0f) as llama-server sends it
     assert -3.4e38 < LOGPROB_FLOOR
