@@ -20,11 +20,10 @@ from tools.benchmarks.perplexity import (
     main,
     make_windows,
     score,
-    served_model,
-    server_logprobs,
     table,
     transformers_logprobs,
 )
+from tools.benchmarks.perplexity_servers import served_model, server_logprobs
 
 torch.set_num_threads(2)
 
@@ -53,10 +52,10 @@ def test_server_perplexity_equals_transformers(
         assert ours.ppl == pytest.approx(reference.ppl, rel=1e-3)
         # the command: one JSON line per source and the table, the server second
         out_file = tmp_path / "ppl.jsonl"
-        argv = ["--transformers", str(tiny), "--url", server.url, "--windows", "2"]
-        assert main([*argv, "--window-len", "64", "--json", str(out_file)]) == 0
+        argv = ["--transformers", str(tiny), "--url", f"shuttle fp32={server.url}"]
+        assert main([*argv, "--windows", "2", "--window-len", "64", "--json", str(out_file)]) == 0
     lines = [json.loads(x) for x in out_file.read_text().splitlines()]
-    assert [x["source"].split(":")[0] for x in lines] == ["transformers", "server"]
+    assert [x["source"] for x in lines] == ["transformers:tiny-llama", "shuttle fp32"]
     assert all(x["tokens"] == 126 and x["windows"] == 2 for x in lines)
     assert lines[0]["tokens_sha256"] == lines[1]["tokens_sha256"]
     assert lines[0]["ppl"] == pytest.approx(reference.ppl, rel=1e-6)

@@ -18,7 +18,7 @@ tokens, and cut into `--windows` consecutive windows of `--window-len` tokens; w
 tokenizer puts tokens before a text (a BOS), each window starts with them and is that much
 shorter in text (SmolLM2's puts none). Every source gets these ids as they are.
 
-Sources (each flag may be repeated):
+Sources (each flag may be repeated; `--gguf "Q4_1 dequantized=FILE"` names a source):
   --transformers FOLDER  transformers in float32; a compressed-tensors checkpoint (int8
                          W8A8) is loaded with its weights dequantized (int8 x scale) into
                          float32 linears, activations not quantized (`dequantize=True`)
@@ -28,21 +28,11 @@ Sources (each flag may be repeated):
                          `prompt_logprobs: 0`, whose answer lists each prompt token's logprob
                          given the ones before it (null for the first); --model names the
                          served model (default: the first of /v1/models)
-  --llamacpp-url URL     llama.cpp's llama-server, by teacher forcing (below)
+  --llamacpp-url URL     llama.cpp's llama-server, which cannot return prompt logprobs:
+                         one forced token per request (perplexity_servers.py says how)
 
-llama.cpp: llama-server cannot return prompt token logprobs: `n_probs` covers generated
-tokens only, and its /v1/completions refuses `echo` ("Only no echo is supported",
-tools/server/server-common.cpp). So each scored position is one request to /completion:
-the window's ids before it as the prompt, `n_predict: 1`, `n_probs: 1` and a logit bias of
-+1e4 on the window's next id, which is then the sampled token; the logprob llama-server
-reports for a sampled token is log_softmax of the model's raw logits, taken before any
-sampler (the bias included) runs (server-context.cpp populate_token_probs,
-post_sampling_probs false). Its prompt cache makes each request evaluate about one new
-token: (window_len - 1) requests per window, the windows in parallel slots. It computes
-that softmax in float32: a probability below ~1e-38 underflows, which is reported as an
-error, not averaged. (Not verified against a running llama-server in the sitting that
-wrote it: none was built.) llama.cpp's own figure, by its llama-perplexity tool on the same
-text (`--write-text held.txt`; build it with `cmake --build build --target llama-perplexity`):
+llama.cpp's own figure, by its llama-perplexity tool on the same text (`--write-text
+held.txt`; build it in its tree with `cmake --build build --target llama-perplexity`):
     llama-perplexity -m FILE.gguf -f held.txt -c 512 -b 512 --chunks 8 -t 2
 tokenises the text itself, adds the BOS its vocabulary asks for, and scores only the second
 half of each 512-token chunk: its absolute figure is not comparable with this tool's, its
@@ -52,8 +42,8 @@ ratio between two files of the same model (Q4_1 / f32) is.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -63,10 +53,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tools.benchmarks.perplexity_servers import llamacpp_logprobs, served_model, server_logprobs
+
 HELD_TOPICS = ("execmodel", "types", "compound")  # (naming, exceptions: in execmodel)
 DEFAULT_WINDOWS = 8
 DEFAULT_WINDOW_LEN = 512
-LLAMACPP_FORCE_BIAS = 1e4  # on the next id's logit: it is sampled, whatever the model says
 LOGPROB_FLOOR = -1e30  # llama-server's log(0.0f) is -FLT_MAX: an underflow, not a logprob
 
 
@@ -179,92 +170,6 @@ def transformers_logprobs(model: Any, windows: list[list[int]]) -> list[list[flo
     return out
 
 
-# --- servers -----------------------------------------------------------------------------
-
-
-async def _in_parallel(jobs: list[Any], concurrency: int) -> list[Any]:
-    gate = asyncio.Semaphore(concurrency)
-
-    async def run(job: Any) -> Any:
-        async with gate:
-            return await job
-
-    return list(await asyncio.gather(*(run(j) for j in jobs)))
-
-
-def served_model(url: str) -> str:
-    """The first model a vLLM-compatible server lists at /v1/models."""
-    import httpx
-
-    r = httpx.get(url.rstrip("/") + "/v1/models", timeout=60)
-    r.raise_for_status()
-    return str(r.json()["data"][0]["id"])
-
-
-async def _server_window(client: Any, model: str, window: list[int]) -> list[float]:
-    body = {
-        "model": model,
-        "prompt": window,
-        "max_tokens": 1,
-        "temperature": 0.0,
-        "prompt_logprobs": 0,
-    }
-    r = await client.post("/v1/completions", json=body)
-    r.raise_for_status()
-    entries = r.json()["choices"][0]["prompt_logprobs"]
-    if len(entries) != len(window) or entries[0] is not None:
-        raise ValueError(f"prompt_logprobs has {len(entries)} entries for {len(window)} tokens")
-    return [float(e[str(t)]["logprob"]) for e, t in zip(entries[1:], window[1:], strict=True)]
-
-
-def server_logprobs(
-    url: str, model: str, windows: list[list[int]], concurrency: int = 4
-) -> list[list[float]]:
-    """Each window's prompt logprobs from a vLLM-compatible server's /v1/completions."""
-    import httpx
-
-    async def run() -> list[list[float]]:
-        async with httpx.AsyncClient(base_url=url.rstrip("/"), timeout=600) as client:
-            jobs = [_server_window(client, model, w) for w in windows]
-            return await _in_parallel(jobs, concurrency)
-
-    return asyncio.run(run())
-
-
-async def _llamacpp_window(client: Any, window: list[int]) -> list[float]:
-    out = []
-    for i in range(1, len(window)):
-        body = {
-            "prompt": window[:i],
-            "n_predict": 1,
-            "n_probs": 1,
-            "temperature": 0.0,
-            "cache_prompt": True,
-            "logit_bias": [[window[i], LLAMACPP_FORCE_BIAS]],
-        }
-        r = await client.post("/completion", json=body)
-        r.raise_for_status()
-        (entry,) = r.json()["completion_probabilities"]
-        if entry["id"] != window[i]:
-            raise ValueError(f"llama-server sampled {entry['id']}, not the forced {window[i]}")
-        out.append(float(entry["logprob"]))
-    return out
-
-
-def llamacpp_logprobs(
-    url: str, windows: list[list[int]], concurrency: int = 4
-) -> list[list[float]]:
-    """Each window's token logprobs from llama-server, one forced token per request (see the
-    module docstring)."""
-    import httpx
-
-    async def run() -> list[list[float]]:
-        async with httpx.AsyncClient(base_url=url.rstrip("/"), timeout=600) as client:
-            return await _in_parallel([_llamacpp_window(client, w) for w in windows], concurrency)
-
-    return asyncio.run(run())
-
-
 # --- the command -------------------------------------------------------------------------
 
 
@@ -314,22 +219,46 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def split_label(value: str) -> tuple[str, str]:
+    """A source flag's value as (label, target): `LABEL=TARGET` names the source LABEL in
+    the output (no '/' in LABEL); a bare TARGET is named after it."""
+    label, sep, target = value.partition("=")
+    if sep and "/" not in label and label:
+        return label, target
+    return "", value
+
+
+def _sources(args: argparse.Namespace, windows: list[list[int]]) -> list[tuple[str, Any]]:
+    """(name, a call returning each window's logprobs) of every source flag, in the order
+    measured: transformers first."""
+    out: list[tuple[str, Any]] = []
+    for value in [*args.transformers, *args.gguf]:
+        label, path = split_label(value)
+        kind = "transformers-gguf" if path.endswith(".gguf") else "transformers"
+        call = functools.partial(_transformers_run, path, windows)
+        out.append((label or f"{kind}:{Path(path).name}", call))
+    for i, value in enumerate(args.url):
+        label, url = split_label(value)
+        model = args.model[i] if i < len(args.model) else served_model(url)
+        call = functools.partial(server_logprobs, url, model, windows, args.concurrency)
+        out.append((label or f"server:{model}", call))
+    for value in args.llamacpp_url:
+        label, url = split_label(value)
+        call = functools.partial(llamacpp_logprobs, url, windows, args.concurrency)
+        out.append((label or f"llamacpp:{url}", call))
+    return out
+
+
+def _transformers_run(path: str, windows: list[list[int]]) -> list[list[float]]:
+    return transformers_logprobs(load_transformers(path), windows)
+
+
 def _measure(args: argparse.Namespace, windows: list[list[int]]) -> list[Score]:
     scores = []
-    for path in [*args.transformers, *args.gguf]:
+    for name, call in _sources(args, windows):
         start = time.perf_counter()
-        logprobs = transformers_logprobs(load_transformers(path), windows)
-        kind = "transformers-gguf" if path.endswith(".gguf") else "transformers"
-        scores.append(score(f"{kind}:{Path(path).name}", logprobs, time.perf_counter() - start))
-    for i, url in enumerate(args.url):
-        model = args.model[i] if i < len(args.model) else served_model(url)
-        start = time.perf_counter()
-        logprobs = server_logprobs(url, model, windows, args.concurrency)
-        scores.append(score(f"server:{model}@{url}", logprobs, time.perf_counter() - start))
-    for url in args.llamacpp_url:
-        start = time.perf_counter()
-        logprobs = llamacpp_logprobs(url, windows, args.concurrency)
-        scores.append(score(f"llamacpp@{url}", logprobs, time.perf_counter() - start))
+        logprobs = call()
+        scores.append(score(name, logprobs, time.perf_counter() - start))
     return scores
 
 
@@ -338,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     text = held_text()
     if args.write_text:
         Path(args.write_text).write_text(text)
-    tokenizer_path = args.tokenizer or next(iter([*args.transformers, *args.gguf]), "")
+    first = next(iter([*args.transformers, *args.gguf]), "")
+    tokenizer_path = args.tokenizer or split_label(first)[1]
     if not tokenizer_path:
         print("--tokenizer is needed without a --transformers or --gguf source", file=sys.stderr)
         return 2

@@ -19,6 +19,7 @@ from tools.benchmarks.perplexity import (
     make_windows,
     score,
     special_prefix,
+    split_label,
     table,
     tokens_digest,
     transformers_logprobs,
@@ -75,6 +76,13 @@ def test_score_is_the_mean_nll_over_every_scored_token() -> None:
     with pytest.raises(ValueError, match="not finite"):
         score("llamacpp", [[-1.0, -3.4028234663852886e38]])  # log(0.0f) as llama-server sends it
     assert -3.4e38 < LOGPROB_FLOOR
+
+
+def test_a_source_flag_may_carry_a_label() -> None:
+    assert split_label("Q4_1 dequantized=/m/q.gguf") == ("Q4_1 dequantized", "/m/q.gguf")
+    assert split_label("/m/a=b/q.gguf") == ("", "/m/a=b/q.gguf")
+    assert split_label("http://h:1/x?a=b") == ("", "http://h:1/x?a=b")
+    assert split_label("shuttle=http://h:1") == ("shuttle", "http://h:1")
 
 
 def _direct_nll(model: Any, windows: list[list[int]]) -> float:
