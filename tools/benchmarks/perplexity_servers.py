@@ -16,8 +16,10 @@ sampler (the bias included) runs (server-context.cpp populate_token_probs,
 post_sampling_probs false). Its prompt cache makes each request evaluate about one new
 token: (window_len - 1) requests per window, the windows in parallel slots. It computes
 that softmax in float32: a probability below ~1e-38 underflows, which is reported as an
-error, not averaged. (Not verified against a running llama-server in the sitting that
-wrote it: none was built.)
+error, not averaged. On the default model's f32 GGUF it gives transformers' float32
+perplexity within 1e-4 (tests/integration/test_perplexity.py; llama-server's KV cache is
+float16). About 0.1 s a request on 2 busy cores: give llama-server as many slots as
+windows (-np) and `--concurrency` as many.
 """
 
 from __future__ import annotations
