@@ -1,6 +1,8 @@
-"""tools/benchmarks/perplexity.py against a real shuttle server on a tiny random float32
-model: the server's prompt logprobs give the perplexity transformers gives on the same
-weights and the same token ids (the windows sent as lists of ids)."""
+"""tools/benchmarks/perplexity.py against real servers: a shuttle server on a tiny random
+float32 model, whose prompt logprobs give the perplexity transformers gives on the same
+weights and the same token ids (the windows sent as lists of ids); and, where the peers are
+installed, llama.cpp's llama-server on the default model's f32 GGUF, scored by forced
+tokens, against transformers on the folder that GGUF was converted from."""
 
 from __future__ import annotations
 

@@ -102,7 +102,8 @@ def make_windows(tokenizer: Any, text: str, num_windows: int, window_len: int) -
 
 
 def tokens_digest(windows: list[list[int]]) -> str:
-    """A sha256 of the windows' ids: two runs scored the same tokens when these agree."""
+    """16 hex digits of a sha256 of the windows' ids: runs scored the same tokens when
+    these agree."""
     return hashlib.sha256(json.dumps(windows).encode()).hexdigest()[:16]
 
 
