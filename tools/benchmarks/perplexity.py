@@ -23,6 +23,9 @@ Sources (each flag may be repeated; `--gguf "Q4_1 dequantized=FILE"` names a sou
                          W8A8) is loaded with its weights dequantized (int8 x scale) into
                          float32 linears, activations not quantized (`dequantize=True`)
   --gguf FILE            transformers dequantizing the GGUF file to float32 itself
+  --act-int8 token|block32  with each transformers source, the same with every linear's
+                         input rounded to int8 (per token, as W8A8 does; or per 32 values,
+                         as llama.cpp does): what the activation rounding alone costs
   --url URL              a vLLM-compatible server (shuttle, vLLM): POST /v1/completions with
                          the window as a list of ids, max_tokens 1, temperature 0 and
                          `prompt_logprobs: 0`, whose answer lists each prompt token's logprob
@@ -58,6 +61,7 @@ from tools.benchmarks.perplexity_servers import llamacpp_logprobs, served_model,
 HELD_TOPICS = ("execmodel", "types", "compound")  # (naming, exceptions: in execmodel)
 DEFAULT_WINDOWS = 8
 DEFAULT_WINDOW_LEN = 512
+ACT_BLOCKS = {"token": 0, "block32": 32}  # --act-int8: quantize_activations' `block`
 LOGPROB_FLOOR = -1e30  # llama-server's log(0.0f) is -FLT_MAX: an underflow, not a logprob
 
 
@@ -156,6 +160,25 @@ def load_transformers(path: str) -> Any:
     return AutoModelForCausalLM.from_pretrained(p, **kw).eval()
 
 
+def quantize_activations(model: Any, block: int = 0) -> None:
+    """Round the input of every linear layer but the LM head to int8 and back, symmetric
+    with scale absmax / 127 per row (`block` 0: W8A8's per-token activations, as shuttle's
+    int8 method quantizes them) or per `block` consecutive values of a row (32: llama.cpp's
+    Q8 activations). A diagnostic: what the activation rounding alone costs."""
+    import torch
+
+    def rounded(module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        x = args[0]
+        rows = x.reshape(*x.shape[:-1], -1, block) if block else x
+        scale = rows.abs().amax(dim=-1, keepdim=True).clamp(min=1e-10) / 127.0
+        q = torch.round(rows / scale).clamp(-127, 127) * scale
+        return (q.reshape(x.shape), *args[1:])
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
+            module.register_forward_pre_hook(rounded)
+
+
 def transformers_logprobs(model: Any, windows: list[list[int]]) -> list[list[float]]:
     """Each window's logprobs of its tokens after the first: log_softmax of the float32
     logits at the position before each, one window at a time."""
@@ -214,6 +237,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--windows", type=int, default=DEFAULT_WINDOWS)
     p.add_argument("--window-len", type=int, default=DEFAULT_WINDOW_LEN)
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight per server")
+    p.add_argument(
+        "--act-int8",
+        choices=sorted(ACT_BLOCKS),
+        default="",
+        help="also score each transformers source with int8-rounded linear inputs",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--json", default="", help="also append the JSON lines to this file")
     p.add_argument("--write-text", default="", help="write the held text here (for llama.cpp)")
@@ -236,8 +265,11 @@ def _sources(args: argparse.Namespace, windows: list[list[int]]) -> list[tuple[s
     for value in [*args.transformers, *args.gguf]:
         label, path = split_label(value)
         kind = "transformers-gguf" if path.endswith(".gguf") else "transformers"
-        call = functools.partial(_transformers_run, path, windows)
-        out.append((label or f"{kind}:{Path(path).name}", call))
+        name = label or f"{kind}:{Path(path).name}"
+        out.append((name, functools.partial(_transformers_run, path, windows)))
+        if args.act_int8:
+            call = functools.partial(_transformers_run, path, windows, ACT_BLOCKS[args.act_int8])
+            out.append((f"{name}, int8 activations per {args.act_int8}", call))
     for i, value in enumerate(args.url):
         label, url = split_label(value)
         model = args.model[i] if i < len(args.model) else served_model(url)
@@ -250,8 +282,13 @@ def _sources(args: argparse.Namespace, windows: list[list[int]]) -> list[tuple[s
     return out
 
 
-def _transformers_run(path: str, windows: list[list[int]]) -> list[list[float]]:
-    return transformers_logprobs(load_transformers(path), windows)
+def _transformers_run(
+    path: str, windows: list[list[int]], act_block: int | None = None
+) -> list[list[float]]:
+    model = load_transformers(path)
+    if act_block is not None:
+        quantize_activations(model, act_block)
+    return transformers_logprobs(model, windows)
 
 
 def _measure(args: argparse.Namespace, windows: list[list[int]]) -> list[Score]:

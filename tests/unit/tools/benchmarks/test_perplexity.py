@@ -3,6 +3,7 @@ transformers path against the model's own loss on a tiny random model (float32).
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,9 @@ from tools.benchmarks.perplexity import (
     held_text,
     load_tokenizer,
     load_transformers,
+    main,
     make_windows,
+    quantize_activations,
     score,
     special_prefix,
     split_label,
@@ -164,3 +167,45 @@ def test_an_int8_checkpoint_is_scored_with_its_weights_dequantized(
     got = score("int8", transformers_logprobs(model, windows))
     want = score("float", transformers_logprobs(float_model, windows))
     assert got.nll == pytest.approx(want.nll, rel=1e-6)  # activations are not quantized
+
+
+def _int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = x.abs().amax(dim=-1, keepdim=True) / 127.0
+    return torch.round(x / scale).clamp(-127, 127), scale
+
+
+def test_int8_activations_are_rounded_as_w8a8_rounds_them(tiny: Path) -> None:
+    torch.manual_seed(0)
+    model = load_transformers(str(tiny))
+    layer = model.model.layers[0].mlp.down_proj
+    weight, scale = _int8_rows(layer.weight.detach())  # int8 weights, as a W8A8 checkpoint's
+    with torch.no_grad():
+        layer.weight.copy_(weight * scale)
+    x = torch.randn(5, layer.in_features) * torch.linspace(0.1, 8.0, layer.in_features)
+    before = layer(x)
+    quantize_activations(model, 0)
+    # W8A8 in the integer domain: int8 rows times int8 weights, then both scales
+    xq, xs = _int8_rows(x)
+    want = (xq @ weight.T) * xs * scale[:, 0]
+    assert torch.allclose(layer(x), want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(before, want, rtol=1e-3, atol=1e-3)
+    fresh = load_transformers(str(tiny))
+    quantize_activations(fresh, 32)
+    blocks = x.reshape(5, -1, 32)
+    s = blocks.abs().amax(-1, keepdim=True) / 127
+    x_32 = (torch.round(blocks / s) * s).reshape(5, -1)
+    down = fresh.model.layers[0].mlp.down_proj
+    assert torch.allclose(down(x), x_32 @ down.weight.T, rtol=1e-5, atol=1e-5)
+    head = fresh.lm_head
+    h = torch.randn(3, head.in_features)
+    assert torch.equal(head(h), h @ head.weight.T)  # the LM head's input is left as it is
+
+
+def test_the_command_adds_a_source_with_int8_activations(tiny: Path, tmp_path: Path) -> None:
+    out = tmp_path / "ppl.jsonl"
+    argv = ["--transformers", f"tiny={tiny}", "--act-int8", "token", "--windows", "2"]
+    assert main([*argv, "--window-len", "32", "--json", str(out)]) == 0
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["source"] for x in lines] == ["tiny", "tiny, int8 activations per token"]
+    assert [x["reference"] for x in lines] == ["tiny", "tiny"]
+    assert lines[1]["ppl"] != lines[0]["ppl"] and lines[0]["tokens"] == lines[1]["tokens"] == 62
