@@ -16,8 +16,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from gpu_worker.linear_methods.weights import CheckpointWeight, GGUFWeight, Int8Weight
 from gpu_worker.layer_ops import TORCH_OPS, LayerOps
+from gpu_worker.linear_methods.weights import CheckpointWeight, GGUFWeight, Int8Weight
 from gpu_worker.models.linear import FloatLinearMethod, LinearMethod
 from gpu_worker.models.llama import DecodeStep
 
@@ -63,7 +63,7 @@ class KernelChoice:
     def decode_step_for(self, model: nn.Module) -> DecodeStep | None:
         if not self.cpu_decode_step:
             return None
-        from gpu_worker.cpu.decode_step import decode_step_for
+        from gpu_worker.models.one_call_step import decode_step_for
 
         return decode_step_for(model)
 

@@ -15,7 +15,7 @@ and its metadata (passed in, per step) keep requests apart.
 What runs is chosen once at load and held where it is used: each `Linear` holds its method
 (gpu_worker/models/linear.py: float, GGUF, int8; torch, C or Triton), the norms, attention and
 MLP hold the layer ops (gpu_worker/layer_ops.py), and `LlamaModel.decode_step` the
-one-call decode kernel where one serves the model (gpu_worker/cpu/decode_step.py).
+one-call decode kernel where one serves the model (gpu_worker/models/one_call_step.py).
 """
 
 from __future__ import annotations
@@ -279,7 +279,7 @@ class DecoderLayer(nn.Module):
 
 class DecodeStep(Protocol):
     """A kernel that runs a whole decode step through every decoder layer (the CPU's one-call
-    step, gpu_worker/cpu/decode_step.py), for the steps it takes."""
+    step, gpu_worker/models/one_call_step.py), for the steps it takes."""
 
     def forward(
         self,

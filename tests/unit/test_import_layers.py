@@ -1,6 +1,6 @@
 """The import graph of the shipped packages, read from the source (ast, nothing imported):
 no circle; no service importing another service's package or the worker; common/ and
-gpu_worker/ importing no service; the gateway's layers in order.
+gpu_worker/ importing no service; the worker's kernels leaves; the gateway's layers in order.
 
     common  <-  gpu_worker            services/<one package each>  <-  services/*.py
        ^                                   (the supervisor, launch.py and friends)
@@ -160,6 +160,26 @@ def test_no_service_package_imports_the_worker(graph: dict[str, set[str]]) -> No
         if d.startswith("gpu_worker")
     ]
     assert wrong == []
+
+
+# the worker's kernels: C (cpu/, attention's C decode kernel) and Triton (kernels/)
+KERNEL_PACKAGES = ("gpu_worker.cpu", "gpu_worker.kernels", "gpu_worker.attention")
+# what a kernel may import of the worker: other kernels and the layer-ops protocol it fills
+KERNEL_MAY_IMPORT = (*KERNEL_PACKAGES, "gpu_worker.layer_ops")
+
+
+def test_the_workers_kernels_are_leaves(graph: dict[str, set[str]]) -> None:
+    """Kernels never import the model, its linear methods or the runner: the model's layers
+    hold the kernel objects they call (chosen by gpu_worker/kernel_choice.py), never the
+    other way round (no kernel subclasses or patches the model)."""
+    inward = [
+        (m, d)
+        for m, deps in graph.items()
+        if m.startswith(KERNEL_PACKAGES)
+        for d in deps
+        if d.startswith("gpu_worker") and not d.startswith(KERNEL_MAY_IMPORT)
+    ]
+    assert inward == []
 
 
 def _gateway_layer(module: str) -> int | None:

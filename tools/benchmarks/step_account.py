@@ -22,11 +22,11 @@ from typing import Any
 
 import gpu_worker.attention.cpu_kernel as attention
 import gpu_worker.attention.torch_backend as torch_backend
-import gpu_worker.cpu.decode_step as decode_step
 import gpu_worker.cpu.gguf as gguf
 import gpu_worker.cpu.int8 as int8
 import gpu_worker.cpu.layers as layers
 import gpu_worker.cpu.linear as linear
+import gpu_worker.models.one_call_step as one_call_step
 from common.prepare_model import default_gguf_path, prepare_default_model
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models.llama import LlamaForCausalLM
@@ -103,7 +103,7 @@ def main() -> int:
         (torch_backend.TorchAttentionBackend, "_extend", EXTEND),
         (torch_backend, "_store_kv", STORE),
         (LlamaForCausalLM, "forward", "forward"),
-        (decode_step.CpuDecodeStep, "_decode", ONE_CALL),
+        (one_call_step.CpuDecodeStep, "_decode", ONE_CALL),
         *((layers, n, LAYERS) for n in ("rms_norm", "add_rms_norm", "rotary_neox", "silu_mul")),
     ]
     for owner, name, key in patches:

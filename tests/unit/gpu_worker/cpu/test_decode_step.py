@@ -1,6 +1,7 @@
-"""The one-call decode step (gpu_worker/cpu/decode_step.py) against the layer-by-layer path
-it replaces: the same kernels in the same order, so the same hidden states bit for bit and
-the same K/V written, for every batch size it takes and on the models it takes."""
+"""The one-call decode step (gpu_worker/cpu/decode_step.py, read from the model by
+gpu_worker/models/one_call_step.py) against the layer-by-layer path it replaces: the same
+kernels in the same order, so the same hidden states bit for bit and the same K/V written,
+for every batch size it takes and on the models it takes."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from gpu_worker.attention.torch_backend import TorchAttentionBackend
 from gpu_worker.cpu import decode_step
 from gpu_worker.cpu.linear import MAX_ROWS
 from gpu_worker.kernel_choice import KernelChoice, choose_kernels
+from gpu_worker.models import one_call_step
 from gpu_worker.models.llama import LlamaForCausalLM
 from gpu_worker.models.loader import load_model, read_hf_config
 from tests.tiny_models import make_tiny_model
@@ -84,7 +86,7 @@ def _step(model: LlamaForCausalLM, n: int, seed: int) -> tuple[torch.Tensor, ...
 @pytest.mark.parametrize("n", [1, 2, 5, 8])
 def test_one_call_equals_the_layers_bit_for_bit(tiny: dict[str, Path], arch: str, n: int) -> None:
     model = _model(tiny[arch])
-    assert isinstance(model.model.decode_step, decode_step.CpuDecodeStep)
+    assert isinstance(model.model.decode_step, one_call_step.CpuDecodeStep)
     ids, kv, meta = _step(model, n, seed=n)
     kv_layers = kv.clone()
     with torch.inference_mode():
@@ -145,6 +147,6 @@ def test_prefill_and_large_batches_take_the_layers(tiny: dict[str, Path]) -> Non
 
 def test_only_models_it_takes_get_it(tiny: dict[str, Path], tmp_path: Path) -> None:
     plain = _model(tiny["llama"], cpu_layers=False)  # torch layers: not the kernels' shape
-    assert plain.model.decode_step is None and decode_step.decode_step_for(plain) is None
+    assert plain.model.decode_step is None and one_call_step.decode_step_for(plain) is None
     qk_norm = _model(make_tiny_model(tmp_path / "qwen3", "qwen3", num_layers=1))
     assert qk_norm.model.decode_step is None
