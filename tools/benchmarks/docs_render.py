@@ -431,6 +431,8 @@ def render(out: Path) -> str:
         + _tensor_parallel(out, loads)
         + _parity(out)
         + _note(out, "soak")
+        + _note(out, "quantized")
+        + _note(out, "int8_linear")
     )
     gpu = "## GPU figures\n\n" + (
         _note(out, "gpu")
