@@ -284,6 +284,11 @@ class ServerConfig:
         "how tool calls are read from the output: hermes (<tool_call>{json}</tool_call> "
         "blocks, the built-in tool template's format) or json (the whole output is a call)",
     )
+    ignore_unknown_fields: bool = _field(
+        False,
+        "log request fields no API defines as a warning and ignore them, instead of a 400 "
+        "naming them (as vLLM's --ignore-unknown-fields)",
+    )
     metrics_vllm_names: bool = _field(
         False,
         "GET /metrics under vLLM's own names (vllm:*) instead of shuttle:*, so dashboards "

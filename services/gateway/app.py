@@ -121,6 +121,7 @@ def create_app(
         "scheduling_policy": scheduler.scheduling_policy,
         "trust_request_chat_template": server.trust_request_chat_template,
         "tool_call_parser": server.tool_call_parser,
+        "ignore_unknown_fields": server.ignore_unknown_fields,
     }
     routes = OpenAIRoutes(engine, context)
     auth = [Depends(_require_key(api_key))] if api_key else []

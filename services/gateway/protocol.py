@@ -5,8 +5,9 @@ Parsing is strict about types (a string "5" is not an integer, `true` is not a n
 NaN and infinities are refused) and lenient about presence: `null` means "use the default",
 as OpenAI treats it. Every field of the OpenAI and vLLM APIs is honoured, refused (a 400
 naming it, services/gateway/refused.py), or on that module's short list of fields that
-change nothing (`user`, `metadata`, `store`, ...); fields nobody defines are ignored, since
-clients send extras. Every refusal is a `RequestRejected` whose message starts with the
+change nothing (`user`, `metadata`, `store`, ...); a field nobody defines is a 400 naming it
+with the name likely meant (services/gateway/unknown_fields.py; `--ignore-unknown-fields`
+logs it instead). Every refusal is a `RequestRejected` whose message starts with the
 field it names.
 
 Defaults:
@@ -72,6 +73,7 @@ from common.messages import GenerateRequest, SamplingParams
 from common.messages.types import MODEL_DEFAULT_FIELDS
 from services.gateway.chat_messages import ChatMessage
 from services.gateway.refused import (
+    IGNORED_FIELDS,
     REFUSED_CHAT,
     REFUSED_COMPLETION,
     check_disjoint,
@@ -84,6 +86,7 @@ from services.gateway.structured import (
     parse_structured,
 )
 from services.gateway.tools import ToolPlan, forced_grammar, plan_tools
+from services.gateway.unknown_fields import check_unknown
 
 MAX_STOP = 64  # stop strings per request
 MAX_STOP_CHARS = 256  # characters per stop string
@@ -386,7 +389,9 @@ class ChatCompletionRequest(_CommonRequest):
 
     @model_validator(mode="before")
     @classmethod
-    def _refuse_unsupported(cls, data: Any) -> Any:
+    def _refuse_unsupported(cls, data: Any, info: ValidationInfo) -> Any:
+        known = [*REFUSED_CHAT, *IGNORED_FIELDS]
+        check_unknown(data, cls, known, cls.__name__, info.context)
         return refuse_unsupported(data, REFUSED_CHAT, cls.__name__)
 
     @model_validator(mode="after")
@@ -515,7 +520,9 @@ class CompletionRequest(_CommonRequest):
 
     @model_validator(mode="before")
     @classmethod
-    def _refuse_unsupported(cls, data: Any) -> Any:
+    def _refuse_unsupported(cls, data: Any, info: ValidationInfo) -> Any:
+        known = [*REFUSED_COMPLETION, *IGNORED_FIELDS]
+        check_unknown(data, cls, known, cls.__name__, info.context)
         return refuse_unsupported(data, REFUSED_COMPLETION, cls.__name__)
 
     @property

@@ -111,7 +111,6 @@ def test_chat_non_streaming_shape_and_request_conversion() -> None:
         seed=3,
         stop="x",
         max_completion_tokens=9,
-        some_unknown_extra={"ignored": True},
     )
     resp = run(engine, "POST", CHAT, json=body)
     assert resp.status_code == 200, resp.text
