@@ -289,6 +289,9 @@ class ServerConfig:
         "log request fields no API defines as a warning and ignore them, instead of a 400 "
         "naming them (as vLLM's --ignore-unknown-fields)",
     )
+    access_log: bool = _field(
+        True, "one info log line per HTTP request (id, route, status, tokens, TTFT, time)"
+    )
     metrics_vllm_names: bool = _field(
         False,
         "GET /metrics under vLLM's own names (vllm:*) instead of shuttle:*, so dashboards "

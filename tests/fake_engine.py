@@ -58,6 +58,7 @@ class FakeEngine:
         self.swap_status: dict[str, Any] | None = None
         self.observer: Callable[[GenerateRequest], RequestObserver] | None = None
         self.ready = True
+        self.draining = False  # (is_ready answers `ready` alone: set both to drain)
         self.stats_answer = stats
         self.swap_result = swap_result
         self.requests: list[GenerateRequest] = []

@@ -1,7 +1,7 @@
 """The gateway's HTTP front end: OpenAI-compatible routes over an `EngineClient`.
 
     POST /v1/chat/completions   POST /v1/completions   (streaming or not)
-    GET  /v1/models             GET  /health, /ping     GET /version
+    GET  /v1/models, /v1/models/{id}   GET /health, /ping   GET /version
     POST /tokenize              POST /detokenize       (services/gateway/tokenize_routes.py)
 
 Every error is OpenAI-shaped, `{"error": {"message", "type", "param", "code"}}`, with a 4xx
@@ -45,6 +45,7 @@ from starlette.types import Receive, Scope, Send
 from common.config import SchedulerConfig, ServerConfig
 from common.messages import FinishReason, GenerateRequest
 from services.gateway import sse
+from services.gateway.access_log import AccessLogMiddleware, AccessRecord, note_refusal
 from services.gateway.admin import admin_router
 from services.gateway.batch import merge_deltas
 from services.gateway.engine_client import EngineClient, OutputDelta, RequestFailed
@@ -61,6 +62,7 @@ from services.gateway.protocol import (
     describe_error,
     parse_request,
 )
+from services.gateway.token_output import without_text
 from services.gateway.tokenize_routes import tokenize_router
 from services.gateway.tool_stream import ToolStream
 from services.gateway.tools import ToolPlan, chat_message
@@ -139,6 +141,7 @@ def create_app(
         openapi_extra=json_body(CompletionRequest),
     )
     v1.add_api_route("/models", routes.models, methods=["GET"])
+    v1.add_api_route("/models/{model_id:path}", routes.model, methods=["GET"])
     app.include_router(v1)
     app.include_router(tokenize_router(engine, context), dependencies=auth)
     app.add_api_route("/health", routes.health, methods=["GET"])
@@ -147,6 +150,8 @@ def create_app(
     app.include_router(admin_router(engine, admin_token, server.model_root or None))
     # GET /metrics, and the engine's request timers
     install_metrics(app, engine, server.metrics_vllm_names)
+    if server.access_log:  # added last: outermost, it sees every refusal
+        app.add_middleware(AccessLogMiddleware)
     return app
 
 
@@ -178,21 +183,27 @@ class OpenAIRoutes:
 
     async def models(self) -> Response:
         """One card per name the served model answers to (none while starting)."""
-        engine = self.engine
-        cards = [
-            {
-                "id": name,
-                "object": "model",
-                "created": self.created,
-                "owned_by": "shuttle",
-                "root": engine.model_name,
-                "max_model_len": engine.max_model_len,
-                "version": engine.system_fingerprint,
-                "swap_in_progress": engine.swap_status,
-            }
-            for name in engine.model_names
-        ]
+        cards = [self._card(name) for name in self.engine.model_names]
         return _json({"object": "list", "data": cards})
+
+    async def model(self, model_id: str) -> Response:
+        """GET /v1/models/{id}: the card of a name the model answers to, else a 404."""
+        if model_id not in self.engine.model_names:
+            raise RequestRejected(f"model: the model `{model_id}` does not exist", "model", 404)
+        return _json(self._card(model_id))
+
+    def _card(self, name: str) -> dict[str, Any]:
+        engine = self.engine
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "shuttle",
+            "root": engine.model_name,
+            "max_model_len": engine.max_model_len,
+            "version": engine.system_fingerprint,
+            "swap_in_progress": engine.swap_status,
+        }
 
     async def version(self) -> Response:
         return _json({"version": SERVER_VERSION})
@@ -200,13 +211,13 @@ class OpenAIRoutes:
     async def health(self) -> Response:
         if self.engine.is_ready():
             return _json({"status": "ok"})
-        return _json({"status": "not ready"}, 503)
+        return _json({"status": "draining" if self.engine.draining else "not ready"}, 503)
 
     async def _generate(self, request: Request, api: _Api) -> Response:
         request_id = _request_id(request, api.id_prefix)
         body = parse_request(api.body, await request.body(), self.context)
         engine = self.engine
-        check_model(body.model, engine.model_names, engine.is_ready())
+        check_model(body.model, engine.model_names, engine.is_ready(), engine.draining)
         requests = body.to_generate_requests(request_id, engine.model_name, engine.max_model_len)
         n = requests[0].sampling.n  # choices per prompt
         echo = isinstance(body, CompletionRequest) and bool(body.echo)
@@ -232,7 +243,10 @@ class OpenAIRoutes:
             deltas = engine.generate(requests[0])
         else:  # a batch of prompts: one engine request each, merged into one answer
             deltas = merge_deltas([engine.generate(r) for r in requests], n)
-        reader = DeltaReader(deltas, api.prompt_field)
+        if body.detokenize is False:  # token ids only (services/gateway/token_output.py)
+            deltas = without_text(deltas)
+        request.state.access = record = AccessRecord(n)
+        reader = DeltaReader(deltas, api.prompt_field, record)
         headers = {REQUEST_ID_HEADER: request_id}
         handed_off = False
         try:
@@ -242,11 +256,13 @@ class OpenAIRoutes:
                 handed_off = True
                 # system_fingerprint: the model version that serves this request
                 reply = dataclasses.replace(reply, fingerprint=first.version or reply.fingerprint)
+                if body.continuous_usage:
+                    reply = dataclasses.replace(reply, live_usage=Usage(n))
                 stream = sse_stream(reader, first, reply, body.include_usage)
                 return SseResponse(stream, headers=headers | _SSE_HEADERS)
             choices, usage = await until_disconnected(request, collect(reader, n, lp))
             reply = dataclasses.replace(reply, fingerprint=reader.version or reply.fingerprint)
-            return _json(reply.body(choices, usage, bool(body.return_token_ids)), headers=headers)
+            return _json(reply.body(choices, usage, body.with_token_ids), headers=headers)
         finally:
             if not handed_off:
                 await close_shielded(reader)
@@ -298,10 +314,14 @@ class DeltaReader:
     (keep-alive) or lose a race with a disconnect without cancelling the engine mid-read."""
 
     def __init__(
-        self, deltas: AsyncGenerator[OutputDelta, None], prompt_field: str = "prompt"
+        self,
+        deltas: AsyncGenerator[OutputDelta, None],
+        prompt_field: str = "prompt",
+        record: AccessRecord | None = None,
     ) -> None:
         self._deltas = deltas
         self._prompt_field = prompt_field  # what the endpoint calls the prompt, for refusals
+        self._record = record  # the access log's (services/gateway/access_log.py)
         self._pending: asyncio.Task[OutputDelta | None] | None = None
         self.version = ""  # the model version named by the deltas read so far
 
@@ -321,6 +341,8 @@ class DeltaReader:
         if delta is None:
             raise RequestFailed(500, "the engine ended the stream without a finish reason")
         self.version = delta.version or self.version
+        if self._record is not None:
+            self._record.see(delta)
         return delta
 
     async def aclose(self) -> None:
@@ -379,6 +401,14 @@ class Usage:
     @property
     def num_output_tokens(self) -> int:
         return sum(self._num_output_tokens.values())
+
+    def as_dict(self) -> dict[str, int]:
+        prompt, output = self.num_prompt_tokens, self.num_output_tokens
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": output,
+            "total_tokens": prompt + output,
+        }
 
 
 async def collect(
@@ -440,6 +470,7 @@ class _Reply:
     n_per_prompt: int = 1  # of them, per prompt of a batch (the request's `n`)
     lp: ChoiceLogprobs | None = None  # logprobs and echo, when asked
     tools: ToolPlan | None = None  # chat with tools: tool calls are read from the output
+    live_usage: Usage | None = None  # continuous_usage_stats: the usage so far, every chunk
 
     def head(self) -> list[bytes]:
         """The chat stream's role chunks, one per choice, before any text."""
@@ -507,8 +538,11 @@ class _Reply:
         ids = (self.request_id, self.model, self.created)
         fp = self.fingerprint
         if self.kind == "chat":
-            return sse.sse_event(sse.chat_chunk(*ids, delta, finish, fp, index, logprobs, extra))
-        chunk = sse.completion_chunk(*ids, text, finish, fp, index, logprobs, extra)
+            chunk = sse.chat_chunk(*ids, delta, finish, fp, index, logprobs, extra)
+        else:
+            chunk = sse.completion_chunk(*ids, text, finish, fp, index, logprobs, extra)
+        if self.live_usage is not None:
+            chunk["usage"] = self.live_usage.as_dict()
         return sse.sse_event(chunk)
 
     def _choice(self, choice: Choice, with_token_ids: bool) -> dict[str, Any]:
@@ -559,9 +593,9 @@ async def sse_stream(
     """The SSE body: [role chunks], text and finish chunks per choice, [usage chunk], [DONE].
     A failure after the first byte becomes an error event, still followed by [DONE]."""
     try:
+        usage = reply.live_usage or Usage(reply.n_per_prompt)
         for event in reply.head():
             yield event
-        usage = Usage(reply.n_per_prompt)
         delta = first
         seen: set[int] = set()  # choices that had a delta
         tools: dict[int, ToolStream] = {}  # with tools: each choice's calls held back
@@ -639,6 +673,7 @@ def error_response(
 ) -> Response:
     """An OpenAI-shaped error, echoing the request id when it is known."""
     body = {"message": message, "type": _error_type(status), "param": param, "code": status}
+    note_refusal(request.state, message)
     headers = {}
     if (request_id := _known_request_id(request)) is not None:
         headers[REQUEST_ID_HEADER] = request_id

@@ -105,6 +105,8 @@ class EngineClient(Protocol):
 
     # Called with each request on arrival; what it returns watches that request's deltas.
     observer: Callable[[GenerateRequest], RequestObserver] | None
+    # shutting down: in-flight requests finish, new ones are refused (503, saying so)
+    draining: bool
 
     def is_ready(self) -> bool:
         """A model is served and new requests are taken (not starting, not draining)."""

@@ -141,10 +141,20 @@ class RequestRejected(Exception):
         self.status = status
 
 
-def check_model(requested: str | None, served_names: list[str], ready: bool) -> None:
+def check_model(
+    requested: str | None, served_names: list[str], ready: bool, draining: bool = False
+) -> None:
     """Refuse a request the served model cannot take: 503 (retryable) while nothing is
-    served or the engine is not taking requests, 404 for a name the model does not answer
-    to. Readiness first: while starting, no name is known yet, and a right one is not 404."""
+    served or the engine is not taking requests (`draining`: the server is shutting down),
+    404 for a name the model does not answer to. Readiness first: while starting, no name
+    is known yet, and a right one is not 404."""
+    if draining:
+        raise RequestRejected(
+            "the server is draining (shutting down): it takes no new requests; "
+            "retry on another replica",
+            None,
+            503,
+        )
     if not ready:
         raise RequestRejected("the engine is not ready yet; retry the request", None, 503)
     if requested is not None and requested not in served_names:
@@ -160,6 +170,8 @@ class StreamOptions(BaseModel):
 
     model_config = _STRICT
     include_usage: bool | None = None
+    # vLLM's: with include_usage, every chunk carries the usage so far
+    continuous_usage_stats: bool | None = None
 
 
 class _CommonRequest(BaseModel):
@@ -180,6 +192,7 @@ class _CommonRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None  # vLLM extension
     return_token_ids: bool | None = None  # vLLM extension: output token ids in the answer
+    detokenize: bool | None = None  # vLLM: false = token ids, no text (token_output.py)
     user: str | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
@@ -257,6 +270,20 @@ class _CommonRequest(BaseModel):
             raise _refuse("only allowed when stream is true")
         return value
 
+    @field_validator("detokenize")
+    @classmethod
+    def _token_ids_only(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+        if value is False and info.data.get("stop"):
+            raise _refuse("false cannot go with stop strings (they match text)")
+        if value is False and info.data.get("stream"):
+            raise _refuse("false is not supported with stream")
+        return value
+
+    @property
+    def with_token_ids(self) -> bool:
+        """The answer carries the output token ids (return_token_ids, or detokenize false)."""
+        return bool(self.return_token_ids) or self.detokenize is False
+
     @field_validator("priority")
     @classmethod
     def _priority_policy(cls, value: int | None, info: ValidationInfo) -> int | None:
@@ -270,6 +297,12 @@ class _CommonRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk (vLLM: needs include_usage too)."""
+        options = self.stream_options
+        return bool(self.include_usage and options and options.continuous_usage_stats)
 
     def _sampling(
         self,

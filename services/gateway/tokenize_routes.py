@@ -103,7 +103,7 @@ def tokenize_router(engine: EngineClient, context: dict[str, Any] | None = None)
     async def tokenize(request: Request) -> Response:
         body = parse_request(TokenizeRequest, await request.body(), context)
         body.check()
-        check_model(body.model, engine.model_names, engine.is_ready())
+        check_model(body.model, engine.model_names, engine.is_ready(), engine.draining)
         is_chat = body.messages is not None
         ids = await _answer(
             engine.tokenize(
@@ -130,7 +130,7 @@ def tokenize_router(engine: EngineClient, context: dict[str, Any] | None = None)
 
     async def detokenize(request: Request) -> Response:
         body = parse_request(DetokenizeRequest, await request.body())
-        check_model(body.model, engine.model_names, engine.is_ready())
+        check_model(body.model, engine.model_names, engine.is_ready(), engine.draining)
         text = await _answer(engine.detokenize(body.tokens, timeout=TOKENIZER_TIMEOUT_S))
         return _json({"prompt": text})
 

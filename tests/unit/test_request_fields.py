@@ -34,7 +34,7 @@ VLLM_EXTRAS = {
     "return_token_ids", "priority", "request_id", "cache_salt", "kv_transfer_params",
     "vllm_xargs", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern",
-    "response_format", "add_special_tokens", "timeout",
+    "response_format", "add_special_tokens", "timeout", "detokenize",
 }  # fmt: skip
 VLLM_CHAT_EXTRAS = {
     "add_generation_prompt", "continue_final_message", "echo", "documents", "chat_template",
@@ -98,6 +98,7 @@ SHAPES_THE_ANSWER: dict[str, dict[str, Any]] = {
     "stream": {"stream": True},
     "stream_options": {"stream": True, "stream_options": {"include_usage": True}},
     "return_token_ids": {"return_token_ids": True},
+    "detokenize": {"detokenize": False},  # token ids, no text
     "best_of": {"best_of": 1},  # = n: no ranking of choices
     "echo": {"echo": True},  # completions (chat's echo, vLLM's other meaning, is refused)
 }

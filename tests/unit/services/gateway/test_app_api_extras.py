@@ -1,0 +1,71 @@
+"""Issue 24's small fixes on the real HTTP app over the scripted engine: GET
+/v1/models/{id}, a draining server's message, stream_options.continuous_usage_stats and
+detokenize: false (services/gateway/token_output.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.gateway.sse import parse_sse
+from tests.fake_engine import MODEL, FakeEngine
+from tests.unit.test_gateway_app import CHAT, COMPLETIONS, chat_body, error_of, run
+
+
+def test_a_model_card_by_id_and_a_404_for_another_name() -> None:
+    engine = FakeEngine()
+    engine.aliases = ["org/alias"]
+    card = run(engine, "GET", f"/v1/models/{MODEL}").json()
+    assert card["id"] == MODEL and card["object"] == "model" and card["root"] == MODEL
+    assert run(engine, "GET", "/v1/models/org/alias").json()["id"] == "org/alias"
+    error = error_of(run(engine, "GET", "/v1/models/nope"), 404)
+    assert error["param"] == "model" and "`nope` does not exist" in error["message"]
+
+
+def test_a_draining_server_says_so() -> None:
+    engine = FakeEngine()
+    engine.ready, engine.draining = False, True
+    error = error_of(run(engine, "POST", CHAT, json=chat_body()), 503)
+    assert "draining" in error["message"] and "not ready" not in error["message"]
+    assert run(engine, "GET", "/health").json() == {"status": "draining"}
+    engine.draining = False  # starting, not draining
+    assert "not ready yet" in error_of(run(engine, "POST", CHAT, json=chat_body()), 503)["message"]
+
+
+def _chunks(resp: Any) -> list[dict[str, Any]]:
+    events = parse_sse(resp.content)
+    assert events[-1] == "[DONE]"
+    return [e for e in events[:-1] if isinstance(e, dict)]
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk() -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for url, body in ((CHAT, chat_body()), (COMPLETIONS, {"prompt": "hello big world"})):
+        body = body | {"stream": True, "stream_options": options}
+        chunks = _chunks(run(FakeEngine(), "POST", url, json=body))
+        texts = [c for c in chunks if c["choices"] and c["choices"][0].get("finish_reason") is None]
+        # the fake engine's deltas: 5 prompt tokens, the n-th word is output token n
+        counted = [c["usage"]["completion_tokens"] for c in texts if "usage" in c]
+        assert counted[-3:] == [1, 2, 3], url
+        assert all(c["usage"]["prompt_tokens"] == 5 for c in chunks[1:])
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 8
+    # include_usage alone: the usage chunk at the end only
+    body = chat_body(stream=True, stream_options={"include_usage": True})
+    chunks = _chunks(run(FakeEngine(), "POST", CHAT, json=body))
+    assert [c.get("usage") is not None for c in chunks] == [False] * (len(chunks) - 1) + [True]
+
+
+def test_detokenize_false_answers_token_ids_without_text() -> None:
+    engine = FakeEngine()
+    body = {"prompt": "a b", "return_token_ids": True}
+    token_ids = run(engine, "POST", COMPLETIONS, json=body).json()["choices"][0]["token_ids"]
+    out = run(engine, "POST", COMPLETIONS, json={"prompt": "a b", "detokenize": False}).json()
+    assert out["choices"][0]["text"] == "" and out["choices"][0]["token_ids"] == token_ids
+    out = run(engine, "POST", CHAT, json=chat_body(detokenize=False)).json()
+    assert out["choices"][0]["message"]["content"] == ""
+    assert out["choices"][0]["token_ids"]
+    out = run(engine, "POST", CHAT, json=chat_body(detokenize=True)).json()
+    assert out["choices"][0]["message"]["content"] == " hello big world"
+    assert "token_ids" not in out["choices"][0]
+    for extra in ({"stop": ["x"]}, {"stream": True}):
+        body = chat_body(detokenize=False, **extra)
+        assert error_of(run(engine, "POST", CHAT, json=body), 400)["param"] == "detokenize"
