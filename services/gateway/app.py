@@ -62,7 +62,7 @@ from services.gateway.protocol import (
     describe_error,
     parse_request,
 )
-from services.gateway.token_output import without_text
+from services.gateway.token_output import shaped
 from services.gateway.tokenize_routes import tokenize_router
 from services.gateway.tool_stream import ToolStream
 from services.gateway.tools import ToolPlan, chat_message
@@ -238,13 +238,14 @@ class OpenAIRoutes:
             n,
             lp,
             body.tool_plan if isinstance(body, ChatCompletionRequest) else None,
+            chat_echo=body.echo_text if isinstance(body, ChatCompletionRequest) else "",
         )
         if len(requests) == 1:
             deltas = engine.generate(requests[0])
         else:  # a batch of prompts: one engine request each, merged into one answer
             deltas = merge_deltas([engine.generate(r) for r in requests], n)
-        if body.detokenize is False:  # token ids only (services/gateway/token_output.py)
-            deltas = without_text(deltas)
+        # detokenize false, return_tokens_as_token_ids (services/gateway/token_output.py)
+        deltas = shaped(deltas, body.detokenize is False, bool(body.return_tokens_as_token_ids))
         request.state.access = record = AccessRecord(n)
         reader = DeltaReader(deltas, api.prompt_field, record)
         headers = {REQUEST_ID_HEADER: request_id}
@@ -471,12 +472,16 @@ class _Reply:
     lp: ChoiceLogprobs | None = None  # logprobs and echo, when asked
     tools: ToolPlan | None = None  # chat with tools: tool calls are read from the output
     live_usage: Usage | None = None  # continuous_usage_stats: the usage so far, every chunk
+    chat_echo: str = ""  # chat `echo`: what every choice's content starts with
 
     def head(self) -> list[bytes]:
         """The chat stream's role chunks, one per choice, before any text."""
         if self.kind == "chat":
             role = {"role": "assistant", "content": ""}
-            return [self._event(role, "", None, index) for index in range(self.n)]
+            events = [self._event(role, "", None, index) for index in range(self.n)]
+            if self.chat_echo:
+                events += [self.text(self.chat_echo, index) for index in range(self.n)]
+            return events
         return []
 
     def text(
@@ -556,6 +561,8 @@ class _Reply:
         finish = choice.finish_reason.openai
         if self.kind == "chat":
             out["message"], finish = chat_message(choice.text, finish, self.tools)
+            if self.chat_echo:
+                out["message"]["content"] = self.chat_echo + (out["message"]["content"] or "")
         else:
             out["text"] = (lp.echo_text(i) if lp is not None else "") + choice.text
         out |= {"logprobs": logprobs, "finish_reason": finish}

@@ -193,6 +193,7 @@ class _CommonRequest(BaseModel):
     ignore_eos: bool | None = None  # vLLM extension
     return_token_ids: bool | None = None  # vLLM extension: output token ids in the answer
     detokenize: bool | None = None  # vLLM: false = token ids, no text (token_output.py)
+    return_tokens_as_token_ids: bool | None = None  # vLLM: logprobs' tokens as "token_id:<id>"
     user: str | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
@@ -408,6 +409,7 @@ class ChatCompletionRequest(_CommonRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: MaxTokens | None = None  # OpenAI's newer name for max_tokens
     add_generation_prompt: bool | None = None  # vLLM extension
+    echo: bool | None = None  # vLLM extension: the answer starts with the last message's text
     # vLLM extensions: the request's own Jinja template (with --trust-request-chat-template)
     # and extra variables for the template, e.g. {"enable_thinking": false}
     chat_template: ChatTemplate | None = None
@@ -438,6 +440,15 @@ class ChatCompletionRequest(_CommonRequest):
         except StructuredError as e:  # (a RequestRejected is not wrapped by pydantic)
             raise RequestRejected(str(e), e.field) from None
         return self
+
+    @property
+    def echo_text(self) -> str:
+        """vLLM's chat `echo`: the last message's content, which the answer's content starts
+        with, when that message has the answer's role (assistant; with
+        add_generation_prompt false, the last message's own role); else ""."""
+        last = self.messages[-1]
+        role = "assistant" if self.add_generation_prompt is not False else last.role
+        return (last.content or "") if self.echo and last.role == role else ""
 
     @property
     def tool_plan(self) -> ToolPlan | None:

@@ -44,7 +44,6 @@ _COMMON: dict[str, Any] = {
     "include_stop_str_in_output": False,
     "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
-    "return_tokens_as_token_ids": False,
     # structured outputs: only through the server's own backend (xgrammar) and whitespace
     "guided_decoding_backend": ANY,
     "guided_whitespace_pattern": ANY,
@@ -64,7 +63,6 @@ REFUSED_CHAT: dict[str, Any] = _COMMON | {
     "verbosity": ANY,
     "web_search_options": ANY,
     "moderation": ANY,
-    "echo": False,  # vLLM's chat extension
     "continue_final_message": False,
     "add_special_tokens": False,  # the chat template writes the special tokens
     "documents": ANY,

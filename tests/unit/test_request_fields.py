@@ -99,8 +99,9 @@ SHAPES_THE_ANSWER: dict[str, dict[str, Any]] = {
     "stream_options": {"stream": True, "stream_options": {"include_usage": True}},
     "return_token_ids": {"return_token_ids": True},
     "detokenize": {"detokenize": False},  # token ids, no text
+    "return_tokens_as_token_ids": {"return_tokens_as_token_ids": True},
     "best_of": {"best_of": 1},  # = n: no ranking of choices
-    "echo": {"echo": True},  # completions (chat's echo, vLLM's other meaning, is refused)
+    "echo": {"echo": True},  # completions: the prompt; chat: the last message's text
 }
 # declared fields refused, with a message of their own, when they ask for something
 REFUSED_BY_THEIR_MODEL: dict[str, Any] = {
@@ -188,7 +189,7 @@ def test_logprobs_are_honoured() -> None:
             assert _check(url, field, refused) == "honoured"
     assert _check(CHAT, "top_logprobs", REFUSED_CHAT) == "honoured"
     assert _check(COMPLETIONS, "echo", REFUSED_COMPLETION) == "honoured"
-    assert _check(CHAT, "echo", REFUSED_CHAT) == "refused"
+    assert _check(CHAT, "echo", REFUSED_CHAT) == "honoured"
 
 
 def test_the_sampling_controls_are_honoured() -> None:

@@ -1,11 +1,15 @@
 """Issue 24's small fixes on the real HTTP app over the scripted engine: GET
 /v1/models/{id}, a draining server's message, stream_options.continuous_usage_stats and
-detokenize: false (services/gateway/token_output.py)."""
+detokenize: false and return_tokens_as_token_ids (services/gateway/token_output.py), chat
+echo."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from common.messages import FinishReason
+from services.gateway.engine_client import OutputDelta
+from services.gateway.logprobs import TokenLogprob
 from services.gateway.sse import parse_sse
 from tests.fake_engine import MODEL, FakeEngine
 from tests.unit.test_gateway_app import CHAT, COMPLETIONS, chat_body, error_of, run
@@ -69,3 +73,31 @@ def test_detokenize_false_answers_token_ids_without_text() -> None:
     for extra in ({"stop": ["x"]}, {"stream": True}):
         body = chat_body(detokenize=False, **extra)
         assert error_of(run(engine, "POST", CHAT, json=body), 400)["param"] == "detokenize"
+
+
+def test_chat_echo_starts_the_answer_with_the_last_message() -> None:
+    engine = FakeEngine()
+    partial = {"role": "assistant", "content": "The answer is"}
+    body = chat_body(echo=True, add_generation_prompt=False)
+    body["messages"].append(partial)
+    out = run(engine, "POST", CHAT, json=body).json()
+    # (the fake engine echoes the last message's words back as its output)
+    assert out["choices"][0]["message"]["content"] == "The answer is The answer is"
+    chunks = _chunks(run(engine, "POST", CHAT, json=body | {"stream": True}))
+    texts = [c["choices"][0]["delta"].get("content") for c in chunks]
+    assert texts[:3] == ["", "The answer is", " The"]
+    # the last message is the user's, the answer the assistant's: nothing to echo
+    out = run(engine, "POST", CHAT, json=chat_body(echo=True)).json()
+    assert out["choices"][0]["message"]["content"] == " hello big world"
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id() -> None:
+    entry = TokenLogprob(7, "\ufffd", -0.5, [(7, "\ufffd", -0.5), (9, "x", -1.5)])
+    done = OutputDelta(" hi", [7], FinishReason.STOP, 5, 1, last=True, logprobs=[entry])
+    body = chat_body(logprobs=True, top_logprobs=2, return_tokens_as_token_ids=True)
+    out = run(FakeEngine([done]), "POST", CHAT, json=body).json()
+    (token,) = out["choices"][0]["logprobs"]["content"]
+    assert token["token"] == "token_id:7"
+    assert [t["token"] for t in token["top_logprobs"]] == ["token_id:7", "token_id:9"]
+    out = run(FakeEngine([done]), "POST", CHAT, json=chat_body(logprobs=True)).json()
+    assert out["choices"][0]["logprobs"]["content"][0]["token"] == "\ufffd"
