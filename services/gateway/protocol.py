@@ -205,6 +205,10 @@ class _CommonRequest(BaseModel):
     priority: Priority | None = None  # vLLM extension: lower first (priority scheduling)
     timeout: Timeout | None = None  # vLLM-style extension: seconds until finish "timeout"
     prompt_logprobs: NumLogprobs | None = None  # vLLM extension
+    # vLLM extensions: how the prompt is tokenised (special tokens: the endpoint's default
+    # when null), and keep only its last k tokens (-1: the model's length)
+    add_special_tokens: bool | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     # structured outputs (services/gateway/structured.py checks them; at most one)
     response_format: Any = None
     structured_outputs: Any = None  # vLLM extension, and its older guided_* fields:
@@ -369,13 +373,29 @@ class _CommonRequest(BaseModel):
         """The fields a model's generation_config may fill: those the client left unset."""
         return [name for name in MODEL_DEFAULT_FIELDS if getattr(self, name) is None]
 
-    def _scheduling(self) -> dict[str, Any]:
-        """The GenerateRequest fields that steer the scheduler rather than sampling, and
-        the sampling fields left unset."""
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate_to_some(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise _refuse("must be -1 (the model's length) or at least 1, got 0")
+        return value
+
+    def _scheduling(self, max_model_len: int) -> dict[str, Any]:
+        """The GenerateRequest fields that steer the tokenizer and the scheduler rather
+        than sampling, and the sampling fields left unset."""
+        truncate = self.truncate_prompt_tokens
+        if truncate is not None and truncate > max_model_len:
+            raise RequestRejected(
+                f"truncate_prompt_tokens: must be <= {max_model_len} (the model's context "
+                f"length), got {truncate}",
+                "truncate_prompt_tokens",
+            )
         return {
             "priority": self.priority or 0,
             "timeout": self.timeout,
             "unset_sampling": self._unset_sampling(),
+            "add_special_tokens": self.add_special_tokens,
+            "truncate_prompt_tokens": max_model_len if truncate == -1 else truncate,
         }
 
 
@@ -410,6 +430,7 @@ class ChatCompletionRequest(_CommonRequest):
     max_completion_tokens: MaxTokens | None = None  # OpenAI's newer name for max_tokens
     add_generation_prompt: bool | None = None  # vLLM extension
     echo: bool | None = None  # vLLM extension: the answer starts with the last message's text
+    continue_final_message: bool | None = None  # vLLM extension (add_generation_prompt false)
     # vLLM extensions: the request's own Jinja template (with --trust-request-chat-template)
     # and extra variables for the template, e.g. {"enable_thinking": false}
     chat_template: ChatTemplate | None = None
@@ -440,6 +461,14 @@ class ChatCompletionRequest(_CommonRequest):
         except StructuredError as e:  # (a RequestRejected is not wrapped by pydantic)
             raise RequestRejected(str(e), e.field) from None
         return self
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_or_prompt(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+        # as vLLM: add_generation_prompt (true unless said) opens a new turn; both is a mistake
+        if value and info.data.get("add_generation_prompt") is not False:
+            raise _refuse("needs add_generation_prompt: false (both cannot be true)")
+        return value
 
     @property
     def echo_text(self) -> str:
@@ -501,8 +530,9 @@ class ChatCompletionRequest(_CommonRequest):
             add_generation_prompt=self.add_generation_prompt is not False,
             chat_template=self.chat_template,
             chat_template_kwargs=self.chat_template_kwargs,
+            continue_final_message=bool(self.continue_final_message),
             arrival_time=time.time(),
-            **self._scheduling(),
+            **self._scheduling(max_model_len),
         )
 
 
@@ -622,7 +652,7 @@ class CompletionRequest(_CommonRequest):
                 prompt=prompt if isinstance(prompt, str) else None,
                 prompt_token_ids=None if isinstance(prompt, str) else list(prompt),
                 arrival_time=arrival,
-                **self._scheduling(),
+                **self._scheduling(max_model_len),
             )
             for k, prompt in enumerate(prompts)
         ]

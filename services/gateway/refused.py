@@ -39,7 +39,6 @@ _COMMON: dict[str, Any] = {
     "logits_processors": ANY,
     "length_penalty": 1.0,
     "use_beam_search": False,
-    "truncate_prompt_tokens": ANY,
     # output shaping
     "include_stop_str_in_output": False,
     "skip_special_tokens": True,
@@ -63,14 +62,10 @@ REFUSED_CHAT: dict[str, Any] = _COMMON | {
     "verbosity": ANY,
     "web_search_options": ANY,
     "moderation": ANY,
-    "continue_final_message": False,
-    "add_special_tokens": False,  # the chat template writes the special tokens
     "documents": ANY,
     "mm_processor_kwargs": ANY,
 }
-REFUSED_COMPLETION: dict[str, Any] = _COMMON | {
-    "add_special_tokens": True,  # a text prompt is tokenised with them
-}
+REFUSED_COMPLETION: dict[str, Any] = _COMMON
 
 
 def refuse_unsupported(data: Any, refused: Mapping[str, Any], title: str) -> Any:

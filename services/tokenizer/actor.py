@@ -178,6 +178,8 @@ class TokenizerActor(Actor):
         model = self.model
         sampling = self._sampling(req, model)
         ids = self._prompt_ids(req, model)
+        if req.truncate_prompt_tokens is not None:  # vLLM's: the prompt's last k tokens
+            ids = ids[-req.truncate_prompt_tokens :]
         max_tokens = fit_max_tokens(len(ids), sampling.max_tokens, model.max_model_len)
         check_min_tokens(sampling.min_tokens, max_tokens)
         return TokenizedRequest(
@@ -214,13 +216,15 @@ class TokenizerActor(Actor):
             return self._chat_ids(
                 req.messages,
                 req.add_generation_prompt,
-                False,
+                bool(req.add_special_tokens),  # (the template writes its own by default)
                 model,
                 req.chat_template,
                 req.chat_template_kwargs,
                 req.tools,
+                req.continue_final_message,
             )
-        return self._text_ids(req.prompt, True, model)
+        special = req.add_special_tokens is not False  # (a completions prompt: yes by default)
+        return self._text_ids(req.prompt, special, model)
 
     def _chat_ids(
         self,
@@ -231,10 +235,12 @@ class TokenizerActor(Actor):
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """Messages rendered by the chat template (the request's, the operator's or the
         model's; with `tools` as services/tokenizer/tool_prompt.py says), then tokenised (the
-        template writes the special tokens it wants, so generation adds none)."""
+        template writes the special tokens it wants, so generation adds none unless asked).
+        `continue_final_message`: the last message is left open for the model to go on."""
         if not messages:
             raise InvalidRequest("messages", "must hold at least one message")
         num_chars = sum(len(str(m.get("content") or "")) for m in messages)
@@ -258,6 +264,7 @@ class TokenizerActor(Actor):
                     chat_template=template,
                     tokenize=False,
                     add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
                     **kwargs,
                 )
             )

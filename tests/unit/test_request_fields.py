@@ -56,6 +56,7 @@ CHANGES_THE_REQUEST: dict[str, Any] = {
     "priority": 3,  # under --scheduling-policy priority (fcfs: refused, below)
     "timeout": 5.0,
     "add_generation_prompt": False,
+    "truncate_prompt_tokens": 5,
     "presence_penalty": 0.5,
     "frequency_penalty": 0.5,
     "repetition_penalty": 1.2,
@@ -80,6 +81,13 @@ CHANGES_THE_REQUEST_BY_URL: dict[tuple[str, str], dict[str, Any]] = {
     (COMPLETIONS, "logprobs"): {"logprobs": 2},
     (CHAT, "top_logprobs"): {"logprobs": True, "top_logprobs": 2},
     (CHAT, "prompt_logprobs"): {"prompt_logprobs": 1},
+    # special tokens: chat's default is without them, completions' with them
+    (CHAT, "add_special_tokens"): {"add_special_tokens": True},
+    (COMPLETIONS, "add_special_tokens"): {"add_special_tokens": False},
+    (CHAT, "continue_final_message"): {
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+    },
     (COMPLETIONS, "prompt_logprobs"): {"prompt_logprobs": 1},
     # tools change the prompt (the tool list) and, forced, the grammar
     (CHAT, "tools"): {"tools": [TOOL]},

@@ -101,3 +101,22 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id() -> None:
     assert [t["token"] for t in token["top_logprobs"]] == ["token_id:7", "token_id:9"]
     out = run(FakeEngine([done]), "POST", CHAT, json=chat_body(logprobs=True)).json()
     assert out["choices"][0]["logprobs"]["content"][0]["token"] == "\ufffd"
+
+
+def test_prompt_options_reach_the_tokenizer_checked() -> None:
+    engine = FakeEngine()  # max_model_len 256
+    body = {"prompt": "a b", "truncate_prompt_tokens": -1, "add_special_tokens": False}
+    assert run(engine, "POST", COMPLETIONS, json=body).status_code == 200
+    sent = engine.requests[-1]
+    assert sent.truncate_prompt_tokens == 256 and sent.add_special_tokens is False
+    for value in (0, 257, -2):
+        body = {"prompt": "a b", "truncate_prompt_tokens": value}
+        error = error_of(run(engine, "POST", COMPLETIONS, json=body), 400)
+        assert error["param"] == "truncate_prompt_tokens"
+    error = error_of(run(engine, "POST", CHAT, json=chat_body(continue_final_message=True)), 400)
+    assert error["param"] == "continue_final_message"
+    assert "add_generation_prompt: false" in error["message"]
+    body = chat_body(continue_final_message=True, add_generation_prompt=False)
+    assert run(engine, "POST", CHAT, json=body).status_code == 200
+    assert engine.requests[-1].continue_final_message
+    assert not engine.requests[-1].add_generation_prompt
