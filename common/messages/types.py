@@ -51,6 +51,8 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     seed: int | None = None  # reproducible sampling when set
     stop: list[str] = dataclasses.field(default_factory=list)  # stop strings, not emitted
+    include_stop_str_in_output: bool = False  # vLLM's: emit the stop string that ended it
+    skip_special_tokens: bool = True  # vLLM's: special tokens are left out of the text
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
     n: int = 1  # sequences per request; they share the prompt's KV blocks

@@ -375,6 +375,7 @@ class Choice:
     parts: list[str] = dataclasses.field(default_factory=list)
     token_ids: list[int] = dataclasses.field(default_factory=list)
     finish_reason: FinishReason = FinishReason.NONE
+    stop_reason: str | int | None = None  # vLLM's: the stop string or token id that ended it
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # when asked
 
     @property
@@ -430,6 +431,7 @@ async def collect(
             lp.see_prompt(delta.index, delta.prompt_logprobs)
         if delta.finish_reason != FinishReason.NONE:
             choice.finish_reason = delta.finish_reason
+            choice.stop_reason = delta.stop_reason
         if delta.last:
             return sorted(choices.values(), key=lambda c: c.index), usage
 
@@ -512,9 +514,15 @@ class _Reply:
             out.append(self.text(delta.text, i, None, extra))
         return out
 
-    def finish(self, reason: FinishReason, index: int = 0, called: bool = False) -> bytes:
+    def finish(
+        self,
+        reason: FinishReason,
+        index: int = 0,
+        called: bool = False,
+        stop_reason: str | int | None = None,
+    ) -> bytes:
         finish = "tool_calls" if called and reason == FinishReason.STOP else reason.openai
-        return self._event({}, "", finish, index)
+        return self._event({}, "", finish, index, stop_reason=stop_reason)
 
     def call_events(self, deltas: list[dict[str, Any]], index: int) -> list[bytes]:
         """A streamed choice's tool_calls deltas (services/gateway/tool_stream.py)."""
@@ -539,6 +547,7 @@ class _Reply:
         index: int,
         logprobs: dict[str, Any] | None = None,
         extra: dict[str, Any] | None = None,
+        stop_reason: str | int | None = None,
     ) -> bytes:
         ids = (self.request_id, self.model, self.created)
         fp = self.fingerprint
@@ -546,6 +555,8 @@ class _Reply:
             chunk = sse.chat_chunk(*ids, delta, finish, fp, index, logprobs, extra)
         else:
             chunk = sse.completion_chunk(*ids, text, finish, fp, index, logprobs, extra)
+        if stop_reason is not None:  # vLLM's, beside the finish_reason (null: left out)
+            chunk["choices"][0]["stop_reason"] = stop_reason
         if self.live_usage is not None:
             chunk["usage"] = self.live_usage.as_dict()
         return sse.sse_event(chunk)
@@ -566,6 +577,8 @@ class _Reply:
         else:
             out["text"] = (lp.echo_text(i) if lp is not None else "") + choice.text
         out |= {"logprobs": logprobs, "finish_reason": finish}
+        if choice.stop_reason is not None:  # vLLM's (null there otherwise; left out here)
+            out["stop_reason"] = choice.stop_reason
         if lp is not None and self.kind == "completion":
             out |= lp.extra(i)
         if with_token_ids:
@@ -624,7 +637,7 @@ async def sse_stream(
                     events, called = reply.tool_events(stream, delta.index)
                     for event in events:
                         yield event
-                yield reply.finish(delta.finish_reason, delta.index, called)
+                yield reply.finish(delta.finish_reason, delta.index, called, delta.stop_reason)
             if delta.last:
                 break
             while True:

@@ -38,6 +38,8 @@ class OutputDelta:
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     # every prompt token's entry (prompt_logprobs), in the sequence's first delta only
     prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    # vLLM's stop_reason, with the finish: the stop string or stop token id that ended it
+    stop_reason: str | int | None = None
 
 
 class RequestFailed(Exception):

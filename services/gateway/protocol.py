@@ -193,6 +193,8 @@ class _CommonRequest(BaseModel):
     ignore_eos: bool | None = None  # vLLM extension
     return_token_ids: bool | None = None  # vLLM extension: output token ids in the answer
     detokenize: bool | None = None  # vLLM: false = token ids, no text (token_output.py)
+    include_stop_str_in_output: bool | None = None  # vLLM: the stop string ends the text
+    skip_special_tokens: bool | None = None  # vLLM: special tokens left out of the text
     return_tokens_as_token_ids: bool | None = None  # vLLM: logprobs' tokens as "token_id:<id>"
     user: str | None = None
     presence_penalty: Penalty | None = None
@@ -349,6 +351,8 @@ class _CommonRequest(BaseModel):
             top_k=max(self.top_k or 0, 0),
             seed=self.seed,
             stop=list(self.stop),
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            skip_special_tokens=self.skip_special_tokens is not False,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=bool(self.ignore_eos),
             n=self.n or 1,

@@ -28,6 +28,9 @@ IGNORED_FIELDS = (
     "prompt_cache_key",
     "prompt_cache_retention",
     "prompt_cache_options",
+    # vLLM's: how a slow (Python) tokenizer joins special tokens; its detokenizer for fast
+    # tokenizers, the only kind served here, ignores it too
+    "spaces_between_special_tokens",
 )
 
 ANY = object()  # refused whatever its value, null aside
@@ -39,10 +42,6 @@ _COMMON: dict[str, Any] = {
     "logits_processors": ANY,
     "length_penalty": 1.0,
     "use_beam_search": False,
-    # output shaping
-    "include_stop_str_in_output": False,
-    "skip_special_tokens": True,
-    "spaces_between_special_tokens": True,
     # structured outputs: only through the server's own backend (xgrammar) and whitespace
     "guided_decoding_backend": ANY,
     "guided_whitespace_pattern": ANY,

@@ -72,6 +72,7 @@ class _Stream:
                 last=not self.running,
                 index=index,
                 version=msg.versions[i] if msg.versions else "",
+                stop_reason=msg.stop_reasons[i] if msg.stop_reasons else None,
                 logprobs=(
                     entries(msg.logprob_token_ids[i], msg.logprob_values[i], msg.logprob_tokens[i])
                     if msg.logprob_token_ids

@@ -36,6 +36,7 @@ from common.messages import (
     ModelLoaded,
     RequestError,
     Retokenize,
+    SamplingParams,
     StepPlan,
     StepResult,
     SwapModel,
@@ -302,6 +303,7 @@ class EngineCore:
                 seq_indices=list(range(n)),
                 tokenizers=[msg.tokenizer_fingerprint] * n,
                 min_tokens=[msg.sampling.min_tokens] * n if msg.sampling.min_tokens else [],
+                **_output_options(msg.sampling, n),
             )
         )
 
@@ -550,4 +552,17 @@ def _logprob_fields(
         index = [rows[r.request_id] for r, _, _ in results]
         out["prompt_logprob_token_ids"] = [msg.prompt_logprob_token_ids[i] for i in index]
         out["prompt_logprob_values"] = [msg.prompt_logprob_values[i] for i in index]
+    return out
+
+
+def _output_options(sampling: SamplingParams, n: int) -> dict[str, Any]:
+    """DetokNew's per-sequence output options for a request of `n` sequences: empty lists
+    where every sequence takes the default (most requests: nothing more on the wire)."""
+    out: dict[str, Any] = {}
+    if sampling.include_stop_str_in_output:
+        out["include_stop_str"] = [True] * n
+    if not sampling.skip_special_tokens:
+        out["skip_special_tokens"] = [False] * n
+    if sampling.stop_token_ids:
+        out["stop_token_ids"] = [list(sampling.stop_token_ids)] * n
     return out

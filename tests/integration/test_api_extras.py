@@ -114,3 +114,32 @@ def test_the_access_log(server: Server) -> None:
     assert access["output_tokens"] == 3 and access["prompt_tokens"] >= 1
     assert access["route"] == "/v1/completions" and access["ttft_s"] is not None
     assert str(refused["msg"]).startswith(f"refused {rid} POST /v1/completions 400 (fo: unknown")
+
+
+def test_continue_final_message_with_echo(client: openai.OpenAI) -> None:
+    start = "The capital of France is"
+    messages = [*CHAT, {"role": "assistant", "content": start}]
+    out = client.chat.completions.create(
+        model="smol",
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=3,
+        temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False, "echo": True},
+    )
+    content = out.choices[0].message.content or ""
+    assert content.startswith(start) and len(content) > len(start)
+
+
+def test_truncate_prompt_tokens_and_tokens_as_ids(client: openai.OpenAI) -> None:
+    out = client.completions.create(
+        model="smol",
+        prompt="one two three four five six seven eight nine ten",
+        max_tokens=2,
+        temperature=0,
+        logprobs=1,
+        extra_body={"truncate_prompt_tokens": 3, "return_tokens_as_token_ids": True},
+    )
+    assert out.usage is not None and out.usage.prompt_tokens == 3
+    logprobs = out.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens
+    assert all(t.startswith("token_id:") for t in logprobs.tokens)

@@ -120,3 +120,26 @@ def test_prompt_options_reach_the_tokenizer_checked() -> None:
     assert run(engine, "POST", CHAT, json=body).status_code == 200
     assert engine.requests[-1].continue_final_message
     assert not engine.requests[-1].add_generation_prompt
+
+
+def test_stop_reason_beside_the_finish_reason() -> None:
+    done = OutputDelta(" hi", [7], FinishReason.STOP, 5, 1, last=True, stop_reason="\n\n")
+    out = run(FakeEngine([done]), "POST", COMPLETIONS, json={"prompt": "x"}).json()
+    assert out["choices"][0]["finish_reason"] == "stop"
+    assert out["choices"][0]["stop_reason"] == "\n\n"
+    body = chat_body(stream=True)
+    chunks = _chunks(run(FakeEngine([done]), "POST", CHAT, json=body))
+    assert chunks[-1]["choices"][0]["stop_reason"] == "\n\n"
+    # EOS or length: none (vLLM's null, left out)
+    out = run(FakeEngine(), "POST", COMPLETIONS, json={"prompt": "x"}).json()
+    assert "stop_reason" not in out["choices"][0]
+
+
+def test_output_options_reach_the_engine() -> None:
+    engine = FakeEngine()
+    body = chat_body(include_stop_str_in_output=True, skip_special_tokens=False)
+    assert run(engine, "POST", CHAT, json=body).status_code == 200
+    sampling = engine.requests[-1].sampling
+    assert sampling.include_stop_str_in_output and not sampling.skip_special_tokens
+    body = chat_body(spaces_between_special_tokens=False)  # (a fast tokenizer's no-op)
+    assert run(engine, "POST", CHAT, json=body).status_code == 200
