@@ -40,6 +40,7 @@ class GenerateRequest:
     add_special_tokens: bool | None = None
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
     continue_final_message: bool = False  # chat: the last message is continued, not closed
+    cache_salt: str = ""  # vLLM's: only requests with the same salt share prefix-cache blocks
 
 
 @message("request_error")

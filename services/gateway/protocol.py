@@ -100,6 +100,7 @@ MAX_BAD_WORDS = 64
 MAX_BAD_WORD_CHARS = 256
 MAX_CHAT_TEMPLATE_CHARS = 64 * 1024  # a request's chat_template; its chat_template_kwargs
 MAX_LOGPROBS = 20  # top logprobs per token (OpenAI's limit)
+MAX_CACHE_SALT_CHARS = 1024
 _INT32_MAX = 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1  # orjson carries 64-bit ints
 
@@ -211,6 +212,8 @@ class _CommonRequest(BaseModel):
     # when null), and keep only its last k tokens (-1: the model's length)
     add_special_tokens: bool | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    # vLLM extension: only requests with the same salt share prefix-cache blocks
+    cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
     # structured outputs (services/gateway/structured.py checks them; at most one)
     response_format: Any = None
     structured_outputs: Any = None  # vLLM extension, and its older guided_* fields:
@@ -400,6 +403,7 @@ class _CommonRequest(BaseModel):
             "unset_sampling": self._unset_sampling(),
             "add_special_tokens": self.add_special_tokens,
             "truncate_prompt_tokens": max_model_len if truncate == -1 else truncate,
+            "cache_salt": self.cache_salt or "",
         }
 
 

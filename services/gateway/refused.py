@@ -47,7 +47,6 @@ _COMMON: dict[str, Any] = {
     "guided_whitespace_pattern": ANY,
     # vLLM plumbing
     "request_id": ANY,  # the id comes in the X-Request-Id header
-    "cache_salt": ANY,
     "kv_transfer_params": ANY,
     "vllm_xargs": ANY,
 }

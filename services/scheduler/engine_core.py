@@ -45,7 +45,7 @@ from common.messages import (
     TokenizedRequest,
     UnloadModel,
 )
-from common.model_facts import cache_root
+from common.model_facts import cache_root, salted_root
 from services.scheduler.block_manager import BlockManager, HostBlockPool
 from services.scheduler.grammar_wait import GrammarWait
 from services.scheduler.plan import to_plan
@@ -353,7 +353,8 @@ class EngineCore:
                     msg.eos_token_ids,
                     max_model_len=self.served.max_model_len,
                     arrival_time=msg.arrival_time,
-                    cache_root=self.served.root,
+                    cache_root=salted_root(self.served.root, msg.cache_salt),
+                    cache_salt=msg.cache_salt,
                     priority=msg.priority,
                     timeout=msg.timeout,
                     fork_of=seqs[0] if i else None,

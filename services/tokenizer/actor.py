@@ -191,6 +191,7 @@ class TokenizerActor(Actor):
             priority=req.priority,
             timeout=req.timeout,
             tokenizer_fingerprint=model.fingerprint,
+            cache_salt=req.cache_salt,
         )
 
     def _sampling(self, req: GenerateRequest, model: ServedModel) -> SamplingParams:

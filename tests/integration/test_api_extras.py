@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -143,3 +144,17 @@ def test_truncate_prompt_tokens_and_tokens_as_ids(client: openai.OpenAI) -> None
     logprobs = out.choices[0].logprobs
     assert logprobs is not None and logprobs.tokens
     assert all(t.startswith("token_id:") for t in logprobs.tokens)
+
+
+def test_stop_strings_included_and_named(client: openai.OpenAI) -> None:
+    args: dict[str, Any] = {
+        "model": "smol", "prompt": "1, 2, 3, 4,", "max_tokens": 12, "temperature": 0,
+        "stop": [","],
+    }  # fmt: skip
+    plain = client.completions.create(**args).choices[0]
+    kept = client.completions.create(
+        **args, extra_body={"include_stop_str_in_output": True}
+    ).choices[0]
+    assert plain.finish_reason == kept.finish_reason == "stop"
+    assert kept.text == plain.text + ","
+    assert plain.model_extra is not None and plain.model_extra["stop_reason"] == ","

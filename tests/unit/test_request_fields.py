@@ -57,6 +57,7 @@ CHANGES_THE_REQUEST: dict[str, Any] = {
     "timeout": 5.0,
     "add_generation_prompt": False,
     "truncate_prompt_tokens": 5,
+    "cache_salt": "a-secret-salt",
     "include_stop_str_in_output": True,
     "skip_special_tokens": False,
     "presence_penalty": 0.5,

@@ -143,3 +143,12 @@ def test_output_options_reach_the_engine() -> None:
     assert sampling.include_stop_str_in_output and not sampling.skip_special_tokens
     body = chat_body(spaces_between_special_tokens=False)  # (a fast tokenizer's no-op)
     assert run(engine, "POST", CHAT, json=body).status_code == 200
+
+
+def test_cache_salt_reaches_the_engine_and_is_not_empty() -> None:
+    engine = FakeEngine()
+    assert run(engine, "POST", CHAT, json=chat_body(cache_salt="s3cret")).status_code == 200
+    assert engine.requests[-1].cache_salt == "s3cret"
+    assert error_of(run(engine, "POST", CHAT, json=chat_body(cache_salt="")), 400)["param"] == (
+        "cache_salt"
+    )
