@@ -66,6 +66,8 @@ class SamplingParams:
     logit_bias_token_ids: list[int] = dataclasses.field(default_factory=list)  # [b]
     logit_bias_values: list[float] = dataclasses.field(default_factory=list)  # [b]
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many are generated
+    # vLLM's allowed_token_ids: only these may be generated (empty: any)
+    allowed_token_ids: list[int] = dataclasses.field(default_factory=list)  # [a]
     bad_words: list[str] = dataclasses.field(default_factory=list)  # as the client sent them
     # bad_words as token-id sequences (the tokenizer fills it): a sequence's last token is
     # banned when the rest of it ends the output; a one-token sequence is always banned
@@ -111,11 +113,13 @@ class SamplingParams:
 
     @property
     def has_controls(self) -> bool:
-        """Logits controls (penalties, logit_bias, min_tokens, bad words) that change the
-        logits before sampling, greedy or not. (min_p, like top_p, filters sampling only.)"""
+        """Logits controls (penalties, logit_bias, min_tokens, bad words, allowed token ids)
+        that change the logits before sampling, greedy or not. (min_p, like top_p, filters
+        sampling only.)"""
         return (
             self.has_penalties
             or bool(self.logit_bias_token_ids)
             or self.min_tokens > 0
             or bool(self.bad_words_token_ids)
+            or bool(self.allowed_token_ids)
         )

@@ -101,6 +101,7 @@ MAX_BAD_WORD_CHARS = 256
 MAX_CHAT_TEMPLATE_CHARS = 64 * 1024  # a request's chat_template; its chat_template_kwargs
 MAX_LOGPROBS = 20  # top logprobs per token (OpenAI's limit)
 MAX_CACHE_SALT_CHARS = 1024
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # allowed_token_ids: more than any vocabulary served here
 _INT32_MAX = 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1  # orjson carries 64-bit ints
 
@@ -205,6 +206,11 @@ class _CommonRequest(BaseModel):
     min_tokens: MinTokens | None = None  # vLLM extension
     logit_bias: dict[str, Bias] | None = None  # token id (a string, as JSON keys) -> bias
     bad_words: list[str] | None = None  # vLLM extension
+    # vLLM extension: only these tokens may be generated (ids outside the vocabulary are
+    # refused by the tokenizer)
+    allowed_token_ids: (
+        Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None
+    ) = None
     priority: Priority | None = None  # vLLM extension: lower first (priority scheduling)
     timeout: Timeout | None = None  # vLLM-style extension: seconds until finish "timeout"
     prompt_logprobs: NumLogprobs | None = None  # vLLM extension
@@ -369,6 +375,7 @@ class _CommonRequest(BaseModel):
             logit_bias_values=[value for _, value in bias],
             min_tokens=self.min_tokens or 0,
             bad_words=list(self.bad_words or []),
+            allowed_token_ids=list(self.allowed_token_ids or []),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             structured_kind=structured.kind if structured else "",

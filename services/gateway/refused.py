@@ -38,7 +38,6 @@ ANY = object()  # refused whatever its value, null aside
 # field -> the one value that asks for nothing (accepted), or ANY
 _COMMON: dict[str, Any] = {
     # sampling controls not implemented yet (vLLM names)
-    "allowed_token_ids": ANY,
     "logits_processors": ANY,
     "length_penalty": 1.0,
     "use_beam_search": False,

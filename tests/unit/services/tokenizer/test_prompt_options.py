@@ -14,6 +14,7 @@ from tokenizers.processors import TemplateProcessing
 from common.config import Config
 from common.messages import GenerateRequest, SamplingParams
 from services.tokenizer.actor import TokenizerActor, startup_model
+from services.tokenizer.validate import InvalidRequest
 from tests.tiny_models import OWN_VOCAB_EOS_ID, make_own_vocab_tokenizer
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
@@ -74,3 +75,13 @@ def test_continue_final_message_leaves_the_last_message_open(actor: TokenizerAct
     open_ = _ids(actor, messages=CHAT, add_generation_prompt=False, continue_final_message=True)
     # the template closes every message with "<|im_end|>\n"; continued, the last one is not
     assert closed[-2] == OWN_VOCAB_EOS_ID and open_ == closed[:-2]
+
+
+def test_allowed_token_ids_must_be_in_the_vocabulary(actor: TokenizerActor) -> None:
+    base = GenerateRequest(request_id="r", model="tiny", sampling=SamplingParams(4), prompt=PROMPT)
+    ok = dataclasses.replace(base, sampling=SamplingParams(4, allowed_token_ids=[5, 7]))
+    assert actor.tokenize(ok).sampling.allowed_token_ids == [5, 7]
+    bad = dataclasses.replace(base, sampling=SamplingParams(4, allowed_token_ids=[5, 10**6]))
+    with pytest.raises(InvalidRequest) as info:
+        actor.tokenize(bad)
+    assert info.value.param == "allowed_token_ids"
