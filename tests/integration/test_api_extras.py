@@ -158,3 +158,17 @@ def test_stop_strings_included_and_named(client: openai.OpenAI) -> None:
     assert plain.finish_reason == kept.finish_reason == "stop"
     assert kept.text == plain.text + ","
     assert plain.model_extra is not None and plain.model_extra["stop_reason"] == ","
+
+
+def test_allowed_token_ids_and_cache_salt(client: openai.OpenAI) -> None:
+    allowed = [28, 29, 30]  # "1", "2", "3" in SmolLM2's vocabulary (any ids would do)
+    out = client.completions.create(
+        model="smol",
+        prompt="Count: 1, 2,",
+        max_tokens=6,
+        temperature=1.0,
+        seed=1,
+        extra_body={"allowed_token_ids": allowed, "return_token_ids": True, "cache_salt": "s"},
+    )
+    token_ids = out.choices[0].model_extra["token_ids"]  # type: ignore[index]
+    assert len(token_ids) == 6 and set(token_ids) <= set(allowed)
