@@ -144,6 +144,10 @@ def create_app(
     v1.add_api_route("/models/{model_id:path}", routes.model, methods=["GET"])
     app.include_router(v1)
     app.include_router(tokenize_router(engine, context), dependencies=auth)
+    # (imported here: the Responses routes reuse this module's stream reading and writing)
+    from services.gateway.responses import responses_router
+
+    app.include_router(responses_router(engine, context), dependencies=auth)
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/ping", routes.health, methods=["GET", "POST"])  # vLLM's alias
     app.add_api_route("/version", routes.version, methods=["GET"])
