@@ -289,6 +289,11 @@ class ServerConfig:
         "log request fields no API defines as a warning and ignore them, instead of a 400 "
         "naming them (as vLLM's --ignore-unknown-fields)",
     )
+    reasoning_parser: str = _field(
+        "",
+        "how a chat answer's reasoning is read apart (to reasoning_content): deepseek_r1 or "
+        "qwen3 (text between <think> tags); empty: none",
+    )
     access_log: bool = _field(
         True, "one info log line per HTTP request (id, route, status, tokens, TTFT, time)"
     )
@@ -306,6 +311,11 @@ class ServerConfig:
         _check(self.max_prompt_chars >= 1, "max_prompt_chars", ">= 1")
         _check(self.num_tokenizers >= 1, "num_tokenizers", ">= 1")
         _check(self.tool_call_parser in ("hermes", "json"), "tool_call_parser", "hermes or json")
+        _check(
+            self.reasoning_parser in ("", "deepseek_r1", "qwen3"),
+            "reasoning_parser",
+            "deepseek_r1, qwen3 or empty",
+        )
         _check(
             self.log_level in ("debug", "info", "warning", "error"),
             "log_level",

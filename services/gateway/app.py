@@ -62,6 +62,7 @@ from services.gateway.protocol import (
     describe_error,
     parse_request,
 )
+from services.gateway.reasoning import ReasoningStream, split_reasoning
 from services.gateway.token_output import shaped
 from services.gateway.tokenize_routes import tokenize_router
 from services.gateway.tool_stream import ToolStream
@@ -124,6 +125,7 @@ def create_app(
         "trust_request_chat_template": server.trust_request_chat_template,
         "tool_call_parser": server.tool_call_parser,
         "ignore_unknown_fields": server.ignore_unknown_fields,
+        "reasoning_parser": server.reasoning_parser,
     }
     routes = OpenAIRoutes(engine, context)
     auth = [Depends(_require_key(api_key))] if api_key else []
@@ -243,6 +245,9 @@ class OpenAIRoutes:
             lp,
             body.tool_plan if isinstance(body, ChatCompletionRequest) else None,
             chat_echo=body.echo_text if isinstance(body, ChatCompletionRequest) else "",
+            reasoning=(self.context or {}).get("reasoning_parser", "")
+            if api.kind == "chat"
+            else "",
         )
         if len(requests) == 1:
             deltas = engine.generate(requests[0])
@@ -479,6 +484,7 @@ class _Reply:
     tools: ToolPlan | None = None  # chat with tools: tool calls are read from the output
     live_usage: Usage | None = None  # continuous_usage_stats: the usage so far, every chunk
     chat_echo: str = ""  # chat `echo`: what every choice's content starts with
+    reasoning: str = ""  # chat with --reasoning-parser: its name (services/gateway/reasoning.py)
 
     def head(self) -> list[bytes]:
         """The chat stream's role chunks, one per choice, before any text."""
@@ -517,6 +523,10 @@ class _Reply:
         if delta.text or extra:
             out.append(self.text(delta.text, i, None, extra))
         return out
+
+    def reasoning_event(self, text: str, index: int) -> bytes:
+        """A chat stream's reasoning delta (--reasoning-parser)."""
+        return self._event({"reasoning_content": text}, "", None, index)
 
     def finish(
         self,
@@ -575,7 +585,14 @@ class _Reply:
             logprobs = lp.tokens(i, choice.logprobs) if lp is not None else None
         finish = choice.finish_reason.openai
         if self.kind == "chat":
-            out["message"], finish = chat_message(choice.text, finish, self.tools)
+            thought, text = (
+                split_reasoning(choice.text, self.reasoning)
+                if self.reasoning
+                else (None, choice.text)
+            )
+            out["message"], finish = chat_message(text, finish, self.tools)
+            if thought is not None:
+                out["message"]["reasoning_content"] = thought
             if self.chat_echo:
                 out["message"]["content"] = self.chat_echo + (out["message"]["content"] or "")
         else:
@@ -623,8 +640,15 @@ async def sse_stream(
         delta = first
         seen: set[int] = set()  # choices that had a delta
         tools: dict[int, ToolStream] = {}  # with tools: each choice's calls held back
+        thinking: dict[int, ReasoningStream] = {}  # --reasoning-parser: each choice's split
         while True:
             usage.add(delta)
+            if reply.reasoning:
+                split = thinking.setdefault(delta.index, ReasoningStream(reply.reasoning))
+                thought, text = split.feed(delta.text, delta.finish_reason != FinishReason.NONE)
+                if thought:
+                    yield reply.reasoning_event(thought, delta.index)
+                delta = dataclasses.replace(delta, text=text)
             stream, calls = None, []
             if reply.tools is not None:
                 stream = tools.setdefault(delta.index, ToolStream(reply.tools))

@@ -13,8 +13,10 @@ A stream is OpenAI's typed events, each with a `sequence_number`:
     response.output_item.done, then response.completed (response.incomplete when
     max_output_tokens cut it)
 
-Text streams as it is generated; with tools the output is read whole first (a call is
-known only once its text is complete), then its items are sent.
+Text streams as it is generated; with tools or a reasoning parser the output is read whole
+first (a call, or where reasoning ends, is known only once the text is complete), then its
+items are sent: with `--reasoning-parser`, a `reasoning` item (its text in a
+`reasoning_text` part, events response.reasoning_text.delta/done) before the answer.
 
 Stored responses (`store`, true unless false): the last `MAX_STORED_RESPONSES` in this
 gateway's memory, oldest dropped first, each with its conversation so far, which a request
@@ -58,6 +60,7 @@ from services.gateway.protocol import (
     parse_request,
     validate_request,
 )
+from services.gateway.reasoning import split_reasoning
 from services.gateway.responses_protocol import (
     ResponsesRequest,
     chat_body,
@@ -153,6 +156,7 @@ class ResponsesRoutes:
         request.state.access = record = AccessRecord()
         reader = DeltaReader(engine.generate(generate), "input", record)
         turn = _Turn(response_id, req, engine.model_name, chat.tool_plan, self._store_for(req))
+        turn.reasoning = (self.context or {}).get("reasoning_parser", "")
         turn.history = (previous.history if previous else []) + history_messages(req)
         headers = {REQUEST_ID_HEADER: response_id}
         handed_off = False
@@ -163,7 +167,7 @@ class ResponsesRoutes:
                 return SseResponse(stream_events(reader, first, turn), headers=headers)
             choices, usage = await until_disconnected(request, collect(reader))
             (choice,) = choices
-            items = output_items(choice.text, choice.finish_reason, turn.plan)
+            items = turn.items(choice.text, choice.finish_reason)
             return _json(turn.finish(items, choice.finish_reason, usage), headers=headers)
         finally:
             if not handed_off:
@@ -184,6 +188,15 @@ class _Turn:
     store: Callable[[StoredResponse], None] | None
     created_at: int = dataclasses.field(default_factory=lambda: int(time.time()))
     history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    reasoning: str = ""  # --reasoning-parser: a reasoning item before the answer
+
+    def items(self, text: str, reason: FinishReason) -> list[dict[str, Any]]:
+        """The output's items (with --reasoning-parser, its reasoning item first)."""
+        thought = None
+        if self.reasoning:
+            thought, text = split_reasoning(text, self.reasoning)
+        items = output_items(text, reason, self.plan)
+        return items if thought is None else [reasoning_item(thought), *items]
 
     def response(self, status: str = "in_progress", **fields: Any) -> dict[str, Any]:
         req = self.req
@@ -252,6 +265,16 @@ def output_items(text: str, reason: FinishReason, plan: ToolPlan | None) -> list
     return items
 
 
+def reasoning_item(text: str) -> dict[str, Any]:
+    return {
+        "type": "reasoning",
+        "id": "rs_" + uuid.uuid4().hex,
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+        "status": "completed",
+    }
+
+
 def message_item(text: str, status: str = "completed", item_id: str = "") -> dict[str, Any]:
     content = [_text_part(text)] if status == "completed" else []
     return {
@@ -299,7 +322,8 @@ async def stream_events(
         yield event("response.created", response=turn.response())
         yield event("response.in_progress", response=turn.response())
         usage, text, reason = Usage(1), [], FinishReason.NONE
-        live = turn.plan is None  # text streams as it comes; with tools, items at the end
+        # text streams as it comes; with tools or reasoning, the items once it is whole
+        live = turn.plan is None and not turn.reasoning
         item = message_item("", "in_progress")
         if live:
             yield event("response.output_item.added", output_index=0, item=item)
@@ -328,7 +352,7 @@ async def stream_events(
             yield event(**_part_event("done", item, whole))
             yield event("response.output_item.done", output_index=0, item=items[0])
         else:
-            items = output_items(whole, reason, turn.plan)
+            items = turn.items(whole, reason)
             for index, done in enumerate(items):
                 for out in _item_events(index, done):
                     yield event(**out)
@@ -363,6 +387,14 @@ def _item_events(index: int, item: dict[str, Any]) -> list[dict[str, Any]]:
             at | {"kind": "response.output_text.delta", "delta": text, "logprobs": []},
             at | {"kind": "response.output_text.done", "text": text, "logprobs": []},
             _part_event("done", item, text, index),
+            {"kind": "response.output_item.done", "item": item} | where,
+        ]
+    if item["type"] == "reasoning":
+        text, at = item["content"][0]["text"], _where(item, index)
+        return [
+            {"kind": "response.output_item.added", "item": item | {"content": []}} | where,
+            at | {"kind": "response.reasoning_text.delta", "delta": text},
+            at | {"kind": "response.reasoning_text.done", "text": text},
             {"kind": "response.output_item.done", "item": item} | where,
         ]
     added = item | {"status": "in_progress", "arguments": ""}
