@@ -48,6 +48,7 @@ from services.gateway import sse
 from services.gateway.access_log import AccessLogMiddleware, AccessRecord, note_refusal
 from services.gateway.admin import admin_router
 from services.gateway.batch import merge_deltas
+from services.gateway.best_of import best_choices
 from services.gateway.engine_client import EngineClient, OutputDelta, RequestFailed
 from services.gateway.limits import BodyLimitMiddleware, BodyLimits
 from services.gateway.logprobs import ChoiceLogprobs, TokenLogprob, merge_completion
@@ -271,6 +272,9 @@ class OpenAIRoutes:
                 stream = sse_stream(reader, first, reply, body.include_usage)
                 return SseResponse(stream, headers=headers | _SSE_HEADERS)
             choices, usage = await until_disconnected(request, collect(reader, n, lp))
+            if isinstance(body, CompletionRequest) and body.ranks_best_of:  # (best_of.py)
+                lp.n = body.n or 1
+                choices = best_choices(choices, n, lp.n)
             reply = dataclasses.replace(reply, fingerprint=reader.version or reply.fingerprint)
             return _json(reply.body(choices, usage, body.with_token_ids), headers=headers)
         finally:

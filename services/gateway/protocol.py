@@ -20,8 +20,9 @@ Defaults:
 
 Limits: at most `MAX_STOP` stop strings of 1..`MAX_STOP_CHARS` characters each; `n` (choices
 per prompt, sampled as sequences that share the prompt's KV blocks) at most `MAX_N`;
-`best_of` only equal to `n`; at most `MAX_PROMPTS` prompts in a /v1/completions batch (a
-list of strings or of token-id lists; each is its own engine request). Not yet supported,
+`best_of` >= `n` (services/gateway/best_of.py); at most `MAX_PROMPTS` prompts in a
+/v1/completions batch (a list of strings or of token-id lists; each is its own engine
+request). Not yet supported,
 refused with a clear message: `suffix`. `stream_options` only with `stream: true`.
 
 Logprobs (from the model's raw distribution, as vLLM's default): chat `logprobs: true` with
@@ -52,6 +53,7 @@ but 0 is refused unless the server runs `--scheduling-policy priority`, as vLLM 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from typing import Annotated, Any, TypeVar
@@ -602,7 +604,7 @@ class CompletionRequest(_CommonRequest):
     prompt: Any  # list[Prompt] once validated: one engine request each
     echo: bool | None = None
     logprobs: NumLogprobs | None = None
-    best_of: Annotated[int, Field(ge=1)] | None = None  # only = n: no ranking of choices
+    best_of: NumChoices | None = None  # >= n: the n best of best_of (best_of.py)
     suffix: str | None = None
 
     _check_prompt = field_validator("prompt", mode="before")(_prompts)
@@ -628,14 +630,21 @@ class CompletionRequest(_CommonRequest):
 
     @field_validator("best_of")
     @classmethod
-    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+    def _best_of_at_least_n(cls, value: int | None, info: ValidationInfo) -> int | None:
         # `n` is declared (so validated) first; when it failed, that error is the one reported
         if value is None or "n" not in info.data:
             return value
         n = info.data["n"] or 1
-        if value != n:
-            raise _refuse(f"only best_of = n ({n}) is supported, got {value}")
+        if value < n:
+            raise _refuse(f"must be >= n ({n}), got {value}")
+        if value > n and info.data.get("stream"):
+            raise _refuse("best_of > n cannot be streamed (the best are known at the end)")
         return value
+
+    @property
+    def ranks_best_of(self) -> bool:
+        """The engine samples best_of sequences per prompt and the answer keeps n."""
+        return self.best_of is not None and self.best_of > (self.n or 1)
 
     @field_validator("suffix")
     @classmethod
@@ -654,9 +663,11 @@ class CompletionRequest(_CommonRequest):
             "max_tokens",
             COMPLETIONS_DEFAULT_MAX_TOKENS,
             max_model_len,
-            self.logprobs,
+            (self.logprobs or 0) if self.ranks_best_of else self.logprobs,  # (to rank by)
             self.engine_prompt_logprobs,
         )
+        if self.ranks_best_of:
+            sampling = dataclasses.replace(sampling, n=self.best_of or 1)
         prompts: list[Prompt] = self.prompt
         arrival = time.time()
         return [

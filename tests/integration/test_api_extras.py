@@ -172,3 +172,17 @@ def test_allowed_token_ids_and_cache_salt(client: openai.OpenAI) -> None:
     )
     token_ids = out.choices[0].model_extra["token_ids"]  # type: ignore[index]
     assert len(token_ids) == 6 and set(token_ids) <= set(allowed)
+
+
+def test_best_of_keeps_the_most_likely_of_the_same_samples(client: openai.OpenAI) -> None:
+    args: dict[str, Any] = {
+        "model": "smol", "prompt": "Once upon a time", "max_tokens": 6, "temperature": 1.0,
+        "seed": 5, "logprobs": 0,
+    }  # fmt: skip
+    three = client.completions.create(**args, n=3).choices
+    (best,) = client.completions.create(**args, n=1, extra_body={"best_of": 3}).choices
+
+    def total(choice: Any) -> float:
+        return sum(choice.logprobs.token_logprobs)
+
+    assert best.text == max(three, key=total).text
