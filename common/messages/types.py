@@ -85,6 +85,10 @@ class SamplingParams:
     structured_kind: str = ""
     structured_spec: str = ""
     structured_field: str = ""
+    # the grammar starts after this text ends the output's reasoning (a reasoning parser's
+    # "</think>"; "": at the first token), and after these ids, the tokenizer's for it
+    structured_after: str = ""
+    structured_after_ids: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def is_structured(self) -> bool:

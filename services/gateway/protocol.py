@@ -74,6 +74,7 @@ from pydantic_core import PydanticCustomError
 from common.messages import GenerateRequest, SamplingParams
 from common.messages.types import MODEL_DEFAULT_FIELDS
 from services.gateway.chat_messages import ChatMessage
+from services.gateway.reasoning import THINK_END
 from services.gateway.refused import (
     IGNORED_FIELDS,
     REFUSED_CHAT,
@@ -459,6 +460,7 @@ class ChatCompletionRequest(_CommonRequest):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     _tool_plan: ToolPlan | None = PrivateAttr(default=None)
+    _reasoning_parser: str = PrivateAttr(default="")
 
     @model_validator(mode="before")
     @classmethod
@@ -471,6 +473,8 @@ class ChatCompletionRequest(_CommonRequest):
     def _plan_tools(self, info: ValidationInfo) -> ChatCompletionRequest:
         # parse_request's context names the server's --tool-call-parser
         parser = (info.context or {}).get("tool_call_parser", "hermes")
+        # --reasoning-parser: a structured output's grammar starts once the reasoning ends
+        self._reasoning_parser = (info.context or {}).get("reasoning_parser", "")
         try:
             self._tool_plan = plan_tools(
                 self.tools, self.tool_choice, self.parallel_tool_calls, parser
@@ -530,18 +534,15 @@ class ChatCompletionRequest(_CommonRequest):
         max_tokens = self.max_completion_tokens or self.max_tokens
         plan = self._tool_plan
         forced = forced_grammar(plan) if plan is not None else None
+        sampling = self._sampling(
+            max_tokens, field, 0, max_model_len, self.num_logprobs, self.prompt_logprobs, forced
+        )
+        if self._reasoning_parser and sampling.is_structured:
+            sampling = dataclasses.replace(sampling, structured_after=THINK_END)
         return GenerateRequest(
             request_id=request_id,
             model=model,
-            sampling=self._sampling(
-                max_tokens,
-                field,
-                0,
-                max_model_len,
-                self.num_logprobs,
-                self.prompt_logprobs,
-                forced,
-            ),
+            sampling=sampling,
             messages=[m.as_dict() for m in self.messages],
             tools=list(plan.tools.values()) if plan is not None else None,
             add_generation_prompt=self.add_generation_prompt is not False,

@@ -78,6 +78,21 @@ def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+# how near its end a prompt may hold the end of reasoning for the answer to start there
+REASONING_END_WINDOW = 8
+
+
+def reasoning_ended(prompt_ids: list[int], end_ids: list[int]) -> bool:
+    """Whether the prompt itself closed the reasoning (a template with thinking switched off
+    writes an empty <think></think> at its end): then a grammar starts at the first token,
+    as vLLM's structured outputs check the prompt for the reasoning end."""
+    if not end_ids:
+        return False
+    tail = prompt_ids[-(REASONING_END_WINDOW + len(end_ids)) :]
+    n = len(end_ids)
+    return any(tail[i : i + n] == end_ids for i in range(len(tail) - n + 1))
+
+
 def _with_tokenizer_eos(eos_token_ids: list[int], tokenizer: PreTrainedTokenizerBase) -> list[int]:
     eos = tokenizer.eos_token_id
     return sorted({*eos_token_ids, eos}) if isinstance(eos, int) else sorted(eos_token_ids)
@@ -180,6 +195,8 @@ class TokenizerActor(Actor):
         ids = self._prompt_ids(req, model)
         if req.truncate_prompt_tokens is not None:  # vLLM's: the prompt's last k tokens
             ids = ids[-req.truncate_prompt_tokens :]
+        if reasoning_ended(ids, sampling.structured_after_ids):
+            sampling = dataclasses.replace(sampling, structured_after="", structured_after_ids=[])
         max_tokens = fit_max_tokens(len(ids), sampling.max_tokens, model.max_model_len)
         check_min_tokens(sampling.min_tokens, max_tokens)
         return TokenizedRequest(
@@ -206,6 +223,11 @@ class TokenizerActor(Actor):
 
             words = bad_words_token_ids(sampling.bad_words, encode)
             sampling = dataclasses.replace(sampling, bad_words_token_ids=words)
+        if sampling.structured_after:  # the end of reasoning, where the grammar starts
+            after = list(
+                model.tokenizer.encode(sampling.structured_after, add_special_tokens=False)
+            )
+            sampling = dataclasses.replace(sampling, structured_after_ids=after)
         check_control_token_ids(sampling, model.vocab_size)
         return sampling
 

@@ -113,3 +113,22 @@ def test_responses_reasoning_item() -> None:
     events = parse_sse(_post("/v1/responses", {"input": "x", "stream": True}, SCRIPT).content)
     kinds = [e["type"] for e in events if isinstance(e, dict)]
     assert "response.reasoning_text.delta" in kinds and kinds[-1] == "response.completed"
+
+
+def test_a_structured_output_waits_for_the_reasoning_to_end() -> None:
+    body = CHAT | {"response_format": {"type": "json_object"}}
+    engine = FakeEngine(SCRIPT)
+
+    async def go(parser: str) -> None:
+        app = create_app(engine, ServerConfig(reasoning_parser=parser))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            assert (await client.post("/v1/chat/completions", json=body)).is_success
+
+    asyncio.run(go("qwen3"))
+    asyncio.run(go(""))
+    with_parser, without = (r.sampling for r in engine.requests)
+    assert (
+        with_parser.structured_kind == "json_object" and with_parser.structured_after == "</think>"
+    )
+    assert without.structured_after == ""
