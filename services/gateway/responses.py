@@ -18,15 +18,12 @@ first (a call, or where reasoning ends, is known only once the text is complete)
 items are sent: with `--reasoning-parser`, a `reasoning` item (its text in a
 `reasoning_text` part, events response.reasoning_text.delta/done) before the answer.
 
-Stored responses (`store`, true unless false): the last `MAX_STORED_RESPONSES` in this
-gateway's memory, oldest dropped first, each with its conversation so far, which a request
-naming it as `previous_response_id` continues. They do not survive a restart and are not
-shared between gateways.
+Stored responses (`store`, true unless false) are kept in this gateway's memory, bounded
+(services/gateway/response_store.py); `previous_response_id` continues one.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import time
@@ -61,6 +58,7 @@ from services.gateway.protocol import (
     validate_request,
 )
 from services.gateway.reasoning import split_reasoning
+from services.gateway.response_store import ResponseStore, StoredResponse
 from services.gateway.responses_protocol import (
     ResponsesRequest,
     chat_body,
@@ -68,33 +66,6 @@ from services.gateway.responses_protocol import (
     renamed,
 )
 from services.gateway.tools import ToolPlan, chat_message
-
-MAX_STORED_RESPONSES = 1024
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class StoredResponse:
-    response: dict[str, Any]  # as answered
-    history: list[dict[str, Any]]  # the conversation after it, as chat messages
-
-
-class ResponseStore:
-    """The stored responses of one gateway, at most `capacity`, oldest dropped first."""
-
-    def __init__(self, capacity: int = MAX_STORED_RESPONSES) -> None:
-        self.capacity = capacity
-        self._items: collections.OrderedDict[str, StoredResponse] = collections.OrderedDict()
-
-    def put(self, stored: StoredResponse) -> None:
-        self._items[stored.response["id"]] = stored
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
-
-    def get(self, response_id: str) -> StoredResponse | None:
-        return self._items.get(response_id)
-
-    def delete(self, response_id: str) -> bool:
-        return self._items.pop(response_id, None) is not None
 
 
 def responses_router(
