@@ -107,3 +107,15 @@ def test_find_unknown_and_suggest() -> None:
     assert find_unknown(body, ChatCompletionRequest) == [(("messages", 1, "nme"), "name")]
     assert suggest("temprature", ["temperature", "top_p"]) == "temperature"
     assert suggest("foo", ["temperature", "top_p"]) is None
+
+
+def test_tokenize_routes_and_json_objects_of_their_own_name_the_field_meant() -> None:
+    engine = FakeEngine()
+    error = error_of(run(engine, "POST", "/tokenize", json={"prompt": "hi", "add_special": 1}), 400)
+    assert error["param"] == "add_special" and "`add_special_tokens`" in error["message"]
+    error = error_of(run(engine, "POST", "/detokenize", json={"token": [1]}), 400)
+    assert error["param"] == "token" and "`tokens`" in error["message"]
+    tool = {"type": "function", "function": {"name": "f", "paramters": {"type": "object"}}}
+    error = error_of(run(engine, "POST", CHAT, json=_chat(tools=[tool])), 400)
+    assert error["param"] == "tools[0].function.paramters"
+    assert "did you mean `parameters`" in error["message"]
