@@ -48,6 +48,8 @@ from services.gateway import sse
 from services.gateway.access_log import AccessLogMiddleware, AccessRecord, note_refusal
 from services.gateway.admin import admin_router
 from services.gateway.batch import merge_deltas
+from services.gateway.beam_search import beam_answers
+from services.gateway.beam_search import finish_reason as beam_finish_reason
 from services.gateway.best_of import best_choices
 from services.gateway.engine_client import EngineClient, OutputDelta, RequestFailed
 from services.gateway.limits import BodyLimitMiddleware, BodyLimits
@@ -250,6 +252,11 @@ class OpenAIRoutes:
             if api.kind == "chat"
             else "",
         )
+        if body.use_beam_search:  # (services/gateway/beam_search.py)
+            work = self._beams(body, requests, reply.lp)
+            choices, usage = await until_disconnected(request, work)
+            headers = {REQUEST_ID_HEADER: request_id}
+            return _json(reply.body(choices, usage, body.with_token_ids), headers=headers)
         if len(requests) == 1:
             deltas = engine.generate(requests[0])
         else:  # a batch of prompts: one engine request each, merged into one answer
@@ -280,6 +287,28 @@ class OpenAIRoutes:
         finally:
             if not handed_off:
                 await close_shielded(reader)
+
+    async def _beams(
+        self,
+        body: ChatCompletionRequest | CompletionRequest,
+        requests: list[GenerateRequest],
+        lp: ChoiceLogprobs | None,
+    ) -> tuple[list[Choice], Usage]:
+        """The n best beams of a beam search, as choices (no logprobs)."""
+        if len(requests) > 1:
+            raise RequestRejected("use_beam_search: one prompt at a time", "use_beam_search")
+        n, penalty = body.n or 1, 1.0 if body.length_penalty is None else body.length_penalty
+        num_prompt, beams = await beam_answers(
+            self.engine, requests[0], body.beam_width, n, penalty
+        )
+        if lp is not None:
+            lp.num_logprobs = None  # (the beams' logprobs are not reported)
+        choices, usage = [], Usage(n)
+        for i, (beam, text) in enumerate(beams):
+            reason = beam_finish_reason(beam)
+            choices.append(Choice(i, [text], list(beam.token_ids), reason))
+            usage.add(OutputDelta(text, [], reason, num_prompt, len(beam.token_ids), True, i))
+        return choices, usage
 
     async def _prompt_text(self, request: GenerateRequest) -> str:
         """What echo shows of a completion prompt: its text, or its token ids decoded."""

@@ -101,6 +101,11 @@ class EngineClient(Protocol):
     def max_model_len(self) -> int: ...
 
     @property
+    def eos_token_ids(self) -> list[int]:
+        """The served model's end-of-sequence ids (beam search ends beams on them)."""
+        ...
+
+    @property
     def swap_status(self) -> dict[str, Any] | None:
         """The hot-swap in progress (what /v1/models shows), or None."""
         ...

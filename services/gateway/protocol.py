@@ -221,6 +221,10 @@ class _CommonRequest(BaseModel):
     # when null), and keep only its last k tokens (-1: the model's length)
     add_special_tokens: bool | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    # vLLM extensions: beam search (services/gateway/beam_search.py), n beams of a width of
+    # best_of (completions) or n; length_penalty scores a finished beam sum / len ** it
+    use_beam_search: bool | None = None
+    length_penalty: Annotated[float, Field(allow_inf_nan=False)] | None = None
     # vLLM extension: only requests with the same salt share prefix-cache blocks
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
     # structured outputs (services/gateway/structured.py checks them; at most one)
@@ -389,6 +393,25 @@ class _CommonRequest(BaseModel):
     def _unset_sampling(self) -> list[str]:
         """The fields a model's generation_config may fill: those the client left unset."""
         return [name for name in MODEL_DEFAULT_FIELDS if getattr(self, name) is None]
+
+    @field_validator("length_penalty")
+    @classmethod
+    def _only_with_beams(cls, value: float | None, info: ValidationInfo) -> float | None:
+        if value is not None and value != 1.0 and not info.data.get("use_beam_search"):
+            raise _refuse("only with use_beam_search: true")
+        return value
+
+    @field_validator("use_beam_search")
+    @classmethod
+    def _beams_are_not_streamed(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+        if value and info.data.get("stream"):
+            raise _refuse("cannot be streamed (the best beams are known at the end)")
+        return value
+
+    @property
+    def beam_width(self) -> int:
+        """Beams kept per step (use_beam_search): n (completions: best_of when larger)."""
+        return self.n or 1
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -643,9 +666,14 @@ class CompletionRequest(_CommonRequest):
         return value
 
     @property
+    def beam_width(self) -> int:
+        return max(self.n or 1, self.best_of or 1)
+
+    @property
     def ranks_best_of(self) -> bool:
         """The engine samples best_of sequences per prompt and the answer keeps n."""
-        return self.best_of is not None and self.best_of > (self.n or 1)
+        best_of, n = self.best_of, self.n or 1
+        return best_of is not None and best_of > n and not self.use_beam_search
 
     @field_validator("suffix")
     @classmethod

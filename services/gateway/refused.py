@@ -39,8 +39,6 @@ ANY = object()  # refused whatever its value, null aside
 _COMMON: dict[str, Any] = {
     # sampling controls not implemented yet (vLLM names)
     "logits_processors": ANY,
-    "length_penalty": 1.0,
-    "use_beam_search": False,
     # structured outputs: only through the server's own backend (xgrammar) and whitespace
     "guided_decoding_backend": ANY,
     "guided_whitespace_pattern": ANY,

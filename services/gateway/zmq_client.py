@@ -139,6 +139,10 @@ class ZmqEngineClient:
     def max_model_len(self) -> int:
         return self.served.max_model_len if self.served is not None else 0
 
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return list(self.served.eos_token_ids) if self.served is not None else []
+
     def is_ready(self) -> bool:
         """Serving: the scheduler has said which model (and nothing died since)."""
         return self._is_serving and not self.draining

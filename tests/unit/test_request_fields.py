@@ -85,6 +85,15 @@ CHANGES_THE_REQUEST_BY_URL: dict[tuple[str, str], dict[str, Any]] = {
     (COMPLETIONS, "logprobs"): {"logprobs": 2},
     (CHAT, "top_logprobs"): {"logprobs": True, "top_logprobs": 2},
     (CHAT, "prompt_logprobs"): {"prompt_logprobs": 1},
+    # beam search: the engine gets one-token steps asking for logprobs
+    (CHAT, "use_beam_search"): {"use_beam_search": True, "max_tokens": 2},
+    (COMPLETIONS, "use_beam_search"): {"use_beam_search": True, "max_tokens": 2},
+    (CHAT, "length_penalty"): {"use_beam_search": True, "max_tokens": 2, "length_penalty": 0.5},
+    (COMPLETIONS, "length_penalty"): {
+        "use_beam_search": True,
+        "max_tokens": 2,
+        "length_penalty": 0.5,
+    },
     # special tokens: chat's default is without them, completions' with them
     (CHAT, "add_special_tokens"): {"add_special_tokens": True},
     (COMPLETIONS, "add_special_tokens"): {"add_special_tokens": False},

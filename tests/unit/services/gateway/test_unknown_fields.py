@@ -70,8 +70,8 @@ def test_known_fields_refused_ignored_or_echoed_are_not_unknown() -> None:
     replayed = {"role": "assistant", "content": "hi", "refusal": None, "annotations": []}
     body = _chat(metadata={"a": "b"}, store=True, messages=[USER, replayed, USER])
     assert run(engine, "POST", CHAT, json=body).status_code == 200
-    error = error_of(run(engine, "POST", CHAT, json=_chat(use_beam_search=True)), 400)
-    assert error["message"].startswith("use_beam_search: is not supported")
+    error = error_of(run(engine, "POST", CHAT, json=_chat(logits_processors=["x"])), 400)
+    assert error["message"].startswith("logits_processors: is not supported")
 
 
 def test_an_assistant_tool_call_turn_needs_no_content_key() -> None:
