@@ -16,6 +16,7 @@ ignored instead.
 from __future__ import annotations
 
 import difflib
+import functools
 import logging
 import types
 import typing
@@ -41,15 +42,15 @@ def find_unknown(
     `known` does not list, as (location, the declared name it is closest to, or None)."""
     if not isinstance(data, dict):
         return []  # the model's own validation says what is wrong
-    names = set(_field_names(model)) | set(known)
+    names, shapes = _plan(model)
     found: list[tuple[Loc, str | None]] = []
     for key, value in data.items():
-        if key not in names:
-            found.append(((*loc, key), suggest(key, names)))
+        if key not in names and key not in known:
+            found.append(((*loc, key), suggest(key, {*names, *known})))
             continue
-        field = model.model_fields.get(key)
-        if field is not None and value is not None:
-            found += _find_nested(value, field.annotation, (*loc, key))
+        shape = shapes.get(key)
+        if shape is not None and value is not None:
+            found += _find_nested(value, shape, (*loc, key))
     return found
 
 
@@ -89,37 +90,53 @@ def _hint(hint: str | None) -> str:
     return f"; did you mean `{hint}`?" if hint is not None else ""
 
 
-def _field_names(model: type[BaseModel]) -> list[str]:
-    names = list(model.model_fields)
-    names += [f.alias for f in model.model_fields.values() if f.alias]
+# what to walk into: a model, a list of a shape
+Shape = type[BaseModel] | tuple[str, "Shape"]
+
+
+@functools.cache
+def _plan(model: type[BaseModel]) -> tuple[frozenset[str], dict[str, Shape]]:
+    """A model's field names (aliases too) and the shapes of the fields that hold models,
+    read from its annotations once."""
+    names = set(model.model_fields)
+    names |= {f.alias for f in model.model_fields.values() if f.alias}
     if model.__name__ == "ChatMessage":
-        names += MESSAGE_ECHO_FIELDS
-    return names
+        names |= set(MESSAGE_ECHO_FIELDS)
+    shapes = {}
+    for name, field in model.model_fields.items():
+        shape = _shape(field.annotation)
+        if shape is not None:
+            shapes[name] = shape
+    return frozenset(names), shapes
 
 
-def _find_nested(value: Any, annotation: Any, loc: Loc) -> list[tuple[Loc, str | None]]:
-    """Walk into a field's value by its annotation: a model, a list or an optional of one."""
+def _shape(annotation: Any) -> Shape | None:
+    """What of an annotation holds a model: itself, an optional of one, a list of one."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return find_unknown(value, annotation, (), loc)
+        return annotation
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if origin is typing.Annotated:
-        return _find_nested(value, args[0], loc)
+        return _shape(args[0])
     if origin in (types.UnionType, typing.Union):
-        models = [a for a in args if _holds_model(a)]
-        return _find_nested(value, models[0], loc) if len(models) == 1 else []
-    if origin is list and args and isinstance(value, list):
+        shapes = [s for s in map(_shape, args) if s is not None]
+        return shapes[0] if len(shapes) == 1 else None
+    if origin is list and args:
+        inner = _shape(args[0])
+        return ("list", inner) if inner is not None else None
+    return None
+
+
+def _find_nested(value: Any, shape: Shape, loc: Loc) -> list[tuple[Loc, str | None]]:
+    """Walk into a field's value by its shape."""
+    if isinstance(shape, tuple):
+        if not isinstance(value, list):
+            return []
         found: list[tuple[Loc, str | None]] = []
         for i, item in enumerate(value):
-            found += _find_nested(item, args[0], (*loc, i))
+            found += _find_nested(item, shape[1], (*loc, i))
         return found
-    return []
-
-
-def _holds_model(annotation: Any) -> bool:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return True
-    return any(_holds_model(a) for a in typing.get_args(annotation))
+    return find_unknown(value, shape, (), loc)
 
 
 def _path(loc: Loc) -> str:
