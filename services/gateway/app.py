@@ -434,6 +434,10 @@ class Usage:
         self._num_prompt_tokens: dict[int, int] = {}  # prompt index -> its count
         self._num_output_tokens: dict[int, int] = {}  # index -> that sequence's count so far
 
+    def add_prompt(self, delta: OutputDelta) -> None:
+        """Count the delta's prompt only (a stream's role chunks come before its tokens)."""
+        self._num_prompt_tokens[delta.index // self.n] = delta.num_prompt_tokens
+
     def add(self, delta: OutputDelta) -> None:
         self._num_prompt_tokens[delta.index // self.n] = delta.num_prompt_tokens
         self._num_output_tokens[delta.index] = delta.num_output_tokens
@@ -668,6 +672,7 @@ async def sse_stream(
     A failure after the first byte becomes an error event, still followed by [DONE]."""
     try:
         usage = reply.live_usage or Usage(reply.n_per_prompt)
+        usage.add_prompt(first)  # (continuous usage: the role chunks show the prompt's)
         for event in reply.head():
             yield event
         delta = first
