@@ -13,10 +13,12 @@ A stream is OpenAI's typed events, each with a `sequence_number`:
     response.output_item.done, then response.completed (response.incomplete when
     max_output_tokens cut it)
 
-Text streams as it is generated; with tools or a reasoning parser the output is read whole
-first (a call, or where reasoning ends, is known only once the text is complete), then its
-items are sent: with `--reasoning-parser`, a `reasoning` item (its text in a
-`reasoning_text` part, events response.reasoning_text.delta/done) before the answer.
+      reasoning (--reasoning-parser, before the message): response.reasoning_text.delta
+                ..., response.reasoning_text.done
+
+Text streams as it is generated (services/gateway/responses_stream.py); with tools the
+output is read whole first (a call is known only once its text is complete), then its items
+are sent. Items are built in services/gateway/responses_items.py.
 
 Stored responses (`store`, true unless false) are kept in this gateway's memory, bounded
 (services/gateway/response_store.py); `previous_response_id` continues one.
@@ -25,10 +27,9 @@ Stored responses (`store`, true unless false) are kept in this gateway's memory,
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -36,10 +37,8 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from common.messages import FinishReason
-from services.gateway import sse
 from services.gateway.access_log import AccessRecord
 from services.gateway.app import (
-    KEEPALIVE_S,
     REQUEST_ID_HEADER,
     DeltaReader,
     SseResponse,
@@ -48,7 +47,7 @@ from services.gateway.app import (
     collect,
     until_disconnected,
 )
-from services.gateway.engine_client import EngineClient, RequestFailed
+from services.gateway.engine_client import EngineClient
 from services.gateway.protocol import (
     REQUEST_ID_PATTERN,
     ChatCompletionRequest,
@@ -59,13 +58,15 @@ from services.gateway.protocol import (
 )
 from services.gateway.reasoning import split_reasoning
 from services.gateway.response_store import ResponseStore, StoredResponse
+from services.gateway.responses_items import assistant_turn, output_items, reasoning_item
 from services.gateway.responses_protocol import (
     ResponsesRequest,
     chat_body,
     history_messages,
     renamed,
 )
-from services.gateway.tools import ToolPlan, chat_message
+from services.gateway.responses_stream import stream_events
+from services.gateway.tools import ToolPlan
 
 
 def responses_router(
@@ -212,170 +213,8 @@ class _Turn:
             },
         )
         if self.store is not None:
-            self.store(StoredResponse(response, self.history + [_assistant_turn(items)]))
+            self.store(StoredResponse(response, self.history + [assistant_turn(items)]))
         return response
-
-
-def output_items(text: str, reason: FinishReason, plan: ToolPlan | None) -> list[dict[str, Any]]:
-    """The output's items: a message with its text (unless only calls were made), then
-    one function_call item per tool call."""
-    message, _ = chat_message(text, reason.openai, plan)
-    calls = message.get("tool_calls") or []
-    items = [] if calls and not message["content"] else [message_item(message["content"] or "")]
-    for call in calls:
-        items.append(
-            {
-                "type": "function_call",
-                "id": "fc_" + uuid.uuid4().hex,
-                "call_id": call["id"],
-                "name": call["function"]["name"],
-                "arguments": call["function"]["arguments"],
-                "status": "completed",
-            }
-        )
-    return items
-
-
-def reasoning_item(text: str) -> dict[str, Any]:
-    return {
-        "type": "reasoning",
-        "id": "rs_" + uuid.uuid4().hex,
-        "summary": [],
-        "content": [{"type": "reasoning_text", "text": text}],
-        "status": "completed",
-    }
-
-
-def message_item(text: str, status: str = "completed", item_id: str = "") -> dict[str, Any]:
-    content = [_text_part(text)] if status == "completed" else []
-    return {
-        "type": "message",
-        "id": item_id or "msg_" + uuid.uuid4().hex,
-        "status": status,
-        "role": "assistant",
-        "content": content,
-    }
-
-
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-def _assistant_turn(items: list[dict[str, Any]]) -> dict[str, Any]:
-    """The output as the chat message a later turn's history holds."""
-    text = "".join(p["text"] for i in items if i["type"] == "message" for p in i["content"])
-    calls = [
-        {"id": i["call_id"], "type": "function", "function": _function(i)}
-        for i in items
-        if i["type"] == "function_call"
-    ]
-    turn: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
-    return turn | ({"tool_calls": calls} if calls else {})
-
-
-def _function(item: dict[str, Any]) -> dict[str, Any]:
-    return {"name": item["name"], "arguments": item["arguments"]}
-
-
-# --- the stream -----------------------------------------------------------------------------
-
-
-async def stream_events(
-    reader: DeltaReader, first: Any, turn: _Turn
-) -> AsyncGenerator[bytes, None]:
-    """The SSE body (see the module's docstring); a failure is an `error` event."""
-    numbers = itertools.count()
-
-    def event(kind: str, **fields: Any) -> bytes:
-        return sse.sse_event({"type": kind, "sequence_number": next(numbers)} | fields)
-
-    try:
-        yield event("response.created", response=turn.response())
-        yield event("response.in_progress", response=turn.response())
-        usage, text, reason = Usage(1), [], FinishReason.NONE
-        # text streams as it comes; with tools or reasoning, the items once it is whole
-        live = turn.plan is None and not turn.reasoning
-        item = message_item("", "in_progress")
-        if live:
-            yield event("response.output_item.added", output_index=0, item=item)
-            yield event(**_part_event("added", item, ""))
-        delta = first
-        while True:
-            usage.add(delta)
-            text.append(delta.text)
-            if live and delta.text:
-                yield event(
-                    "response.output_text.delta", **_where(item), delta=delta.text, logprobs=[]
-                )
-            reason = delta.finish_reason if delta.finish_reason != FinishReason.NONE else reason
-            if delta.last:
-                break
-            while True:
-                try:
-                    delta = await reader.next(KEEPALIVE_S)
-                    break
-                except TimeoutError:
-                    yield sse.sse_comment("keep-alive")
-        whole = "".join(text)
-        if live:
-            items = [message_item(whole, item_id=item["id"])]
-            yield event("response.output_text.done", **_where(item), text=whole, logprobs=[])
-            yield event(**_part_event("done", item, whole))
-            yield event("response.output_item.done", output_index=0, item=items[0])
-        else:
-            items = turn.items(whole, reason)
-            for index, done in enumerate(items):
-                for out in _item_events(index, done):
-                    yield event(**out)
-        response = turn.finish(items, reason, usage)
-        kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
-        yield event(kind, response=response)
-    except RequestFailed as e:
-        yield event("error", code=str(e.status), message=e.message, param=e.param)
-    finally:
-        await close_shielded(reader)
-
-
-def _where(item: dict[str, Any], index: int = 0) -> dict[str, Any]:
-    return {"item_id": item["id"], "output_index": index, "content_index": 0}
-
-
-def _part_event(stage: str, item: dict[str, Any], text: str, index: int = 0) -> dict[str, Any]:
-    part = _text_part(text)
-    return _where(item, index) | {"kind": f"response.content_part.{stage}", "part": part}
-
-
-def _item_events(index: int, item: dict[str, Any]) -> list[dict[str, Any]]:
-    """A whole item's events, its text or arguments in one delta."""
-    where = {"output_index": index}
-    if item["type"] == "message":
-        text = item["content"][0]["text"]
-        added = item | {"status": "in_progress", "content": []}
-        at = _where(item, index)
-        return [
-            {"kind": "response.output_item.added", "item": added} | where,
-            _part_event("added", item, "", index),
-            at | {"kind": "response.output_text.delta", "delta": text, "logprobs": []},
-            at | {"kind": "response.output_text.done", "text": text, "logprobs": []},
-            _part_event("done", item, text, index),
-            {"kind": "response.output_item.done", "item": item} | where,
-        ]
-    if item["type"] == "reasoning":
-        text, at = item["content"][0]["text"], _where(item, index)
-        return [
-            {"kind": "response.output_item.added", "item": item | {"content": []}} | where,
-            at | {"kind": "response.reasoning_text.delta", "delta": text},
-            at | {"kind": "response.reasoning_text.done", "text": text},
-            {"kind": "response.output_item.done", "item": item} | where,
-        ]
-    added = item | {"status": "in_progress", "arguments": ""}
-    at = {"item_id": item["id"]} | where
-    return [
-        {"kind": "response.output_item.added", "item": added} | where,
-        at | {"kind": "response.function_call_arguments.delta", "delta": item["arguments"]},
-        at | {"kind": "response.function_call_arguments.done", "arguments": item["arguments"]},
-        {"kind": "response.output_item.done", "item": item} | where,
-    ]
 
 
 def _response_id(request: Request) -> str:

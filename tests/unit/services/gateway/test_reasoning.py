@@ -132,3 +132,32 @@ def test_a_structured_output_waits_for_the_reasoning_to_end() -> None:
         with_parser.structured_kind == "json_object" and with_parser.structured_after == "</think>"
     )
     assert without.structured_after == ""
+
+
+def test_a_responses_stream_sends_the_reasoning_then_the_message_as_they_come() -> None:
+    import openai
+
+    async def go() -> tuple[list[Any], Any]:
+        app = create_app(FakeEngine(SCRIPT), ServerConfig(reasoning_parser="deepseek_r1"))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test/v1") as http:
+            client = openai.AsyncOpenAI(
+                base_url="http://test/v1", api_key="x", http_client=http, max_retries=0
+            )
+            async with client.responses.stream(model="test-model", input="x") as stream:
+                events = [e async for e in stream]
+                return events, await stream.get_final_response()
+
+    events, final = asyncio.run(go())
+    deltas = [
+        (e.type, e.output_index, e.delta)
+        for e in events
+        if e.type in ("response.reasoning_text.delta", "response.output_text.delta")
+    ]
+    assert deltas == [
+        ("response.reasoning_text.delta", 0, "a b"),
+        ("response.reasoning_text.delta", 0, " c"),
+        ("response.output_text.delta", 1, "Paris"),
+    ]
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    assert final.output_text == "Paris"
