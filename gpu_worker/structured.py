@@ -193,13 +193,17 @@ class RowGrammar:
         self.num_accepted = 0
         self.start_after = list(start_after or [])
         self.start: int | None = None if self.start_after else 0  # where the grammar begins
+        self._num_scanned = 0  # output tokens searched for start_after so far
 
     def is_started(self, output_ids: list[int]) -> bool:
         """Whether the grammar covers the next token (the reasoning has ended)."""
         if self.start is not None and len(output_ids) < self.start:
             self.sync(output_ids)  # (a rollback into the reasoning)
         if self.start is None:
-            self.start = _end_of(self.start_after, output_ids)
+            # search only what is new (and the marker's length back), not the whole output
+            begin = max(0, min(self._num_scanned, len(output_ids)) - len(self.start_after) + 1)
+            self.start = _end_of(self.start_after, output_ids, begin)
+            self._num_scanned = len(output_ids)
         return self.start is not None
 
     def sync(self, output_ids: list[int]) -> None:
@@ -229,10 +233,11 @@ class RowGrammar:
         return bool(self.matcher.is_terminated())
 
 
-def _end_of(marker: list[int], output_ids: list[int]) -> int | None:
-    """The index just past the first occurrence of `marker` in `output_ids` (None: none)."""
+def _end_of(marker: list[int], output_ids: list[int], begin: int = 0) -> int | None:
+    """The index just past the first occurrence of `marker` in `output_ids` from `begin`
+    (None: none)."""
     n = len(marker)
-    for i in range(len(output_ids) - n + 1):
+    for i in range(begin, len(output_ids) - n + 1):
         if output_ids[i : i + n] == marker:
             return i + n
     return None
