@@ -73,3 +73,25 @@ def test_think_tags_split_the_answer(server: Server) -> None:
         "".join(c.get("content") or "" for c in chunks),
     )
     assert streamed == (thought, answer)
+
+
+def test_a_structured_output_starts_after_the_thinking(server: Server) -> None:
+    http = server.client()
+    end = http.post("/tokenize", json={"prompt": "</think>"}).json()["tokens"][0]
+    body = {
+        "messages": [{"role": "user", "content": "Which animal?"}],
+        "max_tokens": 40, "temperature": 1.0,
+        "guided_choice": ["the fox", "the dog"],
+        "logit_bias": {str(end): 3.0},  # (a random model thinks briefly)
+    }  # fmt: skip
+    thoughts = []
+    for seed in range(10):
+        body |= {"seed": seed, "return_token_ids": True}
+        choice = _chat(http, body).json()["choices"][0]
+        if end not in choice["token_ids"]:
+            continue  # thought to the end of max_tokens: the grammar never started
+        # the grammar held the answer after the thinking to one of the choices
+        assert choice["message"]["content"] in ("the fox", "the dog"), choice
+        thoughts.append(choice["message"]["reasoning_content"])
+    # and left the thinking free (the grammar alone would allow only the choices)
+    assert any(t and t not in ("the fox", "the dog") for t in thoughts), thoughts
