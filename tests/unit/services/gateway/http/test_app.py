@@ -13,8 +13,9 @@ import pytest
 from common.config import SchedulerConfig, ServerConfig
 from common.messages import FinishReason
 from services.gateway.engine.client import RequestFailed
-from services.gateway.http import app as app_module
-from services.gateway.http.app import SseResponse, create_app
+from services.gateway.http import streaming
+from services.gateway.http.app import create_app
+from services.gateway.http.streaming import SseResponse
 from tests.fake_engine import HANG, MODEL, FakeEngine, delta
 from tests.sse_events import parse_sse
 
@@ -111,7 +112,6 @@ def test_chat_non_streaming_shape_and_request_conversion() -> None:
         seed=3,
         stop="x",
         max_completion_tokens=9,
-        some_unknown_extra={"ignored": True},
     )
     resp = run(engine, "POST", CHAT, json=body)
     assert resp.status_code == 200, resp.text
@@ -441,8 +441,8 @@ def test_unset_sampling_fields_default_and_are_named() -> None:
         (chat_body(n=17), "n", "<= 16"),
         (chat_body(n=0), "n", ">= 1"),
         (chat_body(n=2.0), "n", "integer"),
-        ({"prompt": "x", "n": 2, "best_of": 3}, "best_of", "best_of = n (2)"),
-        ({"prompt": "x", "best_of": 2}, "best_of", "best_of = n (1)"),
+        ({"prompt": "x", "n": 3, "best_of": 2}, "best_of", "must be >= n (3)"),
+        ({"prompt": "x", "best_of": 2, "stream": True}, "best_of", "cannot be streamed"),
         (chat_body(priority="1"), "priority", "integer"),
         (chat_body(priority=1.5), "priority", "integer"),
         (chat_body(timeout=0), "timeout", "> 0"),
@@ -621,7 +621,7 @@ def test_failure_mid_stream_is_an_error_event_then_done() -> None:
 
 
 def test_keepalive_comment_while_engine_is_quiet(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(app_module, "KEEPALIVE_S", 0.01)
+    monkeypatch.setattr(streaming, "KEEPALIVE_S", 0.01)
     engine = FakeEngine([delta("a"), 0.3, delta("b", STOP, 2)])
     resp = run(engine, "POST", COMPLETIONS, json={"prompt": "x", "stream": True})
     assert b"\n: keep-alive\n\n" in resp.content
