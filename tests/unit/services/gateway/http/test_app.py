@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
-from collections.abc import AsyncGenerator
 from typing import Any
 
 import httpx
@@ -13,9 +12,7 @@ import pytest
 from common.config import SchedulerConfig, ServerConfig
 from common.messages import FinishReason
 from services.gateway.engine.client import RequestFailed
-from services.gateway.http import streaming
 from services.gateway.http.app import create_app
-from services.gateway.http.streaming import SseResponse
 from tests.fake_engine import HANG, MODEL, FakeEngine, delta
 from tests.sse_events import parse_sse
 
@@ -620,15 +617,6 @@ def test_failure_mid_stream_is_an_error_event_then_done() -> None:
     assert events[3:] == ["[DONE]"]
 
 
-def test_keepalive_comment_while_engine_is_quiet(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(streaming, "KEEPALIVE_S", 0.01)
-    engine = FakeEngine([delta("a"), 0.3, delta("b", STOP, 2)])
-    resp = run(engine, "POST", COMPLETIONS, json={"prompt": "x", "stream": True})
-    assert b"\n: keep-alive\n\n" in resp.content
-    events = parse_sse(resp.content)
-    assert [e["choices"][0]["text"] for e in events[:-1]] == ["a", "b", ""]
-
-
 # --- disconnects -------------------------------------------------------------------------------
 
 
@@ -720,28 +708,3 @@ def test_finished_request_is_not_aborted() -> None:
     run(engine, "POST", CHAT, json=chat_body(stream=True))
     run(engine, "POST", CHAT, json=chat_body())
     assert len(engine.requests) == 2 and engine.aborted == []
-
-
-def test_sse_response_closes_its_body_when_send_fails() -> None:
-    # ASGI 2.4 servers raise from send() when the client is gone; the body must be closed then
-    # and there, not whenever the garbage collector gets to it
-    closed = []
-
-    async def body() -> AsyncGenerator[bytes, None]:
-        try:
-            yield b"data: 1\n\n"
-            yield b"data: 2\n\n"
-        finally:
-            closed.append(True)
-
-    async def go() -> list[bool]:
-        response = SseResponse(body())
-
-        async def send(message: dict[str, Any]) -> None:
-            if message.get("body"):
-                raise OSError("connection reset by peer")
-
-        await response(_scope(CHAT, "2.4"), asyncio.Event().wait, send)
-        return list(closed)  # `response` still holds the generator here
-
-    assert asyncio.run(go()) == [True]
