@@ -293,6 +293,19 @@ class ServerConfig:
         "how tool calls are read from the output: hermes (<tool_call>{json}</tool_call> "
         "blocks, the built-in tool template's format) or json (the whole output is a call)",
     )
+    ignore_unknown_fields: bool = _field(
+        False,
+        "log request fields no API defines as a warning and ignore them, instead of a 400 "
+        "naming them (as vLLM's --ignore-unknown-fields)",
+    )
+    reasoning_parser: str = _field(
+        "",
+        "how a chat answer's reasoning is read apart (to reasoning_content): deepseek_r1 or "
+        "qwen3 (text between <think> tags); empty: none",
+    )
+    access_log: bool = _field(
+        True, "one info log line per HTTP request (id, route, status, tokens, TTFT, time)"
+    )
     metrics_vllm_names: bool = _field(
         False,
         "GET /metrics under vLLM's own names (vllm:*) instead of shuttle:*, so dashboards "
@@ -307,6 +320,11 @@ class ServerConfig:
         _check(self.max_prompt_chars >= 1, "max_prompt_chars", ">= 1")
         _check(self.num_tokenizers >= 1, "num_tokenizers", ">= 1")
         _check(self.tool_call_parser in ("hermes", "json"), "tool_call_parser", "hermes or json")
+        _check(
+            self.reasoning_parser in ("", "deepseek_r1", "qwen3"),
+            "reasoning_parser",
+            "deepseek_r1, qwen3 or empty",
+        )
         _check(
             self.log_level in ("debug", "info", "warning", "error"),
             "log_level",

@@ -33,6 +33,8 @@ MAX_BAD_WORD_CHARS = 256
 MAX_CHAT_TEMPLATE_CHARS = 64 * 1024  # a request's chat_template; its chat_template_kwargs
 MAX_LOGPROBS = 20  # top logprobs per token (OpenAI's limit)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_CACHE_SALT_CHARS = 1024  # vLLM's cache_salt
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # allowed_token_ids: more than any vocabulary served here
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

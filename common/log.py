@@ -8,7 +8,7 @@ import time
 
 import orjson
 
-_EXTRA_KEYS = ("request_id", "step_id", "num_reqs", "count", "error", "addr")
+_EXTRA_KEYS = ("request_id", "step_id", "num_reqs", "count", "error", "addr", "access")
 
 
 class JsonFormatter(logging.Formatter):

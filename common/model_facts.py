@@ -70,6 +70,15 @@ def position_config(model_dir: Path) -> str:
     return json.dumps({k: cfg.get(k) for k in keys}, sort_keys=True)
 
 
+def salted_root(root: int, salt: str) -> int:
+    """A request's root under its `cache_salt` (vLLM's): H(root, salt), so only requests
+    with the same salt share prefix blocks; no salt ("") is the root itself."""
+    if not salt:
+        return root
+    text = f"{root}\0salt\0{salt}"
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
+
+
 def cache_root(model_id: str, weights_version: str, tokenizer_fp: str, position_cfg: str) -> int:
     """h_-1 of the prefix cache's hash chain: H(model id, weights version, tokenizer
     fingerprint, rope/position config). A new version changes every block hash."""

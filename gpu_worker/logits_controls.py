@@ -3,6 +3,7 @@
 Applied to the rows of a step whose request has controls (`SamplingParams.has_controls`),
 before the greedy argmax and before temperature, in vLLM's order:
 
+    allowed ids   -inf on every token but the request's allowed_token_ids
     bad words     -inf on a bad word's last token when the rest of the word ends the output
                   (a one-token word: always)
     min_tokens    -inf on the tokens that would end the request (EOS unless ignore_eos,
@@ -187,7 +188,9 @@ def mask_and_bias(
     params: Sequence[SamplingParams],  # [R]
     rows: Sequence[RowHistory],  # [R]
 ) -> None:
-    """Bad words and min_tokens (-inf), then logit_bias (+ bias), for every row at once."""
+    """Allowed token ids, bad words and min_tokens (-inf), then logit_bias (+ bias), for
+    every row at once."""
+    keep_only(logits, [p.allowed_token_ids for p in params])
     ban_rows: list[int] = []
     ban_tokens: list[int] = []
     bias_rows: list[int] = []
@@ -208,6 +211,23 @@ def mask_and_bias(
         index = (_index(bias_rows, device), _index(bias_tokens, device))
         values = torch.tensor(bias_values, dtype=logits.dtype).to(device)
         logits.index_put_(index, values, accumulate=True)
+
+
+def keep_only(
+    logits: torch.Tensor,  # [R, vocab], changed in place
+    allowed: Sequence[list[int]],  # [R][a] each row's allowed ids; [] = any
+) -> None:
+    """-inf on every token outside a row's allowed ids (rows with none are untouched)."""
+    rows = [r for r, ids in enumerate(allowed) if ids]
+    if not rows:
+        return
+    device = logits.device
+    mask = torch.full((len(rows), logits.shape[1]), float("-inf"), dtype=logits.dtype)
+    mask_rows = [j for j, r in enumerate(rows) for _ in allowed[r]]
+    mask_tokens = [t for r in rows for t in allowed[r]]
+    mask[_index(mask_rows, mask.device), _index(mask_tokens, mask.device)] = 0.0
+    index = _index(rows, device)
+    logits.index_add_(0, index, mask.to(device))
 
 
 def banned_tokens(params: SamplingParams, row: RowHistory) -> list[int]:

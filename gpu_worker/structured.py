@@ -124,7 +124,8 @@ class GrammarCache:
             log.warning("grammar not compiled ahead of its request: compiling in the step")
         import xgrammar
 
-        return RowGrammar(xgrammar.GrammarMatcher(self.compile(kind, spec, fingerprint)))
+        matcher = xgrammar.GrammarMatcher(self.compile(kind, spec, fingerprint))
+        return RowGrammar(matcher, params.structured_after_ids)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -180,16 +181,45 @@ def _compile(compiler: xgrammar.GrammarCompiler, kind: str, spec: str) -> xgramm
 
 
 class RowGrammar:
-    """One sequence's matcher and how many of its output tokens it has accepted."""
+    """One sequence's matcher and how many of its output tokens it has accepted.
 
-    def __init__(self, matcher: Any) -> None:
+    With `start_after` (the token ids that end a reasoning model's thinking, "</think>"),
+    the grammar covers only the output after them: the reasoning before is free text.
+
+        output   <think> ... </think> {"a": 1}
+                 free text ---------- grammar (starts at `start`)
+    """
+
+    def __init__(self, matcher: Any, start_after: list[int] | None = None) -> None:
         self.matcher = matcher
         self.num_accepted = 0
+        self.start_after = list(start_after or [])
+        self.start: int | None = None if self.start_after else 0  # where the grammar begins
+        self._num_scanned = 0  # output tokens searched for start_after so far
+
+    def is_started(self, output_ids: list[int]) -> bool:
+        """Whether the grammar covers the next token (the reasoning has ended)."""
+        if self.start is not None and len(output_ids) < self.start:
+            self.sync(output_ids)  # (a rollback into the reasoning)
+        if self.start is None:
+            # search only what is new (and the marker's length back), not the whole output
+            begin = max(0, min(self._num_scanned, len(output_ids)) - len(self.start_after) + 1)
+            self.start = _end_of(self.start_after, output_ids, begin)
+            self._num_scanned = len(output_ids)
+        return self.start is not None
 
     def sync(self, output_ids: list[int]) -> None:
         """Follow the sequence's output tokens: roll back past tokens it no longer holds,
         accept the ones not seen yet. (The tokens kept are always a prefix of those seen:
         the worker appends, and only a rollback cuts.)"""
+        if self.start is None and not self.is_started(output_ids):
+            return
+        assert self.start is not None
+        if len(output_ids) < self.start:  # cut back into the reasoning: not started again
+            self.matcher.rollback(self.num_accepted)
+            self.num_accepted, self.start = 0, None
+            return
+        output_ids = output_ids[self.start :]
         if len(output_ids) < self.num_accepted:
             self.matcher.rollback(self.num_accepted - len(output_ids))
             self.num_accepted = len(output_ids)
@@ -205,6 +235,16 @@ class RowGrammar:
         return bool(self.matcher.is_terminated())
 
 
+def _end_of(marker: list[int], output_ids: list[int], begin: int = 0) -> int | None:
+    """The index just past the first occurrence of `marker` in `output_ids` from `begin`
+    (None: none)."""
+    n = len(marker)
+    for i in range(begin, len(output_ids) - n + 1):
+        if output_ids[i : i + n] == marker:
+            return i + n
+    return None
+
+
 def apply_grammars(
     logits: torch.Tensor,  # [S, vocab] the rows sampled from, changed in place
     grammars: list[tuple[int, RowGrammar, list[int]]],  # (row, grammar, its output tokens)
@@ -217,6 +257,8 @@ def apply_grammars(
     bitmask = xgrammar.allocate_token_bitmask(len(logits), logits.shape[-1])
     rows = []
     for row, grammar, output_ids in grammars:
+        if not grammar.is_started(output_ids):
+            continue  # still reasoning: free text
         grammar.sync(output_ids)
         # a terminated matcher took the stop token that ends the request; with overlapped
         # scheduling the step planned before that result still runs, and its token is

@@ -1,15 +1,28 @@
-"""The `shuttle` command: `shuttle serve [flags]` (see `shuttle serve --help`)."""
+"""The `shuttle` command: `shuttle serve [MODEL] [flags]` (see `shuttle serve --help`),
+`shuttle --version`."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import sys
+
+
+def version() -> str:
+    """The installed package's version ("0+unknown" when run from a checkout)."""
+    try:
+        return importlib.metadata.version("shuttle")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: shuttle serve [flags]   (shuttle serve --help lists them)")
+        print("usage: shuttle serve [MODEL] [flags]   (shuttle serve --help lists them)")
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        print(version())
+        return 0
     if argv[0] == "serve":
         from services.launch import serve
 

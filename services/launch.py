@@ -341,8 +341,15 @@ def startup_line(msg: Ready | Progress, elapsed_s: float) -> str:
 
 def serve(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shuttle serve", description="serve a model")
+    parser.add_argument(
+        "model_tag", nargs="?", default=None, help="the model (as vLLM's `vllm serve MODEL`)"
+    )
     add_flags(parser)
     args = parser.parse_args(argv)
+    if args.model_tag is not None:  # the positional form of --model
+        flagged = args.__dict__.setdefault("model.model", args.model_tag)
+        if flagged != args.model_tag:
+            parser.error(f"the model is given twice: {args.model_tag!r} and --model {flagged!r}")
     try:
         config = prepare(from_args(args))
     except ConfigError as e:

@@ -7,11 +7,13 @@ mypy (`make lint`) checks this file, so the fake cannot drift from the protocol.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING, Any
 
 from common.messages import FinishReason, GenerateRequest, SwapResult
 from services.gateway.engine.client import OutputDelta, RequestObserver
+from services.gateway.openai.logprobs import TokenLogprob
 
 if TYPE_CHECKING:
     from services.gateway.engine.client import EngineClient
@@ -55,9 +57,11 @@ class FakeEngine:
         self.aliases: list[str] = []  # more names the model answers to
         self.system_fingerprint = "v-test"
         self.max_model_len = 256
+        self.eos_token_ids = [0]
         self.swap_status: dict[str, Any] | None = None
         self.observer: Callable[[GenerateRequest], RequestObserver] | None = None
         self.ready = True
+        self.draining = False  # (is_ready answers `ready` alone: set both to drain)
         self.stats_answer = stats
         self.swap_result = swap_result
         self.requests: list[GenerateRequest] = []
@@ -108,7 +112,16 @@ class FakeEngine:
         else:
             words = (request.prompt or "").split() or list(map(str, request.prompt_token_ids or []))
         steps = [delta(" " + w, n=i + 1) for i, w in enumerate(words)]
-        return [*steps[:-1], delta(steps[-1].text, FinishReason.STOP, len(words))]
+        steps = [*steps[:-1], delta(steps[-1].text, FinishReason.STOP, len(words))]
+        k = request.sampling.logprobs
+        if k is None:
+            return steps
+        # asked for logprobs: each token's top k are ids 100, 101, ... at -1, -2, ...
+        top = [(100 + j, f"<{100 + j}>", -1.0 - j) for j in range(k)]
+        return [
+            dataclasses.replace(s, logprobs=[TokenLogprob(7, " ", -1.0, top) for _ in s.token_ids])
+            for s in steps
+        ]
 
     def is_in_flight(self, request_id: str) -> bool:
         return request_id in self._in_flight

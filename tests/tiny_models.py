@@ -138,11 +138,16 @@ CHATML_TEMPLATE = (
 
 
 def make_own_vocab_tokenizer(
-    folder: str | Path, *, vocab_size: int = 600, corpus: tuple[str, ...] = OWN_VOCAB_CORPUS
+    folder: str | Path,
+    *,
+    vocab_size: int = 600,
+    corpus: tuple[str, ...] = OWN_VOCAB_CORPUS,
+    added_tokens: tuple[str, ...] = (),
 ) -> Path:
     """Train a byte-level BPE of about `vocab_size` tokens on `corpus` (deterministic) and
     write it as a Hugging Face tokenizer: tokenizer.json, tokenizer_config.json and a ChatML
-    chat_template.jinja, with OWN_VOCAB_SPECIALS as ids 0, 1, 2. Returns the folder."""
+    chat_template.jinja, with OWN_VOCAB_SPECIALS as ids 0, 1, 2, and `added_tokens` (plain,
+    not special: "<think>", say) last. Returns the folder."""
     import json
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -159,6 +164,10 @@ def make_own_vocab_tokenizer(
         show_progress=False,
     )
     tok.train_from_iterator(list(corpus), trainer=trainer)
+    if added_tokens:
+        from tokenizers import AddedToken
+
+        tok.add_tokens([AddedToken(t, normalized=False) for t in added_tokens])
     tok.save(str(folder / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -182,8 +191,10 @@ def make_tiny_model_own_vocab(
     num_kv_heads: int = 2,
     head_dim: int | None = None,
     vocab_size: int = 600,
+    added_tokens: tuple[str, ...] = (),
 ) -> Path:
-    """A tiny random Llama whose tokenizer is its own (make_own_vocab_tokenizer); its
+    """A tiny random Llama whose tokenizer is its own (make_own_vocab_tokenizer, with
+    `added_tokens`); its
     embedding has exactly the tokenizer's rows. Give it the KV layout (layers, KV heads, head
     dim) of the model it is swapped with to swap in `overlap` mode (SmolLM2-135M: 30, 3, 64;
     hidden_size must be a multiple of num_heads). Created once, reused if complete."""
@@ -193,7 +204,7 @@ def make_tiny_model_own_vocab(
     folder = Path(folder)
     if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
         return folder
-    make_own_vocab_tokenizer(folder, vocab_size=vocab_size)
+    make_own_vocab_tokenizer(folder, vocab_size=vocab_size, added_tokens=added_tokens)
     num_tokens = Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size()
     common = dict(
         _COMMON,

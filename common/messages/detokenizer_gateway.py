@@ -19,6 +19,9 @@ class OutputBatch:
     # that serves each request ("" when unknown); the gateway's system_fingerprint
     seq_indices: list[int] = dataclasses.field(default_factory=list)  # [num_reqs] which of
     # the request's n sequences (empty: every index is 0)
+    # vLLM's stop_reason of a finished sequence: the stop string or stop token id that ended
+    # it, None otherwise (EOS, length, still running); empty: None for every one
+    stop_reasons: list[str | int | None] = dataclasses.field(default_factory=list)  # [num_reqs]
     # logprobs as in TokenBatch, with each id's text (the token decoded alone) beside it
     logprob_token_ids: list[list[list[int]]] = dataclasses.field(default_factory=list)
     # [num_reqs][num_tokens][1+k]

@@ -34,6 +34,13 @@ class GenerateRequest:
     # chat only: the functions the prompt offers ({"name", "description", "parameters"} each;
     # None: no tools), rendered by services/tokenizer/tool_prompt.py
     tools: list[dict[str, Any]] | None = None
+    # how the prompt is tokenised (vLLM's extensions): with the tokenizer's special tokens
+    # (None: the endpoint's default, yes for a completions prompt, no for a rendered chat,
+    # whose template writes its own)
+    add_special_tokens: bool | None = None
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
+    continue_final_message: bool = False  # chat: the last message is continued, not closed
+    cache_salt: str = ""  # vLLM's: only requests with the same salt share prefix-cache blocks
 
 
 @message("request_error")

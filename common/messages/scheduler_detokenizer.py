@@ -24,6 +24,11 @@ class DetokNew:
     # the tokenizer of the model the detokenizer started with)
     min_tokens: list[int] = dataclasses.field(default_factory=list)  # [num_seqs] no stop string
     # ends within this many output tokens' text (empty: 0 for every sequence)
+    # vLLM's output options (SamplingParams), per sequence; empty: the defaults for every one
+    include_stop_str: list[bool] = dataclasses.field(default_factory=list)  # [num_seqs] False
+    skip_special_tokens: list[bool] = dataclasses.field(default_factory=list)  # [num_seqs] True
+    stop_token_ids: list[list[int]] = dataclasses.field(default_factory=list)  # [num_seqs][*]
+    # (what a finish names as its stop_reason when one of them ended the sequence)
 
 
 @message("token_batch")

@@ -19,3 +19,4 @@ class TokenizedRequest:
     timeout: float | None = None  # seconds from arrival; then finish reason `timeout`
     tokenizer_fingerprint: str = ""  # the tokenizer that made prompt_token_ids: the request
     # may only start on a model version with this tokenizer ("": the start-up model's)
+    cache_salt: str = ""  # vLLM's: salts the request's prefix-cache root ("": none)

@@ -51,6 +51,8 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     seed: int | None = None  # reproducible sampling when set
     stop: list[str] = dataclasses.field(default_factory=list)  # stop strings, not emitted
+    include_stop_str_in_output: bool = False  # vLLM's: emit the stop string that ended it
+    skip_special_tokens: bool = True  # vLLM's: special tokens are left out of the text
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
     n: int = 1  # sequences per request; they share the prompt's KV blocks
@@ -64,6 +66,8 @@ class SamplingParams:
     logit_bias_token_ids: list[int] = dataclasses.field(default_factory=list)  # [b]
     logit_bias_values: list[float] = dataclasses.field(default_factory=list)  # [b]
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many are generated
+    # vLLM's allowed_token_ids: only these may be generated (empty: any)
+    allowed_token_ids: list[int] = dataclasses.field(default_factory=list)  # [a]
     bad_words: list[str] = dataclasses.field(default_factory=list)  # as the client sent them
     # bad_words as token-id sequences (the tokenizer fills it): a sequence's last token is
     # banned when the rest of it ends the output; a one-token sequence is always banned
@@ -81,6 +85,10 @@ class SamplingParams:
     structured_kind: str = ""
     structured_spec: str = ""
     structured_field: str = ""
+    # the grammar starts after this text ends the output's reasoning (a reasoning parser's
+    # "</think>"; "": at the first token), and after these ids, the tokenizer's for it
+    structured_after: str = ""
+    structured_after_ids: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def is_structured(self) -> bool:
@@ -109,13 +117,15 @@ class SamplingParams:
 
     @property
     def has_controls(self) -> bool:
-        """Logits controls (penalties, logit_bias, min_tokens, bad words) that change the
-        logits before sampling, greedy or not. (min_p, like top_p, filters sampling only.)"""
+        """Logits controls (penalties, logit_bias, min_tokens, bad words, allowed token ids)
+        that change the logits before sampling, greedy or not. (min_p, like top_p, filters
+        sampling only.)"""
         return (
             self.has_penalties
             or bool(self.logit_bias_token_ids)
             or self.min_tokens > 0
             or bool(self.bad_words_token_ids)
+            or bool(self.allowed_token_ids)
         )
 
 

@@ -41,7 +41,14 @@ def load_tokenizer(model_dir: Path) -> Tokenizer:
 
 
 class _Stream:
-    __slots__ = ("detok", "fingerprint", "num_prompt_tokens", "tokenizer", "version")
+    __slots__ = (
+        "detok",
+        "fingerprint",
+        "num_prompt_tokens",
+        "stop_token_ids",
+        "tokenizer",
+        "version",
+    )
 
     def __init__(
         self,
@@ -49,12 +56,24 @@ class _Stream:
         num_prompt_tokens: int,
         fingerprint: str,
         tokenizer: Tokenizer,
+        stop_token_ids: list[int] | None = None,
     ) -> None:
         self.detok = detok
+        self.stop_token_ids = stop_token_ids or []  # what stop_reason may name
         self.tokenizer = tokenizer  # for logprobs' token texts
         self.num_prompt_tokens = num_prompt_tokens
         self.fingerprint = fingerprint  # of the tokenizer decoding it
         self.version = ""  # the model version serving it, once the scheduler says
+
+    def stop_reason(self, reason: FinishReason) -> str | int | None:
+        """vLLM's stop_reason of a sequence finishing for `reason`: the stop string, or the
+        stop token id, that ended it (None: EOS, the length, or not finished)."""
+        if reason != FinishReason.STOP:
+            return None
+        if self.detok.stop_reason is not None:
+            return self.detok.stop_reason
+        ids = self.detok.output_token_ids
+        return ids[-1] if ids and ids[-1] in self.stop_token_ids else None
 
 
 class Tokenizers:
@@ -143,31 +162,33 @@ class DetokenizerActor(Actor):
         indices = msg.seq_indices or [0] * n
         fingerprints = msg.tokenizers or [""] * n
         min_tokens = msg.min_tokens or [0] * n
+        include_stop = msg.include_stop_str or [False] * n
+        skip_special = msg.skip_special_tokens or [True] * n
+        stop_token_ids = msg.stop_token_ids or [[] for _ in range(n)]
         unknown: dict[str, str] = {}  # request id -> the fingerprint no tokenizer has
-        for rid, index, stop, num_prompt, tail, fp, num_min in zip(
-            msg.request_ids,
-            indices,
-            msg.stop,
-            msg.num_prompt_tokens,
-            tails,
-            fingerprints,
-            min_tokens,
-            strict=True,
-        ):
+        seqs = zip(msg.request_ids, indices, fingerprints, strict=True)
+        for i, (rid, index, fp) in enumerate(seqs):
             if fp not in self.tokenizers:
                 unknown[rid] = fp
                 continue
             self._forget((rid, index))  # (a request id reused after a retokenisation)
             tokenizer = self.tokenizers.use(fp)
             detok = IncrementalDetokenizer(
-                tokenizer, stop=stop, prompt_tail=tail, min_tokens=num_min
+                tokenizer,
+                stop=msg.stop[i],
+                prompt_tail=tails[i],
+                skip_special_tokens=skip_special[i],
+                min_tokens=min_tokens[i],
+                include_stop_str=include_stop[i],
             )
-            self.streams[rid, index] = _Stream(detok, num_prompt, fp, tokenizer)
+            stream = _Stream(detok, msg.num_prompt_tokens[i], fp, tokenizer, stop_token_ids[i])
+            self.streams[rid, index] = stream
         for rid, fp in unknown.items():
             self._fail(rid, f"no tokenizer with fingerprint {fp!r} is loaded to decode it")
 
     def _on_tokens(self, msg: TokenBatch) -> None:
         out = OutputBatch([], [], [], [], [], [], [], [])
+        stop_reasons: list[str | int | None] = []
         stopped: list[SeqKey] = []
         n = len(msg.request_ids)
         versions = msg.versions or [""] * n
@@ -197,7 +218,10 @@ class DetokenizerActor(Actor):
             out.num_prompt_tokens.append(stream.num_prompt_tokens)
             out.num_output_tokens.append(len(stream.detok.output_token_ids))
             out.versions.append(stream.version)
+            stop_reasons.append(stream.stop_reason(FinishReason(reason)))
             _add_logprobs(out, msg, i, stream.tokenizer)
+        if any(r is not None for r in stop_reasons):  # (commonly none: nothing on the wire)
+            out.stop_reasons.extend(stop_reasons)
         if out.request_ids:
             self.gateway.send(out)
         if stopped:  # the scheduler ends them now, so no step is spent after the stop

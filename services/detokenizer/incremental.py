@@ -49,8 +49,9 @@ class IncrementalDetokenizer:
 
     `add(token_ids, final)` returns `(text, stop_hit)`. The emitted texts concatenate to
     `tokenizer.decode(output_token_ids, skip_special_tokens)` cut at the earliest stop
-    string. Once a stop string is hit, tokens after the one that completed it are dropped
-    (not in `output_token_ids`) and every later call returns `("", True)`.
+    string (after it, with `include_stop_str`). Once a stop string is hit, tokens after the
+    one that completed it are dropped (not in `output_token_ids`) and every later call
+    returns `("", True)`.
     """
 
     def __init__(
@@ -60,8 +61,10 @@ class IncrementalDetokenizer:
         prompt_tail: Sequence[int] = (),
         skip_special_tokens: bool = True,
         min_tokens: int = 0,
+        include_stop_str: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
+        self._include_stop_str = include_stop_str  # vLLM's include_stop_str_in_output
         self._skip_special_tokens = skip_special_tokens
         self._stops = [s for s in dict.fromkeys(stop) if s]  # dedupe, keep order, drop ""
         self._tokens: list[int] = list(prompt_tail)  # prompt tail + output, for the window
@@ -160,7 +163,7 @@ class IncrementalDetokenizer:
         if stop is not None and start <= cut:
             self._stop_reason = stop
             self._held = ""
-            return text[:start]
+            return text[: start + len(stop)] if self._include_stop_str else text[:start]
         self._held = text[cut:]
         self._num_emitted_chars += cut
         return text[:cut]

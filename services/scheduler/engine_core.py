@@ -37,6 +37,7 @@ from common.messages import (
     ModelLoaded,
     RequestError,
     Retokenize,
+    SamplingParams,
     StepPlan,
     StepResult,
     SwapModel,
@@ -45,7 +46,7 @@ from common.messages import (
     TokenizedRequest,
     UnloadModel,
 )
-from common.model_facts import cache_root
+from common.model_facts import cache_root, salted_root
 from services.scheduler.block_manager import BlockManager, HostBlockPool
 from services.scheduler.grammar_wait import GrammarWait
 from services.scheduler.plan import to_plan
@@ -297,6 +298,7 @@ class EngineCore:
                 seq_indices=list(range(n)),
                 tokenizers=[msg.tokenizer_fingerprint] * n,
                 min_tokens=[msg.sampling.min_tokens] * n if msg.sampling.min_tokens else [],
+                **_output_options(msg.sampling, n),
             )
         )
 
@@ -346,7 +348,8 @@ class EngineCore:
                     msg.eos_token_ids,
                     max_model_len=self.served.max_model_len,
                     arrival_time=msg.arrival_time,
-                    cache_root=self.served.root,
+                    cache_root=salted_root(self.served.root, msg.cache_salt),
+                    cache_salt=msg.cache_salt,
                     priority=msg.priority,
                     timeout=msg.timeout,
                     fork_of=seqs[0] if i else None,
@@ -545,4 +548,17 @@ def _logprob_fields(
         index = [rows[r.request_id] for r, _, _ in results]
         out["prompt_logprob_token_ids"] = [msg.prompt_logprob_token_ids[i] for i in index]
         out["prompt_logprob_values"] = [msg.prompt_logprob_values[i] for i in index]
+    return out
+
+
+def _output_options(sampling: SamplingParams, n: int) -> dict[str, Any]:
+    """DetokNew's per-sequence output options for a request of `n` sequences: empty lists
+    where every sequence takes the default (most requests: nothing more on the wire)."""
+    out: dict[str, Any] = {}
+    if sampling.include_stop_str_in_output:
+        out["include_stop_str"] = [True] * n
+    if not sampling.skip_special_tokens:
+        out["skip_special_tokens"] = [False] * n
+    if sampling.stop_token_ids:
+        out["stop_token_ids"] = [list(sampling.stop_token_ids)] * n
     return out

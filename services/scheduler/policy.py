@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from common.messages import FinishReason
+from common.model_facts import salted_root
 from services.scheduler.batching import BatchGate
 
 if TYPE_CHECKING:
@@ -304,6 +305,8 @@ class Scheduler:
         bm, rid = self.blocks, req.request_id
         # a request that starts now runs on the version served now, hashed under its root
         root = req.cache_root if req.version is not None or self.root is None else self.root
+        if req.version is None and self.root is not None:  # (vLLM's cache_salt)
+            root = salted_root(root, req.cache_salt)
         # prompt logprobs need the logits of every prompt position: no prefix hits
         wants_prompt = req.sampling.prompt_logprobs is not None
         hits = [] if wants_prompt else bm.match_prefix(root, req.all_token_ids)

@@ -36,6 +36,7 @@ class Request:
         arrival_time: float | None = None,
         *,
         cache_root: int = 0,
+        cache_salt: str = "",
         priority: int = 0,
         timeout: float | None = None,
         fork_of: Request | None = None,
@@ -61,6 +62,7 @@ class Request:
         self.scheduled_in = -1  # the last schedule() that gave it tokens
         self.computed_before_step = 0  # num_computed_tokens before that step
         self.cache_root = cache_root
+        self.cache_salt = cache_salt  # salts the root it is hashed under when it starts
         self.version: str | None = None  # the model version, fixed when it first starts
         self.priority = priority
         self.arrival_seq = next(_arrivals)

@@ -80,6 +80,21 @@ def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+# how near its end a prompt may hold the end of reasoning for the answer to start there
+REASONING_END_WINDOW = 8
+
+
+def reasoning_ended(prompt_ids: list[int], end_ids: list[int]) -> bool:
+    """Whether the prompt itself closed the reasoning (a template with thinking switched off
+    writes an empty <think></think> at its end): then a grammar starts at the first token,
+    as vLLM's structured outputs check the prompt for the reasoning end."""
+    if not end_ids:
+        return False
+    tail = prompt_ids[-(REASONING_END_WINDOW + len(end_ids)) :]
+    n = len(end_ids)
+    return any(tail[i : i + n] == end_ids for i in range(len(tail) - n + 1))
+
+
 def _with_tokenizer_eos(eos_token_ids: list[int], tokenizer: PreTrainedTokenizerBase) -> list[int]:
     eos = tokenizer.eos_token_id
     return sorted({*eos_token_ids, eos}) if isinstance(eos, int) else sorted(eos_token_ids)
@@ -180,6 +195,10 @@ class TokenizerActor(Actor):
         model = self.model
         sampling = self._sampling(req, model)
         ids = self._prompt_ids(req, model)
+        if req.truncate_prompt_tokens is not None:  # vLLM's: the prompt's last k tokens
+            ids = ids[-req.truncate_prompt_tokens :]
+        if reasoning_ended(ids, sampling.structured_after_ids):
+            sampling = dataclasses.replace(sampling, structured_after="", structured_after_ids=[])
         max_tokens = fit_max_tokens(len(ids), sampling.max_tokens, model.max_model_len)
         check_min_tokens(sampling.min_tokens, max_tokens)
         return TokenizedRequest(
@@ -191,6 +210,7 @@ class TokenizerActor(Actor):
             priority=req.priority,
             timeout=req.timeout,
             tokenizer_fingerprint=model.fingerprint,
+            cache_salt=req.cache_salt,
         )
 
     def _sampling(self, req: GenerateRequest, model: ServedModel) -> SamplingParams:
@@ -205,6 +225,11 @@ class TokenizerActor(Actor):
 
             words = bad_words_token_ids(sampling.bad_words, encode)
             sampling = dataclasses.replace(sampling, bad_words_token_ids=words)
+        if sampling.structured_after:  # the end of reasoning, where the grammar starts
+            after = list(
+                model.tokenizer.encode(sampling.structured_after, add_special_tokens=False)
+            )
+            sampling = dataclasses.replace(sampling, structured_after_ids=after)
         check_control_token_ids(sampling, model.vocab_size)
         return sampling
 
@@ -216,13 +241,15 @@ class TokenizerActor(Actor):
             return self._chat_ids(
                 req.messages,
                 req.add_generation_prompt,
-                False,
+                bool(req.add_special_tokens),  # (the template writes its own by default)
                 model,
                 req.chat_template,
                 req.chat_template_kwargs,
                 req.tools,
+                req.continue_final_message,
             )
-        return self._text_ids(req.prompt, True, model)
+        special = req.add_special_tokens is not False  # (a completions prompt: yes by default)
+        return self._text_ids(req.prompt, special, model)
 
     def _chat_ids(
         self,
@@ -233,10 +260,12 @@ class TokenizerActor(Actor):
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """Messages rendered by the chat template (the request's, the operator's or the
         model's; with `tools` as services/tokenizer/tool_prompt.py says), then tokenised (the
-        template writes the special tokens it wants, so generation adds none)."""
+        template writes the special tokens it wants, so generation adds none unless asked).
+        `continue_final_message`: the last message is left open for the model to go on."""
         if not messages:
             raise InvalidRequest("messages", "must hold at least one message")
         num_chars = sum(len(str(m.get("content") or "")) for m in messages)
@@ -260,6 +289,7 @@ class TokenizerActor(Actor):
                     chat_template=template,
                     tokenize=False,
                     add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
                     **kwargs,
                 )
             )

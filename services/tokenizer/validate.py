@@ -70,7 +70,8 @@ def check_min_tokens(min_tokens: int, max_tokens: int) -> None:
 
 
 def check_control_token_ids(sp: SamplingParams, vocab_size: int) -> None:
-    """logit_bias ids (and the bad words' token ids) inside the vocabulary."""
+    """logit_bias ids, allowed_token_ids (and the bad words' token ids) inside the
+    vocabulary."""
     for t in sp.logit_bias_token_ids:
         if not 0 <= t < vocab_size:
             raise InvalidRequest(
@@ -78,6 +79,12 @@ def check_control_token_ids(sp: SamplingParams, vocab_size: int) -> None:
             )
     if any(not 0 <= t < vocab_size for ids in sp.bad_words_token_ids for t in ids):
         raise InvalidRequest("bad_words", "a word has a token id outside the vocabulary")
+    for t in sp.allowed_token_ids:
+        if not 0 <= t < vocab_size:
+            raise InvalidRequest(
+                "allowed_token_ids",
+                f"token id {t} is outside the vocabulary (0..{vocab_size - 1})",
+            )
 
 
 def check_prompt_chars(param: str, num_chars: int, max_chars: int) -> None:

@@ -62,6 +62,8 @@ class OutputDelta:
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     # every prompt token's entry (prompt_logprobs), in the sequence's first delta only
     prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    # vLLM's stop_reason, with the finish: the stop string or stop token id that ended it
+    stop_reason: str | int | None = None
 
 
 class RequestFailed(Exception):
@@ -123,12 +125,19 @@ class EngineClient(Protocol):
     def max_model_len(self) -> int: ...
 
     @property
+    def eos_token_ids(self) -> list[int]:
+        """The served model's end-of-sequence ids (beam search ends beams on them)."""
+        ...
+
+    @property
     def swap_status(self) -> dict[str, Any] | None:
         """The hot-swap in progress (what /v1/models shows), or None."""
         ...
 
     # Called with each request on arrival; what it returns watches that request's deltas.
     observer: Callable[[GenerateRequest], RequestObserver] | None
+    # shutting down: in-flight requests finish, new ones are refused (503, saying so)
+    draining: bool
 
     def is_ready(self) -> bool:
         """A model is served and new requests are taken (not starting, not draining)."""

@@ -76,6 +76,7 @@ class _Stream:
                 last=not self.running,
                 index=index,
                 version=msg.versions[i] if msg.versions else "",
+                stop_reason=msg.stop_reasons[i] if msg.stop_reasons else None,
                 logprobs=(
                     entries(msg.logprob_token_ids[i], msg.logprob_values[i], msg.logprob_tokens[i])
                     if msg.logprob_token_ids
@@ -141,6 +142,10 @@ class ZmqEngineClient:
     @property
     def max_model_len(self) -> int:
         return self.served.max_model_len if self.served is not None else 0
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return list(self.served.eos_token_ids) if self.served is not None else []
 
     def is_ready(self) -> bool:
         """Serving: the scheduler has said which model (and nothing died since)."""

@@ -137,7 +137,7 @@ def to_generate_request(
     Raises RequestRejected (status 400, 404 or 503) with the HTTP API's message; the caller
     renames its field with `rename_field`."""
     body = validate_request(*_http_body(request), context=context)
-    check_model(body.model, engine.model_names, engine.is_ready())
+    check_model(body.model, engine.model_names, engine.is_ready(), engine.draining)
     return body.to_generate_request(request_id, engine.model_name, engine.max_model_len)
 
 

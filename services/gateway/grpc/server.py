@@ -300,6 +300,7 @@ class GrpcGateway:
             "scheduling_policy": (scheduler or SchedulerConfig()).scheduling_policy,
             "trust_request_chat_template": server.trust_request_chat_template,
             "tool_call_parser": server.tool_call_parser,
+            "ignore_unknown_fields": server.ignore_unknown_fields,
         }
         shuttle = ShuttleServicer(engine, api_key, context)
         pb_grpc.add_ShuttleServicer_to_server(shuttle, self.server)

@@ -1,8 +1,9 @@
 """The gateway's HTTP front end: OpenAI-compatible routes over an `EngineClient`.
 
     POST /v1/chat/completions   POST /v1/completions   (streaming or not)
-    GET  /v1/models             GET  /health, /ping     GET /version
+    GET  /v1/models, /v1/models/{id}   GET /health, /ping   GET /version
     POST /tokenize              POST /detokenize       (services/gateway/http/tokenize_routes.py)
+    POST /v1/responses          GET, DELETE /v1/responses/{id}   (http/responses.py)
 
 Every error is OpenAI-shaped, `{"error": {"message", "type", "param", "code"}}`, with a 4xx
 that names the field (never FastAPI's 422). A request keeps one id from the first byte to
@@ -26,40 +27,42 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import importlib.metadata
-import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Literal, TypeVar
 
-import anyio
 import orjson
 from fastapi import APIRouter, Depends, FastAPI, Request
-from starlette.requests import ClientDisconnect
-from starlette.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.responses import Response
 
 from common.config import SchedulerConfig, ServerConfig
-from common.messages import FinishReason, GenerateRequest
+from common.messages import GenerateRequest
 from services.gateway.engine.batch import merge_deltas
-from services.gateway.engine.client import EngineClient, OutputDelta, RequestFailed
-from services.gateway.http import sse
+from services.gateway.engine.beam_search import beam_answers
+from services.gateway.engine.beam_search import finish_reason as beam_finish_reason
+from services.gateway.engine.client import EngineClient, OutputDelta
+from services.gateway.http.access_log import AccessLogMiddleware, AccessRecord
 from services.gateway.http.admin import admin_router
 from services.gateway.http.body_limits import BodyLimitMiddleware, BodyLimits
 from services.gateway.http.chat import ChatReply
 from services.gateway.http.completions import CompletionReply
 from services.gateway.http.deltas import (
+    Choice,
     DeltaReader,
     Usage,
     close_shielded,
     collect,
     until_disconnected,
 )
-from services.gateway.http.errors import REQUEST_ID_HEADER, error_type, install_error_handlers
+from services.gateway.http.errors import REQUEST_ID_HEADER, install_error_handlers
 from services.gateway.http.metrics import install_metrics
 from services.gateway.http.openapi import json_body
 from services.gateway.http.reply import Reply
+from services.gateway.http.responses import responses_router
+from services.gateway.http.streaming import SSE_HEADERS, SseResponse, sse_stream
 from services.gateway.http.tokenize_routes import tokenize_router
+from services.gateway.openai.best_of import best_choices
 from services.gateway.openai.logprobs import ChoiceLogprobs
 from services.gateway.openai.protocol import (
     REQUEST_ID_PATTERN,
@@ -69,11 +72,8 @@ from services.gateway.openai.protocol import (
     check_model,
     parse_request,
 )
-from services.gateway.openai.tool_stream import ToolStream
+from services.gateway.openai.token_output import shaped
 
-log = logging.getLogger("shuttle.gateway")
-
-KEEPALIVE_S = 15.0  # an SSE comment after this long without a delta keeps proxies patient
 _REQUEST_ID = REQUEST_ID_PATTERN
 T = TypeVar("T")
 
@@ -108,6 +108,8 @@ def create_app(
         "scheduling_policy": scheduler.scheduling_policy,
         "trust_request_chat_template": server.trust_request_chat_template,
         "tool_call_parser": server.tool_call_parser,
+        "ignore_unknown_fields": server.ignore_unknown_fields,
+        "reasoning_parser": server.reasoning_parser,
     }
     routes = OpenAIRoutes(engine, context)
     auth = [Depends(_require_key(api_key))] if api_key else []
@@ -125,14 +127,18 @@ def create_app(
         openapi_extra=json_body(CompletionRequest),
     )
     v1.add_api_route("/models", routes.models, methods=["GET"])
+    v1.add_api_route("/models/{model_id:path}", routes.model, methods=["GET"])
     app.include_router(v1)
     app.include_router(tokenize_router(engine, context), dependencies=auth)
+    app.include_router(responses_router(engine, context), dependencies=auth)
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/ping", routes.health, methods=["GET", "POST"])  # vLLM's alias
     app.add_api_route("/version", routes.version, methods=["GET"])
     app.include_router(admin_router(engine, admin_token, server.model_root or None))
     # GET /metrics, and the engine's request timers
     install_metrics(app, engine, server.metrics_vllm_names)
+    if server.access_log:  # added last: outermost, it sees every refusal
+        app.add_middleware(AccessLogMiddleware)
     return app
 
 
@@ -164,21 +170,27 @@ class OpenAIRoutes:
 
     async def models(self) -> Response:
         """One card per name the served model answers to (none while starting)."""
-        engine = self.engine
-        cards = [
-            {
-                "id": name,
-                "object": "model",
-                "created": self.created,
-                "owned_by": "shuttle",
-                "root": engine.model_name,
-                "max_model_len": engine.max_model_len,
-                "version": engine.system_fingerprint,
-                "swap_in_progress": engine.swap_status,
-            }
-            for name in engine.model_names
-        ]
+        cards = [self._card(name) for name in self.engine.model_names]
         return _json({"object": "list", "data": cards})
+
+    async def model(self, model_id: str) -> Response:
+        """GET /v1/models/{id}: the card of a name the model answers to, else a 404."""
+        if model_id not in self.engine.model_names:
+            raise RequestRejected(f"model: the model `{model_id}` does not exist", "model", 404)
+        return _json(self._card(model_id))
+
+    def _card(self, name: str) -> dict[str, Any]:
+        engine = self.engine
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "shuttle",
+            "root": engine.model_name,
+            "max_model_len": engine.max_model_len,
+            "version": engine.system_fingerprint,
+            "swap_in_progress": engine.swap_status,
+        }
 
     async def version(self) -> Response:
         return _json({"version": SERVER_VERSION})
@@ -186,37 +198,30 @@ class OpenAIRoutes:
     async def health(self) -> Response:
         if self.engine.is_ready():
             return _json({"status": "ok"})
-        return _json({"status": "not ready"}, 503)
+        return _json({"status": "draining" if self.engine.draining else "not ready"}, 503)
 
     async def _generate(self, request: Request, api: _Api) -> Response:
         request_id = _request_id(request, api.id_prefix)
         body = parse_request(api.body, await request.body(), self.context)
         engine = self.engine
-        check_model(body.model, engine.model_names, engine.is_ready())
+        check_model(body.model, engine.model_names, engine.is_ready(), engine.draining)
         requests = body.to_generate_requests(request_id, engine.model_name, engine.max_model_len)
         n = requests[0].sampling.n  # choices per prompt
-        echo = isinstance(body, CompletionRequest) and bool(body.echo)
-        lp = ChoiceLogprobs(
-            api.kind,
-            body.num_logprobs,
-            echo_texts=[await self._prompt_text(r) for r in requests] if echo else None,
-            with_prompt_logprobs=body.prompt_logprobs is not None,
-            n=n,
-        )
-        ids = (_response_id(request_id, api.id_prefix), engine.model_name, int(time.time()))
-        reply: Reply
-        if isinstance(body, ChatCompletionRequest):
-            reply = ChatReply(
-                *ids, engine.system_fingerprint, n * len(requests), n, lp, tools=body.tool_plan
-            )
-        else:
-            reply = CompletionReply(*ids, engine.system_fingerprint, n * len(requests), n, lp)
+        reply = await self._reply(request_id, body, requests)
+        headers = {REQUEST_ID_HEADER: request_id}
+        if body.use_beam_search:  # (services/gateway/engine/beam_search.py)
+            choices, usage = await until_disconnected(request, self._beams(body, requests))
+            if reply.lp is not None:
+                reply.lp.num_logprobs = None  # (the beams' logprobs are not reported)
+            return _json(reply.body(choices, usage, body.with_token_ids), headers=headers)
         if len(requests) == 1:
             deltas = engine.generate(requests[0])
         else:  # a batch of prompts: one engine request each, merged into one answer
             deltas = merge_deltas([engine.generate(r) for r in requests], n)
-        reader = DeltaReader(deltas, api.prompt_field)
-        headers = {REQUEST_ID_HEADER: request_id}
+        # detokenize false, return_tokens_as_token_ids (services/gateway/openai/token_output.py)
+        deltas = shaped(deltas, body.detokenize is False, bool(body.return_tokens_as_token_ids))
+        request.state.access = record = AccessRecord(n)  # (http/access_log.py)
+        reader = DeltaReader(deltas, api.prompt_field, record)
         handed_off = False
         try:
             if body.stream:
@@ -225,14 +230,65 @@ class OpenAIRoutes:
                 handed_off = True
                 # system_fingerprint: the model version that serves this request
                 reply = dataclasses.replace(reply, fingerprint=first.version or reply.fingerprint)
+                if body.continuous_usage:
+                    reply = dataclasses.replace(reply, live_usage=Usage(n))
                 stream = sse_stream(reader, first, reply, body.include_usage)
-                return SseResponse(stream, headers=headers | _SSE_HEADERS)
-            choices, usage = await until_disconnected(request, collect(reader, n, lp))
+                return SseResponse(stream, headers=headers | SSE_HEADERS)
+            choices, usage = await until_disconnected(request, collect(reader, n, reply.lp))
+            if isinstance(body, CompletionRequest) and body.ranks_best_of:  # (best_of.py)
+                assert reply.lp is not None
+                reply.lp.n = body.n or 1
+                choices = best_choices(choices, n, reply.lp.n)
             reply = dataclasses.replace(reply, fingerprint=reader.version or reply.fingerprint)
-            return _json(reply.body(choices, usage, bool(body.return_token_ids)), headers=headers)
+            return _json(reply.body(choices, usage, body.with_token_ids), headers=headers)
         finally:
             if not handed_off:
                 await close_shielded(reader)
+
+    async def _reply(
+        self,
+        request_id: str,
+        body: ChatCompletionRequest | CompletionRequest,
+        requests: list[GenerateRequest],
+    ) -> Reply:
+        """The response builder of a request: its ids, logprobs and echo, and the chat's
+        tools, echo and reasoning split."""
+        engine, n = self.engine, requests[0].sampling.n
+        echo = isinstance(body, CompletionRequest) and bool(body.echo)
+        api = _CHAT if isinstance(body, ChatCompletionRequest) else _COMPLETION
+        lp = ChoiceLogprobs(
+            api.kind,
+            body.num_logprobs,
+            echo_texts=[await self._prompt_text(r) for r in requests] if echo else None,
+            with_prompt_logprobs=body.prompt_logprobs is not None,
+            n=n,
+        )
+        response_id = _response_id(request_id, api.id_prefix)
+        created, fingerprint = int(time.time()), engine.system_fingerprint
+        fields = (response_id, engine.model_name, created, fingerprint, n * len(requests), n, lp)
+        if isinstance(body, ChatCompletionRequest):
+            reasoning = (self.context or {}).get("reasoning_parser", "")
+            return ChatReply(
+                *fields, tools=body.tool_plan, chat_echo=body.echo_text, reasoning=reasoning
+            )
+        return CompletionReply(*fields)
+
+    async def _beams(
+        self, body: ChatCompletionRequest | CompletionRequest, requests: list[GenerateRequest]
+    ) -> tuple[list[Choice], Usage]:
+        """The n best beams of a beam search, as choices (no logprobs)."""
+        if len(requests) > 1:
+            raise RequestRejected("use_beam_search: one prompt at a time", "use_beam_search")
+        n, penalty = body.n or 1, 1.0 if body.length_penalty is None else body.length_penalty
+        num_prompt, beams = await beam_answers(
+            self.engine, requests[0], body.beam_width, n, penalty
+        )
+        choices, usage = [], Usage(n)
+        for i, (beam, text) in enumerate(beams):
+            reason = beam_finish_reason(beam)
+            choices.append(Choice(i, [text], list(beam.token_ids), reason))
+            usage.add(OutputDelta(text, [], reason, num_prompt, len(beam.token_ids), True, i))
+        return choices, usage
 
     async def _prompt_text(self, request: GenerateRequest) -> str:
         """What echo shows of a completion prompt: its text, or its token ids decoded."""
@@ -271,85 +327,6 @@ def _require_key(api_key: str) -> Callable[[Request], Awaitable[None]]:
             )
 
     return require_key
-
-
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-async def sse_stream(
-    reader: DeltaReader, first: OutputDelta, reply: Reply, include_usage: bool
-) -> AsyncGenerator[bytes, None]:
-    """The SSE body: [role chunks], text and finish chunks per choice, [usage chunk], [DONE].
-    A failure after the first byte becomes an error event, still followed by [DONE]."""
-    try:
-        for event in reply.head():
-            yield event
-        usage = Usage(reply.n_per_prompt)
-        delta = first
-        seen: set[int] = set()  # choices that had a delta
-        tools: dict[int, ToolStream | None] = {}  # with tools: each choice's calls held back
-        while True:
-            usage.add(delta)
-            calls: list[dict[str, Any]] = []
-            if delta.index not in tools:
-                tools[delta.index] = reply.tool_stream()
-            stream = tools[delta.index]
-            if stream is not None:
-                piece = stream.feed(delta.text)
-                delta, calls = dataclasses.replace(delta, text=piece.content), piece.deltas
-            for event in reply.delta(delta, first=delta.index not in seen):
-                yield event
-            for event in reply.call_events(calls, delta.index):
-                yield event
-            seen.add(delta.index)
-            if delta.finish_reason != FinishReason.NONE:
-                called = False
-                if stream is not None:
-                    events, called = reply.tool_events(stream, delta.index)
-                    for event in events:
-                        yield event
-                yield reply.finish(delta.finish_reason, delta.index, called)
-            if delta.last:
-                break
-            while True:
-                try:
-                    delta = await reader.next(KEEPALIVE_S)
-                    break
-                except TimeoutError:
-                    yield sse.sse_comment("keep-alive")
-        if include_usage:
-            yield reply.usage(usage)
-    except RequestFailed as e:
-        yield sse.sse_event(sse.error_chunk(e.message, error_type(e.status), e.status, e.param))
-    except Exception:
-        log.exception("stream %s failed", reply.request_id)
-        yield sse.sse_event(sse.error_chunk("internal error", error_type(500), 500))
-    finally:
-        await close_shielded(reader)
-    yield sse.SSE_DONE
-
-
-class SseResponse(StreamingResponse):
-    """A text/event-stream response that always closes its body generator, so the engine
-    hears of the end even when the client leaves between two chunks (servers on ASGI 2.4
-    raise from send() and would leave the generator to the garbage collector)."""
-
-    media_type = "text/event-stream"
-
-    def __init__(
-        self, events: AsyncGenerator[bytes, None], headers: dict[str, str] | None = None
-    ) -> None:
-        super().__init__(events, headers=headers)
-        self._events = events  # what body_iterator holds, typed as the generator it is
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        except ClientDisconnect:  # a client leaving mid-stream is routine, not an app error
-            log.debug("client left stream %s", self.headers.get(REQUEST_ID_HEADER))
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self._events.aclose()
 
 
 def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:

@@ -18,25 +18,24 @@ class CompletionReply(Reply):
     kind: ClassVar[Literal["chat", "completion"]] = "completion"
     object_name: ClassVar[str] = "text_completion"
 
-    def _event(
+    def _chunk(
         self,
         delta: dict[str, Any],
         text: str,
         finish: str | None,
         index: int,
-        logprobs: dict[str, Any] | None = None,
-        extra: dict[str, Any] | None = None,
-    ) -> bytes:
+        logprobs: dict[str, Any] | None,
+        extra: dict[str, Any] | None,
+    ) -> dict[str, Any]:
         ids = (self.request_id, self.model, self.created)
-        chunk = sse.completion_chunk(*ids, text, finish, self.fingerprint, index, logprobs, extra)
-        return sse.sse_event(chunk)
+        return sse.completion_chunk(*ids, text, finish, self.fingerprint, index, logprobs, extra)
 
     def _choice(self, choice: Choice, with_token_ids: bool) -> dict[str, Any]:
         lp, i = self.lp, choice.index
         out: dict[str, Any] = {"index": i}
         out["text"] = (lp.echo_text(i) if lp is not None else "") + choice.text
         out |= {"logprobs": self._choice_logprobs(choice)}
-        out["finish_reason"] = choice.finish_reason.openai
+        out |= self._finish_fields(choice, choice.finish_reason.openai)
         if lp is not None:
             out |= lp.extra(i)
         if with_token_ids:

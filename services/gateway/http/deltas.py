@@ -15,6 +15,7 @@ from starlette.types import Receive
 
 from common.messages import FinishReason
 from services.gateway.engine.client import OutputDelta, RequestFailed, TokenLogprob
+from services.gateway.http.access_log import AccessRecord
 from services.gateway.openai.logprobs import ChoiceLogprobs
 
 T = TypeVar("T")
@@ -29,10 +30,14 @@ class DeltaReader:
     (keep-alive) or lose a race with a disconnect without cancelling the engine mid-read."""
 
     def __init__(
-        self, deltas: AsyncGenerator[OutputDelta, None], prompt_field: str = "prompt"
+        self,
+        deltas: AsyncGenerator[OutputDelta, None],
+        prompt_field: str = "prompt",
+        record: AccessRecord | None = None,
     ) -> None:
         self._deltas = deltas
         self._prompt_field = prompt_field  # what the endpoint calls the prompt, for refusals
+        self._record = record  # the access log's (services/gateway/http/access_log.py)
         self._pending: asyncio.Task[OutputDelta | None] | None = None
         self.version = ""  # the model version named by the deltas read so far
 
@@ -52,6 +57,8 @@ class DeltaReader:
         if delta is None:
             raise RequestFailed(500, "the engine ended the stream without a finish reason")
         self.version = delta.version or self.version
+        if self._record is not None:
+            self._record.see(delta)
         return delta
 
     async def aclose(self) -> None:
@@ -83,6 +90,7 @@ class Choice:
     parts: list[str] = dataclasses.field(default_factory=list)
     token_ids: list[int] = dataclasses.field(default_factory=list)
     finish_reason: FinishReason = FinishReason.NONE
+    stop_reason: str | int | None = None  # vLLM's: the stop string or token id that ended it
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # when asked
 
     @property
@@ -99,6 +107,10 @@ class Usage:
         self._num_prompt_tokens: dict[int, int] = {}  # prompt index -> its count
         self._num_output_tokens: dict[int, int] = {}  # index -> that sequence's count so far
 
+    def add_prompt(self, delta: OutputDelta) -> None:
+        """Count the delta's prompt only (a stream's role chunks come before its tokens)."""
+        self._num_prompt_tokens[delta.index // self.n] = delta.num_prompt_tokens
+
     def add(self, delta: OutputDelta) -> None:
         self._num_prompt_tokens[delta.index // self.n] = delta.num_prompt_tokens
         self._num_output_tokens[delta.index] = delta.num_output_tokens
@@ -110,6 +122,14 @@ class Usage:
     @property
     def num_output_tokens(self) -> int:
         return sum(self._num_output_tokens.values())
+
+    def as_dict(self) -> dict[str, int]:
+        prompt, output = self.num_prompt_tokens, self.num_output_tokens
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": output,
+            "total_tokens": prompt + output,
+        }
 
 
 async def collect(
@@ -130,6 +150,7 @@ async def collect(
             lp.see_prompt(delta.index, delta.prompt_logprobs)
         if delta.finish_reason != FinishReason.NONE:
             choice.finish_reason = delta.finish_reason
+            choice.stop_reason = delta.stop_reason
         if delta.last:
             return sorted(choices.values(), key=lambda c: c.index), usage
 

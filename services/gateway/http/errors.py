@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
 from services.gateway.engine.client import RequestFailed
+from services.gateway.http.access_log import note_refusal
 from services.gateway.http.deltas import ClientGone
 from services.gateway.openai.protocol import REQUEST_ID_PATTERN, RequestRejected, describe_error
 
@@ -44,6 +45,7 @@ def error_response(
 ) -> Response:
     """An OpenAI-shaped error, echoing the request id when it is known."""
     body = {"message": message, "type": error_type(status), "param": param, "code": status}
+    note_refusal(request.state, message)  # the access log's line names the reason
     headers = {}
     if (request_id := _known_request_id(request)) is not None:
         headers[REQUEST_ID_HEADER] = request_id

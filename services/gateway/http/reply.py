@@ -14,6 +14,7 @@ from services.gateway.engine.client import OutputDelta
 from services.gateway.http import sse
 from services.gateway.http.deltas import Choice, Usage
 from services.gateway.openai.logprobs import ChoiceLogprobs, merge_completion
+from services.gateway.openai.reasoning import ReasoningStream
 from services.gateway.openai.tool_stream import ToolStream
 
 
@@ -31,6 +32,7 @@ class Reply(abc.ABC):
     n: int = 1  # choices (sequences) in the answer
     n_per_prompt: int = 1  # of them, per prompt of a batch (the request's `n`)
     lp: ChoiceLogprobs | None = None  # logprobs and echo, when asked
+    live_usage: Usage | None = None  # continuous_usage_stats: the usage so far, every chunk
 
     def head(self) -> list[bytes]:
         """Events before any text (chat's role chunks)."""
@@ -39,6 +41,14 @@ class Reply(abc.ABC):
     def tool_stream(self) -> ToolStream | None:
         """A choice's tool-call reader when tool calls are read from the output (chat)."""
         return None
+
+    def reasoning_stream(self) -> ReasoningStream | None:
+        """A choice's reasoning splitter with --reasoning-parser (chat)."""
+        return None
+
+    def reasoning_event(self, text: str, index: int) -> bytes:
+        """A stream's reasoning delta (chat with --reasoning-parser)."""
+        return self._event({"reasoning_content": text}, "", None, index)
 
     def text(
         self,
@@ -68,9 +78,15 @@ class Reply(abc.ABC):
             out.append(self.text(delta.text, i, None, extra))
         return out
 
-    def finish(self, reason: FinishReason, index: int = 0, called: bool = False) -> bytes:
+    def finish(
+        self,
+        reason: FinishReason,
+        index: int = 0,
+        called: bool = False,
+        stop_reason: str | int | None = None,
+    ) -> bytes:
         finish = "tool_calls" if called and reason == FinishReason.STOP else reason.openai
-        return self._event({}, "", finish, index)
+        return self._event({}, "", finish, index, stop_reason=stop_reason)
 
     def call_events(self, deltas: list[dict[str, Any]], index: int) -> list[bytes]:
         """A streamed choice's tool_calls deltas (services/gateway/openai/tool_stream.py)."""
@@ -89,7 +105,6 @@ class Reply(abc.ABC):
 
     def body(self, choices: list[Choice], usage: Usage, with_token_ids: bool) -> dict[str, Any]:
         """The non-streamed answer (with the output token ids when asked for)."""
-        prompt, output = usage.num_prompt_tokens, usage.num_output_tokens
         return {
             "id": self.request_id,
             "object": self.object_name,
@@ -97,10 +112,17 @@ class Reply(abc.ABC):
             "model": self.model,
             "system_fingerprint": self.fingerprint,
             "choices": [self._choice(c, with_token_ids) for c in choices],
-            "usage": dict(
-                prompt_tokens=prompt, completion_tokens=output, total_tokens=prompt + output
-            ),
+            "usage": usage.as_dict(),
         }
+
+    @staticmethod
+    def _finish_fields(choice: Choice, finish: str | None) -> dict[str, Any]:
+        """A body choice's finish_reason, and vLLM's stop_reason beside it (the stop string
+        or token id; null there, left out here)."""
+        out: dict[str, Any] = {"finish_reason": finish}
+        if choice.stop_reason is not None:
+            out["stop_reason"] = choice.stop_reason
+        return out
 
     def _choice_logprobs(self, choice: Choice) -> Any:
         lp, i = self.lp, choice.index
@@ -110,7 +132,6 @@ class Reply(abc.ABC):
             return merge_completion(lp.echo(i), lp.tokens(i, choice.logprobs))
         return lp.tokens(i, choice.logprobs)
 
-    @abc.abstractmethod
     def _event(
         self,
         delta: dict[str, Any],
@@ -119,8 +140,28 @@ class Reply(abc.ABC):
         index: int,
         logprobs: dict[str, Any] | None = None,
         extra: dict[str, Any] | None = None,
+        stop_reason: str | int | None = None,
     ) -> bytes:
-        """One SSE chunk of this endpoint's shape."""
+        """One SSE chunk: the endpoint's shape, with vLLM's stop_reason beside a finish
+        (null: left out) and, with continuous usage stats, the usage so far."""
+        chunk = self._chunk(delta, text, finish, index, logprobs, extra)
+        if stop_reason is not None:
+            chunk["choices"][0]["stop_reason"] = stop_reason
+        if self.live_usage is not None:
+            chunk["usage"] = self.live_usage.as_dict()
+        return sse.sse_event(chunk)
+
+    @abc.abstractmethod
+    def _chunk(
+        self,
+        delta: dict[str, Any],
+        text: str,
+        finish: str | None,
+        index: int,
+        logprobs: dict[str, Any] | None,
+        extra: dict[str, Any] | None,
+    ) -> dict[str, Any]:
+        """One stream chunk of this endpoint's shape (chat `delta`, completions `text`)."""
 
     @abc.abstractmethod
     def _choice(self, choice: Choice, with_token_ids: bool) -> dict[str, Any]:

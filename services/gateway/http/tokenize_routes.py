@@ -21,7 +21,7 @@ from typing import Annotated, Any, TypeVar
 
 import orjson
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 from starlette.responses import Response
 
@@ -39,6 +39,7 @@ from services.gateway.openai.protocol import (
 )
 from services.gateway.openai.structured import StructuredError
 from services.gateway.openai.tools import check_tools
+from services.gateway.openai.unknown_fields import check_unknown
 
 TOKENIZER_TIMEOUT_S = 10.0
 MAX_DETOKENIZE_IDS = 1 << 20
@@ -59,6 +60,12 @@ class TokenizeRequest(BaseModel):
     chat_template: ChatTemplate | None = None  # messages only
     chat_template_kwargs: dict[str, Any] | None = None  # messages only
     tools: Any = None  # messages only: as a chat request's
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unknown_fields(cls, data: Any, info: ValidationInfo) -> Any:
+        check_unknown(data, cls, (), cls.__name__, info.context)
+        return data
 
     _trusted_template = field_validator("chat_template")(trusted_chat_template)
     _bounded_kwargs = field_validator("chat_template_kwargs")(bounded_template_kwargs)
@@ -94,6 +101,12 @@ class DetokenizeRequest(BaseModel):
     model: str | None = None
     tokens: Annotated[list[TokenId], Field(max_length=MAX_DETOKENIZE_IDS)]
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unknown_fields(cls, data: Any, info: ValidationInfo) -> Any:
+        check_unknown(data, cls, (), cls.__name__, info.context)
+        return data
+
 
 def tokenize_router(engine: EngineClient, context: dict[str, Any] | None = None) -> APIRouter:
     """POST /tokenize and /detokenize over `engine` (the caller adds the API key check);
@@ -103,7 +116,7 @@ def tokenize_router(engine: EngineClient, context: dict[str, Any] | None = None)
     async def tokenize(request: Request) -> Response:
         body = parse_request(TokenizeRequest, await request.body(), context)
         body.check()
-        check_model(body.model, engine.model_names, engine.is_ready())
+        check_model(body.model, engine.model_names, engine.is_ready(), engine.draining)
         is_chat = body.messages is not None
         ids = await _answer(
             engine.tokenize(
@@ -130,7 +143,7 @@ def tokenize_router(engine: EngineClient, context: dict[str, Any] | None = None)
 
     async def detokenize(request: Request) -> Response:
         body = parse_request(DetokenizeRequest, await request.body())
-        check_model(body.model, engine.model_names, engine.is_ready())
+        check_model(body.model, engine.model_names, engine.is_ready(), engine.draining)
         text = await _answer(engine.detokenize(body.tokens, timeout=TOKENIZER_TIMEOUT_S))
         return _json({"prompt": text})
 

@@ -1,12 +1,13 @@
 """Chat messages of a request: text content (a string, or text parts joined), and the tool
 turns of a conversation with tools: an assistant message's `tool_calls` (its content may then
-be null) and a `tool` message's `tool_call_id`. services/gateway/openai/tools.py renders them."""
+be null or absent) and a `tool` message's `tool_call_id`. services/gateway/openai/tools.py
+renders them."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
 _STRICT = ConfigDict(strict=True, extra="ignore")
@@ -58,7 +59,8 @@ class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     tool_calls: list[ToolCallItem] | None = None  # assistant (validated before content)
-    content: str | None
+    # absent or null only beside tool_calls (as OpenAI's assistant message)
+    content: str | None = Field(default=None, validate_default=True)
     name: str | None = None
     tool_call_id: str | None = None  # tool
 

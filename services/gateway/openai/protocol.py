@@ -5,8 +5,10 @@ Parsing is strict about types (a string "5" is not an integer, `true` is not a n
 NaN and infinities are refused) and lenient about presence: `null` means "use the default",
 as OpenAI treats it. Every field of the OpenAI and vLLM APIs is honoured, refused (a 400
 naming it, services/gateway/openai/refused.py), or on that module's short list of fields that
-change nothing (`user`, `metadata`, `store`, ...); fields nobody defines are ignored, since
-clients send extras. Every refusal is a `RequestRejected` whose message starts with the
+change nothing (`user`, `metadata`, `store`, ...); a field nobody defines is a 400 naming it
+with the name likely meant (services/gateway/openai/unknown_fields.py;
+`--ignore-unknown-fields` logs it instead). Every refusal is a `RequestRejected` whose
+message starts with the
 field it names.
 
 Defaults:
@@ -20,8 +22,9 @@ Defaults:
 Limits (common/limits.py): at most `MAX_STOP_STRINGS` stop strings of 1..`MAX_STOP_CHARS`
 characters each; `n` (choices per prompt, sampled as sequences that share the prompt's KV
 blocks) at most `MAX_N`;
-`best_of` only equal to `n`; at most `MAX_PROMPTS` prompts in a /v1/completions batch (a
-list of strings or of token-id lists; each is its own engine request). Not yet supported,
+`best_of` >= `n` (services/gateway/openai/best_of.py); at most `MAX_PROMPTS` prompts in a
+/v1/completions batch (a list of strings or of token-id lists; each is its own engine
+request). Not yet supported,
 refused with a clear message: `suffix`. `stream_options` only with `stream: true`.
 
 Logprobs (from the model's raw distribution, as vLLM's default): chat `logprobs: true` with
@@ -52,6 +55,7 @@ but 0 is refused unless the server runs `--scheduling-policy priority`, as vLLM 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from typing import Annotated, Any, TypeVar
@@ -75,6 +79,8 @@ from common.limits import (
     INT64_MAX,
     INT64_MIN,
     LOGIT_BIAS_VALUE,
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_CACHE_SALT_CHARS,
     MAX_CHAT_TEMPLATE_CHARS,
     MAX_LOGPROBS,
     MAX_N,
@@ -98,7 +104,9 @@ from common.limits import (
 from common.messages import GenerateRequest, SamplingParams
 from common.messages.types import MODEL_DEFAULT_FIELDS
 from services.gateway.openai.chat_messages import ChatMessage
+from services.gateway.openai.reasoning import THINK_END
 from services.gateway.openai.refused import (
+    IGNORED_FIELDS,
     REFUSED_CHAT,
     REFUSED_COMPLETION,
     check_disjoint,
@@ -111,6 +119,7 @@ from services.gateway.openai.structured import (
     parse_structured,
 )
 from services.gateway.openai.tools import ToolPlan, forced_grammar, plan_tools
+from services.gateway.openai.unknown_fields import check_unknown
 
 # a client-chosen request id (X-Request-Id, gRPC request_id): safe in logs and headers
 REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -161,10 +170,20 @@ class RequestRejected(Exception):
         self.status = status
 
 
-def check_model(requested: str | None, served_names: list[str], ready: bool) -> None:
+def check_model(
+    requested: str | None, served_names: list[str], ready: bool, draining: bool = False
+) -> None:
     """Refuse a request the served model cannot take: 503 (retryable) while nothing is
-    served or the engine is not taking requests, 404 for a name the model does not answer
-    to. Readiness first: while starting, no name is known yet, and a right one is not 404."""
+    served or the engine is not taking requests (`draining`: the server is shutting down),
+    404 for a name the model does not answer to. Readiness first: while starting, no name
+    is known yet, and a right one is not 404."""
+    if draining:
+        raise RequestRejected(
+            "the server is draining (shutting down): it takes no new requests; "
+            "retry on another replica",
+            None,
+            503,
+        )
     if not ready:
         raise RequestRejected("the engine is not ready yet; retry the request", None, 503)
     if requested is not None and requested not in served_names:
@@ -180,6 +199,8 @@ class StreamOptions(BaseModel):
 
     model_config = _STRICT
     include_usage: bool | None = None
+    # vLLM's: with include_usage, every chunk carries the usage so far
+    continuous_usage_stats: bool | None = None
 
 
 class _CommonRequest(BaseModel):
@@ -200,6 +221,10 @@ class _CommonRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None  # vLLM extension
     return_token_ids: bool | None = None  # vLLM extension: output token ids in the answer
+    detokenize: bool | None = None  # vLLM: false = token ids, no text (token_output.py)
+    include_stop_str_in_output: bool | None = None  # vLLM: the stop string ends the text
+    skip_special_tokens: bool | None = None  # vLLM: special tokens left out of the text
+    return_tokens_as_token_ids: bool | None = None  # vLLM: logprobs' tokens as "token_id:<id>"
     user: str | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
@@ -208,9 +233,24 @@ class _CommonRequest(BaseModel):
     min_tokens: MinTokens | None = None  # vLLM extension
     logit_bias: dict[str, Bias] | None = None  # token id (a string, as JSON keys) -> bias
     bad_words: list[str] | None = None  # vLLM extension
+    # vLLM extension: only these tokens may be generated (ids outside the vocabulary are
+    # refused by the tokenizer)
+    allowed_token_ids: (
+        Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None
+    ) = None
     priority: Priority | None = None  # vLLM extension: lower first (priority scheduling)
     timeout: Timeout | None = None  # vLLM-style extension: seconds until finish "timeout"
     prompt_logprobs: NumLogprobs | None = None  # vLLM extension
+    # vLLM extensions: how the prompt is tokenised (special tokens: the endpoint's default
+    # when null), and keep only its last k tokens (-1: the model's length)
+    add_special_tokens: bool | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    # vLLM extensions: beam search (services/gateway/engine/beam_search.py), n beams of a
+    # width of best_of (completions) or n; length_penalty scores a finished beam sum / len ** it
+    use_beam_search: bool | None = None
+    length_penalty: Annotated[float, Field(allow_inf_nan=False)] | None = None
+    # vLLM extension: only requests with the same salt share prefix-cache blocks
+    cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
     # structured outputs (services/gateway/openai/structured.py checks them; at most one)
     response_format: Any = None
     structured_outputs: Any = None  # vLLM extension, and its older guided_* fields:
@@ -266,6 +306,20 @@ class _CommonRequest(BaseModel):
             raise _refuse("only allowed when stream is true")
         return value
 
+    @field_validator("detokenize")
+    @classmethod
+    def _token_ids_only(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+        if value is False and info.data.get("stop"):
+            raise _refuse("false cannot go with stop strings (they match text)")
+        if value is False and info.data.get("stream"):
+            raise _refuse("false is not supported with stream")
+        return value
+
+    @property
+    def with_token_ids(self) -> bool:
+        """The answer carries the output token ids (return_token_ids, or detokenize false)."""
+        return bool(self.return_token_ids) or self.detokenize is False
+
     @field_validator("priority")
     @classmethod
     def _priority_policy(cls, value: int | None, info: ValidationInfo) -> int | None:
@@ -279,6 +333,12 @@ class _CommonRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk (vLLM: needs include_usage too)."""
+        options = self.stream_options
+        return bool(self.include_usage and options and options.continuous_usage_stats)
 
     def _sampling(
         self,
@@ -320,6 +380,8 @@ class _CommonRequest(BaseModel):
             top_k=max(self.top_k or 0, 0),
             seed=self.seed,
             stop=list(self.stop),
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            skip_special_tokens=self.skip_special_tokens is not False,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=bool(self.ignore_eos),
             n=self.n or 1,
@@ -333,6 +395,7 @@ class _CommonRequest(BaseModel):
             logit_bias_values=[value for _, value in bias],
             min_tokens=self.min_tokens or 0,
             bad_words=list(self.bad_words or []),
+            allowed_token_ids=list(self.allowed_token_ids or []),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             structured_kind=structured.kind if structured else "",
@@ -344,13 +407,49 @@ class _CommonRequest(BaseModel):
         """The fields a model's generation_config may fill: those the client left unset."""
         return [name for name in MODEL_DEFAULT_FIELDS if getattr(self, name) is None]
 
-    def _scheduling(self) -> dict[str, Any]:
-        """The GenerateRequest fields that steer the scheduler rather than sampling, and
-        the sampling fields left unset."""
+    @field_validator("length_penalty")
+    @classmethod
+    def _only_with_beams(cls, value: float | None, info: ValidationInfo) -> float | None:
+        if value is not None and value != 1.0 and not info.data.get("use_beam_search"):
+            raise _refuse("only with use_beam_search: true")
+        return value
+
+    @field_validator("use_beam_search")
+    @classmethod
+    def _beams_are_not_streamed(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+        if value and info.data.get("stream"):
+            raise _refuse("cannot be streamed (the best beams are known at the end)")
+        return value
+
+    @property
+    def beam_width(self) -> int:
+        """Beams kept per step (use_beam_search): n (completions: best_of when larger)."""
+        return self.n or 1
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate_to_some(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise _refuse("must be -1 (the model's length) or at least 1, got 0")
+        return value
+
+    def _scheduling(self, max_model_len: int) -> dict[str, Any]:
+        """The GenerateRequest fields that steer the tokenizer and the scheduler rather
+        than sampling, and the sampling fields left unset."""
+        truncate = self.truncate_prompt_tokens
+        if truncate is not None and truncate > max_model_len:
+            raise RequestRejected(
+                f"truncate_prompt_tokens: must be <= {max_model_len} (the model's context "
+                f"length), got {truncate}",
+                "truncate_prompt_tokens",
+            )
         return {
             "priority": self.priority or 0,
             "timeout": self.timeout,
             "unset_sampling": self._unset_sampling(),
+            "add_special_tokens": self.add_special_tokens,
+            "truncate_prompt_tokens": max_model_len if truncate == -1 else truncate,
+            "cache_salt": self.cache_salt or "",
         }
 
 
@@ -384,6 +483,8 @@ class ChatCompletionRequest(_CommonRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: MaxTokens | None = None  # OpenAI's newer name for max_tokens
     add_generation_prompt: bool | None = None  # vLLM extension
+    echo: bool | None = None  # vLLM extension: the answer starts with the last message's text
+    continue_final_message: bool | None = None  # vLLM extension (add_generation_prompt false)
     # vLLM extensions: the request's own Jinja template (with --trust-request-chat-template)
     # and extra variables for the template, e.g. {"enable_thinking": false}
     chat_template: ChatTemplate | None = None
@@ -395,16 +496,21 @@ class ChatCompletionRequest(_CommonRequest):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     _tool_plan: ToolPlan | None = PrivateAttr(default=None)
+    _reasoning_parser: str = PrivateAttr(default="")
 
     @model_validator(mode="before")
     @classmethod
-    def _refuse_unsupported(cls, data: Any) -> Any:
+    def _refuse_unsupported(cls, data: Any, info: ValidationInfo) -> Any:
+        known = [*REFUSED_CHAT, *IGNORED_FIELDS]
+        check_unknown(data, cls, known, cls.__name__, info.context)
         return refuse_unsupported(data, REFUSED_CHAT, cls.__name__)
 
     @model_validator(mode="after")
     def _plan_tools(self, info: ValidationInfo) -> ChatCompletionRequest:
         # parse_request's context names the server's --tool-call-parser
         parser = (info.context or {}).get("tool_call_parser", "hermes")
+        # --reasoning-parser: a structured output's grammar starts once the reasoning ends
+        self._reasoning_parser = (info.context or {}).get("reasoning_parser", "")
         try:
             self._tool_plan = plan_tools(
                 self.tools, self.tool_choice, self.parallel_tool_calls, parser
@@ -412,6 +518,23 @@ class ChatCompletionRequest(_CommonRequest):
         except StructuredError as e:  # (a RequestRejected is not wrapped by pydantic)
             raise RequestRejected(str(e), e.field) from None
         return self
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_or_prompt(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+        # as vLLM: add_generation_prompt (true unless said) opens a new turn; both is a mistake
+        if value and info.data.get("add_generation_prompt") is not False:
+            raise _refuse("needs add_generation_prompt: false (both cannot be true)")
+        return value
+
+    @property
+    def echo_text(self) -> str:
+        """vLLM's chat `echo`: the last message's content, which the answer's content starts
+        with, when that message has the answer's role (assistant; with
+        add_generation_prompt false, the last message's own role); else ""."""
+        last = self.messages[-1]
+        role = "assistant" if self.add_generation_prompt is not False else last.role
+        return (last.content or "") if self.echo and last.role == role else ""
 
     @property
     def tool_plan(self) -> ToolPlan | None:
@@ -447,25 +570,23 @@ class ChatCompletionRequest(_CommonRequest):
         max_tokens = self.max_completion_tokens or self.max_tokens
         plan = self._tool_plan
         forced = forced_grammar(plan) if plan is not None else None
+        sampling = self._sampling(
+            max_tokens, field, 0, max_model_len, self.num_logprobs, self.prompt_logprobs, forced
+        )
+        if self._reasoning_parser and sampling.is_structured:
+            sampling = dataclasses.replace(sampling, structured_after=THINK_END)
         return GenerateRequest(
             request_id=request_id,
             model=model,
-            sampling=self._sampling(
-                max_tokens,
-                field,
-                0,
-                max_model_len,
-                self.num_logprobs,
-                self.prompt_logprobs,
-                forced,
-            ),
+            sampling=sampling,
             messages=[m.as_dict() for m in self.messages],
             tools=list(plan.tools.values()) if plan is not None else None,
             add_generation_prompt=self.add_generation_prompt is not False,
             chat_template=self.chat_template,
             chat_template_kwargs=self.chat_template_kwargs,
+            continue_final_message=bool(self.continue_final_message),
             arrival_time=time.time(),
-            **self._scheduling(),
+            **self._scheduling(max_model_len),
         )
 
 
@@ -520,14 +641,16 @@ class CompletionRequest(_CommonRequest):
     prompt: Any  # list[Prompt] once validated: one engine request each
     echo: bool | None = None
     logprobs: NumLogprobs | None = None
-    best_of: Annotated[int, Field(ge=1)] | None = None  # only = n: no ranking of choices
+    best_of: NumChoices | None = None  # >= n: the n best of best_of (openai/best_of.py)
     suffix: str | None = None
 
     _check_prompt = field_validator("prompt", mode="before")(_prompts)
 
     @model_validator(mode="before")
     @classmethod
-    def _refuse_unsupported(cls, data: Any) -> Any:
+    def _refuse_unsupported(cls, data: Any, info: ValidationInfo) -> Any:
+        known = [*REFUSED_COMPLETION, *IGNORED_FIELDS]
+        check_unknown(data, cls, known, cls.__name__, info.context)
         return refuse_unsupported(data, REFUSED_COMPLETION, cls.__name__)
 
     @property
@@ -544,14 +667,26 @@ class CompletionRequest(_CommonRequest):
 
     @field_validator("best_of")
     @classmethod
-    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+    def _best_of_at_least_n(cls, value: int | None, info: ValidationInfo) -> int | None:
         # `n` is declared (so validated) first; when it failed, that error is the one reported
         if value is None or "n" not in info.data:
             return value
         n = info.data["n"] or 1
-        if value != n:
-            raise _refuse(f"only best_of = n ({n}) is supported, got {value}")
+        if value < n:
+            raise _refuse(f"must be >= n ({n}), got {value}")
+        if value > n and info.data.get("stream"):
+            raise _refuse("best_of > n cannot be streamed (the best are known at the end)")
         return value
+
+    @property
+    def beam_width(self) -> int:
+        return max(self.n or 1, self.best_of or 1)
+
+    @property
+    def ranks_best_of(self) -> bool:
+        """The engine samples best_of sequences per prompt and the answer keeps n."""
+        best_of, n = self.best_of, self.n or 1
+        return best_of is not None and best_of > n and not self.use_beam_search
 
     @field_validator("suffix")
     @classmethod
@@ -570,9 +705,11 @@ class CompletionRequest(_CommonRequest):
             "max_tokens",
             COMPLETIONS_DEFAULT_MAX_TOKENS,
             max_model_len,
-            self.logprobs,
+            (self.logprobs or 0) if self.ranks_best_of else self.logprobs,  # (to rank by)
             self.engine_prompt_logprobs,
         )
+        if self.ranks_best_of:
+            sampling = dataclasses.replace(sampling, n=self.best_of or 1)
         prompts: list[Prompt] = self.prompt
         arrival = time.time()
         return [
@@ -583,7 +720,7 @@ class CompletionRequest(_CommonRequest):
                 prompt=prompt if isinstance(prompt, str) else None,
                 prompt_token_ids=None if isinstance(prompt, str) else list(prompt),
                 arrival_time=arrival,
-                **self._scheduling(),
+                **self._scheduling(max_model_len),
             )
             for k, prompt in enumerate(prompts)
         ]

@@ -28,6 +28,9 @@ IGNORED_FIELDS = (
     "prompt_cache_key",
     "prompt_cache_retention",
     "prompt_cache_options",
+    # vLLM's: how a slow (Python) tokenizer joins special tokens; its detokenizer for fast
+    # tokenizers, the only kind served here, ignores it too
+    "spaces_between_special_tokens",
 )
 
 ANY = object()  # refused whatever its value, null aside
@@ -35,22 +38,12 @@ ANY = object()  # refused whatever its value, null aside
 # field -> the one value that asks for nothing (accepted), or ANY
 _COMMON: dict[str, Any] = {
     # sampling controls not implemented yet (vLLM names)
-    "allowed_token_ids": ANY,
     "logits_processors": ANY,
-    "length_penalty": 1.0,
-    "use_beam_search": False,
-    "truncate_prompt_tokens": ANY,
-    # output shaping
-    "include_stop_str_in_output": False,
-    "skip_special_tokens": True,
-    "spaces_between_special_tokens": True,
-    "return_tokens_as_token_ids": False,
     # structured outputs: only through the server's own backend (xgrammar) and whitespace
     "guided_decoding_backend": ANY,
     "guided_whitespace_pattern": ANY,
     # vLLM plumbing
     "request_id": ANY,  # the id comes in the X-Request-Id header
-    "cache_salt": ANY,
     "kv_transfer_params": ANY,
     "vllm_xargs": ANY,
 }
@@ -64,15 +57,10 @@ REFUSED_CHAT: dict[str, Any] = _COMMON | {
     "verbosity": ANY,
     "web_search_options": ANY,
     "moderation": ANY,
-    "echo": False,  # vLLM's chat extension
-    "continue_final_message": False,
-    "add_special_tokens": False,  # the chat template writes the special tokens
     "documents": ANY,
     "mm_processor_kwargs": ANY,
 }
-REFUSED_COMPLETION: dict[str, Any] = _COMMON | {
-    "add_special_tokens": True,  # a text prompt is tokenised with them
-}
+REFUSED_COMPLETION: dict[str, Any] = _COMMON
 
 
 def refuse_unsupported(data: Any, refused: Mapping[str, Any], title: str) -> Any:

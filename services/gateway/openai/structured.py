@@ -19,6 +19,8 @@ from typing import Any
 
 import orjson
 
+from services.gateway.openai.unknown_fields import suggest
+
 MAX_SPEC_BYTES = 256 * 1024  # a schema's JSON, a regex or a grammar
 MAX_CHOICES = 1024
 # vLLM's structured_outputs keys that choose the grammar; the others it defines are refused
@@ -97,7 +99,9 @@ def no_unknown_keys(value: dict[str, Any], known: set[str], field: str) -> None:
     """A key nobody defines is refused by name, not ignored."""
     unknown = sorted(k for k in value if k not in known and value[k] is not None)
     if unknown:
-        raise StructuredError(f"{field}.{unknown[0]}", "is not a known field")
+        meant = suggest(unknown[0], known)
+        hint = f"; did you mean `{meant}`?" if meant else ""
+        raise StructuredError(f"{field}.{unknown[0]}", f"is not a known field{hint}")
 
 
 def _structured_outputs(value: Any) -> Structured | None:

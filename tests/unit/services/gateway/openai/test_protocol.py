@@ -34,7 +34,7 @@ VLLM_EXTRAS = {
     "return_token_ids", "priority", "request_id", "cache_salt", "kv_transfer_params",
     "vllm_xargs", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern",
-    "response_format", "add_special_tokens", "timeout",
+    "response_format", "add_special_tokens", "timeout", "detokenize",
 }  # fmt: skip
 VLLM_CHAT_EXTRAS = {
     "add_generation_prompt", "continue_final_message", "echo", "documents", "chat_template",
@@ -56,6 +56,11 @@ CHANGES_THE_REQUEST: dict[str, Any] = {
     "priority": 3,  # under --scheduling-policy priority (fcfs: refused, below)
     "timeout": 5.0,
     "add_generation_prompt": False,
+    "truncate_prompt_tokens": 5,
+    "allowed_token_ids": [5, 6],
+    "cache_salt": "a-secret-salt",
+    "include_stop_str_in_output": True,
+    "skip_special_tokens": False,
     "presence_penalty": 0.5,
     "frequency_penalty": 0.5,
     "repetition_penalty": 1.2,
@@ -80,6 +85,22 @@ CHANGES_THE_REQUEST_BY_URL: dict[tuple[str, str], dict[str, Any]] = {
     (COMPLETIONS, "logprobs"): {"logprobs": 2},
     (CHAT, "top_logprobs"): {"logprobs": True, "top_logprobs": 2},
     (CHAT, "prompt_logprobs"): {"prompt_logprobs": 1},
+    # beam search: the engine gets one-token steps asking for logprobs
+    (CHAT, "use_beam_search"): {"use_beam_search": True, "max_tokens": 2},
+    (COMPLETIONS, "use_beam_search"): {"use_beam_search": True, "max_tokens": 2},
+    (CHAT, "length_penalty"): {"use_beam_search": True, "max_tokens": 2, "length_penalty": 0.5},
+    (COMPLETIONS, "length_penalty"): {
+        "use_beam_search": True,
+        "max_tokens": 2,
+        "length_penalty": 0.5,
+    },
+    # special tokens: chat's default is without them, completions' with them
+    (CHAT, "add_special_tokens"): {"add_special_tokens": True},
+    (COMPLETIONS, "add_special_tokens"): {"add_special_tokens": False},
+    (CHAT, "continue_final_message"): {
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+    },
     (COMPLETIONS, "prompt_logprobs"): {"prompt_logprobs": 1},
     # tools change the prompt (the tool list) and, forced, the grammar
     (CHAT, "tools"): {"tools": [TOOL]},
@@ -98,8 +119,10 @@ SHAPES_THE_ANSWER: dict[str, dict[str, Any]] = {
     "stream": {"stream": True},
     "stream_options": {"stream": True, "stream_options": {"include_usage": True}},
     "return_token_ids": {"return_token_ids": True},
+    "detokenize": {"detokenize": False},  # token ids, no text
+    "return_tokens_as_token_ids": {"return_tokens_as_token_ids": True},
     "best_of": {"best_of": 1},  # = n: no ranking of choices
-    "echo": {"echo": True},  # completions (chat's echo, vLLM's other meaning, is refused)
+    "echo": {"echo": True},  # completions: the prompt; chat: the last message's text
 }
 # declared fields refused, with a message of their own, when they ask for something
 REFUSED_BY_THEIR_MODEL: dict[str, Any] = {
@@ -173,7 +196,7 @@ def test_every_completions_field_is_honoured_refused_or_ignored(field: str) -> N
 
 
 def test_sampling_controls_not_implemented_yet_are_refused_not_ignored() -> None:
-    for field in ("allowed_token_ids", "logits_processors"):
+    for field in ("logits_processors",):
         for url in (CHAT, COMPLETIONS):
             assert _check(url, field, REFUSED_CHAT if url == CHAT else REFUSED_COMPLETION) == (
                 "refused"
@@ -187,7 +210,7 @@ def test_logprobs_are_honoured() -> None:
             assert _check(url, field, refused) == "honoured"
     assert _check(CHAT, "top_logprobs", REFUSED_CHAT) == "honoured"
     assert _check(COMPLETIONS, "echo", REFUSED_COMPLETION) == "honoured"
-    assert _check(CHAT, "echo", REFUSED_CHAT) == "refused"
+    assert _check(CHAT, "echo", REFUSED_CHAT) == "honoured"
 
 
 def test_the_sampling_controls_are_honoured() -> None:

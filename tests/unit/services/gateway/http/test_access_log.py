@@ -1,0 +1,70 @@
+"""The access log (services/gateway/http/access_log.py) on the real HTTP app over the scripted
+engine: one line per request with its id, route, status, tokens and times; one per refusal
+with the reason; none with --no-access-log."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+import pytest
+
+from common.config import ServerConfig
+from services.gateway.http.app import create_app
+from tests.fake_engine import FakeEngine
+from tests.unit.services.gateway.http.test_app import CHAT, COMPLETIONS, chat_body
+
+
+def _send(access_log: bool, *requests: tuple[str, str, dict[str, object]]) -> list[int]:
+    async def go() -> list[int]:
+        app = create_app(FakeEngine(), ServerConfig(access_log=access_log))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return [
+                (await client.request(method, url, json=body or None)).status_code
+                for method, url, body in requests
+            ]
+
+    return asyncio.run(go())
+
+
+def _lines(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "shuttle.access"]
+
+
+def test_one_line_per_request_with_tokens_and_times(caplog: pytest.LogCaptureFixture) -> None:
+    stream = chat_body(stream=True)
+    with caplog.at_level(logging.INFO, logger="shuttle.access"):
+        statuses = _send(
+            True,
+            ("POST", CHAT, chat_body()),
+            ("POST", COMPLETIONS, stream | {"prompt": "a b"}),
+            ("GET", "/health", {}),
+        )
+    assert statuses == [200, 400, 200]
+    first, refused = _lines(caplog)  # (no line for the health probe)
+    access = first.__dict__["access"]
+    assert first.getMessage().startswith("request chatcmpl-")
+    assert " POST /v1/chat/completions 200 prompt_tokens=5 output_tokens=3 ttft=" in (
+        first.getMessage()
+    )
+    assert access["status"] == 200 and access["ttft_s"] is not None
+    assert access["time_s"] >= access["ttft_s"] >= 0
+    assert first.__dict__["request_id"].startswith("chatcmpl-")
+    assert refused.getMessage().startswith("refused cmpl-")
+    assert "400 (messages: unknown field" in refused.getMessage()
+    assert refused.__dict__["access"]["reason"].startswith("messages: unknown field")
+
+
+def test_a_stream_is_logged_once_it_ends(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="shuttle.access"):
+        assert _send(True, ("POST", CHAT, chat_body(stream=True))) == [200]
+    (line,) = _lines(caplog)
+    assert line.__dict__["access"]["output_tokens"] == 3
+
+
+def test_no_access_log(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="shuttle.access"):
+        assert _send(False, ("POST", CHAT, chat_body())) == [200]
+    assert not _lines(caplog)
