@@ -71,20 +71,38 @@ def prompt_positions(state: RequestState, num_computed: int, num_new: int) -> ra
     return range(start, min(num_computed + num_new, state.num_prompt - 1))
 
 
-def take_prompt_logprobs(state: RequestState) -> tuple[list[list[int]], list[list[float]]]:
-    """The request's prompt entries when it samples its first token: all of them once,
-    then (and for requests that did not ask, or whose entries are incomplete) nothing."""
+def chosen_ranks(logits: torch.Tensor, chosen: list[int]) -> list[int]:
+    """Each row's rank of its chosen token: 1 + the number of tokens more likely (vLLM's
+    rank, also for a token outside the top k)."""
+    if not chosen:
+        return []
+    index = torch.tensor(chosen, dtype=torch.int64, device=logits.device)[:, None]
+    return ((logits > logits.gather(1, index)).sum(dim=-1) + 1).tolist()
+
+
+def take_prompt_logprobs(
+    state: RequestState,
+) -> tuple[list[list[int]], list[list[float]], list[int]]:
+    """The request's prompt entries and their tokens' ranks when it samples its first token:
+    all of them once, then (and for requests that did not ask, or whose entries are
+    incomplete) nothing."""
     if state.params.prompt_logprobs is None or state.prompt_logprobs_sent:
-        return [], []
+        return [], [], []
     state.prompt_logprobs_sent = True
     if len(state.prompt_logprob_ids) != state.num_prompt:
-        return [], []
-    ids, values = state.prompt_logprob_ids, state.prompt_logprob_values
-    state.prompt_logprob_ids, state.prompt_logprob_values = [], []
-    return ids, values
+        return [], [], []
+    ids, values, ranks = (
+        state.prompt_logprob_ids,
+        state.prompt_logprob_values,
+        state.prompt_logprob_ranks,
+    )
+    state.prompt_logprob_ids, state.prompt_logprob_values, state.prompt_logprob_ranks = [], [], []
+    return ids, values, ranks
 
 
 Entries = tuple[list[list[int]], list[list[float]]]  # ([ids], [values]) per token
+# a request's prompt entries and the rank of each prompt token (0 for the first: none)
+PromptEntries = tuple[list[list[int]], list[list[float]], list[int]]
 
 
 def output_entries(
@@ -116,10 +134,12 @@ def add_prompt_entries(logits: torch.Tensor, rows: list[tuple[RequestState, rang
     chosen = [s.token_ids[p + 1] for s, positions in rows for p in positions]
     num_top = [s.params.prompt_logprobs or 0 for s, positions in rows for _ in positions]
     ids, values = token_logprobs(logits, chosen, num_top)
+    ranks = chosen_ranks(logits, chosen)
     k = 0
     for state, positions in rows:
         state.prompt_logprob_ids.extend(ids[k : k + len(positions)])
         state.prompt_logprob_values.extend(values[k : k + len(positions)])
+        state.prompt_logprob_ranks.extend(ranks[k : k + len(positions)])
         k += len(positions)
 
 
@@ -127,7 +147,7 @@ def step_result_fields(
     order: list[str],
     sampled: dict[str, list[int]],
     logprobs: dict[str, Entries],
-    prompt: dict[str, Entries],
+    prompt: dict[str, PromptEntries],
 ) -> dict[str, Any]:
     """StepResult's logprob lists for the sampled requests `order` (none when no request
     of the step asked): `logprobs` and `prompt` hold the entries of those that asked."""
@@ -140,8 +160,9 @@ def step_result_fields(
             token_ids += ids_i or [[] for _ in sampled[rid]]
             values += values_i or [[] for _ in sampled[rid]]
         out["logprob_token_ids"], out["logprob_values"] = token_ids, values
-    if any(ids for ids, _ in prompt.values()):
-        entries = [prompt.get(rid, ([], [])) for rid in order]
-        out["prompt_logprob_token_ids"] = [ids for ids, _ in entries]
-        out["prompt_logprob_values"] = [values for _, values in entries]
+    if any(ids for ids, _, _ in prompt.values()):
+        entries = [prompt.get(rid, ([], [], [])) for rid in order]
+        out["prompt_logprob_token_ids"] = [ids for ids, _, _ in entries]
+        out["prompt_logprob_values"] = [values for _, values, _ in entries]
+        out["prompt_logprob_ranks"] = [ranks for _, _, ranks in entries]
     return out

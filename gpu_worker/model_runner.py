@@ -46,6 +46,7 @@ from gpu_worker.kernel_choice import choose_kernels
 from gpu_worker.kv_cache import GIB, KVCache, bytes_per_block, cuda_kv_budget_bytes
 from gpu_worker.logits_controls import History, TokenCounts
 from gpu_worker.logprobs import (
+    PromptEntries,
     add_prompt_entries,
     output_entries,
     prompt_positions,
@@ -500,7 +501,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
         sampled: dict[str, list[int]] = {}
         proposed: dict[str, int] = {}
         logprobs: dict[str, tuple[list[list[int]], list[list[float]]]] = {}
-        prompt: dict[str, tuple[list[list[int]], list[list[float]]]] = {}
+        prompt: dict[str, PromptEntries] = {}
         for version, indices in self._by_version(states).items():  # one forward per version
             batch = self._prepare_batch(plan, indices, states)
             loaded = self.versions[version]

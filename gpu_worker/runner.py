@@ -134,6 +134,7 @@ class RequestState:
     # sampled token
     prompt_logprob_ids: list[list[int]] = dataclasses.field(default_factory=list)
     prompt_logprob_values: list[list[float]] = dataclasses.field(default_factory=list)
+    prompt_logprob_ranks: list[int] = dataclasses.field(default_factory=list)  # 0: none
     prompt_logprobs_sent: bool = False
     grammar: RowGrammar | None = None  # structured outputs: the sequence's own matcher
 
@@ -253,6 +254,7 @@ class RequestTable:
             if params.prompt_logprobs is not None:  # the first token: nothing precedes it
                 state.prompt_logprob_ids.append([prompt[0]])
                 state.prompt_logprob_values.append([])
+                state.prompt_logprob_ranks.append(0)
             self._states[req_id] = state
 
     def _copy_on_write(self, plan: StepPlan, kv: KVCopier | None) -> None:

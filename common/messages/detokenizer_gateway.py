@@ -31,3 +31,5 @@ class OutputBatch:
     # [num_reqs][num_prompt][1+k] (entry 0: the first prompt token, value [])
     prompt_logprob_values: list[list[list[float]]] = dataclasses.field(default_factory=list)
     prompt_logprob_tokens: list[list[list[str]]] = dataclasses.field(default_factory=list)
+    # [num_reqs][num_prompt] each prompt token's rank (0 for the first; [] when not known)
+    prompt_logprob_ranks: list[list[int]] = dataclasses.field(default_factory=list)

@@ -53,3 +53,5 @@ class TokenBatch:
     prompt_logprob_token_ids: list[list[list[int]]] = dataclasses.field(default_factory=list)
     # [num_reqs][num_prompt][1+k] (entry 0: [first prompt token], value [])
     prompt_logprob_values: list[list[list[float]]] = dataclasses.field(default_factory=list)
+    # [num_reqs][num_prompt] each prompt token's rank (0 for the first)
+    prompt_logprob_ranks: list[list[int]] = dataclasses.field(default_factory=list)

@@ -87,6 +87,9 @@ class StepResult:
     # [num_sampled][num_prompt][1+k]
     prompt_logprob_values: list[list[list[float]]] = dataclasses.field(default_factory=list)
     # [num_sampled][num_prompt][1+k]
+    # each prompt token's rank (1 = most likely; 0 for the first token), in or out of the top k
+    prompt_logprob_ranks: list[list[int]] = dataclasses.field(default_factory=list)
+    # [num_sampled][num_prompt]
     forward_s: float = 0.0  # worker time for the step, model + sampling
     error: str = ""  # set when the step failed: its requests are failed, not retried
 

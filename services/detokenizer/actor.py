@@ -258,6 +258,8 @@ def _add_logprobs(out: OutputBatch, msg: TokenBatch, i: int, tokenizer: Tokenize
         out.prompt_logprob_token_ids.append(msg.prompt_logprob_token_ids[i])
         out.prompt_logprob_values.append(msg.prompt_logprob_values[i])
         out.prompt_logprob_tokens.append(token_texts(tokenizer, msg.prompt_logprob_token_ids[i]))
+        if msg.prompt_logprob_ranks:
+            out.prompt_logprob_ranks.append(msg.prompt_logprob_ranks[i])
 
 
 def token_texts(tokenizer: Tokenizer, entries: list[list[int]]) -> list[list[str]]:

@@ -548,6 +548,8 @@ def _logprob_fields(
         index = [rows[r.request_id] for r, _, _ in results]
         out["prompt_logprob_token_ids"] = [msg.prompt_logprob_token_ids[i] for i in index]
         out["prompt_logprob_values"] = [msg.prompt_logprob_values[i] for i in index]
+        if msg.prompt_logprob_ranks:
+            out["prompt_logprob_ranks"] = [msg.prompt_logprob_ranks[i] for i in index]
     return out
 
 

@@ -156,6 +156,10 @@ def test_streamed_prompt_logprobs_come_in_the_first_chunk(server: Server) -> Non
     carrying = [c["choices"][0] for c in chunks if "prompt_logprobs" in c["choices"][0]]
     assert carrying and carrying[0] is chunks[0]["choices"][0] and len(carrying) == 1
     _same_prompt_logprobs(carrying[0]["prompt_logprobs"], answer["prompt_logprobs"])
+    # every prompt token's rank, also outside the top 2 (vLLM's; was null there)
+    chosen = [next(iter(e.values())) for e in answer["prompt_logprobs"][1:]]
+    assert all(isinstance(c["rank"], int) and c["rank"] >= 1 for c in chosen)
+    assert any(c["rank"] > 2 for c in chosen)  # a prompt is rarely the model's top choices
     chat = {"model": "smol", "messages": CHAT, "max_tokens": 3, "prompt_logprobs": 1}
     r = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=120)
     chunks = _sse_chunks(server, "/v1/chat/completions", chat | {"stream": True})

@@ -24,19 +24,24 @@ class TokenLogprob:
     token: str
     logprob: float | None
     top: list[tuple[int, str, float]]
+    rank: int | None = None  # the token's rank (1 = most likely), where the engine gave it
 
 
 def entries(
-    ids: list[list[int]], values: list[list[float]], texts: list[list[str]]
+    ids: list[list[int]],
+    values: list[list[float]],
+    texts: list[list[str]],
+    ranks: list[int] | None = None,
 ) -> list[TokenLogprob]:
-    """Entries from the engine's lists ([token, top 1..k] per token); [] where a token has
-    none (its request did not ask)."""
+    """Entries from the engine's lists ([token, top 1..k] per token, and each token's rank
+    where given: 0 for none); [] where a token has none (its request did not ask)."""
     out = []
-    for token_ids, lps, tokens in zip(ids, values, texts, strict=True):
+    for j, (token_ids, lps, tokens) in enumerate(zip(ids, values, texts, strict=True)):
         if not token_ids:
             return []
         top = list(zip(token_ids[1:], tokens[1:], lps[1:], strict=True))
-        out.append(TokenLogprob(token_ids[0], tokens[0], lps[0] if lps else None, top))
+        rank = ranks[j] or None if ranks else None
+        out.append(TokenLogprob(token_ids[0], tokens[0], lps[0] if lps else None, top, rank))
     return out
 
 

@@ -87,6 +87,7 @@ class _Stream:
                         msg.prompt_logprob_token_ids[i],
                         msg.prompt_logprob_values[i],
                         msg.prompt_logprob_tokens[i],
+                        msg.prompt_logprob_ranks[i] if msg.prompt_logprob_ranks else None,
                     )
                     if msg.prompt_logprob_token_ids
                     else []

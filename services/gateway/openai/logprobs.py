@@ -72,8 +72,9 @@ class CompletionLogprobs:
 
 def prompt_logprobs(tokens: list[TokenLogprob]) -> list[dict[str, Any] | None]:
     """vLLM's `prompt_logprobs`: null for the first token, then per token a map of token id
-    (a string, as JSON keys) to its logprob, rank (1 = most likely; null when the prompt's
-    token is outside the top k) and text."""
+    (a string, as JSON keys) to its logprob, rank (1 = most likely: the engine's count of
+    more likely tokens, so also outside the top k; from the top k's order where an engine
+    gives none) and text."""
     out: list[dict[str, Any] | None] = []
     for e in tokens:
         if e.logprob is None:
@@ -83,7 +84,7 @@ def prompt_logprobs(tokens: list[TokenLogprob]) -> list[dict[str, Any] | None]:
         entry = {
             str(e.token_id): {
                 "logprob": e.logprob,
-                "rank": ranks.get(e.token_id),
+                "rank": e.rank if e.rank is not None else ranks.get(e.token_id),
                 "decoded_token": e.token,
             }
         }

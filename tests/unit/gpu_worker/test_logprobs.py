@@ -8,6 +8,7 @@ import torch
 from common.messages.types import SamplingParams
 from gpu_worker.logprobs import (
     MIN_LOGPROB,
+    chosen_ranks,
     prompt_positions,
     take_prompt_logprobs,
     token_logprobs,
@@ -47,6 +48,7 @@ def _state(prompt: list[int], prompt_logprobs: int | None = 2) -> RequestState:
     if prompt_logprobs is not None:  # as RequestTable adds it
         state.prompt_logprob_ids.append([prompt[0]])
         state.prompt_logprob_values.append([])
+        state.prompt_logprob_ranks.append(0)
     return state
 
 
@@ -54,6 +56,7 @@ def _fill(state: RequestState, positions: range) -> None:
     for p in positions:
         state.prompt_logprob_ids.append([state.token_ids[p + 1]])
         state.prompt_logprob_values.append([-1.0])
+        state.prompt_logprob_ranks.append(1)
 
 
 def test_prompt_entries_over_chunks_and_a_recompute_are_sent_once() -> None:
@@ -64,15 +67,22 @@ def test_prompt_entries_over_chunks_and_a_recompute_are_sent_once() -> None:
     assert not prompt_positions(state, 0, 2)
     assert prompt_positions(state, 2, 3) == range(3, 4)  # the last prompt token samples
     _fill(state, range(3, 4))
-    ids, values = take_prompt_logprobs(state)
+    ids, values, ranks = take_prompt_logprobs(state)
     assert ids == [[10], [11], [12], [13], [14]] and values[0] == [] and len(values) == 5
-    assert take_prompt_logprobs(state) == ([], [])  # once
+    assert ranks == [0, 1, 1, 1, 1]
+    assert take_prompt_logprobs(state) == ([], [], [])  # once
     assert not prompt_positions(state, 0, 5)
 
 
 def test_no_prompt_entries_for_requests_that_do_not_ask_or_start_past_the_prompt() -> None:
     assert not prompt_positions(_state([1, 2, 3, 4, 5], None), 0, 5)
-    assert take_prompt_logprobs(_state([1, 2, 3, 4, 5], None)) == ([], [])
+    assert take_prompt_logprobs(_state([1, 2, 3, 4, 5], None)) == ([], [], [])
     fork = _state([1, 2, 3, 4, 5])  # a fork starts with the shared prompt computed
     assert not prompt_positions(fork, 4, 1)
-    assert take_prompt_logprobs(fork) == ([], [])  # incomplete: never sent
+    assert take_prompt_logprobs(fork) == ([], [], [])  # incomplete: never sent
+
+
+def test_a_prompt_tokens_rank_counts_the_more_likely_tokens_even_outside_the_top_k() -> None:
+    logits = torch.tensor([[3.0, 1.0, 2.0, 0.5, 2.5], [0.0, 0.0, 5.0, -1.0, 1.0]])
+    assert chosen_ranks(logits, [3, 2]) == [5, 1]  # row 0: 3.0, 2.5, 2.0, 1.0 above 0.5
+    assert chosen_ranks(logits, []) == []
