@@ -19,7 +19,6 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from common.gguf_meta import is_gguf_file
-from common.model_paths import hf_config_of, tokenizer_dir
 from gpu_worker.attention import AttentionBackend
 from gpu_worker.kernel_choice import TORCH_KERNELS, KernelChoice
 from gpu_worker.linear_methods.weights import GGUFShard, GGUFWeight, concat_rows
@@ -45,6 +44,8 @@ _MIB = 1 << 20
 def read_hf_config(folder: str | Path) -> dict[str, Any]:
     """The model's config.json: a folder's, or the one written from a GGUF file's metadata."""
     if is_gguf_file(folder):
+        from common.model_paths import hf_config_of  # (the config: not for tools/gpu-check)
+
         return hf_config_of(folder)
     path = Path(folder) / "config.json"
     if not path.is_file():
@@ -63,7 +64,7 @@ def eos_token_ids(folder: str | Path, hf_config: dict[str, Any]) -> list[int]:
     """EOS ids from config.json and generation_config.json together, sorted."""
     ids: set[int] = set()
     sources = [hf_config]
-    gen_path = tokenizer_dir(folder) / "generation_config.json"
+    gen_path = _tokenizer_dir(folder) / "generation_config.json"
     if gen_path.is_file():
         sources.append(json.loads(gen_path.read_text()))
     for source in sources:
@@ -73,6 +74,16 @@ def eos_token_ids(folder: str | Path, hf_config: dict[str, Any]) -> list[int]:
         elif isinstance(value, list):
             ids.update(int(v) for v in value)
     return sorted(ids)
+
+
+def _tokenizer_dir(model: str | Path) -> Path:
+    """The folder of a model's tokenizer and generation config (a GGUF file's is written
+    from its metadata)."""
+    if not is_gguf_file(model):
+        return Path(model)
+    from common.model_paths import tokenizer_dir  # (imports the config: not for gpu-check)
+
+    return tokenizer_dir(model)
 
 
 def weights_version(folder: str | Path) -> str:
