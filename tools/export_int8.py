@@ -10,11 +10,12 @@ by compressed-tensors' own ModelCompressor, so vLLM loads the folder as it loads
 Compressor's; the tokenizer and other small files are copied. Weights go to one
 model.safetensors. Exit status: 0 written, 1 refused (bad source, DST not empty).
 
-Before rounding, SmoothQuant (tools/smoothquant.py; `--smoothquant ALPHA`, default 0.8 as LLM
-Compressor's W8A8 recipe, 0 off) folds per-channel scales calibrated on text other than the
-perplexity tool's held text into the float weights, as LLM Compressor's SmoothQuantModifier
-does; like LLM Compressor, the folder then gets a recipe.yaml naming both steps (the
-checkpoint format itself is unchanged: smoothing leaves no trace in config.json).
+Before rounding, SmoothQuant (tools/smoothquant.py; `--smoothquant ALPHA`, 0 off; default
+0.5, the best measured on SmolLM2-135M, docs/benchmarks.md; LLM Compressor's default is 0.8)
+folds per-channel scales calibrated on text other than the perplexity tool's held text into
+the float weights, as LLM Compressor's SmoothQuantModifier does; like LLM Compressor, the
+folder then gets a recipe.yaml naming both steps (the checkpoint format itself is unchanged:
+smoothing leaves no trace in config.json).
 """
 
 from __future__ import annotations

@@ -33,7 +33,9 @@ import torch
 CALIBRATION_TOPICS = ("formatstrings", "string-methods", "import")
 CALIBRATION_TOKENS = 2048
 CALIBRATION_CHUNK = 512  # tokens per forward (separate sequences)
-DEFAULT_ALPHA = 0.8
+# best of 0, 0.3, 0.4, 0.5, 0.6, 0.8 by perplexity on SmolLM2-135M (docs/benchmarks.md);
+# LLM Compressor's SmoothQuantModifier defaults to 0.8 (+2.0% there, 0.5: +0.5 to 0.7%)
+DEFAULT_ALPHA = 0.5
 # model types whose decoder layers are Llama's (RMSNorm scaling by `weight`, gated MLP)
 SMOOTHABLE_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 _MIN_SCALE = 1e-5  # LLM Compressor's clamp of both maxima
