@@ -15,7 +15,8 @@ Before rounding, SmoothQuant (tools/smoothquant.py; `--smoothquant ALPHA`, 0 off
 folds per-channel scales calibrated on text other than the perplexity tool's held text into
 the float weights, as LLM Compressor's SmoothQuantModifier does; like LLM Compressor, the
 folder then gets a recipe.yaml naming both steps (the checkpoint format itself is unchanged:
-smoothing leaves no trace in config.json).
+smoothing leaves no trace in config.json). v_proj -> o_proj is smoothed too (exact per KV
+head; not in LLM Compressor's Llama mappings; `--no-v-to-o` leaves it out).
 """
 
 from __future__ import annotations
@@ -75,9 +76,10 @@ def checkpoint_tensors(
     return out
 
 
-def recipe_yaml(alpha: float) -> str:
+def recipe_yaml(alpha: float, v_to_o: bool = True) -> str:
     """The recipe.yaml LLM Compressor writes beside a W8A8 checkpoint (SmoothQuantModifier
-    with the Llama mappings when `alpha` > 0, then the W8A8 QuantizationModifier)."""
+    with the Llama mappings when `alpha` > 0, then the W8A8 QuantizationModifier). The v -> o
+    mapping (`v_to_o`) is ours: one scale per (KV head, dim), commented as such."""
     lines = ["default_stage:", "  default_modifiers:"]
     if alpha > 0:
         lines += [
@@ -88,6 +90,11 @@ def recipe_yaml(alpha: float) -> str:
             "      - [['re:.*gate_proj', 're:.*up_proj'], 're:.*post_attention_layernorm']",
             "      - [['re:.*down_proj'], 're:.*up_proj']",
         ]
+        if v_to_o:
+            lines += [
+                "      # tools/smoothquant.py: one scale per (KV head, dim), shared by its group",
+                "      - [['re:.*o_proj'], 're:.*v_proj']",
+            ]
     lines += [
         "    QuantizationModifier:",
         "      targets: [Linear]",
@@ -97,9 +104,11 @@ def recipe_yaml(alpha: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def export_int8(src: str | Path, dst: str | Path, smoothquant: float = DEFAULT_ALPHA) -> Path:
+def export_int8(
+    src: str | Path, dst: str | Path, smoothquant: float = DEFAULT_ALPHA, v_to_o: bool = True
+) -> Path:
     """Write SRC's int8 W8A8 checkpoint to DST (created; must be empty or absent), smoothed
-    first with strength `smoothquant` (0: not smoothed)."""
+    first with strength `smoothquant` (0: not smoothed; `v_to_o`: v_proj -> o_proj as well)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig
 
@@ -116,7 +125,7 @@ def export_int8(src: str | Path, dst: str | Path, smoothquant: float = DEFAULT_A
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             tensors.update({name: f.get_tensor(name) for name in f.keys()})
-    tensors = smooth_checkpoint(src, tensors, hf_config.get("model_type", ""), smoothquant)
+    tensors = smooth_checkpoint(src, tensors, hf_config, smoothquant, v_to_o)
     dst.mkdir(parents=True, exist_ok=True)
     skip = {p.name for pattern in _WEIGHT_FILES for p in src.glob(pattern)}
     for path in src.iterdir():
@@ -126,7 +135,7 @@ def export_int8(src: str | Path, dst: str | Path, smoothquant: float = DEFAULT_A
     save_file(quantized, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config = QuantizationConfig.model_validate(quantization_config())
     ModelCompressor(quantization_config=config).update_config(str(dst))
-    (dst / "recipe.yaml").write_text(recipe_yaml(smoothquant))
+    (dst / "recipe.yaml").write_text(recipe_yaml(smoothquant, v_to_o))
     return dst
 
 
@@ -134,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tools/export-int8", description=__doc__.split("\n")[0])
     parser.add_argument("src", help="float Hugging Face folder (config.json, *.safetensors)")
     parser.add_argument("dst", help="new folder for the int8 W8A8 checkpoint")
+    parser.add_argument(
+        "--no-v-to-o",
+        action="store_true",
+        help="smooth only LLM Compressor's Llama mappings, not v_proj -> o_proj",
+    )
     parser.add_argument(
         "--smoothquant",
         type=float,
@@ -143,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        dst = export_int8(args.src, args.dst, args.smoothquant)
+        dst = export_int8(args.src, args.dst, args.smoothquant, not args.no_v_to_o)
     except (ValueError, OSError) as e:
         print(f"export-int8: {e}", file=sys.stderr)
         return 1

@@ -15,7 +15,10 @@ the Llama family, per layer:
     post_attention_layernorm  -> gate_proj, up_proj
     up_proj (output rows)     -> down_proj   (down's input is silu(gate) * up, linear in up)
 
-v_proj -> o_proj is skipped (with grouped KV heads it is not exact per channel).
+and, with `num_kv_heads` given (what tools/export_int8 does), v_proj (output rows) -> o_proj:
+exact with grouped KV heads too, as long as every query head sharing a KV head gets the same
+scale: o's input channel (head h, dim d) is a convex combination of v's output channel
+(h // group, d), so s is taken per (KV head, dim) over the group's channels.
 
 max|X_j| comes from a calibration pass through transformers in float32 over
 CALIBRATION_TOPICS of the standard library's pydoc_data.topics: other topics than the
@@ -34,7 +37,7 @@ CALIBRATION_TOPICS = ("formatstrings", "string-methods", "import")
 CALIBRATION_TOKENS = 2048
 CALIBRATION_CHUNK = 512  # tokens per forward (separate sequences)
 # best of 0, 0.3, 0.4, 0.5, 0.6, 0.8 by perplexity on SmolLM2-135M (docs/benchmarks.md);
-# LLM Compressor's SmoothQuantModifier defaults to 0.8 (+2.0% there, 0.5: +0.5 to 0.7%)
+# LLM Compressor's SmoothQuantModifier defaults to 0.8 (+2.0% there, 0.5: +0.5%)
 DEFAULT_ALPHA = 0.5
 # model types whose decoder layers are Llama's (RMSNorm scaling by `weight`, gated MLP)
 SMOOTHABLE_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -108,11 +111,41 @@ def smoothing_scales(
     return x.pow(alpha) / w_max.clamp(min=_MIN_SCALE).pow(1 - alpha)
 
 
+def _divide(out: dict[str, torch.Tensor], name: str, s: torch.Tensor) -> None:
+    """Channel j of the smoothing tensor `name` (a norm's weight, or a linear's output row
+    and bias) divided by s_j."""
+    w = out[name]
+    shape = (-1, 1) if w.dim() == 2 else (-1,)
+    out[name] = (w.float() / s.reshape(shape)).to(w.dtype)
+    bias = name.removesuffix(".weight") + ".bias"
+    if w.dim() == 2 and bias in out:
+        out[bias] = (out[bias].float() / s).to(out[bias].dtype)
+
+
+def _smooth_v_to_o(
+    out: dict[str, torch.Tensor], act_max: torch.Tensor, prefix: str, kv: int, alpha: float
+) -> None:
+    """v_proj's output rows -> o_proj's input columns, one scale per (KV head, dim)."""
+    v_name, o_name = f"{prefix}self_attn.v_proj.weight", f"{prefix}self_attn.o_proj.weight"
+    v, o = out[v_name], out[o_name]
+    head_dim, group = v.shape[0] // kv, o.shape[1] // v.shape[0]
+    x = act_max.float().reshape(kv, group, head_dim).amax(dim=1)
+    w = o.float().abs().amax(dim=0).reshape(kv, group, head_dim).amax(dim=1)
+    s = x.clamp(min=_MIN_SCALE).pow(alpha) / w.clamp(min=_MIN_SCALE).pow(1 - alpha)
+    _divide(out, v_name, s.reshape(-1))
+    cols = s[:, None, :].expand(kv, group, head_dim).reshape(-1)
+    out[o_name] = (o.float() * cols[None, :]).to(o.dtype)
+
+
 def smooth_tensors(
-    tensors: dict[str, torch.Tensor], maxima: dict[str, torch.Tensor], alpha: float
+    tensors: dict[str, torch.Tensor],
+    maxima: dict[str, torch.Tensor],
+    alpha: float,
+    num_kv_heads: int = 0,
 ) -> dict[str, torch.Tensor]:
     """A copy of the state dict `tensors` with every mapping smoothed (computed in float32,
-    stored in each tensor's dtype); `maxima` from activation_maxima. alpha 0: unchanged."""
+    stored in each tensor's dtype); `maxima` from activation_maxima. alpha 0: unchanged.
+    With `num_kv_heads` (the model's), v_proj -> o_proj is smoothed too."""
     out = dict(tensors)
     if alpha <= 0:
         return out
@@ -123,11 +156,12 @@ def smooth_tensors(
         if smooth not in out or any(b not in out for b in balanced):
             raise ValueError(f"not a Llama-family layer: {smooth} or {balanced} missing")
         s = smoothing_scales(maxima[balanced[0]], [out[b] for b in balanced], alpha)
-        w = out[smooth]
-        shape = (-1, 1) if w.dim() == 2 else (-1,)  # a linear's output rows, or a norm
-        out[smooth] = (w.float() / s.reshape(shape)).to(w.dtype)
+        _divide(out, smooth, s)
         for b in balanced:
             out[b] = (out[b].float() * s[None, :]).to(out[b].dtype)
+    for i in range(num_layers if num_kv_heads else 0):
+        p = f"model.layers.{i}."
+        _smooth_v_to_o(out, maxima[f"{p}self_attn.o_proj.weight"], p, num_kv_heads, alpha)
     return out
 
 
@@ -144,12 +178,19 @@ def calibrate(src: str | Path, num_tokens: int = CALIBRATION_TOKENS) -> dict:
 
 
 def smooth_checkpoint(
-    src: str | Path, tensors: dict[str, torch.Tensor], model_type: str, alpha: float
+    src: str | Path,
+    tensors: dict[str, torch.Tensor],
+    hf_config: dict,
+    alpha: float,
+    v_to_o: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """SRC's state dict `tensors` smoothed with strength `alpha` (calibrated on SRC);
-    raises ValueError for a model type outside SMOOTHABLE_TYPES."""
+    """SRC's state dict `tensors` smoothed with strength `alpha` (calibrated on SRC; with
+    `v_to_o`, v_proj -> o_proj too); `hf_config`: SRC's config.json. Raises ValueError for a
+    model type outside SMOOTHABLE_TYPES."""
     if alpha <= 0:
         return dict(tensors)
+    model_type = hf_config.get("model_type", "")
     if model_type not in SMOOTHABLE_TYPES:
         raise ValueError(f"SmoothQuant supports {sorted(SMOOTHABLE_TYPES)}, not {model_type!r}")
-    return smooth_tensors(tensors, calibrate(src), alpha)
+    kv = hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"]
+    return smooth_tensors(tensors, calibrate(src), alpha, kv if v_to_o else 0)

@@ -41,20 +41,25 @@ def test_calibration_text_is_not_the_held_text() -> None:
 
 
 @pytest.mark.parametrize("alpha", [0.5, 0.8])
-def test_smoothing_leaves_the_float_logits_unchanged(tiny: Path, alpha: float) -> None:
+@pytest.mark.parametrize("v_to_o", [False, True])
+def test_smoothing_leaves_the_float_logits_unchanged(
+    tiny: Path, alpha: float, v_to_o: bool
+) -> None:
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    kv = model.config.num_key_value_heads
+    assert model.config.num_attention_heads > kv > 1  # grouped KV heads
     maxima = calibrate(tiny, num_tokens=256)
     assert maxima["model.layers.0.self_attn.q_proj.weight"].shape == (model.config.hidden_size,)
     ids = torch.tensor([list(range(3, 40))])
     before = _logits(model, ids)
     state = model.state_dict()
-    smoothed = smooth_tensors(state, maxima, alpha)
+    smoothed = smooth_tensors(state, maxima, alpha, kv if v_to_o else 0)
     changed = [n for n in state if not torch.equal(state[n], smoothed[n])]
     assert "model.layers.1.input_layernorm.weight" in changed
     assert "model.layers.1.mlp.down_proj.weight" in changed
-    assert "model.layers.1.self_attn.o_proj.weight" not in changed  # v -> o is skipped
+    assert ("model.layers.1.self_attn.o_proj.weight" in changed) == v_to_o
     model.load_state_dict(smoothed)
     after = _logits(model, ids)
     assert ((after - before).abs().max() / before.abs().max()).item() < 1e-4
@@ -66,20 +71,24 @@ def test_smoothing_evens_the_activation_channels(tiny: Path) -> None:
 
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
     maxima = calibrate(tiny, num_tokens=128)
-    model.load_state_dict(smooth_tensors(model.state_dict(), maxima, 1.0))
+    kv = model.config.num_key_value_heads
+    model.load_state_dict(smooth_tensors(model.state_dict(), maxima, 1.0, kv))
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(tiny))
     ids = tokenizer(calibration_text(), add_special_tokens=False)["input_ids"][:128]
     after = activation_maxima(model, ids)  # the calibration's own tokens
-    for name in ("self_attn.q_proj", "mlp.gate_proj", "mlp.down_proj"):
+    for name in ("self_attn.q_proj", "mlp.gate_proj", "mlp.down_proj"):  # one scale each
         x = after[f"model.layers.0.{name}.weight"]
         torch.testing.assert_close(x, torch.ones_like(x), rtol=1e-3, atol=1e-3)
+    o = after["model.layers.0.self_attn.o_proj.weight"].reshape(kv, -1)  # one per group
+    torch.testing.assert_close(o.amax(dim=1), torch.ones(kv), rtol=1e-3, atol=1e-3)
 
 
 def test_a_smoothed_export_reads_back(tiny: Path, tmp_path: Path) -> None:
     import transformers
 
     assert main([str(tiny), str(tmp_path / "int8"), "--smoothquant", "0.8"]) == 0
-    assert "smoothing_strength: 0.8" in (tmp_path / "int8" / "recipe.yaml").read_text()
+    recipe = (tmp_path / "int8" / "recipe.yaml").read_text()
+    assert "smoothing_strength: 0.8" in recipe and "re:.*o_proj" in recipe
     ours = read_int8_weights(tmp_path / "int8")
     model = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "int8", dtype=torch.float32
@@ -100,5 +109,6 @@ def test_an_unsmoothable_model_type_is_refused(tiny: Path, tmp_path: Path) -> No
     from tools.smoothquant import smooth_checkpoint
 
     with pytest.raises(ValueError, match="SmoothQuant supports"):
-        smooth_checkpoint(tiny, {}, "gemma", 0.8)
-    assert smooth_checkpoint(tiny, {"x": torch.ones(1)}, "gemma", 0) == {"x": torch.ones(1)}
+        smooth_checkpoint(tiny, {}, {"model_type": "gemma"}, 0.8)
+    same = smooth_checkpoint(tiny, {"x": torch.ones(1)}, {"model_type": "gemma"}, 0)
+    assert same == {"x": torch.ones(1)}
