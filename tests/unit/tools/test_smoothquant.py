@@ -112,3 +112,18 @@ def test_an_unsmoothable_model_type_is_refused(tiny: Path, tmp_path: Path) -> No
         smooth_checkpoint(tiny, {}, {"model_type": "gemma"}, 0.8)
     same = smooth_checkpoint(tiny, {"x": torch.ones(1)}, {"model_type": "gemma"}, 0)
     assert same == {"x": torch.ones(1)}
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral"])
+def test_smoothing_is_exact_for_the_other_llama_family_archs(arch: str, tmp_path: Path) -> None:
+    """qwen2: q/k/v biases (v's divided with its rows) and one KV head; qwen3: q/k norms."""
+    import transformers
+
+    src = make_tiny_model(tmp_path / arch, arch)
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    ids = torch.tensor([list(range(3, 40))])
+    before = _logits(model, ids)
+    kv = model.config.num_key_value_heads
+    model.load_state_dict(smooth_tensors(model.state_dict(), calibrate(src, 256), 0.5, kv))
+    after = _logits(model, ids)
+    assert ((after - before).abs().max() / before.abs().max()).item() < 1e-4
