@@ -9,6 +9,14 @@ config.json gets the `quantization_config` LLM Compressor writes for its W8A8 pr
 by compressed-tensors' own ModelCompressor, so vLLM loads the folder as it loads LLM
 Compressor's; the tokenizer and other small files are copied. Weights go to one
 model.safetensors. Exit status: 0 written, 1 refused (bad source, DST not empty).
+
+Before rounding, SmoothQuant (tools/smoothquant.py; `--smoothquant ALPHA`, 0 off; default
+0.5, the best measured on SmolLM2-135M, docs/benchmarks.md; LLM Compressor's default is 0.8)
+folds per-channel scales calibrated on text other than the perplexity tool's held text into
+the float weights, as LLM Compressor's SmoothQuantModifier does; like LLM Compressor, the
+folder then gets a recipe.yaml naming both steps (the checkpoint format itself is unchanged:
+smoothing leaves no trace in config.json). v_proj -> o_proj is smoothed too (exact per KV
+head; not in LLM Compressor's Llama mappings; `--no-v-to-o` leaves it out).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from gpu_worker.models.compressed_tensors import Int8Weight, quantize_linear_weights
+from tools.smoothquant import DEFAULT_ALPHA, smooth_checkpoint
 
 IGNORE = ["lm_head"]
 # files of SRC not copied: its weights (rewritten) and its shard index
@@ -67,8 +76,39 @@ def checkpoint_tensors(
     return out
 
 
-def export_int8(src: str | Path, dst: str | Path) -> Path:
-    """Write SRC's int8 W8A8 checkpoint to DST (created; must be empty or absent)."""
+def recipe_yaml(alpha: float, v_to_o: bool = True) -> str:
+    """The recipe.yaml LLM Compressor writes beside a W8A8 checkpoint (SmoothQuantModifier
+    with the Llama mappings when `alpha` > 0, then the W8A8 QuantizationModifier). The v -> o
+    mapping (`v_to_o`) is ours: one scale per (KV head, dim), commented as such."""
+    lines = ["default_stage:", "  default_modifiers:"]
+    if alpha > 0:
+        lines += [
+            "    SmoothQuantModifier:",
+            f"      smoothing_strength: {alpha}",
+            "      mappings:",
+            "      - [['re:.*q_proj', 're:.*k_proj', 're:.*v_proj'], 're:.*input_layernorm']",
+            "      - [['re:.*gate_proj', 're:.*up_proj'], 're:.*post_attention_layernorm']",
+            "      - [['re:.*down_proj'], 're:.*up_proj']",
+        ]
+        if v_to_o:
+            lines += [
+                "      # tools/smoothquant.py: one scale per (KV head, dim), shared by its group",
+                "      - [['re:.*o_proj'], 're:.*v_proj']",
+            ]
+    lines += [
+        "    QuantizationModifier:",
+        "      targets: [Linear]",
+        f"      ignore: {IGNORE}",
+        "      scheme: W8A8",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def export_int8(
+    src: str | Path, dst: str | Path, smoothquant: float = DEFAULT_ALPHA, v_to_o: bool = True
+) -> Path:
+    """Write SRC's int8 W8A8 checkpoint to DST (created; must be empty or absent), smoothed
+    first with strength `smoothquant` (0: not smoothed; `v_to_o`: v_proj -> o_proj as well)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig
 
@@ -85,6 +125,7 @@ def export_int8(src: str | Path, dst: str | Path) -> Path:
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             tensors.update({name: f.get_tensor(name) for name in f.keys()})
+    tensors = smooth_checkpoint(src, tensors, hf_config, smoothquant, v_to_o)
     dst.mkdir(parents=True, exist_ok=True)
     skip = {p.name for pattern in _WEIGHT_FILES for p in src.glob(pattern)}
     for path in src.iterdir():
@@ -94,6 +135,7 @@ def export_int8(src: str | Path, dst: str | Path) -> Path:
     save_file(quantized, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config = QuantizationConfig.model_validate(quantization_config())
     ModelCompressor(quantization_config=config).update_config(str(dst))
+    (dst / "recipe.yaml").write_text(recipe_yaml(smoothquant, v_to_o))
     return dst
 
 
@@ -101,9 +143,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tools/export-int8", description=__doc__.split("\n")[0])
     parser.add_argument("src", help="float Hugging Face folder (config.json, *.safetensors)")
     parser.add_argument("dst", help="new folder for the int8 W8A8 checkpoint")
+    parser.add_argument(
+        "--no-v-to-o",
+        action="store_true",
+        help="smooth only LLM Compressor's Llama mappings, not v_proj -> o_proj",
+    )
+    parser.add_argument(
+        "--smoothquant",
+        type=float,
+        default=DEFAULT_ALPHA,
+        metavar="ALPHA",
+        help=f"SmoothQuant strength before rounding (default {DEFAULT_ALPHA}; 0: off)",
+    )
     args = parser.parse_args(argv)
     try:
-        dst = export_int8(args.src, args.dst)
+        dst = export_int8(args.src, args.dst, args.smoothquant, not args.no_v_to_o)
     except (ValueError, OSError) as e:
         print(f"export-int8: {e}", file=sys.stderr)
         return 1
