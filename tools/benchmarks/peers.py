@@ -302,6 +302,8 @@ def table(result: dict[str, Any]) -> str:
         "",
         f"CPU: {m['cpu']}, {m['threads']} threads, flags {' '.join(m['flags'])}; "
         f"memory read {m['read_gb_s']:.1f} GB/s; weights {m['weight_bytes'] / 1e6:.0f} MB "
-        f"({result['dtype']}): single-stream limit {m['single_stream_limit_ms']:.1f} ms/token.",
+        f"(shuttle's, as served: {Path(result.get('weights', {}).get('shuttle', '')).name or '-'}"
+        f", {result['dtype']} activations): single-stream limit "
+        f"{m['single_stream_limit_ms']:.1f} ms/token.",
     ]
     return "\n".join(lines)
