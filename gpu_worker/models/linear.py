@@ -109,6 +109,9 @@ class Linear(nn.Module):
         self.out_features = out_features
         set_parameter(self, "weight", torch.empty(out_features, in_features))
         set_parameter(self, "bias", torch.empty(out_features) if bias else None)
+        # nn.Linear's initialisation (a no-op on "meta", where the loader builds models), so a
+        # layer built outside the loader (a test's module) holds numbers, not garbage
+        nn.Linear.reset_parameters(self)  # type: ignore[arg-type]  # reads weight/bias only
         self.method: LinearMethod = FloatLinearMethod()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
