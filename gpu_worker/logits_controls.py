@@ -180,6 +180,12 @@ def apply_controls(
         else:
             pen_index = torch.tensor(penalised, dtype=torch.int64).to(logits.device)
             sub[pen_index] = apply_penalties(sub[pen_index], counts, prompt_mask, pen_params)
+    # controls no token can satisfy (allowed_token_ids all banned by min_tokens or bad words)
+    # leave a row without a finite logit, whose probabilities would be NaN and fail the whole
+    # step: such a row keeps its model logits for this step (found by the schemathesis fuzz)
+    stuck = ~torch.isfinite(sub).any(dim=-1)
+    if bool(stuck.any()):
+        sub[stuck] = logits[index][stuck]
     return logits.index_copy(0, index, sub)
 
 

@@ -51,3 +51,21 @@ def test_sampling_draws_only_allowed_tokens() -> None:
     tokens = sample(logits, params, gens, History(rows, TokenCounts(VOCAB, CPU)))
     assert set(tokens) <= set(allowed)
     assert tokens[-1] == max(allowed, key=lambda t: float(logits[-1, t]))  # greedy
+
+
+def test_controls_no_token_satisfies_leave_the_row_its_logits_and_the_step_samples() -> None:
+    """allowed_token_ids = the stop token, banned by min_tokens: no finite logit is left.
+    The row keeps its model logits for the step (a sampled row's NaN probabilities would
+    fail every request of the step); the row beside it keeps its own controls."""
+    params = [
+        SamplingParams(temperature=1.0, seed=1, allowed_token_ids=[7], min_tokens=3),
+        SamplingParams(temperature=1.0, seed=2, allowed_token_ids=[4, 9]),
+    ]
+    rows = [_Row("stuck", [1, 2], 2, stop_token_ids=[7]), _Row("fine", [1, 2], 2)]
+    logits = torch.randn(2, VOCAB)
+    out = apply_controls(logits, params, History(rows, TokenCounts(VOCAB, CPU)))
+    assert torch.equal(out[0], logits[0])
+    assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [4, 9]
+    gens = [torch.Generator().manual_seed(s) for s in (1, 2)]
+    tokens = sample(logits, params, gens, History(rows, TokenCounts(VOCAB, CPU)))
+    assert tokens[1] in (4, 9)
