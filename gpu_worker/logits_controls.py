@@ -183,6 +183,9 @@ def apply_controls(
     # controls no token can satisfy (allowed_token_ids all banned by min_tokens or bad words)
     # leave a row without a finite logit, whose probabilities would be NaN and fail the whole
     # step: such a row keeps its model logits for this step (found by the schemathesis fuzz)
+    nan = torch.isnan(sub)
+    if bool(nan.any()):  # no control should make one; if one does, that token is out
+        sub = sub.masked_fill(nan, float("-inf"))
     stuck = ~torch.isfinite(sub).any(dim=-1)
     if bool(stuck.any()):
         sub[stuck] = logits[index][stuck]
@@ -283,7 +286,11 @@ def _repetition(
     are equal either will do), so no element-wise select is needed: torch.where over a
     [rows, vocab] tensor costs on a CPU about five times what min/max do."""
     penalties = [p.repetition_penalty for p in params]
-    repetition = torch.tensor(penalties, dtype=logits.dtype).to(logits.device)[:, None]
+    # a valid penalty may round to 0 in the logits' dtype (5e-324 in float32): at least the
+    # dtype's smallest normal number, so no logit becomes x / 0 or -inf * 0 (NaN)
+    tiny = torch.finfo(logits.dtype).tiny
+    repetition = torch.tensor(penalties, dtype=logits.dtype).clamp_(min=tiny)
+    repetition = repetition.to(logits.device)[:, None]
     scale = torch.where(seen, repetition, 1.0)
     divided, multiplied = logits / scale, logits * scale
     out = torch.minimum(divided, multiplied)

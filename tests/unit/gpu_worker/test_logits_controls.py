@@ -69,3 +69,17 @@ def test_controls_no_token_satisfies_leave_the_row_its_logits_and_the_step_sampl
     gens = [torch.Generator().manual_seed(s) for s in (1, 2)]
     tokens = sample(logits, params, gens, History(rows, TokenCounts(VOCAB, CPU)))
     assert tokens[1] in (4, 9)
+
+
+def test_a_repetition_penalty_that_rounds_to_zero_in_float32_makes_no_nan() -> None:
+    """5e-324 is a valid repetition penalty (> 0) and 0.0 in float32: seen tokens, masked
+    ones among them (-inf), must not become NaN (schemathesis found a 500 there)."""
+    params = [
+        SamplingParams(temperature=1.0, seed=3, repetition_penalty=5e-324, allowed_token_ids=[2, 5])
+    ]
+    rows = [_Row("r", [2, 3, 5], 1)]  # 3 (masked) and 5 (allowed) were generated
+    logits = torch.randn(1, VOCAB)
+    out = apply_controls(logits, params, History(rows, TokenCounts(VOCAB, CPU)))
+    assert not torch.isnan(out).any()
+    gens = [torch.Generator().manual_seed(3)]
+    assert sample(logits, params, gens, History(rows, TokenCounts(VOCAB, CPU)))[0] in (2, 5)
