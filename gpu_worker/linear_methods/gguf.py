@@ -11,27 +11,23 @@ method keeps the shards' types and rows. The kernel is chosen once:
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.linear_methods.weights import CheckpointWeight, GGUFShard, GGUFWeight
+from gpu_worker.cpu import gguf as cpu_gguf
+from gpu_worker.linear_methods.weights import CheckpointWeight, GGUFWeight
+from gpu_worker.models.gguf_file import GGUFTensor, dequantize_tensor
 from gpu_worker.models.linear import Linear, set_parameter
 
 
-def dequantize_shard(shard: GGUFShard, in_features: int) -> torch.Tensor:
-    """One shard as float32 [rows, in_features], by gguf-py's own dequantize."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    raw = shard.data.contiguous().numpy()
-    out = dequantize(raw, GGMLQuantizationType(shard.qtype))
-    return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).view(-1, in_features)
-
-
 def dequantize_weight(weight: GGUFWeight) -> torch.Tensor:
-    """The whole weight as float32 [out, in]."""
-    return torch.cat([dequantize_shard(s, weight.in_features) for s in weight.shards])
+    """The whole weight as float32 [out, in], by gguf-py's own dequantize (the reader's)."""
+    return torch.cat(
+        [
+            dequantize_tensor(GGUFTensor(s.qtype, (s.rows, weight.in_features), s.data))
+            for s in weight.shards
+        ]
+    )
 
 
 def shard_names(count: int) -> list[str]:
@@ -93,10 +89,8 @@ class GGUFLinearMethod:
     def _matmul(
         self, x: torch.Tensor, w: torch.Tensor, qtype: int, rows: int, layer: Linear
     ) -> torch.Tensor:
-        if self.kernel == "cpu":
-            from gpu_worker.cpu import gguf
-
-            return gguf.gguf_linear(x, w, qtype, rows, layer.in_features, None)
+        if self.kernel == "cpu":  # (imported once, above: this runs per layer and step)
+            return cpu_gguf.gguf_linear(x, w, qtype, rows, layer.in_features, None)
         from gpu_worker.kernels.gguf_matmul.kernel import gguf_matmul
 
         flat = x.reshape(-1, layer.in_features)
