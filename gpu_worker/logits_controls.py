@@ -183,9 +183,6 @@ def apply_controls(
     # controls no token can satisfy (allowed_token_ids all banned by min_tokens or bad words)
     # leave a row without a finite logit, whose probabilities would be NaN and fail the whole
     # step: such a row keeps its model logits for this step (found by the schemathesis fuzz)
-    nan = torch.isnan(sub)
-    if bool(nan.any()):  # no control should make one; if one does, that token is out
-        sub = sub.masked_fill(nan, float("-inf"))
     stuck = ~torch.isfinite(sub).any(dim=-1)
     if bool(stuck.any()):
         sub[stuck] = logits[index][stuck]
