@@ -41,10 +41,13 @@ from common.messages.scheduler_router import ReplicaNotice
 from common.messages.scheduler_worker import (
     CompileGrammar,
     GrammarCompiled,
+    LoadLora,
     LoadModel,
+    LoraLoaded,
     ModelLoaded,
     StepPlan,
     StepResult,
+    UnloadLora,
     UnloadModel,
 )
 from common.messages.tokenizer_scheduler import TokenizedRequest
@@ -87,4 +90,7 @@ __all__ = [
     "TokenizeQuery",
     "DetokenizeQuery",
     "TokenizeResult",
+    "LoadLora",
+    "LoraLoaded",
+    "UnloadLora",
 ]

@@ -41,6 +41,7 @@ class GenerateRequest:
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
     continue_final_message: bool = False  # chat: the last message is continued, not closed
     cache_salt: str = ""  # vLLM's: only requests with the same salt share prefix-cache blocks
+    lora_name: str = ""  # the LoRA adapter `model` names ("": the base model)
 
 
 @message("request_error")

@@ -30,6 +30,9 @@ class StepPlan:
     new_sampling: list[SamplingParams] = dataclasses.field(default_factory=list)  # [num_new]
     new_versions: list[str] = dataclasses.field(default_factory=list)  # [num_new] model version
     # ("" or absent: the worker's default version)
+    # the LoRA adapter each new request runs with, by name ("": the base model); absent when
+    # no new request of the step has one (the worker has the adapter: LoadLora came first)
+    new_loras: list[str] = dataclasses.field(default_factory=list)  # [num_new]
     # the tokens that end each new request (stop_token_ids, EOS unless ignore_eos) when it has
     # min_tokens: the worker masks them until min_tokens are out; [] for the others, and
     # absent when no new request has min_tokens
@@ -141,3 +144,31 @@ class GrammarCompiled:
     # the CompileGrammar's: a request tokenised again for another tokenizer meanwhile is
     # not released by the answer for the old one
     tokenizer_fingerprint: str = ""
+
+
+@message("load_lora")
+class LoadLora:
+    """scheduler -> worker: read a PEFT adapter folder and keep it (CPU-side cache) under
+    `name`; a name already loaded is replaced (its requests must have finished)."""
+
+    name: str
+    path: str
+
+
+@message("lora_loaded")
+class LoraLoaded:
+    """worker -> scheduler: the answer to LoadLora. `weights_hash` identifies the adapter's
+    weights (it enters the prefix cache's root); `error` names the file and field when the
+    adapter is refused (nothing is loaded then)."""
+
+    name: str
+    weights_hash: str = ""
+    rank: int = 0
+    error: str = ""
+
+
+@message("unload_lora")
+class UnloadLora:
+    """scheduler -> worker: forget an adapter (no running request uses it)."""
+
+    name: str

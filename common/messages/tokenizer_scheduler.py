@@ -20,3 +20,4 @@ class TokenizedRequest:
     tokenizer_fingerprint: str = ""  # the tokenizer that made prompt_token_ids: the request
     # may only start on a model version with this tokenizer ("": the start-up model's)
     cache_salt: str = ""  # vLLM's: salts the request's prefix-cache root ("": none)
+    lora_name: str = ""  # the LoRA adapter the request runs with ("": the base model)

@@ -1,0 +1,212 @@
+"""The LoRA contract every piece of the adapter path shares: the per-layer buffers, the
+per-token slot mapping, and the reference arithmetic the kernels must equal.
+
+A LoRA-enabled model has, in each targeted `Linear` (qkv_proj, o_proj, gate_up_proj,
+down_proj of every decoder layer), a `LoraLinearMethod` wrapping the layer's base method
+(float, GGUF, int8: whatever the kernel choice gave it) and holding two buffers of
+`max_loras` slots:
+
+    lora_a  [max_loras, num_slices, max_rank, in_features]   float32 (the model's dtype on CUDA)
+    lora_b  [max_loras, out_features, max_rank]               scaling folded in at load
+
+The layer's output is cut into `num_slices` slices by `slice_bounds` (qkv_proj: q | k | v;
+gate_up_proj: gate | up; others: one slice): output row j of slice s uses slice s's A. PEFT's
+separate q_proj/k_proj/v_proj (gate_proj/up_proj) adapters land in their slice; an adapter
+that does not target a module, a rank below max_rank and an empty slot are zeros. For a token
+t whose slot is s = token_slots[t] (-1: the base model, no delta):
+
+    y[t, j] += sum_k lora_b[s, j, k] * sum_i lora_a[s, slice(j), k, i] * x[t, i]
+
+`lora_delta_reference` is that formula in torch: the kernels (C on the CPU, inside the
+one-call decode step too; Triton on CUDA) are tested against it.
+
+One `LoraMapping` per model, shared by all its LoRA layers, holds the step's token slots; the
+runner sets it before each forward (vLLM's punica wrapper shape: layers read the step's
+mapping, the forward signature does not change, and CUDA graphs capture its static buffer).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gpu_worker.linear_methods.weights import CheckpointWeight
+from gpu_worker.models.linear import Linear, LinearMethod
+
+# PEFT target module -> (our fused layer, slice index within it)
+TARGET_SLICES: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "o_proj": ("o_proj", 0),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
+}
+
+
+class LoraMapping:
+    """Which adapter slot each token of the step uses (-1: none), for every LoRA layer of one
+    model. `token_slots` is a persistent int32 buffer of `max_tokens` entries; `num_tokens`
+    of them are this step's. `active` is False when no token of the step has an adapter (the
+    layers then add nothing and cost nothing)."""
+
+    def __init__(self, max_tokens: int, device: torch.device) -> None:
+        self.buffer = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
+        self.num_tokens = 0
+        self.active = False
+
+    def set(self, token_slots: list[int]) -> None:
+        """This step's slots, token by token in the packed order of the forward's input."""
+        n = len(token_slots)
+        if n > self.buffer.numel():  # grow (eager steps only: graphs capture at most max)
+            self.buffer = torch.full((n,), -1, dtype=torch.int32, device=self.buffer.device)
+        self.buffer[:n].copy_(torch.tensor(token_slots, dtype=torch.int32))
+        self.num_tokens = n
+        self.active = any(s >= 0 for s in token_slots)
+
+    def clear(self) -> None:
+        self.num_tokens = 0
+        self.active = False
+
+    @property
+    def token_slots(self) -> torch.Tensor:
+        return self.buffer[: self.num_tokens]
+
+
+def lora_delta_reference(
+    x: torch.Tensor,  # [T, in]
+    lora_a: torch.Tensor,  # [S, num_slices, R, in]
+    lora_b: torch.Tensor,  # [S, out, R]
+    slice_bounds: list[int],  # [num_slices + 1] output offsets, 0 .. out
+    token_slots: torch.Tensor,  # [T] int32, -1: none
+) -> torch.Tensor:  # [T, out] float32
+    """The LoRA delta of each token by the module docstring's formula, in float32."""
+    out = torch.zeros(x.shape[0], lora_b.shape[1], dtype=torch.float32, device=x.device)
+    xf = x.float()
+    for slot in token_slots.unique().tolist():
+        if slot < 0:
+            continue
+        rows = (token_slots == slot).nonzero().flatten()
+        for s in range(len(slice_bounds) - 1):
+            lo, hi = slice_bounds[s], slice_bounds[s + 1]
+            shrunk = xf[rows] @ lora_a[slot, s].float().T  # [n, R]
+            out[rows, lo:hi] += shrunk @ lora_b[slot, lo:hi].float().T
+    return out
+
+
+class LoraLinearMethod:
+    """A layer's base method plus each token's adapter delta (see the module docstring).
+    The base method keeps the layer's weight; this one adds `lora_a`/`lora_b` and reads the
+    model's shared `mapping`. `kernel`: "torch" (the reference), "cpu" (C), "triton"."""
+
+    name = "lora"
+
+    def __init__(
+        self,
+        base: LinearMethod,
+        *,
+        in_features: int,
+        slice_bounds: list[int],
+        max_loras: int,
+        max_rank: int,
+        mapping: LoraMapping,
+        dtype: torch.dtype,
+        device: torch.device,
+        kernel: str = "torch",
+    ) -> None:
+        self.base = base
+        self.slice_bounds = slice_bounds
+        self.mapping = mapping
+        self.kernel = kernel
+        out_features, num_slices = slice_bounds[-1], len(slice_bounds) - 1
+        self.lora_a = torch.zeros(
+            max_loras, num_slices, max_rank, in_features, dtype=dtype, device=device
+        )
+        self.lora_b = torch.zeros(max_loras, out_features, max_rank, dtype=dtype, device=device)
+
+    @property
+    def storage(self) -> str:
+        return self.base.storage
+
+    def load_weights(
+        self, layer: Linear, weight: CheckpointWeight, bias: torch.Tensor | None
+    ) -> None:
+        self.base.load_weights(layer, weight, bias)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        self.base.process_weights_after_loading(layer)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        y = self.base.apply(layer, x)
+        if not self.mapping.active:
+            return y
+        delta = lora_delta_reference(
+            x.reshape(-1, x.shape[-1]),
+            self.lora_a,
+            self.lora_b,
+            self.slice_bounds,
+            self.mapping.token_slots,
+        )
+        return y + delta.to(y.dtype).reshape(y.shape)
+
+    def weight_bytes(self, layer: Linear) -> int:
+        return self.base.weight_bytes(layer)
+
+    def extra_bytes(self, layer: Linear) -> int:
+        lora = self.lora_a.numel() * self.lora_a.element_size()
+        return (
+            self.base.extra_bytes(layer) + lora + self.lora_b.numel() * self.lora_b.element_size()
+        )
+
+    def __repr__(self) -> str:
+        slots, _, rank, _ = self.lora_a.shape
+        return f"LoRA({self.base!r}, slots={slots}, rank={rank}, kernel={self.kernel})"
+
+
+def lora_layers(model: nn.Module) -> list[tuple[str, Linear, list[int]]]:
+    """Every linear a LoRA adapter may target, with its name and output slice bounds (this
+    rank's shard under tensor parallelism: the bounds are the shard's)."""
+    from gpu_worker.models.llama import MLP, Attention
+
+    found: list[tuple[str, Linear, list[int]]] = []
+    for name, module in model.named_modules():
+        if isinstance(module, Attention):
+            q, k, v = module.split_sizes
+            found.append((f"{name}.qkv_proj", module.qkv_proj, [0, q, q + k, q + k + v]))
+            found.append((f"{name}.o_proj", module.o_proj, [0, module.o_proj.out_features]))
+        elif isinstance(module, MLP):
+            width = module.down_proj.in_features
+            found.append((f"{name}.gate_up_proj", module.gate_up_proj, [0, width, 2 * width]))
+            found.append(
+                (f"{name}.down_proj", module.down_proj, [0, module.down_proj.out_features])
+            )
+    return found
+
+
+def enable_lora(
+    model: nn.Module,
+    *,
+    max_loras: int,
+    max_rank: int,
+    max_tokens: int,
+    kernel: str = "torch",
+) -> LoraMapping:
+    """Wrap every targetable linear's method in a `LoraLinearMethod` of `max_loras` empty
+    slots (after the base weights are loaded); returns the mapping they share."""
+    param = next(model.parameters())
+    dtype = param.dtype if param.is_floating_point() else torch.float32
+    mapping = LoraMapping(max_tokens, param.device)
+    for _, layer, bounds in lora_layers(model):
+        layer.method = LoraLinearMethod(
+            layer.method,
+            in_features=layer.in_features,
+            slice_bounds=bounds,
+            max_loras=max_loras,
+            max_rank=max_rank,
+            mapping=mapping,
+            dtype=dtype,
+            device=param.device,
+            kernel=kernel,
+        )
+    return mapping
