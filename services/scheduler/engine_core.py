@@ -566,7 +566,7 @@ def _embedding_fields(
     if not num_pooled:
         return {}
     vectors = dict(zip(msg.pooled_req_ids, msg.embeddings, strict=True))
-    head = [[] for _ in results[: len(results) - num_pooled]]
+    head: list[list[float]] = [[] for _ in results[: len(results) - num_pooled]]
     return {"embeddings": head + [vectors[r.request_id] for r, _, _ in results[-num_pooled:]]}
 
 
