@@ -17,6 +17,7 @@ base64 of its little-endian float32 bytes.
 
 from __future__ import annotations
 
+import array
 import base64
 import math
 import struct
@@ -130,13 +131,14 @@ class EmbeddingRequest(BaseModel):
 
 
 def shape_vector(vector: list[float], dimensions: int | None, normalize: bool) -> list[float]:
-    """The answer's vector: the first `dimensions` of the pooled one, then L2-normalised."""
+    """The answer's vector: the first `dimensions` of the pooled one, then L2-normalised,
+    as float32 values (what base64 carries, so both encodings hold the same numbers)."""
     if dimensions is not None:
         vector = vector[:dimensions]
-    if not normalize:
-        return vector
-    norm = max(math.sqrt(math.fsum(x * x for x in vector)), _NORM_EPS)
-    return [x / norm for x in vector]
+    if normalize:
+        norm = max(math.sqrt(math.fsum(x * x for x in vector)), _NORM_EPS)
+        vector = [x / norm for x in vector]
+    return array.array("f", vector).tolist()
 
 
 def encode_vector(vector: list[float], encoding_format: str | None) -> list[float] | str:
