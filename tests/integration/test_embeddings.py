@@ -14,11 +14,14 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import openai
 import pytest
 import torch
 
 from common.prepare_model import prepare_default_model
+from proto import shuttle_pb2 as pb
+from proto import shuttle_pb2_grpc as pb_grpc
 from tests.reference import hf_pooled
 from tests.server import Server, running_server
 from tests.tiny_models import make_tiny_model
@@ -36,6 +39,7 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny(tiny_dir: Path) -> Iterator[Server]:
     # chunks of 8 tokens: a prompt's mean is summed over several steps
     flags = ("--pooling", "mean", "--max-num-batched-tokens", "8", "--max-model-len", "256")
+    flags += ("--grpc-port", "0")
     with running_server(str(tiny_dir), *flags) as s:
         yield s
 
@@ -158,3 +162,13 @@ def test_refusals_name_their_field(tiny: Server) -> None:
         model=tiny.model, input=[[5] * 257], extra_body={"truncate_prompt_tokens": 256}
     )
     assert kept.usage.prompt_tokens == 256
+
+
+def test_grpc_embed_answers_the_http_vectors(tiny: Server) -> None:
+    assert tiny.grpc_addr is not None
+    http = _client(tiny).embeddings.create(model=tiny.model, input=[TEXTS[0], IDS])
+    with grpc.insecure_channel(tiny.grpc_addr) as channel:
+        inputs = [pb.EmbedInput(text=TEXTS[0]), pb.EmbedInput(token_ids=pb.TokenIds(ids=IDS))]
+        got = pb_grpc.ShuttleStub(channel).Embed(pb.EmbedRequest(inputs=inputs), timeout=300)
+    assert [list(e.values) for e in got.embeddings] == [d.embedding for d in http.data]
+    assert got.usage.prompt_tokens == http.usage.prompt_tokens

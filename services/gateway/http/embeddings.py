@@ -9,16 +9,15 @@ that disconnects aborts the ones still running.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from common.messages import FinishReason
-from services.gateway.engine.client import EngineClient, OutputDelta, RequestFailed
-from services.gateway.http.deltas import DeltaReader, close_shielded, until_disconnected
+from services.gateway.engine.client import EngineClient
+from services.gateway.engine.embed import embed
+from services.gateway.http.deltas import until_disconnected
 from services.gateway.http.errors import REQUEST_ID_HEADER, take_request_id
 from services.gateway.http.openapi import json_body
 from services.gateway.openai.embeddings import (
@@ -47,12 +46,7 @@ def embeddings_router(
         requests = body.to_generate_requests(
             request_id, engine.model_name, pooling, engine.max_model_len
         )
-        readers = [DeltaReader(engine.generate(r), "input") for r in requests]
-        try:
-            done = await until_disconnected(request, asyncio.gather(*map(_pooled, readers)))
-        finally:
-            for reader in readers:
-                await close_shielded(reader)
+        done = await until_disconnected(request, embed(engine, requests, "input"))
         wants_norm = normalize if body.normalize is None else body.normalize
         vectors = [
             encode_vector(
@@ -70,15 +64,3 @@ def embeddings_router(
         "/v1/embeddings", embeddings, methods=["POST"], openapi_extra=json_body(EmbeddingRequest)
     )
     return router
-
-
-async def _pooled(reader: DeltaReader) -> OutputDelta:
-    """An embeddings request's final delta, which carries its vector."""
-    while True:
-        delta = await reader.next()
-        if not delta.last:
-            continue
-        if delta.finish_reason != FinishReason.STOP or not delta.embedding:
-            reason = delta.finish_reason.openai or "no reason"
-            raise RequestFailed(500, f"the request ended ({reason}) without its embedding")
-        return delta
