@@ -545,16 +545,21 @@ def _logprob_fields(
     counts = msg.num_tokens or [1] * len(msg.req_ids)
     starts = dict(zip(msg.req_ids, itertools.accumulate(counts, initial=0), strict=False))
     rows = {rid: i for i, rid in enumerate(msg.req_ids)}
+    # (a pooled request, an embeddings one, sampled nothing: its entries are empty)
     if msg.logprob_token_ids:
-        spans = [(starts[r.request_id], len(kept)) for r, kept, _ in results]
+        spans = [(starts.get(r.request_id, 0), len(kept)) for r, kept, _ in results]
         out["logprob_token_ids"] = [msg.logprob_token_ids[a : a + n] for a, n in spans]
         out["logprob_values"] = [msg.logprob_values[a : a + n] for a, n in spans]
     if msg.prompt_logprob_token_ids:
-        index = [rows[r.request_id] for r, _, _ in results]
-        out["prompt_logprob_token_ids"] = [msg.prompt_logprob_token_ids[i] for i in index]
-        out["prompt_logprob_values"] = [msg.prompt_logprob_values[i] for i in index]
+        index = [rows.get(r.request_id) for r, _, _ in results]
+
+        def pick(entries: list[Any]) -> list[Any]:
+            return [entries[i] if i is not None else [] for i in index]
+
+        out["prompt_logprob_token_ids"] = pick(msg.prompt_logprob_token_ids)
+        out["prompt_logprob_values"] = pick(msg.prompt_logprob_values)
         if msg.prompt_logprob_ranks:
-            out["prompt_logprob_ranks"] = [msg.prompt_logprob_ranks[i] for i in index]
+            out["prompt_logprob_ranks"] = pick(msg.prompt_logprob_ranks)
     return out
 
 

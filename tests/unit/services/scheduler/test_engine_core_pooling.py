@@ -49,6 +49,11 @@ class PoolingWorker(Outbox):
             step_id=plan.step_id,
             req_ids=sampled,
             token_ids=[TOKEN] * len(sampled),
+            # every sampled token's logprobs, as for requests that asked
+            logprob_token_ids=[[TOKEN]] * len(sampled),
+            logprob_values=[[-0.5]] * len(sampled),
+            prompt_logprob_token_ids=[[[1]]] * len(sampled),
+            prompt_logprob_values=[[[]]] * len(sampled),
             pooled_req_ids=pooled,
             embeddings=[[float(self.known[rid]), 1.0] for rid in pooled],
         )
@@ -101,6 +106,13 @@ def test_pooled_requests_finish_with_their_vector_beside_generation() -> None:
     # the vector comes once, with the finish; every batch lists [] for the others
     vectors = [b.embeddings for b in out.of(TokenBatch) if b.embeddings]
     assert sum(len([v for v in e if v]) for e in vectors) == 2
+    # a step's logprobs (of the generating request) leave the pooled ones' entries empty
+    mixed = [b for b in out.of(TokenBatch) if b.logprob_token_ids and b.embeddings]
+    assert mixed  # (a step that sampled "gen" and finished a pooled request)
+    for batch in mixed:
+        for i, rid in enumerate(batch.request_ids):
+            if rid != "gen":
+                assert batch.logprob_token_ids[i] == [] and batch.prompt_logprob_token_ids[i] == []
     assert core.policy is not None and core.policy.blocks.num_used_blocks == 0
 
 
