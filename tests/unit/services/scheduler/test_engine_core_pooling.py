@@ -137,3 +137,23 @@ def test_an_embeddings_prompt_may_fill_the_model_length() -> None:
     assert _finishes(out)["pooled"][1:] == (int(FinishReason.STOP), [128.0, 1.0])
     (refusal,) = out.of(RequestError)
     assert refusal.request_id == "generating" and refusal.param == "prompt"
+
+
+def test_embeddings_requests_never_speculate() -> None:
+    out = PoolingWorker()
+    config = Config().replace(
+        scheduler={"async_scheduling": False, "max_num_batched_tokens": 4},
+        speculative={"speculative": "ngram"},
+    )
+    core = EngineCore(config, out)
+    core.on_worker_ready(_info())
+    core.add(_request("gen"))
+    core.add(_request("last", "last"))
+    _run(core, out)
+    key = sequence_key("last", 0)
+    plans = [p for p in out.of(StepPlan) if key in p.req_ids]
+    assert plans and all(
+        not p.num_spec_tokens or not p.num_spec_tokens[p.req_ids.index(key)] for p in plans
+    )
+    assert any(p.num_spec_tokens for p in out.of(StepPlan))  # (the generating one did)
+    assert _finishes(out)["last"][2] == [9.0, 1.0]
