@@ -23,6 +23,7 @@ import orjson
 from common.config_base import ConfigError as ConfigError
 from common.config_base import config_field
 from common.cpu_features import auto_dtype
+from common.messages.types import POOLING_KINDS
 from common.parallel_config import DataParallelConfig
 
 _ENV_PREFIX = "SHUTTLE_"
@@ -311,6 +312,17 @@ class ServerConfig:
         "GET /metrics under vLLM's own names (vllm:*) instead of shuttle:*, so dashboards "
         "and autoscalers written for vLLM read shuttle unchanged",
     )
+    pooling: str = _field(
+        "last",
+        "how /v1/embeddings pools the prompt's final-normed hidden states: last (the last "
+        "token's, as Qwen3-Embedding) or mean (over every token; such requests take no "
+        "prefix-cache hits)",
+    )
+    embedding_normalize: bool = _field(
+        True,
+        "L2-normalise embeddings (vLLM's pooler `normalize`; a request's `normalize` "
+        "overrides it); --no-embedding-normalize: the pooled vectors as they are",
+    )
 
     def __post_init__(self) -> None:
         _check(0 <= self.port < 65536, "port", "0..65535")
@@ -320,6 +332,7 @@ class ServerConfig:
         _check(self.max_prompt_chars >= 1, "max_prompt_chars", ">= 1")
         _check(self.num_tokenizers >= 1, "num_tokenizers", ">= 1")
         _check(self.tool_call_parser in ("hermes", "json"), "tool_call_parser", "hermes or json")
+        _check(self.pooling in POOLING_KINDS, "pooling", " or ".join(POOLING_KINDS))
         _check(
             self.reasoning_parser in ("", "deepseek_r1", "qwen3"),
             "reasoning_parser",

@@ -26,6 +26,7 @@ MAX_STOP_CHARS = 256  # characters per stop string
 MAX_STOP_TOKEN_IDS = 64
 MAX_N = 16  # choices per request: each is a sequence holding its own KV blocks
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (one engine request each)
+MAX_EMBEDDING_INPUTS = 2048  # inputs in one /v1/embeddings request (OpenAI's limit)
 MAX_TIMEOUT_S = 86400.0  # a day
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 MAX_BAD_WORDS = 64

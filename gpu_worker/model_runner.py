@@ -41,7 +41,7 @@ from gpu_worker.attention import (
     resolve_backend_name,
 )
 from gpu_worker.cpu.huge_pages import use_huge_pages
-from gpu_worker.cuda_graphs import CUDAGraphRunner, maybe_capture_graphs, run_model
+from gpu_worker.cuda_graphs import CUDAGraphRunner, maybe_capture_graphs
 from gpu_worker.kernel_choice import choose_kernels
 from gpu_worker.kv_cache import GIB, KVCache, bytes_per_block, cuda_kv_budget_bytes
 from gpu_worker.logits_controls import History, TokenCounts
@@ -63,6 +63,7 @@ from gpu_worker.models.loader import (
     stores_quantized,
     weights_version,
 )
+from gpu_worker.pooling import PoolBatch, pool_batch, pooled_fields, run_model_pooling
 from gpu_worker.runner import PlanRunner, RequestState, RequestTable
 from gpu_worker.sampling import make_generator, sample
 from gpu_worker.sharding import threads_per_rank
@@ -108,6 +109,7 @@ class _Batch:
     # prompt logprobs: the logits rows after the sampling ones are these requests' prompt
     # positions, request after request
     prompt_rows: list[tuple[RequestState, range]] = dataclasses.field(default_factory=list)
+    pool: PoolBatch | None = None  # embeddings requests' rows (gpu_worker/pooling.py)
 
     @property
     def num_sampling_rows(self) -> int:
@@ -502,18 +504,21 @@ class ModelRunner(PlanRunner[ModelVersion]):
         proposed: dict[str, int] = {}
         logprobs: dict[str, tuple[list[list[int]], list[list[float]]]] = {}
         prompt: dict[str, PromptEntries] = {}
+        pooled: dict[str, list[float]] = {}  # embeddings requests done this step
         for version, indices in self._by_version(states).items():  # one forward per version
             batch = self._prepare_batch(plan, indices, states)
             loaded = self.versions[version]
             with torch.inference_mode():
-                logits = run_model(
+                logits, vectors = run_model_pooling(
                     loaded.model,
                     loaded.graphs,
                     batch.input_ids,
                     self.kv_cache.tensor,
                     batch.meta,
                     batch.logits_indices,
+                    batch.pool,
                 )
+                pooled |= vectors
                 add_prompt_entries(logits[batch.num_sampling_rows :], batch.prompt_rows)
                 accepted = self._accept(logits[: batch.num_sampling_rows], batch, loaded.counts)
                 for rid, tokens in zip(batch.sampling_req_ids, accepted, strict=True):
@@ -537,6 +542,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
             num_tokens=[len(sampled[rid]) for rid in order] if spec else [],
             num_proposed=[proposed[rid] for rid in order] if spec else [],
             **step_result_fields(order, sampled, logprobs, prompt),
+            **pooled_fields(plan.req_ids, pooled),
             forward_s=time.perf_counter() - start,
         )
 
@@ -649,6 +655,14 @@ class ModelRunner(PlanRunner[ModelVersion]):
             spec_slots=[slots[i] for i in sampling],
             draft_computed=[draft_computed[i] for i in sampling],
             prompt_rows=prompt_rows,
+            pool=pool_batch(
+                states,
+                indices,
+                plan.num_computed_tokens,
+                plan.num_new_tokens,
+                first_row,
+                self.device,
+            ),
         )
 
     def _propose(

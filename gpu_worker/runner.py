@@ -137,6 +137,9 @@ class RequestState:
     prompt_logprob_ranks: list[int] = dataclasses.field(default_factory=list)  # 0: none
     prompt_logprobs_sent: bool = False
     grammar: RowGrammar | None = None  # structured outputs: the sequence's own matcher
+    # embeddings, mean pooling: the float32 sum of the final-normed hidden states of the
+    # prompt positions computed so far ([H]), restarted by a chunk from position 0
+    pool_sum: torch.Tensor | None = None
 
     @property
     def output_ids(self) -> list[int]:
@@ -144,8 +147,14 @@ class RequestState:
 
     @property
     def needs_sample(self) -> bool:
-        """Every known token is computed: the next one is sampled."""
-        return self.num_computed == len(self.token_ids)
+        """Every known token is computed: the next one is sampled (never for an embeddings
+        request, which `is_pooled` instead)."""
+        return self.num_computed == len(self.token_ids) and not self.params.pooling
+
+    @property
+    def is_pooled(self) -> bool:
+        """An embeddings request whose prompt is computed: its vector is ready, it is done."""
+        return bool(self.params.pooling) and self.num_computed == len(self.token_ids)
 
 
 class RequestTable:

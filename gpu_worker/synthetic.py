@@ -149,6 +149,7 @@ class SyntheticRunner(PlanRunner[str]):
                 req_ids.append(rid)
                 sampled.append(state)
                 state.token_ids.append(token_ids[-1])
+        pooled = [state for state in states if state.is_pooled]  # embeddings: a vector each
         if self.delay_s:
             time.sleep(self.delay_s)
         return StepResult(
@@ -156,6 +157,8 @@ class SyntheticRunner(PlanRunner[str]):
             req_ids=req_ids,
             token_ids=token_ids,
             **self._logprobs(sampled, token_ids),
+            pooled_req_ids=[state.req_id for state in pooled],
+            embeddings=[_embedding(state.token_ids) for state in pooled],
             forward_s=time.perf_counter() - start,
         )
 
@@ -200,3 +203,9 @@ class SyntheticRunner(PlanRunner[str]):
             return self.eos_token_ids[0]
         key = sum(state.token_ids[: min(64, state.num_prompt)]) + state.num_prompt
         return self.words[(key + n) % len(self.words)]
+
+
+def _embedding(prompt: list[int]) -> list[float]:
+    """An embeddings request's "pooled" vector: a function of its prompt (8 numbers)."""
+    key = sum(prompt) + len(prompt)
+    return [float((key + 3 * j) % 11 - 5) for j in range(8)]

@@ -34,6 +34,15 @@ def delta(
     return OutputDelta(text, [7] * n, finish, 5, n, last=last, index=index)
 
 
+def pooled_delta(request: GenerateRequest) -> OutputDelta:
+    """An embeddings request's answer: [number of prompt words or ids, 3, 4, 0] (norm 5 + ...)
+    with the prompt counted as that many tokens."""
+    num = len((request.prompt or "").split()) or len(request.prompt_token_ids or [])
+    return OutputDelta(
+        "", [], FinishReason.STOP, num, 0, last=True, embedding=[float(num), 3.0, 4.0, 0.0]
+    )
+
+
 class FakeEngine:
     """`generate` yields a script of deltas (default: the prompt's words echoed back, then
     STOP), or the request id's own script in `scripts`; a script step may be an exception to
@@ -107,6 +116,8 @@ class FakeEngine:
             self._in_flight.discard(request.request_id)
 
     def _echo(self, request: GenerateRequest) -> list[OutputDelta]:
+        if request.sampling.pooling:  # embeddings: one final delta with the vector
+            return [pooled_delta(request)]
         if request.messages:
             words = request.messages[-1]["content"].split()
         else:

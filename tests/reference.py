@@ -31,3 +31,20 @@ def hf_greedy(model_dir: str | Path, prompt_ids: list[int], num_new: int) -> lis
         past = getattr(out, "cache", None) or out.past_key_values
         out = model(input_ids=torch.tensor([[nxt]]), use_cache=True, **{key: past})
     return tokens
+
+
+@functools.lru_cache(maxsize=4)
+def _hf_base_model(path: str):  # type: ignore[no-untyped-def]
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(path, dtype=torch.float32)
+    return model.eval()
+
+
+@torch.inference_mode()
+def hf_pooled(model_dir: str | Path, prompt_ids: list[int], pooling: str) -> list[float]:
+    """An embedding as vLLM pools it from transformers' `last_hidden_state` (after the final
+    norm): the last token's (`last`) or the mean over every token (`mean`), unnormalised."""
+    hidden = _hf_base_model(str(model_dir))(input_ids=torch.tensor([prompt_ids])).last_hidden_state
+    pooled = hidden[0, -1] if pooling == "last" else hidden[0].mean(dim=0)
+    return pooled.float().tolist()

@@ -33,3 +33,5 @@ class OutputBatch:
     prompt_logprob_tokens: list[list[list[str]]] = dataclasses.field(default_factory=list)
     # [num_reqs][num_prompt] each prompt token's rank (0 for the first; [] when not known)
     prompt_logprob_ranks: list[list[int]] = dataclasses.field(default_factory=list)
+    # embeddings, as in TokenBatch: a pooling request's vector with its finish
+    embeddings: list[list[float]] = dataclasses.field(default_factory=list)  # [num_reqs][H]

@@ -42,6 +42,9 @@ class GenerateRequest:
     continue_final_message: bool = False  # chat: the last message is continued, not closed
     cache_salt: str = ""  # vLLM's: only requests with the same salt share prefix-cache blocks
     lora_name: str = ""  # the LoRA adapter `model` names ("": the base model)
+    # embeddings (sampling.pooling): the vector's size the client asked for, which the model
+    # must allow (Matryoshka: its config.json's is_matryoshka / matryoshka_dimensions)
+    dimensions: int | None = None
 
 
 @message("request_error")

@@ -55,3 +55,6 @@ class TokenBatch:
     prompt_logprob_values: list[list[list[float]]] = dataclasses.field(default_factory=list)
     # [num_reqs][num_prompt] each prompt token's rank (0 for the first)
     prompt_logprob_ranks: list[list[int]] = dataclasses.field(default_factory=list)
+    # embeddings: a pooling request's vector, with its finish (no token); [] for the others,
+    # and empty when no request of the batch has one
+    embeddings: list[list[float]] = dataclasses.field(default_factory=list)  # [num_reqs][H]

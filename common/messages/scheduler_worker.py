@@ -93,6 +93,11 @@ class StepResult:
     # each prompt token's rank (1 = most likely; 0 for the first token), in or out of the top k
     prompt_logprob_ranks: list[list[int]] = dataclasses.field(default_factory=list)
     # [num_sampled][num_prompt]
+    # embeddings (SamplingParams.pooling): requests whose prompt's last chunk ran this step
+    # and their pooled final-normed hidden states (float32, not normalised); they sampled
+    # nothing and are done
+    pooled_req_ids: list[str] = dataclasses.field(default_factory=list)  # [num_pooled]
+    embeddings: list[list[float]] = dataclasses.field(default_factory=list)  # [num_pooled][H]
     forward_s: float = 0.0  # worker time for the step, model + sampling
     error: str = ""  # set when the step failed: its requests are failed, not retried
 

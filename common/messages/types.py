@@ -40,6 +40,10 @@ MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_pe
 # SamplingParams.structured_kind: what structured_spec holds
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
+# SamplingParams.pooling of an embeddings request (vLLM's pooling types): the hidden state of
+# the last prompt token, or the mean over every prompt token
+POOLING_KINDS = ("last", "mean")
+
 
 @struct
 class SamplingParams:
@@ -89,6 +93,9 @@ class SamplingParams:
     # "</think>"; "": at the first token), and after these ids, the tokenizer's for it
     structured_after: str = ""
     structured_after_ids: list[int] = dataclasses.field(default_factory=list)
+    # embeddings (POOLING_KINDS): "" generates; "last" / "mean" computes the prompt only and
+    # finishes with its pooled final-normed hidden states instead of a token
+    pooling: str = ""
 
     @property
     def is_structured(self) -> bool:

@@ -383,3 +383,21 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.model(input_ids, positions, kv_cache, meta)
         hidden = self.model.norm(hidden[logits_indices])
         return self.tp.gather_vocab(self.lm_head(hidden), self.config.vocab_size).float()
+
+    def forward_hidden(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,  # [S] which of the T tokens sample
+        hidden_indices: torch.Tensor,  # [P] which of the T tokens pool (embeddings)
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [S, vocab_size], [P, hidden_size] float32
+        """`forward`'s logits, and the final-normed hidden states of `hidden_indices` (no LM
+        head): what an embeddings request pools (gpu_worker/pooling.py). The norm is per
+        row, so a row's hidden state does not depend on the others."""
+        hidden = self.model(input_ids, positions, kv_cache, meta)
+        normed = self.model.norm(hidden[torch.cat((logits_indices, hidden_indices))])
+        num_sampled = logits_indices.shape[0]
+        logits = self.tp.gather_vocab(self.lm_head(normed[:num_sampled]), self.config.vocab_size)
+        return logits.float(), normed[num_sampled:].float()

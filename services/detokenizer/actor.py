@@ -220,6 +220,8 @@ class DetokenizerActor(Actor):
             out.versions.append(stream.version)
             stop_reasons.append(stream.stop_reason(FinishReason(reason)))
             _add_logprobs(out, msg, i, stream.tokenizer)
+            if msg.embeddings:  # an embeddings request's vector travels on as it came
+                out.embeddings.append(msg.embeddings[i])
         if any(r is not None for r in stop_reasons):  # (commonly none: nothing on the wire)
             out.stop_reasons.extend(stop_reasons)
         if out.request_ids:

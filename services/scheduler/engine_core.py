@@ -312,11 +312,13 @@ class EngineCore:
                 f"(max_waiting={s.max_waiting}); retry later",
                 None,
             )
-        if len(msg.prompt_token_ids) >= served.max_model_len:
+        # (an embeddings request generates nothing: its prompt may fill the model's length)
+        longest = served.max_model_len - (0 if msg.sampling.pooling else 1)
+        if len(msg.prompt_token_ids) > longest:
             return (
                 400,
                 f"prompt: the prompt has {len(msg.prompt_token_ids)} tokens; this server "
-                f"holds at most {served.max_model_len - 1}",
+                f"holds at most {longest}",
                 "prompt",  # the request's prompt: the gateway names the endpoint's field
             )
         if served.vocab_size:
@@ -502,6 +504,8 @@ class EngineCore:
             return
         self._count_step(step, msg)
         results = self.policy.update(msg.req_ids, msg.token_ids, msg.num_tokens, msg.num_proposed)
+        pooled = self.policy.pooled(msg.pooled_req_ids)  # embeddings: done, with a vector
+        results += pooled
         if results:
             self.outbox.to_detokenizer(
                 TokenBatch(
@@ -512,6 +516,7 @@ class EngineCore:
                     versions=[r.version or "" for r, _, _ in results],
                     seq_indices=[r.seq_index for r, _, _ in results],
                     **_logprob_fields(msg, results),
+                    **_embedding_fields(msg, results, len(pooled)),
                 )
             )
             self._forget_finished_groups(r for r, _, f in results if f != FinishReason.NONE)
@@ -540,17 +545,34 @@ def _logprob_fields(
     counts = msg.num_tokens or [1] * len(msg.req_ids)
     starts = dict(zip(msg.req_ids, itertools.accumulate(counts, initial=0), strict=False))
     rows = {rid: i for i, rid in enumerate(msg.req_ids)}
+    # (a pooled request, an embeddings one, sampled nothing: its entries are empty)
     if msg.logprob_token_ids:
-        spans = [(starts[r.request_id], len(kept)) for r, kept, _ in results]
+        spans = [(starts.get(r.request_id, 0), len(kept)) for r, kept, _ in results]
         out["logprob_token_ids"] = [msg.logprob_token_ids[a : a + n] for a, n in spans]
         out["logprob_values"] = [msg.logprob_values[a : a + n] for a, n in spans]
     if msg.prompt_logprob_token_ids:
-        index = [rows[r.request_id] for r, _, _ in results]
-        out["prompt_logprob_token_ids"] = [msg.prompt_logprob_token_ids[i] for i in index]
-        out["prompt_logprob_values"] = [msg.prompt_logprob_values[i] for i in index]
+        index = [rows.get(r.request_id) for r, _, _ in results]
+
+        def pick(entries: list[Any]) -> list[Any]:
+            return [entries[i] if i is not None else [] for i in index]
+
+        out["prompt_logprob_token_ids"] = pick(msg.prompt_logprob_token_ids)
+        out["prompt_logprob_values"] = pick(msg.prompt_logprob_values)
         if msg.prompt_logprob_ranks:
-            out["prompt_logprob_ranks"] = [msg.prompt_logprob_ranks[i] for i in index]
+            out["prompt_logprob_ranks"] = pick(msg.prompt_logprob_ranks)
     return out
+
+
+def _embedding_fields(
+    msg: StepResult, results: list[tuple[Request, list[int], FinishReason]], num_pooled: int
+) -> dict[str, Any]:
+    """TokenBatch's embeddings: the vectors of the last `num_pooled` results (the live
+    pooled requests of `msg`), [] for the others; none when no request pooled."""
+    if not num_pooled:
+        return {}
+    vectors = dict(zip(msg.pooled_req_ids, msg.embeddings, strict=True))
+    head: list[list[float]] = [[] for _ in results[: len(results) - num_pooled]]
+    return {"embeddings": head + [vectors[r.request_id] for r, _, _ in results[-num_pooled:]]}
 
 
 def _output_options(sampling: SamplingParams, n: int) -> dict[str, Any]:

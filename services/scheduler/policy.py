@@ -307,9 +307,10 @@ class Scheduler:
         root = req.cache_root if req.version is not None or self.root is None else self.root
         if req.version is None and self.root is not None:  # (vLLM's cache_salt)
             root = salted_root(root, req.cache_salt)
-        # prompt logprobs need the logits of every prompt position: no prefix hits
-        wants_prompt = req.sampling.prompt_logprobs is not None
-        hits = [] if wants_prompt else bm.match_prefix(root, req.all_token_ids)
+        # prompt logprobs need the logits of every prompt position, mean pooling (embeddings)
+        # its hidden state: no prefix hits (vLLM disables prefix caching for such requests)
+        every_position = req.sampling.prompt_logprobs is not None or req.sampling.pooling == "mean"
+        hits = [] if every_position else bm.match_prefix(root, req.all_token_ids)
         cached, take = len(hits) * bm.block_size, bm.num_hit_blocks_to_take(hits)
         n = min(req.num_tokens - cached, budget)
         whole = bm.num_blocks_for(req.num_tokens) - len(hits) + take
@@ -385,7 +386,8 @@ class Scheduler:
         req.worker_has_table = True
         req.num_computed_tokens += num_new
         self.num_computed_tokens_total += num_new
-        samples = req.num_computed_tokens == req.num_tokens
+        # (an embeddings request samples nothing: the step answers its vector, see `pooled`)
+        samples = req.num_computed_tokens == req.num_tokens and not req.sampling.pooling
         if samples:
             req.num_pending += 1  # its token counts from now on, known when the step ends
         known = len(req.prompt_token_ids) + len(req.output_token_ids)
@@ -441,6 +443,18 @@ class Scheduler:
             if reason != FinishReason.NONE:
                 self._finish(req, reason)
             results.append((req, kept, reason))
+        return results
+
+    def pooled(self, req_ids: list[str]) -> list[tuple[Request, list[int], FinishReason]]:
+        """Embeddings requests whose prompt a step computed: each is done (finish reason
+        STOP, no token) and its blocks are free at once; (request, [], STOP) for the live
+        ones (an aborted one is gone already)."""
+        results: list[tuple[Request, list[int], FinishReason]] = []
+        for req_id in req_ids:
+            req = self.requests.get(req_id)
+            if req is not None:
+                self._finish(req, FinishReason.STOP)
+                results.append((req, [], FinishReason.STOP))
         return results
 
     def _finish(self, req: Request, reason: FinishReason) -> None:

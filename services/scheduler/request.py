@@ -89,8 +89,9 @@ class Request:
 
     @property
     def num_tokens_to_compute(self) -> int:
-        """Tokens to compute next; 0 when every token it may still produce is spoken for."""
-        if self.num_tokens >= self.max_total_tokens:
+        """Tokens to compute next; 0 when every token it may still produce is spoken for (an
+        embeddings request produces none: its prompt, up to the model's length, is all)."""
+        if self.num_tokens >= self.max_total_tokens and not self.sampling.pooling:
             return 0
         return self.num_tokens - self.num_computed_tokens
 

@@ -36,6 +36,7 @@ from common.model_facts import load_model_facts, tokenizer_fingerprint
 from common.model_paths import tokenizer_dir
 from common.topology import engine_entry_addr
 from services.tokenizer.chat_template import load_chat_template, template_kwargs
+from services.tokenizer.matryoshka import Matryoshka, check_dimensions, read_matryoshka
 from services.tokenizer.sampling import bad_words_token_ids, fill_defaults, read_sampling_defaults
 from services.tokenizer.tool_prompt import (
     builtin_messages,
@@ -47,6 +48,7 @@ from services.tokenizer.tool_prompt import (
 from services.tokenizer.validate import (
     InvalidRequest,
     check_control_token_ids,
+    check_embedding_prompt,
     check_min_tokens,
     check_prompt_chars,
     check_sampling,
@@ -70,6 +72,8 @@ class ServedModel:
     vocab_size: int  # prompt token ids must be below it
     eos_token_ids: list[int]
     sampling_defaults: dict[str, float]  # from generation_config.json (--generation-config)
+    # the `dimensions` embeddings requests may ask for (config.json)
+    matryoshka: Matryoshka = dataclasses.field(default_factory=Matryoshka)
 
 
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
@@ -113,6 +117,7 @@ def startup_model(
         vocab_size=max(facts["vocab_size"], len(tokenizer)),
         eos_token_ids=_with_tokenizer_eos(facts["eos_token_ids"], tokenizer),
         sampling_defaults=read_sampling_defaults(model_dir, generation_config),
+        matryoshka=read_matryoshka(model_dir),
     )
 
 
@@ -179,6 +184,7 @@ class TokenizerActor(Actor):
             sampling_defaults=read_sampling_defaults(
                 Path(msg.path), self.config.model.generation_config
             ),
+            matryoshka=read_matryoshka(Path(msg.path)),
         )
 
     def _on_generate(self, req: GenerateRequest) -> None:
@@ -199,7 +205,12 @@ class TokenizerActor(Actor):
             ids = ids[-req.truncate_prompt_tokens :]
         if reasoning_ended(ids, sampling.structured_after_ids):
             sampling = dataclasses.replace(sampling, structured_after="", structured_after_ids=[])
-        max_tokens = fit_max_tokens(len(ids), sampling.max_tokens, model.max_model_len)
+        if sampling.pooling:  # embeddings: the prompt only, up to the model's length
+            check_embedding_prompt(len(ids), model.max_model_len)
+            check_dimensions(req.dimensions, model.matryoshka, req.model)
+            max_tokens = sampling.max_tokens
+        else:
+            max_tokens = fit_max_tokens(len(ids), sampling.max_tokens, model.max_model_len)
         check_min_tokens(sampling.min_tokens, max_tokens)
         return TokenizedRequest(
             request_id=req.request_id,

@@ -122,6 +122,18 @@ def fit_max_tokens(num_prompt_tokens: int, max_tokens: int, max_model_len: int) 
     return max_tokens
 
 
+def check_embedding_prompt(num_prompt_tokens: int, max_model_len: int) -> None:
+    """An embeddings request generates nothing: its prompt may fill the model's length."""
+    if num_prompt_tokens == 0:
+        raise InvalidRequest("prompt", "must not be empty")
+    if num_prompt_tokens > max_model_len:  # "prompt": the gateway says `input`
+        raise InvalidRequest(
+            "prompt",
+            f"the input has {num_prompt_tokens} tokens, more than the model's maximum context "
+            f"length ({max_model_len} tokens); send truncate_prompt_tokens to keep its last ones",
+        )
+
+
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str = "prompt") -> None:
     for t in token_ids:
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:

@@ -50,6 +50,11 @@ class ShuttleStub:
                 request_serializer=shuttle_dot_v1_dot_shuttle__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=shuttle_dot_v1_dot_shuttle__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/shuttle.v1.Shuttle/Embed',
+                request_serializer=shuttle_dot_v1_dot_shuttle__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=shuttle_dot_v1_dot_shuttle__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class ShuttleServicer:
@@ -80,6 +85,15 @@ class ShuttleServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """One vector per input, pooled from the served model's final-normed hidden states
+        (--pooling last|mean), as POST /v1/embeddings: same validation, same errors (with the
+        fields renamed: `input` -> `inputs`). Ending the call early aborts every input.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShuttleServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -97,6 +111,11 @@ def add_ShuttleServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=shuttle_dot_v1_dot_shuttle__pb2.ListModelsRequest.FromString,
                     response_serializer=shuttle_dot_v1_dot_shuttle__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=shuttle_dot_v1_dot_shuttle__pb2.EmbedRequest.FromString,
+                    response_serializer=shuttle_dot_v1_dot_shuttle__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -181,6 +200,33 @@ class Shuttle:
             '/shuttle.v1.Shuttle/ListModels',
             shuttle_dot_v1_dot_shuttle__pb2.ListModelsRequest.SerializeToString,
             shuttle_dot_v1_dot_shuttle__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shuttle.v1.Shuttle/Embed',
+            shuttle_dot_v1_dot_shuttle__pb2.EmbedRequest.SerializeToString,
+            shuttle_dot_v1_dot_shuttle__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -69,6 +69,8 @@ class OutputDelta:
     prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     # vLLM's stop_reason, with the finish: the stop string or stop token id that ended it
     stop_reason: str | int | None = None
+    # an embeddings request's pooled vector (SamplingParams.pooling), with its finish; else []
+    embedding: list[float] = dataclasses.field(default_factory=list)
 
 
 class RequestFailed(Exception):

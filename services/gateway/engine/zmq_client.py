@@ -92,6 +92,7 @@ class _Stream:
                     if msg.prompt_logprob_token_ids
                     else []
                 ),
+                embedding=msg.embeddings[i] if msg.embeddings else [],
             )
         )
 

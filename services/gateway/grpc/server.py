@@ -36,6 +36,7 @@ from proto import shuttle_pb2 as pb
 from proto import shuttle_pb2_grpc as pb_grpc
 from services.gateway.admin_auth import check_admin_token, resolve_model_folder
 from services.gateway.engine.client import EngineClient, OutputDelta, RequestFailed
+from services.gateway.engine.embed import embed
 from services.gateway.grpc.convert import (
     check_request_id,
     rename_field,
@@ -46,6 +47,13 @@ from services.gateway.grpc.convert import (
     to_response,
     tool_plan_of,
     wants_token_ids,
+)
+from services.gateway.grpc.embed import RENAMES as EMBED_RENAMES
+from services.gateway.grpc.embed import (
+    embed_request_id,
+    to_embed_response,
+    to_embedding_request,
+    to_engine_requests,
 )
 from services.gateway.openai.protocol import RequestRejected
 from services.gateway.openai.tool_stream import ToolStream
@@ -111,10 +119,14 @@ class ShuttleServicer(pb_grpc.ShuttleServicer):
         engine: EngineClient,
         api_key: str | None = None,
         context: dict[str, Any] | None = None,
+        *,
+        pooling: str = "last",
+        embedding_normalize: bool = True,
     ) -> None:
         self.engine = engine
         self._expected = f"Bearer {api_key}".encode() if api_key else None
         self.context = context  # what request validation needs to know (as HTTP's)
+        self.pooling, self.embedding_normalize = pooling, embedding_normalize  # (Embed)
 
     def _authorize(self, context: grpc.aio.ServicerContext) -> None:
         if self._expected is None:
@@ -196,6 +208,25 @@ class ShuttleServicer(pb_grpc.ShuttleServicer):
             for name in engine.model_names
         ]
         return pb.ListModelsResponse(models=models)
+
+    @_statuses
+    async def Embed(
+        self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EmbedResponse:
+        """POST /v1/embeddings' twin (services/gateway/engine/embed.py): every input in
+        flight at once; a cancelled call aborts them all."""
+        self._authorize(context)
+        try:
+            request_id = embed_request_id(request)
+            body = to_embedding_request(request, self.engine, self.context)
+            requests = to_engine_requests(body, request_id, self.engine, self.pooling)
+            await context.send_initial_metadata(((REQUEST_ID_METADATA, request_id),))
+            done = await embed(self.engine, requests, "input")
+        except (RequestRejected, RequestFailed) as e:
+            message = rename_field(e.message, e.param, EMBED_RENAMES)
+            raise GrpcError(status_code(e.status), message) from None
+        model = self.engine.model_name
+        return to_embed_response(request_id, model, body, done, self.embedding_normalize)
 
 
 class AdminServicer(pb_grpc.AdminServicer):
@@ -302,7 +333,13 @@ class GrpcGateway:
             "tool_call_parser": server.tool_call_parser,
             "ignore_unknown_fields": server.ignore_unknown_fields,
         }
-        shuttle = ShuttleServicer(engine, api_key, context)
+        shuttle = ShuttleServicer(
+            engine,
+            api_key,
+            context,
+            pooling=server.pooling,
+            embedding_normalize=server.embedding_normalize,
+        )
         pb_grpc.add_ShuttleServicer_to_server(shuttle, self.server)
         pb_grpc.add_AdminServicer_to_server(
             AdminServicer(engine, admin_token, model_root), self.server

@@ -3,6 +3,7 @@
     POST /v1/chat/completions   POST /v1/completions   (streaming or not)
     GET  /v1/models, /v1/models/{id}   GET /health, /ping   GET /version
     POST /tokenize              POST /detokenize       (services/gateway/http/tokenize_routes.py)
+    POST /v1/embeddings         (services/gateway/http/embeddings.py)
     POST /v1/responses          GET, DELETE /v1/responses/{id}   (http/responses.py)
 
 Every error is OpenAI-shaped, `{"error": {"message", "type", "param", "code"}}`, with a 4xx
@@ -28,7 +29,6 @@ import dataclasses
 import hmac
 import importlib.metadata
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal, TypeVar
 
@@ -55,7 +55,12 @@ from services.gateway.http.deltas import (
     collect,
     until_disconnected,
 )
-from services.gateway.http.errors import REQUEST_ID_HEADER, install_error_handlers
+from services.gateway.http.embeddings import embeddings_router
+from services.gateway.http.errors import (
+    REQUEST_ID_HEADER,
+    install_error_handlers,
+    take_request_id,
+)
 from services.gateway.http.metrics import install_metrics
 from services.gateway.http.openapi import json_body
 from services.gateway.http.reply import Reply
@@ -65,7 +70,6 @@ from services.gateway.http.tokenize_routes import tokenize_router
 from services.gateway.openai.best_of import best_choices
 from services.gateway.openai.logprobs import ChoiceLogprobs
 from services.gateway.openai.protocol import (
-    REQUEST_ID_PATTERN,
     ChatCompletionRequest,
     CompletionRequest,
     RequestRejected,
@@ -74,7 +78,6 @@ from services.gateway.openai.protocol import (
 )
 from services.gateway.openai.token_output import shaped
 
-_REQUEST_ID = REQUEST_ID_PATTERN
 T = TypeVar("T")
 
 
@@ -130,6 +133,8 @@ def create_app(
     v1.add_api_route("/models/{model_id:path}", routes.model, methods=["GET"])
     app.include_router(v1)
     app.include_router(tokenize_router(engine, context), dependencies=auth)
+    pooling = (server.pooling, server.embedding_normalize)
+    app.include_router(embeddings_router(engine, context, *pooling), dependencies=auth)
     app.include_router(responses_router(engine, context), dependencies=auth)
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/ping", routes.health, methods=["GET", "POST"])  # vLLM's alias
@@ -201,7 +206,7 @@ class OpenAIRoutes:
         return _json({"status": "draining" if self.engine.draining else "not ready"}, 503)
 
     async def _generate(self, request: Request, api: _Api) -> Response:
-        request_id = _request_id(request, api.id_prefix)
+        request_id = take_request_id(request, api.id_prefix)
         body = parse_request(api.body, await request.body(), self.context)
         engine = self.engine
         check_model(body.model, engine.model_names, engine.is_ready(), engine.draining)
@@ -295,19 +300,6 @@ class OpenAIRoutes:
         if request.prompt is not None:
             return request.prompt
         return await self.engine.detokenize(request.prompt_token_ids or [])
-
-
-def _request_id(request: Request, prefix: str) -> str:
-    request_id = request.headers.get(REQUEST_ID_HEADER)
-    if request_id is None:
-        request_id = prefix + uuid.uuid4().hex
-    elif not _REQUEST_ID.fullmatch(request_id):
-        raise RequestRejected(
-            f"{REQUEST_ID_HEADER}: must be 1..128 characters of [A-Za-z0-9._:-]",
-            REQUEST_ID_HEADER,
-        )
-    request.state.request_id = request_id  # the error handlers echo it too
-    return request_id
 
 
 def _response_id(request_id: str, prefix: str) -> str:

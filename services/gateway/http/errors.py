@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import orjson
@@ -62,6 +63,21 @@ def _known_request_id(request: Request) -> str | None:
         request_id = request.headers.get(REQUEST_ID_HEADER)
         if request_id is not None and not REQUEST_ID_PATTERN.fullmatch(request_id):
             return None
+    return request_id
+
+
+def take_request_id(request: Request, prefix: str) -> str:
+    """The request's id: the client's X-Request-Id if valid (else a 400), or `prefix` and a
+    fresh hex; remembered on the request, so every refusal echoes it."""
+    request_id = request.headers.get(REQUEST_ID_HEADER)
+    if request_id is None:
+        request_id = prefix + uuid.uuid4().hex
+    elif not REQUEST_ID_PATTERN.fullmatch(request_id):
+        raise RequestRejected(
+            f"{REQUEST_ID_HEADER}: must be 1..128 characters of [A-Za-z0-9._:-]",
+            REQUEST_ID_HEADER,
+        )
+    request.state.request_id = request_id  # the error handlers echo it too
     return request_id
 
 

@@ -61,6 +61,11 @@ REFUSED_CHAT: dict[str, Any] = _COMMON | {
     "mm_processor_kwargs": ANY,
 }
 REFUSED_COMPLETION: dict[str, Any] = _COMMON
+REFUSED_EMBEDDING: dict[str, Any] = {
+    "request_id": ANY,  # the id comes in the X-Request-Id header
+    "embed_dtype": "float32",  # vLLM's base64 element type: float32 only
+    "mm_processor_kwargs": ANY,
+}
 
 
 def refuse_unsupported(data: Any, refused: Mapping[str, Any], title: str) -> Any:
