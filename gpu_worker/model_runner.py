@@ -22,7 +22,6 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -31,7 +30,8 @@ from common.messages.scheduler_worker import StepPlan, StepResult
 from common.messages.types import ModelInfo, SamplingParams
 from gpu_worker.attention import AttentionBackend
 from gpu_worker.cuda_graphs import CUDAGraphRunner, maybe_capture_graphs, run_model
-from gpu_worker.kv_cache import GIB, KVCache, bytes_per_block, cuda_kv_budget_bytes
+from gpu_worker.kv_cache import GIB
+from gpu_worker.kv_pool import allocate_kv_pool
 from gpu_worker.logprobs import (
     PromptEntries,
     add_prompt_entries,
@@ -52,16 +52,6 @@ from gpu_worker.structured import GrammarCache, RowGrammar
 from gpu_worker.tensor_parallel import TensorParallel
 
 log = logging.getLogger(__name__)
-
-
-def kv_budget_bytes(
-    device: torch.device, memory_gib: float, gpu_memory_utilization: float, share: float = 1.0
-) -> int:
-    """`share` of the KV budget: on CUDA, `gpu_memory_utilization` of the memory still free
-    once the weights are loaded; elsewhere `memory_gib`."""
-    if device.type == "cuda":
-        return int(cuda_kv_budget_bytes(device, gpu_memory_utilization) * share)
-    return int(memory_gib * GIB * share)
 
 
 class ModelRunner(PlanRunner[ModelVersion]):
@@ -94,7 +84,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
         self.max_model_len = min(limit, options.max_model_len or limit)
         backend, model = self._load_weights(model_path, config)
         self.progress("allocating the KV cache")
-        self._init_kv_cache(config, share=1 - self._draft_kv_share(config))
+        self.kv_cache = allocate_kv_pool(config, options, self.tp)
         self.drafter = self._init_drafter(config, backend.name)
         self.num_host_blocks = self.kv_cache.allocate_host(int(options.swap_space_gib * GIB))
         if self.device.type == "cuda":
@@ -180,46 +170,6 @@ class ModelRunner(PlanRunner[ModelVersion]):
             max_model_len=self.max_model_len,
             enforce_eager=self.options.eager,
             max_graph_batch_size=self.options.max_graph_batch_size,
-        )
-
-    def _draft_kv_share(self, config: LlamaConfig) -> float:
-        """The draft model's part of the KV budget: its pool has as many blocks as the
-        target's, so the budget is split by their bytes per block."""
-        if not self.options.draft_model:
-            return 0.0
-        draft = LlamaConfig.from_hf(read_hf_config(self.options.draft_model))
-        # this rank's KV heads of the target; the draft model is whole on every rank
-        kv_heads = config.num_kv_heads // self.tp.size
-        mine = config.num_layers * kv_heads * config.head_dim
-        theirs = draft.num_layers * draft.num_kv_heads * draft.head_dim
-        return theirs / (mine + theirs)
-
-    def _init_kv_cache(self, config: LlamaConfig, share: float) -> None:
-        """The target's pool: `share` of the KV budget (the rest is the draft model's). Under
-        tensor parallelism it holds this rank's KV heads, and every rank takes the number of
-        blocks the tightest rank can hold, so one block id means one block everywhere."""
-        layout: dict[str, Any] = dict(
-            num_layers=config.num_layers,
-            block_size=self.block_size,
-            num_kv_heads=config.num_kv_heads // self.tp.size,
-            head_dim=config.head_dim,
-            dtype=self.dtype,
-        )
-        num_blocks = self.options.num_blocks
-        if num_blocks is None:
-            o = self.options
-            budget = kv_budget_bytes(
-                self.device, o.kv_cache_memory_gib, o.gpu_memory_utilization, share
-            )
-            per_block = bytes_per_block(**layout)
-            num_blocks = budget // per_block
-            if num_blocks < 1:
-                raise ValueError(f"KV budget of {budget} bytes holds no block of {per_block} bytes")
-        self.kv_cache = KVCache(
-            num_blocks=self.tp.agree_min(num_blocks),
-            device=self.device,
-            huge_pages=self.options.huge_pages,
-            **layout,
         )
 
     def _init_drafter(self, config: LlamaConfig, backend_name: str) -> DraftModel | None:

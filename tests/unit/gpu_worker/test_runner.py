@@ -16,8 +16,8 @@ import torch
 from common.config import Config
 from common.messages import LoadModel, Ready, Reset, SamplingParams, StepPlan
 from common.model_paths import prepare_synthetic_folder
-from gpu_worker import model_runner
-from gpu_worker.model_runner import ModelRunner, kv_budget_bytes
+from gpu_worker import kv_pool
+from gpu_worker.model_runner import ModelRunner
 from gpu_worker.runner import RequestTable, Runner
 from gpu_worker.runner_options import RunnerOptions
 from gpu_worker.synthetic import SyntheticRunner
@@ -372,7 +372,7 @@ def test_from_config_passes_every_setting_gpu_memory_utilization_included(
         calls.append((device, memory_gib, utilization, share))
         return 1 << 20
 
-    monkeypatch.setattr(model_runner, "kv_budget_bytes", budget)
+    monkeypatch.setattr(kv_pool, "kv_budget_bytes", budget)
     config = Config().replace(
         model={"max_model_len": 256, "seed": 3},
         cache={
@@ -392,21 +392,6 @@ def test_from_config_passes_every_setting_gpu_memory_utilization_included(
     assert (runner.block_size, runner.max_model_len) == (BLOCK_SIZE, 256)
     assert runner.num_host_blocks == int(0.01 * (1 << 30)) // per_block
     assert (runner.options.speculative, runner.options.prompt_lookup) == ("ngram", (1, 3))
-
-
-def test_the_kv_budget_on_cuda_is_the_utilization_of_free_memory(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    seen: list[float] = []
-
-    def free_share(device: torch.device, utilization: float) -> int:
-        seen.append(utilization)
-        return int(1000 * utilization)
-
-    monkeypatch.setattr(model_runner, "cuda_kv_budget_bytes", free_share)
-    assert kv_budget_bytes(torch.device("cuda"), 1.0, 0.5, share=0.5) == 250
-    assert seen == [0.5]
-    assert kv_budget_bytes(torch.device("cpu"), 0.5, 0.9) == 1 << 29
 
 
 # --- the worker drives a runner through the protocol only -------------------------------------
