@@ -124,6 +124,10 @@ class ModelRunner(PlanRunner[ModelVersion]):
         return self.versions.default.eos_token_ids
 
     @property
+    def config(self) -> LlamaConfig:
+        return self.versions.default.config
+
+    @property
     def model(self) -> LlamaForCausalLM:
         return self.versions.default.model
 
@@ -189,7 +193,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
 
     def model_info(self) -> ModelInfo:
         """What the worker tells the scheduler at start-up (the Ready message's model)."""
-        config = self.versions.default.config
+        config = self.config
         return ModelInfo(
             model_type=config.model_type,
             num_layers=config.num_layers,
