@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from common.messages.scheduler_worker import StepPlan, StepResult
 from common.messages.types import ModelInfo, SamplingParams
+from gpu_worker.version_table import VersionTable
 
 if TYPE_CHECKING:  # the synthetic runner runs without torch ever being imported
     import concurrent.futures
@@ -361,14 +362,19 @@ VersionT = TypeVar("VersionT")
 
 class PlanRunner(abc.ABC, Generic[VersionT]):
     """The part of `Runner` every runner shares: the request table, the loaded versions
-    (a `VersionT` each) and the members that only read or relabel them."""
+    (a `VersionT` each, in a `VersionTable`) and the members that only read or relabel them."""
 
     requests: RequestTable
-    versions: dict[str, VersionT]
-    default_version: str
+    versions: VersionTable[VersionT]
 
-    @abc.abstractmethod
-    def set_default_version(self, version: str) -> None: ...
+    @property
+    def default_version(self) -> str:
+        """The version new requests without an explicit one run on."""
+        return self.versions.default_version
+
+    def set_default_version(self, version: str) -> None:
+        """New requests without an explicit version run on `version` from now on."""
+        self.versions.set_default(version)
 
     def num_requests(self) -> int:
         return len(self.requests)
@@ -384,13 +390,8 @@ class PlanRunner(abc.ABC, Generic[VersionT]):
     def relabel(self, version: str) -> None:
         """Give the default version an operator-chosen label (its requests follow)."""
         old = self.default_version
-        if version == old:
-            return
-        if version in self.versions:
-            raise ValueError(f"model version {version!r} is already loaded")
-        self.versions[version] = self.versions.pop(old)
+        self.versions.relabel(old, version)  # (refused when `version` is another's label)
         self.requests.relabel(old, version)
-        self.set_default_version(version)
 
     def _begin_step(self, plan: StepPlan, kv: KVCopier | None = None) -> list[RequestState]:
         """Apply the plan's diffs (with `kv`'s copies) and check its batch: the states of

@@ -38,6 +38,7 @@ from common.messages.scheduler_worker import StepPlan, StepResult
 from common.messages.types import ModelInfo
 from common.model_paths import synthetic_params
 from gpu_worker.runner import PlanRunner, RequestState, RequestTable
+from gpu_worker.version_table import VersionTable
 
 _FLOOR = -9999.0  # OpenAI's floor for a logprob (gpu_worker/logprobs.py's MIN_LOGPROB)
 _WORD = re.compile(r"^Ġ[a-z]{3,9}$")  # byte-level BPE: "Ġ" is a leading space
@@ -77,8 +78,7 @@ class SyntheticRunner(PlanRunner[str]):
         eos = self.config.get("eos_token_id", 2)
         self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos)
         digest = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()
-        self.default_version = self.weights_version = "synthetic-" + digest[:8]
-        self.versions = {self.default_version: model_path}
+        self.versions = VersionTable("synthetic-" + digest[:8], model_path)
         self.delay_s = float(params["delay_ms"]) / 1e3
         self.eos_after = int(params["eos_after"])
         self.requests = RequestTable(
@@ -120,18 +120,15 @@ class SyntheticRunner(PlanRunner[str]):
             max_model_len=self.max_model_len,
             vocab_size=c.get("vocab_size", 0),
             eos_token_ids=list(self.eos_token_ids),
-            weights_version=self.weights_version,
+            weights_version=self.default_version,
             num_host_blocks=0,
             device="none",
         )
 
-    # hot swap: a synthetic model serves one version; a drain-mode swap replaces the runner
+    # hot swap: a synthetic model serves one version (relabelled, never joined by another);
+    # a drain-mode swap replaces the runner
     def load_version(self, path: str, version: str = "") -> str:
         raise ValueError("the synthetic model cannot load a version beside itself")
-
-    def set_default_version(self, version: str) -> None:
-        self.versions = {version: self.model_path}
-        self.default_version = self.weights_version = version
 
     def unload_version(self, version: str) -> None:
         raise ValueError(f"version {version!r} is the synthetic model's only one")

@@ -21,6 +21,7 @@ import torch
 
 from common.messages.types import SamplingParams
 from gpu_worker.model_runner import ModelRunner
+from gpu_worker.runner_options import RunnerOptions
 from services.scheduler.in_process import InProcessEngine
 from services.scheduler.policy import PolicyConfig
 from tests.engine import LocalEngine
@@ -114,7 +115,7 @@ def _check_request(
 def test_logprobs_equal_log_softmax_of_transformers_logits(tiny: Path, hf_model: Any) -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (37, 11, 21)]
-    runner = ModelRunner(str(tiny), num_blocks=64)
+    runner = ModelRunner(str(tiny), RunnerOptions(num_blocks=64))
     # a small budget: prompts are prefilled in chunks, prompt logprobs gathered across them
     engine = LocalEngine(runner, PolicyConfig(max_num_batched_tokens=16), overlap=False)
     first = {

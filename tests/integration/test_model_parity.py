@@ -22,6 +22,7 @@ from gpu_worker.cpu.linear import load as linear_kernel
 from gpu_worker.linear_methods.cpu_float import CpuFloatLinearMethod
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models.llama import LlamaConfig
+from gpu_worker.runner_options import RunnerOptions
 from tests.tiny_models import TINY_ARCHS, VOCAB_SIZE, make_tiny_model
 
 torch.set_num_threads(2)
@@ -211,7 +212,7 @@ def smol_runner(request, smol: tuple[Path, list[list[int]], list[list[int]]]) ->
     """Both CPU paths that serve: the default, whose few-row linears run in C
     (gpu_worker/cpu/linear.py), and the torch-only reference (--no-cpu-kernels)."""
     kernels = request.param == "cpu-kernels"
-    runner = ModelRunner(str(smol[0]), num_blocks=256, seed=0, cpu_kernels=kernels)
+    runner = ModelRunner(str(smol[0]), RunnerOptions(num_blocks=256, seed=0, cpu_kernels=kernels))
     in_c = [isinstance(m.method, CpuFloatLinearMethod) for _, m in runner.model.linears()]
     assert any(in_c) == (kernels and linear_kernel() is not None)
     return runner
@@ -254,7 +255,9 @@ def tiny(request, tmp_path_factory) -> tuple[Path, list[list[int]], list[list[in
 @pytest.mark.parametrize("block_size", [1, 5, 16])
 def test_tiny_parity(tiny, block_size: int) -> None:
     path, prompts, expected = tiny
-    runner = ModelRunner(str(path), block_size=block_size, num_blocks=2048 // block_size)
+    runner = ModelRunner(
+        str(path), RunnerOptions(block_size=block_size, num_blocks=2048 // block_size)
+    )
     assert run_greedy(runner, prompts, TINY_NEW_TOKENS, together=False) == expected
     assert run_greedy(runner, prompts, TINY_NEW_TOKENS) == expected
     assert run_greedy(runner, prompts, TINY_NEW_TOKENS, token_budget=7) == expected
@@ -262,7 +265,7 @@ def test_tiny_parity(tiny, block_size: int) -> None:
 
 def test_tiny_preempted_request_recomputes_the_same_tokens(tiny) -> None:
     path, prompts, expected = tiny
-    runner = ModelRunner(str(path), block_size=4, num_blocks=512)
+    runner = ModelRunner(str(path), RunnerOptions(block_size=4, num_blocks=512))
     sched = MiniScheduler(runner, token_budget=20)
     for i, prompt in enumerate(prompts):
         sched.add(f"r{i}", prompt, GREEDY, TINY_NEW_TOKENS)
@@ -284,7 +287,7 @@ def tiny_llama(tmp_path_factory) -> Path:
 
 
 def _sampled(path: Path, companions: int, *, runner_seed: int, budget: int) -> list[int]:
-    runner = ModelRunner(str(path), num_blocks=256, seed=runner_seed)
+    runner = ModelRunner(str(path), RunnerOptions(num_blocks=256, seed=runner_seed))
     sched = MiniScheduler(runner, token_budget=budget, seed=runner_seed)
     params = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=1234)
     sched.add("seeded", list(range(100, 130)), params, 24)
@@ -317,10 +320,10 @@ def _plan_a(step: int, computed: int, new: int, blocks: list[int], first: bool) 
 
 
 def test_plan_that_disagrees_with_the_worker_is_rejected(tiny_llama) -> None:
-    runner = ModelRunner(str(tiny_llama), num_blocks=16, block_size=4)
+    runner = ModelRunner(str(tiny_llama), RunnerOptions(num_blocks=16, block_size=4))
     with pytest.raises(ValueError, match="cannot hold"):
         runner.execute(_plan_a(0, 0, 3, [], first=True))
-    runner = ModelRunner(str(tiny_llama), num_blocks=16, block_size=4)
+    runner = ModelRunner(str(tiny_llama), RunnerOptions(num_blocks=16, block_size=4))
     result = runner.execute(_plan_a(0, 0, 2, [3], first=True))
     assert result.req_ids == []  # a prefill chunk that does not reach the end samples nothing
     with pytest.raises(ValueError, match="computed"):
@@ -332,7 +335,9 @@ def test_plan_that_disagrees_with_the_worker_is_rejected(tiny_llama) -> None:
 
 
 def test_kv_blocks_are_sized_from_the_memory_budget(tiny_llama) -> None:
-    runner = ModelRunner(str(tiny_llama), kv_cache_memory_gib=0.01, max_model_len=256)
+    runner = ModelRunner(
+        str(tiny_llama), RunnerOptions(kv_cache_memory_gib=0.01, max_model_len=256)
+    )
     per_block = 2 * 2 * 16 * 2 * 16 * 4  # layers, K/V, block_size, kv_heads, head_dim, fp32
     assert runner.num_blocks == int(0.01 * (1 << 30)) // per_block
     assert runner.max_model_len == 256

@@ -16,6 +16,7 @@ from common.prepare_model import prepare_default_model
 from gpu_worker.linear_methods.gguf import GGUFLinearMethod
 from gpu_worker.linear_methods.int8 import Int8LinearMethod
 from gpu_worker.model_runner import ModelRunner
+from gpu_worker.runner_options import RunnerOptions
 from services.scheduler.policy import PolicyConfig
 from tests.engine import LocalEngine
 from tests.gguf_models import default_gguf_file
@@ -37,10 +38,10 @@ GREEDY = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
 def runner(request: pytest.FixtureRequest) -> ModelRunner:
     kw = dict(block_size=16, kv_cache_memory_gib=0.25, num_threads=2, swap_space_gib=0.25)
     if request.param == "int8":
-        r = ModelRunner(str(prepare_default_model()), quantization="int8", **kw)  # type: ignore[arg-type]
+        r = ModelRunner(str(prepare_default_model()), RunnerOptions(quantization="int8", **kw))  # type: ignore[arg-type]
         method: type = Int8LinearMethod
     else:
-        r = ModelRunner(str(default_gguf_file()), **kw)  # type: ignore[arg-type]
+        r = ModelRunner(str(default_gguf_file()), RunnerOptions(**kw))  # type: ignore[arg-type]
         method = GGUFLinearMethod
     assert all(
         isinstance(m.method, method) for _, m in r.model.linears() if m is not r.model.lm_head
@@ -98,13 +99,15 @@ def test_ngram_speculation_keeps_the_tokens(
 ) -> None:
     spec = ModelRunner(
         runner.model_path,
-        block_size=16,
-        kv_cache_memory_gib=0.25,
-        num_threads=2,
-        quantization=runner.quantization,
-        speculative="ngram",
-        prompt_lookup_min=1,
-        prompt_lookup_max=3,
+        RunnerOptions(
+            block_size=16,
+            kv_cache_memory_gib=0.25,
+            num_threads=2,
+            quantization=runner.options.quantization,
+            speculative="ngram",
+            prompt_lookup_min=1,
+            prompt_lookup_max=3,
+        ),
     )
     engine = LocalEngine(spec, PolicyConfig(num_speculative_tokens=3), overlap=False)
     assert _serve(engine, prompts) == alone

@@ -24,6 +24,7 @@ import torch
 
 from common.messages.types import SamplingParams
 from gpu_worker.model_runner import ModelRunner
+from gpu_worker.runner_options import RunnerOptions
 from services.scheduler.policy import PolicyConfig
 from tests.engine import LocalEngine
 from tests.tiny_models import EOS_TOKEN_ID, make_tiny_model
@@ -167,7 +168,7 @@ def test_greedy_controls_equal_transformers_processors(
     cases = _cases(plain, prompts)
     want = [hf_generate(hf_model, prompts[i], p) for i, p in cases]
 
-    runner = ModelRunner(str(tiny), num_blocks=64)
+    runner = ModelRunner(str(tiny), RunnerOptions(num_blocks=64))
     engine = LocalEngine(
         runner,
         PolicyConfig(max_num_batched_tokens=64),

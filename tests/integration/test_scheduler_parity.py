@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 from common.messages import SamplingParams
 from common.prepare_model import prepare_default_model
 from gpu_worker.model_runner import ModelRunner
+from gpu_worker.runner_options import RunnerOptions
 from services.scheduler.policy import PolicyConfig
 from tests.engine import LocalEngine
 from tests.reference import hf_greedy
@@ -54,9 +55,10 @@ def _reference(model_dir: str, prompt: tuple[int, ...]) -> list[int]:
 
 @pytest.fixture(scope="module")
 def runner(model_dir: str) -> ModelRunner:
-    return ModelRunner(
-        model_dir, block_size=16, kv_cache_memory_gib=0.25, num_threads=2, swap_space_gib=0.25
+    options = RunnerOptions(
+        block_size=16, kv_cache_memory_gib=0.25, num_threads=2, swap_space_gib=0.25
     )
+    return ModelRunner(model_dir, options)
 
 
 def _engine(runner: ModelRunner, **kw) -> LocalEngine:  # type: ignore[no-untyped-def]

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from common.messages import SamplingParams
 from common.prepare_model import prepare_default_model
 from gpu_worker.model_runner import ModelRunner
+from gpu_worker.runner_options import RunnerOptions
 from services.scheduler.policy import PolicyConfig
 from tests.engine import LocalEngine
 from tests.tiny_models import make_tiny_model
@@ -51,9 +52,10 @@ def draft_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _runner(model_dir: str, **kw: object) -> ModelRunner:
-    return ModelRunner(
-        model_dir, block_size=16, kv_cache_memory_gib=0.1, num_threads=2, swap_space_gib=0.05, **kw
+    options = RunnerOptions(
+        block_size=16, kv_cache_memory_gib=0.1, num_threads=2, swap_space_gib=0.05, **kw
     )  # type: ignore[arg-type]
+    return ModelRunner(model_dir, options)
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +107,7 @@ def test_greedy_outputs_equal_plain_decoding(
         assert policy.num_draft_tokens > 0  # speculation really ran
     if case.startswith("preempt"):
         assert policy.num_preemptions > 0
-    if spec_runner.speculative == "ngram" and case != "overlap":  # lists and code repeat
+    if spec_runner.options.speculative == "ngram" and case != "overlap":  # lists and code repeat
         assert policy.num_accepted_tokens > 0
 
 
@@ -171,9 +173,8 @@ def test_sampled_outputs_keep_the_target_distribution(
 ) -> None:
     target, draft = tiny_pair
     kw = {"draft_model": draft} if method == "draft" else {"prompt_lookup_min": 1}
-    runner = ModelRunner(
-        target, block_size=4, num_blocks=4096, num_threads=2, speculative=method, **kw
-    )  # type: ignore[arg-type]
+    options = RunnerOptions(block_size=4, num_blocks=4096, num_threads=2, speculative=method, **kw)  # type: ignore[arg-type]
+    runner = ModelRunner(target, options)
     engine = LocalEngine(
         runner,
         PolicyConfig(max_num_seqs=256, max_num_batched_tokens=4096, num_speculative_tokens=3),
@@ -278,7 +279,8 @@ def test_a_truncated_model_drafts_for_its_full_model(tmp_path) -> None:  # type:
     assert prepare_truncated_model(1, source=full) == cut  # made once
     outputs = []
     for kw in ({}, {"speculative": "draft", "draft_model": str(cut)}):
-        runner = ModelRunner(str(full), block_size=4, num_blocks=256, num_threads=2, **kw)
+        options = RunnerOptions(block_size=4, num_blocks=256, num_threads=2, **kw)
+        runner = ModelRunner(str(full), options)
         engine = LocalEngine(runner, PolicyConfig(num_speculative_tokens=3), overlap=False)
         rid = engine.add(
             PROMPT * 3, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

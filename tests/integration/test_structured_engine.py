@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 
 from common.messages import SamplingParams
 from gpu_worker.model_runner import ModelRunner
+from gpu_worker.runner_options import RunnerOptions
 from services.scheduler.engine_core import sequence_key
 from tests.integration.test_scheduler_parity import _engine, _reference
 
@@ -51,9 +52,10 @@ def model_dir() -> str:
 
 @pytest.fixture(scope="module")
 def runner(model_dir: str) -> ModelRunner:
-    return ModelRunner(
-        model_dir, block_size=16, kv_cache_memory_gib=0.25, num_threads=2, swap_space_gib=0.25
+    options = RunnerOptions(
+        block_size=16, kv_cache_memory_gib=0.25, num_threads=2, swap_space_gib=0.25
     )
+    return ModelRunner(model_dir, options)
 
 
 @pytest.fixture(scope="module")
@@ -125,12 +127,14 @@ def test_speculative_decoding_leaves_constrained_rows_undrafted(model_dir: str, 
 
     spec = ModelRunner(
         model_dir,
-        block_size=16,
-        kv_cache_memory_gib=0.25,
-        num_threads=2,
-        speculative="ngram",
-        prompt_lookup_min=1,
-        prompt_lookup_max=3,
+        RunnerOptions(
+            block_size=16,
+            kv_cache_memory_gib=0.25,
+            num_threads=2,
+            speculative="ngram",
+            prompt_lookup_min=1,
+            prompt_lookup_max=3,
+        ),
     )
     engine = LocalEngine(spec, PolicyConfig(num_speculative_tokens=3), overlap=False)
     free, constrained, ids = _serve_mixed(engine, tok)
@@ -158,7 +162,9 @@ def test_a_grammar_belongs_to_the_tokenizer_of_the_version_serving_it(
     root = tmp_path_factory.mktemp("models")
     smol_vocab = make_tiny_model(root / "smol-vocab", seed=1)
     own_vocab = make_tiny_model_own_vocab(root / "own-vocab", seed=2)
-    runner = ModelRunner(str(smol_vocab), block_size=16, num_blocks=64, num_threads=2)
+    runner = ModelRunner(
+        str(smol_vocab), RunnerOptions(block_size=16, num_blocks=64, num_threads=2)
+    )
     engine = LocalEngine(runner, PolicyConfig())
     choices = ["the quick brown fox", "hello world"]
     sampling = SamplingParams(

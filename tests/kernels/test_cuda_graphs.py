@@ -11,13 +11,15 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 from gpu_worker.attention import build_metadata  # noqa: E402
 from gpu_worker.cuda_graphs import CUDAGraphRunner, DecodeGraphInputs, run_model  # noqa: E402
 from gpu_worker.model_runner import ModelRunner  # noqa: E402
+from gpu_worker.runner_options import RunnerOptions  # noqa: E402
 
 BLOCK_SIZE = 4
 
 
 def _runner(path, device: torch.device) -> ModelRunner:
-    runner = ModelRunner(str(path), device=str(device), num_blocks=32, block_size=BLOCK_SIZE,
-                         max_model_len=64, attention_backend="triton")  # fmt: skip
+    options = RunnerOptions(device=str(device), num_blocks=32, block_size=BLOCK_SIZE,
+                            max_model_len=64, attention_backend="triton")  # fmt: skip
+    runner = ModelRunner(str(path), options)
     # random K/V, as if earlier steps had filled the cache
     gen = torch.Generator().manual_seed(0)
     kv = runner.kv_cache.tensor

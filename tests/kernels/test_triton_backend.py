@@ -17,6 +17,7 @@ from common.messages.types import SamplingParams  # noqa: E402
 from gpu_worker.attention import build_metadata, create_backend  # noqa: E402
 from gpu_worker.kernels.fused_layers import TritonLayerOps  # noqa: E402
 from gpu_worker.model_runner import ModelRunner  # noqa: E402
+from gpu_worker.runner_options import RunnerOptions  # noqa: E402
 from tests.kernels.paged import randn  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -88,8 +89,8 @@ def _greedy_tokens(runner: ModelRunner) -> list[tuple[list[str], list[int]]]:
 def test_worker_greedy_tokens_match_torch_backend(arch, tiny_model_dir, device) -> None:
     path = str(tiny_model_dir(arch))
     kwargs = dict(device=str(device), num_blocks=16, block_size=4)
-    torch_runner = ModelRunner(path, attention_backend="torch", **kwargs)
-    triton_runner = ModelRunner(path, attention_backend="triton", **kwargs)
+    torch_runner = ModelRunner(path, RunnerOptions(attention_backend="torch", **kwargs))
+    triton_runner = ModelRunner(path, RunnerOptions(attention_backend="triton", **kwargs))
     assert isinstance(triton_runner.model.model.layers[0].ops, TritonLayerOps)
     expected = _greedy_tokens(torch_runner)
     assert sum(len(ids) for ids, _ in expected) == 9  # a: steps 0-4, b: steps 1-4

@@ -35,6 +35,7 @@ def _agreement(ours: list[list[int]], ref: list[list[int]]) -> dict[str, Any]:
 
 def measure(num_new: int = 32, threads: int = 2) -> dict[str, Any]:
     from gpu_worker.model_runner import ModelRunner
+    from gpu_worker.runner_options import RunnerOptions
     from tests.integration.test_model_parity import (
         SMOL_PROMPT_LENS,
         SMOL_TEXT,
@@ -53,10 +54,14 @@ def measure(num_new: int = 32, threads: int = 2) -> dict[str, Any]:
     ids = Tokenizer.from_file(str(path / "tokenizer.json")).encode(SMOL_TEXT).ids
     prompts = [ids[len(ids) - n - 7 * i :][:n] for i, n in enumerate(SMOL_PROMPT_LENS)]
     ref = hf_references(path, prompts, num_new)
-    ours = run_greedy(ModelRunner(str(path), dtype="bfloat16", num_blocks=256), prompts, num_new)
+    ours = run_greedy(
+        ModelRunner(str(path), RunnerOptions(dtype="bfloat16", num_blocks=256)), prompts, num_new
+    )
     hf_bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     theirs = [hf_greedy(hf_bf16, p, num_new) for p in prompts]
-    ours32 = run_greedy(ModelRunner(str(path), dtype="float32", num_blocks=256), prompts, num_new)
+    ours32 = run_greedy(
+        ModelRunner(str(path), RunnerOptions(dtype="float32", num_blocks=256)), prompts, num_new
+    )
     return {
         "num_new_tokens": num_new,
         "prompt_lens": list(SMOL_PROMPT_LENS),

@@ -19,6 +19,7 @@ shows the mechanism's ceiling and what a drafter as costly as the target costs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -106,25 +107,26 @@ def main(argv: list[str] | None = None) -> int:
 
     from common.prepare_model import prepare_default_model, prepare_truncated_model
     from gpu_worker.model_runner import ModelRunner
+    from gpu_worker.runner_options import RunnerOptions
 
     model_dir = str(prepare_default_model())
     draft_dir = str(prepare_truncated_model(args.draft_layers)) if "draft" in methods else ""
-    common = dict(dtype=args.dtype, num_threads=args.threads, kv_cache_memory_gib=0.25)
+    common = RunnerOptions(dtype=args.dtype, num_threads=args.threads, kv_cache_memory_gib=0.25)
     lookup = dict(
         prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max
     )
-    runners = {"off": ModelRunner(model_dir, **common)}
+    runners = {"off": ModelRunner(model_dir, common)}
     if "ngram" in methods:
         runners[f"ngram ({args.prompt_lookup_min}-{args.prompt_lookup_max})"] = ModelRunner(
-            model_dir, speculative="ngram", **lookup, **common
+            model_dir, dataclasses.replace(common, speculative="ngram", **lookup)
         )
     if "draft" in methods:
         runners[f"draft (first {args.draft_layers} layers)"] = ModelRunner(
-            model_dir, speculative="draft", draft_model=draft_dir, **common
+            model_dir, dataclasses.replace(common, speculative="draft", draft_model=draft_dir)
         )
     if "self" in methods:  # the target drafting for itself: acceptance 1, the draft's cost
         runners["draft (the target itself)"] = ModelRunner(
-            model_dir, speculative="draft", draft_model=model_dir, **common
+            model_dir, dataclasses.replace(common, speculative="draft", draft_model=model_dir)
         )
     rows = []
     for name, text in PROMPTS.items():

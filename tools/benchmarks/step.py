@@ -123,9 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from common.prepare_model import prepare_default_model
     from gpu_worker.model_runner import ModelRunner
+    from gpu_worker.runner_options import RunnerOptions
 
-    runner = ModelRunner(
-        args.model or str(prepare_default_model()),
+    options = RunnerOptions(
         dtype=args.dtype,
         num_threads=args.threads,
         kv_cache_memory_gib=1.5,
@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         cpu_kernels=not args.no_cpu_kernels,
         cpu_packed_weights=not args.no_cpu_packed_weights,
     )
+    runner = ModelRunner(args.model or str(prepare_default_model()), options)
     if args.profile:
         return _profile(runner, args.profile, args.context)
     rows = []

@@ -30,6 +30,7 @@ import gpu_worker.models.one_call_step as one_call_step
 from common.prepare_model import default_gguf_path, prepare_default_model
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models.llama import LlamaForCausalLM
+from gpu_worker.runner_options import RunnerOptions
 from tools.benchmarks import step
 
 LINEAR, ATTENTION, LAYERS = "linear (C, weights streamed)", "attention (C)", "norm/rotary/silu (C)"
@@ -108,14 +109,14 @@ def main() -> int:
     ]
     for owner, name, key in patches:
         setattr(owner, name, _timed(spent, key, getattr(owner, name)))
-    runner = ModelRunner(
-        _model_path(args.model),
+    options = RunnerOptions(
         quantization=args.quantization,
         dtype=args.dtype,
         num_threads=2,
         kv_cache_memory_gib=1.5,
         cpu_huge_pages=not args.no_huge_pages,
     )
+    runner = ModelRunner(_model_path(args.model), options)
     if args.layer_by_layer:  # the model's layers one by one, not the one-call C step
         runner.model.model.decode_step = None
     if args.prefill:

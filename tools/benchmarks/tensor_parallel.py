@@ -31,18 +31,18 @@ from typing import Any
 
 def _rank(rank: int, size: int, addr: str, args: argparse.Namespace, out: Any) -> None:
     from gpu_worker.model_runner import ModelRunner
+    from gpu_worker.runner_options import RunnerOptions
     from gpu_worker.sharding import threads_per_rank
     from gpu_worker.tensor_parallel import join_group
     from tools.benchmarks.step import start_batch
 
     tp = join_group(rank, size, addr, "cpu")
-    runner = ModelRunner(
-        args.model,
+    options = RunnerOptions(
         num_threads=threads_per_rank(len(os.sched_getaffinity(0)), size),
         kv_cache_memory_gib=0.5,
         cpu_kernels=not args.no_cpu_kernels,
-        tp=tp,
     )
+    runner = ModelRunner(args.model, options, tp=tp)
     rows = []
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         drv, rids, _ = start_batch(runner, batch, args.context, 512, batch)

@@ -112,36 +112,39 @@ def config() -> Config:
 
 def test_runner_settings_reach_the_model_runner(config: Config, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from gpu_worker.model_runner import ModelRunner
+    from gpu_worker.runner_options import RunnerOptions
 
     seen: dict[str, Any] = {}
 
-    def record(self: ModelRunner, model_path: str, **kwargs: Any) -> None:
-        seen.update(kwargs, model_path=model_path)
+    def record(self: ModelRunner, model_path: str, options: RunnerOptions, **kwargs: Any) -> None:
+        seen.update(kwargs, model_path=model_path, options=options)
 
     monkeypatch.setattr(ModelRunner, "__init__", record)
     ModelRunner.from_config("/some/model", config)
     assert seen == {
         "model_path": "/some/model",
-        "dtype": "bfloat16",
-        "device": "cpu",
-        "block_size": 8,
-        "kv_cache_memory_gib": 0.7,
-        "gpu_memory_utilization": 0.55,
-        "max_model_len": 77,
-        "seed": 5,
-        "attention_backend": "torch",
-        "enforce_eager": True,
-        "max_graph_batch_size": 9,
-        "num_threads": 3,
-        "swap_space_gib": 0.3,
-        "speculative": "ngram",
-        "cpu_kernels": False,
-        "cpu_packed_weights": False,
-        "cpu_huge_pages": False,
-        "quantization": "int8",
-        "draft_model": "",
-        "prompt_lookup_min": 3,
-        "prompt_lookup_max": 5,
+        "options": RunnerOptions(
+            dtype="bfloat16",
+            device="cpu",
+            block_size=8,
+            kv_cache_memory_gib=0.7,
+            gpu_memory_utilization=0.55,
+            max_model_len=77,
+            seed=5,
+            attention_backend="torch",
+            enforce_eager=True,
+            max_graph_batch_size=9,
+            num_threads=3,
+            swap_space_gib=0.3,
+            speculative="ngram",
+            cpu_kernels=False,
+            cpu_packed_weights=False,
+            cpu_huge_pages=False,
+            quantization="int8",
+            draft_model="",
+            prompt_lookup_min=3,
+            prompt_lookup_max=5,
+        ),
         "tp": None,  # a single worker: no tensor-parallel group
         "progress": None,  # the worker passes its report_progress
     }

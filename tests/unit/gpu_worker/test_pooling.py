@@ -15,6 +15,7 @@ from common.model_paths import prepare_synthetic_folder
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.pooling import PoolBatch, PoolRows
 from gpu_worker.runner import RequestState
+from gpu_worker.runner_options import RunnerOptions
 from gpu_worker.synthetic import SyntheticRunner
 from tests.reference import hf_pooled
 from tests.tiny_models import make_tiny_model
@@ -61,7 +62,7 @@ def _vectors(result: StepResult) -> dict[str, list[float]]:
 
 
 def test_pooled_vectors_equal_transformers_in_a_mixed_chunked_batch(tiny_dir: Path) -> None:
-    runner = ModelRunner(str(tiny_dir), block_size=BLOCK_SIZE, num_blocks=16)
+    runner = ModelRunner(str(tiny_dir), RunnerOptions(block_size=BLOCK_SIZE, num_blocks=16))
     new = {"a": (A, GREEDY), "b": (B, LAST), "c": (C, MEAN)}
     # step 0: a's prompt (it samples), b's whole prompt, c's first chunk of 4
     first = runner.execute(_plan(0, [("a", 0, 3, [0]), ("b", 0, 6, [1, 2]), ("c", 0, 4, [3])], new))
@@ -77,7 +78,7 @@ def test_pooled_vectors_equal_transformers_in_a_mixed_chunked_batch(tiny_dir: Pa
 
 
 def test_a_recomputed_mean_request_starts_its_sum_afresh(tiny_dir: Path) -> None:
-    runner = ModelRunner(str(tiny_dir), block_size=BLOCK_SIZE, num_blocks=16)
+    runner = ModelRunner(str(tiny_dir), RunnerOptions(block_size=BLOCK_SIZE, num_blocks=16))
     runner.execute(_plan(0, [("c", 0, 4, [0])], {"c": (C, MEAN)}))
     # preempted by recompute: its KV is gone, its prompt comes back from position 0
     again = runner.execute(_plan(1, [("c", 0, 7, [5, 6])], preempted_req_ids=["c"]))
@@ -85,7 +86,7 @@ def test_a_recomputed_mean_request_starts_its_sum_afresh(tiny_dir: Path) -> None
 
 
 def test_last_pooling_with_a_prefix_hit_computes_only_the_tail(tiny_dir: Path) -> None:
-    runner = ModelRunner(str(tiny_dir), block_size=BLOCK_SIZE, num_blocks=16)
+    runner = ModelRunner(str(tiny_dir), RunnerOptions(block_size=BLOCK_SIZE, num_blocks=16))
     runner.execute(_plan(0, [("x", 0, 6, [1, 2])], {"x": (B, LAST)}))
     # y shares x's first block (a prefix-cache hit): only positions 4.. run
     got = runner.execute(_plan(1, [("y", 4, 2, [1, 3])], {"y": (B, LAST)}))
@@ -93,7 +94,7 @@ def test_last_pooling_with_a_prefix_hit_computes_only_the_tail(tiny_dir: Path) -
 
 
 def test_mean_pooling_refuses_a_first_chunk_past_position_0(tiny_dir: Path) -> None:
-    runner = ModelRunner(str(tiny_dir), block_size=BLOCK_SIZE, num_blocks=16)
+    runner = ModelRunner(str(tiny_dir), RunnerOptions(block_size=BLOCK_SIZE, num_blocks=16))
     runner.execute(_plan(0, [("x", 0, 6, [1, 2])], {"x": (B, LAST)}))
     with pytest.raises(ValueError, match="mean pooling needs every prompt position"):
         runner.execute(_plan(1, [("y", 4, 2, [1, 3])], {"y": (B, MEAN)}))

@@ -16,15 +16,17 @@ import torch
 from common.config import Config
 from common.messages import LoadModel, Ready, Reset, SamplingParams, StepPlan
 from common.model_paths import prepare_synthetic_folder
-from gpu_worker import model_runner
-from gpu_worker.model_runner import ModelRunner, kv_budget_bytes
+from gpu_worker import kv_pool
+from gpu_worker.model_runner import ModelRunner
 from gpu_worker.runner import RequestTable, Runner
+from gpu_worker.runner_options import RunnerOptions
 from gpu_worker.synthetic import SyntheticRunner
 from gpu_worker.worker import WorkerActor, check_loadable
 from tests.tiny_models import make_tiny_model
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 16
+OPTIONS = RunnerOptions(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
 CONTROLLED = SamplingParams(max_tokens=8, temperature=0.0, repetition_penalty=1.2, ignore_eos=True)
@@ -51,7 +53,7 @@ def make_runner(
 ) -> Callable[[], ModelRunner | SyntheticRunner]:
     """A fresh runner of either kind with the same blocks, block size and max_model_len."""
     if request.param == "model":
-        return lambda: ModelRunner(str(tiny_dir), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
+        return lambda: ModelRunner(str(tiny_dir), OPTIONS)
     return lambda: SyntheticRunner(str(synthetic_dir), block_size=BLOCK_SIZE)
 
 
@@ -250,7 +252,7 @@ def test_kv_copies_run_in_the_documented_order() -> None:
 
 
 def test_model_runner_copies_kv_blocks_and_seeds_sampled_requests(tiny_dir: Path) -> None:
-    runner = ModelRunner(str(tiny_dir), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
+    runner = ModelRunner(str(tiny_dir), OPTIONS)
     runner.execute(_plan(0, [("a", 0, 3, [1])], new={"a": A}, sampling=SAMPLED))
     state = runner.requests.get("a")
     assert state is not None and state.generator is not None
@@ -264,7 +266,7 @@ def test_model_runner_copies_kv_blocks_and_seeds_sampled_requests(tiny_dir: Path
 
 
 def test_model_runner_applies_controls_and_frees_their_token_counts(tiny_dir: Path) -> None:
-    runner = ModelRunner(str(tiny_dir), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
+    runner = ModelRunner(str(tiny_dir), OPTIONS)
     # a: greedy, pushed to token 42 (+100) but with min_tokens 2 masking 42, its stop token
     pushed = dataclasses.replace(
         CONTROLLED, min_tokens=2, logit_bias_token_ids=[42], logit_bias_values=[100.0]
@@ -370,7 +372,7 @@ def test_from_config_passes_every_setting_gpu_memory_utilization_included(
         calls.append((device, memory_gib, utilization, share))
         return 1 << 20
 
-    monkeypatch.setattr(model_runner, "kv_budget_bytes", budget)
+    monkeypatch.setattr(kv_pool, "kv_budget_bytes", budget)
     config = Config().replace(
         model={"max_model_len": 256, "seed": 3},
         cache={
@@ -384,27 +386,12 @@ def test_from_config_passes_every_setting_gpu_memory_utilization_included(
     )
     runner = ModelRunner.from_config(str(tiny_dir), config)
     assert calls == [(torch.device("cpu"), 0.01, 0.42, 1.0)]
-    assert runner.gpu_memory_utilization == 0.42
+    assert runner.options.gpu_memory_utilization == 0.42
     per_block = 2 * 2 * BLOCK_SIZE * 2 * 16 * 4  # layers, K/V, block, kv heads, head dim, fp32
     assert runner.num_blocks == (1 << 20) // per_block
     assert (runner.block_size, runner.max_model_len) == (BLOCK_SIZE, 256)
     assert runner.num_host_blocks == int(0.01 * (1 << 30)) // per_block
-    assert (runner.speculative, runner.prompt_lookup) == ("ngram", (1, 3))
-
-
-def test_the_kv_budget_on_cuda_is_the_utilization_of_free_memory(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    seen: list[float] = []
-
-    def free_share(device: torch.device, utilization: float) -> int:
-        seen.append(utilization)
-        return int(1000 * utilization)
-
-    monkeypatch.setattr(model_runner, "cuda_kv_budget_bytes", free_share)
-    assert kv_budget_bytes(torch.device("cuda"), 1.0, 0.5, share=0.5) == 250
-    assert seen == [0.5]
-    assert kv_budget_bytes(torch.device("cpu"), 0.5, 0.9) == 1 << 29
+    assert (runner.options.speculative, runner.options.prompt_lookup) == ("ngram", (1, 3))
 
 
 # --- the worker drives a runner through the protocol only -------------------------------------

@@ -155,7 +155,7 @@ def test_each_rank_reads_only_its_slices(tmp_path: Path) -> None:
 
 
 def test_each_rank_takes_its_device_and_a_share_of_the_cores(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from gpu_worker.model_runner import rank_device_and_threads
+    from gpu_worker.runner_options import rank_device_and_threads
 
     monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0, 1, 2, 3})
     config = Config().replace(parallel={"tensor_parallel_size": 2})
