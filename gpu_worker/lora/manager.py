@@ -243,6 +243,10 @@ class LoraManager:
         self._slots[model] = slots
         return slots
 
+    def slots(self, model: nn.Module) -> LoraSlots:
+        """The slots of a model `attach` was given."""
+        return self._slots[model]
+
     def set_step(self, model: nn.Module, rows: Sequence[tuple[str, int]]) -> None:
         """Point `model`'s mapping at this step's adapters: `rows` are (adapter name or "",
         number of tokens) in the packed order of the forward's input."""
@@ -256,6 +260,3 @@ class LoraManager:
         for name, count in rows:
             tokens += [slot_of[name] if name else -1] * count
         slots.mapping.set(tokens)
-
-    def clear_step(self, model: nn.Module) -> None:
-        self._slots[model].mapping.clear()
