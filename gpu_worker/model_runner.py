@@ -54,7 +54,7 @@ from gpu_worker.logprobs import (
     take_prompt_logprobs,
 )
 from gpu_worker.lora.adapter import AdapterSpec
-from gpu_worker.lora.manager import LoraManager
+from gpu_worker.lora.manager import LoraManager, model_shape
 from gpu_worker.lora.registry import LoraOptions, load_start_modules
 from gpu_worker.models.linear import quantization_of, resident_weight_bytes
 from gpu_worker.models.llama import LlamaConfig, LlamaForCausalLM
@@ -487,6 +487,8 @@ class ModelRunner(PlanRunner[ModelVersion]):
         self.model, self.graphs, self.config = loaded.model, loaded.graphs, loaded.config
         self.model_path, self.weights_version = loaded.path, version
         self.eos_token_ids = loaded.eos_token_ids
+        if self.lora is not None:  # adapters loaded from now on must fit the served model
+            self.lora.registry.shape = model_shape(loaded.config)
 
     def unload_version(self, version: str) -> None:
         """Free a version's weights once no request uses it."""
