@@ -239,7 +239,9 @@ class LoraManager:
             kernel=kernel,
         )
         inner = model.get_submodule("model")
-        if isinstance(inner, LlamaModel) and inner.decode_step is not None:
+        # the one-call step adds the deltas of the "cpu" kernel's slots itself (lora.c); for
+        # the other kernels it must leave steps with adapter rows to the layers
+        if isinstance(inner, LlamaModel) and inner.decode_step is not None and kernel != "cpu":
             inner.decode_step = SkipWhenLoraActive(inner.decode_step, mapping)
         slots = LoraSlots(model, mapping, self.options.max_loras)
         self._slots[model] = slots
