@@ -192,3 +192,38 @@ def test_a_hot_swapped_version_has_slots_of_its_own(
         assert out[seqs[0]] == _reference(first, folder, tuple(p))
     for seqs, p in zip(new, prompts[1:3], strict=True):
         assert out[seqs[0]] == _reference(second, folder, tuple(p))
+
+
+def test_logprobs_of_adapter_rows_are_peft_s(
+    tiny_dir: str, adapters: dict[str, str], runner: ModelRunner, prompts: list[list[int]]
+) -> None:
+    """Prompt logprobs (every prompt position, across prefill chunks) and sampled tokens'
+    logprobs of adapter requests, batched with a base one, equal peft's log-softmax."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    engine = _engine(runner, prefix_caching=False)
+    sp = SamplingParams(
+        max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=1, prompt_logprobs=1
+    )
+    loras = ["all-r8", "", "mlp-r16"]
+    ids = [engine.add(p, sp, lora_name=n)[0][0] for p, n in zip(prompts, loras, strict=False)]
+    engine.run()
+    prompt_lp: dict[str, list[float]] = {}
+    output_lp: dict[str, list[float]] = {rid: [] for rid in ids}
+    for batch in engine.batches:
+        for j, rid in enumerate(batch.request_ids):
+            if batch.prompt_logprob_values and batch.prompt_logprob_values[j]:
+                prompt_lp[rid] = [v[0] for v in batch.prompt_logprob_values[j][1:]]
+            if batch.logprob_values and batch.logprob_values[j]:
+                output_lp[rid] += [v[0] for v in batch.logprob_values[j]]
+    for rid, prompt, lora in zip(ids, prompts, loras, strict=False):
+        tokens = prompt + engine.outputs[(rid, 0)]
+        model = peft_model(tiny_dir, adapters[lora]) if lora else base
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([tokens])).logits[0].float()
+        want = logits.log_softmax(-1)[:-1].gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
+        got = prompt_lp[rid] + output_lp[rid]
+        torch.testing.assert_close(torch.tensor(got), want[: len(got)], atol=2e-4, rtol=1e-4)
+        assert len(got) == len(tokens) - 1

@@ -189,7 +189,7 @@ class _Recorder:
 
 def test_the_one_call_step_runs_only_steps_without_adapter_rows(tiny_dir: Path) -> None:
     runner = _runner(tiny_dir)
-    assert isinstance(runner.model.model.decode_step, SkipWhenLoraActive)  # the C step's
+    assert isinstance(runner.model.model.decode_step, SkipWhenLoraActive)
     mapping = LoraMapping(4, torch.device("cpu"))
     inner = _Recorder()
     step = SkipWhenLoraActive(inner, mapping)
