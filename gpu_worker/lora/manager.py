@@ -124,7 +124,11 @@ class LoraSlots:
         for key in keys:
             if key[0] not in out:
                 slot = self._take_slot(keep=set(keys))
-                self._fill(slot, adapter(key[0]), tp)
+                try:
+                    self._fill(slot, adapter(key[0]), tp)
+                except BaseException:  # refused (or unreadable): the slot is free, not lost
+                    self.free.append(slot)
+                    raise
                 self.resident[key] = slot
                 out[key[0]] = slot
         return out
