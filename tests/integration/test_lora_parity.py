@@ -227,3 +227,19 @@ def test_logprobs_of_adapter_rows_are_peft_s(
         got = prompt_lp[rid] + output_lp[rid]
         torch.testing.assert_close(torch.tensor(got), want[: len(got)], atol=2e-4, rtol=1e-4)
         assert len(got) == len(tokens) - 1
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral"])
+def test_other_architectures(tmp_path: Path, arch: str, prompts: list[list[int]]) -> None:
+    """q/k/v biases (qwen2), head_dim != hidden / heads and q/k norms (qwen3), no GQA
+    (mistral): an all-target adapter beside a base request."""
+    model = str(make_tiny_model(tmp_path / arch, arch))
+    folder = str(make_adapter(model, tmp_path / "a", r=8, target_modules=ALL, seed=7))
+    options = LoraOptions(max_lora_rank=8, modules=(("a", folder),))
+    runner = ModelRunner(model, block_size=4, num_blocks=256, num_threads=1, lora=options)
+    engine = _engine(runner, max_num_batched_tokens=8)
+    ids = [engine.add(prompts[0], GREEDY, lora_name="a"), engine.add(prompts[1], GREEDY)]
+    out = engine.run()
+    assert out[ids[0][0]] == _reference(model, folder, tuple(prompts[0]))
+    assert out[ids[1][0]] == _reference(model, "", tuple(prompts[1]))
+    assert _reference(model, folder, tuple(prompts[0])) != _reference(model, "", tuple(prompts[0]))
