@@ -243,3 +243,24 @@ def test_other_architectures(tmp_path: Path, arch: str, prompts: list[list[int]]
     assert out[ids[0][0]] == _reference(model, folder, tuple(prompts[0]))
     assert out[ids[1][0]] == _reference(model, "", tuple(prompts[1]))
     assert _reference(model, folder, tuple(prompts[0])) != _reference(model, "", tuple(prompts[0]))
+
+
+def test_ngram_drafts_are_verified_with_the_adapter(
+    tiny_dir: str, adapters: dict[str, str]
+) -> None:
+    """Draft slots count as tokens of their request in the mapping: the adapter's greedy
+    tokens come out through speculation (the scheduler may refuse adapters with it; the
+    worker does not need to)."""
+    folder = adapters["all-r8"]
+    options = LoraOptions(max_lora_rank=16, modules=(("a", folder),))
+    runner = ModelRunner(
+        tiny_dir, speculative="ngram", block_size=4, num_blocks=256, num_threads=1, lora=options
+    )
+    engine = _engine(runner, max_num_batched_tokens=32, num_speculative_tokens=3)
+    prompt = [5, 17, 300, 2000] * 3
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    ids = [engine.add(prompt, sp, lora_name="a"), engine.add(prompt[1:], sp)]
+    out = engine.run()
+    assert sum(n for r in engine.results for n in r.num_proposed) > 0
+    assert out[ids[0][0]] == greedy(peft_model(tiny_dir, folder), prompt, 24)
+    assert out[ids[1][0]] == hf_greedy(tiny_dir, prompt[1:], 24)
