@@ -53,7 +53,7 @@ from gpu_worker.logprobs import (
     step_result_fields,
     take_prompt_logprobs,
 )
-from gpu_worker.lora.adapter import AdapterSpec
+from gpu_worker.lora.adapter import AdapterSpec, LoraAdapterError
 from gpu_worker.lora.manager import LoraManager, model_shape
 from gpu_worker.lora.registry import LoraOptions, load_start_modules
 from gpu_worker.models.linear import quantization_of, resident_weight_bytes
@@ -433,7 +433,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
     def load_lora(self, name: str, path: str) -> AdapterSpec:
         """Read a PEFT adapter folder into the host cache under `name` (gpu_worker/lora/)."""
         if self.lora is None:
-            raise ValueError(f"{path}: LoRA is not enabled (--enable-lora)")
+            raise LoraAdapterError(f"{path}: LoRA is not enabled (--enable-lora)")
         return self.lora.load(name, path)
 
     def unload_lora(self, name: str) -> None:
