@@ -39,6 +39,9 @@ from gpu_worker.logprobs import (
     step_result_fields,
     take_prompt_logprobs,
 )
+from gpu_worker.lora.adapter import AdapterSpec, LoraAdapterError
+from gpu_worker.lora.manager import LoraManager, model_shape
+from gpu_worker.lora.registry import load_start_modules
 from gpu_worker.model_versions import Built, ModelVersion, ModelVersions, load_weights
 from gpu_worker.models.linear import quantization_of, resident_weight_bytes
 from gpu_worker.models.llama import LlamaConfig, LlamaForCausalLM
@@ -83,6 +86,10 @@ class ModelRunner(PlanRunner[ModelVersion]):
         config = LlamaConfig.from_hf(hf_config)
         limit = config.max_position_embeddings
         self.max_model_len = min(limit, options.max_model_len or limit)
+        # LoRA adapters (gpu_worker/lora/): one manager, its slots attached to each version
+        self.lora: LoraManager | None = None
+        if options.lora is not None:
+            self.lora = LoraManager(options.lora, config, (self.tp.rank, self.tp.size))
         backend, model = self._load_weights(model_path, config)
         self.progress("allocating the KV cache")
         self.kv_cache = allocate_kv_pool(config, options, self.tp)
@@ -101,8 +108,10 @@ class ModelRunner(PlanRunner[ModelVersion]):
             new_generator=lambda params: make_generator(params, self._rng, self.device),
             on_drop=self._release_counts,
             new_grammar=self._new_grammar,
+            loras=self.lora.registry if self.lora else None,
         )
         self.grammars = GrammarCache(self.versions.tokenizer_info)
+        load_start_modules(self.load_lora, options.lora.modules if options.lora else ())
 
     @classmethod
     def from_config(
@@ -149,7 +158,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
         self, path: str, config: LlamaConfig
     ) -> tuple[AttentionBackend, LlamaForCausalLM]:
         """This rank's shard of the model at `path`, and an attention backend for it."""
-        return load_weights(
+        backend, model = load_weights(
             path,
             config,
             self.options,
@@ -157,6 +166,9 @@ class ModelRunner(PlanRunner[ModelVersion]):
             max_model_len=self.max_model_len,
             progress=self.progress,
         )
+        if self.lora is not None:
+            self.lora.attach(model, max_tokens=256)
+        return backend, model
 
     def _build(self, path: str, config: LlamaConfig) -> Built:
         """A version's backend, weights and decode graphs (after the first: the pool exists)."""
@@ -213,7 +225,20 @@ class ModelRunner(PlanRunner[ModelVersion]):
             tensor_parallel_size=self.tp.size,
             weight_bytes=resident_weight_bytes(self.model),
             quantization=quantization_of(self.model),
+            **(self.lora.registry.model_info_fields() if self.lora else {}),
         )
+
+    # LoRA adapters ---------------------------------------------------------------------------
+    def load_lora(self, name: str, path: str) -> AdapterSpec:
+        """Read a PEFT adapter folder into the host cache under `name` (gpu_worker/lora/)."""
+        if self.lora is None:
+            raise LoraAdapterError(f"{path}: LoRA is not enabled (--enable-lora)")
+        return self.lora.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        if self.lora is None:
+            raise KeyError(f"LoRA adapter {name!r} is not loaded (LoRA is not enabled)")
+        self.lora.unload(name)
 
     # model versions (hot swap) -------------------------------------------------------------
     def load_version(self, path: str, version: str = "") -> str:
@@ -221,6 +246,11 @@ class ModelRunner(PlanRunner[ModelVersion]):
         version (default: a hash of its weight files). Raises IncompatibleModel when its KV
         layout differs from the pool's."""
         return self.versions.load(path, version)
+
+    def set_default_version(self, version: str) -> None:
+        super().set_default_version(version)
+        if self.lora is not None:  # adapters loaded from now on must fit the served model
+            self.lora.registry.shape = model_shape(self.config)
 
     def unload_version(self, version: str) -> None:
         """Free a version's weights once no request uses it."""
@@ -253,6 +283,9 @@ class ModelRunner(PlanRunner[ModelVersion]):
         for version, indices in self._by_version(states).items():  # one forward per version
             loaded = self.versions[version]
             batch = self._prepare_batch(plan, indices, states, loaded.backend)
+            if self.lora is not None:  # each token's adapter slot, in the packed order
+                rows = [(states[i].lora_name, n) for i, n in batch.packed]
+                self.lora.set_step(loaded.model, rows)
             with torch.inference_mode():
                 logits, vectors = run_model_pooling(
                     loaded.model,

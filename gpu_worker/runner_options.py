@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from common.config import Config
+from gpu_worker.lora.registry import LoraOptions
 from gpu_worker.sharding import threads_per_rank
 from gpu_worker.tensor_parallel import TensorParallel
 
@@ -50,6 +51,7 @@ class RunnerOptions:
     draft_model: str = ""  # the draft model's folder (speculative == "draft")
     prompt_lookup_min: int = 2  # ngram: shortest suffix looked up
     prompt_lookup_max: int = 4  # ngram: longest suffix looked up
+    lora: LoraOptions | None = None  # LoRA adapters (None: --enable-lora is off)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -107,6 +109,8 @@ class RunnerOptions:
     @property
     def eager(self) -> bool:
         """No CUDA graphs: asked for, or by default anywhere but CUDA."""
+        if self.lora is not None:  # graphs would capture the LoRA mapping's state once
+            return True
         if self.enforce_eager is None:
             return self.torch_device.type != "cuda"
         return self.enforce_eager

@@ -53,6 +53,8 @@ class StepBatch:
     # positions, request after request
     prompt_rows: list[tuple[RequestState, range]] = dataclasses.field(default_factory=list)
     pool: PoolBatch | None = None  # embeddings requests' rows (gpu_worker/pooling.py)
+    # [R] (plan index, tokens) of each request in packed order (LoRA: each token's adapter)
+    packed: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def num_sampling_rows(self) -> int:
@@ -166,6 +168,7 @@ def prepare_batch(
         pool=pool_batch(
             states, indices, plan.num_computed_tokens, plan.num_new_tokens, first_row, device
         ),
+        packed=[(i, num_new[i]) for i in order],
     )
 
 
