@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gpu_worker.cpu import lora as cpu_lora
 from gpu_worker.linear_methods.weights import CheckpointWeight
 from gpu_worker.models.linear import Linear, LinearMethod
 
@@ -124,6 +125,8 @@ class LoraLinearMethod:
             max_loras, num_slices, max_rank, in_features, dtype=dtype, device=device
         )
         self.lora_b = torch.zeros(max_loras, out_features, max_rank, dtype=dtype, device=device)
+        # [num_slices + 1] int32: the kernels' copy of slice_bounds
+        self.bounds = torch.tensor(slice_bounds, dtype=torch.int32, device=device)
 
     @property
     def storage(self) -> str:
@@ -141,6 +144,10 @@ class LoraLinearMethod:
         y = self.base.apply(layer, x)
         if not self.mapping.active:
             return y
+        if self.kernel != "torch":
+            flat = y.reshape(-1, y.shape[-1])
+            if flat.is_contiguous() and self._kernel_add(flat, x.reshape(-1, x.shape[-1])):
+                return y
         delta = lora_delta_reference(
             x.reshape(-1, x.shape[-1]),
             self.lora_a,
@@ -149,6 +156,19 @@ class LoraLinearMethod:
             self.mapping.token_slots,
         )
         return y + delta.to(y.dtype).reshape(y.shape)
+
+    def _kernel_add(self, y: torch.Tensor, x: torch.Tensor) -> bool:
+        """y += the step's deltas in place by the "cpu" or "triton" kernel; False when it
+        cannot run here (the caller takes the reference)."""
+        slots = self.mapping.token_slots
+        if self.kernel == "cpu":  # (imported once, above: this runs per layer and step)
+            return cpu_lora.lora_add(y, x, self.lora_a, self.lora_b, self.bounds, slots)
+        if self.kernel == "triton":
+            from gpu_worker.kernels.lora.kernel import lora_add
+
+            lora_add(y, x, self.lora_a, self.lora_b, self.bounds, slots)
+            return True
+        raise ValueError(f"unknown LoRA kernel {self.kernel!r}")
 
     def weight_bytes(self, layer: Linear) -> int:
         return self.base.weight_bytes(layer)

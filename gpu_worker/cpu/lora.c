@@ -1,0 +1,197 @@
+/* Batched LoRA on the CPU: each token's adapter delta added into a linear layer's output, for
+ * a step whose tokens use different adapters (gpu_worker/lora/layer.py states the formula;
+ * its lora_delta_reference is what the tests compare against).
+ *
+ *   a [max_loras, num_slices, R, in]   b [max_loras, out, R]   (float32, or bfloat16)
+ *   y[t, j] += sum_k b[s, j, k] * z[t, slice(j), k],  z[t, c, k] = sum_i a[s, c, k, i] x[t, i]
+ *
+ * Tokens are cut into runs of one slot (at most LORA_RUN tokens each: a prefill chunk of one
+ * adapter is a few long runs, segment-wise as S-LoRA/Punica's sgmv; a decode step of
+ * round-robin adapters is runs of one token, gather-style as their bgmv). Two phases, one
+ * OpenMP region:
+ *   shrink  one work item per (run, slice): z of the run's tokens, a small GEMM whose A
+ *           [R, in] stays in L1/L2 while the run's rows of x stream past it
+ *   expand  one work item per LORA_CHUNK output rows: every run adds its tokens' z times
+ *           those rows of its B into y
+ * Each value is summed by one thread in a fixed order, whatever the number of threads, so the
+ * layer-by-layer path and the one-call decode step (decode_step.c includes this file) get the
+ * same bits. Sums are float32; y is float32, or bf16 (rounded once, after the add).
+ *
+ * Built at first use by gpu_worker/cpu/build.py; called from gpu_worker/cpu/lora.py.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+/* rows of A (B) per inner loop, sharing each load of x (z): linear.c's TILE */
+#if defined(__AVX512F__)
+#define LORA_TILE 16
+#else
+#define LORA_TILE 8
+#endif
+#define LORA_RUN 16    /* tokens per shrink work item */
+#define LORA_CHUNK 64  /* output rows per expand work item */
+
+typedef struct {
+    int slot, lo, hi; /* tokens [lo, hi), all of adapter slot `slot` (>= 0) */
+} lora_run_t;
+
+/* z[t, k] (stride zs) = w [R, in] . x[t] for tokens [0, nt) of x (stride in): linear.c's
+ * rows() shape, LORA_TILE rows of w per pass over x */
+static void lora_dots(const float *x, int nt, int in, const float *w, int rank, float *z,
+                      int zs) {
+    int k = 0;
+    for (; k + LORA_TILE <= rank; k += LORA_TILE) {
+        const float *w0 = w + (int64_t)k * in;
+        for (int t = 0; t < nt; t++) {
+            const float *xt = x + (int64_t)t * in;
+            float acc[LORA_TILE] = {0};
+#pragma omp simd reduction(+ : acc[:LORA_TILE])
+            for (int i = 0; i < in; i++) {
+                float xv = xt[i];
+                for (int r = 0; r < LORA_TILE; r++) acc[r] += xv * w0[r * in + i];
+            }
+            for (int r = 0; r < LORA_TILE; r++) z[(int64_t)t * zs + k + r] = acc[r];
+        }
+    }
+    for (; k < rank; k++) {
+        const float *wr = w + (int64_t)k * in;
+        for (int t = 0; t < nt; t++) {
+            const float *xt = x + (int64_t)t * in;
+            float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+            for (int i = 0; i < in; i++) acc += xt[i] * wr[i];
+            z[(int64_t)t * zs + k] = acc;
+        }
+    }
+}
+
+/* w as float32: itself, or its `count` bf16 values widened into `wide` */
+static const float *lora_f32(const void *w, int bf16, int64_t count, float *wide) {
+    if (!bf16) return (const float *)w;
+    const uint16_t *src = (const uint16_t *)w;
+#pragma omp simd
+    for (int64_t i = 0; i < count; i++) wide[i] = bf16_to_f32(src[i]);
+    return wide;
+}
+
+/* y[t, lo:hi] += b_rows [hi - lo, R] . z[t] for the run's tokens */
+static void lora_expand_rows(const lora_run_t *run, const float *z, int zs, const float *b_rows,
+                             int rank, void *y, int y_bf16, int out, int lo, int hi) {
+    int cols = hi - lo;
+    float acc[LORA_TILE];
+    for (int j = 0; j < cols; j += LORA_TILE) {
+        int nj = cols - j < LORA_TILE ? cols - j : LORA_TILE;
+        const float *b0 = b_rows + (int64_t)j * rank;
+        for (int t = run->lo; t < run->hi; t++) {
+            const float *zt = z + (int64_t)t * zs;
+            if (nj == LORA_TILE) {
+                for (int r = 0; r < LORA_TILE; r++) acc[r] = 0.f;
+#pragma omp simd reduction(+ : acc[:LORA_TILE])
+                for (int k = 0; k < rank; k++) {
+                    float zv = zt[k];
+                    for (int r = 0; r < LORA_TILE; r++) acc[r] += zv * b0[r * rank + k];
+                }
+            } else {
+                for (int r = 0; r < nj; r++) {
+                    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+                    for (int k = 0; k < rank; k++) s += zt[k] * b0[r * rank + k];
+                    acc[r] = s;
+                }
+            }
+            int64_t at = (int64_t)t * out + lo + j;
+            if (y_bf16) {
+                uint16_t *yb = (uint16_t *)y + at;
+                for (int r = 0; r < nj; r++) yb[r] = f32_to_bf16(bf16_to_f32(yb[r]) + acc[r]);
+            } else {
+                float *yf = (float *)y + at;
+                for (int r = 0; r < nj; r++) yf[r] += acc[r];
+            }
+        }
+    }
+}
+
+/* Cut tokens into runs of one slot (>= 0), at most LORA_RUN long; -1 when a slot is out of
+ * range, else the number of runs */
+static int lora_runs(const int32_t *slots, int n, int max_loras, lora_run_t *runs) {
+    int count = 0;
+    for (int t = 0; t < n;) {
+        int s = slots[t];
+        if (s < -1 || s >= max_loras) return -1;
+        int e = t + 1;
+        while (e < n && e - t < LORA_RUN && slots[e] == s) e++;
+        if (s >= 0) runs[count++] = (lora_run_t){s, t, e};
+        t = e;
+    }
+    return count;
+}
+
+/* y [n, out] += each token's LoRA delta (see the top of the file). x [n, in] float32; a, b
+ * float32 or bf16 (w_bf16); y float32 or bf16 (y_bf16), in place; bounds [num_slices + 1]
+ * output offsets from 0 to out; slots [n], -1 for none. Returns 0; 1 for an argument out of
+ * range (a slot, a bound), 2 when memory ran out. */
+int lora_add(const float *x, int n, int in, const void *a, const void *b, int w_bf16,
+             int num_slices, int rank, const int32_t *bounds, int out, const int32_t *slots,
+             int max_loras, void *y, int y_bf16, int nthreads) {
+    if (n < 0 || in < 1 || out < 1 || rank < 1 || num_slices < 1) return 1;
+    if (bounds[0] != 0 || bounds[num_slices] != out) return 1;
+    for (int c = 0; c < num_slices; c++)
+        if (bounds[c + 1] < bounds[c]) return 1;
+    if (n == 0) return 0;
+    int zs = num_slices * rank;
+    lora_run_t *runs = (lora_run_t *)malloc(sizeof(lora_run_t) * (size_t)n);
+    float *z = (float *)malloc(sizeof(float) * (size_t)n * zs);
+    int nruns = runs && z ? lora_runs(slots, n, max_loras, runs) : -2;
+    if (nruns <= 0) {
+        free(runs), free(z);
+        return nruns == 0 ? 0 : (nruns == -1 ? 1 : 2);
+    }
+    int chunks = (out + LORA_CHUNK - 1) / LORA_CHUNK, failed = 0;
+    int64_t wide_count = w_bf16 ? (int64_t)rank * (in > LORA_CHUNK ? in : LORA_CHUNK) : 0;
+    /* one thread for the small amount of work of a few decode tokens */
+    int threads = (int64_t)n * (in + out) * rank < (1 << 16) ? 1 : nthreads;
+#pragma omp parallel num_threads(threads)
+    {
+        float *wide = w_bf16 ? (float *)malloc(sizeof(float) * (size_t)wide_count) : NULL;
+        if (w_bf16 && !wide) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < nruns * num_slices; item++) {
+            const lora_run_t *run = runs + item / num_slices;
+            int c = item % num_slices;
+            if (w_bf16 && !wide) continue;
+            int64_t at = ((int64_t)run->slot * num_slices + c) * rank * in;
+            const float *w = w_bf16 ? lora_f32((const uint16_t *)a + at, 1, (int64_t)rank * in,
+                                               wide)
+                                    : (const float *)a + at;
+            lora_dots(x + (int64_t)run->lo * in, run->hi - run->lo, in, w, rank,
+                      z + (int64_t)run->lo * zs + c * rank, zs);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int ch = 0; ch < chunks; ch++) {
+            if (w_bf16 && !wide) continue;
+            int lo = ch * LORA_CHUNK, hi = lo + LORA_CHUNK < out ? lo + LORA_CHUNK : out;
+            for (int c = 0; c < num_slices; c++) { /* the chunk's part in each slice */
+                int clo = bounds[c] > lo ? bounds[c] : lo;
+                int chi = bounds[c + 1] < hi ? bounds[c + 1] : hi;
+                if (clo >= chi) continue;
+                for (int r = 0; r < nruns; r++) {
+                    int64_t at = ((int64_t)runs[r].slot * out + clo) * rank;
+                    const float *w = w_bf16 ? lora_f32((const uint16_t *)b + at, 1,
+                                                       (int64_t)(chi - clo) * rank, wide)
+                                            : (const float *)b + at;
+                    lora_expand_rows(runs + r, z + c * rank, zs, w, rank, y, y_bf16, out, clo,
+                                     chi);
+                }
+            }
+        }
+        free(wide);
+    }
+    free(runs), free(z);
+    return failed ? 2 : 0;
+}
