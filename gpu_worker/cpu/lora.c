@@ -33,6 +33,7 @@
 #endif
 #define LORA_RUN 16    /* tokens per shrink work item */
 #define LORA_CHUNK 64  /* output rows per expand work item */
+#define LORA_SMALL_WORK (1 << 12) /* multiply-adds below which one thread runs */
 
 typedef struct {
     int slot, lo, hi; /* tokens [lo, hi), all of adapter slot `slot` (>= 0) */
@@ -151,8 +152,8 @@ int lora_add(const float *x, int n, int in, const void *a, const void *b, int w_
     }
     int chunks = (out + LORA_CHUNK - 1) / LORA_CHUNK, failed = 0;
     int64_t wide_count = w_bf16 ? (int64_t)rank * (in > LORA_CHUNK ? in : LORA_CHUNK) : 0;
-    /* one thread for the small amount of work of a few decode tokens */
-    int threads = (int64_t)n * (in + out) * rank < (1 << 16) ? 1 : nthreads;
+    /* one thread for a tiny amount of work */
+    int threads = (int64_t)n * (num_slices * in + out) * rank < LORA_SMALL_WORK ? 1 : nthreads;
 #pragma omp parallel num_threads(threads)
     {
         float *wide = w_bf16 ? (float *)malloc(sizeof(float) * (size_t)wide_count) : NULL;
