@@ -166,7 +166,7 @@ class LoraLinearMethod:
         if self.kernel == "triton":
             from gpu_worker.kernels.lora.kernel import lora_add
 
-            lora_add(y, x, self.lora_a, self.lora_b, self.bounds, slots)
+            lora_add(y, x, self.lora_a, self.lora_b, self.slice_bounds, slots)
             return True
         raise ValueError(f"unknown LoRA kernel {self.kernel!r}")
 

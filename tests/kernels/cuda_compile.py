@@ -30,6 +30,7 @@ from gpu_worker.kernels.gguf_matmul import kernel as gguf
 from gpu_worker.kernels.gguf_matmul.reference import GGUF_BLOCKS, QTYPE_NAMES
 from gpu_worker.kernels.int8_matmul import kernel as int8
 from gpu_worker.kernels.kv_store import kernel as kv_store
+from gpu_worker.kernels.lora import kernel as lora
 from gpu_worker.kernels.paged_decode import kernel as decode
 from gpu_worker.kernels.rmsnorm import kernel as rmsnorm
 from gpu_worker.kernels.rotary import kernel as rotary
@@ -160,6 +161,30 @@ def _int8(arch: int, dt: str) -> list[dict]:
     return rows  # fmt: skip
 
 
+LORA_RANKS = (16, 64)  # the usual max_rank and the largest tile (lora_tiles)
+
+
+def _lora(arch: int, dt: str) -> list[dict]:
+    """Shrink and expand for 1, 2 and 3 slices (o/down, gate_up, qkv) at each LORA_RANKS."""
+    rows = []
+    for rank in LORA_RANKS:
+        block_r, block_k, block_n = lora.lora_tiles(rank)
+        for slices in (1, 2, 3):
+            shrink = {"x_ptr": f"*{dt}", "a_ptr": f"*{dt}", "slots_ptr": "*i32",
+                      "z_ptr": "*fp32"}  # fmt: skip
+            expand = {"z_ptr": "*fp32", "b_ptr": f"*{dt}", "slots_ptr": "*i32",
+                      "y_ptr": f"*{dt}"}  # fmt: skip
+            tiles = dict(NUM_SLICES=slices, BLOCK_R=block_r)
+            rows += [
+                _compile(lora._lora_shrink_kernel, arch, shrink, dict(**tiles, BLOCK_K=block_k),
+                         (*shrink, "K", "R", "stride_xm"), num_warps=4),
+                _compile(lora._lora_expand_kernel, arch, expand, dict(**tiles, BLOCK_N=block_n),
+                         (*expand, "R", "stride_ym"), num_warps=4),
+            ]  # fmt: skip
+            rows[-2]["rank"] = rows[-1]["rank"] = rank
+    return rows
+
+
 def main(archs: list[int]) -> int:
     for i, arch in enumerate(archs):
         # the first architecture gets every variant, the others the bf16 production ones
@@ -167,7 +192,7 @@ def main(archs: list[int]) -> int:
             for shape in SHAPES:
                 for row in _attention(arch, dt, *shape):
                     print(json.dumps({"dtype": dt, "shape": list(shape), **row}), flush=True)
-            for row in _elementwise(arch, dt) + _gguf(arch, dt) + _int8(arch, dt):
+            for row in _elementwise(arch, dt) + _gguf(arch, dt) + _int8(arch, dt) + _lora(arch, dt):
                 print(json.dumps({"dtype": dt, **row}), flush=True)
     return 0
 
