@@ -4,6 +4,8 @@ tokens, one to three slices, ranks below the buffer's and not powers of two, bf1
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -74,7 +76,7 @@ def test_tiles() -> None:
     assert lora_tiles(5)[0] == 16 and lora_tiles(33)[0] == 64
 
 
-def test_layers_with_the_triton_kernel_equal_the_reference(tiny_llama) -> None:  # type: ignore[no-untyped-def]
+def test_layers_with_the_triton_kernel_equal_the_reference(tiny_llama: Path) -> None:
     """LoraLinearMethod's "triton" kernel in a model's forward (a prefill of two adapters
     and the base model) against its "torch" reference."""
     from gpu_worker.attention.metadata import build_metadata
