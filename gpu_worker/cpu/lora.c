@@ -5,10 +5,11 @@
  *   a [max_loras, num_slices, R, in]   b [max_loras, out, R]   (float32, or bfloat16)
  *   y[t, j] += sum_k b[s, j, k] * z[t, slice(j), k],  z[t, c, k] = sum_i a[s, c, k, i] x[t, i]
  *
- * Tokens are cut into runs of one slot (at most LORA_RUN tokens each: a prefill chunk of one
- * adapter is a few long runs, segment-wise as S-LoRA/Punica's sgmv; a decode step of
- * round-robin adapters is runs of one token, gather-style as their bgmv). Two phases, one
- * OpenMP region:
+ * Tokens are grouped by slot (a stable counting sort: S-LoRA's gather) and each slot's tokens
+ * cut into runs of at most LORA_RUN: a prefill chunk of one adapter is a few long runs
+ * (segment-wise, as Punica's sgmv), and so is a decode batch whose rows take the adapters
+ * round-robin (gathered by index, as bgmv gathers each row's slot). Two phases, one OpenMP
+ * region:
  *   shrink  one work item per (run, slice): z of the run's tokens, a small GEMM whose A
  *           [R, in] stays in L1/L2 while the run's rows of x stream past it
  *   expand  one work item per LORA_CHUNK output rows: every run adds its tokens' z times
@@ -36,35 +37,37 @@
 #define LORA_SMALL_WORK (1 << 12) /* multiply-adds below which one thread runs */
 
 typedef struct {
-    int slot, lo, hi; /* tokens [lo, hi), all of adapter slot `slot` (>= 0) */
+    int slot, lo, hi; /* tokens order[lo .. hi), all of adapter slot `slot` (>= 0) */
 } lora_run_t;
 
-/* z[t, k] (stride zs) = w [R, in] . x[t] for tokens [0, nt) of x (stride in): linear.c's
- * rows() shape, LORA_TILE rows of w per pass over x */
-static void lora_dots(const float *x, int nt, int in, const float *w, int rank, float *z,
-                      int zs) {
+/* z[t, k] (stride zs) = w [R, in] . x[t] for the tokens t = tokens[0 .. nt) of x (stride
+ * in): linear.c's rows() shape, LORA_TILE rows of w per pass over x */
+static void lora_dots(const float *x, const int *tokens, int nt, int in, const float *w,
+                      int rank, float *z, int zs) {
     int k = 0;
     for (; k + LORA_TILE <= rank; k += LORA_TILE) {
         const float *w0 = w + (int64_t)k * in;
-        for (int t = 0; t < nt; t++) {
-            const float *xt = x + (int64_t)t * in;
+        for (int j = 0; j < nt; j++) {
+            int64_t t = tokens[j];
+            const float *xt = x + t * in;
             float acc[LORA_TILE] = {0};
 #pragma omp simd reduction(+ : acc[:LORA_TILE])
             for (int i = 0; i < in; i++) {
                 float xv = xt[i];
                 for (int r = 0; r < LORA_TILE; r++) acc[r] += xv * w0[r * in + i];
             }
-            for (int r = 0; r < LORA_TILE; r++) z[(int64_t)t * zs + k + r] = acc[r];
+            for (int r = 0; r < LORA_TILE; r++) z[t * zs + k + r] = acc[r];
         }
     }
     for (; k < rank; k++) {
         const float *wr = w + (int64_t)k * in;
-        for (int t = 0; t < nt; t++) {
-            const float *xt = x + (int64_t)t * in;
+        for (int j = 0; j < nt; j++) {
+            int64_t t = tokens[j];
+            const float *xt = x + t * in;
             float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
             for (int i = 0; i < in; i++) acc += xt[i] * wr[i];
-            z[(int64_t)t * zs + k] = acc;
+            z[t * zs + k] = acc;
         }
     }
 }
@@ -79,15 +82,17 @@ static const float *lora_f32(const void *w, int bf16, int64_t count, float *wide
 }
 
 /* y[t, lo:hi] += b_rows [hi - lo, R] . z[t] for the run's tokens */
-static void lora_expand_rows(const lora_run_t *run, const float *z, int zs, const float *b_rows,
-                             int rank, void *y, int y_bf16, int out, int lo, int hi) {
+static void lora_expand_rows(const lora_run_t *run, const int *order, const float *z, int zs,
+                             const float *b_rows, int rank, void *y, int y_bf16, int out, int lo,
+                             int hi) {
     int cols = hi - lo;
     float acc[LORA_TILE];
     for (int j = 0; j < cols; j += LORA_TILE) {
         int nj = cols - j < LORA_TILE ? cols - j : LORA_TILE;
         const float *b0 = b_rows + (int64_t)j * rank;
-        for (int t = run->lo; t < run->hi; t++) {
-            const float *zt = z + (int64_t)t * zs;
+        for (int i = run->lo; i < run->hi; i++) {
+            int64_t t = order[i];
+            const float *zt = z + t * zs;
             if (nj == LORA_TILE) {
                 for (int r = 0; r < LORA_TILE; r++) acc[r] = 0.f;
 #pragma omp simd reduction(+ : acc[:LORA_TILE])
@@ -103,7 +108,7 @@ static void lora_expand_rows(const lora_run_t *run, const float *z, int zs, cons
                     acc[r] = s;
                 }
             }
-            int64_t at = (int64_t)t * out + lo + j;
+            int64_t at = t * out + lo + j;
             if (y_bf16) {
                 uint16_t *yb = (uint16_t *)y + at;
                 for (int r = 0; r < nj; r++) yb[r] = f32_to_bf16(bf16_to_f32(yb[r]) + acc[r]);
@@ -115,18 +120,25 @@ static void lora_expand_rows(const lora_run_t *run, const float *z, int zs, cons
     }
 }
 
-/* Cut tokens into runs of one slot (>= 0), at most LORA_RUN long; -1 when a slot is out of
- * range, else the number of runs */
-static int lora_runs(const int32_t *slots, int n, int max_loras, lora_run_t *runs) {
-    int count = 0;
-    for (int t = 0; t < n;) {
-        int s = slots[t];
-        if (s < -1 || s >= max_loras) return -1;
-        int e = t + 1;
-        while (e < n && e - t < LORA_RUN && slots[e] == s) e++;
-        if (s >= 0) runs[count++] = (lora_run_t){s, t, e};
-        t = e;
+/* Group the tokens by slot (stable: a counting sort into `order`, base tokens left out) and
+ * cut each slot's tokens into runs of at most LORA_RUN: a decode batch of round-robin
+ * adapters gets the same long runs as a prefill of contiguous segments. Returns the number
+ * of runs, -1 when a slot is out of range. counts: max_loras + 1 ints of scratch. */
+static int lora_runs(const int32_t *slots, int n, int max_loras, int *counts, int *order,
+                     lora_run_t *runs) {
+    memset(counts, 0, sizeof(int) * (size_t)(max_loras + 1));
+    for (int t = 0; t < n; t++) {
+        if (slots[t] < -1 || slots[t] >= max_loras) return -1;
+        if (slots[t] >= 0) counts[slots[t] + 1]++;
     }
+    for (int s = 0; s < max_loras; s++) counts[s + 1] += counts[s]; /* slot s starts at [s] */
+    int count = 0;
+    for (int s = 0; s < max_loras; s++) /* runs before the fill moves counts[] */
+        for (int lo = counts[s]; lo < counts[s + 1]; lo += LORA_RUN)
+            runs[count++] = (lora_run_t){s, lo, lo + LORA_RUN < counts[s + 1] ? lo + LORA_RUN
+                                                                             : counts[s + 1]};
+    for (int t = 0; t < n; t++)
+        if (slots[t] >= 0) order[counts[slots[t]]++] = t;
     return count;
 }
 
@@ -144,10 +156,11 @@ int lora_add(const float *x, int n, int in, const void *a, const void *b, int w_
     if (n == 0) return 0;
     int zs = num_slices * rank;
     lora_run_t *runs = (lora_run_t *)malloc(sizeof(lora_run_t) * (size_t)n);
+    int *order = (int *)malloc(sizeof(int) * ((size_t)n + max_loras + 1));
     float *z = (float *)malloc(sizeof(float) * (size_t)n * zs);
-    int nruns = runs && z ? lora_runs(slots, n, max_loras, runs) : -2;
+    int nruns = runs && order && z ? lora_runs(slots, n, max_loras, order + n, order, runs) : -2;
     if (nruns <= 0) {
-        free(runs), free(z);
+        free(runs), free(order), free(z);
         return nruns == 0 ? 0 : (nruns == -1 ? 1 : 2);
     }
     int chunks = (out + LORA_CHUNK - 1) / LORA_CHUNK, failed = 0;
@@ -170,8 +183,7 @@ int lora_add(const float *x, int n, int in, const void *a, const void *b, int w_
             const float *w = w_bf16 ? lora_f32((const uint16_t *)a + at, 1, (int64_t)rank * in,
                                                wide)
                                     : (const float *)a + at;
-            lora_dots(x + (int64_t)run->lo * in, run->hi - run->lo, in, w, rank,
-                      z + (int64_t)run->lo * zs + c * rank, zs);
+            lora_dots(x, order + run->lo, run->hi - run->lo, in, w, rank, z + c * rank, zs);
         }
 #pragma omp for schedule(dynamic, 1)
         for (int ch = 0; ch < chunks; ch++) {
@@ -186,13 +198,13 @@ int lora_add(const float *x, int n, int in, const void *a, const void *b, int w_
                     const float *w = w_bf16 ? lora_f32((const uint16_t *)b + at, 1,
                                                        (int64_t)(chi - clo) * rank, wide)
                                             : (const float *)b + at;
-                    lora_expand_rows(runs + r, z + c * rank, zs, w, rank, y, y_bf16, out, clo,
-                                     chi);
+                    lora_expand_rows(runs + r, order, z + c * rank, zs, w, rank, y, y_bf16,
+                                     out, clo, chi);
                 }
             }
         }
         free(wide);
     }
-    free(runs), free(z);
+    free(runs), free(order), free(z);
     return failed ? 2 : 0;
 }

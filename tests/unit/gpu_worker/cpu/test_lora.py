@@ -121,3 +121,18 @@ def test_refuses_inputs_outside_the_contract() -> None:
     assert torch.equal(y, torch.zeros(2, 8))
     empty = torch.zeros(0, 8)
     assert lora.lora_add(empty, torch.zeros(0, 8), a, b, bounds, torch.zeros(0, dtype=torch.int32))
+
+
+def test_a_token_gets_the_same_bits_in_any_batch() -> None:
+    """Tokens are grouped by slot and each one's sums run in a fixed order: a token's delta
+    does not depend on the rest of its batch (a request's output does not either)."""
+    bounds = [0, 64, 80, 96]
+    a, b = _adapters(4, bounds, 16, 72, 16, seed=11)
+    x, slots = torch.randn(33, 72), _slots("random", 33, 4, seed=11)
+    bt = lora.slice_bounds_tensor(bounds)
+    batch = torch.zeros(33, 96)
+    assert lora.lora_add(batch, x, a, b, bt, slots)
+    for t in (0, 5, 32):
+        alone = torch.zeros(1, 96)
+        assert lora.lora_add(alone, x[t : t + 1], a, b, bt, slots[t : t + 1])
+        assert torch.equal(alone[0], batch[t])
