@@ -12,8 +12,8 @@
  * region:
  *   shrink  one work item per (run, slice): z of the run's tokens, a small GEMM whose A
  *           [R, in] stays in L1/L2 while the run's rows of x stream past it
- *   expand  one work item per LORA_CHUNK output rows: every run adds its tokens' z times
- *           those rows of its B into y
+ *   expand  one work item per (run, LORA_CHUNK output rows): the run's tokens' z times those
+ *           rows of its B, added into y (items of one run in a row: its B read in order)
  * Each value is summed by one thread in a fixed order, whatever the number of threads, so the
  * layer-by-layer path and the one-call decode step (decode_step.c includes this file) get the
  * same bits. Sums are float32; y is float32, or bf16 (rounded once, after the add).
@@ -81,6 +81,39 @@ static const float *lora_f32(const void *w, int bf16, int64_t count, float *wide
     return wide;
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* 16 rows of b [16, R] (R a multiple of 16) times z [R]: one vector of the 16 sums. Each
+ * row's products are summed in a vector, then the 16 vectors are reduced together (a
+ * transposing tree: 30 shuffles and 15 adds for 16 sums, where 16 separate horizontal
+ * sums take ~130 instructions: the expand of a decode token was bound by them). */
+static inline __m512 lora_dot16(const float *b, const float *z, int rank) {
+    __m512 v[16], a[8], c[4], e[2];
+    for (int r = 0; r < 16; r++) {
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(b + (int64_t)r * rank), _mm512_loadu_ps(z));
+        for (int k = 16; k < rank; k += 16)
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(b + (int64_t)r * rank + k),
+                                  _mm512_loadu_ps(z + k), acc);
+        v[r] = acc;
+    }
+    for (int i = 0; i < 8; i++) /* halves of rows 2i | 2i+1 */
+        a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++) { /* quarter q of b: row 4i + q's 4 partial sums */
+        __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                                 _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+        a[i] = q;
+    }
+    for (int i = 0; i < 2; i++) /* lane q: rows 8i + q, 8i + 4 + q, two partials each */
+        c[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
+    e[0] = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+    /* element 4q + m holds row 4m + q */
+    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    return _mm512_permutexvar_ps(order, e[0]);
+}
+#endif
+
 /* y[t, lo:hi] += b_rows [hi - lo, R] . z[t] for the run's tokens */
 static void lora_expand_rows(const lora_run_t *run, const int *order, const float *z, int zs,
                              const float *b_rows, int rank, void *y, int y_bf16, int out, int lo,
@@ -93,6 +126,11 @@ static void lora_expand_rows(const lora_run_t *run, const int *order, const floa
         for (int i = run->lo; i < run->hi; i++) {
             int64_t t = order[i];
             const float *zt = z + t * zs;
+#if defined(__AVX512F__)
+            if (nj == 16 && rank % 16 == 0) {
+                _mm512_storeu_ps(acc, lora_dot16(b0, zt, rank));
+            } else
+#endif
             if (nj == LORA_TILE) {
                 for (int r = 0; r < LORA_TILE; r++) acc[r] = 0.f;
 #pragma omp simd reduction(+ : acc[:LORA_TILE])
@@ -186,21 +224,23 @@ int lora_add(const float *x, int n, int in, const void *a, const void *b, int w_
             lora_dots(x, order + run->lo, run->hi - run->lo, in, w, rank, z + c * rank, zs);
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int ch = 0; ch < chunks; ch++) {
+        for (int item = 0; item < nruns * chunks; item++) {
+            /* run-major: a thread's consecutive items read one slot's B in order (chunks of
+             * several slots in turn defeated the prefetcher: 4 KB per slot at a time) */
+            const lora_run_t *run = runs + item / chunks;
+            int ch = item % chunks;
             if (w_bf16 && !wide) continue;
             int lo = ch * LORA_CHUNK, hi = lo + LORA_CHUNK < out ? lo + LORA_CHUNK : out;
             for (int c = 0; c < num_slices; c++) { /* the chunk's part in each slice */
                 int clo = bounds[c] > lo ? bounds[c] : lo;
                 int chi = bounds[c + 1] < hi ? bounds[c + 1] : hi;
                 if (clo >= chi) continue;
-                for (int r = 0; r < nruns; r++) {
-                    int64_t at = ((int64_t)runs[r].slot * out + clo) * rank;
-                    const float *w = w_bf16 ? lora_f32((const uint16_t *)b + at, 1,
-                                                       (int64_t)(chi - clo) * rank, wide)
-                                            : (const float *)b + at;
-                    lora_expand_rows(runs + r, order, z + c * rank, zs, w, rank, y, y_bf16,
-                                     out, clo, chi);
-                }
+                int64_t at = ((int64_t)run->slot * out + clo) * rank;
+                const float *w = w_bf16 ? lora_f32((const uint16_t *)b + at, 1,
+                                                   (int64_t)(chi - clo) * rank, wide)
+                                        : (const float *)b + at;
+                lora_expand_rows(run, order, z + c * rank, zs, w, rank, y, y_bf16, out, clo,
+                                 chi);
             }
         }
         free(wide);

@@ -3,6 +3,7 @@ decode step of SmolLM2 with and without an active adapter.
 
     .venv/bin/python -m tools.benchmarks.lora_kernels [--threads 2] [--tokens 1 8 64 512]
     .venv/bin/python -m tools.benchmarks.lora_kernels --no-kernels     # the decode step only
+    .venv/bin/python -m tools.benchmarks.lora_kernels --no-kernels --lora-dtype bfloat16
 
 Kernels: 8 adapters of rank 16 in float32 on SmolLM2-135M's four LoRA layers (qkv_proj
 576 -> 576|192|192, o_proj 576 -> 576, gate_up_proj 576 -> 1536|1536, down_proj 1536 -> 576),
@@ -13,7 +14,10 @@ contiguous segments (prefill chunks of 8 requests). Milliseconds, best of a few 
   C        lora.c (lora_add), in place
 Decode step: SmolLM2 (float32, the C kernels, the one-call step) at context `--context`, B=1
 with no adapter, then with a rank-16 adapter on all 7 targets, median ms per step (the ITL
-ratio; the issue's target is <= 1.15x); then B=8 with 8 adapters round-robin against B=8 base.
+ratio; the issue's target is <= 1.15x); then B=8 with 8 adapters round-robin against B=8 base;
+steps without and with adapters interleaved; wall time (best, median) and the process's CPU
+time (median: less sensitive to a busy machine's preemption, but counts OpenMP spinning);
+`--lora-dtype bfloat16` keeps the slots in bf16 (half the bytes; lora.c widens them).
 Timings on a machine whose cores are shared are upper bounds: say so with the figures.
 """
 
@@ -151,10 +155,10 @@ def _step(model: torch.nn.Module, batch: int, context: int) -> Callable[[], obje
     return step
 
 
-def decode_steps(context: int, steps: int) -> None:
+def decode_steps(context: int, steps: int, lora_dtype: torch.dtype) -> None:
     """Steps without and with adapters interleaved (a busy machine slows both alike), best
     and median of each."""
-    from gpu_worker.lora.layer import enable_lora, lora_layers
+    from gpu_worker.lora.layer import LoraLinearMethod, enable_lora, lora_layers
     from gpu_worker.models import one_call_step
 
     model = _smollm2()
@@ -162,26 +166,37 @@ def decode_steps(context: int, steps: int) -> None:
     mapping = enable_lora(model, max_loras=ADAPTERS, max_rank=RANK, max_tokens=8, kernel="cpu")
     with torch.no_grad():
         for _, layer, _ in lora_layers(model):
-            layer.method.lora_a.normal_(0, 0.02)  # type: ignore[union-attr]
-            layer.method.lora_b.normal_(0, 0.02)  # type: ignore[union-attr]
-    print(f"one-call decode step, SmolLM2-135M float32, context {context}, ms (best / median)")
+            method = layer.method
+            assert isinstance(method, LoraLinearMethod)
+            # slots in another dtype than the model's (lora.c reads float32 or bf16)
+            method.lora_a = torch.randn(method.lora_a.shape).mul_(0.02).to(lora_dtype)
+            method.lora_b = torch.randn(method.lora_b.shape).mul_(0.02).to(lora_dtype)
+    print(
+        f"one-call decode step, SmolLM2-135M float32, LoRA slots {lora_dtype}, context "
+        f"{context}, {steps} steps each: "
+        "wall ms best / median, CPU ms (all threads) median"
+    )
     for batch, lora_slots in ((1, [0]), (8, list(range(ADAPTERS)))):
         step = _step(model, batch, context)
-        times: dict[str, list[float]] = {"base": [], "lora": []}
+        wall: dict[str, list[float]] = {"base": [], "lora": []}
+        cpu: dict[str, list[float]] = {"base": [], "lora": []}
         for i in range(steps + 2):
             for key, slots in (("base", [-1] * batch), ("lora", lora_slots)):
                 mapping.set(slots)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 step()
                 if i >= 2:
-                    times[key].append((time.perf_counter() - t0) * 1e3)
-        best = {k: min(v) for k, v in times.items()}
-        med = {k: statistics.median(v) for k, v in times.items()}
+                    wall[key].append((time.perf_counter() - t0) * 1e3)
+                    cpu[key].append((time.process_time() - c0) * 1e3)
+        best = {k: min(v) for k, v in wall.items()}
+        med = {k: statistics.median(v) for k, v in wall.items()}
+        cmed = {k: statistics.median(v) for k, v in cpu.items()}
         print(
-            f"B={batch}: base {best['base']:.2f} / {med['base']:.2f}, "
-            f"{len(set(lora_slots))} adapter(s) of rank {RANK} on 7 targets "
-            f"{best['lora']:.2f} / {med['lora']:.2f}: ratio {best['lora'] / best['base']:.3f} "
-            f"/ {med['lora'] / med['base']:.3f}"
+            f"B={batch}, {len(set(lora_slots))} adapter(s) of rank {RANK} on 7 targets: "
+            f"base {best['base']:.2f} / {med['base']:.2f} / {cmed['base']:.2f}, "
+            f"LoRA {best['lora']:.2f} / {med['lora']:.2f} / {cmed['lora']:.2f}; ratio "
+            f"{best['lora'] / best['base']:.3f} / {med['lora'] / med['base']:.3f} / "
+            f"{cmed['lora'] / cmed['base']:.3f}"
         )
     mapping.clear()
 
@@ -194,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--no-kernels", action="store_true")
     p.add_argument("--no-step", action="store_true")
+    p.add_argument("--lora-dtype", choices=("float32", "bfloat16"), default="float32")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if lora.load() is None:
@@ -201,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_kernels:
         kernels(args.tokens)
     if not args.no_step:
-        decode_steps(args.context, args.steps)
+        decode_steps(args.context, args.steps, getattr(torch, args.lora_dtype))
     return 0
 
 

@@ -86,7 +86,9 @@ def test_bfloat16_weights_and_output() -> None:
     assert lora.lora_add(y, x, a16, b16, lora.slice_bounds_tensor(bounds), slots)
     exact = y0.float() + lora_delta_reference(x, a16, b16, bounds, slots)
     assert y.dtype == torch.bfloat16
-    assert torch.equal(y, exact.bfloat16())  # one rounding of the float32 sum
+    # one rounding of the float32 sum: within half a bf16 step (its float32 sums' order
+    # differs from torch's in the last bits)
+    assert ((y.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-5).all()
     y32 = y0.float()
     assert lora.lora_add(y32, x, a16, b16, lora.slice_bounds_tensor(bounds), slots)
     torch.testing.assert_close(y32, exact, rtol=1e-5, atol=1e-5)
