@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # the smallest opt-in shared memory per block among the GPUs we target (sm_86/sm_89: 99 KB)
 MAX_SHARED_BYTES = 99 * 1024
 QUANT_KERNELS = ("_gguf_matmul_kernel", "_int8_matmul_kernel", "_quantize_rows_kernel")
-LORA_KERNELS = ("_lora_shrink_kernel", "_lora_expand_kernel")
+LORA_KERNELS = ("_lora_shrink_kernel", "_lora_expand_kernel", "_sgmv_shrink_kernel",
+                "_sgmv_expand_kernel")  # fmt: skip
 
 
 def test_kernels_compile_for_sm90_and_sm80() -> None:

@@ -11,7 +11,12 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
-from gpu_worker.kernels.lora.kernel import lora_add, lora_tiles  # noqa: E402
+from gpu_worker.kernels.lora.kernel import (  # noqa: E402
+    MAX_BGMV_TOKENS,
+    lora_add,
+    lora_tiles,
+    slot_groups,
+)
 from gpu_worker.kernels.lora.reference import lora_add_reference  # noqa: E402
 
 
@@ -38,6 +43,11 @@ def _case(
         (9, [0, 70, 140], 48, 5),
         (3, [0, 300], 130, 32),
         (4, [0, 24, 40, 56], 300, 64),
+        # more than MAX_BGMV_TOKENS: the segment (sgmv) kernels
+        (MAX_BGMV_TOKENS + 1, [0, 48], 40, 16),
+        (45, [0, 64, 80, 96], 64, 8),
+        (70, [0, 70, 140], 100, 5),
+        (33, [0, 24, 40, 56], 130, 64),
     ],
 )
 def test_equals_the_reference(
@@ -68,6 +78,21 @@ def test_all_base_and_empty(device: torch.device) -> None:
     lora_add(y, x, a, b, bounds, torch.full((3,), -1, dtype=torch.int32, device=device))
     assert torch.equal(y, before)
     lora_add(y[:0], x[:0], a, b, bounds, torch.zeros(0, dtype=torch.int32, device=device))
+
+
+def test_bfloat16_segments(device: torch.device) -> None:
+    bounds = [0, 64, 96]
+    y, x, a, b, slots = _case(40, bounds, 64, 16, 4, 2, torch.bfloat16, device)
+    expected = lora_add_reference(y.cpu(), x.cpu(), a.cpu(), b.cpu(), bounds, slots.cpu())
+    lora_add(y, x, a, b, bounds, slots)
+    torch.testing.assert_close(y.cpu().float(), expected.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_slot_groups() -> None:
+    slots = torch.tensor([2, -1, 0, 2, -1, 2, 0], dtype=torch.int32)
+    order, starts, counts = slot_groups(slots, num_loras=4)
+    assert order.tolist() == [1, 4, 2, 6, 0, 3, 5]  # base, slot 0, slot 2; stable
+    assert counts.tolist() == [2, 2, 0, 3, 0] and starts.tolist() == [0, 2, 4, 4, 7]
 
 
 def test_tiles() -> None:

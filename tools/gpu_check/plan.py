@@ -75,7 +75,8 @@ class Plan:
             graph_batches=(1, 2), graph_context=16, model_shape="tiny",
             parity_prompts=2, parity_new_tokens=4,
             quant_checks=((3, 40, 256),), quant_speed_cases=((2, 32, 256),),
-            lora_checks=((5, 64, (48, 16, 16), 8),), lora_speed_cases=((3, 64, (96,), 8),),
+            lora_checks=((5, 64, (48, 16, 16), 8), (20, 64, (96,), 16)),  # bgmv, sgmv
+            lora_speed_cases=((3, 64, (96,), 8),),
         )  # fmt: skip
 
 
