@@ -127,3 +127,14 @@ def test_layers_with_the_triton_kernel_equal_the_reference(tiny_llama: Path) -> 
         with torch.inference_mode():
             outputs.append(inner(torch.arange(11), meta.positions, kv, meta))
     torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-4, atol=1e-4)  # 2 layers' sums
+
+
+def test_reference_equals_the_contracts() -> None:
+    """reference.py (per token) against gpu_worker/lora/layer.py's lora_delta_reference (per
+    slot): one formula, spelled twice."""
+    from gpu_worker.lora.layer import lora_delta_reference
+
+    bounds = [0, 64, 80, 96]
+    y, x, a, b, slots = _case(30, bounds, 48, 8, 3, 4, torch.float32, torch.device("cpu"))
+    expected = y + lora_delta_reference(x, a, b, bounds, slots)
+    torch.testing.assert_close(lora_add_reference(y, x, a, b, bounds, slots), expected)
