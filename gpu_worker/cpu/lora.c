@@ -41,36 +41,41 @@ typedef struct {
 } lora_run_t;
 
 /* z[t, k] (stride zs) = w [R, in] . x[t] for the tokens t = tokens[0 .. nt) of x (stride
- * in): linear.c's rows() shape, LORA_TILE rows of w per pass over x */
-static void lora_dots(const float *x, const int *tokens, int nt, int in, const float *w,
-                      int rank, float *z, int zs) {
-    int k = 0;
-    for (; k + LORA_TILE <= rank; k += LORA_TILE) {
-        const float *w0 = w + (int64_t)k * in;
-        for (int j = 0; j < nt; j++) {
-            int64_t t = tokens[j];
-            const float *xt = x + t * in;
-            float acc[LORA_TILE] = {0};
-#pragma omp simd reduction(+ : acc[:LORA_TILE])
-            for (int i = 0; i < in; i++) {
-                float xv = xt[i];
-                for (int r = 0; r < LORA_TILE; r++) acc[r] += xv * w0[r * in + i];
-            }
-            for (int r = 0; r < LORA_TILE; r++) z[t * zs + k + r] = acc[r];
-        }
+ * in): linear.c's rows() shape, LORA_TILE rows of w per pass over x. Defined for float32 w
+ * (lora_dots) and bf16 w (lora_dots_bf16, widened as it is read: the same values and sums). */
+#define LORA_DOTS(NAME, WT, WIDEN)                                                             \
+    static void NAME(const float *x, const int *tokens, int nt, int in, const WT *w, int rank, \
+                     float *z, int zs) {                                                       \
+        int k = 0;                                                                             \
+        for (; k + LORA_TILE <= rank; k += LORA_TILE) {                                        \
+            const WT *w0 = w + (int64_t)k * in;                                                \
+            for (int j = 0; j < nt; j++) {                                                     \
+                int64_t t = tokens[j];                                                         \
+                const float *xt = x + t * in;                                                  \
+                float acc[LORA_TILE] = {0};                                                    \
+                _Pragma("omp simd reduction(+ : acc[:LORA_TILE])")                             \
+                for (int i = 0; i < in; i++) {                                                 \
+                    float xv = xt[i];                                                          \
+                    for (int r = 0; r < LORA_TILE; r++) acc[r] += xv * WIDEN(w0[r * in + i]);  \
+                }                                                                              \
+                for (int r = 0; r < LORA_TILE; r++) z[t * zs + k + r] = acc[r];                \
+            }                                                                                  \
+        }                                                                                      \
+        for (; k < rank; k++) {                                                                \
+            const WT *wr = w + (int64_t)k * in;                                                \
+            for (int j = 0; j < nt; j++) {                                                     \
+                int64_t t = tokens[j];                                                         \
+                const float *xt = x + t * in;                                                  \
+                float acc = 0.f;                                                               \
+                _Pragma("omp simd reduction(+ : acc)")                                         \
+                for (int i = 0; i < in; i++) acc += xt[i] * WIDEN(wr[i]);                      \
+                z[t * zs + k] = acc;                                                           \
+            }                                                                                  \
+        }                                                                                      \
     }
-    for (; k < rank; k++) {
-        const float *wr = w + (int64_t)k * in;
-        for (int j = 0; j < nt; j++) {
-            int64_t t = tokens[j];
-            const float *xt = x + t * in;
-            float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-            for (int i = 0; i < in; i++) acc += xt[i] * wr[i];
-            z[t * zs + k] = acc;
-        }
-    }
-}
+#define LORA_AS_IS(v) (v)
+LORA_DOTS(lora_dots, float, LORA_AS_IS)
+LORA_DOTS(lora_dots_bf16, uint16_t, bf16_to_f32)
 
 /* w as float32: itself, or its `count` bf16 values widened into `wide` */
 static const float *lora_f32(const void *w, int bf16, int64_t count, float *wide) {
@@ -202,7 +207,7 @@ int lora_add(const float *x, int n, int in, const void *a, const void *b, int w_
         return nruns == 0 ? 0 : (nruns == -1 ? 1 : 2);
     }
     int chunks = (out + LORA_CHUNK - 1) / LORA_CHUNK, failed = 0;
-    int64_t wide_count = w_bf16 ? (int64_t)rank * (in > LORA_CHUNK ? in : LORA_CHUNK) : 0;
+    int64_t wide_count = (int64_t)rank * LORA_CHUNK; /* a chunk of bf16 B, widened */
     /* one thread for a tiny amount of work */
     int threads = (int64_t)n * (num_slices * in + out) * rank < LORA_SMALL_WORK ? 1 : nthreads;
 #pragma omp parallel num_threads(threads)
@@ -218,10 +223,13 @@ int lora_add(const float *x, int n, int in, const void *a, const void *b, int w_
             int c = item % num_slices;
             if (w_bf16 && !wide) continue;
             int64_t at = ((int64_t)run->slot * num_slices + c) * rank * in;
-            const float *w = w_bf16 ? lora_f32((const uint16_t *)a + at, 1, (int64_t)rank * in,
-                                               wide)
-                                    : (const float *)a + at;
-            lora_dots(x, order + run->lo, run->hi - run->lo, in, w, rank, z + c * rank, zs);
+            const int *tokens = order + run->lo;
+            if (w_bf16)
+                lora_dots_bf16(x, tokens, run->hi - run->lo, in, (const uint16_t *)a + at, rank,
+                               z + c * rank, zs);
+            else
+                lora_dots(x, tokens, run->hi - run->lo, in, (const float *)a + at, rank,
+                          z + c * rank, zs);
         }
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < nruns * chunks; item++) {
