@@ -27,10 +27,12 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
 from gpu_worker.cpu import lora
+from gpu_worker.models.llama import DecoderLayer, LlamaForCausalLM
 
 RANK, ADAPTERS = 16, 8
 # (layer, in, slice bounds) of SmolLM2-135M
@@ -109,7 +111,7 @@ def kernels(tokens_list: list[int]) -> None:
                 print(_row(name, inn, bounds, tokens, pattern))
 
 
-def _smollm2() -> torch.nn.Module:
+def _smollm2() -> LlamaForCausalLM:
     """SmolLM2-135M (float32) with the CPU's C kernels and one-call decode step."""
     from common.prepare_model import default_model_dir
     from gpu_worker.attention.torch_backend import TorchAttentionBackend
@@ -131,13 +133,13 @@ def _smollm2() -> torch.nn.Module:
                       kernels=kernels)  # fmt: skip
 
 
-def _step(model: torch.nn.Module, batch: int, context: int) -> Callable[[], object]:
+def _step(model: LlamaForCausalLM, batch: int, context: int) -> Callable[[], object]:
     """A decode step of `batch` sequences at `context` (the same step each call: its cost does
     not depend on the tokens)."""
     from gpu_worker.attention.metadata import build_metadata
 
-    inner = model.model  # type: ignore[union-attr]
-    attn = inner.layers[0].self_attn
+    inner = model.model
+    attn = cast(DecoderLayer, inner.layers[0]).self_attn
     block_size = 16
     per_seq = context // block_size + 1
     kv = torch.randn(len(inner.layers), 2, batch * per_seq, block_size, attn.num_kv_heads,
@@ -162,7 +164,7 @@ def decode_steps(context: int, steps: int, lora_dtype: torch.dtype) -> None:
     from gpu_worker.models import one_call_step
 
     model = _smollm2()
-    assert isinstance(model.model.decode_step, one_call_step.CpuDecodeStep)  # type: ignore[union-attr]
+    assert isinstance(model.model.decode_step, one_call_step.CpuDecodeStep)
     mapping = enable_lora(model, max_loras=ADAPTERS, max_rank=RANK, max_tokens=8, kernel="cpu")
     with torch.no_grad():
         for _, layer, _ in lora_layers(model):
