@@ -3,6 +3,7 @@
     layer ops     norms, rotary, activation: torch, the CPU's C kernels, or Triton on CUDA
     linear method one per linear layer, from its checkpoint weight (float, GGUF, int8) and
                   this choice: the C kernels on the CPU, Triton on CUDA, torch otherwise
+    LoRA kernel   the batched adapter deltas after each targeted linear: the same choice
     decode step   the CPU's one-call decode kernel, where it takes the model
 
 The model code names none of them (gpu_worker/models/llama.py); the loader asks this object
@@ -58,6 +59,18 @@ class KernelChoice:
         """ "cpu" (C), "triton" (CUDA) or "torch" (dequantize, then a float matmul)."""
         if self.cpu_linears:
             return "cpu"
+        return "triton" if self.triton_linears else "torch"
+
+    @property
+    def lora_kernel(self) -> str:
+        """The batched LoRA kernel of LoraLinearMethod (gpu_worker/lora/layer.py): "cpu"
+        (lora.c, also inside the one-call decode step) beside the C linears, "triton" beside
+        the Triton ones (CUDA), "torch" (the reference) otherwise."""
+        if self.cpu_linears:
+            from gpu_worker.cpu import lora
+
+            if lora.load() is not None:
+                return "cpu"
         return "triton" if self.triton_linears else "torch"
 
     def decode_step_for(self, model: nn.Module) -> DecodeStep | None:

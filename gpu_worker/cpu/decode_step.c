@@ -12,7 +12,8 @@
  *   x += (silu(h Wg^T) * (h Wu^T)) Wd^T          (gate and up are one weight, [2I, hidden])
  *
  * x [n, hidden] is the residual stream, updated in place; what comes out is the input of the
- * final norm. The kernels are linear.c, layers.c and cpu_paged_decode.c, compiled in here.
+ * final norm. The kernels are linear.c, layers.c, lora.c and cpu_paged_decode.c, compiled in
+ * here.
  *
  * Each linear runs the kernel of its layer's linear method (run_linear): float32 or bf16
  * weights (linear.c), GGUF blocks (gguf.c), int8 W8A8 (int8.c), the same kernels the layers
@@ -32,6 +33,7 @@
 #include "gguf.c"
 #include "int8.c"
 #include "layers.c"
+#include "lora.c"
 #include "../attention/cpu_paged_decode.c"
 
 /* K (and as many V) elements below which one thread attends: gpu_worker/attention/
@@ -42,7 +44,10 @@
  *   LIN_F32, LIN_BF16  w[0] [out, in] float32 / bfloat16 (linear.c)
  *   LIN_GGUF           nshards row ranges, each rows[s] x in of GGUF type qtype[s] (gguf.c)
  *   LIN_INT8           w[0] int8 [out, in], scale[out] float32 (int8.c)
- * b: the bias, float32, or NULL */
+ * b: the bias, float32, or NULL.
+ * lora_a, lora_b: the layer's LoRA slots (lora.c's a and b; NULL: no LoRA), lora_bounds its
+ * output slices; added after the base kernel for the rows whose slot is >= 0, as
+ * LoraLinearMethod adds them layer by layer */
 enum { LIN_F32 = 0, LIN_BF16 = 1, LIN_GGUF = 2, LIN_INT8 = 3 };
 #define MAX_SHARDS 4
 typedef struct {
@@ -50,6 +55,9 @@ typedef struct {
     const void *w[MAX_SHARDS];
     int qtype[MAX_SHARDS], rows[MAX_SHARDS];
     const float *scale, *b;
+    const void *lora_a, *lora_b;
+    const int32_t *lora_bounds;
+    int lora_bf16, lora_slices, lora_rank, lora_loras;
 } decode_linear_t;
 
 /* One layer: its norms' weights (float32) and its four linears */
@@ -58,9 +66,7 @@ typedef struct {
     decode_linear_t qkv, o, gate_up, down;
 } decode_layer_t;
 
-/* y [n, out] = x [n, in] W^T (+ b) by the layer's kernel; tmp holds n * out floats for a GGUF
- * weight of several shards (each shard's columns are gathered into y's rows) */
-static int run_linear(const decode_linear_t *L, const float *x, int n, float *y, int out, int in,
+static int run_base(const decode_linear_t *L, const float *x, int n, float *y, int out, int in,
                       float *tmp, int nthreads) {
     switch (L->kind) {
     case LIN_F32:
@@ -90,16 +96,29 @@ static int run_linear(const decode_linear_t *L, const float *x, int n, float *y,
     }
 }
 
+/* y [n, out] = x [n, in] W^T (+ b) by the layer's kernel, plus each row's LoRA delta where
+ * lora_slots (the rows' adapter slots) is not NULL and the layer has LoRA; tmp holds n * out
+ * floats for a GGUF weight of several shards (each shard's columns are gathered into y's
+ * rows) */
+static int run_linear(const decode_linear_t *L, const float *x, int n, float *y, int out, int in,
+                      float *tmp, const int32_t *lora_slots, int nthreads) {
+    int code = run_base(L, x, n, y, out, in, tmp, nthreads);
+    if (code || !lora_slots || !L->lora_a) return code;
+    return lora_add(x, n, in, L->lora_a, L->lora_b, L->lora_bf16, L->lora_slices, L->lora_rank,
+                    L->lora_bounds, out, lora_slots, L->lora_loras, y, 0, nthreads);
+}
+
 /* Returns 0; 1 when the shapes are outside what it takes (n > MAX_ROWS), 2 when memory ran
  * out or a kernel refused (the caller runs the layers one by one). kv_base is the cache
  * [layers, 2, blocks, bs, kvh, d] (float32, or bf16 with kv_bf16): layer l's K at
- * l * layer_stride, its V half_stride further (elements). */
+ * l * layer_stride, its V half_stride further (elements). lora_slots [n]: each row's adapter
+ * slot (-1: none), or NULL when no row has one (the step then costs nothing more). */
 int decode_forward(const decode_layer_t *layers, int num_layers, float *x, int n, int hidden,
                    int heads, int kvh, int d, int inter, float eps, const float *cos_t,
                    const float *sin_t, const int64_t *positions, const int64_t *slots,
                    void *kv_base, int64_t layer_stride, int64_t half_stride,
                    const int32_t *tables, int table_stride, const int32_t *seq_lens, int bs,
-                   float scale, int kv_bf16, int nthreads) {
+                   float scale, int kv_bf16, const int32_t *lora_slots, int nthreads) {
     if (n < 1 || n > MAX_ROWS || heads % kvh != 0) return 1;
     int q_size = heads * d, kv_size = kvh * d, qkv_size = q_size + 2 * kv_size;
     int64_t work = 0;
@@ -120,7 +139,7 @@ int decode_forward(const decode_layer_t *layers, int num_layers, float *x, int n
         char *k_cache = (char *)kv_base + l * layer_stride * size;
         char *v_cache = k_cache + half_stride * size;
         rms_norm(x, NULL, w->input_norm, eps, h, NULL, n, hidden, nthreads, 0);
-        code |= run_linear(&w->qkv, h, n, qkv, qkv_size, hidden, tmp, nthreads);
+        code |= run_linear(&w->qkv, h, n, qkv, qkv_size, hidden, tmp, lora_slots, nthreads);
         rotary_neox(qkv, positions, cos_t, sin_t, n, heads, d, qkv_size, nthreads, 0);
         rotary_neox(qkv + q_size, positions, cos_t, sin_t, n, kvh, d, qkv_size, nthreads, 0);
         for (int i = 0; i < n; i++) {
@@ -139,12 +158,13 @@ int decode_forward(const decode_layer_t *layers, int num_layers, float *x, int n
         if (paged_decode(q, k_cache, v_cache, kv_bf16, tables, table_stride, seq_lens, n, heads, kvh,
                          d, bs, scale, att, attend_threads) != 0)
             code = 2;
-        code |= run_linear(&w->o, att, n, proj, hidden, q_size, tmp, nthreads);
+        code |= run_linear(&w->o, att, n, proj, hidden, q_size, tmp, lora_slots, nthreads);
         /* x + proj into x, and its norm into h (the post-attention add-and-norm) */
         rms_norm(proj, x, w->post_norm, eps, h, x, n, hidden, nthreads, 0);
-        code |= run_linear(&w->gate_up, h, n, gate_up, 2 * inter, hidden, tmp, nthreads);
+        code |= run_linear(&w->gate_up, h, n, gate_up, 2 * inter, hidden, tmp, lora_slots,
+                           nthreads);
         silu_mul(gate_up, act, n, inter, nthreads, 0);
-        code |= run_linear(&w->down, act, n, proj, hidden, inter, tmp, nthreads);
+        code |= run_linear(&w->down, act, n, proj, hidden, inter, tmp, lora_slots, nthreads);
         for (size_t i = 0; i < (size_t)n * hidden; i++) x[i] += proj[i];
     }
     free(buf);

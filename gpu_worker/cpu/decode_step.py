@@ -24,6 +24,7 @@ INCLUDES = (
     HERE / "gguf_gemm.h",
     HERE / "int8.c",
     HERE / "layers.c",
+    HERE / "lora.c",
     HERE.parent / "attention" / "cpu_paged_decode.c",
 )
 _P = ctypes.c_void_p
@@ -32,7 +33,8 @@ LIN_F32, LIN_BF16, LIN_GGUF, LIN_INT8 = range(4)  # decode_step.c's decode_linea
 
 
 class DecodeLinear(ctypes.Structure):
-    """decode_step.c's decode_linear_t: one linear layer's weight as its method keeps it."""
+    """decode_step.c's decode_linear_t: one linear layer's weight as its method keeps it, and
+    its LoRA slots (lora_a NULL: none)."""
 
     _fields_ = [
         ("kind", ctypes.c_int),
@@ -42,6 +44,13 @@ class DecodeLinear(ctypes.Structure):
         ("rows", ctypes.c_int * MAX_SHARDS),
         ("scale", _P),
         ("b", _P),
+        ("lora_a", _P),
+        ("lora_b", _P),
+        ("lora_bounds", _P),
+        ("lora_bf16", ctypes.c_int),
+        ("lora_slices", ctypes.c_int),
+        ("lora_rank", ctypes.c_int),
+        ("lora_loras", ctypes.c_int),
     ]
 
 
@@ -64,7 +73,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.decode_forward.argtypes = [
         *(_P, i, _P, i, i, i, i, i, i, f),  # layers .. eps
         *(_P, _P, _P, _P, _P, i64, i64),  # cos .. half_stride
-        *(_P, i, _P, i, f, i, i),  # tables .. nthreads
+        *(_P, i, _P, i, f, i, _P, i),  # tables .. kv_bf16, lora_slots, nthreads
     ]
 
 

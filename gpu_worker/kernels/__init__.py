@@ -25,6 +25,7 @@ KERNEL_NAMES = (
     "rotary",
     "gguf_matmul",
     "int8_matmul",
+    "lora",
 )
 
 

@@ -27,9 +27,12 @@ mapping, the forward signature does not change, and CUDA graphs capture its stat
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
+from gpu_worker.cpu import lora as cpu_lora
 from gpu_worker.linear_methods.weights import CheckpointWeight
 from gpu_worker.models.linear import Linear, LinearMethod
 
@@ -124,6 +127,9 @@ class LoraLinearMethod:
             max_loras, num_slices, max_rank, in_features, dtype=dtype, device=device
         )
         self.lora_b = torch.zeros(max_loras, out_features, max_rank, dtype=dtype, device=device)
+        # [num_slices + 1] int32: the kernels' copy of slice_bounds
+        self.bounds = torch.tensor(slice_bounds, dtype=torch.int32, device=device)
+        self._kernel_add = self._choose_kernel(kernel)
 
     @property
     def storage(self) -> str:
@@ -141,6 +147,10 @@ class LoraLinearMethod:
         y = self.base.apply(layer, x)
         if not self.mapping.active:
             return y
+        if self._kernel_add is not None:
+            flat = y.reshape(-1, y.shape[-1])
+            if flat.is_contiguous() and self._kernel_add(flat, x.reshape(-1, x.shape[-1])):
+                return y
         delta = lora_delta_reference(
             x.reshape(-1, x.shape[-1]),
             self.lora_a,
@@ -149,6 +159,31 @@ class LoraLinearMethod:
             self.mapping.token_slots,
         )
         return y + delta.to(y.dtype).reshape(y.shape)
+
+    def _choose_kernel(self, kernel: str) -> Callable[[torch.Tensor, torch.Tensor], bool] | None:
+        """The function adding the step's deltas into y [T, out] in place for x [T, in] (False:
+        it cannot run here, the caller takes the reference); None for "torch". Chosen once:
+        triton is imported only where it is asked for."""
+        if kernel == "torch":
+            return None
+        if kernel == "cpu":
+
+            def cpu(y: torch.Tensor, x: torch.Tensor) -> bool:
+                slots = self.mapping.token_slots
+                return cpu_lora.lora_add(y, x, self.lora_a, self.lora_b, self.bounds, slots)
+
+            return cpu
+        if kernel == "triton":
+            from gpu_worker.kernels.lora.kernel import lora_add
+
+            def triton(y: torch.Tensor, x: torch.Tensor) -> bool:
+                lora_add(
+                    y, x, self.lora_a, self.lora_b, self.slice_bounds, self.mapping.token_slots
+                )
+                return True
+
+            return triton
+        raise ValueError(f"unknown LoRA kernel {kernel!r} (torch, cpu or triton)")
 
     def weight_bytes(self, layer: Linear) -> int:
         return self.base.weight_bytes(layer)

@@ -16,6 +16,11 @@ model of the shape the kernels take: float32 or bfloat16 activations on the CPU 
 layer ops and linear methods with C kernels (float, GGUF, int8), one tensor-parallel rank,
 no per-head q/k norm, the torch attention backend with its C decode kernel.
 
+LoRA: a layer whose method is a LoraLinearMethod with the "cpu" kernel gives the step its base
+method's weight and its adapter slots; the step passes the model's LoraMapping's slots to the C
+loop when a row has an adapter (lora.c adds the deltas after each base kernel, as the layers
+do) and NULL when none has (nothing more to run). The "torch" LoRA kernel keeps the layers.
+
 A bfloat16 model keeps float32 activations between the kernels inside the loop (torch's bf16
 layers round every op's output to bf16): its hidden states equal the layer-by-layer path's
 only within bf16's precision, and are closer to the float32 model's.
@@ -46,6 +51,7 @@ from gpu_worker.cpu.layers import CpuLayerOps
 from gpu_worker.linear_methods.cpu_float import CpuFloatLinearMethod
 from gpu_worker.linear_methods.gguf import GGUFLinearMethod
 from gpu_worker.linear_methods.int8 import Int8LinearMethod
+from gpu_worker.lora.layer import LoraLinearMethod, LoraMapping
 from gpu_worker.models.linear import Linear
 from gpu_worker.models.llama import DecoderLayer, LlamaForCausalLM, LlamaModel, RotaryEmbedding
 
@@ -68,10 +74,15 @@ def _float32(t: torch.Tensor | None, keep: list[torch.Tensor]) -> torch.Tensor |
 
 
 def _linear(layer: Linear, keep: list[torch.Tensor]) -> DecodeLinear | None:
-    """The descriptor of one linear layer for its method's C kernel, or None when its method
-    has none (the step then runs layer by layer)."""
+    """The descriptor of one linear layer for its method's C kernel (and its LoRA slots'), or
+    None when its method has none (the step then runs layer by layer)."""
     method = layer.method
     desc = DecodeLinear(nshards=1, b=_ptr(_float32(layer.bias, keep)))
+    if isinstance(method, LoraLinearMethod):
+        if method.kernel != "cpu":  # the layers' own arithmetic would differ from lora.c's
+            return None
+        _set_lora(desc, method)
+        method = method.base
     if isinstance(method, CpuFloatLinearMethod) and layer.weight.is_contiguous():
         desc.kind = LIN_BF16 if layer.weight.dtype == torch.bfloat16 else LIN_F32
         desc.w[0] = layer.weight.data_ptr()
@@ -89,6 +100,29 @@ def _linear(layer: Linear, keep: list[torch.Tensor]) -> DecodeLinear | None:
     else:
         return None
     return desc
+
+
+def _set_lora(desc: DecodeLinear, method: LoraLinearMethod) -> None:
+    """The LoRA slots of a layer into its descriptor: lora.c's a, b and slice bounds."""
+    a, b = method.lora_a, method.lora_b
+    desc.lora_a, desc.lora_b, desc.lora_bounds = a.data_ptr(), b.data_ptr(), _ptr(method.bounds)
+    desc.lora_bf16 = int(a.dtype == torch.bfloat16)
+    desc.lora_loras, desc.lora_slices, desc.lora_rank = a.shape[0], a.shape[1], a.shape[2]
+
+
+def lora_mapping(model: LlamaModel) -> LoraMapping | None:
+    """The mapping the model's LoRA layers share (enable_lora's), or None without LoRA."""
+    method = _layers(model)[0].self_attn.qkv_proj.method
+    return method.mapping if isinstance(method, LoraLinearMethod) else None
+
+
+def _weights_key(model: LlamaModel) -> tuple[int, int]:
+    """What the descriptors point at: the first weight, and the first LoRA slots if any (a
+    new key after the weights are swapped or LoRA is enabled)."""
+    qkv = _layers(model)[0].self_attn.qkv_proj
+    method = qkv.method
+    lora = method.lora_a.data_ptr() if isinstance(method, LoraLinearMethod) else 0
+    return qkv.weight.data_ptr(), lora
 
 
 def _layer_pointers(
@@ -118,7 +152,7 @@ class CpuDecodeStep:
     weight pointers, built once per weights."""
 
     _pointers: ctypes.Array[DecodeLayer] | None = None
-    _weights_at: int = 0
+    _weights_at: tuple[int, int] = (0, 0)
     _float32_copies: list[torch.Tensor]  # a bf16 model's norms, biases and rotary tables
     _rope: tuple[torch.Tensor, torch.Tensor]
 
@@ -159,7 +193,7 @@ class CpuDecodeStep:
         lib = load()
         layer = _layers(model)[0]
         attn = layer.self_attn
-        first = attn.qkv_proj.weight.data_ptr()
+        first = _weights_key(model)
         if lib is None or kv_cache.dtype not in (torch.float32, torch.bfloat16):
             return False
         if self._pointers is None or self._weights_at != first:  # built once per weights
@@ -177,6 +211,11 @@ class CpuDecodeStep:
         n, hidden = x.shape
         backend = attn.backend
         assert isinstance(backend, TorchAttentionBackend)
+        mapping = lora_mapping(model)
+        lora_slots = None
+        if mapping is not None and mapping.active:
+            assert mapping.num_tokens == n, "the LoRA mapping is not this step's"
+            lora_slots = mapping.buffer.data_ptr()
         code = lib.decode_forward(
             self._pointers,
             len(model.layers),
@@ -201,6 +240,7 @@ class CpuDecodeStep:
             meta.block_size,
             backend.scale,
             int(kv_cache.dtype == torch.bfloat16),
+            lora_slots,
             torch.get_num_threads(),
         )
         return code == 0

@@ -30,6 +30,7 @@ from gpu_worker.kernels.gguf_matmul import kernel as gguf
 from gpu_worker.kernels.gguf_matmul.reference import GGUF_BLOCKS, QTYPE_NAMES
 from gpu_worker.kernels.int8_matmul import kernel as int8
 from gpu_worker.kernels.kv_store import kernel as kv_store
+from gpu_worker.kernels.lora import kernel as lora
 from gpu_worker.kernels.paged_decode import kernel as decode
 from gpu_worker.kernels.rmsnorm import kernel as rmsnorm
 from gpu_worker.kernels.rotary import kernel as rotary
@@ -73,7 +74,8 @@ def _compile(fn: Any, arch: int, pointers: dict[str, str], constexprs: dict[str,
 def _attention(arch: int, dt: str, heads: int, kv_heads: int, head_dim: int) -> list[dict]:
     import torch
 
-    precision = dot_precision(torch.float32 if dt == "fp32" else torch.bfloat16)
+    dtype = torch.float32 if dt == "fp32" else torch.bfloat16
+    precision = dot_precision(dtype)
     block_h, block_n, block_d = decode.decode_tiles(heads // kv_heads, head_dim, DTYPES[dt])
     cache = {"cache_ptr": f"*{dt}", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32"}
     split = {"q_ptr": f"*{dt}", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", **cache}
@@ -160,6 +162,44 @@ def _int8(arch: int, dt: str) -> list[dict]:
     return rows  # fmt: skip
 
 
+LORA_RANKS = (16, 64)  # the usual max_rank and the largest tile (lora_tiles)
+
+
+def _lora(arch: int, dt: str) -> list[dict]:
+    """Decode (bgmv) and prefill (sgmv) shrink and expand for 1, 2 and 3 slices (o/down,
+    gate_up, qkv) at each LORA_RANKS."""
+    import torch
+
+    dtype = torch.float32 if dt == "fp32" else torch.bfloat16
+    precision = dot_precision(dtype)
+    groups = {"order_ptr": "*i32", "starts_ptr": "*i32", "counts_ptr": "*i32"}
+    shrink = {"x_ptr": f"*{dt}", "a_ptr": f"*{dt}", "slots_ptr": "*i32", "z_ptr": "*fp32"}
+    expand = {"z_ptr": "*fp32", "b_ptr": f"*{dt}", "slots_ptr": "*i32", "y_ptr": f"*{dt}"}
+    sg_shrink = {"x_ptr": f"*{dt}", "a_ptr": f"*{dt}", "z_ptr": "*fp32", **groups}
+    sg_expand = {"z_ptr": "*fp32", "b_ptr": f"*{dt}", "y_ptr": f"*{dt}", **groups}
+    rows = []
+    for rank in LORA_RANKS:
+        block_r, block_k, block_n = lora.lora_tiles(rank)
+        sg_m, sg_k, sg_n = lora.sgmv_tiles(dtype, rank)
+        sgmv = dict(BLOCK_M=sg_m, DOT_PRECISION=precision)
+        for slices in (1, 2, 3):
+            tiles = dict(NUM_SLICES=slices, BLOCK_R=block_r)
+            new = [
+                _compile(lora._lora_shrink_kernel, arch, shrink, dict(**tiles, BLOCK_K=block_k),
+                         (*shrink, "K", "R", "stride_xm"), num_warps=4),
+                _compile(lora._lora_expand_kernel, arch, expand, dict(**tiles, BLOCK_N=block_n),
+                         (*expand, "R", "stride_ym"), num_warps=4),
+                _compile(lora._sgmv_shrink_kernel, arch, sg_shrink,
+                         dict(**tiles, **sgmv, BLOCK_K=sg_k),
+                         (*sg_shrink, "K", "R", "stride_xm"), num_warps=4),
+                _compile(lora._sgmv_expand_kernel, arch, sg_expand,
+                         dict(**tiles, **sgmv, BLOCK_N=sg_n),
+                         (*sg_expand, "R", "stride_ym"), num_warps=4),
+            ]  # fmt: skip
+            rows += [{**row, "rank": rank} for row in new]
+    return rows
+
+
 def main(archs: list[int]) -> int:
     for i, arch in enumerate(archs):
         # the first architecture gets every variant, the others the bf16 production ones
@@ -167,7 +207,7 @@ def main(archs: list[int]) -> int:
             for shape in SHAPES:
                 for row in _attention(arch, dt, *shape):
                     print(json.dumps({"dtype": dt, "shape": list(shape), **row}), flush=True)
-            for row in _elementwise(arch, dt) + _gguf(arch, dt) + _int8(arch, dt):
+            for row in _elementwise(arch, dt) + _gguf(arch, dt) + _int8(arch, dt) + _lora(arch, dt):
                 print(json.dumps({"dtype": dt, **row}), flush=True)
     return 0
 

@@ -17,6 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # the smallest opt-in shared memory per block among the GPUs we target (sm_86/sm_89: 99 KB)
 MAX_SHARED_BYTES = 99 * 1024
 QUANT_KERNELS = ("_gguf_matmul_kernel", "_int8_matmul_kernel", "_quantize_rows_kernel")
+LORA_KERNELS = ("_lora_shrink_kernel", "_lora_expand_kernel", "_sgmv_shrink_kernel",
+                "_sgmv_expand_kernel")  # fmt: skip
 
 
 def test_kernels_compile_for_sm90_and_sm80() -> None:
@@ -29,14 +31,19 @@ def test_kernels_compile_for_sm90_and_sm80() -> None:
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     kernels = {(r["kernel"], r["arch"]) for r in rows}
     names = ("_decode_split_kernel", "_decode_merge_kernel", "_extend_kernel",
-             "_store_kv_kernel", "_rms_norm_kernel", "_rotary_kernel", *QUANT_KERNELS)  # fmt: skip
+             "_store_kv_kernel", "_rms_norm_kernel", "_rotary_kernel", *QUANT_KERNELS,
+             *LORA_KERNELS)  # fmt: skip
     assert kernels == {(name, arch) for name in names for arch in (90, 80)}
     assert max(r["shared_bytes"] for r in rows) <= MAX_SHARED_BYTES
     # every GGUF type in its decode and prefill tiles, for each architecture and dtype
     gguf = [(r["arch"], r["dtype"], r["qtype"]) for r in rows if "qtype" in r]
     assert len(gguf) == len(set(gguf)) * 2 and len({q for _, _, q in gguf}) == 8
-    # the quantized GEMMs keep every value in registers (`stack_bytes` holds spills)
-    quant = [r for r in rows if r["kernel"] in QUANT_KERNELS]
+    # each LoRA kernel for 1, 2 and 3 slices at each rank, per architecture and dtype
+    lora = [(r["kernel"], r["arch"], r["dtype"], r["NUM_SLICES"], r["rank"]) for r in rows
+            if r["kernel"] in LORA_KERNELS]  # fmt: skip
+    assert len(lora) == len(set(lora)) and {n for *_, n, _ in lora} == {"1", "2", "3"}
+    # the quantized GEMMs and LoRA keep every value in registers (`stack_bytes` holds spills)
+    quant = [r for r in rows if r["kernel"] in QUANT_KERNELS + LORA_KERNELS]
     assert [r for r in quant if r["stack_bytes"]] == [] and max(
         r["registers"] for r in quant
     ) <= 255

@@ -47,10 +47,11 @@ def test_dry_run_passes_without_the_serving_stack(tmp_path: Path) -> None:
     assert doc["forbidden_modules_imported"] == []
     kernels = {row["kernel"] for row in doc["kernels"]}
     assert kernels == {"paged_decode", "extend_attention", "kv_store", "rotary", "rmsnorm+residual",
-                       "gguf_matmul", "int8_matmul"}  # fmt: skip
+                       "gguf_matmul", "int8_matmul", "lora"}  # fmt: skip
     formats = {row["format"] for row in doc["quant_speed"]}
     assert formats == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "W8A8"}
     assert doc["parity"]["ok"] and doc["parity"]["tokens"] > 0
-    for section in ("decode_bandwidth", "extend_speed", "quant_speed"):
+    assert {row["pattern"] for row in doc["lora_speed"]} == {"round-robin", "segments"}
+    for section in ("decode_bandwidth", "extend_speed", "quant_speed", "lora_speed"):
         assert doc[section] and all(row["dtype"] == "float32" for row in doc[section])
     assert [s["batch"] for s in doc["cuda_graphs"]["steps"]] == [1, 2]

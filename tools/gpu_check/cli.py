@@ -10,6 +10,8 @@ On a CUDA machine it
   5. compares greedy tokens (fp32, triton backend, CUDA graphs) with transformers;
   6. times the quantized GEMMs (every GGUF block type, W8A8 int8; checked in step 1) against
      dequantize-then-torch.mm and torch.mm on dense weights, decode M=1/8 to prefill M=512;
+  7. checks the batched LoRA kernels (in step 1: 8 adapters round-robin with base rows, and
+     runs of one adapter) and times them against torch per adapter and the base layer's GEMM;
 then writes one JSON file and prints a table. It needs only torch, triton and transformers.
 
 `--dry-run` validates the plan anywhere: it prints the plan and its memory estimate, then

@@ -37,6 +37,10 @@ class Plan:
     # (M, N, K) of the quantized GEMMs, every GGUF type and int8; K a multiple of 256
     quant_checks: tuple[tuple[int, int, int], ...]
     quant_speed_cases: tuple[tuple[int, int, int], ...]
+    # (tokens, in, output slice widths, rank) of the LoRA kernels, each round-robin over 8
+    # adapters and base rows, and as 8 runs of one adapter (tools/gpu_check/lora.py)
+    lora_checks: tuple[tuple[int, int, tuple[int, ...], int], ...]
+    lora_speed_cases: tuple[tuple[int, int, tuple[int, ...], int], ...]
 
     @classmethod
     def full(cls) -> Plan:
@@ -53,6 +57,11 @@ class Plan:
             quant_checks=((7, 1000, 1536), (300, 2048, 4096)),  # decode and prefill tiles
             quant_speed_cases=((1, 4096, 4096), (8, 14336, 4096), (64, 4096, 14336),
                                (512, 4096, 4096)),
+            lora_checks=((8, 4096, (4096, 1024, 1024), 16), (300, 4096, (14336, 14336), 64),
+                         (33, 14336, (4096,), 16)),
+            lora_speed_cases=((1, 4096, (4096, 1024, 1024), 16), (8, 4096, (4096, 1024, 1024), 16),
+                              (64, 4096, (14336, 14336), 16), (512, 4096, (14336, 14336), 16),
+                              (8, 576, (576, 192, 192), 16), (512, 576, (1536, 1536), 16)),
         )  # fmt: skip
 
     @classmethod
@@ -66,6 +75,8 @@ class Plan:
             graph_batches=(1, 2), graph_context=16, model_shape="tiny",
             parity_prompts=2, parity_new_tokens=4,
             quant_checks=((3, 40, 256),), quant_speed_cases=((2, 32, 256),),
+            lora_checks=((5, 64, (48, 16, 16), 8), (20, 64, (96,), 16)),  # bgmv, sgmv
+            lora_speed_cases=((3, 64, (96,), 8),),
         )  # fmt: skip
 
 

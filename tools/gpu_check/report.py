@@ -79,6 +79,12 @@ def print_table(doc: dict[str, Any]) -> None:
         ["format", "m", "n", "k", "ours_ms", "dequant_mm_ms", "mm_ms", "ours_over_dequant_mm",
          "ours_over_mm", "weight_GBps"],
     )  # fmt: skip
+    _table(
+        "LoRA (8 adapters) vs torch per adapter and the base layer's torch.mm",
+        doc.get("lora_speed", []),
+        ["tokens", "pattern", "in", "out", "rank", "ours_ms", "torch_segments_ms", "base_mm_ms",
+         "ours_over_base_mm", "speedup_over_torch"],
+    )  # fmt: skip
     graphs = doc.get("cuda_graphs", {})
     _table(
         f"decode step, {doc.get('model', '')} model",

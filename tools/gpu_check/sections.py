@@ -11,10 +11,13 @@ import torch
 from common.prepare_model import default_model_dir
 from gpu_worker.cuda_graphs import graph_batch_sizes
 from tools.gpu_check import kernels as K
+from tools.gpu_check import lora as L
 from tools.gpu_check import model as M
 from tools.gpu_check import quant as Q
 from tools.gpu_check.plan import SHAPES, Plan
 from tools.gpu_check.report import Report
+
+LORA_PATTERNS = ("round-robin", "segments")
 
 
 def _shapes() -> list[K.AttnShape]:
@@ -40,6 +43,8 @@ def kernel_checks(plan: Plan, device: str) -> list[dict[str, Any]]:
         for m, n, k in plan.quant_checks:
             rows += [Q.check_gguf(qtype, m, n, k, dtype, device) for qtype in Q.QTYPES]
             rows.append(Q.check_int8(m, n, k, dtype, device))
+        for case in plan.lora_checks:
+            rows += [L.check_lora(case, p, dtype, device) for p in LORA_PATTERNS]
     return rows
 
 
@@ -78,6 +83,16 @@ def quant_speed(plan: Plan, device: str) -> list[dict[str, Any]]:
         rows += [Q.gguf_speed(qtype, m, n, k, dtype, device, plan.iters) for qtype in Q.QTYPES]
         rows.append(Q.int8_speed(m, n, k, dtype, device, plan.iters))
     return rows
+
+
+def lora_speed(plan: Plan, device: str) -> list[dict[str, Any]]:
+    """The LoRA kernels vs torch per adapter and vs the base layer's GEMM."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    return [
+        L.lora_speed(case, pattern, dtype, device, plan.iters)
+        for case in plan.lora_speed_cases
+        for pattern in LORA_PATTERNS
+    ]
 
 
 def model_folder(plan: Plan, given: Path | None, tmp: Path) -> tuple[Path, str]:
@@ -133,3 +148,4 @@ def run_sections(report: Report, plan: Plan, device: str, model: Path | None, tm
     report.run("decode_bandwidth", lambda: decode_bandwidth(plan, device))
     report.run("extend_speed", lambda: extend_speed(plan, device))
     report.run("quant_speed", lambda: quant_speed(plan, device))
+    report.run("lora_speed", lambda: lora_speed(plan, device))
