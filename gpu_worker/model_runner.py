@@ -165,10 +165,14 @@ class ModelRunner(PlanRunner[ModelVersion]):
             tp=self.tp,
             max_model_len=self.max_model_len,
             progress=self.progress,
+            attach_lora=self._attach_lora if self.lora is not None else None,
         )
-        if self.lora is not None:
-            self.lora.attach(model, max_tokens=256)
         return backend, model
+
+    def _attach_lora(self, model: LlamaForCausalLM, kernel: str) -> None:
+        """A loaded model's LoRA layers and slots, with the kernel chosen beside its linears."""
+        assert self.lora is not None
+        self.lora.attach(model, max_tokens=256, kernel=kernel)
 
     def _build(self, path: str, config: LlamaConfig) -> Built:
         """A version's backend, weights and decode graphs (after the first: the pool exists)."""

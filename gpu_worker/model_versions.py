@@ -154,11 +154,13 @@ def load_weights(
     tp: TensorParallel,
     max_model_len: int,
     progress: Callable[[str], None],
+    attach_lora: Callable[[LlamaForCausalLM, str], object] | None = None,
 ) -> tuple[AttentionBackend, LlamaForCausalLM]:
     """This rank's shard of the model at `path` (`config`: its config.json's), and an
     attention backend for its heads: batch-invariant for a model whose linears quantize
     activations (the torch backend on the CPU: a chunk's queries by the decode kernel, so a
-    rounding to int8 never depends on the chunking). `progress` hears its stages."""
+    rounding to int8 never depends on the chunking). `progress` hears its stages;
+    `attach_lora(model, lora_kernel)` gives the model its LoRA layers (gpu_worker/lora/)."""
     check_tensor_parallel(config, tp.size, path)
     device, dtype = options.torch_device, options.torch_dtype
     name = resolve_backend_name(options.attention_backend, device)
@@ -198,6 +200,8 @@ def load_weights(
         quantization_of(model) or "float",
         kernels.describe(),
     )
+    if attach_lora is not None:
+        attach_lora(model, kernels.lora_kernel)
     if options.huge_pages:
         use_huge_pages(model)
     return backend, model
