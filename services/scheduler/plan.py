@@ -13,6 +13,11 @@ def to_plan(step_id: int, out: SchedulerOutput) -> StepPlan:
         new_prompt_token_ids=[r.prompt_token_ids for r in out.new_requests],
         new_sampling=[r.sampling for r in out.new_requests],
         new_versions=[r.version or "" for r in out.new_requests],
+        new_loras=(
+            [r.lora_name for r in out.new_requests]
+            if any(r.lora_name for r in out.new_requests)
+            else []
+        ),
         new_stop_token_ids=(
             [r.stop_token_ids if r.sampling.min_tokens else [] for r in out.new_requests]
             if any(r.sampling.min_tokens for r in out.new_requests)

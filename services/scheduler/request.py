@@ -37,6 +37,8 @@ class Request:
         *,
         cache_root: int = 0,
         cache_salt: str = "",
+        lora_name: str = "",
+        lora_hash: str = "",
         priority: int = 0,
         timeout: float | None = None,
         fork_of: Request | None = None,
@@ -63,6 +65,8 @@ class Request:
         self.computed_before_step = 0  # num_computed_tokens before that step
         self.cache_root = cache_root
         self.cache_salt = cache_salt  # salts the root it is hashed under when it starts
+        self.lora_name = lora_name  # its LoRA adapter ("": the base model)
+        self.lora_hash = lora_hash  # the adapter's weights hash (enters its cache root)
         self.version: str | None = None  # the model version, fixed when it first starts
         self.priority = priority
         self.arrival_seq = next(_arrivals)
