@@ -158,6 +158,8 @@ class SchedulerActor(Actor):
                 return
             self.core.fail_all(why)
         self.core.announce()
+        if self.core.loras.enabled:  # (and which adapters it serves)
+            self.core.loras.changed()
 
     def _on_abort(self, msg: Abort) -> None:
         self.core.abort(msg.request_ids, FinishReason(msg.reason), msg.seq_indices)

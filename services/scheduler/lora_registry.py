@@ -108,16 +108,14 @@ class LoraRegistry:
         if msg.error:
             log.error("LoRA adapter %s refused: %s", msg.name, msg.error)
             del self.adapters[msg.name]
-            self._answer(a.load_waiter, LoraAdapterResult(0, a.name, 400, msg.error))
+            result = LoraAdapterResult(0, a.name, 400, msg.error)
         else:
             a.state, a.weights_hash, a.rank = "ready", msg.weights_hash, msg.rank
             log.info("LoRA adapter %s loaded (rank %d, %s)", a.name, a.rank, a.weights_hash)
-            self._answer(
-                a.load_waiter,
-                LoraAdapterResult(0, a.name, 200, weights_hash=a.weights_hash, rank=a.rank),
-            )
+            result = LoraAdapterResult(0, a.name, 200, weights_hash=a.weights_hash, rank=a.rank)
+        self.changed()  # (before the answer: a client may name the adapter at once)
+        self._answer(a.load_waiter, result)
         a.load_waiter = None
-        self.changed()
 
     # the gateway ---------------------------------------------------------------------------
     def load(self, msg: LoadLoraAdapter) -> None:
