@@ -86,6 +86,10 @@ class LoraRegistry:
         """No adapter is loading (the start-up ones are in, or refused)."""
         return all(a.state != "loading" for a in self.adapters.values())
 
+    def weights_hashes(self) -> dict[str, str]:
+        """The adapters ready now, name -> weights hash, by name (what the router hears)."""
+        return {n: self.adapters[n].weights_hash for n in self.names()}
+
     def names(self, state: str = "ready") -> list[str]:
         return sorted(n for n, a in self.adapters.items() if a.state == state)
 
