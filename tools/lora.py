@@ -18,7 +18,14 @@ from typing import Any
 
 import httpx
 
-from tools.admin_client import EXIT_UNREACHABLE, add_connection_flags, emit, error_message, fail
+from tools.admin_client import (
+    EXIT_UNREACHABLE,
+    add_connection_flags,
+    emit,
+    error_message,
+    fail,
+    grpc_admin,
+)
 
 
 def _call(args: argparse.Namespace, method: str, path: str, body: Any = None) -> httpx.Response:
@@ -64,6 +71,38 @@ def _change(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _grpc(args: argparse.Namespace) -> int:
+    """The same three over gRPC: Shuttle.ListModels, Admin.Load/UnloadLoraAdapter."""
+    import grpc
+
+    from proto import shuttle_pb2, shuttle_pb2_grpc
+
+    stub, meta = grpc_admin(args)
+    try:
+        if args.command == "list":
+            channel = grpc.insecure_channel(args.grpc)
+            key = (("authorization", f"Bearer {args.api_key}"),) if args.api_key else ()
+            listed = shuttle_pb2_grpc.ShuttleStub(channel).ListModels(
+                shuttle_pb2.ListModelsRequest(), metadata=key, timeout=args.timeout
+            )
+            adapters = [{"id": m.id, "root": m.root, "parent": m.parent} for m in listed.models]
+            adapters = [a for a in adapters if a["parent"]]
+            lines = [f"{a['id']}\t{a['root']}\t(on {a['parent']})" for a in adapters]
+            emit(args, adapters, "\n".join(lines) if lines else "no adapters loaded")
+            return 0
+        if args.command == "load":
+            request = shuttle_pb2.LoadLoraAdapterRequest(lora_name=args.name, lora_path=args.path)
+            stub.LoadLoraAdapter(request, metadata=meta, timeout=args.timeout)
+        else:
+            request = shuttle_pb2.UnloadLoraAdapterRequest(lora_name=args.name)
+            stub.UnloadLoraAdapter(request, metadata=meta, timeout=args.timeout)
+    except grpc.RpcError as e:
+        unreachable = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE)
+        fail(e.details() or str(e.code()), EXIT_UNREACHABLE if e.code() in unreachable else 1)
+    emit(args, {"ok": True}, f"{args.command}ed {args.name}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="tools/lora",
@@ -82,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     unload.add_argument("name")
     args = p.parse_args(argv)
     if args.grpc:
-        fail("tools/lora speaks HTTP only; gRPC clients call Admin.LoadLoraAdapter directly")
+        return _grpc(args)
     return _list(args) if args.command == "list" else _change(args)
 
 
