@@ -53,6 +53,9 @@ from gpu_worker.logprobs import (
     step_result_fields,
     take_prompt_logprobs,
 )
+from gpu_worker.lora.adapter import AdapterSpec
+from gpu_worker.lora.manager import LoraManager
+from gpu_worker.lora.registry import LoraOptions
 from gpu_worker.models.linear import quantization_of, resident_weight_bytes
 from gpu_worker.models.llama import LlamaConfig, LlamaForCausalLM
 from gpu_worker.models.loader import (
@@ -108,6 +111,8 @@ class _Batch:
     # prompt logprobs: the logits rows after the sampling ones are these requests' prompt
     # positions, request after request
     prompt_rows: list[tuple[RequestState, range]] = dataclasses.field(default_factory=list)
+    # [R] (plan index, tokens) of each request in packed order (LoRA: each token's adapter)
+    packed: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def num_sampling_rows(self) -> int:
@@ -170,6 +175,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
         prompt_lookup_max: int = 4,
         tp: TensorParallel | None = None,
         progress: Callable[[str], None] | None = None,
+        lora: LoraOptions | None = None,
     ) -> None:
         # start-up stages, for `shuttle serve`'s progress lines (the worker's report_progress)
         self.progress = progress or (lambda stage: None)
@@ -201,6 +207,9 @@ class ModelRunner(PlanRunner[ModelVersion]):
         # '' or int8: a float checkpoint's linears quantized at load (gpu_worker/models/loader.py)
         self.quantization = quantization
         self.prompt_lookup = (prompt_lookup_min, prompt_lookup_max)
+        # LoRA adapters (gpu_worker/lora/): made with the first model, attached to each
+        self._lora_options = lora
+        self.lora: LoraManager | None = None
         self._init_model(attention_backend, max_model_len)
         self.progress("allocating the KV cache")
         self._init_kv_cache(
@@ -228,7 +237,9 @@ class ModelRunner(PlanRunner[ModelVersion]):
             self.kv_cache.tensor,
             block_size=block_size,
             max_model_len=self.max_model_len,
-            enforce_eager=(self.device.type != "cuda") if enforce_eager is None else enforce_eager,
+            # (graphs would capture the LoRA mapping's state once: eager with LoRA for now)
+            enforce_eager=(self.device.type != "cuda" if enforce_eager is None else enforce_eager)
+            or lora is not None,
             max_graph_batch_size=max_graph_batch_size,
         )
         self.versions = {
@@ -250,9 +261,12 @@ class ModelRunner(PlanRunner[ModelVersion]):
             new_generator=lambda params: make_generator(params, self._rng, self.device),
             on_drop=self._release_counts,
             new_grammar=self._new_grammar,
+            loras=self.lora.registry if self.lora else None,
         )
         self.grammars = GrammarCache(self._tokenizer_info)
         self._fingerprints: dict[str, str] = {}
+        for name, path in lora.modules if lora else ():
+            self.load_lora(name, path)
 
     @classmethod
     def from_config(
@@ -350,6 +364,12 @@ class ModelRunner(PlanRunner[ModelVersion]):
         )
         if self.cpu_huge_pages:
             use_huge_pages(model)
+        if self._lora_options is not None:
+            if self.lora is None:
+                self.lora = LoraManager(
+                    self._lora_options, model.config, (self.tp.rank, self.tp.size)
+                )
+            self.lora.attach(model, max_tokens=256)
         return model
 
     def _draft_kv_share(self, draft_model: str) -> float:
@@ -407,7 +427,20 @@ class ModelRunner(PlanRunner[ModelVersion]):
             tensor_parallel_size=self.tp.size,
             weight_bytes=resident_weight_bytes(self.model),
             quantization=quantization_of(self.model),
+            **(self.lora.registry.model_info_fields() if self.lora else {}),
         )
+
+    # LoRA adapters ---------------------------------------------------------------------------
+    def load_lora(self, name: str, path: str) -> AdapterSpec:
+        """Read a PEFT adapter folder into the host cache under `name` (gpu_worker/lora/)."""
+        if self.lora is None:
+            raise ValueError(f"{path}: LoRA is not enabled (--enable-lora)")
+        return self.lora.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        if self.lora is None:
+            raise KeyError(f"LoRA adapter {name!r} is not loaded (LoRA is not enabled)")
+        self.lora.unload(name)
 
     # model versions (hot swap) -------------------------------------------------------------
     def load_version(self, path: str, version: str = "") -> str:
@@ -505,6 +538,9 @@ class ModelRunner(PlanRunner[ModelVersion]):
         for version, indices in self._by_version(states).items():  # one forward per version
             batch = self._prepare_batch(plan, indices, states)
             loaded = self.versions[version]
+            if self.lora is not None:  # each token's adapter slot, in the packed order
+                rows = [(states[i].lora_name, n) for i, n in batch.packed]
+                self.lora.set_step(loaded.model, rows)
             with torch.inference_mode():
                 logits = run_model(
                     loaded.model,
@@ -649,6 +685,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
             spec_slots=[slots[i] for i in sampling],
             draft_computed=[draft_computed[i] for i in sampling],
             prompt_rows=prompt_rows,
+            packed=[(i, num_new[i]) for i in order],
         )
 
     def _propose(

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Container
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from common.messages.scheduler_worker import StepPlan, StepResult
@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # the synthetic runner runs without torch ever being imported
 
     import torch
 
+    from gpu_worker.lora.adapter import AdapterSpec
     from gpu_worker.structured import RowGrammar
 
 
@@ -104,6 +105,15 @@ class Runner(Protocol):
         """Give the default version an operator-chosen label."""
         ...
 
+    def load_lora(self, name: str, path: str) -> AdapterSpec:
+        """Read and check a PEFT adapter folder and keep it under `name` (replacing one of
+        that name); a LoraAdapterError naming the file and field leaves everything as it was."""
+        ...
+
+    def unload_lora(self, name: str) -> None:
+        """Forget an adapter (a KeyError when it is not loaded)."""
+        ...
+
 
 class KVCopier(Protocol):
     """The block copies a plan asks for (gpu_worker.kv_cache.KVCache)."""
@@ -124,6 +134,7 @@ class RequestState:
     params: SamplingParams
     num_prompt: int
     version: str  # the model version that serves it, for its whole life
+    lora_name: str = ""  # the LoRA adapter it runs with ("": the base model)
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)  # what min_tokens masks
     block_table: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
@@ -160,6 +171,7 @@ class RequestTable:
         new_generator: Callable[[SamplingParams], torch.Generator | None] | None = None,
         on_drop: Callable[[RequestState], None] | None = None,
         new_grammar: Callable[[SamplingParams, str], RowGrammar | None] | None = None,
+        loras: Container[str] | None = None,
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -167,6 +179,7 @@ class RequestTable:
         self._new_generator = new_generator
         self._on_drop = on_drop  # frees what the runner keeps beside a state (token counts)
         self._new_grammar = new_grammar  # (params, version) -> the sequence's matcher
+        self.loras = loras  # the adapters loaded (None: LoRA off), a live view
         self._states: dict[str, RequestState] = {}
 
     def __len__(self) -> int:
@@ -219,15 +232,17 @@ class RequestTable:
     def _add_new(self, plan: StepPlan, default_version: str, versions: Collection[str]) -> None:
         new_versions = plan.new_versions or [""] * len(plan.new_req_ids)
         new_stops = plan.new_stop_token_ids or [[] for _ in plan.new_req_ids]
+        new_loras = plan.new_loras or [""] * len(plan.new_req_ids)
         new = zip(
             plan.new_req_ids,
             plan.new_prompt_token_ids,
             plan.new_sampling,
             new_versions,
             new_stops,
+            new_loras,
             strict=True,
         )
-        for req_id, prompt, params, version, stops in new:
+        for req_id, prompt, params, version, stops, lora in new:
             if req_id in self._states:
                 raise ValueError(f"request {req_id} is already running on the worker")
             if not prompt:
@@ -237,6 +252,9 @@ class RequestTable:
                 raise ValueError(
                     f"request {req_id} wants model version {version!r}, loaded: {sorted(versions)}"
                 )
+            if lora and (self.loras is None or lora not in self.loras):
+                off = " (LoRA is not enabled)" if self.loras is None else ""
+                raise ValueError(f"request {req_id} wants LoRA adapter {lora!r}, not loaded{off}")
             generator = self._new_generator(params) if self._new_generator else None
             state = RequestState(
                 req_id,
@@ -244,6 +262,7 @@ class RequestTable:
                 params,
                 len(prompt),
                 version,
+                lora_name=lora,
                 stop_token_ids=list(stops),
                 generator=generator,
             )

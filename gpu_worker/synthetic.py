@@ -37,6 +37,8 @@ from common.config import Config, ConfigError
 from common.messages.scheduler_worker import StepPlan, StepResult
 from common.messages.types import ModelInfo
 from common.model_paths import synthetic_params
+from gpu_worker.lora.adapter import AdapterSpec, LoraAdapterError, ModelShape
+from gpu_worker.lora.registry import LoraOptions, LoraRegistry
 from gpu_worker.runner import PlanRunner, RequestState, RequestTable
 
 _FLOOR = -9999.0  # OpenAI's floor for a logprob (gpu_worker/logprobs.py's MIN_LOGPROB)
@@ -61,6 +63,7 @@ class SyntheticRunner(PlanRunner[str]):
         block_size: int = 16,
         dtype: str = "float32",
         max_model_len: int | None = None,
+        lora: LoraOptions | None = None,
     ) -> None:
         params = synthetic_params(model_path)
         if params is None:
@@ -81,9 +84,16 @@ class SyntheticRunner(PlanRunner[str]):
         self.versions = {self.default_version: model_path}
         self.delay_s = float(params["delay_ms"]) / 1e3
         self.eos_after = int(params["eos_after"])
+        # LoRA adapters: their folders read and checked for real, no weights kept
+        self.loras = LoraRegistry(lora, ModelShape.from_hf(self.config)) if lora else None
         self.requests = RequestTable(
-            block_size=block_size, num_blocks=self.num_blocks, max_model_len=self.max_model_len
+            block_size=block_size,
+            num_blocks=self.num_blocks,
+            max_model_len=self.max_model_len,
+            loras=self.loras,
         )
+        for name, path in lora.modules if lora else ():
+            self.load_lora(name, path)
 
     def compile_grammar(
         self, kind: str, spec: str, tokenizer_fingerprint: str
@@ -123,7 +133,21 @@ class SyntheticRunner(PlanRunner[str]):
             weights_version=self.weights_version,
             num_host_blocks=0,
             device="none",
+            **(self.loras.model_info_fields() if self.loras else {}),
         )
+
+    def load_lora(self, name: str, path: str) -> AdapterSpec:
+        """Check the adapter folder against the model's config (no tensor is read)."""
+        if self.loras is None:
+            raise LoraAdapterError(f"{path}: LoRA is not enabled (--enable-lora)")
+        spec = self.loras.check(name, path)
+        self.loras.add(spec)
+        return spec
+
+    def unload_lora(self, name: str) -> None:
+        if self.loras is None:
+            raise KeyError(f"LoRA adapter {name!r} is not loaded (LoRA is not enabled)")
+        self.loras.remove(name)
 
     # hot swap: a synthetic model serves one version; a drain-mode swap replaces the runner
     def load_version(self, path: str, version: str = "") -> str:

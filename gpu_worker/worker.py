@@ -30,7 +30,9 @@ from common.ipc import Outbox
 from common.messages import (
     CompileGrammar,
     GrammarCompiled,
+    LoadLora,
     LoadModel,
+    LoraLoaded,
     ModelInfo,
     ModelLoaded,
     Ready,
@@ -38,6 +40,7 @@ from common.messages import (
     Shutdown,
     StepPlan,
     StepResult,
+    UnloadLora,
     UnloadModel,
 )
 from common.model_facts import position_config, tokenizer_fingerprint
@@ -57,7 +60,16 @@ if TYPE_CHECKING:  # torch is imported only by a real model's worker
 log = logging.getLogger(__name__)
 
 # what every rank of a tensor-parallel group must see, in rank 0's order
-REPLICATED = (StepPlan, LoadModel, UnloadModel, Reset, CompileGrammar, Shutdown)
+REPLICATED = (
+    StepPlan,
+    LoadModel,
+    UnloadModel,
+    LoadLora,
+    UnloadLora,
+    Reset,
+    CompileGrammar,
+    Shutdown,
+)
 
 
 class Discard:
@@ -85,6 +97,8 @@ class WorkerActor(Actor):
                 UnloadModel: self._on_unload_model,
                 Reset: self._on_reset,
                 CompileGrammar: self._on_compile_grammar,
+                LoadLora: self._on_load_lora,
+                UnloadLora: self._on_unload_lora,
             }
         )
 
@@ -207,6 +221,24 @@ class WorkerActor(Actor):
             gc.collect()
         except (KeyError, ValueError) as e:
             log.warning("cannot unload %s: %s", msg.version, e)
+
+    def _on_load_lora(self, msg: LoadLora) -> None:
+        """Read an adapter into the runner's cache; the answer carries its weights hash and
+        rank, or the error naming the file and field (nothing is loaded then)."""
+        try:
+            spec = self.runner.load_lora(msg.name, msg.path)
+            reply = LoraLoaded(msg.name, weights_hash=spec.weights_hash, rank=spec.rank)
+        except Exception as e:  # a bad folder is the client's error: the worker serves on
+            self._stop_if_group_broken(e)
+            log.warning("LoRA adapter %s from %s refused: %s", msg.name, msg.path, e)
+            reply = LoraLoaded(msg.name, error=f"{type(e).__name__}: {e}")
+        self.scheduler.send(reply)
+
+    def _on_unload_lora(self, msg: UnloadLora) -> None:
+        try:
+            self.runner.unload_lora(msg.name)
+        except KeyError as e:
+            log.warning("cannot unload LoRA adapter %s: %s", msg.name, e)
 
     def _on_compile_grammar(self, msg: CompileGrammar) -> None:
         """Compile on the runner's background thread; answer from this loop's thread (the

@@ -17,12 +17,18 @@ def _hf_model(path: str):  # type: ignore[no-untyped-def]
     return model.eval()
 
 
-@torch.inference_mode()
 def hf_greedy(model_dir: str | Path, prompt_ids: list[int], num_new: int) -> list[int]:
     """Argmax decoding with transformers' own forward and KV cache; never stops at EOS."""
-    model = _hf_model(str(model_dir))
+    return greedy(_hf_model(str(model_dir)), prompt_ids, num_new)
+
+
+@torch.inference_mode()
+def greedy(model: torch.nn.Module, prompt_ids: list[int], num_new: int) -> list[int]:
+    """Argmax decoding of a transformers model (or a peft model around one) with its own
+    forward and KV cache; never stops at EOS."""
     # transformers 5.x renames `past_key_values` to `cache` in forward()
-    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft's
+    key = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
     out = model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
     tokens: list[int] = []
     for _ in range(num_new):

@@ -152,6 +152,15 @@ class ModelInfo:
     tensor_parallel_size: int = 1
     weight_bytes: int = 0  # the model's weights resident in the worker (this rank's shard)
     quantization: str = ""  # how its linears are stored: "" (float), "int8", "gguf:Q4_1+Q8_0"
+    # LoRA (--enable-lora; 0 / empty: off): adapters one step may use, the rank limit, and
+    # the adapters loaded now (at start: --lora-modules), one entry each, in loading order
+    max_loras: int = 0
+    max_lora_rank: int = 0
+    lora_names: list[str] = dataclasses.field(default_factory=list)  # [num_loras]
+    lora_paths: list[str] = dataclasses.field(default_factory=list)  # [num_loras] folders
+    # [num_loras] sha256 of each adapter's config + weights (enters the prefix cache's root)
+    lora_weights_hashes: list[str] = dataclasses.field(default_factory=list)
+    lora_ranks: list[int] = dataclasses.field(default_factory=list)  # [num_loras]
     # the worker's additions
     model_name: str = ""  # the served model's name
     model_path: str = ""  # its folder (tokenizer files, for the tokenizer processes)

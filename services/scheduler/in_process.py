@@ -135,9 +135,14 @@ class InProcessEngine:
         return self.collector.batches
 
     def add(
-        self, prompt: list[int], sampling: SamplingParams, request_id: str | None = None
+        self,
+        prompt: list[int],
+        sampling: SamplingParams,
+        request_id: str | None = None,
+        lora_name: str = "",
     ) -> list[SequenceId]:
-        """Queue a request (n sequences for sampling.n > 1); returns the sequences' ids."""
+        """Queue a request (n sequences for sampling.n > 1, with the LoRA adapter
+        `lora_name` loaded in the runner); returns the sequences' ids."""
         rid = request_id or f"r{next(self._ids)}"
         served = self.core.served
         self.core.add(
@@ -146,6 +151,7 @@ class InProcessEngine:
                 prompt_token_ids=list(prompt),
                 sampling=sampling,
                 eos_token_ids=list(served.info.eos_token_ids) if served else [],
+                lora_name=lora_name,
             )
         )
         self._compile_grammars()
