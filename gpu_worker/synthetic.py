@@ -114,6 +114,7 @@ class SyntheticRunner(PlanRunner[str]):
             block_size=config.cache.block_size,
             dtype=m.dtype,
             max_model_len=m.max_model_len or None,
+            lora=LoraOptions.from_config(config.lora),
         )
 
     def model_info(self) -> ModelInfo:

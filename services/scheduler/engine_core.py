@@ -373,7 +373,6 @@ class EngineCore:
                     fork_of=seqs[0] if i else None,
                     group_id=msg.request_id,
                     seq_index=i,
-                    lora_name=msg.lora_name,
                 )
             )
         return seqs

@@ -95,15 +95,26 @@ class LoraRegistry:
 
     # the worker ----------------------------------------------------------------------------
     def on_worker_ready(self, info: ModelInfo) -> None:
-        """A (new) worker holds no adapter: load every one we serve. Unloads in progress
-        are done: the worker forgot them anyway."""
+        """A (new) worker holds the adapters its ModelInfo lists (the start-up ones, which
+        it loads itself): they are served; every other one we serve is loaded again, and
+        unloads in progress are done (the worker forgot them anyway)."""
         self.base_names |= _model_names(info)
+        self.enabled = self.enabled or bool(info.max_loras)  # (an in-process runner's)
+        held = zip(
+            info.lora_names, info.lora_paths, info.lora_weights_hashes, info.lora_ranks, strict=True
+        )
+        for name, path, weights_hash, rank in held:
+            a = self.adapters.setdefault(name, Adapter(LoraModule(name, path)))
+            a.state, a.weights_hash, a.rank = "ready", weights_hash, rank
         for a in list(self.adapters.values()):
-            if a.state == "unloading":
-                self._unloaded(a)
+            if a.state == "unloading" or a.name in info.lora_names:
+                if a.state == "unloading":
+                    self._unloaded(a)
                 continue
             a.state = "loading"
             self.send_worker(LoadLora(name=a.name, path=a.module.path))
+        self._drop_mismatched()
+        self.changed()
 
     def on_loaded(self, msg: LoraLoaded) -> None:
         a = self.adapters.get(msg.name)
@@ -167,6 +178,10 @@ class LoraRegistry:
         """A hot swap serves `info` now: adapters made for another base model unload.
         Returns their names (their requests that have not started fail)."""
         self.base_names = _model_names(info)
+        return self._drop_mismatched()
+
+    def _drop_mismatched(self) -> list[str]:
+        """Unload the adapters whose base_model_name the served model does not answer to."""
         dropped = [
             a.name
             for a in self.adapters.values()
@@ -175,7 +190,7 @@ class LoraRegistry:
             and a.state != "unloading"
         ]
         for name in dropped:
-            log.warning("LoRA adapter %s dropped: its base model is no longer served", name)
+            log.warning("LoRA adapter %s dropped: its base model is not the one served", name)
             self.adapters[name].state = "unloading"
         if dropped:
             self.changed()

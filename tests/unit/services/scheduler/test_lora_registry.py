@@ -192,3 +192,41 @@ def test_a_new_worker_loads_every_adapter_again() -> None:
     core.on_worker_ready(dataclasses.replace(_info(), boot_id="boot-2"))
     assert [m.name for m in out.of(LoadLora)] == ["A", "A"]
     assert not core.loras.is_settled
+
+
+def test_adapters_the_worker_reports_are_served_without_loading_again() -> None:
+    out = Outbox()
+    config = Config().replace(
+        scheduler={"async_scheduling": False},
+        lora={"enable_lora": True, "lora_modules": "a=/a/a"},
+    )
+    core = EngineCore(config, out)
+    info = _info(
+        max_loras=2,
+        lora_names=["a"],
+        lora_paths=["/a/a"],
+        lora_weights_hashes=["ha"],
+        lora_ranks=[8],
+    )
+    core.on_worker_ready(info)
+    assert not out.of(LoadLora) and core.loras.is_settled
+    assert out.of(LorasChanged)[-1].names == ["a"]
+    core.add(_request("r", "a"))
+    _run(core, out)
+    assert stats(core)["lora_adapters"]["a"]["weights_hash"] == "ha"
+
+
+def test_an_in_process_runners_adapters_need_no_flag() -> None:
+    out = Outbox()
+    core = EngineCore(Config().replace(scheduler={"async_scheduling": False}), out)
+    core.on_worker_ready(
+        _info(
+            max_loras=1,
+            lora_names=["a"],
+            lora_paths=["/a"],
+            lora_weights_hashes=["h"],
+            lora_ranks=[4],
+        )
+    )
+    core.add(_request("r", "a"))
+    assert not out.of(RequestError)
