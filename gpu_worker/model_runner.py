@@ -55,7 +55,7 @@ from gpu_worker.logprobs import (
 )
 from gpu_worker.lora.adapter import AdapterSpec
 from gpu_worker.lora.manager import LoraManager
-from gpu_worker.lora.registry import LoraOptions
+from gpu_worker.lora.registry import LoraOptions, load_start_modules
 from gpu_worker.models.linear import quantization_of, resident_weight_bytes
 from gpu_worker.models.llama import LlamaConfig, LlamaForCausalLM
 from gpu_worker.models.loader import (
@@ -265,8 +265,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
         )
         self.grammars = GrammarCache(self._tokenizer_info)
         self._fingerprints: dict[str, str] = {}
-        for name, path in lora.modules if lora else ():
-            self.load_lora(name, path)
+        load_start_modules(self.load_lora, lora.modules if lora else ())
 
     @classmethod
     def from_config(

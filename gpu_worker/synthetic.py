@@ -38,7 +38,7 @@ from common.messages.scheduler_worker import StepPlan, StepResult
 from common.messages.types import ModelInfo
 from common.model_paths import synthetic_params
 from gpu_worker.lora.adapter import AdapterSpec, LoraAdapterError, ModelShape
-from gpu_worker.lora.registry import LoraOptions, LoraRegistry
+from gpu_worker.lora.registry import LoraOptions, LoraRegistry, load_start_modules
 from gpu_worker.runner import PlanRunner, RequestState, RequestTable
 
 _FLOOR = -9999.0  # OpenAI's floor for a logprob (gpu_worker/logprobs.py's MIN_LOGPROB)
@@ -92,8 +92,7 @@ class SyntheticRunner(PlanRunner[str]):
             max_model_len=self.max_model_len,
             loras=self.loras,
         )
-        for name, path in lora.modules if lora else ():
-            self.load_lora(name, path)
+        load_start_modules(self.load_lora, lora.modules if lora else ())
 
     def compile_grammar(
         self, kind: str, spec: str, tokenizer_fingerprint: str

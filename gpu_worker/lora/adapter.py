@@ -154,9 +154,13 @@ def check_adapter(name: str, path: str, shape: ModelShape, max_rank: int) -> Ada
 
 def load_adapter(name: str, path: str, shape: ModelShape, max_rank: int) -> LoraAdapter:
     """`check_adapter`, then the tensors: float32, scaling folded into B."""
+    return read_weights(check_adapter(name, path, shape, max_rank))
+
+
+def read_weights(spec: AdapterSpec) -> LoraAdapter:
+    """The tensors of a checked adapter: float32, scaling folded into B."""
     from safetensors.torch import load_file
 
-    spec = check_adapter(name, path, shape, max_rank)
     weights_file = Path(spec.path) / WEIGHTS_FILE
     try:
         tensors = load_file(weights_file)

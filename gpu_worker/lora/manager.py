@@ -30,6 +30,7 @@ from gpu_worker.lora.adapter import (
     LoraAdapterError,
     ModelShape,
     load_adapter,
+    read_weights,
     shard_module,
 )
 from gpu_worker.lora.layer import (
@@ -185,9 +186,10 @@ class LoraManager:
     def load(self, name: str, path: str) -> AdapterSpec:
         """Read and check the folder, keep it under `name` (replacing an adapter of that
         name: its slots are freed); a LoraAdapterError leaves everything as it was."""
-        if not name:
-            raise LoraAdapterError(f"{path}: an adapter needs a name")
-        adapter = load_adapter(name, path, self.registry.shape, self.options.max_lora_rank)
+        spec = self.registry.check(name, path)
+        if self.registry.specs.get(name) == spec:  # the same files again: nothing changes
+            return spec
+        adapter = read_weights(spec)
         self._forget(name)
         self.registry.add(adapter.spec)
         self._cache_put(adapter)

@@ -4,10 +4,43 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from common.lora_config import LoraConfig
 from gpu_worker.lora.adapter import AdapterSpec, LoraAdapterError, ModelShape, check_adapter
+
+log = logging.getLogger(__name__)
+
+
+class LoraModuleFlag(Protocol):
+    """One --lora-modules entry (common/lora_config.py's LoraModule)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def path(self) -> str: ...
+
+
+class LoraFlags(Protocol):
+    """The config's LoRA section (common/lora_config.py's LoraConfig), as the worker reads it."""
+
+    @property
+    def enable_lora(self) -> bool: ...
+
+    @property
+    def max_loras(self) -> int: ...
+
+    @property
+    def max_lora_rank(self) -> int: ...
+
+    @property
+    def max_cpu_loras(self) -> int: ...
+
+    @property
+    def modules(self) -> Sequence[LoraModuleFlag]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +79,30 @@ class LoraOptions:
     @property
     def cpu_capacity(self) -> int:
         return self.max_cpu_loras or self.max_loras
+
+    @classmethod
+    def from_flags(cls, flags: LoraFlags) -> LoraOptions | None:
+        """The runner's options from the config's LoRA section (None without --enable-lora)."""
+        if not flags.enable_lora:
+            return None
+        return cls(
+            max_loras=flags.max_loras,
+            max_lora_rank=flags.max_lora_rank,
+            max_cpu_loras=flags.max_cpu_loras,
+            modules=tuple((m.name, m.path) for m in flags.modules),
+        )
+
+
+def load_start_modules(
+    load: Callable[[str, str], AdapterSpec], modules: Sequence[tuple[str, str]]
+) -> None:
+    """--lora-modules at start: one refused is logged with its error (naming file and field)
+    and left out; the model serves on (the scheduler's LoadLora reports it again)."""
+    for name, path in modules:
+        try:
+            load(name, path)
+        except LoraAdapterError as e:
+            log.error("LoRA adapter %s from --lora-modules refused: %s", name, e)
 
 
 class LoraRegistry:

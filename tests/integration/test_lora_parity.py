@@ -169,3 +169,26 @@ def test_smollm2_with_two_adapters_and_the_base_model(tmp_path: Path) -> None:
         assert out[seqs[0]] == want, name
         if name:
             assert want != _reference(model_dir, "", tuple(t)), name
+
+
+def test_a_hot_swapped_version_has_slots_of_its_own(
+    tmp_path: Path, adapters: dict[str, str], prompts: list[list[int]]
+) -> None:
+    """overlap swap: the new weights get their own LoRA layers; the old version's request
+    and the new one's run with the adapter in the same steps."""
+    first = str(make_tiny_model(tmp_path / "v1", "llama", seed=3))
+    second = str(make_tiny_model(tmp_path / "v2", "llama", seed=4))
+    folder = adapters["all-r8"]
+    options = LoraOptions(max_loras=2, max_lora_rank=16, modules=(("x", folder),))
+    runner = ModelRunner(first, block_size=4, num_blocks=256, num_threads=1, lora=options)
+    engine = _engine(runner)
+    old = [engine.add(p, GREEDY, lora_name="x") for p in prompts[:1]]
+    engine.core.step()  # the old request starts on the first version (its first chunk)
+    runner.set_default_version(runner.load_version(second))
+    engine.core.adopt(runner.model_info())
+    new = [engine.add(p, GREEDY, lora_name="x") for p in prompts[1:3]]
+    out = engine.run()
+    for seqs, p in zip(old, prompts[:1], strict=True):
+        assert out[seqs[0]] == _reference(first, folder, tuple(p))
+    for seqs, p in zip(new, prompts[1:3], strict=True):
+        assert out[seqs[0]] == _reference(second, folder, tuple(p))

@@ -198,3 +198,13 @@ def test_the_one_call_step_runs_only_steps_without_adapter_rows(tiny_dir: Path) 
     assert step.forward(*args) is ids  # type: ignore[arg-type]
     mapping.set([-1, 0])
     assert step.forward(*args) is None and inner.calls == 1  # type: ignore[arg-type]
+
+
+def test_loading_the_same_files_again_keeps_the_slot(tiny_dir: Path, adapter_dir: Path) -> None:
+    runner = _runner(tiny_dir)
+    lora = _manager(runner)
+    spec = lora.load("a", str(adapter_dir))
+    lora.set_step(runner.model, [("a", 1)])
+    resident = dict(lora.slots(runner.model).resident)
+    assert lora.load("a", str(adapter_dir)) == spec  # the scheduler's LoadLora at start
+    assert dict(lora.slots(runner.model).resident) == resident

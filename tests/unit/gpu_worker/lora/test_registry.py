@@ -4,6 +4,7 @@ start, and plans naming adapters (recorded per request, refused when not loaded)
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -112,3 +113,36 @@ def test_bad_options_fail_at_start() -> None:
         LoraOptions(max_loras=0)
     with pytest.raises(ValueError, match="unique"):
         LoraOptions(modules=(("a", "/x"), ("a", "/y")))
+
+
+def test_a_refused_start_module_is_logged_and_the_rest_serve(
+    make_runner: Make, tmp_path: Path, adapter_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    modules = (("bad", str(bad)), ("a", str(adapter_dir)))
+    runner = make_runner(LoraOptions(max_lora_rank=8, modules=modules))
+    assert runner.model_info().lora_names == ["a"]
+    assert f"{bad}/adapter_config.json: missing" in caplog.text
+
+
+@dataclasses.dataclass(frozen=True)
+class _Module:
+    name: str
+    path: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Flags:
+    """The shape of the config's LoRA section (common/lora_config.py)."""
+
+    enable_lora: bool = True
+    max_loras: int = 2
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 0
+    modules: tuple[_Module, ...] = (_Module("a", "/adapters/a"),)
+
+
+def test_options_come_from_the_config_section() -> None:
+    assert LoraOptions.from_flags(_Flags()) == LoraOptions(2, 16, 0, (("a", "/adapters/a"),))
+    assert LoraOptions.from_flags(_Flags(enable_lora=False)) is None
