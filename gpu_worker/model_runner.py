@@ -304,7 +304,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
             prompt_lookup_max=spec.prompt_lookup_max,
             tp=tp,
             progress=progress,
-            lora=LoraOptions.from_config(config.lora),
+            lora=LoraOptions.from_flags(config.lora),
         )
 
     def _init_model(self, attention_backend: str, max_model_len: int | None) -> None:

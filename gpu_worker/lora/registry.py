@@ -8,7 +8,6 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from common.lora_config import LoraConfig
 from gpu_worker.lora.adapter import AdapterSpec, LoraAdapterError, ModelShape, check_adapter
 
 log = logging.getLogger(__name__)
@@ -67,14 +66,6 @@ class LoraOptions:
         names = [name for name, _ in self.modules]
         if len(set(names)) != len(names) or not all(names):
             raise ValueError(f"--lora-modules names must be unique and non-empty: {names}")
-
-    @classmethod
-    def from_config(cls, lora: LoraConfig) -> LoraOptions | None:
-        """The options --enable-lora and its flags give (None: LoRA off)."""
-        if not lora.enable_lora:
-            return None
-        modules = tuple((m.name, m.path) for m in lora.modules)
-        return cls(lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras, modules)
 
     @property
     def cpu_capacity(self) -> int:
