@@ -200,6 +200,7 @@ class OpenAIRoutes:
             "created": self.created,
             "owned_by": "shuttle",
             "root": engine.model_name,
+            "parent": None,  # (vLLM's: a LoRA adapter's card names its base model)
             "max_model_len": engine.max_model_len,
             "version": engine.system_fingerprint,
             "swap_in_progress": engine.swap_status,

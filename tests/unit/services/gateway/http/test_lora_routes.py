@@ -110,3 +110,13 @@ def test_the_workers_refusal_names_file_and_field(tmp_path: Path) -> None:
 def test_unload_of_an_unknown_adapter_is_404() -> None:
     resp = call(_engine(), "POST", "/v1/unload_lora_adapter", ADMIN, json={"lora_name": "x"})
     assert resp.status_code == 404
+
+
+def test_base_cards_have_no_parent_and_no_adapters_without_a_model() -> None:
+    engine = _engine()
+    engine.lora_adapters["sql"] = "/a/sql"
+    cards = call(engine, "GET", "/v1/models", API).json()["data"]
+    assert [(c["id"], c["parent"]) for c in cards] == [(MODEL, None), ("sql", MODEL)]
+    engine.model_name = ""  # starting: nothing is served, adapters neither
+    assert call(engine, "GET", "/v1/models", API).json()["data"] == []
+    assert call(engine, "GET", "/v1/models/sql", API).status_code == 404
