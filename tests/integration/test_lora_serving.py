@@ -242,3 +242,22 @@ def test_16_streams_across_4_adapters_while_loading_and_unloading(
     assert len([m for m, _, _ in log if m != "s3"]) == 48
     assert _complete(server, "s4").status_code == 200
     assert _complete(server, "s3").status_code == 404
+
+
+def test_data_parallel_replicas_all_load_and_unload(folders: dict) -> None:
+    """Two replicas: a load reaches both (each serves the adapter, /admin/stats sums them),
+    requests of the adapter succeed wherever routed, an unload leaves neither serving it."""
+    flags = ("--data-parallel-size", "2", "--num-threads", "1", "--admin-token", TOKEN)
+    with running_server(
+        *flags, "--model", str(folders["model"]), "--enable-lora", "--max-loras", "2"
+    ) as s:
+        assert _load(s, "dp", folders["a1"]).status_code == 200
+        for i in range(4):
+            r = _complete(s, "dp", f"{PROMPT} {i}")
+            assert r.status_code == 200 and r.json()["model"] == "dp"
+        stats = _stats(s)
+        assert stats["lora_adapters"]["dp"]["num_requests"] == 4
+        assert all("dp" in r["lora_adapters"] for r in stats["replicas"])
+        assert _unload(s, "dp").status_code == 200
+        assert _complete(s, "dp").status_code == 404
+        assert all(not r["lora_adapters"] for r in _stats(s)["replicas"])
