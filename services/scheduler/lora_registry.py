@@ -105,11 +105,16 @@ class LoraRegistry:
         )
         for name, path, weights_hash, rank in held:
             a = self.adapters.setdefault(name, Adapter(LoraModule(name, path)))
-            a.state, a.weights_hash, a.rank = "ready", weights_hash, rank
+            if a.state == "unloading":  # (no request of it is left: the restart failed them)
+                self.send_worker(UnloadLora(name=name))
+                self._unloaded(a)
+            else:
+                a.state, a.weights_hash, a.rank = "ready", weights_hash, rank
         for a in list(self.adapters.values()):
-            if a.state == "unloading" or a.name in info.lora_names:
-                if a.state == "unloading":
-                    self._unloaded(a)
+            if a.name in info.lora_names:
+                continue
+            if a.state == "unloading":
+                self._unloaded(a)
                 continue
             a.state = "loading"
             self.send_worker(LoadLora(name=a.name, path=a.module.path))

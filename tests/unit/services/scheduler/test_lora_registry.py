@@ -230,3 +230,17 @@ def test_an_in_process_runners_adapters_need_no_flag() -> None:
     )
     core.add(_request("r", "a"))
     assert not out.of(RequestError)
+
+
+def test_an_unload_in_progress_ends_when_the_worker_restarts() -> None:
+    core, out = _core()
+    _load(core, out, "A")
+    core.add(_request("a1", "A", max_tokens=4))
+    core.step()
+    core.unload_lora(UnloadLoraAdapter(ticket=7, reply_to="gw", name="A"))
+    assert not out.of(UnloadLora)  # a1 still runs
+    held = {"lora_names": ["A"], "lora_paths": ["/a/A"], "lora_weights_hashes": ["h1"]}
+    core.on_worker_ready(_info(boot_id="boot-2", max_loras=2, lora_ranks=[8], **held))
+    assert out.of(UnloadLora) == [UnloadLora(name="A")]  # (the new worker had it)
+    assert out.of(LoraAdapterResult)[-1] == LoraAdapterResult(ticket=7, name="A", status=200)
+    assert "A" not in core.loras.adapters
