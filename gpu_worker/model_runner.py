@@ -53,8 +53,8 @@ from gpu_worker.logprobs import (
     step_result_fields,
     take_prompt_logprobs,
 )
-from gpu_worker.lora.adapter import AdapterSpec
-from gpu_worker.lora.manager import LoraManager
+from gpu_worker.lora.adapter import AdapterSpec, LoraAdapterError
+from gpu_worker.lora.manager import LoraManager, model_shape
 from gpu_worker.lora.registry import LoraOptions, load_start_modules
 from gpu_worker.models.linear import quantization_of, resident_weight_bytes
 from gpu_worker.models.llama import LlamaConfig, LlamaForCausalLM
@@ -434,7 +434,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
     def load_lora(self, name: str, path: str) -> AdapterSpec:
         """Read a PEFT adapter folder into the host cache under `name` (gpu_worker/lora/)."""
         if self.lora is None:
-            raise ValueError(f"{path}: LoRA is not enabled (--enable-lora)")
+            raise LoraAdapterError(f"{path}: LoRA is not enabled (--enable-lora)")
         return self.lora.load(name, path)
 
     def unload_lora(self, name: str) -> None:
@@ -488,6 +488,8 @@ class ModelRunner(PlanRunner[ModelVersion]):
         self.model, self.graphs, self.config = loaded.model, loaded.graphs, loaded.config
         self.model_path, self.weights_version = loaded.path, version
         self.eos_token_ids = loaded.eos_token_ids
+        if self.lora is not None:  # adapters loaded from now on must fit the served model
+            self.lora.registry.shape = model_shape(loaded.config)
 
     def unload_version(self, version: str) -> None:
         """Free a version's weights once no request uses it."""

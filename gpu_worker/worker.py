@@ -204,6 +204,8 @@ class WorkerActor(Actor):
         cannot be built, rebuild the old one and re-raise."""
         check_loadable(path)  # fail before freeing anything when the folder is unusable
         old_path, old_version = self.runner.model_path, self.runner.default_version
+        info = self.runner.model_info()
+        loras = list(zip(info.lora_names, info.lora_paths, strict=True))
         del self.runner
         gc.collect()
         try:
@@ -211,9 +213,21 @@ class WorkerActor(Actor):
         except Exception:
             self.runner = self._build(old_path)
             self.runner.relabel(old_version)
+            self._reload_loras(loras)
             raise
         if version:
             self.runner.relabel(version)
+        self._reload_loras(loras)
+
+    def _reload_loras(self, loras: list[tuple[str, str]]) -> None:
+        """The adapters the replaced runner held, read again for the new one; one that does
+        not fit the new model is logged and left out (ModelLoaded's ModelInfo lists those
+        that stay)."""
+        for name, path in loras:
+            try:
+                self.runner.load_lora(name, path)
+            except Exception as e:  # LoraAdapterError, or the folder is gone
+                log.warning("LoRA adapter %s dropped by the swap: %s", name, e)
 
     def _on_unload_model(self, msg: UnloadModel) -> None:
         try:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,8 @@ def make_adapter(
     folder: str | Path,
     *,
     r: int = 8,
-    lora_alpha: float = 16,
-    target_modules: list[str] | str = ("q_proj", "v_proj"),  # type: ignore[assignment]
+    lora_alpha: int = 16,
+    target_modules: Sequence[str] | str = ("q_proj", "v_proj"),
     use_rslora: bool = False,
     seed: int = 0,
     scale: float = 1.0,

@@ -124,7 +124,11 @@ class LoraSlots:
         for key in keys:
             if key[0] not in out:
                 slot = self._take_slot(keep=set(keys))
-                self._fill(slot, adapter(key[0]), tp)
+                try:
+                    self._fill(slot, adapter(key[0]), tp)
+                except BaseException:  # refused (or unreadable): the slot is free, not lost
+                    self.free.append(slot)
+                    raise
                 self.resident[key] = slot
                 out[key[0]] = slot
         return out
@@ -239,7 +243,9 @@ class LoraManager:
             kernel=kernel,
         )
         inner = model.get_submodule("model")
-        if isinstance(inner, LlamaModel) and inner.decode_step is not None:
+        # the one-call step adds the deltas of the "cpu" kernel's slots itself (lora.c); for
+        # the other kernels it must leave steps with adapter rows to the layers
+        if isinstance(inner, LlamaModel) and inner.decode_step is not None and kernel != "cpu":
             inner.decode_step = SkipWhenLoraActive(inner.decode_step, mapping)
         slots = LoraSlots(model, mapping, self.options.max_loras)
         self._slots[model] = slots

@@ -192,3 +192,75 @@ def test_a_hot_swapped_version_has_slots_of_its_own(
         assert out[seqs[0]] == _reference(first, folder, tuple(p))
     for seqs, p in zip(new, prompts[1:3], strict=True):
         assert out[seqs[0]] == _reference(second, folder, tuple(p))
+
+
+def test_logprobs_of_adapter_rows_are_peft_s(
+    tiny_dir: str, adapters: dict[str, str], runner: ModelRunner, prompts: list[list[int]]
+) -> None:
+    """Prompt logprobs (every prompt position, across prefill chunks) and sampled tokens'
+    logprobs of adapter requests, batched with a base one, equal peft's log-softmax."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    engine = _engine(runner, prefix_caching=False)
+    sp = SamplingParams(
+        max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=1, prompt_logprobs=1
+    )
+    loras = ["all-r8", "", "mlp-r16"]
+    ids = [engine.add(p, sp, lora_name=n)[0][0] for p, n in zip(prompts, loras, strict=False)]
+    engine.run()
+    prompt_lp: dict[str, list[float]] = {}
+    output_lp: dict[str, list[float]] = {rid: [] for rid in ids}
+    for batch in engine.batches:
+        for j, rid in enumerate(batch.request_ids):
+            if batch.prompt_logprob_values and batch.prompt_logprob_values[j]:
+                prompt_lp[rid] = [v[0] for v in batch.prompt_logprob_values[j][1:]]
+            if batch.logprob_values and batch.logprob_values[j]:
+                output_lp[rid] += [v[0] for v in batch.logprob_values[j]]
+    for rid, prompt, lora in zip(ids, prompts, loras, strict=False):
+        tokens = prompt + engine.outputs[(rid, 0)]
+        model = peft_model(tiny_dir, adapters[lora]) if lora else base
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([tokens])).logits[0].float()
+        want = logits.log_softmax(-1)[:-1].gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
+        got = prompt_lp[rid] + output_lp[rid]
+        torch.testing.assert_close(torch.tensor(got), want[: len(got)], atol=2e-4, rtol=1e-4)
+        assert len(got) == len(tokens) - 1
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral"])
+def test_other_architectures(tmp_path: Path, arch: str, prompts: list[list[int]]) -> None:
+    """q/k/v biases (qwen2), head_dim != hidden / heads and q/k norms (qwen3), no GQA
+    (mistral): an all-target adapter beside a base request."""
+    model = str(make_tiny_model(tmp_path / arch, arch))
+    folder = str(make_adapter(model, tmp_path / "a", r=8, target_modules=ALL, seed=7))
+    options = LoraOptions(max_lora_rank=8, modules=(("a", folder),))
+    runner = ModelRunner(model, block_size=4, num_blocks=256, num_threads=1, lora=options)
+    engine = _engine(runner, max_num_batched_tokens=8)
+    ids = [engine.add(prompts[0], GREEDY, lora_name="a"), engine.add(prompts[1], GREEDY)]
+    out = engine.run()
+    assert out[ids[0][0]] == _reference(model, folder, tuple(prompts[0]))
+    assert out[ids[1][0]] == _reference(model, "", tuple(prompts[1]))
+    assert _reference(model, folder, tuple(prompts[0])) != _reference(model, "", tuple(prompts[0]))
+
+
+def test_ngram_drafts_are_verified_with_the_adapter(
+    tiny_dir: str, adapters: dict[str, str]
+) -> None:
+    """Draft slots count as tokens of their request in the mapping: the adapter's greedy
+    tokens come out through speculation (the scheduler may refuse adapters with it; the
+    worker does not need to)."""
+    folder = adapters["all-r8"]
+    options = LoraOptions(max_lora_rank=16, modules=(("a", folder),))
+    runner = ModelRunner(
+        tiny_dir, speculative="ngram", block_size=4, num_blocks=256, num_threads=1, lora=options
+    )
+    engine = _engine(runner, max_num_batched_tokens=32, num_speculative_tokens=3)
+    prompt = [5, 17, 300, 2000] * 3
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    ids = [engine.add(prompt, sp, lora_name="a"), engine.add(prompt[1:], sp)]
+    out = engine.run()
+    assert sum(n for r in engine.results for n in r.num_proposed) > 0
+    assert out[ids[0][0]] == greedy(peft_model(tiny_dir, folder), prompt, 24)
+    assert out[ids[1][0]] == hf_greedy(tiny_dir, prompt[1:], 24)

@@ -12,12 +12,21 @@ from typing import Any
 import pytest
 
 from common.config import Config
-from common.messages import LoadLora, LoraLoaded, SamplingParams, StepPlan, UnloadLora
+from common.messages import (
+    LoadLora,
+    LoadModel,
+    LoraLoaded,
+    SamplingParams,
+    StepPlan,
+    UnloadLora,
+)
 from common.model_paths import prepare_synthetic_folder
+from gpu_worker.lora.adapter import LoraAdapterError
 from gpu_worker.lora.registry import LoraOptions
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.synthetic import SyntheticRunner
 from gpu_worker.worker import WorkerActor
+from tests.tiny_models import make_tiny_model, make_tiny_model_own_vocab
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 Make = Callable[[LoraOptions | None], ModelRunner | SyntheticRunner]
@@ -146,3 +155,44 @@ class _Flags:
 def test_options_come_from_the_config_section() -> None:
     assert LoraOptions.from_flags(_Flags()) == LoraOptions(2, 16, 0, (("a", "/adapters/a"),))
     assert LoraOptions.from_flags(_Flags(enable_lora=False)) is None
+
+
+@pytest.fixture(scope="module")
+def wide_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny llama's KV layout (2 layers, 2 KV heads of 16) with hidden 128: an overlap
+    swap takes it, the tiny llama's adapters do not fit it."""
+    folder = tmp_path_factory.mktemp("wide") / "m"
+    return make_tiny_model_own_vocab(folder, hidden_size=128, num_heads=8, num_kv_heads=2)
+
+
+def test_adapters_are_checked_against_the_model_served_now(
+    tiny_dir: Path, wide_dir: Path, adapter_dir: Path
+) -> None:
+    options = LoraOptions(max_lora_rank=8, modules=(("a", str(adapter_dir)),))
+    runner = ModelRunner(str(tiny_dir), block_size=4, num_blocks=16, lora=options)
+    runner.set_default_version(runner.load_version(str(wide_dir)))
+    with pytest.raises(
+        LoraAdapterError, match=r"has shape \[64, 4\], the model and rank 4 need \[128, 4\]"
+    ):
+        runner.load_lora("b", str(adapter_dir))
+    with pytest.raises(LoraAdapterError, match="does not fit this model version"):
+        runner.execute(_plan(0, "a"))
+
+
+def test_a_drain_swap_keeps_the_adapters_that_fit_the_new_model(
+    tmp_path: Path, tiny_dir: Path, wide_dir: Path, adapter_dir: Path, rslora_dir: Path
+) -> None:
+    options = LoraOptions(max_lora_rank=8, modules=(("a", str(adapter_dir)),))
+
+    def build(path: str) -> ModelRunner:  # the worker's builder with LoRA on (the config's
+        return ModelRunner(path, block_size=4, num_blocks=16, lora=options)  # part: lora-svc)
+
+    worker, outbox = _worker(build(str(tiny_dir)), tmp_path / "run")
+    worker._build = build  # type: ignore[method-assign]
+    worker._on_load_lora(LoadLora("b", str(rslora_dir)))
+    second = make_tiny_model(tmp_path / "second", "llama", seed=2)
+    worker._on_load_model(LoadModel(path=str(second), version="v2", mode="drain"))
+    reply = outbox.sent[-1]
+    assert reply.error == "" and reply.model.lora_names == ["a", "b"]
+    worker._on_load_model(LoadModel(path=str(wide_dir), version="v3", mode="drain"))
+    assert outbox.sent[-1].error == "" and outbox.sent[-1].model.lora_names == []
