@@ -69,7 +69,8 @@ class LoraRegistry:
         push: Callable[[LorasChanged], None],
     ) -> None:
         self.enabled = config.lora.enable_lora
-        self.is_speculative = bool(config.speculative.method)
+        # a draft model has no adapters; n-gram drafts are verified with the request's adapter
+        self.has_draft_model = config.speculative.method == "draft"
         self.replica = config.data_parallel.replica_index
         self.send_worker, self.reply, self.push = send_worker, reply, push
         self.adapters: dict[str, Adapter] = {}
@@ -208,11 +209,12 @@ class LoraRegistry:
         a = self.adapters.get(name) if self.enabled else None
         if a is None or a.state == "unloading":
             return 404, f"model: the model `{name}` does not exist", "model"
-        if self.is_speculative:
+        if self.has_draft_model:
             return (
                 400,
                 f"model: `{name}` is a LoRA adapter, which this server does not serve with "
-                "speculative decoding (--speculative); ask for the base model",
+                "a draft model (--draft-model; --speculative ngram serves adapters); ask for "
+                "the base model",
                 "model",
             )
         if a.state == "loading":

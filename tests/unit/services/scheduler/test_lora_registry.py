@@ -155,19 +155,21 @@ def test_unknown_adapter_is_404_and_unload_of_unknown_is_404() -> None:
     assert out.of(LoraAdapterResult)[-1].status == 404
 
 
-def test_speculative_decoding_refuses_adapter_requests_by_name() -> None:
-    out = Outbox()
-    config = Config().replace(
-        scheduler={"async_scheduling": False},
-        lora={"enable_lora": True},
-        speculative={"speculative": "ngram"},
-    )
-    core = EngineCore(config, out)
-    core.on_worker_ready(_info())
-    _load(core, out, "A")
-    core.add(_request("r", "A"))
-    error = _errors(out)["r"]
-    assert (error.status, error.param) == (400, "model") and "speculative" in error.message
+def test_a_draft_model_refuses_adapter_requests_by_name_ngram_serves_them() -> None:
+    for method, refused in [({"draft_model": "/d"}, True), ({"speculative": "ngram"}, False)]:
+        out = Outbox()
+        config = Config().replace(
+            scheduler={"async_scheduling": False}, lora={"enable_lora": True}, speculative=method
+        )
+        core = EngineCore(config, out)
+        core.on_worker_ready(_info())
+        _load(core, out, "A")
+        core.add(_request("r", "A"))
+        if not refused:
+            assert not out.of(RequestError)
+            continue
+        error = _errors(out)["r"]
+        assert (error.status, error.param) == (400, "model") and "draft model" in error.message
 
 
 def test_a_hot_swap_drops_adapters_of_another_base_model() -> None:
