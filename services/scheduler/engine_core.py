@@ -491,8 +491,8 @@ class EngineCore:
             self._fail(
                 unstarted,
                 400,
-                "model: the LoRA adapter was dropped: it was made for another base model than "
-                "the one served now (a hot swap)",
+                "model: the LoRA adapter was dropped by a hot swap: it was made for another "
+                "base model, or does not fit the one served now",
             )
 
     # LoRA adapters -------------------------------------------------------------------------

@@ -181,19 +181,24 @@ class LoraRegistry:
         self.advance(num_live)
 
     def on_model_swapped(self, info: ModelInfo) -> list[str]:
-        """A hot swap serves `info` now: adapters made for another base model unload.
+        """A hot swap serves `info` now: adapters made for another base model unload, and
+        so do those the worker's ModelInfo no longer lists (they do not fit the new model).
         Returns their names (their requests that have not started fail)."""
         self.base_names = _model_names(info)
-        return self._drop_mismatched()
+        held = set(info.lora_names) if info.max_loras else None
+        return self._drop_mismatched(held)
 
-    def _drop_mismatched(self) -> list[str]:
-        """Unload the adapters whose base_model_name the served model does not answer to."""
+    def _drop_mismatched(self, held: set[str] | None = None) -> list[str]:
+        """Unload the adapters whose base_model_name the served model does not answer to,
+        and the ready ones missing from `held` (None: the worker did not say)."""
         dropped = [
             a.name
             for a in self.adapters.values()
-            if a.module.base_model_name
-            and a.module.base_model_name not in self.base_names
-            and a.state != "unloading"
+            if a.state != "unloading"
+            and (
+                (a.module.base_model_name and a.module.base_model_name not in self.base_names)
+                or (held is not None and a.state == "ready" and a.name not in held)
+            )
         ]
         for name in dropped:
             log.warning("LoRA adapter %s dropped: its base model is not the one served", name)

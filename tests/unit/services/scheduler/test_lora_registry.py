@@ -246,3 +246,18 @@ def test_an_unload_in_progress_ends_when_the_worker_restarts() -> None:
     assert out.of(UnloadLora) == [UnloadLora(name="A")]  # (the new worker had it)
     assert out.of(LoraAdapterResult)[-1] == LoraAdapterResult(ticket=7, name="A", status=200)
     assert "A" not in core.loras.adapters
+
+
+def test_a_swap_drops_the_adapters_the_new_model_does_not_fit() -> None:
+    core, out = _core()
+    _load(core, out, "fits")
+    _load(core, out, "misfit")
+    core.swap(SwapModel(ticket=2, reply_to="gw", path="/models/v2", mode="drain"))
+    core.step()
+    core.add(_request("queued", "misfit"))
+    held = {"lora_names": ["fits"], "lora_paths": ["/a/fits"], "lora_weights_hashes": ["h1"]}
+    core.on_model_loaded(ModelLoaded(version="v2", model=_info("v2", max_loras=2, **held)))
+    assert _errors(out)["queued"].status == 400
+    core.step()
+    assert out.of(UnloadLora) == [UnloadLora(name="misfit")]
+    assert out.of(LorasChanged)[-1].names == ["fits"]
