@@ -23,6 +23,7 @@ import orjson
 from common.config_base import ConfigError as ConfigError
 from common.config_base import config_field
 from common.cpu_features import auto_dtype
+from common.lora_config import LoraConfig
 from common.messages.types import POOLING_KINDS
 from common.parallel_config import DataParallelConfig
 
@@ -379,6 +380,7 @@ class Config:
     server: ServerConfig = dataclasses.field(default_factory=ServerConfig)
     addresses: AddressConfig = dataclasses.field(default_factory=AddressConfig)
     data_parallel: DataParallelConfig = dataclasses.field(default_factory=DataParallelConfig)
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
     def addr(self, name: str) -> str:
         """Inbox address of actor `name` (gateway, scheduler, worker, detokenizer, supervisor)."""
@@ -484,7 +486,8 @@ def from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = None) -> C
                 values[f.name] = _parse(typ, env_val, f.name)
             if f"{sec_name}.{f.name}" in flags:
                 value = flags[f"{sec_name}.{f.name}"]
-                values[f.name] = ",".join(value) if isinstance(value, list) else value
+                sep = f.metadata.get("sep", ",")  # (--lora-modules: JSON entries hold commas)
+                values[f.name] = sep.join(value) if isinstance(value, list) else value
     return from_mapping(data)
 
 

@@ -79,6 +79,16 @@ def salted_root(root: int, salt: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
 
 
+def lora_root(root: int, lora_name: str, weights_hash: str) -> int:
+    """A request's root under its LoRA adapter: H(root, adapter name, its weights hash), so
+    two adapters never share prefix blocks and an adapter reloaded with other weights under
+    the same name never hits the old ones; the base model ("") is the root itself."""
+    if not lora_name:
+        return root
+    text = f"{root}\0lora\0{lora_name}\0{weights_hash}"
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
+
+
 def cache_root(model_id: str, weights_version: str, tokenizer_fp: str, position_cfg: str) -> int:
     """h_-1 of the prefix cache's hash chain: H(model id, weights version, tokenizer
     fingerprint, rope/position config). A new version changes every block hash."""

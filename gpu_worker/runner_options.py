@@ -91,6 +91,7 @@ class RunnerOptions:
             draft_model=str(Path(spec.draft_model).expanduser()) if spec.draft_model else "",
             prompt_lookup_min=spec.prompt_lookup_min,
             prompt_lookup_max=spec.prompt_lookup_max,
+            lora=LoraOptions.from_flags(config.lora),
         )
 
     @property

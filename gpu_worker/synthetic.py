@@ -113,6 +113,7 @@ class SyntheticRunner(PlanRunner[str]):
             block_size=config.cache.block_size,
             dtype=m.dtype,
             max_model_len=m.max_model_len or None,
+            lora=LoraOptions.from_flags(config.lora),
         )
 
     def model_info(self) -> ModelInfo:

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING, Any
 
-from common.messages import FinishReason, GenerateRequest, SwapResult
+from common.messages import FinishReason, GenerateRequest, LoraAdapterResult, SwapResult
 from services.gateway.engine.client import OutputDelta, RequestObserver
 from services.gateway.openai.logprobs import TokenLogprob
 
@@ -83,6 +83,10 @@ class FakeEngine:
         self.tokenize_failure: Exception | None = None  # raised by (de)tokenize when set
         self.started = asyncio.Event()
         self._in_flight: set[str] = set()
+        # LoRA: adapters served (name -> folder); load_lora answers `lora_refusal` when set
+        self.lora_enabled = False
+        self.lora_adapters: dict[str, str] = {}
+        self.lora_refusal: LoraAdapterResult | None = None
 
     @property
     def model_names(self) -> list[str]:
@@ -189,6 +193,19 @@ class FakeEngine:
             mode=mode,
             duration_s=0.01,
         )
+
+    async def load_lora(self, name: str, path: str, timeout: float = 600.0) -> LoraAdapterResult:
+        if self.lora_refusal is not None:
+            return self.lora_refusal
+        if name in self.lora_adapters:
+            return LoraAdapterResult(0, name, 400, f"lora_name: '{name}' has already been loaded")
+        self.lora_adapters[name] = path
+        return LoraAdapterResult(0, name, 200, weights_hash="h", rank=8)
+
+    async def unload_lora(self, name: str, timeout: float = 600.0) -> LoraAdapterResult:
+        if self.lora_adapters.pop(name, None) is None:
+            return LoraAdapterResult(0, name, 404, f"lora_name: '{name}' cannot be found")
+        return LoraAdapterResult(0, name, 200)
 
 
 if TYPE_CHECKING:  # the check `make lint` runs: the fake is a whole EngineClient

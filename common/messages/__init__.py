@@ -14,6 +14,9 @@ from common.messages.control import (
     Abort,
     Drain,
     Drained,
+    LoadLoraAdapter,
+    LoraAdapterResult,
+    LorasChanged,
     ModelChanged,
     Ping,
     Pong,
@@ -26,6 +29,7 @@ from common.messages.control import (
     StatsQuery,
     SwapModel,
     SwapResult,
+    UnloadLoraAdapter,
 )
 from common.messages.detokenizer_gateway import OutputBatch
 from common.messages.gateway_tokenizer import (
@@ -74,6 +78,10 @@ __all__ = [
     "TokenizedRequest",
     "SwapModel",
     "SwapResult",
+    "LoadLoraAdapter",
+    "UnloadLoraAdapter",
+    "LoraAdapterResult",
+    "LorasChanged",
     "LoadModel",
     "ModelInfo",
     "ModelLoaded",

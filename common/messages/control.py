@@ -137,3 +137,49 @@ class ModelChanged:
     max_model_len: int
     vocab_size: int  # the model's embedding rows: token ids must be below it
     eos_token_ids: list[int]
+
+
+@message("load_lora_adapter")
+class LoadLoraAdapter:
+    """gateway -> scheduler: serve the PEFT adapter in `path` under `name` (POST
+    /v1/load_lora_adapter); answered by LoraAdapterResult."""
+
+    ticket: int
+    reply_to: str
+    name: str
+    path: str  # already checked against --model-root
+    base_model_name: str = ""  # "": any served model; else refused when it is not this one
+
+
+@message("unload_lora_adapter")
+class UnloadLoraAdapter:
+    """gateway -> scheduler: stop serving adapter `name` (POST /v1/unload_lora_adapter).
+    New requests for it are refused at once (404); running ones finish first."""
+
+    ticket: int
+    reply_to: str
+    name: str
+
+
+@message("lora_adapter_result")
+class LoraAdapterResult:
+    """scheduler -> gateway: how a load or an unload ended. `status` is the HTTP status the
+    gateway answers with (200; 400 a refused adapter, naming its file and field; 404 an
+    unknown name; 409 a name already loaded or being loaded)."""
+
+    ticket: int
+    name: str
+    status: int
+    error: str = ""
+    weights_hash: str = ""
+    rank: int = 0
+
+
+@message("loras_changed")
+class LorasChanged:
+    """scheduler -> gateway: the adapters this replica serves now (after a load, an unload,
+    a hot swap that dropped some, a worker restart). The scheduler owns the fact."""
+
+    replica: int  # the sender's replica index (data parallelism; 0 alone)
+    names: list[str]  # [num_adapters]
+    paths: list[str]  # [num_adapters] each adapter's folder (/v1/models' `root`)

@@ -24,3 +24,7 @@ class ReplicaNotice:
     ended_request_ids: list[str] = dataclasses.field(default_factory=list)  # [*] requests it
     # no longer holds (finished, failed, rejected or sent back to be tokenised again)
     reset: bool = False
+    # the LoRA adapters it serves now, all of them, with their weights hashes (they enter
+    # the adapter's cache root); None when unchanged since the previous notice
+    lora_names: list[str] | None = None  # [num_adapters]
+    lora_hashes: list[str] | None = None  # [num_adapters]

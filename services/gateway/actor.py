@@ -16,6 +16,8 @@ from common.config import Config
 from common.messages import (
     Drain,
     Drained,
+    LoraAdapterResult,
+    LorasChanged,
     ModelChanged,
     OutputBatch,
     ProcessDown,
@@ -66,6 +68,8 @@ class GatewayActor(Actor):
                 ModelChanged: self._on_model_changed,
                 Retokenize: self._on_retokenize,
                 TokenizeResult: self._on_tokenize_result,
+                LoraAdapterResult: self._on_lora_result,
+                LorasChanged: self._on_loras_changed,
             }
         )
 
@@ -85,6 +89,7 @@ class GatewayActor(Actor):
             inbox_addr=self.inbox_addr,
             aliases=self.config.model.served_model_names,
             num_replicas=self.config.data_parallel.data_parallel_size,
+            enable_lora=self.config.lora.enable_lora,
             router=(
                 self.outbox(router_addr(self.config))
                 if self.config.data_parallel.data_parallel_size > 1
@@ -154,6 +159,12 @@ class GatewayActor(Actor):
 
     def _on_model_changed(self, msg: ModelChanged) -> None:
         self.engine.on_model_changed(msg)
+
+    def _on_lora_result(self, msg: LoraAdapterResult) -> None:
+        self.engine.loras.on_result(msg)
+
+    def _on_loras_changed(self, msg: LorasChanged) -> None:
+        self.engine.loras.on_changed(msg)
 
     def _on_retokenize(self, msg: Retokenize) -> None:
         self.engine.on_retokenize(msg)

@@ -28,15 +28,34 @@ def check_admin_token(authorization: str | None, admin_token: str | None) -> str
     return None
 
 
-def resolve_model_folder(path: str, model_root: str | None) -> Path:
-    """The folder a swap may load: inside --model-root when one is set (no `..` or link
-    escapes), and a Hugging Face folder (config.json) or a GGUF file."""
+def _inside_root(path: str, model_root: str | None, field: str) -> Path:
+    """`path` resolved inside --model-root when one is set (no `..` or link escapes)."""
     folder = Path(path).expanduser()
     if model_root:
         root = Path(model_root).resolve()
         folder = (root / folder).resolve() if not folder.is_absolute() else folder.resolve()
         if not folder.is_relative_to(root):
-            raise RequestRejected(f"model: {path!r} is outside the model root {root}", "model", 403)
+            raise RequestRejected(f"{field}: {path!r} is outside the model root {root}", field, 403)
+    return folder
+
+
+def resolve_adapter_folder(path: str, model_root: str | None) -> Path:
+    """The folder a LoRA load may read: inside --model-root when one is set, and a PEFT
+    adapter folder (adapter_config.json); what is in it the worker checks."""
+    folder = _inside_root(path, model_root, "lora_path")
+    if not (folder / "adapter_config.json").is_file():
+        raise RequestRejected(
+            f"lora_path: no PEFT adapter folder (adapter_config.json) at {path!r}",
+            "lora_path",
+            404,
+        )
+    return folder
+
+
+def resolve_model_folder(path: str, model_root: str | None) -> Path:
+    """The folder a swap may load: inside --model-root when one is set (no `..` or link
+    escapes), and a Hugging Face folder (config.json) or a GGUF file."""
+    folder = _inside_root(path, model_root, "model")
     if not (folder / "config.json").is_file() and not is_gguf_file(folder):
         raise RequestRejected(
             f"model: no Hugging Face model folder (config.json) or GGUF file at {path!r}",

@@ -77,7 +77,7 @@ class RouterActor(Actor):
             self.parked.append(req)
             return
         decision = self.router.route(
-            req.request_id, req.prompt_token_ids, req.tokenizer_fingerprint
+            req.request_id, req.prompt_token_ids, req.tokenizer_fingerprint, req.lora_name
         )
         if decision is None:
             self._fail(req.request_id, "no engine replica is ready (restarting)")

@@ -27,6 +27,7 @@ import math
 from collections import OrderedDict
 
 from common.messages.scheduler_router import ReplicaNotice
+from common.model_facts import lora_root
 from common.prefix_hash import prefix_hashes
 
 MAX_PENDING_HASHES = 8192
@@ -42,6 +43,7 @@ class ReplicaView:
     held: set[int] = dataclasses.field(default_factory=set)
     pending: OrderedDict[int, None] = dataclasses.field(default_factory=OrderedDict)
     live: set[str] = dataclasses.field(default_factory=set)
+    loras: dict[str, str] = dataclasses.field(default_factory=dict)  # adapter -> weights hash
     num_routed: int = 0  # requests routed here in all
 
     @property
@@ -104,6 +106,8 @@ class Router:
         for h in (*msg.cached_hashes, *msg.evicted_hashes):
             r.pending.pop(h, None)
         r.live.difference_update(msg.ended_request_ids)
+        if msg.lora_names is not None and msg.lora_hashes is not None:
+            r.loras = dict(zip(msg.lora_names, msg.lora_hashes, strict=True))
 
     def on_replica_down(self, index: int) -> list[str]:
         """Replica `index`'s scheduler died: route around it until it tells again; returns
@@ -117,20 +121,28 @@ class Router:
 
     # routing -------------------------------------------------------------------------------
     def route(
-        self, request_id: str, token_ids: list[int], tokenizer_fingerprint: str = ""
+        self,
+        request_id: str,
+        token_ids: list[int],
+        tokenizer_fingerprint: str = "",
+        lora_name: str = "",
     ) -> Decision | None:
         """The replica for this request (None: no replica is ready). Mid-swap, replicas
-        whose model has the request's tokenizer come first (elsewhere it is tokenised again)."""
+        whose model has the request's tokenizer come first (elsewhere it is tokenised again);
+        a request of a LoRA adapter goes to a replica that has the adapter, then by prefix
+        (hashed under the adapter's root)."""
         ready = [r for r in self.replicas if r.is_ready]
         if not ready:
             return None
         same = [r for r in ready if r.tokenizer_fingerprint == tokenizer_fingerprint]
         ready = same if tokenizer_fingerprint and same else ready
+        having = [r for r in ready if lora_name in r.loras]
+        ready = having if lora_name and having else ready
         hashes: list[int] = []
         if self.routing == "round-robin":
             chosen, hits = self._next_in_turn(ready), 0
         else:
-            chosen, hashes, hits = self._by_prefix(ready, token_ids)
+            chosen, hashes, hits = self._by_prefix(ready, token_ids, lora_name)
         chosen.live.add(request_id)
         chosen.num_routed += 1
         chosen.expect(hashes)
@@ -142,14 +154,17 @@ class Router:
         return chosen
 
     def _by_prefix(
-        self, ready: list[ReplicaView], token_ids: list[int]
+        self, ready: list[ReplicaView], token_ids: list[int], lora_name: str = ""
     ) -> tuple[ReplicaView, list[int], int]:
         chains: dict[tuple[int, int], list[int]] = {}
         hits: dict[int, int] = {}
+        roots: dict[int, int] = {}  # replica -> the request's root there
         for r in ready:
-            key = (r.cache_root, r.block_size)
+            root = lora_root(r.cache_root, lora_name, r.loras.get(lora_name, ""))
+            roots[r.index] = root
+            key = (root, r.block_size)
             if key not in chains:
-                chains[key] = list(prefix_hashes(r.cache_root, token_ids, r.block_size))
+                chains[key] = list(prefix_hashes(root, token_ids, r.block_size))
             hits[r.index] = r.num_leading_hits(chains[key])
         cap = self.load_cap(ready)
         holders = [r for r in ready if hits[r.index] and r.load + 1 <= cap]
@@ -159,7 +174,7 @@ class Router:
         else:
             chosen = min(ready, key=lambda r: (r.load, r.num_routed, r.index))
             self.num_least_loaded_routed += 1
-        return chosen, chains[(chosen.cache_root, chosen.block_size)], hits[chosen.index]
+        return chosen, chains[(roots[chosen.index], chosen.block_size)], hits[chosen.index]
 
     def load_cap(self, ready: list[ReplicaView]) -> int:
         """Most requests a replica may hold after taking one more by affinity: the bound

@@ -20,6 +20,9 @@ from common.messages import (
     Abort,
     FinishReason,
     GrammarCompiled,
+    LoadLoraAdapter,
+    LoraAdapterResult,
+    LoraLoaded,
     ModelChanged,
     ModelLoaded,
     ProcessDown,
@@ -31,6 +34,7 @@ from common.messages import (
     SwapModel,
     SwapResult,
     TokenizedRequest,
+    UnloadLoraAdapter,
 )
 from common.topology import own_name, router_addr
 from services.scheduler.engine_core import EngineCore, ToDetokenizer, ToGateway, ToWorker
@@ -67,7 +71,7 @@ class _Sockets:
         for box in (self.gateway, self.detokenizer, *self.tokenizers):
             box.send(msg)
 
-    def reply(self, address: str, msg: SwapResult) -> None:
+    def reply(self, address: str, msg: SwapResult | LoraAdapterResult) -> None:
         self.actor.outbox(address).send(msg)
 
 
@@ -92,6 +96,9 @@ class SchedulerActor(Actor):
                 SwapModel: self.core.swap,
                 ModelLoaded: self.core.on_model_loaded,
                 ProcessDown: self._on_process_down,
+                LoadLoraAdapter: self.core.load_lora,
+                UnloadLoraAdapter: self.core.unload_lora,
+                LoraLoaded: self.core.on_lora_loaded,
             }
         )
         self.ticker: asyncio.Task[None] | None = None
@@ -100,7 +107,8 @@ class SchedulerActor(Actor):
         # a restarted scheduler finds the worker running: ask it to start over and re-announce
         self.outbox(self.config.addr("worker")).send(Reset(reason="scheduler started"))
         assert self.inbox is not None
-        while not self.core.is_ready:  # the worker's Ready sizes the block pool
+        # the worker's Ready sizes the block pool; the start-up adapters load after it
+        while not (self.core.is_ready and self.core.loras.is_settled):
             await self.dispatch(await self.inbox.recv())
         self.ticker = asyncio.create_task(self._tick())
         self._notify()
@@ -150,6 +158,8 @@ class SchedulerActor(Actor):
                 return
             self.core.fail_all(why)
         self.core.announce()
+        if self.core.loras.enabled:  # (and which adapters it serves)
+            self.core.loras.changed()
 
     def _on_abort(self, msg: Abort) -> None:
         self.core.abort(msg.request_ids, FinishReason(msg.reason), msg.seq_indices)

@@ -45,6 +45,7 @@ class BlockManager:
         self._ref_counts = [0] * num_blocks
         self._hash_of: list[int | None] = [None] * num_blocks
         self._tokens_of: list[tuple[int, ...] | None] = [None] * num_blocks
+        self._owner_of: list[str] = [""] * num_blocks  # the LoRA adapter of a hashed block
         self._by_hash: dict[int, int] = {}
         self.block_tables: dict[str, list[int]] = {}
         self._chains: dict[str, list[int]] = {}  # per request: hashes of its full blocks
@@ -124,10 +125,11 @@ class BlockManager:
         self.num_cached_hits += len(hits) * self.block_size
 
     def cache_full_blocks(
-        self, req_id: str, root: int, token_ids: list[int], num_computed: int
+        self, req_id: str, root: int, token_ids: list[int], num_computed: int, owner: str = ""
     ) -> None:
         """Hash the request's blocks that `num_computed` tokens have filled, so later
-        requests can share them."""
+        requests can share them; `owner` tags them with the LoRA adapter that computed them
+        ("": the base model), for per-adapter counts and drop_cached."""
         if not self.enable_prefix_caching:
             return
         table, chain, bs = (
@@ -142,9 +144,30 @@ class BlockManager:
             block = table[i]
             if self._hash_of[block] is None and h not in self._by_hash:
                 self._hash_of[block], self._tokens_of[block] = h, tokens
+                self._owner_of[block] = owner
                 self._by_hash[h] = block
                 if self._hash_changes is not None:
                     self._hash_changes[h] = True
+
+    def num_hashed_by_owner(self) -> Counter[str]:
+        """Hashed blocks (cached or in use) per LoRA adapter, the base model ("") left out."""
+        return Counter(o for b, o in enumerate(self._owner_of) if o and self._hash_of[b])
+
+    def drop_cached(self, owner: str) -> int:
+        """Forget the cached blocks of LoRA adapter `owner` (unloaded): none is reachable
+        by a prefix hit any more; they go back to the free list. Returns how many."""
+        dropped = [b for b in self._lru if self._owner_of[b] == owner]
+        for b in dropped:
+            del self._lru[b]
+            h = self._hash_of[b]
+            assert h is not None, "a cached block has a hash"
+            del self._by_hash[h]
+            if self._hash_changes is not None:
+                self._hash_changes[h] = False
+            self._hash_of[b] = self._tokens_of[b] = None
+            self._owner_of[b] = ""
+            self._free.append(b)
+        return len(dropped)
 
     def cached_hashes(self) -> list[int]:
         """Hashes of every block the prefix cache can match now (a full resync)."""
@@ -231,6 +254,7 @@ class BlockManager:
             if self._hash_changes is not None:
                 self._hash_changes[evicted] = False
             self._hash_of[block] = self._tokens_of[block] = None
+            self._owner_of[block] = ""
             self.num_evictions += 1
         self._ref_counts[block] = 1
         return block

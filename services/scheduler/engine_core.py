@@ -21,7 +21,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 from typing import Any, Protocol
 
@@ -31,7 +31,12 @@ from common.messages import (
     DetokNew,
     FinishReason,
     GrammarCompiled,
+    LoadLora,
+    LoadLoraAdapter,
     LoadModel,
+    LoraAdapterResult,
+    LoraLoaded,
+    LorasChanged,
     ModelChanged,
     ModelInfo,
     ModelLoaded,
@@ -44,11 +49,14 @@ from common.messages import (
     SwapResult,
     TokenBatch,
     TokenizedRequest,
+    UnloadLora,
+    UnloadLoraAdapter,
     UnloadModel,
 )
-from common.model_facts import cache_root, salted_root
+from common.model_facts import cache_root, lora_root, salted_root
 from services.scheduler.block_manager import BlockManager, HostBlockPool
 from services.scheduler.grammar_wait import GrammarWait
+from services.scheduler.lora_registry import Adapter, LoraRegistry
 from services.scheduler.plan import to_plan
 from services.scheduler.policy import PolicyConfig, Scheduler
 from services.scheduler.request import Request, Status
@@ -66,9 +74,9 @@ def sequence_key(request_id: str, index: int) -> str:
 
 
 # what the core sends each peer
-ToWorker = StepPlan | LoadModel | UnloadModel | CompileGrammar
+ToWorker = StepPlan | LoadModel | UnloadModel | CompileGrammar | LoadLora | UnloadLora
 ToDetokenizer = DetokNew | TokenBatch
-ToGateway = RequestError | Retokenize
+ToGateway = RequestError | Retokenize | LorasChanged
 
 
 class EngineOutbox(Protocol):
@@ -85,7 +93,7 @@ class EngineOutbox(Protocol):
         gateway (the gateway's copy before anything else the core sends it next)."""
         ...
 
-    def reply(self, address: str, msg: SwapResult) -> None: ...
+    def reply(self, address: str, msg: SwapResult | LoraAdapterResult) -> None: ...
 
 
 @dataclasses.dataclass
@@ -143,6 +151,8 @@ class EngineCore:
             else 1
         )
         self.swaps = SwapCoordinator(outbox.to_worker, outbox.reply)
+        # LoRA adapters: which are served, their loads and unloads (lora_registry.py)
+        self.loras = LoraRegistry(config, outbox.to_worker, outbox.reply, outbox.to_gateway)
         self.num_steps = 0
         self.step_counter = 0
         self.step_time_s = 0.0
@@ -180,6 +190,7 @@ class EngineCore:
         )
         self.in_flight.clear()
         self.adopt(info)
+        self.loras.on_worker_ready(info)  # (a new worker holds no adapter)
         log.info(
             "worker ready: %d blocks of %d tokens (max %d seqs)",
             info.num_blocks,
@@ -270,10 +281,13 @@ class EngineCore:
             self.outbox.to_gateway(Retokenize(request_id=msg.request_id))
             return
         error = self._admission_error(msg)
+        adapter = self.loras.check(msg) if msg.lora_name and error is None else None
+        if isinstance(adapter, tuple):
+            error, adapter = adapter, None
         if error is not None:
             self._reject(msg.request_id, *error)
             return
-        seqs = self._sequences(msg)
+        seqs = self._sequences(msg, adapter)
         if msg.sampling.is_structured:  # queued once its grammar is compiled (off the loop)
             self.grammar_wait.park(msg.request_id, seqs, msg.tokenizer_fingerprint)
             self.outbox.to_worker(
@@ -334,9 +348,11 @@ class EngineCore:
             return (400, f"request id {msg.request_id!r} is already in flight", "X-Request-Id")
         return None
 
-    def _sequences(self, msg: TokenizedRequest) -> list[Request]:
+    def _sequences(self, msg: TokenizedRequest, adapter: Adapter | None = None) -> list[Request]:
         """One Request per sequence: a leader, and for n > 1 n - 1 forks sharing its prompt."""
         assert self.served is not None
+        lora_name, lora_hash = (adapter.name, adapter.weights_hash) if adapter else ("", "")
+        root = lora_root(salted_root(self.served.root, msg.cache_salt), lora_name, lora_hash)
         seqs: list[Request] = []
         for i in range(msg.sampling.n):
             sampling = msg.sampling
@@ -350,14 +366,15 @@ class EngineCore:
                     msg.eos_token_ids,
                     max_model_len=self.served.max_model_len,
                     arrival_time=msg.arrival_time,
-                    cache_root=salted_root(self.served.root, msg.cache_salt),
+                    cache_root=root,
                     cache_salt=msg.cache_salt,
+                    lora_name=lora_name,
+                    lora_hash=lora_hash,
                     priority=msg.priority,
                     timeout=msg.timeout,
                     fork_of=seqs[0] if i else None,
                     group_id=msg.request_id,
                     seq_index=i,
-                    lora_name=msg.lora_name,
                 )
             )
         return seqs
@@ -459,7 +476,47 @@ class EngineCore:
 
     def on_model_loaded(self, msg: ModelLoaded) -> None:
         if self.policy is not None:
-            self.swaps.on_loaded(msg, self.policy, self.adopt)
+            self.swaps.on_loaded(msg, self.policy, self._adopt_swapped)
+
+    def _adopt_swapped(self, info: ModelInfo) -> None:
+        """A hot swap's new model: serve it; adapters made for another base model are
+        dropped, and their requests that have not started fail, saying why."""
+        self.adopt(info)
+        dropped = set(self.loras.on_model_swapped(info))
+        unstarted = [
+            r
+            for seqs in self.groups.values()
+            if all(r.version is None for r in seqs) and seqs[0].lora_name in dropped
+            for r in seqs
+        ]
+        if unstarted:
+            self._fail(
+                unstarted,
+                400,
+                "model: the LoRA adapter was dropped by a hot swap: it was made for another "
+                "base model, or does not fit the one served now",
+            )
+
+    # LoRA adapters -------------------------------------------------------------------------
+    def load_lora(self, msg: LoadLoraAdapter) -> None:
+        self.loras.load(msg)
+
+    def on_lora_loaded(self, msg: LoraLoaded) -> None:
+        self.loras.on_loaded(msg)
+
+    def unload_lora(self, msg: UnloadLoraAdapter) -> None:
+        self.loras.unload(msg, self.num_live_by_lora())
+        self._advance_unloads()
+
+    def num_live_by_lora(self) -> Counter[str]:
+        """Live sequences per adapter (grammar waits included), the base model left out."""
+        live = self.policy.requests.values() if self.policy is not None else ()
+        waiting = (r for seqs in self.groups.values() for r in seqs if not r.is_finished)
+        return Counter(r.lora_name for r in itertools.chain(live, waiting) if r.lora_name)
+
+    def _advance_unloads(self) -> None:
+        if self.loras.has_unloading and self.policy is not None:
+            self.loras.advance(self.num_live_by_lora(), self.policy.blocks.drop_cached)
 
     # the step ------------------------------------------------------------------------------
     def step(self) -> None:
@@ -481,6 +538,7 @@ class EngineCore:
             self.outbox.to_worker(to_plan(step.step_id, out))
         self._busy_since_last_result = bool(self.in_flight)
         self.swaps.advance(policy, in_flight=bool(self.in_flight))
+        self._advance_unloads()
         if not self.in_flight and not policy.has_work() and not policy.requests:
             # whenever idle, every block is free (O(1)); block by block now and then (a
             # pool of 65k blocks takes ~7 ms to walk: not in the way of every request)

@@ -30,6 +30,7 @@ def request_rows(core: EngineCore) -> dict[str, Any]:
             "age_s": round(now - r.arrival_time, 3),
             "arrival_time": r.arrival_time,
             "version": r.version or "",
+            "lora_name": r.lora_name,
         }
         for r in sorted(core.policy.requests.values(), key=lambda r: r.arrival_seq)
     ]
@@ -75,6 +76,8 @@ def stats(core: EngineCore) -> dict[str, Any]:
         "model_weight_bytes": core.served.info.weight_bytes,
         "request_ids": sorted(core.groups),
         "model": {**dataclasses.asdict(core.served.info), "model_name": core.served.name},
+        # per LoRA adapter: state, rank, hash, requests accepted and live, cached blocks
+        "lora_adapters": core.loras.stats(core.num_live_by_lora(), b.num_hashed_by_owner()),
     }
 
 

@@ -15,6 +15,9 @@ from common.config import Config
 from common.messages import (
     CompileGrammar,
     GrammarCompiled,
+    LoadLora,
+    LoraAdapterResult,
+    LorasChanged,
     ModelChanged,
     ModelInfo,
     RequestError,
@@ -25,6 +28,7 @@ from common.messages import (
     SwapResult,
     TokenBatch,
     TokenizedRequest,
+    UnloadLora,
 )
 from services.scheduler.engine_core import EngineCore, ToDetokenizer, ToGateway, ToWorker
 from services.scheduler.policy import PolicyConfig
@@ -54,10 +58,16 @@ class _Collector:
     errors: list[RequestError | Retokenize] = dataclasses.field(default_factory=list)
     announced: list[ModelChanged] = dataclasses.field(default_factory=list)
     batches: list[TokenBatch] = dataclasses.field(default_factory=list)  # as sent, in order
+    lora_messages: list[LoadLora | UnloadLora] = dataclasses.field(default_factory=list)
+    lora_results: list[LoraAdapterResult] = dataclasses.field(default_factory=list)
+    loras_changed: list[LorasChanged] = dataclasses.field(default_factory=list)
 
     def to_worker(self, msg: ToWorker) -> None:
         if isinstance(msg, CompileGrammar):
             self.compiles.append(msg)
+            return
+        if isinstance(msg, LoadLora | UnloadLora):  # the runner's owner acts on them
+            self.lora_messages.append(msg)
             return
         if not isinstance(msg, StepPlan):
             raise NotImplementedError("the in-process engine does not hot-swap")
@@ -71,13 +81,18 @@ class _Collector:
                 self.outputs.setdefault((rid, i), []).extend(tokens)
 
     def to_gateway(self, msg: ToGateway) -> None:
-        self.errors.append(msg)
+        if isinstance(msg, LorasChanged):
+            self.loras_changed.append(msg)
+        else:
+            self.errors.append(msg)
 
     def announce(self, msg: ModelChanged) -> None:
         self.announced.append(msg)
 
-    def reply(self, address: str, msg: SwapResult) -> None:
-        raise NotImplementedError("the in-process engine does not hot-swap")
+    def reply(self, address: str, msg: SwapResult | LoraAdapterResult) -> None:
+        if isinstance(msg, SwapResult):
+            raise NotImplementedError("the in-process engine does not hot-swap")
+        self.lora_results.append(msg)
 
 
 class InProcessEngine:

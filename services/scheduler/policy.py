@@ -28,12 +28,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from common.messages import FinishReason
-from common.model_facts import salted_root
+from common.model_facts import lora_root, salted_root
 from services.scheduler.batching import BatchGate
 
 if TYPE_CHECKING:
     from common.config import Config
 from services.scheduler.block_manager import BlockManager, HostBlockPool
+from services.scheduler.lora_admission import LoraGate, Verdict
 from services.scheduler.queues import WaitingQueue
 from services.scheduler.request import Request, Status
 
@@ -79,6 +80,7 @@ class PolicyConfig:
     batch_window: float = 0.05
     static_batch_timeout: float = 1.0
     num_speculative_tokens: int = 0  # draft slots per decode (0: no speculative decoding)
+    max_loras: int = 0  # distinct LoRA adapters in one step (0: LoRA off, no limit)
 
     @classmethod
     def from_config(cls, config: Config) -> PolicyConfig:
@@ -88,6 +90,7 @@ class PolicyConfig:
         return cls(
             **{f.name: section[f.name] for f in dataclasses.fields(cls) if f.name in section},
             num_speculative_tokens=config.speculative.num_tokens,
+            max_loras=config.lora.max_loras if config.lora.enable_lora else 0,
         )
 
 
@@ -113,6 +116,7 @@ class Scheduler:
             config.static_batch_timeout,
         )
         self.waiting = WaitingQueue(config.scheduling_policy)
+        self.lora_gate = LoraGate(config.max_loras)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._queued_at: dict[str, float] = {}
@@ -275,19 +279,23 @@ class Scheduler:
         allowed = self.gate.num_admissible(
             len(self.running), len(self.waiting), self._oldest_wait()
         )
-        while (
-            self.waiting
-            and budget > 0
-            and allowed > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
-            req = self.waiting.peek()
+        self.lora_gate.begin(self.running)
+        i = 0  # (requests before i wait for an adapter slot: lora_admission.py)
+        while i < len(self.waiting):
+            req = self.waiting[i]
+            if budget <= 0 or allowed <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
             if self.paused and req.version is None:
                 break  # a drain: nothing new starts until the swap is done
-            num_new = self._admit(req, budget, out)
+            verdict = self.lora_gate.verdict(req)  # --max-loras
+            if verdict == Verdict.SKIP:
+                i += 1
+                continue
+            num_new = 0 if verdict == Verdict.STOP else self._admit(req, budget, out)
             if num_new == 0:
                 break
-            self.waiting.pop()
+            self.waiting.remove(req)
+            self.lora_gate.started(req)
             self.gate.admitted()
             allowed -= 1
             req.status = Status.RUNNING
@@ -305,8 +313,8 @@ class Scheduler:
         bm, rid = self.blocks, req.request_id
         # a request that starts now runs on the version served now, hashed under its root
         root = req.cache_root if req.version is not None or self.root is None else self.root
-        if req.version is None and self.root is not None:  # (vLLM's cache_salt)
-            root = salted_root(root, req.cache_salt)
+        if req.version is None and self.root is not None:  # (vLLM's cache_salt, the adapter)
+            root = lora_root(salted_root(root, req.cache_salt), req.lora_name, req.lora_hash)
         # prompt logprobs need the logits of every prompt position, mean pooling (embeddings)
         # its hidden state: no prefix hits (vLLM disables prefix caching for such requests)
         every_position = req.sampling.prompt_logprobs is not None or req.sampling.pooling == "mean"
@@ -392,7 +400,11 @@ class Scheduler:
             req.num_pending += 1  # its token counts from now on, known when the step ends
         known = len(req.prompt_token_ids) + len(req.output_token_ids)
         self.blocks.cache_full_blocks(
-            req.request_id, req.cache_root, req.all_token_ids, min(req.num_computed_tokens, known)
+            req.request_id,
+            req.cache_root,
+            req.all_token_ids,
+            min(req.num_computed_tokens, known),
+            owner=req.lora_name,
         )
         return ScheduledReq(req, num_new, new_blocks, before, samples, spec)
 
@@ -439,6 +451,7 @@ class Scheduler:
                     req.cache_root,
                     req.all_token_ids,
                     min(req.num_computed_tokens, len(req.all_token_ids)),
+                    owner=req.lora_name,
                 )
             if reason != FinishReason.NONE:
                 self._finish(req, reason)
@@ -470,6 +483,7 @@ class Scheduler:
         self.blocks.free(req.request_id)
         del self.requests[req.request_id]
         self._queued_at.pop(req.request_id, None)
+        self.lora_gate.forget(req.request_id)
         if req.is_known_to_worker:
             self._finished_for_worker.append(req.request_id)
 

@@ -47,6 +47,9 @@ class WaitingQueue:
         self._items.insert(0, req)
         self._keys.insert(0, (0, -self._num_front))
 
+    def __getitem__(self, i: int) -> Request:
+        return self._items[i]
+
     def peek(self) -> Request:
         return self._items[0]
 

@@ -17,13 +17,14 @@ class NoticeBuilder:
         self._blocks: BlockManager | None = None  # the pool the router has heard of
         self._was_ready: bool | None = None
         self._root = 0
+        self._loras: dict[str, str] | None = None  # the adapters the router heard of
 
     def received(self, request_id: str) -> None:
         self._received.add(request_id)
 
     def resync(self) -> None:
         """A new router knows nothing: the next notice resets and tells everything."""
-        self._blocks, self._was_ready = None, None
+        self._blocks, self._was_ready, self._loras = None, None, None
 
     def build(self, core: EngineCore) -> ReplicaNotice | None:
         """The notice for what changed since the last one, or None when nothing did."""
@@ -39,9 +40,11 @@ class NoticeBuilder:
         self._received.difference_update(ended)
         root = served.root if served is not None else 0
         changed = reset or is_ready != self._was_ready or root != self._root
-        if not (changed or cached or evicted or ended):
+        loras = core.loras.weights_hashes()
+        new_loras = loras if loras != self._loras else None
+        if not (changed or cached or evicted or ended or new_loras is not None):
             return None
-        self._was_ready, self._root = is_ready, root
+        self._was_ready, self._root, self._loras = is_ready, root, loras
         return ReplicaNotice(
             replica=self.replica,
             is_ready=is_ready,
@@ -52,4 +55,6 @@ class NoticeBuilder:
             evicted_hashes=evicted,
             ended_request_ids=sorted(ended),
             reset=reset,
+            lora_names=None if new_loras is None else list(new_loras),
+            lora_hashes=None if new_loras is None else list(new_loras.values()),
         )

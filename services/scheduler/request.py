@@ -37,12 +37,13 @@ class Request:
         *,
         cache_root: int = 0,
         cache_salt: str = "",
+        lora_name: str = "",
+        lora_hash: str = "",
         priority: int = 0,
         timeout: float | None = None,
         fork_of: Request | None = None,
         group_id: str | None = None,
         seq_index: int = 0,
-        lora_name: str = "",
     ) -> None:
         self.request_id = request_id  # the sequence's key (EngineCore's sequence_key)
         self.group_id = request_id if group_id is None else group_id  # the client's id
@@ -63,8 +64,9 @@ class Request:
         self.scheduled_in = -1  # the last schedule() that gave it tokens
         self.computed_before_step = 0  # num_computed_tokens before that step
         self.cache_root = cache_root
-        self.lora_name = lora_name  # the LoRA adapter it runs with ("": the base model)
         self.cache_salt = cache_salt  # salts the root it is hashed under when it starts
+        self.lora_name = lora_name  # its LoRA adapter ("": the base model)
+        self.lora_hash = lora_hash  # the adapter's weights hash (enters its cache root)
         self.version: str | None = None  # the model version, fixed when it first starts
         self.priority = priority
         self.arrival_seq = next(_arrivals)

@@ -222,6 +222,7 @@ class TokenizerActor(Actor):
             timeout=req.timeout,
             tokenizer_fingerprint=model.fingerprint,
             cache_salt=req.cache_salt,
+            lora_name=req.lora_name,
         )
 
     def _sampling(self, req: GenerateRequest, model: ServedModel) -> SamplingParams:

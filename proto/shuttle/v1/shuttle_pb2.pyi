@@ -309,14 +309,18 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[Model, _Mapping]]] = ...) -> None: ...
 
 class Model(_message.Message):
-    __slots__ = ("id", "max_model_len", "version")
+    __slots__ = ("id", "max_model_len", "version", "parent", "root")
     ID_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
     id: str
     max_model_len: int
     version: str
-    def __init__(self, id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+    parent: str
+    root: str
+    def __init__(self, id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., version: _Optional[str] = ..., parent: _Optional[str] = ..., root: _Optional[str] = ...) -> None: ...
 
 class SwapModelRequest(_message.Message):
     __slots__ = ("model", "version", "mode")
@@ -335,6 +339,32 @@ class SwapModelResponse(_message.Message):
     version: str
     previous_version: str
     def __init__(self, version: _Optional[str] = ..., previous_version: _Optional[str] = ...) -> None: ...
+
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class LoadLoraAdapterResponse(_message.Message):
+    __slots__ = ("weights_hash", "rank")
+    WEIGHTS_HASH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    weights_hash: str
+    rank: int
+    def __init__(self, weights_hash: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class AdminCancelRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -263,6 +263,16 @@ class AdminStub:
                 request_serializer=shuttle_dot_v1_dot_shuttle__pb2.ListRequestsRequest.SerializeToString,
                 response_deserializer=shuttle_dot_v1_dot_shuttle__pb2.ListRequestsResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/shuttle.v1.Admin/LoadLoraAdapter',
+                request_serializer=shuttle_dot_v1_dot_shuttle__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=shuttle_dot_v1_dot_shuttle__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/shuttle.v1.Admin/UnloadLoraAdapter',
+                request_serializer=shuttle_dot_v1_dot_shuttle__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=shuttle_dot_v1_dot_shuttle__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -290,6 +300,21 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Serve a PEFT LoRA adapter folder under a model name (--enable-lora; vLLM's
+        /v1/load_lora_adapter). Shuttle.ListModels lists the adapters served.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Stop serving an adapter: refused at once for new requests, running ones finish first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -307,6 +332,16 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ListRequests,
                     request_deserializer=shuttle_dot_v1_dot_shuttle__pb2.ListRequestsRequest.FromString,
                     response_serializer=shuttle_dot_v1_dot_shuttle__pb2.ListRequestsResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=shuttle_dot_v1_dot_shuttle__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=shuttle_dot_v1_dot_shuttle__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=shuttle_dot_v1_dot_shuttle__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=shuttle_dot_v1_dot_shuttle__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -391,6 +426,60 @@ class Admin:
             '/shuttle.v1.Admin/ListRequests',
             shuttle_dot_v1_dot_shuttle__pb2.ListRequestsRequest.SerializeToString,
             shuttle_dot_v1_dot_shuttle__pb2.ListRequestsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shuttle.v1.Admin/LoadLoraAdapter',
+            shuttle_dot_v1_dot_shuttle__pb2.LoadLoraAdapterRequest.SerializeToString,
+            shuttle_dot_v1_dot_shuttle__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shuttle.v1.Admin/UnloadLoraAdapter',
+            shuttle_dot_v1_dot_shuttle__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            shuttle_dot_v1_dot_shuttle__pb2.UnloadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import AsyncGenerator, Callable
 from typing import Any, Protocol
 
-from common.messages import FinishReason, GenerateRequest, SwapResult
+from common.messages import FinishReason, GenerateRequest, LoraAdapterResult, SwapResult
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -130,6 +130,26 @@ class EngineClient(Protocol):
 
     @property
     def max_model_len(self) -> int: ...
+
+    @property
+    def lora_enabled(self) -> bool:
+        """--enable-lora: adapters may be served, loaded and unloaded."""
+        ...
+
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """The LoRA adapters served, name -> folder, sorted by name: a request's `model` may
+        name one; /v1/models lists them."""
+        ...
+
+    async def load_lora(self, name: str, path: str, timeout: float = 600.0) -> LoraAdapterResult:
+        """Serve the PEFT adapter folder `path` under `name` (every replica); the outcome."""
+        ...
+
+    async def unload_lora(self, name: str, timeout: float = 600.0) -> LoraAdapterResult:
+        """Stop serving `name`: refused at once for new requests, gone once the running
+        ones finished; the outcome (404: no such adapter)."""
+        ...
 
     @property
     def eos_token_ids(self) -> list[int]:

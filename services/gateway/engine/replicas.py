@@ -77,7 +77,21 @@ def merge_stats(replies: dict[str, dict[str, Any]], num_replicas: int) -> dict[s
         merged["version"] = first.get("version")
         merged["model"] = first.get("model")
         merged["swap"] = next((d["swap"] for d in ready if d.get("swap")), None)
+    merged["lora_adapters"] = _merge_loras(ready)
     merged["replicas"] = [{"replica": i, **d} for i, d in enumerate(per)]
+    return merged
+
+
+def _merge_loras(ready: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per LoRA adapter: its counts summed over the replicas, the rest from the first."""
+    merged: dict[str, dict[str, Any]] = {}
+    for d in ready:
+        for name, row in d.get("lora_adapters", {}).items():
+            if name not in merged:
+                merged[name] = dict(row)
+                continue
+            for key in ("num_requests", "num_live_requests", "num_cached_blocks"):
+                merged[name][key] = merged[name].get(key, 0) + row.get(key, 0)
     return merged
 
 

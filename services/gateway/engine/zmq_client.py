@@ -24,6 +24,7 @@ from common.messages import (
     DetokenizeQuery,
     FinishReason,
     GenerateRequest,
+    LoraAdapterResult,
     ModelChanged,
     OutputBatch,
     RequestError,
@@ -36,6 +37,7 @@ from common.messages import (
     TokenizeResult,
 )
 from services.gateway.engine.client import OutputDelta, RequestFailed, RequestObserver, entries
+from services.gateway.engine.lora_adapters import LoraAdapters
 from services.gateway.engine.replicas import (
     Replies,
     merge_request_rows,
@@ -108,6 +110,7 @@ class ZmqEngineClient:
         aliases: Sequence[str] = (),
         num_replicas: int = 1,
         router: Sender | None = None,
+        enable_lora: bool = False,
     ) -> None:
         self.tokenizers = tokenizers
         self.aliases = list(aliases)  # --served-model-name: more names the model answers to
@@ -124,6 +127,10 @@ class ZmqEngineClient:
         self.swap_status: dict[str, Any] | None = None  # the swap this gateway asked for
         self.draining = False  # shutting down: new requests get 503
         self._query_ids = itertools.count()
+        # LoRA adapters (lora_adapters.py): what the schedulers serve, loads and unloads
+        self.loras = LoraAdapters(
+            enable_lora, scheduler, inbox_addr, num_replicas, tickets=self._query_ids
+        )
         # request timings (services/gateway/http/metrics.py): called with each request on arrival
         self.observer: Callable[[GenerateRequest], RequestObserver] | None = None
 
@@ -140,6 +147,20 @@ class ZmqEngineClient:
     @property
     def system_fingerprint(self) -> str:
         return self.served.version if self.served is not None else ""
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.loras.enabled
+
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        return self.loras.paths
+
+    async def load_lora(self, name: str, path: str, timeout: float = 600.0) -> LoraAdapterResult:
+        return await self.loras.load(name, path, timeout=timeout)
+
+    async def unload_lora(self, name: str, timeout: float = 600.0) -> LoraAdapterResult:
+        return await self.loras.unload(name, timeout=timeout)
 
     @property
     def max_model_len(self) -> int:

@@ -16,6 +16,7 @@ refused by its number, never dropped.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from typing import Any, cast
 
@@ -33,7 +34,7 @@ from services.gateway.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     RequestRejected,
-    check_model,
+    lora_of,
     validate_request,
 )
 from services.gateway.openai.tool_stream import ToolStream
@@ -137,8 +138,11 @@ def to_generate_request(
     Raises RequestRejected (status 400, 404 or 503) with the HTTP API's message; the caller
     renames its field with `rename_field`."""
     body = validate_request(*_http_body(request), context=context)
-    check_model(body.model, engine.model_names, engine.is_ready(), engine.draining)
-    return body.to_generate_request(request_id, engine.model_name, engine.max_model_len)
+    lora = lora_of(  # the model name selects a LoRA adapter, as over HTTP
+        body.model, engine.model_names, engine.lora_adapters, engine.is_ready(), engine.draining
+    )
+    generate = body.to_generate_request(request_id, engine.model_name, engine.max_model_len)
+    return dataclasses.replace(generate, lora_name=lora) if lora else generate
 
 
 def refuse_unknown_fields(message: Message, path: str = "") -> None:

@@ -34,7 +34,11 @@ from grpc_reflection.v1alpha import reflection
 from common.config import SchedulerConfig, ServerConfig
 from proto import shuttle_pb2 as pb
 from proto import shuttle_pb2_grpc as pb_grpc
-from services.gateway.admin_auth import check_admin_token, resolve_model_folder
+from services.gateway.admin_auth import (
+    check_admin_token,
+    resolve_adapter_folder,
+    resolve_model_folder,
+)
 from services.gateway.engine.client import EngineClient, OutputDelta, RequestFailed
 from services.gateway.engine.embed import embed
 from services.gateway.grpc.convert import (
@@ -207,6 +211,17 @@ class ShuttleServicer(pb_grpc.ShuttleServicer):
             pb.Model(id=name, max_model_len=engine.max_model_len, version=engine.system_fingerprint)
             for name in engine.model_names
         ]
+        if models:  # then the LoRA adapters, as /v1/models lists them
+            models += [
+                pb.Model(
+                    id=name,
+                    max_model_len=engine.max_model_len,
+                    version=engine.system_fingerprint,
+                    parent=engine.model_name,
+                    root=path,
+                )
+                for name, path in engine.lora_adapters.items()
+            ]
         return pb.ListModelsResponse(models=models)
 
     @_statuses
@@ -265,6 +280,41 @@ class AdminServicer(pb_grpc.AdminServicer):
         return pb.SwapModelResponse(
             version=result.version, previous_version=result.previous_version
         )
+
+    @_statuses
+    async def LoadLoraAdapter(
+        self, request: pb.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoadLoraAdapterResponse:
+        self._authorize(context)
+        self._lora_enabled()
+        try:
+            if request.lora_name in self.engine.model_names:
+                raise RequestRejected(f"lora_name: `{request.lora_name}` is the base model's name")
+            path = resolve_adapter_folder(request.lora_path, self.model_root)
+        except RequestRejected as e:
+            raise GrpcError(status_code(e.status), e.message) from None
+        result = await self.engine.load_lora(request.lora_name, str(path))
+        if result.status != 200:
+            raise GrpcError(status_code(result.status), f"LoadLoraAdapter: {result.error}")
+        return pb.LoadLoraAdapterResponse(weights_hash=result.weights_hash, rank=result.rank)
+
+    @_statuses
+    async def UnloadLoraAdapter(
+        self, request: pb.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UnloadLoraAdapterResponse:
+        self._authorize(context)
+        self._lora_enabled()
+        result = await self.engine.unload_lora(request.lora_name)
+        if result.status != 200:
+            raise GrpcError(status_code(result.status), f"UnloadLoraAdapter: {result.error}")
+        return pb.UnloadLoraAdapterResponse()
+
+    def _lora_enabled(self) -> None:
+        if not self.engine.lora_enabled:
+            raise GrpcError(
+                grpc.StatusCode.NOT_FOUND,
+                "LoRA adapters are not enabled on this server (start it with --enable-lora)",
+            )
 
     @_statuses
     async def CancelRequest(

@@ -29,7 +29,7 @@ def admin_router(
     engine: EngineClient, admin_token: str | None, model_root: str | None = None
 ) -> APIRouter:
     """The /admin routes over `engine`, guarded by `admin_token`."""
-    router = APIRouter(prefix="/admin", dependencies=[Depends(_require_admin(admin_token))])
+    router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin(admin_token))])
 
     async def ask(what: str) -> dict[str, Any]:
         try:
@@ -91,10 +91,12 @@ def _swap_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _require_admin(admin_token: str | None) -> Callable[[Request], Awaitable[None]]:
-    async def require_admin(request: Request) -> None:
+def require_admin(admin_token: str | None) -> Callable[[Request], Awaitable[None]]:
+    """A route dependency refusing (401) a request without the admin token."""
+
+    async def check(request: Request) -> None:
         why = check_admin_token(request.headers.get("authorization"), admin_token)
         if why is not None:
             raise RequestRejected(why, None, 401)
 
-    return require_admin
+    return check

@@ -61,6 +61,7 @@ from services.gateway.http.errors import (
     install_error_handlers,
     take_request_id,
 )
+from services.gateway.http.lora_routes import lora_router
 from services.gateway.http.metrics import install_metrics
 from services.gateway.http.openapi import json_body
 from services.gateway.http.reply import Reply
@@ -73,7 +74,7 @@ from services.gateway.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     RequestRejected,
-    check_model,
+    lora_of,
     parse_request,
 )
 from services.gateway.openai.token_output import shaped
@@ -140,6 +141,7 @@ def create_app(
     app.add_api_route("/ping", routes.health, methods=["GET", "POST"])  # vLLM's alias
     app.add_api_route("/version", routes.version, methods=["GET"])
     app.include_router(admin_router(engine, admin_token, server.model_root or None))
+    app.include_router(lora_router(engine, admin_token, server.model_root or None))
     # GET /metrics, and the engine's request timers
     install_metrics(app, engine, server.metrics_vllm_names)
     if server.access_log:  # added last: outermost, it sees every refusal
@@ -174,15 +176,26 @@ class OpenAIRoutes:
         return await self._generate(request, _COMPLETION)
 
     async def models(self) -> Response:
-        """One card per name the served model answers to (none while starting)."""
+        """One card per name the served model answers to (none while starting), then one
+        per LoRA adapter (vLLM's: `root` its folder, `parent` the base model)."""
         cards = [self._card(name) for name in self.engine.model_names]
+        if cards:
+            cards += [self._lora_card(name) for name in self.engine.lora_adapters]
         return _json({"object": "list", "data": cards})
 
     async def model(self, model_id: str) -> Response:
         """GET /v1/models/{id}: the card of a name the model answers to, else a 404."""
-        if model_id not in self.engine.model_names:
-            raise RequestRejected(f"model: the model `{model_id}` does not exist", "model", 404)
-        return _json(self._card(model_id))
+        if model_id in self.engine.model_names:
+            return _json(self._card(model_id))
+        if self.engine.model_names and model_id in self.engine.lora_adapters:
+            return _json(self._lora_card(model_id))
+        raise RequestRejected(f"model: the model `{model_id}` does not exist", "model", 404)
+
+    def _lora_card(self, name: str) -> dict[str, Any]:
+        return self._card(name) | {
+            "root": self.engine.lora_adapters[name],
+            "parent": self.engine.model_name,
+        }
 
     def _card(self, name: str) -> dict[str, Any]:
         engine = self.engine
@@ -192,6 +205,7 @@ class OpenAIRoutes:
             "created": self.created,
             "owned_by": "shuttle",
             "root": engine.model_name,
+            "parent": None,  # (vLLM's: a LoRA adapter's card names its base model)
             "max_model_len": engine.max_model_len,
             "version": engine.system_fingerprint,
             "swap_in_progress": engine.swap_status,
@@ -209,10 +223,14 @@ class OpenAIRoutes:
         request_id = take_request_id(request, api.id_prefix)
         body = parse_request(api.body, await request.body(), self.context)
         engine = self.engine
-        check_model(body.model, engine.model_names, engine.is_ready(), engine.draining)
+        lora = lora_of(  # a `model` that names a LoRA adapter runs with it
+            body.model, engine.model_names, engine.lora_adapters, engine.is_ready(), engine.draining
+        )
         requests = body.to_generate_requests(request_id, engine.model_name, engine.max_model_len)
+        if lora:
+            requests = [dataclasses.replace(r, lora_name=lora) for r in requests]
         n = requests[0].sampling.n  # choices per prompt
-        reply = await self._reply(request_id, body, requests)
+        reply = await self._reply(request_id, body, requests, lora or engine.model_name)
         headers = {REQUEST_ID_HEADER: request_id}
         if body.use_beam_search:  # (services/gateway/engine/beam_search.py)
             choices, usage = await until_disconnected(request, self._beams(body, requests))
@@ -255,6 +273,7 @@ class OpenAIRoutes:
         request_id: str,
         body: ChatCompletionRequest | CompletionRequest,
         requests: list[GenerateRequest],
+        model: str,
     ) -> Reply:
         """The response builder of a request: its ids, logprobs and echo, and the chat's
         tools, echo and reasoning split."""
@@ -270,7 +289,7 @@ class OpenAIRoutes:
         )
         response_id = _response_id(request_id, api.id_prefix)
         created, fingerprint = int(time.time()), engine.system_fingerprint
-        fields = (response_id, engine.model_name, created, fingerprint, n * len(requests), n, lp)
+        fields = (response_id, model, created, fingerprint, n * len(requests), n, lp)
         if isinstance(body, ChatCompletionRequest):
             reasoning = (self.context or {}).get("reasoning_parser", "")
             return ChatReply(

@@ -54,7 +54,7 @@ from services.gateway.openai.protocol import (
     REQUEST_ID_PATTERN,
     ChatCompletionRequest,
     RequestRejected,
-    check_model,
+    lora_of,
     parse_request,
     validate_request,
 )
@@ -119,10 +119,17 @@ class ResponsesRoutes:
         try:
             body = chat_body(req, previous.history if previous else [])
             chat = validate_request(ChatCompletionRequest, body, self.context)
-            check_model(chat.model, engine.model_names, engine.is_ready(), engine.draining)
+            lora = lora_of(
+                chat.model,
+                engine.model_names,
+                engine.lora_adapters,
+                engine.is_ready(),
+                engine.draining,
+            )
             generate = chat.to_generate_request(
                 response_id, engine.model_name, engine.max_model_len
             )
+            generate = dataclasses.replace(generate, lora_name=lora)
         except RequestRejected as e:
             raise renamed(e) from None
         request.state.access = record = AccessRecord()

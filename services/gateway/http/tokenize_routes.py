@@ -33,7 +33,7 @@ from services.gateway.openai.protocol import (
     RequestRejected,
     TokenId,
     bounded_template_kwargs,
-    check_model,
+    lora_of,
     parse_request,
     trusted_chat_template,
 )
@@ -108,6 +108,11 @@ class DetokenizeRequest(BaseModel):
         return data
 
 
+def _check_model(engine: EngineClient, model: str | None) -> None:
+    """check_model, where an adapter's name is good too (it tokenises as its base model)."""
+    lora_of(model, engine.model_names, engine.lora_adapters, engine.is_ready(), engine.draining)
+
+
 def tokenize_router(engine: EngineClient, context: dict[str, Any] | None = None) -> APIRouter:
     """POST /tokenize and /detokenize over `engine` (the caller adds the API key check);
     `context` as parse_request takes it (`trust_request_chat_template`)."""
@@ -116,7 +121,7 @@ def tokenize_router(engine: EngineClient, context: dict[str, Any] | None = None)
     async def tokenize(request: Request) -> Response:
         body = parse_request(TokenizeRequest, await request.body(), context)
         body.check()
-        check_model(body.model, engine.model_names, engine.is_ready(), engine.draining)
+        _check_model(engine, body.model)
         is_chat = body.messages is not None
         ids = await _answer(
             engine.tokenize(
@@ -143,7 +148,7 @@ def tokenize_router(engine: EngineClient, context: dict[str, Any] | None = None)
 
     async def detokenize(request: Request) -> Response:
         body = parse_request(DetokenizeRequest, await request.body())
-        check_model(body.model, engine.model_names, engine.is_ready(), engine.draining)
+        _check_model(engine, body.model)
         text = await _answer(engine.detokenize(body.tokens, timeout=TOKENIZER_TIMEOUT_S))
         return _json({"prompt": text})
 

@@ -58,6 +58,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
+from collections.abc import Collection
 from typing import Annotated, Any, TypeVar
 
 import orjson
@@ -188,6 +189,21 @@ def check_model(
         raise RequestRejected("the engine is not ready yet; retry the request", None, 503)
     if requested is not None and requested not in served_names:
         raise RequestRejected(f"model: the model `{requested}` does not exist", "model", 404)
+
+
+def lora_of(
+    requested: str | None,
+    served_names: list[str],
+    adapters: Collection[str],
+    ready: bool,
+    draining: bool = False,
+) -> str:
+    """check_model, where `model` may also name a LoRA adapter served (--enable-lora):
+    the adapter's name, or "" for the base model (a name of the base model comes first)."""
+    check_model(requested, [*served_names, *adapters], ready, draining)
+    if requested is None or requested in served_names:
+        return ""
+    return requested
 
 
 def _refuse(message: str) -> PydanticCustomError:

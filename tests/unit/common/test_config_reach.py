@@ -99,6 +99,11 @@ FLAGS = {
     "--no-cpu-packed-weights": None,
     "--no-cpu-huge-pages": None,
     "--quantization": "int8",
+    "--enable-lora": None,
+    "--lora-modules": "a=/a",
+    "--max-loras": "3",
+    "--max-lora-rank": "32",
+    "--max-cpu-loras": "5",
 }
 
 
@@ -111,6 +116,7 @@ def config() -> Config:
 
 
 def test_runner_settings_reach_the_model_runner(config: Config, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from gpu_worker.lora.registry import LoraOptions
     from gpu_worker.model_runner import ModelRunner
     from gpu_worker.runner_options import RunnerOptions
 
@@ -144,6 +150,7 @@ def test_runner_settings_reach_the_model_runner(config: Config, monkeypatch) -> 
             draft_model="",
             prompt_lookup_min=3,
             prompt_lookup_max=5,
+            lora=LoraOptions(3, 32, 5, (("a", "/a"),)),
         ),
         "tp": None,  # a single worker: no tensor-parallel group
         "progress": None,  # the worker passes its report_progress
@@ -162,6 +169,7 @@ def test_scheduler_settings_reach_the_engine(config: Config) -> None:
         batch_window=0.2,
         static_batch_timeout=2.5,
         num_speculative_tokens=6,
+        max_loras=3,
     )
     assert core.max_in_flight == 1  # --no-async-scheduling (and speculation)
     core.on_worker_ready(_info("v", num_blocks=16, block_size=8, max_model_len=77, model_name="m"))

@@ -82,3 +82,20 @@ def test_random_operations_keep_invariants(seq: list[tuple[str, int, int]]) -> N
     for rid in list(sizes):
         bm.free(rid)
     assert bm.num_free_blocks == 16
+
+
+def test_blocks_are_counted_per_lora_adapter_and_dropped_on_unload() -> None:
+    bm = BlockManager(8, 2, track_hash_changes=True)
+    tokens = [1, 2, 3, 4, 5]
+    for rid, owner, root in [("a", "A", 11), ("base", "", 0)]:
+        bm.allocate(rid, 5)
+        bm.cache_full_blocks(rid, root, tokens, 5, owner=owner)
+    assert bm.num_hashed_by_owner() == {"A": 2}  # (the base model is not counted)
+    bm.free("a")
+    bm.drain_hash_changes()
+    assert bm.drop_cached("A") == 2
+    assert bm.match_prefix(11, tokens) == [] and bm.num_hashed_by_owner() == {}
+    assert len(bm.drain_hash_changes()[1]) == 2  # the router hears they are gone
+    assert bm.match_prefix(0, tokens) != []  # the base model's blocks stay
+    bm.free("base")
+    bm.check_integrity()

@@ -79,3 +79,27 @@ def test_a_lost_worker_is_not_ready_then_a_new_pool_resets() -> None:
     core.on_worker_ready(_info(boot_id="boot-2"))
     up = notices.build(core)
     assert up is not None and up.is_ready and up.reset
+
+
+def test_the_router_hears_the_adapters_served() -> None:
+    from common.messages import LoadLoraAdapter, LoraLoaded, UnloadLoraAdapter
+
+    out = Outbox()
+    config = Config().replace(
+        scheduler={"async_scheduling": False},
+        data_parallel={"data_parallel_size": 2},
+        lora={"enable_lora": True},
+    )
+    core = EngineCore(config, out)
+    core.on_worker_ready(_info())
+    notices = NoticeBuilder(0)
+    assert notices.build(core).lora_names == []  # type: ignore[union-attr]
+    core.load_lora(LoadLoraAdapter(ticket=1, reply_to="gw", name="sql", path="/a"))
+    assert notices.build(core) is None  # (loading: not served yet)
+    core.on_lora_loaded(LoraLoaded(name="sql", weights_hash="h", rank=8))
+    told = notices.build(core)
+    assert told is not None and (told.lora_names, told.lora_hashes) == (["sql"], ["h"])
+    assert notices.build(core) is None
+    core.unload_lora(UnloadLoraAdapter(ticket=2, reply_to="gw", name="sql"))
+    told = notices.build(core)
+    assert told is not None and told.lora_names == []

@@ -5,6 +5,7 @@ fingerprint of the tokenizer that made its ids. No processes, no sockets: the ha
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -106,6 +107,14 @@ def test_start_up_requests_carry_the_start_up_fingerprint(
     assert out.prompt_token_ids == encode(a, PROMPT)
     assert out.tokenizer_fingerprint == tokenizer_fingerprint(a)
     assert out.eos_token_ids == [OWN_VOCAB_EOS_ID]
+
+
+def test_the_lora_adapter_travels_with_the_request(
+    folders: tuple[Path, Path], tmp_path: Path
+) -> None:
+    a, _ = folders
+    out = make_actor(a, tmp_path).tokenize(dataclasses.replace(request(), lora_name="sql"))
+    assert out.lora_name == "sql" and out.prompt_token_ids == encode(a, PROMPT)
 
 
 def test_model_changed_switches_tokenizer_and_facts(

@@ -38,6 +38,24 @@ def test_stats_add_up_and_keep_each_replica() -> None:
     assert [r["replica"] for r in merged["replicas"]] == [0, 1]
 
 
+def test_lora_adapter_counts_add_up() -> None:
+    row = {"state": "ready", "num_requests": 2, "num_live_requests": 1, "num_cached_blocks": 3}
+    merged = merge_stats(
+        {
+            "scheduler-0": _stats(lora_adapters={"sql": row}),
+            "scheduler-1": _stats(lora_adapters={"sql": row, "chat": row}),
+        },
+        2,
+    )
+    assert merged["lora_adapters"]["sql"] == {
+        "state": "ready",
+        "num_requests": 4,
+        "num_live_requests": 2,
+        "num_cached_blocks": 6,
+    }
+    assert merged["lora_adapters"]["chat"] == row
+
+
 def test_a_replica_that_does_not_answer_is_not_ready() -> None:
     merged = merge_stats({"scheduler-1": _stats()}, 2)
     assert merged["ready"] and merged["replicas"][0] == {"replica": 0, "ready": False}
