@@ -18,6 +18,8 @@ from common.config_base import ConfigError, config_field
 
 # vLLM's MaxLoRARanks: the ranks --max-lora-rank may take
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# --lora-dtype: the adapters' weights in the slots (auto: the model's dtype)
+LORA_DTYPES = ("auto", "float32", "bfloat16")
 # names a request's `model` may carry: what a file name, a URL segment and a label allow
 MAX_LORA_NAME_CHARS = 128
 
@@ -117,7 +119,15 @@ class LoraConfig:
         0, "adapters kept in the worker's CPU-side cache (0: --max-loras); >= --max-loras"
     )
 
+    lora_dtype: str = config_field(
+        "auto",
+        "the adapters' weights in memory: auto (the model's dtype), float32 or bfloat16 "
+        "(half the bytes a step reads; the deltas are summed in float32 either way)",
+    )
+
     def __post_init__(self) -> None:
+        if self.lora_dtype not in LORA_DTYPES:
+            raise ConfigError(f"--lora-dtype must be one of {LORA_DTYPES}, got {self.lora_dtype!r}")
         if self.lora_modules.strip() and not self.enable_lora:
             raise ConfigError("--lora-modules needs --enable-lora")
         if self.max_loras < 1:

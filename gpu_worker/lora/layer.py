@@ -226,11 +226,13 @@ def enable_lora(
     max_rank: int,
     max_tokens: int,
     kernel: str = "torch",
+    dtype: torch.dtype | None = None,
 ) -> LoraMapping:
     """Wrap every targetable linear's method in a `LoraLinearMethod` of `max_loras` empty
     slots (after the base weights are loaded); returns the mapping they share."""
     param = next(model.parameters())
-    dtype = param.dtype if param.is_floating_point() else torch.float32
+    if dtype is None:  # the model's float dtype (float32 for a GGUF/int8 model's blocks)
+        dtype = param.dtype if param.is_floating_point() else torch.float32
     mapping = LoraMapping(max_tokens, param.device)
     for _, layer, bounds in lora_layers(model):
         layer.method = LoraLinearMethod(

@@ -241,6 +241,7 @@ class LoraManager:
             max_rank=self.options.max_lora_rank,
             max_tokens=max_tokens,
             kernel=kernel,
+            dtype=None if self.options.dtype == "auto" else getattr(torch, self.options.dtype),
         )
         inner = model.get_submodule("model")
         # the one-call step adds the deltas of the "cpu" kernel's slots itself (lora.c); for

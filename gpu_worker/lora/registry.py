@@ -39,6 +39,9 @@ class LoraFlags(Protocol):
     def max_cpu_loras(self) -> int: ...
 
     @property
+    def lora_dtype(self) -> str: ...
+
+    @property
     def modules(self) -> Sequence[LoraModuleFlag]: ...
 
 
@@ -53,8 +56,11 @@ class LoraOptions:
     max_lora_rank: int = 16
     max_cpu_loras: int = 0
     modules: tuple[tuple[str, str], ...] = ()
+    dtype: str = "auto"  # the slots' weights: auto (the model's), float32, bfloat16
 
     def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"--lora-dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if self.max_loras < 1:
             raise ValueError(f"--max-loras must be >= 1, got {self.max_loras}")
         if self.max_lora_rank < 1:
@@ -81,6 +87,7 @@ class LoraOptions:
             max_lora_rank=flags.max_lora_rank,
             max_cpu_loras=flags.max_cpu_loras,
             modules=tuple((m.name, m.path) for m in flags.modules),
+            dtype=flags.lora_dtype,
         )
 
 

@@ -104,6 +104,7 @@ FLAGS = {
     "--max-loras": "3",
     "--max-lora-rank": "32",
     "--max-cpu-loras": "5",
+    "--lora-dtype": "bfloat16",
 }
 
 
@@ -150,7 +151,7 @@ def test_runner_settings_reach_the_model_runner(config: Config, monkeypatch) -> 
             draft_model="",
             prompt_lookup_min=3,
             prompt_lookup_max=5,
-            lora=LoraOptions(3, 32, 5, (("a", "/a"),)),
+            lora=LoraOptions(3, 32, 5, (("a", "/a"),), dtype="bfloat16"),
         ),
         "tp": None,  # a single worker: no tensor-parallel group
         "progress": None,  # the worker passes its report_progress

@@ -214,3 +214,26 @@ def test_loading_the_same_files_again_keeps_the_slot(tiny_dir: Path, adapter_dir
     resident = dict(lora.slots(runner.model).resident)
     assert lora.load("a", str(adapter_dir)) == spec  # the scheduler's LoadLora at start
     assert dict(lora.slots(runner.model).resident) == resident
+
+
+def test_lora_dtype_bfloat16_keeps_the_slots_in_bfloat16_with_the_adapters_values(
+    tiny_dir: Path, adapter_dir: Path
+) -> None:
+    wide = _runner(tiny_dir)
+    half = ModelRunner(
+        str(tiny_dir),
+        RunnerOptions(
+            block_size=4,
+            num_blocks=8,
+            lora=LoraOptions(max_loras=2, max_lora_rank=8, dtype="bfloat16"),
+        ),
+    )
+    for runner in (wide, half):
+        _manager(runner).load("a", str(adapter_dir))
+        _manager(runner).set_step(runner.model, [("a", 1)])
+    full, low = _method(wide, 0, "qkv_proj"), _method(half, 0, "qkv_proj")
+    assert full.lora_a.dtype == torch.float32 and low.lora_a.dtype == torch.bfloat16
+    assert low.lora_b.dtype == torch.bfloat16
+    # the same slot holds the float32 adapter rounded to bfloat16 once
+    assert torch.equal(low.lora_a, full.lora_a.to(torch.bfloat16))
+    assert torch.equal(low.lora_b, full.lora_b.to(torch.bfloat16))

@@ -152,6 +152,7 @@ class _Flags:
     max_loras: int = 2
     max_lora_rank: int = 16
     max_cpu_loras: int = 0
+    lora_dtype: str = "auto"
     modules: tuple[_Module, ...] = (_Module("a", "/adapters/a"),)
 
 
