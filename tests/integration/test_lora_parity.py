@@ -144,6 +144,21 @@ def test_n_sequences_of_an_adapter_request_each_equal_the_reference(
         assert seqs == [exp, exp]
 
 
+def test_long_prompts_take_the_gemm_path_and_equal_the_reference(
+    runner: ModelRunner, adapters: dict[str, str], tiny_dir: str
+) -> None:
+    """Prompts of 70..150 tokens in chunks of 160: runs of >= LONG_RUN tokens of one adapter
+    (gpu_worker/lora/layer.py's GEMM path) beside decodes and short runs (the C kernel)."""
+    rng = random.Random(1)
+    long = [[rng.randrange(100, 40000) for _ in range(rng.randrange(70, 151))] for _ in LORAS]
+    engine = _engine(runner, max_num_batched_tokens=160, prefix_caching=False)
+    want = [
+        _reference(tiny_dir, adapters.get(lora, ""), tuple(p))
+        for lora, p in zip(LORAS, long, strict=True)
+    ]
+    assert [o[0] for o in _serve(engine, long)] == want
+
+
 def test_smollm2_with_two_adapters_and_the_base_model(tmp_path: Path) -> None:
     model_dir = str(prepare_default_model())
     a = str(make_adapter(model_dir, tmp_path / "a", r=8, target_modules=["q_proj", "v_proj"]))
