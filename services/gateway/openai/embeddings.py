@@ -25,11 +25,10 @@ import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
-from pydantic_core import PydanticCustomError
 
 from common.limits import INT32_MAX, MAX_EMBEDDING_INPUTS
 from common.messages import GenerateRequest, SamplingParams
-from services.gateway.openai.protocol import RequestRejected
+from services.gateway.openai.protocol import RequestRejected, prompt_batch
 from services.gateway.openai.refused import IGNORED_FIELDS, REFUSED_EMBEDDING, refuse_unsupported
 from services.gateway.openai.unknown_fields import check_unknown
 
@@ -41,40 +40,7 @@ _NORM_EPS = 1e-12  # torch.nn.functional.normalize's, as vLLM's pooler normalise
 
 def _inputs(value: Any) -> list[Input]:
     """`input` as a list of inputs, each a string or a list of token ids."""
-    if isinstance(value, str) or (isinstance(value, list) and value and type(value[0]) is int):
-        return [_input(value, "")]
-    if not isinstance(value, list):
-        raise PydanticCustomError(
-            "input_type", "must be a string, a list of token ids, or a list of those"
-        )
-    if not value:
-        raise PydanticCustomError("input_empty", "must not be empty")
-    if len(value) > MAX_EMBEDDING_INPUTS:
-        raise PydanticCustomError(
-            "input_count",
-            "at most {limit} inputs in one request, got {count}",
-            {"limit": MAX_EMBEDDING_INPUTS, "count": len(value)},
-        )
-    where = "input {index} " if len(value) > 1 else ""
-    return [_input(v, where.format(index=i)) for i, v in enumerate(value)]
-
-
-def _input(value: Any, where: str) -> Input:
-    if not isinstance(value, str | list):
-        raise PydanticCustomError(
-            "input_type", "{where}must be a string or a list of token ids", {"where": where}
-        )
-    if not value:
-        raise PydanticCustomError("input_empty", "{where}must not be empty", {"where": where})
-    if isinstance(value, list) and any(
-        type(t) is not int or not 0 <= t <= INT32_MAX for t in value
-    ):
-        raise PydanticCustomError(
-            "input_token",
-            "{where}token ids must be integers in [0, {limit}]",
-            {"where": where, "limit": INT32_MAX},
-        )
-    return value
+    return prompt_batch(value, "input", MAX_EMBEDDING_INPUTS)
 
 
 class EmbeddingRequest(BaseModel):

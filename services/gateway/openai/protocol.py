@@ -610,41 +610,47 @@ Prompt = str | list[int]  # text, or token ids
 
 
 def _prompts(value: Any) -> list[Prompt]:
-    """`prompt` as a batch: a string or a list of token ids is one prompt; a list of strings
-    or of token-id lists is several (at most MAX_PROMPTS)."""
+    """`prompt` as a batch (at most MAX_PROMPTS prompts): see `prompt_batch`."""
+    return prompt_batch(value, "prompt", MAX_PROMPTS)
+
+
+def prompt_batch(value: Any, field: str, limit: int) -> list[Prompt]:
+    """A `field` of prompts (completions' `prompt`, embeddings' `input`) as a batch: a string
+    or a list of token ids is one prompt; a list of strings or of token-id lists is several
+    (at most `limit`). Errors are typed `<field>_type`, `<field>_empty`, ... and name it."""
     if isinstance(value, str) or (
-        isinstance(value, list) and value and not isinstance(value[0], str | list)
+        isinstance(value, list) and value and not isinstance(value[0], str | list | None)
     ):
-        return [_prompt(value, "")]
+        return [_prompt(value, "", field)]
     if not isinstance(value, list):
         raise PydanticCustomError(
-            "prompt_type", "must be a string, a list of token ids, or a list of those"
+            f"{field}_type", "must be a string, a list of token ids, or a list of those"
         )
     if not value:
-        raise PydanticCustomError("prompt_empty", "must not be empty")
-    if len(value) > MAX_PROMPTS:
+        raise PydanticCustomError(f"{field}_empty", "must not be empty")
+    if len(value) > limit:
         raise PydanticCustomError(
-            "prompt_count",
-            "at most {limit} prompts in one request, got {count}",
-            {"limit": MAX_PROMPTS, "count": len(value)},
+            f"{field}_count",
+            "at most {limit} {field}s in one request, got {count}",
+            {"limit": limit, "count": len(value), "field": field},
         )
-    where = "prompt {index} " if len(value) > 1 else ""
-    return [_prompt(p, where.format(index=i)) for i, p in enumerate(value)]
+    where = f"{field} {{index}} " if len(value) > 1 else ""
+    return [_prompt(p, where.format(index=i), field) for i, p in enumerate(value)]
 
 
-def _prompt(value: Any, where: str) -> Prompt:
+def _prompt(value: Any, where: str, field: str) -> Prompt:
     """One prompt of the batch (`where` names it in a batch of several)."""
     if not isinstance(value, str | list):
         raise PydanticCustomError(
-            "prompt_type", "{where}must be a string or a list of token ids", {"where": where}
+            f"{field}_type", "{where}must be a string or a list of token ids", {"where": where}
         )
     if not value:
-        raise PydanticCustomError("prompt_empty", "{where}must not be empty", {"where": where})
+        raise PydanticCustomError(f"{field}_empty", "{where}must not be empty", {"where": where})
     if isinstance(value, list):
         for t in value:
             if type(t) is not int or not 0 <= t <= INT32_MAX:
                 raise PydanticCustomError(
-                    "prompt_token",
+                    f"{field}_token",
                     "{where}token ids must be integers in [0, {limit}]",
                     {"where": where, "limit": INT32_MAX},
                 )
