@@ -214,6 +214,16 @@ def tensor_parallel() -> dict[str, Any]:
     return result
 
 
+def lora() -> dict[str, Any]:
+    """8 adapters of rank 16 round-robin against the base model, one server, one sitting."""
+    from tools.benchmarks import lora as lora_bench
+
+    out = OUT / "lora_serving.json"
+    lora_bench.main(["--adapters", "8", "--rank", "16", "--json", str(out)])
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
 STEPS: dict[str, Callable[[], dict[str, Any]]] = {
     "step": step_times,
     "mixed": mixed,
@@ -226,6 +236,7 @@ STEPS: dict[str, Callable[[], dict[str, Any]]] = {
     "peers_avx2": peers_avx2,
     "data_parallel": data_parallel,
     "tensor_parallel": tensor_parallel,
+    "lora": lora,
 }
 
 

@@ -401,6 +401,37 @@ def _tensor_parallel(out: Path, loads: dict[str, Any]) -> str:
     return text + "\n" + _note(out, "tensor_parallel")
 
 
+def _lora(out: Path, loads: dict[str, Any]) -> str:
+    """Multi-LoRA serving (tools/benchmarks/lora.py) and the kernels' note."""
+    r = _load(out, "lora_serving")
+    text = "## Multi-LoRA: 8 adapters against the base model\n\n"
+    if r:
+        m = r["machine"]
+        text += (
+            _load_line(loads, "lora")
+            + f"One server (`{' '.join(a for a in r['flags'] if not a.startswith('/'))}`, "
+            f"adapter paths left out), SmolLM2-135M float32, {m['threads']} threads, "
+            f"{m['cpu']} ({' '.join(m['flags'])}). Every adapter rank 16 on all 7 targets.\n\n"
+            "| workload | base | 8 adapters round-robin (1 for single) | ratio |\n"
+            "|---|---|---|---|\n"
+        )
+        mb, ml = r["mixed_base"], r["mixed_lora"]
+        sb, sl = r["single_base"], r["single_lora"]
+        text += (
+            f"| mixed: output tok/s | {mb['output_tok_s']:.1f} | {ml['output_tok_s']:.1f} | "
+            f"**{r['ratios']['mixed_output_tok_s']:.2f}x** (target >= 0.85) |\n"
+            f"| mixed: TTFT p50 ms | {_ms(mb['ttft_s']['median'])} | "
+            f"{_ms(ml['ttft_s']['median'])} | |\n"
+            f"| single: ITL p50 ms | {_ms(sb['itl_s']['median'])} | "
+            f"{_ms(sl['itl_s']['median'])} | **{r['ratios']['single_itl']:.2f}x** "
+            "(target <= 1.15) |\n\n"
+            f"Adapter load (`POST /v1/load_lora_adapter`, a 19.6 MB rank-16 adapter, read, "
+            f"checked and cached by the worker, median of 3): {_ms(r['load']['load_s'])} ms; "
+            f"unload {_ms(r['load']['unload_s'])} ms.\n\n"
+        )
+    return text + _note(out, "lora")
+
+
 def render(out: Path) -> str:
     loads = json.loads((out / "load.json").read_text()) if (out / "load.json").is_file() else {}
     head = (
@@ -433,6 +464,7 @@ def render(out: Path) -> str:
         + _note(out, "soak")
         + _note(out, "quantized")
         + _note(out, "int8_linear")
+        + _lora(out, loads)
     )
     gpu = "## GPU figures\n\n" + (
         _note(out, "gpu")
