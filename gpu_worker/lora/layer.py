@@ -235,8 +235,11 @@ class LoraLinearMethod:
         b = self.lora_b[slot].float()
         for c in range(num_slices):
             lo, hi = self.slice_bounds[c], self.slice_bounds[c + 1]
-            delta = z[:, c * rank : (c + 1) * rank] @ b[lo:hi].T
-            y[:, lo:hi] += delta.to(y.dtype)
+            zc = z[:, c * rank : (c + 1) * rank]
+            if y.dtype == torch.float32:  # in place: no delta tensor, one pass over y
+                y[:, lo:hi].addmm_(zc, b[lo:hi].T)
+            else:
+                y[:, lo:hi] += (zc @ b[lo:hi].T).to(y.dtype)
 
     def weight_bytes(self, layer: Linear) -> int:
         return self.base.weight_bytes(layer)
