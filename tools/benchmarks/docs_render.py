@@ -409,8 +409,8 @@ def _lora(out: Path, loads: dict[str, Any]) -> str:
         m = r["machine"]
         text += (
             _load_line(loads, "lora")
-            + f"One server (`{' '.join(a for a in r['flags'] if not a.startswith('/'))}`, "
-            f"adapter paths left out), SmolLM2-135M float32, {m['threads']} threads, "
+            + f"One server (`{' '.join(a for a in r['flags'] if '/' not in a)}`, "
+            f"paths left out), SmolLM2-135M float32, {m['threads']} threads, "
             f"{m['cpu']} ({' '.join(m['flags'])}). Every adapter rank 16 on all 7 targets.\n\n"
             "| workload | base | 8 adapters round-robin (1 for single) | ratio |\n"
             "|---|---|---|---|\n"
@@ -422,8 +422,8 @@ def _lora(out: Path, loads: dict[str, Any]) -> str:
             f"**{r['ratios']['mixed_output_tok_s']:.2f}x** (target >= 0.85) |\n"
             f"| mixed: TTFT p50 ms | {_ms(mb['ttft_s']['median'])} | "
             f"{_ms(ml['ttft_s']['median'])} | |\n"
-            f"| single: ITL p50 ms | {_ms(sb['itl_s']['median'])} | "
-            f"{_ms(sl['itl_s']['median'])} | **{r['ratios']['single_itl']:.2f}x** "
+            f"| single: ITL p50 ms | {sb['itl_s']['median'] * 1e3:.1f} | "
+            f"{sl['itl_s']['median'] * 1e3:.1f} | **{r['ratios']['single_itl']:.2f}x** "
             "(target <= 1.15) |\n\n"
             f"Adapter load (`POST /v1/load_lora_adapter`, a 19.6 MB rank-16 adapter, read, "
             f"checked and cached by the worker, median of 3): {_ms(r['load']['load_s'])} ms; "
