@@ -1,7 +1,7 @@
 """shuttle.v1 messages to and from the engine's types, by the HTTP API's rules.
 
 A `GenerateRequest` proto is turned into the body the HTTP API would have received and
-validated by the very same pydantic models (services/gateway/openai/protocol.py), so both APIs
+validated by the very same pydantic models (services/gateway/openai/*protocol.py), so both APIs
 accept, default and refuse exactly alike. Only the field names in messages differ, renamed
 to the proto's: `prompt` -> `text` | `token_ids.ids`, `messages` -> `chat.messages`,
 `X-Request-Id` -> `request_id`, and chat's `top_logprobs` -> `logprobs` (which asks for
@@ -29,10 +29,10 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from common.messages import FinishReason, GenerateRequest
 from proto import shuttle_pb2 as pb
 from services.gateway.engine.client import EngineClient, OutputDelta, TokenLogprob
+from services.gateway.openai.chat_protocol import ChatCompletionRequest
+from services.gateway.openai.completions_protocol import CompletionRequest
 from services.gateway.openai.protocol import (
     REQUEST_ID_PATTERN,
-    ChatCompletionRequest,
-    CompletionRequest,
     RequestRejected,
     lora_of,
     validate_request,

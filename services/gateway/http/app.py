@@ -69,14 +69,10 @@ from services.gateway.http.responses import responses_router
 from services.gateway.http.streaming import SSE_HEADERS, SseResponse, sse_stream
 from services.gateway.http.tokenize_routes import tokenize_router
 from services.gateway.openai.best_of import best_choices
+from services.gateway.openai.chat_protocol import ChatCompletionRequest
+from services.gateway.openai.completions_protocol import CompletionRequest
 from services.gateway.openai.logprobs import ChoiceLogprobs
-from services.gateway.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    RequestRejected,
-    lora_of,
-    parse_request,
-)
+from services.gateway.openai.protocol import RequestRejected, lora_of, parse_request
 from services.gateway.openai.token_output import shaped
 
 T = TypeVar("T")

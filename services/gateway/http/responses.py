@@ -50,9 +50,9 @@ from services.gateway.http.errors import REQUEST_ID_HEADER
 from services.gateway.http.response_store import ResponseStore, StoredResponse
 from services.gateway.http.responses_stream import stream_events
 from services.gateway.http.streaming import SseResponse
+from services.gateway.openai.chat_protocol import ChatCompletionRequest
 from services.gateway.openai.protocol import (
     REQUEST_ID_PATTERN,
-    ChatCompletionRequest,
     RequestRejected,
     lora_of,
     parse_request,

@@ -28,15 +28,12 @@ from starlette.responses import Response
 from services.gateway.engine.client import EngineClient
 from services.gateway.http.openapi import json_body
 from services.gateway.openai.chat_messages import ChatMessage
-from services.gateway.openai.protocol import (
+from services.gateway.openai.chat_protocol import (
     ChatTemplate,
-    RequestRejected,
-    TokenId,
     bounded_template_kwargs,
-    lora_of,
-    parse_request,
     trusted_chat_template,
 )
+from services.gateway.openai.protocol import RequestRejected, TokenId, lora_of, parse_request
 from services.gateway.openai.structured import StructuredError
 from services.gateway.openai.tools import check_tools
 from services.gateway.openai.unknown_fields import check_unknown

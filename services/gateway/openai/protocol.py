@@ -1,5 +1,5 @@
-"""OpenAI request bodies for /v1/chat/completions and /v1/completions, and their conversion
-to a `GenerateRequest`.
+"""What the OpenAI generate bodies share (chat: openai/chat_protocol.py, completions:
+openai/completions_protocol.py): the common fields, their parsing, limits and errors.
 
 Parsing is strict about types (a string "5" is not an integer, `true` is not a number,
 NaN and infinities are refused) and lenient about presence: `null` means "use the default",
@@ -55,37 +55,29 @@ but 0 is refused unless the server runs `--scheduling-policy priority`, as vLLM 
 
 from __future__ import annotations
 
-import dataclasses
 import re
-import time
 from collections.abc import Collection
 from typing import Annotated, Any, TypeVar
 
-import orjson
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    PrivateAttr,
     ValidationError,
     ValidationInfo,
     field_validator,
-    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
 from common.limits import (
-    COMPLETIONS_DEFAULT_MAX_TOKENS,
     INT32_MAX,
     INT64_MAX,
     INT64_MIN,
     LOGIT_BIAS_VALUE,
     MAX_ALLOWED_TOKEN_IDS,
     MAX_CACHE_SALT_CHARS,
-    MAX_CHAT_TEMPLATE_CHARS,
     MAX_LOGPROBS,
     MAX_N,
-    MAX_PROMPTS,
     MAX_STOP_TOKEN_IDS,
     MAX_TIMEOUT_S,
     MAX_TOKENS,
@@ -102,25 +94,14 @@ from common.limits import (
     logit_bias_problem,
     stop_strings_problem,
 )
-from common.messages import GenerateRequest, SamplingParams
+from common.messages import SamplingParams
 from common.messages.types import MODEL_DEFAULT_FIELDS
-from services.gateway.openai.chat_messages import ChatMessage
-from services.gateway.openai.reasoning import THINK_END
-from services.gateway.openai.refused import (
-    IGNORED_FIELDS,
-    REFUSED_CHAT,
-    REFUSED_COMPLETION,
-    check_disjoint,
-    refuse_unsupported,
-)
 from services.gateway.openai.structured import (
     Structured,
     StructuredError,
     check_compatible,
     parse_structured,
 )
-from services.gateway.openai.tools import ToolPlan, forced_grammar, plan_tools
-from services.gateway.openai.unknown_fields import check_unknown
 
 # a client-chosen request id (X-Request-Id, gRPC request_id): safe in logs and headers
 REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -468,296 +449,6 @@ class _CommonRequest(BaseModel):
             "cache_salt": self.cache_salt or "",
         }
 
-
-ChatTemplate = Annotated[str, Field(min_length=1, max_length=MAX_CHAT_TEMPLATE_CHARS)]
-
-
-def trusted_chat_template(value: str | None, info: ValidationInfo) -> str | None:
-    """A request's `chat_template`: as vLLM, a client's template runs on the server only if
-    the operator allows it (parse_request's context says so)."""
-    if value is not None and not (info.context or {}).get("trust_request_chat_template"):
-        raise _refuse("needs --trust-request-chat-template on this server")
-    return value
-
-
-def bounded_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
-    """A request's `chat_template_kwargs`: bounded, and carried by orjson to the tokenizer."""
-    if value is None:
-        return value
-    try:
-        size = len(orjson.dumps(value))
-    except orjson.JSONEncodeError:
-        raise _refuse("integers must fit in 64 bits") from None
-    if size > MAX_CHAT_TEMPLATE_CHARS:
-        raise _refuse(f"at most {MAX_CHAT_TEMPLATE_CHARS} bytes of JSON")
-    return value
-
-
-class ChatCompletionRequest(_CommonRequest):
-    """Body of POST /v1/chat/completions."""
-
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: MaxTokens | None = None  # OpenAI's newer name for max_tokens
-    add_generation_prompt: bool | None = None  # vLLM extension
-    echo: bool | None = None  # vLLM extension: the answer starts with the last message's text
-    continue_final_message: bool | None = None  # vLLM extension (add_generation_prompt false)
-    # vLLM extensions: the request's own Jinja template (with --trust-request-chat-template)
-    # and extra variables for the template, e.g. {"enable_thinking": false}
-    chat_template: ChatTemplate | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    logprobs: bool | None = None
-    top_logprobs: NumLogprobs | None = None
-    # tool calling (services/gateway/openai/tools.py)
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
-    _tool_plan: ToolPlan | None = PrivateAttr(default=None)
-    _reasoning_parser: str = PrivateAttr(default="")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_unsupported(cls, data: Any, info: ValidationInfo) -> Any:
-        known = [*REFUSED_CHAT, *IGNORED_FIELDS]
-        check_unknown(data, cls, known, cls.__name__, info.context)
-        return refuse_unsupported(data, REFUSED_CHAT, cls.__name__)
-
-    @model_validator(mode="after")
-    def _plan_tools(self, info: ValidationInfo) -> ChatCompletionRequest:
-        # parse_request's context names the server's --tool-call-parser
-        parser = (info.context or {}).get("tool_call_parser", "hermes")
-        # --reasoning-parser: a structured output's grammar starts once the reasoning ends
-        self._reasoning_parser = (info.context or {}).get("reasoning_parser", "")
-        try:
-            self._tool_plan = plan_tools(
-                self.tools, self.tool_choice, self.parallel_tool_calls, parser
-            )
-        except StructuredError as e:  # (a RequestRejected is not wrapped by pydantic)
-            raise RequestRejected(str(e), e.field) from None
-        return self
-
-    @field_validator("continue_final_message")
-    @classmethod
-    def _continue_or_prompt(cls, value: bool | None, info: ValidationInfo) -> bool | None:
-        # as vLLM: add_generation_prompt (true unless said) opens a new turn; both is a mistake
-        if value and info.data.get("add_generation_prompt") is not False:
-            raise _refuse("needs add_generation_prompt: false (both cannot be true)")
-        return value
-
-    @property
-    def echo_text(self) -> str:
-        """vLLM's chat `echo`: the last message's content, which the answer's content starts
-        with, when that message has the answer's role (assistant; with
-        add_generation_prompt false, the last message's own role); else ""."""
-        last = self.messages[-1]
-        role = "assistant" if self.add_generation_prompt is not False else last.role
-        return (last.content or "") if self.echo and last.role == role else ""
-
-    @property
-    def tool_plan(self) -> ToolPlan | None:
-        """The request's tools and how to read its output (None: no tools)."""
-        return self._tool_plan
-
-    _trusted_template = field_validator("chat_template")(trusted_chat_template)
-    _bounded_kwargs = field_validator("chat_template_kwargs")(bounded_template_kwargs)
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
-        # as vLLM: alternatives without the tokens' own logprobs are a mistake
-        if value and not info.data.get("logprobs"):
-            raise _refuse("needs logprobs: true")
-        return value
-
-    @property
-    def num_logprobs(self) -> int | None:
-        """Top logprobs per output token (None: none asked)."""
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-    def to_generate_requests(
-        self, request_id: str, model: str, max_model_len: int
-    ) -> list[GenerateRequest]:
-        return [self.to_generate_request(request_id, model, max_model_len)]
-
-    def to_generate_request(
-        self, request_id: str, model: str, max_model_len: int
-    ) -> GenerateRequest:
-        # as vLLM does: the newer name wins when both are given
-        field = "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
-        max_tokens = self.max_completion_tokens or self.max_tokens
-        plan = self._tool_plan
-        forced = forced_grammar(plan) if plan is not None else None
-        sampling = self._sampling(
-            max_tokens, field, 0, max_model_len, self.num_logprobs, self.prompt_logprobs, forced
-        )
-        if self._reasoning_parser and sampling.is_structured:
-            sampling = dataclasses.replace(sampling, structured_after=THINK_END)
-        return GenerateRequest(
-            request_id=request_id,
-            model=model,
-            sampling=sampling,
-            messages=[m.as_dict() for m in self.messages],
-            tools=list(plan.tools.values()) if plan is not None else None,
-            add_generation_prompt=self.add_generation_prompt is not False,
-            chat_template=self.chat_template,
-            chat_template_kwargs=self.chat_template_kwargs,
-            continue_final_message=bool(self.continue_final_message),
-            arrival_time=time.time(),
-            **self._scheduling(max_model_len),
-        )
-
-
-Prompt = str | list[int]  # text, or token ids
-
-
-def _prompts(value: Any) -> list[Prompt]:
-    """`prompt` as a batch (at most MAX_PROMPTS prompts): see `prompt_batch`."""
-    return prompt_batch(value, "prompt", MAX_PROMPTS)
-
-
-def prompt_batch(value: Any, field: str, limit: int) -> list[Prompt]:
-    """A `field` of prompts (completions' `prompt`, embeddings' `input`) as a batch: a string
-    or a list of token ids is one prompt; a list of strings or of token-id lists is several
-    (at most `limit`). Errors are typed `<field>_type`, `<field>_empty`, ... and name it."""
-    if isinstance(value, str) or (
-        isinstance(value, list) and value and not isinstance(value[0], str | list | None)
-    ):
-        return [_prompt(value, "", field)]
-    if not isinstance(value, list):
-        raise PydanticCustomError(
-            f"{field}_type", "must be a string, a list of token ids, or a list of those"
-        )
-    if not value:
-        raise PydanticCustomError(f"{field}_empty", "must not be empty")
-    if len(value) > limit:
-        raise PydanticCustomError(
-            f"{field}_count",
-            "at most {limit} {field}s in one request, got {count}",
-            {"limit": limit, "count": len(value), "field": field},
-        )
-    where = f"{field} {{index}} " if len(value) > 1 else ""
-    return [_prompt(p, where.format(index=i), field) for i, p in enumerate(value)]
-
-
-def _prompt(value: Any, where: str, field: str) -> Prompt:
-    """One prompt of the batch (`where` names it in a batch of several)."""
-    if not isinstance(value, str | list):
-        raise PydanticCustomError(
-            f"{field}_type", "{where}must be a string or a list of token ids", {"where": where}
-        )
-    if not value:
-        raise PydanticCustomError(f"{field}_empty", "{where}must not be empty", {"where": where})
-    if isinstance(value, list):
-        for t in value:
-            if type(t) is not int or not 0 <= t <= INT32_MAX:
-                raise PydanticCustomError(
-                    f"{field}_token",
-                    "{where}token ids must be integers in [0, {limit}]",
-                    {"where": where, "limit": INT32_MAX},
-                )
-    return value
-
-
-class CompletionRequest(_CommonRequest):
-    """Body of POST /v1/completions."""
-
-    prompt: Any  # list[Prompt] once validated: one engine request each
-    echo: bool | None = None
-    logprobs: NumLogprobs | None = None
-    best_of: NumChoices | None = None  # >= n: the n best of best_of (openai/best_of.py)
-    suffix: str | None = None
-
-    _check_prompt = field_validator("prompt", mode="before")(_prompts)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_unsupported(cls, data: Any, info: ValidationInfo) -> Any:
-        known = [*REFUSED_COMPLETION, *IGNORED_FIELDS]
-        check_unknown(data, cls, known, cls.__name__, info.context)
-        return refuse_unsupported(data, REFUSED_COMPLETION, cls.__name__)
-
-    @property
-    def num_logprobs(self) -> int | None:
-        return self.logprobs
-
-    @property
-    def engine_prompt_logprobs(self) -> int | None:
-        """What the engine computes for the prompt: `prompt_logprobs`, or with echo and
-        logprobs at least that many (echo shows the prompt tokens' logprobs)."""
-        if self.echo and self.logprobs is not None:
-            return max(self.logprobs, self.prompt_logprobs or 0)
-        return self.prompt_logprobs
-
-    @field_validator("best_of")
-    @classmethod
-    def _best_of_at_least_n(cls, value: int | None, info: ValidationInfo) -> int | None:
-        # `n` is declared (so validated) first; when it failed, that error is the one reported
-        if value is None or "n" not in info.data:
-            return value
-        n = info.data["n"] or 1
-        if value < n:
-            raise _refuse(f"must be >= n ({n}), got {value}")
-        if value > n and info.data.get("stream"):
-            raise _refuse("best_of > n cannot be streamed (the best are known at the end)")
-        return value
-
-    @property
-    def beam_width(self) -> int:
-        return max(self.n or 1, self.best_of or 1)
-
-    @property
-    def ranks_best_of(self) -> bool:
-        """The engine samples best_of sequences per prompt and the answer keeps n."""
-        best_of, n = self.best_of, self.n or 1
-        return best_of is not None and best_of > n and not self.use_beam_search
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, value: str | None) -> str | None:
-        if value:
-            raise _refuse("suffix is not supported")
-        return value
-
-    def to_generate_requests(
-        self, request_id: str, model: str, max_model_len: int
-    ) -> list[GenerateRequest]:
-        """One engine request per prompt: `request_id` for a single prompt, else
-        `<request_id>-<k>` for prompt k."""
-        sampling = self._sampling(
-            self.max_tokens,
-            "max_tokens",
-            COMPLETIONS_DEFAULT_MAX_TOKENS,
-            max_model_len,
-            (self.logprobs or 0) if self.ranks_best_of else self.logprobs,  # (to rank by)
-            self.engine_prompt_logprobs,
-        )
-        if self.ranks_best_of:
-            sampling = dataclasses.replace(sampling, n=self.best_of or 1)
-        prompts: list[Prompt] = self.prompt
-        arrival = time.time()
-        return [
-            GenerateRequest(
-                request_id=request_id if len(prompts) == 1 else f"{request_id}-{k}",
-                model=model,
-                sampling=sampling,
-                prompt=prompt if isinstance(prompt, str) else None,
-                prompt_token_ids=None if isinstance(prompt, str) else list(prompt),
-                arrival_time=arrival,
-                **self._scheduling(max_model_len),
-            )
-            for k, prompt in enumerate(prompts)
-        ]
-
-    def to_generate_request(
-        self, request_id: str, model: str, max_model_len: int
-    ) -> GenerateRequest:
-        """The engine request of a body with one prompt (ValueError for a batch)."""
-        (request,) = self.to_generate_requests(request_id, model, max_model_len)
-        return request
-
-
-# a field is honoured (declared above) or refused (services/gateway/openai/refused.py), not both
-check_disjoint(ChatCompletionRequest.model_fields, REFUSED_CHAT, "ChatCompletionRequest")
-check_disjoint(CompletionRequest.model_fields, REFUSED_COMPLETION, "CompletionRequest")
 
 R = TypeVar("R", bound=BaseModel)
 

@@ -17,11 +17,8 @@ from common.limits import (
     Range,
 )
 from common.messages import SamplingParams
-from services.gateway.openai.protocol import (
-    ChatCompletionRequest,
-    RequestRejected,
-    parse_request,
-)
+from services.gateway.openai.chat_protocol import ChatCompletionRequest
+from services.gateway.openai.protocol import RequestRejected, parse_request
 from services.tokenizer.validate import InvalidRequest, check_sampling
 
 

@@ -25,7 +25,8 @@ from services.gateway.http.body_limits import (
     drain_body,
 )
 from services.gateway.http.openapi import json_body
-from services.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.openai.chat_protocol import ChatCompletionRequest
+from services.gateway.openai.completions_protocol import CompletionRequest
 from tests.fake_engine import FakeEngine
 from tests.waiting import wait_until
 

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from common.messages import GenerateRequest
-from services.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.openai.chat_protocol import ChatCompletionRequest
+from services.gateway.openai.completions_protocol import CompletionRequest
 from services.gateway.openai.refused import (
     IGNORED_FIELDS,
     REFUSED_CHAT,

@@ -12,7 +12,7 @@ import pytest
 
 from common.config import ServerConfig
 from services.gateway.http.app import create_app
-from services.gateway.openai.protocol import ChatCompletionRequest
+from services.gateway.openai.chat_protocol import ChatCompletionRequest
 from services.gateway.openai.unknown_fields import find_unknown, suggest
 from tests.fake_engine import FakeEngine
 from tests.unit.services.gateway.http.test_app import CHAT, COMPLETIONS, error_of, run
