@@ -5,7 +5,7 @@ its metadata: an HF-style config (read_gguf_config), a version (gguf_weights_ver
 tokenizer. gguf_tokenizer_folder writes those once, as a Hugging Face folder (config.json,
 tokenizer files, generation_config.json), under `<cache>/gguf/<version>/`, so the tokenizer,
 detokenizer and model facts read it like any model folder (common/model_paths.tokenizer_dir).
-The tensors themselves are read by gpu_worker/models/gguf_file.py.
+The tensors themselves are read by gpu_worker/model_loader/gguf_file.py.
 
 Names: llama.cpp's converter renames Hugging Face tensors (`model.layers.3.mlp.up_proj.weight`
 -> `blk.3.ffn_up.weight`); hf_tensor_name undoes it. The converter also permutes the rows of

@@ -51,11 +51,11 @@ from common.model_paths import (
     tokenizer_dir,
 )
 from common.topology import own_name
-from gpu_worker.runner import Runner
-from gpu_worker.synthetic import SyntheticRunner
+from gpu_worker.runner.request_table import Runner
+from gpu_worker.runner.synthetic import SyntheticRunner
 
 if TYPE_CHECKING:  # torch is imported only by a real model's worker
-    from gpu_worker.tensor_parallel import TensorParallel
+    from gpu_worker.distributed.tensor_parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class WorkerActor(Actor):
         parallel = self.config.parallel
         if parallel.tensor_parallel_size == 1:
             return None
-        from gpu_worker.tensor_parallel import join_group
+        from gpu_worker.distributed.tensor_parallel import join_group
 
         tp = join_group(
             self.rank,
@@ -138,7 +138,7 @@ class WorkerActor(Actor):
     def _build(self, path: str) -> Runner:
         if synthetic_params(path) is not None:  # --model synthetic: no compute at all
             return SyntheticRunner.from_config(path, self.config)
-        from gpu_worker.model_runner import ModelRunner  # imports torch: only when needed
+        from gpu_worker.runner.model_runner import ModelRunner  # imports torch: only when needed
 
         return ModelRunner.from_config(path, self.config, self.tp, self.report_progress)
 
@@ -305,7 +305,7 @@ def check_loadable(path: str) -> None:
     it to serve the new version, so a model without one must not replace a working one)."""
     from transformers import AutoTokenizer
 
-    from gpu_worker.models.loader import read_hf_config
+    from gpu_worker.model_loader.loader import read_hf_config
 
     read_hf_config(path)
     try:

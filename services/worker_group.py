@@ -85,7 +85,7 @@ def check_parallel(config: Config, model_path: Path | None) -> None:
     if model_path is None or is_synthetic_spec(config.model.model):
         raise ConfigError("--tensor-parallel-size > 1 needs a real model, not --model synthetic")
     from common.model_paths import hf_config_of
-    from gpu_worker.sharding import check_divisible
+    from gpu_worker.distributed.sharding import check_divisible
 
     hf = hf_config_of(model_path)  # a folder's config.json, or a GGUF file's
     heads = hf["num_attention_heads"]

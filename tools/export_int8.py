@@ -31,7 +31,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from gpu_worker.models.compressed_tensors import Int8Weight, quantize_linear_weights
+from gpu_worker.model_loader.compressed_tensors import Int8Weight, quantize_linear_weights
 from tools.smoothquant import DEFAULT_ALPHA, smooth_checkpoint
 
 IGNORE = ["lm_head"]

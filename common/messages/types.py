@@ -82,7 +82,7 @@ class SamplingParams:
     # every prompt token after the first (`prompt_logprobs`, vLLM's extension)
     logprobs: int | None = None  # [0, 20]
     prompt_logprobs: int | None = None  # [0, 20]
-    # structured outputs (gpu_worker/structured.py): the output must match a grammar of
+    # structured outputs (gpu_worker/sample/structured.py): the output must match a grammar of
     # `structured_kind` (STRUCTURED_KINDS; "" = free text) given by `structured_spec` (a JSON
     # schema's text, a regex, an EBNF grammar, or a JSON list of choices); a compile error
     # names `structured_field`, the request field the spec came from

@@ -40,7 +40,7 @@
  * cpu_kernel.py's SMALL_WORK, the same choice */
 #define ATTEND_SMALL_WORK (1 << 18)
 
-/* One linear layer's weight as its linear method keeps it (gpu_worker/linear_methods/):
+/* One linear layer's weight as its linear method keeps it (gpu_worker/layers/linear_methods/):
  *   LIN_F32, LIN_BF16  w[0] [out, in] float32 / bfloat16 (linear.c)
  *   LIN_GGUF           nshards row ranges, each rows[s] x in of GGUF type qtype[s] (gguf.c)
  *   LIN_INT8           w[0] int8 [out, in], scale[out] float32 (int8.c)

@@ -1,7 +1,7 @@
 """A Llama layer's norms, rotary and SwiGLU activation by the C kernels of layers.c.
 
-`CpuLayerOps` is the model's layer ops (gpu_worker/layer_ops.py) on the CPU, chosen
-at load by gpu_worker/kernel_choice.py, as `TritonLayerOps` is on CUDA:
+`CpuLayerOps` is the model's layer ops (gpu_worker/layers/ops.py) on the CPU, chosen
+at load by gpu_worker/layers/kernel_choice.py, as `TritonLayerOps` is on CUDA:
 
     rms_norm      one call instead of ~8 torch ops
     add_rms_norm  the residual add fused into the post-attention norm
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from gpu_worker.cpu.build import KernelLibrary
-from gpu_worker.layer_ops import Rope
+from gpu_worker.layers.ops import Rope
 
 SOURCE = Path(__file__).with_name("layers.c")
 
@@ -139,7 +139,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class CpuLayerOps:
-    """The layer ops (gpu_worker/layer_ops.py) by the C kernels of layers.c: float32
+    """The layer ops (gpu_worker/layers/ops.py) by the C kernels of layers.c: float32
     and bfloat16 activations; the rope is (cos table, sin table, positions), gathered by the
     rotary kernel itself."""
 

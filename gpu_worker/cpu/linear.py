@@ -10,8 +10,8 @@ torch.compile's CPU freezing do): torch's default path, MKL's sgemm, repacks the
 every call and on AMD CPUs does not reach oneDNN's throughput (docs/benchmarks.md). The
 packed copy costs a second copy of the weights in memory.
 
-`gpu_worker/linear_methods/cpu_float.py` calls these for a float CPU model's layers (chosen
-at load by gpu_worker/kernel_choice.py when the library can be built). Float32 and bfloat16
+`gpu_worker/layers/linear_methods/cpu_float.py` calls these for a float CPU model's layers (chosen
+at load by gpu_worker/layers/kernel_choice.py when the library can be built). Float32 and bfloat16
 weights; activations are fed to the kernel in float32 and the result cast back to the
 layer's dtype.
 """

@@ -1,11 +1,11 @@
-"""The layer ops (gpu_worker/layer_ops.py) by the Triton kernels, for CUDA models.
+"""The layer ops (gpu_worker/layers/ops.py) by the Triton kernels, for CUDA models.
 
     rms_norm      one kernel per norm instead of ~5 torch ops
     add_rms_norm  the residual add fused into the post-attention norm
     rope/rotate   q and k rotated in place, cos/sin tables indexed on device by position
     silu_mul      torch (one fused elementwise op on CUDA already)
 
-Chosen at load by gpu_worker/kernel_choice.py when the runner uses the triton backend; the
+Chosen at load by gpu_worker/layers/kernel_choice.py when the runner uses the triton backend; the
 torch ops serve every other model. Every op reads device tensors only, so CUDA graphs
 capture it.
 """
@@ -16,7 +16,7 @@ import torch
 
 from gpu_worker.kernels.rmsnorm.kernel import fused_add_rms_norm, rms_norm
 from gpu_worker.kernels.rotary.kernel import rotary_embedding
-from gpu_worker.layer_ops import Rope, TorchLayerOps
+from gpu_worker.layers.ops import Rope, TorchLayerOps
 
 
 class TritonLayerOps(TorchLayerOps):

@@ -28,7 +28,7 @@ import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gpu_worker.sharding import Split, even_range, split_of
+from gpu_worker.distributed.sharding import Split, even_range, split_of
 
 if TYPE_CHECKING:
     import torch
@@ -179,8 +179,8 @@ def shard_module(
     module: str, a: torch.Tensor, b: torch.Tensor, rank: int, world: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One tensor-parallel rank's A and B of a module, cut like the layer it modifies
-    (gpu_worker/sharding.py): a column-parallel layer (q/k/v, gate/up) keeps its output rows,
-    so B's rows split and A is whole; a row-parallel one (o, down) keeps its input columns,
+    (gpu_worker/distributed/sharding.py): a column-parallel layer (q/k/v, gate/up) keeps its output
+    rows, so B's rows split and A is whole; a row-parallel one (o, down) keeps its input columns,
     so A's columns split and B is whole, and the delta is a partial sum the layer's
     all-reduce completes."""
     if world == 1:

@@ -33,8 +33,8 @@ import torch
 from torch import nn
 
 from gpu_worker.cpu import lora as cpu_lora
-from gpu_worker.linear_methods.weights import CheckpointWeight
-from gpu_worker.models.linear import Linear, LinearMethod
+from gpu_worker.layers.linear import Linear, LinearMethod
+from gpu_worker.layers.linear_methods.weights import CheckpointWeight
 
 # PEFT target module -> (our fused layer, slice index within it)
 TARGET_SLICES: dict[str, tuple[str, int]] = {

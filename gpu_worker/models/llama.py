@@ -13,9 +13,9 @@ Tokens of every request in the step are packed into one [T] sequence; the attent
 and its metadata (passed in, per step) keep requests apart.
 
 What runs is chosen once at load and held where it is used: each `Linear` holds its method
-(gpu_worker/models/linear.py: float, GGUF, int8; torch, C or Triton), the norms, attention and
-MLP hold the layer ops (gpu_worker/layer_ops.py), and `LlamaModel.decode_step` the
-one-call decode kernel where one serves the model (gpu_worker/models/one_call_step.py).
+(gpu_worker/layers/linear.py: float, GGUF, int8; torch, C or Triton), the norms, attention and
+MLP hold the layer ops (gpu_worker/layers/ops.py), and `LlamaModel.decode_step` the
+one-call decode kernel where one serves the model (gpu_worker/cpu/one_call_step.py).
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ import torch
 from torch import nn
 
 from gpu_worker.attention import AttentionBackend, AttentionMetadata
-from gpu_worker.layer_ops import TORCH_OPS, LayerOps, Rope, rotate_neox
-from gpu_worker.models.linear import Linear
-from gpu_worker.sharding import vocab_shard_size
-from gpu_worker.tensor_parallel import TensorParallel, VocabParallelEmbedding
+from gpu_worker.distributed.sharding import vocab_shard_size
+from gpu_worker.distributed.tensor_parallel import TensorParallel, VocabParallelEmbedding
+from gpu_worker.layers.linear import Linear
+from gpu_worker.layers.ops import TORCH_OPS, LayerOps, Rope, rotate_neox
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -279,7 +279,7 @@ class DecoderLayer(nn.Module):
 
 class DecodeStep(Protocol):
     """A kernel that runs a whole decode step through every decoder layer (the CPU's one-call
-    step, gpu_worker/models/one_call_step.py), for the steps it takes."""
+    step, gpu_worker/cpu/one_call_step.py), for the steps it takes."""
 
     def forward(
         self,
@@ -346,8 +346,8 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """The model plus its LM head; forward returns float32 logits for chosen positions.
-    With `tp` of size N it is one rank's shard (gpu_worker/sharding.py): the LM head holds a
-    vocabulary slice and the logits are all-gathered, so every rank returns all of them."""
+    With `tp` of size N it is one rank's shard (gpu_worker/distributed/sharding.py): the LM head
+    holds a vocabulary slice and the logits are all-gathered, so every rank returns all of them."""
 
     def __init__(
         self,
@@ -394,7 +394,7 @@ class LlamaForCausalLM(nn.Module):
         hidden_indices: torch.Tensor,  # [P] which of the T tokens pool (embeddings)
     ) -> tuple[torch.Tensor, torch.Tensor]:  # [S, vocab_size], [P, hidden_size] float32
         """`forward`'s logits, and the final-normed hidden states of `hidden_indices` (no LM
-        head): what an embeddings request pools (gpu_worker/pooling.py). The norm is per
+        head): what an embeddings request pools (gpu_worker/sample/pooling.py). The norm is per
         row, so a row's hidden state does not depend on the others."""
         hidden = self.model(input_ids, positions, kv_cache, meta)
         normed = self.model.norm(hidden[torch.cat((logits_indices, hidden_indices))])

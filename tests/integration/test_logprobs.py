@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from common.messages.types import SamplingParams
-from gpu_worker.model_runner import ModelRunner
-from gpu_worker.runner_options import RunnerOptions
+from gpu_worker.runner.model_runner import ModelRunner
+from gpu_worker.runner.options import RunnerOptions
 from services.scheduler.in_process import InProcessEngine
 from services.scheduler.policy import PolicyConfig
 from tests.engine import LocalEngine

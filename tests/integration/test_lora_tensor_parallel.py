@@ -30,10 +30,10 @@ def _rank_main(
     rank: int, addr: str, model: str, adapters: dict[str, str], prompts: list[list[int]], out: Any
 ) -> None:
     """One rank: join the group, build its runner, serve every prompt with its adapter."""
+    from gpu_worker.distributed.tensor_parallel import join_group
     from gpu_worker.lora.registry import LoraOptions
-    from gpu_worker.model_runner import ModelRunner
-    from gpu_worker.runner_options import RunnerOptions
-    from gpu_worker.tensor_parallel import join_group
+    from gpu_worker.runner.model_runner import ModelRunner
+    from gpu_worker.runner.options import RunnerOptions
     from services.scheduler.policy import PolicyConfig
     from tests.engine import LocalEngine
 

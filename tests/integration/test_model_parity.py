@@ -19,10 +19,10 @@ from common.messages.scheduler_worker import StepPlan
 from common.messages.types import SamplingParams
 from common.prepare_model import default_model_dir
 from gpu_worker.cpu.linear import load as linear_kernel
-from gpu_worker.linear_methods.cpu_float import CpuFloatLinearMethod
-from gpu_worker.model_runner import ModelRunner
+from gpu_worker.layers.linear_methods.cpu_float import CpuFloatLinearMethod
 from gpu_worker.models.llama import LlamaConfig
-from gpu_worker.runner_options import RunnerOptions
+from gpu_worker.runner.model_runner import ModelRunner
+from gpu_worker.runner.options import RunnerOptions
 from tests.tiny_models import TINY_ARCHS, VOCAB_SIZE, make_tiny_model
 
 torch.set_num_threads(2)

@@ -2,7 +2,7 @@
 model's own Q4_1 GGUF file served as it is, and the float model quantized to int8 W8A8 at
 load, give each prompt the same tokens alone as in a batch with chunked prefill, prefix-cache
 hits, preemption and n-gram speculation. Activations are quantized per row, so a row's
-result is the same whatever else is in the step (gpu_worker/linear_methods/).
+result is the same whatever else is in the step (gpu_worker/layers/linear_methods/).
 
 In-process: the real policy and the real runner, with the CPU kernels the worker uses."""
 
@@ -13,10 +13,10 @@ from transformers import AutoTokenizer
 
 from common.messages import SamplingParams
 from common.prepare_model import prepare_default_model
-from gpu_worker.linear_methods.gguf import GGUFLinearMethod
-from gpu_worker.linear_methods.int8 import Int8LinearMethod
-from gpu_worker.model_runner import ModelRunner
-from gpu_worker.runner_options import RunnerOptions
+from gpu_worker.layers.linear_methods.gguf import GGUFLinearMethod
+from gpu_worker.layers.linear_methods.int8 import Int8LinearMethod
+from gpu_worker.runner.model_runner import ModelRunner
+from gpu_worker.runner.options import RunnerOptions
 from services.scheduler.policy import PolicyConfig
 from tests.engine import LocalEngine
 from tests.gguf_models import default_gguf_file

@@ -7,7 +7,7 @@ processors: RepetitionPenaltyLogitsProcessor (repetition_penalty), NoBadWordsLog
 (bad words), MinNewTokensLengthLogitsProcessor (min_tokens), SequenceBiasLogitsProcessor
 (logit_bias), and a plain processor written here for OpenAI's presence/frequency penalties
 (transformers has none). min_p changes no greedy choice;
-tests/unit/gpu_worker/test_sampling.py covers it. The run is repeated with a pool so small
+tests/unit/gpu_worker/sample/test_sampling.py covers it. The run is repeated with a pool so small
 that requests are preempted and recomputed, and with overlapped steps: a request's token
 counts must survive both.
 """
@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from common.messages.types import SamplingParams
-from gpu_worker.model_runner import ModelRunner
-from gpu_worker.runner_options import RunnerOptions
+from gpu_worker.runner.model_runner import ModelRunner
+from gpu_worker.runner.options import RunnerOptions
 from services.scheduler.policy import PolicyConfig
 from tests.engine import LocalEngine
 from tests.tiny_models import EOS_TOKEN_ID, make_tiny_model

@@ -11,8 +11,8 @@ from transformers import AutoTokenizer
 
 from common.messages import SamplingParams
 from common.prepare_model import prepare_default_model
-from gpu_worker.model_runner import ModelRunner
-from gpu_worker.runner_options import RunnerOptions
+from gpu_worker.runner.model_runner import ModelRunner
+from gpu_worker.runner.options import RunnerOptions
 from services.scheduler.policy import PolicyConfig
 from tests.engine import LocalEngine
 from tests.reference import hf_greedy

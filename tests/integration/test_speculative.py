@@ -15,12 +15,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.messages import SamplingParams
 from common.prepare_model import prepare_default_model
-from gpu_worker.model_runner import ModelRunner
-from gpu_worker.runner_options import RunnerOptions
+from gpu_worker.runner.model_runner import ModelRunner
+from gpu_worker.runner.options import RunnerOptions
 from services.scheduler.policy import PolicyConfig
 from tests.engine import LocalEngine
 from tests.tiny_models import make_tiny_model
-from tests.unit.gpu_worker.test_speculative import CHI2_999, chi_square
+from tests.unit.gpu_worker.sample.test_speculative import CHI2_999, chi_square
 from tests.waiting import wait_until
 
 SYSTEM = "You are a helpful assistant. Keep answers short and exact. " * 3

@@ -9,9 +9,9 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
 from gpu_worker.attention import build_metadata  # noqa: E402
-from gpu_worker.cuda_graphs import CUDAGraphRunner, DecodeGraphInputs, run_model  # noqa: E402
-from gpu_worker.model_runner import ModelRunner  # noqa: E402
-from gpu_worker.runner_options import RunnerOptions  # noqa: E402
+from gpu_worker.runner.cuda_graphs import CUDAGraphRunner, DecodeGraphInputs, run_model  # noqa: E402
+from gpu_worker.runner.model_runner import ModelRunner  # noqa: E402
+from gpu_worker.runner.options import RunnerOptions  # noqa: E402
 
 BLOCK_SIZE = 4
 
@@ -85,6 +85,6 @@ def test_graph_replay_matches_eager(tiny_llama) -> None:
         kv_eager = kv.clone()
         kv.copy_(kv_before)
         assert graphs.can_run(meta)
-        replayed = run_model(runner.model, graphs, input_ids, kv, meta, indices)
+        replayed, _ = run_model(runner.model, graphs, input_ids, kv, meta, indices)
         assert (replayed - eager).abs().max().item() <= 1e-3
         _assert_same_writes(kv, kv_eager, kv_before)

@@ -34,8 +34,8 @@ def _agreement(ours: list[list[int]], ref: list[list[int]]) -> dict[str, Any]:
 
 
 def measure(num_new: int = 32, threads: int = 2) -> dict[str, Any]:
-    from gpu_worker.model_runner import ModelRunner
-    from gpu_worker.runner_options import RunnerOptions
+    from gpu_worker.runner.model_runner import ModelRunner
+    from gpu_worker.runner.options import RunnerOptions
     from tests.integration.test_model_parity import (
         SMOL_PROMPT_LENS,
         SMOL_TEXT,

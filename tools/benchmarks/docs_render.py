@@ -173,7 +173,7 @@ def _synthetic(out: Path, loads: dict[str, Any]) -> str:
     text = (
         "## Synthetic model: the pipeline's own capacity\n\n"
         "`--model synthetic` computes nothing and answers every step at once "
-        "(gpu_worker/synthetic.py), so these figures are the five processes, their "
+        "(gpu_worker/runner/synthetic.py), so these figures are the five processes, their "
         "messages and HTTP/SSE alone, with the load generator on the same 2 cores.\n\n"
     )
     text += _latency_table(

@@ -115,8 +115,8 @@ def _smollm2() -> LlamaForCausalLM:
     """SmolLM2-135M (float32) with the CPU's C kernels and one-call decode step."""
     from common.prepare_model import default_model_dir
     from gpu_worker.attention.torch_backend import TorchAttentionBackend
-    from gpu_worker.kernel_choice import choose_kernels
-    from gpu_worker.models.loader import load_model, read_hf_config
+    from gpu_worker.layers.kernel_choice import choose_kernels
+    from gpu_worker.model_loader.loader import load_model, read_hf_config
 
     folder, cpu = default_model_dir(), torch.device("cpu")
     cfg = read_hf_config(folder)
@@ -160,8 +160,8 @@ def _step(model: LlamaForCausalLM, batch: int, context: int) -> Callable[[], obj
 def decode_steps(context: int, steps: int, lora_dtype: torch.dtype) -> None:
     """Steps without and with adapters interleaved (a busy machine slows both alike), best
     and median of each."""
+    from gpu_worker.cpu import one_call_step
     from gpu_worker.lora.layer import LoraLinearMethod, enable_lora, lora_layers
-    from gpu_worker.models import one_call_step
 
     model = _smollm2()
     assert isinstance(model.model.decode_step, one_call_step.CpuDecodeStep)

@@ -106,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     methods = args.methods.split(",")
 
     from common.prepare_model import prepare_default_model, prepare_truncated_model
-    from gpu_worker.model_runner import ModelRunner
-    from gpu_worker.runner_options import RunnerOptions
+    from gpu_worker.runner.model_runner import ModelRunner
+    from gpu_worker.runner.options import RunnerOptions
 
     model_dir = str(prepare_default_model())
     draft_dir = str(prepare_truncated_model(args.draft_layers)) if "draft" in methods else ""

@@ -122,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     from common.prepare_model import prepare_default_model
-    from gpu_worker.model_runner import ModelRunner
-    from gpu_worker.runner_options import RunnerOptions
+    from gpu_worker.runner.model_runner import ModelRunner
+    from gpu_worker.runner.options import RunnerOptions
 
     options = RunnerOptions(
         dtype=args.dtype,

@@ -26,11 +26,11 @@ import gpu_worker.cpu.gguf as gguf
 import gpu_worker.cpu.int8 as int8
 import gpu_worker.cpu.layers as layers
 import gpu_worker.cpu.linear as linear
-import gpu_worker.models.one_call_step as one_call_step
+import gpu_worker.cpu.one_call_step as one_call_step
 from common.prepare_model import default_gguf_path, prepare_default_model
-from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models.llama import LlamaForCausalLM
-from gpu_worker.runner_options import RunnerOptions
+from gpu_worker.runner.model_runner import ModelRunner
+from gpu_worker.runner.options import RunnerOptions
 from tools.benchmarks import step
 
 LINEAR, ATTENTION, LAYERS = "linear (C, weights streamed)", "attention (C)", "norm/rotary/silu (C)"

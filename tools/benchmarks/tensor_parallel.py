@@ -30,10 +30,10 @@ from typing import Any
 
 
 def _rank(rank: int, size: int, addr: str, args: argparse.Namespace, out: Any) -> None:
-    from gpu_worker.model_runner import ModelRunner
-    from gpu_worker.runner_options import RunnerOptions
-    from gpu_worker.sharding import threads_per_rank
-    from gpu_worker.tensor_parallel import join_group
+    from gpu_worker.distributed.sharding import threads_per_rank
+    from gpu_worker.distributed.tensor_parallel import join_group
+    from gpu_worker.runner.model_runner import ModelRunner
+    from gpu_worker.runner.options import RunnerOptions
     from tools.benchmarks.step import start_batch
 
     tp = join_group(rank, size, addr, "cpu")

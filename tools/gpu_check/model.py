@@ -17,11 +17,11 @@ from typing import Any
 import torch
 
 from gpu_worker.attention import AttentionBackend, build_metadata, create_backend
-from gpu_worker.cuda_graphs import CUDAGraphRunner, run_model
-from gpu_worker.kernel_choice import choose_kernels
 from gpu_worker.kv_cache import KVCache
+from gpu_worker.layers.kernel_choice import choose_kernels
+from gpu_worker.model_loader.loader import load_model, read_hf_config
 from gpu_worker.models.llama import LlamaConfig
-from gpu_worker.models.loader import load_model, read_hf_config
+from gpu_worker.runner.cuda_graphs import CUDAGraphRunner, run_model
 from tools.gpu_check.kernels import time_ms
 
 SMOLLM2_SHAPE: dict[str, Any] = dict(
@@ -96,7 +96,7 @@ class Engine:
         input_ids = torch.tensor(flat, dtype=torch.int64, device=self.device)
         last = torch.tensor(common.query_start_loc_host[1:], device=self.device) - 1
         graphs = self.graphs if use_graphs else None
-        return run_model(self.model, graphs, input_ids, self.kv.tensor, meta, last)
+        return run_model(self.model, graphs, input_ids, self.kv.tensor, meta, last)[0]
 
     def greedy(self, prompts: list[list[int]], num_new: int, use_graphs: bool) -> list[list[int]]:
         """All prompts prefilled in one step, then decoded together, argmax, no EOS."""

@@ -111,7 +111,7 @@ MAX_PEAK_GIB = 40.0  # the full plan must fit a 48 GB GPU beside the CUDA contex
 
 def plan_problems(plan: Plan) -> list[str]:
     """What is wrong with a plan, checked before anything runs: [] when it is sound."""
-    from gpu_worker.cuda_graphs import graph_batch_sizes
+    from gpu_worker.runner.cuda_graphs import graph_batch_sizes
 
     problems = []
     for name, heads, kv_heads, head_dim in SHAPES:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from common.prepare_model import default_model_dir
-from gpu_worker.cuda_graphs import graph_batch_sizes
+from gpu_worker.runner.cuda_graphs import graph_batch_sizes
 from tools.gpu_check import kernels as K
 from tools.gpu_check import lora as L
 from tools.gpu_check import model as M

@@ -8,7 +8,7 @@ Accepted (at most one of them per request):
 - vLLM's older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
 
 Here the shape is checked (types, one source, a non-empty choice list); whether the schema,
-regex or grammar compiles is for the worker's compiler (gpu_worker/structured.py), whose
+regex or grammar compiles is for the worker's compiler (gpu_worker/sample/structured.py), whose
 error comes back as a 400 naming the field before the request is queued.
 """
 

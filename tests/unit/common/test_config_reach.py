@@ -118,8 +118,8 @@ def config() -> Config:
 
 def test_runner_settings_reach_the_model_runner(config: Config, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from gpu_worker.lora.registry import LoraOptions
-    from gpu_worker.model_runner import ModelRunner
-    from gpu_worker.runner_options import RunnerOptions
+    from gpu_worker.runner.model_runner import ModelRunner
+    from gpu_worker.runner.options import RunnerOptions
 
     seen: dict[str, Any] = {}
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_worker.models.compressed_tensors import Int8Weight, read_int8_weights
+from gpu_worker.model_loader.compressed_tensors import Int8Weight, read_int8_weights
 from tests.tiny_models import make_tiny_model
 from tools.benchmarks.perplexity import HELD_TOPICS, held_text
 from tools.export_int8 import main

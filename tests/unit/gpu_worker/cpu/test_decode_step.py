@@ -1,5 +1,5 @@
 """The one-call decode step (gpu_worker/cpu/decode_step.py, read from the model by
-gpu_worker/models/one_call_step.py) against the layer-by-layer path it replaces: the same
+gpu_worker/cpu/one_call_step.py) against the layer-by-layer path it replaces: the same
 kernels in the same order, so the same hidden states bit for bit and the same K/V written,
 for every batch size it takes and on the models it takes."""
 
@@ -12,12 +12,11 @@ import torch
 
 from gpu_worker.attention.metadata import build_metadata
 from gpu_worker.attention.torch_backend import TorchAttentionBackend
-from gpu_worker.cpu import decode_step
+from gpu_worker.cpu import decode_step, one_call_step
 from gpu_worker.cpu.linear import MAX_ROWS
-from gpu_worker.kernel_choice import KernelChoice, choose_kernels
-from gpu_worker.models import one_call_step
+from gpu_worker.layers.kernel_choice import KernelChoice, choose_kernels
+from gpu_worker.model_loader.loader import load_model, read_hf_config
 from gpu_worker.models.llama import LlamaForCausalLM
-from gpu_worker.models.loader import load_model, read_hf_config
 from tests.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.skipif(decode_step.load() is None, reason="no C compiler here")

@@ -1,5 +1,5 @@
 """The C small-batch linear kernel (gpu_worker/cpu/linear.py) and the CPU float linear method
-(gpu_worker/linear_methods/cpu_float.py) against torch's F.linear."""
+(gpu_worker/layers/linear_methods/cpu_float.py) against torch's F.linear."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.cpu import linear
-from gpu_worker.linear_methods.cpu_float import CpuFloatLinearMethod
-from gpu_worker.models.linear import FloatLinearMethod, Linear, LinearMethod
+from gpu_worker.layers.linear import FloatLinearMethod, Linear, LinearMethod
+from gpu_worker.layers.linear_methods.cpu_float import CpuFloatLinearMethod
 
 pytestmark = pytest.mark.skipif(linear.load() is None, reason="no C compiler here")
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpu_worker.layers.linear import FloatLinearMethod, Linear
 from gpu_worker.lora.layer import (
     LONG_RUN,
     LoraLinearMethod,
     LoraMapping,
     lora_delta_reference,
 )
-from gpu_worker.models.linear import FloatLinearMethod, Linear
 
 
 def test_long_runs_of_one_adapter_are_cut_out_of_the_short_slots() -> None:

@@ -15,9 +15,9 @@ from gpu_worker.lora.adapter import WEIGHTS_FILE, LoraAdapterError
 from gpu_worker.lora.layer import LoraLinearMethod, LoraMapping
 from gpu_worker.lora.manager import LoraManager, SkipWhenLoraActive
 from gpu_worker.lora.registry import LoraOptions
-from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models.llama import LlamaModel
-from gpu_worker.runner_options import RunnerOptions
+from gpu_worker.runner.model_runner import ModelRunner
+from gpu_worker.runner.options import RunnerOptions
 from tests.lora_adapters import make_adapter
 from tests.tiny_models import make_tiny_model
 

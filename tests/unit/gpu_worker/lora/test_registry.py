@@ -23,9 +23,9 @@ from common.messages import (
 from common.model_paths import prepare_synthetic_folder
 from gpu_worker.lora.adapter import LoraAdapterError
 from gpu_worker.lora.registry import LoraOptions
-from gpu_worker.model_runner import ModelRunner
-from gpu_worker.runner_options import RunnerOptions
-from gpu_worker.synthetic import SyntheticRunner
+from gpu_worker.runner.model_runner import ModelRunner
+from gpu_worker.runner.options import RunnerOptions
+from gpu_worker.runner.synthetic import SyntheticRunner
 from gpu_worker.worker import WorkerActor
 from tests.tiny_models import make_tiny_model, make_tiny_model_own_vocab
 

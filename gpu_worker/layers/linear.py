@@ -1,0 +1,142 @@
+"""The model's linear layer, and the method object that decides how its weight is kept and used.
+
+Every linear layer of the model is a `Linear` whose `method` is chosen once, at load, from the
+checkpoint's weight (float, GGUF blocks, int8) and the kernels this process runs (torch, the
+CPU C kernels, Triton) — vLLM's `quant_method` shape:
+
+    method.load_weights(layer, weight, bias)     the checkpoint's tensors onto the layer
+    method.process_weights_after_loading(layer)  pack or re-lay them once (oneDNN blocks, ...)
+    method.apply(layer, x)                       y = x @ W.T + b, every forward
+
+The model code names no kernel: it calls `layer(x)`. What runs is `layer.method`, visible
+when the model is printed. Quantized methods live in gpu_worker/quant/, the CPU float one in
+gpu_worker/cpu/linear.py; `FloatLinearMethod` here is plain torch, the reference and the GPU
+path.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_worker.layers.linear_methods.weights import CheckpointWeight
+
+
+class LinearMethod(Protocol):
+    """How one linear layer's weight is stored and multiplied (see the module docstring)."""
+
+    name: str
+
+    def load_weights(
+        self, layer: Linear, weight: CheckpointWeight, bias: torch.Tensor | None
+    ) -> None: ...
+
+    def process_weights_after_loading(self, layer: Linear) -> None: ...
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor: ...
+
+    def weight_bytes(self, layer: Linear) -> int:
+        """The bytes of weights a forward reads (the resident size of the layer's weights)."""
+        ...
+
+    def extra_bytes(self, layer: Linear) -> int:
+        """Bytes the method keeps beside the layer's parameters (a packed copy), 0 if none."""
+        ...
+
+    @property
+    def storage(self) -> str:
+        """How the weight is stored: "" (float), "int8", "gguf:<types>"."""
+        ...
+
+
+def set_parameter(layer: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
+    """Register `tensor` as the layer's frozen parameter `name` (None: no such parameter)."""
+    if tensor is None:
+        layer.register_parameter(name, None)
+    else:
+        layer.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
+
+
+class FloatLinearMethod:
+    """A float weight [out, in] multiplied by torch (`F.linear`): the reference everywhere,
+    the method on CUDA (cuBLAS) and for the torch-only CPU path."""
+
+    name = "float"
+
+    def load_weights(
+        self, layer: Linear, weight: CheckpointWeight, bias: torch.Tensor | None
+    ) -> None:
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"{self.name} linear method takes a float tensor, got {weight!r}")
+        set_parameter(layer, "weight", weight)
+        set_parameter(layer, "bias", bias)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        pass
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+    def weight_bytes(self, layer: Linear) -> int:
+        return layer.weight.numel() * layer.weight.element_size()
+
+    def extra_bytes(self, layer: Linear) -> int:
+        return 0
+
+    storage = ""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class Linear(nn.Module):
+    """y = x @ W.T + b over the last dimension of x, by `self.method`.
+
+    Built (on the "meta" device, by the loader) with a float weight of the layer's shape so
+    the model's structure is complete; the loader then gives each layer its method and the
+    checkpoint's tensors (`method.load_weights`), which may replace `weight` by another
+    representation (GGUF blocks, int8 and scales)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        set_parameter(self, "weight", torch.empty(out_features, in_features))
+        set_parameter(self, "bias", torch.empty(out_features) if bias else None)
+        # nn.Linear's initialisation (a no-op on "meta", where the loader builds models), so a
+        # layer built outside the loader (a test's module) holds numbers, not garbage
+        nn.Linear.reset_parameters(self)  # type: ignore[arg-type]  # reads weight/bias only
+        self.method: LinearMethod = FloatLinearMethod()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
+
+    def extra_repr(self) -> str:
+        bias = self.bias is not None
+        return f"in={self.in_features}, out={self.out_features}, bias={bias}, {self.method!r}"
+
+
+def resident_weight_bytes(model: nn.Module) -> int:
+    """The bytes a model's weights hold in memory: every parameter once (a tied weight is
+    one), plus what the linear methods keep beside them (oneDNN's packed copies)."""
+    seen: dict[int, int] = {}
+    for p in model.parameters():
+        seen.setdefault(p.data_ptr(), p.numel() * p.element_size())
+    extra = sum(m.method.extra_bytes(m) for m in model.modules() if isinstance(m, Linear))
+    return sum(seen.values()) + extra
+
+
+def quantization_of(model: nn.Module) -> str:
+    """How the model's linears are stored: "" (float), "int8", or "gguf:" with the GGUF
+    types in use (the LM head's among them)."""
+    names = sorted({m.method.storage for m in model.modules() if isinstance(m, Linear)} - {""})
+    gguf = [n.removeprefix("gguf:") for n in names if n.startswith("gguf:")]
+    other = [n for n in names if not n.startswith("gguf:")]
+    types = sorted({t for g in gguf for t in g.split("+")})
+    return ",".join(other + ([f"gguf:{'+'.join(types)}"] if types else []))

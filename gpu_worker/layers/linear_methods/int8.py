@@ -1,0 +1,73 @@
+"""int8 W8A8 weights: int8 [out, in] with a float32 scale per output row, activations
+quantized per row (per token, never per batch) to int8 with their own scale.
+
+    cpu     the C kernels of gpu_worker/cpu/int8.py (VNNI / AVX2 integer dot products;
+            oneDNN's int8 GEMM on a packed copy for many rows, with the same epilogue)
+    triton  gpu_worker/kernels/int8_matmul, CUDA
+    torch   the same arithmetic in torch (gpu_worker/cpu/int8.py's torch path)
+
+Each path gives a row the same bits whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gpu_worker.cpu import int8
+from gpu_worker.layers.linear import Linear, set_parameter
+from gpu_worker.layers.linear_methods.weights import CheckpointWeight, Int8Weight
+
+
+class Int8LinearMethod:
+    """An int8 W8A8 weight (see the module docstring); one instance per layer."""
+
+    name = "int8"
+
+    def __init__(self, kernel: str, dtype: torch.dtype) -> None:
+        assert kernel in ("cpu", "triton", "torch"), kernel
+        self.kernel = kernel
+        self.dtype = dtype
+        self.packed: torch.Tensor | None = None  # oneDNN's copy for many rows (cpu)
+
+    def load_weights(
+        self, layer: Linear, weight: CheckpointWeight, bias: torch.Tensor | None
+    ) -> None:
+        if not isinstance(weight, Int8Weight):
+            raise TypeError(f"the int8 linear method takes int8 weights, got {type(weight)}")
+        if tuple(weight.weight.shape) != (layer.out_features, layer.in_features):
+            raise ValueError(
+                f"int8 weight {list(weight.weight.shape)} does not fit a layer "
+                f"[{layer.out_features}, {layer.in_features}]"
+            )
+        set_parameter(layer, "weight", weight.weight.contiguous())
+        set_parameter(layer, "weight_scale", weight.scale.to(torch.float32).contiguous())
+        set_parameter(layer, "bias", bias)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        if self.kernel == "cpu":
+            self.packed = int8.pack_weight(layer.weight)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        scale = layer.get_parameter("weight_scale")
+        if self.kernel == "cpu":
+            return int8.int8_linear(x, layer.weight, scale, layer.bias, self.packed)
+        if self.kernel == "triton":
+            from gpu_worker.kernels.int8_matmul.kernel import int8_matmul
+
+            flat = x.reshape(-1, layer.in_features)
+            y = int8_matmul(flat, layer.weight, scale).view(*x.shape[:-1], layer.out_features)
+            return y if layer.bias is None else y + layer.bias
+        flat = x.reshape(-1, layer.in_features).to(torch.float32)
+        y = int8.int8_linear_torch(flat, layer.weight, scale, layer.bias)
+        return y.to(x.dtype).view(*x.shape[:-1], layer.out_features)
+
+    def weight_bytes(self, layer: Linear) -> int:
+        return layer.weight.numel() + 4 * layer.out_features
+
+    def extra_bytes(self, layer: Linear) -> int:
+        return self.weight_bytes(layer) if self.packed is not None else 0
+
+    storage = "int8"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(kernel={self.kernel})"

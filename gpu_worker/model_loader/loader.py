@@ -1,0 +1,305 @@
+"""Load a local Hugging Face folder (config.json + *.safetensors) into our Llama model.
+
+The checkpoint's separate q/k/v and gate/up projections are concatenated into the fused
+`qkv_proj` and `gate_up_proj` weights our model uses; a tied LM head reuses the embedding.
+The model is built on the "meta" device and the loaded tensors are assigned to it, so the
+weights are never initialised and then overwritten. Under tensor parallelism each rank reads
+only its slices from the files (safetensors slices, gpu_worker/distributed/sharding.py says which).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from common.gguf_meta import is_gguf_file
+from gpu_worker.attention import AttentionBackend
+from gpu_worker.distributed.sharding import (
+    Split,
+    check_divisible,
+    shard_range,
+    split_of,
+    vocab_shard_size,
+)
+from gpu_worker.distributed.tensor_parallel import TensorParallel
+from gpu_worker.layers.kernel_choice import TORCH_KERNELS, KernelChoice
+from gpu_worker.layers.linear_methods.weights import GGUFShard, GGUFWeight, concat_rows
+from gpu_worker.model_loader.compressed_tensors import (
+    check_int8_w8a8,
+    int8_weights,
+    quantization_config,
+    quantize_linear_weights,
+)
+from gpu_worker.model_loader.gguf_file import (
+    GGUFTensor,
+    dequantize_tensor,
+    gguf_weights_version,
+    read_gguf_tensors,
+)
+from gpu_worker.models.llama import LlamaConfig, LlamaForCausalLM
+
+_MIB = 1 << 20
+
+
+def read_hf_config(folder: str | Path) -> dict[str, Any]:
+    """The model's config.json: a folder's, or the one written from a GGUF file's metadata."""
+    if is_gguf_file(folder):
+        from common.model_paths import hf_config_of  # (the config: not for tools/gpu-check)
+
+        return hf_config_of(folder)
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder} has no config.json: not a Hugging Face model folder")
+    return json.loads(path.read_text())
+
+
+def safetensors_files(folder: str | Path) -> list[Path]:
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder} has no *.safetensors weights")
+    return files
+
+
+def eos_token_ids(folder: str | Path, hf_config: dict[str, Any]) -> list[int]:
+    """EOS ids from config.json and generation_config.json together, sorted."""
+    ids: set[int] = set()
+    sources = [hf_config]
+    gen_path = _tokenizer_dir(folder) / "generation_config.json"
+    if gen_path.is_file():
+        sources.append(json.loads(gen_path.read_text()))
+    for source in sources:
+        value = source.get("eos_token_id")
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(int(v) for v in value)
+    return sorted(ids)
+
+
+def _tokenizer_dir(model: str | Path) -> Path:
+    """The folder of a model's tokenizer and generation config (a GGUF file's is written
+    from its metadata)."""
+    if not is_gguf_file(model):
+        return Path(model)
+    from common.model_paths import tokenizer_dir  # (imports the config: not for gpu-check)
+
+    return tokenizer_dir(model)
+
+
+def weights_version(folder: str | Path) -> str:
+    """16 hex chars of sha256 over each weights file's name, size, first and last MiB.
+
+    Cheap on multi-GB checkpoints, yet any re-export or fine-tune changes it. A GGUF file:
+    the same over the file.
+    """
+    if is_gguf_file(folder):
+        return gguf_weights_version(folder)
+    digest = hashlib.sha256()
+    for path in safetensors_files(folder):
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with path.open("rb") as f:
+            digest.update(f.read(_MIB))
+            f.seek(max(0, size - _MIB))
+            digest.update(f.read(_MIB))
+    return digest.hexdigest()[:16]
+
+
+def fuse_weights(weights: dict[str, Any], cfg: LlamaConfig) -> dict[str, Any]:
+    """HF names -> ours: q/k/v into qkv_proj, gate/up into gate_up_proj (float tensors or
+    quantized weights, gpu_worker/layers/linear_methods/weights.py)."""
+    out = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
+    for i in range(cfg.num_layers):
+        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        for kind in ("weight", "bias"):
+            _concat(out, [f"{attn}{p}_proj.{kind}" for p in "qkv"], f"{attn}qkv_proj.{kind}")
+            gate_up = [f"{mlp}{p}_proj.{kind}" for p in ("gate", "up")]
+            _concat(out, gate_up, f"{mlp}gate_up_proj.{kind}")
+    return out
+
+
+def _concat(weights: dict[str, Any], names: list[str], fused: str) -> None:
+    if not any(n in weights for n in names):
+        return
+    missing = [n for n in names if n not in weights]
+    if missing:
+        raise KeyError(f"checkpoint has some of {names} but not {missing}")
+    weights[fused] = concat_rows([weights.pop(n) for n in names])
+
+
+def check_tensor_parallel(cfg: LlamaConfig, world: int, folder: str | Path = "") -> None:
+    """Refuse (ValueError naming --tensor-parallel-size) a model that does not split."""
+    check_divisible(
+        world,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        intermediate_size=cfg.intermediate_size,
+        model=str(folder) or "the model",
+    )
+
+
+def read_weights(folder: str | Path, tp: TensorParallel) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors (HF names), or under tensor parallelism this rank's slices
+    of them: only those bytes are read."""
+    weights: dict[str, torch.Tensor] = {}
+    for path in safetensors_files(folder):
+        if tp.size == 1:
+            weights.update(load_file(str(path), device="cpu"))
+            continue
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118  # safe_open is not a mapping
+                weights[name] = _read_shard(f, name, tp)
+    return weights
+
+
+def _read_shard(f: Any, name: str, tp: TensorParallel) -> torch.Tensor:
+    split = split_of(name)
+    if split is Split.REPLICATED:
+        return f.get_tensor(name)
+    if split is Split.ROW_BIAS:  # added once, after the all-reduce: rank 0 holds it
+        bias = f.get_tensor(name)
+        return bias if tp.is_leader else torch.zeros_like(bias)
+    sliced = f.get_slice(name)
+    shape = tuple(sliced.get_shape())
+    start, end = shard_range(split, shape, tp.rank, tp.size)
+    if split is Split.ROW:
+        return sliced[:, start:end]
+    part = sliced[start:end]
+    if split is Split.VOCAB:  # pad the last shards to the common size with zero rows
+        rows = vocab_shard_size(shape[0], tp.size)
+        pad = part.new_zeros(rows - part.shape[0], *part.shape[1:])
+        part = torch.cat([part, pad]) if pad.numel() else part
+    return part
+
+
+def load_model(
+    folder: str | Path,
+    backend: AttentionBackend,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    tp: TensorParallel | None = None,
+    kernels: KernelChoice = TORCH_KERNELS,
+    quantization: str = "",
+) -> LlamaForCausalLM:
+    """Build the model for `folder` on `device` in `dtype`, ready for inference (with `tp`:
+    this rank's shard of it), its layer ops, linear methods and decode step from `kernels`;
+    with `quantization` "int8", a float checkpoint's decoder linears quantized as it loads."""
+    tp = tp or TensorParallel()
+    cfg = LlamaConfig.from_hf(read_hf_config(folder))
+    check_tensor_parallel(cfg, tp.size, folder)
+    weights = fuse_weights(read_checkpoint(folder, tp, quantization), cfg)
+    return build_model(cfg, weights, backend, dtype, device, max_positions, tp, kernels)
+
+
+def build_model(
+    cfg: LlamaConfig,
+    weights: dict[str, Any],
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    tp: TensorParallel,
+    kernels: KernelChoice,
+) -> LlamaForCausalLM:
+    """The model built on "meta" and given `weights` (our names, fused; float tensors or
+    quantized weights): each linear layer's method from `kernels` takes its weight, the
+    rest is assigned; nothing is initialised and then overwritten."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(
+            cfg, backend, max_positions=max_positions, device=device, tp=tp, ops=kernels.ops
+        )
+    tied = weights.pop(TIED_BLOCKS, None)
+    if cfg.tie_word_embeddings or "lm_head.weight" not in weights:
+        # the LM head reads the embedding's weight (a GGUF file's blocks, as they are)
+        weights["lm_head.weight"] = tied if tied is not None else weights[EMBED]
+    for name, layer in model.linears():
+        weight = weights.pop(f"{name}.weight")
+        bias = weights.pop(f"{name}.bias", None)
+        layer.method = kernels.linear_method(weight)
+        layer.method.load_weights(
+            layer, _to(weight, device, dtype), None if bias is None else _to(bias, device, dtype)
+        )
+    # pop as we go: a dtype or device change never holds two copies of the whole model
+    rest = {name: _to(weights.pop(name), device, dtype) for name in list(weights)}
+    missing, unexpected = model.load_state_dict(rest, strict=False, assign=True)
+    missing = [m for m in missing if m in _not_linear(model)]
+    if missing or unexpected:
+        raise KeyError(f"checkpoint does not fit the model: missing {missing}, extra {unexpected}")
+    for _, layer in model.linears():
+        layer.method.process_weights_after_loading(layer)
+    model.model.decode_step = kernels.decode_step_for(model)
+    return model.eval().requires_grad_(False)
+
+
+def read_gguf_weights(path: str | Path) -> dict[str, Any]:
+    """A GGUF file's tensors by HF name: each linear layer's block-quantized weight as it is
+    stored (GGUFWeight), every other tensor (and float-typed linears) as float. The
+    embedding is dequantized for lookups; a tied LM head keeps the embedding's blocks."""
+    weights: dict[str, Any] = {}
+    for name, tensor in read_gguf_tensors(path).items():
+        if name == EMBED and tensor.is_quantized and "lm_head.weight" not in weights:
+            weights[TIED_BLOCKS] = _gguf_weight(tensor)
+        is_linear = name.endswith("_proj.weight") or name == "lm_head.weight"
+        if is_linear and tensor.is_quantized:
+            weights[name] = _gguf_weight(tensor)
+        else:
+            weights[name] = dequantize_tensor(tensor)
+    if "lm_head.weight" in weights:
+        weights.pop(TIED_BLOCKS, None)
+    return weights
+
+
+def read_checkpoint(folder: str | Path, tp: TensorParallel, quantization: str) -> dict[str, Any]:
+    """The tensors of a GGUF file, an int8 W8A8 compressed-tensors folder or a float folder
+    (this rank's slices), by HF name; with `quantization` "int8", a float folder's decoder
+    linears quantized as they are read."""
+    if is_gguf_file(folder):
+        if tp.size != 1:
+            raise ValueError(
+                f"{folder}: a GGUF file is served on one rank (--tensor-parallel-size 1)"
+            )
+        return read_gguf_weights(folder)
+    raw = read_weights(folder, tp)
+    if quantization_config(read_hf_config(folder)) is not None:
+        check_int8_w8a8(quantization_config(read_hf_config(folder)) or {})
+        return int8_weights(raw)
+    return quantize_linear_weights(raw) if quantization == "int8" else raw
+
+
+def stores_quantized(path: str | Path, quantization: str = "") -> bool:
+    """Whether the model at `path`, loaded with `quantization`, may have quantized linears:
+    a GGUF file, an int8 checkpoint, or --quantization int8."""
+    if quantization or is_gguf_file(path):
+        return True
+    return "quantization_config" in read_hf_config(path)
+
+
+def _gguf_weight(tensor: GGUFTensor) -> GGUFWeight:
+    return GGUFWeight((GGUFShard(tensor.qtype, tensor.data),), in_features=tensor.shape[1])
+
+
+EMBED = "model.embed_tokens.weight"
+TIED_BLOCKS = "lm_head.tied_blocks"  # a GGUF embedding's blocks, for a tied LM head
+
+
+def _to(weight: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    """A float tensor in the model's dtype on its device; quantized weights as they are."""
+    if isinstance(weight, torch.Tensor) and weight.is_floating_point():
+        return weight.to(device=device, dtype=dtype)
+    return weight
+
+
+def _not_linear(model: LlamaForCausalLM) -> set[str]:
+    """The state-dict names of everything but the linear layers (which the methods load)."""
+    linear_params = {
+        f"{name}.{p}" for name, layer in model.linears() for p, _ in layer.named_parameters()
+    }
+    return set(model.state_dict()) - linear_params

@@ -1,0 +1,419 @@
+"""The worker's runner seam: the `Runner` protocol WorkerActor drives, and the StepPlan rules
+every runner shares (the real `ModelRunner` and the compute-free `SyntheticRunner`).
+
+Per request a runner keeps what the scheduler told it (common/messages/scheduler_worker.py):
+all token ids (prompt + sampled), the sampling parameters, the block table, how many tokens
+are in the KV cache and the model version serving it. `RequestTable` is that state and the
+rules that change it, written once:
+
+    apply_diffs   finished -> swap out -> preempted reset -> new -> swap in -> copy-on-write
+                  (the KV copies are done by the runner's `KVCopier`; a runner without KV
+                  passes none and only the tables change)
+    schedule      for each request of the batch: check the plan's view against ours, append
+                  its new blocks, count its new tokens as computed (drafts count once
+                  accepted); a plan that disagrees is refused with a ValueError
+
+    block table of a request, block_size 4, 10 tokens computed:
+    [ b7 | b2 | b9 ]   slots: b7*4+0..3, b2*4+0..3, b9*4+0..1 used
+
+A runner then computes what `schedule` returned and samples for each state that
+`needs_sample` (all its known tokens computed).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Callable, Collection, Container
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+
+from common.messages.scheduler_worker import StepPlan, StepResult
+from common.messages.types import ModelInfo, SamplingParams
+from gpu_worker.runner.version_table import VersionTable
+
+if TYPE_CHECKING:  # the synthetic runner runs without torch ever being imported
+    import concurrent.futures
+
+    import torch
+
+    from gpu_worker.lora.adapter import AdapterSpec
+    from gpu_worker.sample.structured import RowGrammar
+
+
+class Runner(Protocol):
+    """Everything the worker (and the in-process engines of tests/ and tools/) uses of a
+    runner: run a plan, forget requests, describe the model, and hot-swap versions."""
+
+    @property
+    def model_path(self) -> str:
+        """The folder of the default version."""
+        ...
+
+    @property
+    def default_version(self) -> str:
+        """The version new requests without an explicit one run on."""
+        ...
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The default version's end-of-sequence tokens."""
+        ...
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Apply the plan's diffs, run its batch, return the sampled tokens."""
+        ...
+
+    def compile_grammar(
+        self, kind: str, spec: str, tokenizer_fingerprint: str
+    ) -> concurrent.futures.Future[None]:
+        """Compile a structured-output grammar for that tokenizer ("": the default
+        version's) in the background, into the cache new requests take it from; the future
+        raises ValueError for a spec that does not compile."""
+        ...
+
+    def drop(self, req_id: str) -> None:
+        """Forget one request (idempotent), e.g. after its step failed."""
+        ...
+
+    def reset(self) -> None:
+        """Forget every request (a new scheduler starts from an empty pool)."""
+        ...
+
+    def num_requests(self) -> int: ...
+
+    def model_info(self) -> ModelInfo:
+        """What the worker tells the scheduler (the Ready message's model)."""
+        ...
+
+    def load_version(self, path: str, version: str = "") -> str:
+        """Load another model beside the served ones; returns its version."""
+        ...
+
+    def set_default_version(self, version: str) -> None: ...
+
+    def unload_version(self, version: str) -> None: ...
+
+    def relabel(self, version: str) -> None:
+        """Give the default version an operator-chosen label."""
+        ...
+
+    def load_lora(self, name: str, path: str) -> AdapterSpec:
+        """Read and check a PEFT adapter folder and keep it under `name` (replacing one of
+        that name); a LoraAdapterError naming the file and field leaves everything as it was."""
+        ...
+
+    def unload_lora(self, name: str) -> None:
+        """Forget an adapter (a KeyError when it is not loaded)."""
+        ...
+
+
+class KVCopier(Protocol):
+    """The block copies a plan asks for (gpu_worker.kv_cache.KVCache)."""
+
+    def swap_out(self, src: list[int], dst: list[int]) -> None: ...
+
+    def swap_in(self, src: list[int], dst: list[int]) -> None: ...
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None: ...
+
+
+@dataclasses.dataclass
+class RequestState:
+    """What a runner remembers about one request between steps."""
+
+    req_id: str
+    token_ids: list[int]  # prompt + sampled so far
+    params: SamplingParams
+    num_prompt: int
+    version: str  # the model version that serves it, for its whole life
+    lora_name: str = ""  # the LoRA adapter it runs with ("": the base model)
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)  # what min_tokens masks
+    block_table: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    generator: torch.Generator | None = None  # the model runner's, for sampled requests
+    draft_computed: int = 0  # tokens whose K/V are in the draft model's pool (if any)
+    # prompt logprobs (params.prompt_logprobs): one entry per prompt token computed so far
+    # ([ids], [values] as in StepResult), kept across preemptions, sent with the first
+    # sampled token
+    prompt_logprob_ids: list[list[int]] = dataclasses.field(default_factory=list)
+    prompt_logprob_values: list[list[float]] = dataclasses.field(default_factory=list)
+    prompt_logprob_ranks: list[int] = dataclasses.field(default_factory=list)  # 0: none
+    prompt_logprobs_sent: bool = False
+    grammar: RowGrammar | None = None  # structured outputs: the sequence's own matcher
+    # embeddings, mean pooling: the float32 sum of the final-normed hidden states of the
+    # prompt positions computed so far ([H]), restarted by a chunk from position 0
+    pool_sum: torch.Tensor | None = None
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt :]
+
+    @property
+    def needs_sample(self) -> bool:
+        """Every known token is computed: the next one is sampled (never for an embeddings
+        request, which `is_pooled` instead)."""
+        return self.num_computed == len(self.token_ids) and not self.params.pooling
+
+    @property
+    def is_pooled(self) -> bool:
+        """An embeddings request whose prompt is computed: its vector is ready, it is done."""
+        return bool(self.params.pooling) and self.num_computed == len(self.token_ids)
+
+
+class RequestTable:
+    """Every request's state on the worker, and the StepPlan rules that change it."""
+
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        num_blocks: int,
+        max_model_len: int,
+        new_generator: Callable[[SamplingParams], torch.Generator | None] | None = None,
+        on_drop: Callable[[RequestState], None] | None = None,
+        new_grammar: Callable[[SamplingParams, str], RowGrammar | None] | None = None,
+        loras: Container[str] | None = None,
+    ) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.max_model_len = max_model_len
+        self._new_generator = new_generator
+        self._on_drop = on_drop  # frees what the runner keeps beside a state (token counts)
+        self._new_grammar = new_grammar  # (params, version) -> the sequence's matcher
+        self.loras = loras  # the adapters loaded (None: LoRA off), a live view
+        self._states: dict[str, RequestState] = {}
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def get(self, req_id: str) -> RequestState | None:
+        return self._states.get(req_id)
+
+    def drop(self, req_id: str) -> None:
+        state = self._states.pop(req_id, None)  # idempotent: a repeat or unknown id is fine
+        if state is not None and self._on_drop is not None:
+            self._on_drop(state)
+
+    def clear(self) -> None:
+        for req_id in list(self._states):
+            self.drop(req_id)
+
+    def num_serving(self, version: str) -> int:
+        """How many requests run on `version`."""
+        return sum(state.version == version for state in self._states.values())
+
+    def relabel(self, old: str, new: str) -> None:
+        for state in self._states.values():
+            if state.version == old:
+                state.version = new
+
+    # the diffs ---------------------------------------------------------------------------
+    def apply_diffs(
+        self,
+        plan: StepPlan,
+        default_version: str,
+        versions: Collection[str],
+        kv: KVCopier | None = None,
+    ) -> None:
+        """The plan's diffs and KV copies, in the documented order."""
+        for req_id in plan.finished_req_ids:
+            self.drop(req_id)
+        if kv is not None and plan.swap_out_src:  # before anything overwrites the blocks saved
+            kv.swap_out(plan.swap_out_src, plan.swap_out_dst)
+        for req_id in plan.preempted_req_ids:
+            state = self._states[req_id]
+            state.block_table = []
+            state.num_computed = 0
+            state.draft_computed = 0  # swaps and recomputes restore only the target's KV
+        self._add_new(plan, default_version, versions)
+        if kv is not None and plan.swap_in_src:
+            kv.swap_in(plan.swap_in_src, plan.swap_in_dst)
+        self._copy_on_write(plan, kv)
+
+    def _add_new(self, plan: StepPlan, default_version: str, versions: Collection[str]) -> None:
+        new_versions = plan.new_versions or [""] * len(plan.new_req_ids)
+        new_stops = plan.new_stop_token_ids or [[] for _ in plan.new_req_ids]
+        new_loras = plan.new_loras or [""] * len(plan.new_req_ids)
+        new = zip(
+            plan.new_req_ids,
+            plan.new_prompt_token_ids,
+            plan.new_sampling,
+            new_versions,
+            new_stops,
+            new_loras,
+            strict=True,
+        )
+        for req_id, prompt, params, version, stops, lora in new:
+            if req_id in self._states:
+                raise ValueError(f"request {req_id} is already running on the worker")
+            if not prompt:
+                raise ValueError(f"request {req_id} has an empty prompt")
+            version = version or default_version
+            if version not in versions:
+                raise ValueError(
+                    f"request {req_id} wants model version {version!r}, loaded: {sorted(versions)}"
+                )
+            if lora and (self.loras is None or lora not in self.loras):
+                off = " (LoRA is not enabled)" if self.loras is None else ""
+                raise ValueError(f"request {req_id} wants LoRA adapter {lora!r}, not loaded{off}")
+            generator = self._new_generator(params) if self._new_generator else None
+            state = RequestState(
+                req_id,
+                list(prompt),
+                params,
+                len(prompt),
+                version,
+                lora_name=lora,
+                stop_token_ids=list(stops),
+                generator=generator,
+            )
+            if params.is_structured:
+                if self._new_grammar is None:
+                    raise ValueError(f"request {req_id}: this runner has no structured outputs")
+                state.grammar = self._new_grammar(params, version)
+            if params.prompt_logprobs is not None:  # the first token: nothing precedes it
+                state.prompt_logprob_ids.append([prompt[0]])
+                state.prompt_logprob_values.append([])
+                state.prompt_logprob_ranks.append(0)
+            self._states[req_id] = state
+
+    def _copy_on_write(self, plan: StepPlan, kv: KVCopier | None) -> None:
+        copies = list(zip(plan.copy_req_ids, plan.copy_index, plan.copy_dst, strict=True))
+        unknown = [req_id for req_id, _, _ in copies if req_id not in self._states]
+        if unknown:
+            raise ValueError(f"copy-on-write for unknown request {unknown[0]}")
+        if kv is not None and plan.copy_src:
+            kv.copy_blocks(plan.copy_src, plan.copy_dst)
+        for req_id, index, dst in copies:
+            state = self._states[req_id]
+            if index < len(state.block_table):  # else the table arrives whole, this step
+                state.block_table[index] = dst
+            # the copy is the target's KV only: the draft pool restarts before the block
+            state.draft_computed = min(state.draft_computed, index * self.block_size)
+
+    # the batch ---------------------------------------------------------------------------
+    def schedule(self, plan: StepPlan) -> list[RequestState]:
+        """Check the batch against our state, append each request's new blocks and count its
+        new tokens as computed; returns the states in plan order."""
+        num_reqs = len(plan.req_ids)
+        slots = plan.num_spec_tokens or [0] * num_reqs
+        lengths = {
+            len(plan.num_computed_tokens),
+            len(plan.num_new_tokens),
+            len(plan.new_block_ids),
+            len(slots),
+        }
+        if lengths != {num_reqs}:
+            raise ValueError(f"step {plan.step_id}: batch fields differ in length")
+        if len(set(plan.req_ids)) != num_reqs:
+            raise ValueError(f"step {plan.step_id}: a request is scheduled twice")
+        return [self._schedule(plan, i, slots[i]) for i in range(num_reqs)]
+
+    def _schedule(self, plan: StepPlan, i: int, num_spec: int) -> RequestState:
+        """Check the plan's view of request i against ours; append its new blocks."""
+        req_id = plan.req_ids[i]
+        state = self._states.get(req_id)
+        if state is None:
+            raise ValueError(f"step {plan.step_id}: unknown request {req_id}")
+        num_computed, num_new = plan.num_computed_tokens[i], plan.num_new_tokens[i]
+        if not state.block_table and num_computed <= len(state.token_ids):
+            # new or preempted: KV it starts with comes from prefix hits, a fork or a swap-in
+            state.num_computed = num_computed
+        if num_computed != state.num_computed:
+            raise ValueError(
+                f"request {req_id}: plan says {num_computed} tokens computed, worker has "
+                f"{state.num_computed}"
+            )
+        end = num_computed + num_new
+        if num_new < 1 or end > len(state.token_ids) or end > self.max_model_len:
+            raise ValueError(
+                f"request {req_id}: cannot compute tokens [{num_computed}, {end}) of "
+                f"{len(state.token_ids)} known (max_model_len {self.max_model_len})"
+            )
+        bad = [b for b in plan.new_block_ids[i] if not 0 <= b < self.num_blocks]
+        if bad:
+            raise ValueError(f"request {req_id}: block ids {bad} outside [0, {self.num_blocks})")
+        state.block_table.extend(plan.new_block_ids[i])
+        if len(state.block_table) * self.block_size < end:
+            raise ValueError(
+                f"request {req_id}: {len(state.block_table)} blocks cannot hold {end} tokens"
+            )
+        if num_spec:
+            self._check_draft_slots(req_id, state, end, num_spec)
+        state.num_computed = end
+        return state
+
+    def _check_draft_slots(self, req_id: str, state: RequestState, end: int, num_spec: int) -> None:
+        """Draft slots follow a request's last token, inside its blocks and max_model_len,
+        for requests without logits controls (drafts are verified without them) and without
+        logprobs (reported for sampled rows only)."""
+        params = state.params
+        if params.has_controls or params.wants_logprobs or params.is_structured:
+            raise ValueError(
+                f"request {req_id}: draft slots for a request with logits controls, logprobs "
+                "or a grammar"
+            )
+        if end != len(state.token_ids):
+            raise ValueError(
+                f"request {req_id}: draft slots on a step that does not reach its last token"
+            )
+        if (
+            end + num_spec > self.max_model_len
+            or len(state.block_table) * self.block_size < end + num_spec
+        ):
+            raise ValueError(
+                f"request {req_id}: {num_spec} draft slots after token {end} do "
+                f"not fit its {len(state.block_table)} blocks or max_model_len"
+            )
+
+
+VersionT = TypeVar("VersionT")
+
+
+class PlanRunner(abc.ABC, Generic[VersionT]):
+    """The part of `Runner` every runner shares: the request table, the loaded versions
+    (a `VersionT` each, in a `VersionTable`) and the members that only read or relabel them."""
+
+    requests: RequestTable
+    versions: VersionTable[VersionT]
+
+    @property
+    def default_version(self) -> str:
+        """The version new requests without an explicit one run on."""
+        return self.versions.default_version
+
+    def set_default_version(self, version: str) -> None:
+        """New requests without an explicit version run on `version` from now on."""
+        self.versions.set_default(version)
+
+    def num_requests(self) -> int:
+        return len(self.requests)
+
+    def drop(self, req_id: str) -> None:
+        """Forget a request (idempotent), e.g. after its step failed."""
+        self.requests.drop(req_id)
+
+    def reset(self) -> None:
+        """Forget every request."""
+        self.requests.clear()
+
+    def relabel(self, version: str) -> None:
+        """Give the default version an operator-chosen label (its requests follow)."""
+        old = self.default_version
+        self.versions.relabel(old, version)  # (refused when `version` is another's label)
+        self.requests.relabel(old, version)
+
+    def _begin_step(self, plan: StepPlan, kv: KVCopier | None = None) -> list[RequestState]:
+        """Apply the plan's diffs (with `kv`'s copies) and check its batch: the states of
+        the batch's requests, in plan order, their new tokens counted as computed."""
+        self.requests.apply_diffs(plan, self.default_version, self.versions, kv)
+        return self.requests.schedule(plan)
