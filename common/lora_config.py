@@ -1,4 +1,4 @@
-"""LoRA's config section (vLLM's flags, DESIGN §13) and `--lora-modules` parsing.
+"""LoRA's config section (vLLM's flags) and `--lora-modules` parsing.
 
     --enable-lora --lora-modules sql=/adapters/sql '{"name": "chat", "path": "/a/chat",
         "base_model_name": "SmolLM2-135M-Instruct"}' --max-loras 4 --max-lora-rank 16

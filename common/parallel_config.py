@@ -1,5 +1,4 @@
-"""Data parallelism's config section (DESIGN §13); the replica layout it implies is
-common/topology.py's."""
+"""Data parallelism's config section; the replica layout it implies is common/topology.py's."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The processes' layout: names and inbox addresses of each replica's scheduler and worker,
-the router, and where tokenised requests go (DESIGN §13). Every process that addresses a
-replica asks here; nothing else knows the layout.
+the router, and where tokenised requests go (docs/architecture.md, "Processes"). Every
+process that addresses a replica asks here; nothing else knows the layout.
 
     gateway ─▶ tokenizer ×T ─▶ router ─▶ scheduler-0 ─▶ worker-0     replica 0
                                      └─▶ scheduler-1 ─▶ worker-1     replica 1

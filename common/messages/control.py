@@ -70,7 +70,7 @@ class Stats:
 
 @message("swap_model")
 class SwapModel:
-    """gateway -> scheduler: serve another model version (DESIGN §9)."""
+    """gateway -> scheduler: serve another model version (hot swap)."""
 
     ticket: int
     reply_to: str

@@ -1,4 +1,4 @@
-"""The model versions the real runner holds (hot swap, DESIGN.md §9): weights beside weights.
+"""The model versions the real runner holds (hot swap): weights beside weights.
 
     versions = ModelVersions("v1", first, build)   the first version, built by the runner
     versions.load(path)        read its config, check its KV layout against the pool's, name

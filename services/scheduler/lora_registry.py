@@ -1,4 +1,4 @@
-"""The LoRA adapters a scheduler serves, and how they load and unload (DESIGN §13).
+"""The LoRA adapters a scheduler serves, and how they load and unload.
 
     load:    LoadLoraAdapter (gateway) -> LoadLora (worker) -> LoraLoaded -> ready,
              LoraAdapterResult 200 (or 400 naming the worker's file and field)

@@ -1,4 +1,4 @@
-"""Model hot-swap, as the scheduler runs it (DESIGN §9).
+"""Model hot-swap, as the scheduler runs it.
 
     overlap:  load the new version beside the old -> new requests start on it -> when no
               request of the old version is left, unload it -> done

@@ -80,7 +80,7 @@ def test_server_perplexity_equals_transformers(
     assert "2 windows of 64 tokens" in section and lines[0]["tokens_sha256"] in section
 
 
-# --- llama.cpp, where the peers are installed (/work/shared/peers/setup.sh) ----------------
+# --- llama.cpp, where the peers are installed (tools/peers/setup.sh) ----------------------------
 
 PEERS = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "shuttle-peers"))
 LLAMA_SERVER = PEERS / "llama.cpp" / "build" / "bin" / "llama-server"

@@ -158,7 +158,7 @@ def synthetic() -> dict[str, Any]:
 
 
 def peers(dtype: str = "float32", name: str = "") -> dict[str, Any]:
-    """shuttle, vLLM and llama.cpp on the same workloads (needs ../shared/peers/setup.sh)."""
+    """shuttle, vLLM and llama.cpp on the same workloads (needs tools/peers/setup.sh)."""
     from tools.benchmarks import cli
 
     out = OUT / f"{name or ('peers' if dtype == 'float32' else 'peers_bf16')}.json"

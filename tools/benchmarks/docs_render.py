@@ -330,7 +330,7 @@ PEERS_SITTINGS = (
         "`python -m tools.benchmarks.docs --only peers`, i.e. `tools/bench --compare "
         "shuttle,vllm,llamacpp --threads 2` (tools/benchmarks/peers.py): each server started "
         "in turn with 2 threads on the same converted weights (the peers by "
-        "../shared/peers/start-*.sh), the same load generator, one sitting.\n\n",
+        "tools/peers/start-*.sh), the same load generator, one sitting.\n\n",
     ),
     (
         "peers_bf16",

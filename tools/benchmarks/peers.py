@@ -5,7 +5,7 @@
     tools/bench --compare shuttle --server-flags "--no-cpu-kernels"       # shuttle alone
 
 Each server in turn is started here (shuttle by tests/server.py, the peers by the start
-scripts of `--peers-scripts`, installed by its setup.sh; see ../shared/peers/README.md), timed
+scripts of `--peers-scripts`, installed by its setup.sh; see tools/peers/README.md), timed
 from launch to its first 200 on /health, warmed with a few requests, loaded with every
 workload below by the same load generator (load.py: streamed /v1/completions, random token
 ids, `ignore_eos`), and stopped before the next one starts. A server given by --X-url is
@@ -54,7 +54,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="of --compare")
     p.add_argument(
         "--peers-scripts",
-        default=str(REPO.parent / "shared" / "peers"),
+        default=str(REPO / "tools" / "peers"),
         help="folder of start-vllm.sh and start-llamacpp.sh",
     )
     p.add_argument("--peers-dir", default="", help="PEERS_DIR of the peers (default: theirs)")

@@ -280,7 +280,7 @@ class AdminServicer:
     """
 
     def SwapModel(self, request, context):
-        """Load new weights and route new requests to them (DESIGN section 9).
+        """Load new weights and route new requests to them (hot swap).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

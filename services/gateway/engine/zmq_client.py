@@ -229,7 +229,7 @@ class ZmqEngineClient:
             if not finished:  # the client went away or the caller stopped reading
                 # one Abort for the request id: the scheduler aborts all its sequences
                 self.scheduler.send(Abort(request_ids=[rid], reason=int(FinishReason.CANCELLED)))
-            # state goes only after the abort is sent (DESIGN §8)
+            # state goes only after the abort is sent (docs/architecture.md, "How a request flows")
             self._streams.pop(rid, None)
             if timer is not None:
                 timer.end()
