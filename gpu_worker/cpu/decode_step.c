@@ -5,7 +5,7 @@
  * Python, ~6 ms of torch dispatch, tensor bookkeeping and ctypes calls around ~10 kernels per
  * layer (docs/benchmarks.md, "Peers": the step account). This runs the same kernels in the
  * same order with the same arithmetic, so its output equals the layer-by-layer path's bit
- * for bit (tests/unit/test_cpu_decode_step.py):
+ * for bit (tests/unit/gpu_worker/cpu/test_decode_step.py):
  *
  *   h = rmsnorm(x) w_in;  qkv = h Wqkv^T (+b);  rotate q, k;  k, v -> cache slots
  *   a = paged attention(q);  x += a Wo^T (+b);  h = rmsnorm(x) w_post
@@ -21,7 +21,7 @@
  * bf16 path and a bf16 cache (K/V rounded to nearest even as they are stored, as torch
  * rounds); activations stay float32 between the kernels, where torch's bf16 layers round
  * each op's output to bf16, so it equals that path only within bf16's precision
- * (tests/unit/test_cpu_decode_step.py bounds it).
+ * (tests/unit/gpu_worker/cpu/test_decode_step.py bounds it).
  *
  * Built at first use by gpu_worker/cpu/build.py; called from gpu_worker/cpu/decode_step.py.
  */

@@ -9,9 +9,9 @@ CPU C kernels, Triton) — vLLM's `quant_method` shape:
     method.apply(layer, x)                       y = x @ W.T + b, every forward
 
 The model code names no kernel: it calls `layer(x)`. What runs is `layer.method`, visible
-when the model is printed. Quantized methods live in gpu_worker/quant/, the CPU float one in
-gpu_worker/cpu/linear.py; `FloatLinearMethod` here is plain torch, the reference and the GPU
-path.
+when the model is printed. The other methods live in gpu_worker/layers/linear_methods/
+(GGUF, int8, the CPU's float one); `FloatLinearMethod` here is plain torch, the reference
+and the GPU path.
 """
 
 from __future__ import annotations
