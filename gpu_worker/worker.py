@@ -51,7 +51,7 @@ from common.model_paths import (
     tokenizer_dir,
 )
 from common.topology import own_name
-from gpu_worker.runner.request_table import Runner
+from gpu_worker.runner.base import Runner
 from gpu_worker.runner.synthetic import SyntheticRunner
 
 if TYPE_CHECKING:  # torch is imported only by a real model's worker

@@ -1,4 +1,4 @@
-"""The model runner: the real `Runner` (gpu_worker/runner/request_table.py). It runs the model and
+"""The model runner: the real `Runner` (gpu_worker/runner/base.py). It runs the model and
 samples.
 
 The per-request state and the StepPlan rules are the shared `RequestTable`'s; this runner
@@ -38,10 +38,11 @@ from gpu_worker.lora.manager import LoraManager, model_shape
 from gpu_worker.lora.registry import load_start_modules
 from gpu_worker.model_loader.loader import read_hf_config, weights_version
 from gpu_worker.models.llama import LlamaConfig, LlamaForCausalLM
+from gpu_worker.runner.base import PlanRunner
 from gpu_worker.runner.cuda_graphs import CUDAGraphRunner, maybe_capture_graphs, run_model
 from gpu_worker.runner.kv_pool import allocate_kv_pool
 from gpu_worker.runner.options import DEFAULT_OPTIONS, RunnerOptions
-from gpu_worker.runner.request_table import PlanRunner, RequestState, RequestTable
+from gpu_worker.runner.request_table import RequestState, RequestTable
 from gpu_worker.runner.step_batch import StepBatch, accept, prepare_batch, propose
 from gpu_worker.runner.versions import Built, ModelVersion, ModelVersions, load_weights
 from gpu_worker.sample.logprobs import (
@@ -61,7 +62,7 @@ log = logging.getLogger(__name__)
 
 class ModelRunner(PlanRunner[ModelVersion]):
     """Owns the weights, the KV cache and every request's worker-side state: a `Runner`
-    (gpu_worker.runner.request_table) whose plan rules are the shared `RequestTable`'s; this class
+    (gpu_worker/runner/base.py) whose plan rules are the shared `RequestTable`'s; this class
     adds the KV copies, the forward passes, sampling and speculative decoding."""
 
     versions: ModelVersions
@@ -125,7 +126,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
         """The runner the worker serves `model_path` with (`tp`: this rank's group)."""
         return cls(model_path, RunnerOptions.from_config(config, tp), tp=tp, progress=progress)
 
-    # the default version's facts (the Runner protocol of gpu_worker/runner/request_table.py)
+    # the default version's facts (the Runner protocol of gpu_worker/runner/base.py)
     @property
     def model_path(self) -> str:
         return self.versions.default.path

@@ -1,5 +1,5 @@
-"""The worker's runner seam: the `Runner` protocol WorkerActor drives, and the StepPlan rules
-every runner shares (the real `ModelRunner` and the compute-free `SyntheticRunner`).
+"""The StepPlan rules every runner shares (the real `ModelRunner` and the compute-free
+`SyntheticRunner`; the `Runner` protocol they fill is gpu_worker/runner/base.py's).
 
 Per request a runner keeps what the scheduler told it (common/messages/scheduler_worker.py):
 all token ids (prompt + sampled), the sampling parameters, the block table, how many tokens
@@ -22,98 +22,17 @@ A runner then computes what `schedule` returned and samples for each state that
 
 from __future__ import annotations
 
-import abc
 import dataclasses
 from collections.abc import Callable, Collection, Container
-from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol
 
-from common.messages.scheduler_worker import StepPlan, StepResult
-from common.messages.types import ModelInfo, SamplingParams
-from gpu_worker.runner.version_table import VersionTable
+from common.messages.scheduler_worker import StepPlan
+from common.messages.types import SamplingParams
 
 if TYPE_CHECKING:  # the synthetic runner runs without torch ever being imported
-    import concurrent.futures
-
     import torch
 
-    from gpu_worker.lora.adapter import AdapterSpec
     from gpu_worker.sample.structured import RowGrammar
-
-
-class Runner(Protocol):
-    """Everything the worker (and the in-process engines of tests/ and tools/) uses of a
-    runner: run a plan, forget requests, describe the model, and hot-swap versions."""
-
-    @property
-    def model_path(self) -> str:
-        """The folder of the default version."""
-        ...
-
-    @property
-    def default_version(self) -> str:
-        """The version new requests without an explicit one run on."""
-        ...
-
-    @property
-    def num_blocks(self) -> int: ...
-
-    @property
-    def block_size(self) -> int: ...
-
-    @property
-    def max_model_len(self) -> int: ...
-
-    @property
-    def eos_token_ids(self) -> list[int]:
-        """The default version's end-of-sequence tokens."""
-        ...
-
-    def execute(self, plan: StepPlan) -> StepResult:
-        """Apply the plan's diffs, run its batch, return the sampled tokens."""
-        ...
-
-    def compile_grammar(
-        self, kind: str, spec: str, tokenizer_fingerprint: str
-    ) -> concurrent.futures.Future[None]:
-        """Compile a structured-output grammar for that tokenizer ("": the default
-        version's) in the background, into the cache new requests take it from; the future
-        raises ValueError for a spec that does not compile."""
-        ...
-
-    def drop(self, req_id: str) -> None:
-        """Forget one request (idempotent), e.g. after its step failed."""
-        ...
-
-    def reset(self) -> None:
-        """Forget every request (a new scheduler starts from an empty pool)."""
-        ...
-
-    def num_requests(self) -> int: ...
-
-    def model_info(self) -> ModelInfo:
-        """What the worker tells the scheduler (the Ready message's model)."""
-        ...
-
-    def load_version(self, path: str, version: str = "") -> str:
-        """Load another model beside the served ones; returns its version."""
-        ...
-
-    def set_default_version(self, version: str) -> None: ...
-
-    def unload_version(self, version: str) -> None: ...
-
-    def relabel(self, version: str) -> None:
-        """Give the default version an operator-chosen label."""
-        ...
-
-    def load_lora(self, name: str, path: str) -> AdapterSpec:
-        """Read and check a PEFT adapter folder and keep it under `name` (replacing one of
-        that name); a LoraAdapterError naming the file and field leaves everything as it was."""
-        ...
-
-    def unload_lora(self, name: str) -> None:
-        """Forget an adapter (a KeyError when it is not loaded)."""
-        ...
 
 
 class KVCopier(Protocol):
@@ -374,46 +293,3 @@ class RequestTable:
                 f"request {req_id}: {num_spec} draft slots after token {end} do "
                 f"not fit its {len(state.block_table)} blocks or max_model_len"
             )
-
-
-VersionT = TypeVar("VersionT")
-
-
-class PlanRunner(abc.ABC, Generic[VersionT]):
-    """The part of `Runner` every runner shares: the request table, the loaded versions
-    (a `VersionT` each, in a `VersionTable`) and the members that only read or relabel them."""
-
-    requests: RequestTable
-    versions: VersionTable[VersionT]
-
-    @property
-    def default_version(self) -> str:
-        """The version new requests without an explicit one run on."""
-        return self.versions.default_version
-
-    def set_default_version(self, version: str) -> None:
-        """New requests without an explicit version run on `version` from now on."""
-        self.versions.set_default(version)
-
-    def num_requests(self) -> int:
-        return len(self.requests)
-
-    def drop(self, req_id: str) -> None:
-        """Forget a request (idempotent), e.g. after its step failed."""
-        self.requests.drop(req_id)
-
-    def reset(self) -> None:
-        """Forget every request."""
-        self.requests.clear()
-
-    def relabel(self, version: str) -> None:
-        """Give the default version an operator-chosen label (its requests follow)."""
-        old = self.default_version
-        self.versions.relabel(old, version)  # (refused when `version` is another's label)
-        self.requests.relabel(old, version)
-
-    def _begin_step(self, plan: StepPlan, kv: KVCopier | None = None) -> list[RequestState]:
-        """Apply the plan's diffs (with `kv`'s copies) and check its batch: the states of
-        the batch's requests, in plan order, their new tokens counted as computed."""
-        self.requests.apply_diffs(plan, self.default_version, self.versions, kv)
-        return self.requests.schedule(plan)

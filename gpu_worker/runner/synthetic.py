@@ -39,7 +39,8 @@ from common.messages.types import ModelInfo
 from common.model_paths import synthetic_params
 from gpu_worker.lora.adapter import AdapterSpec, LoraAdapterError, ModelShape
 from gpu_worker.lora.registry import LoraOptions, LoraRegistry, load_start_modules
-from gpu_worker.runner.request_table import PlanRunner, RequestState, RequestTable
+from gpu_worker.runner.base import PlanRunner
+from gpu_worker.runner.request_table import RequestState, RequestTable
 from gpu_worker.runner.version_table import VersionTable
 
 _FLOOR = -9999.0  # OpenAI's floor for a logprob (gpu_worker/sample/logprobs.py's MIN_LOGPROB)
@@ -54,7 +55,7 @@ def word_token_ids(tokenizer_json: Path, count: int) -> list[int]:
 
 
 class SyntheticRunner(PlanRunner[str]):
-    """A `Runner` (gpu_worker/runner/request_table.py) without a model: the shared plan rules, no
+    """A `Runner` (gpu_worker/runner/base.py) without a model: the shared plan rules, no
     KV, and a deterministic "sampled" token. Its versions map a label to the folder."""
 
     def __init__(

@@ -1,6 +1,6 @@
 """The model versions a runner holds, by label, and which one is the default.
 
-Every runner keeps one (gpu_worker/runner/request_table.py's `PlanRunner`): the real runner's
+Every runner keeps one (gpu_worker/runner/base.py's `PlanRunner`): the real runner's
 entries are loaded weights (gpu_worker/runner/versions.py), the synthetic runner's the folder it
 imitates. New requests without an explicit version run on the default one; a request keeps its
 version for life, so a version other than the default leaves only once no request uses it. This

@@ -17,9 +17,10 @@ from common.config import Config
 from common.messages import LoadModel, Ready, Reset, SamplingParams, StepPlan
 from common.model_paths import prepare_synthetic_folder
 from gpu_worker.runner import kv_pool
+from gpu_worker.runner.base import Runner
 from gpu_worker.runner.model_runner import ModelRunner
 from gpu_worker.runner.options import RunnerOptions
-from gpu_worker.runner.request_table import RequestTable, Runner
+from gpu_worker.runner.request_table import RequestTable
 from gpu_worker.runner.synthetic import SyntheticRunner
 from gpu_worker.worker import WorkerActor, check_loadable
 from tests.tiny_models import make_tiny_model
