@@ -67,7 +67,9 @@ class ConsoleEvents:
         if self._sampler is None or self._sampler.done():
             self._sampler = asyncio.create_task(self._sample())
         try:
-            yield sse_named("snapshot", await self.snapshot())
+            first = await self.snapshot()
+            self._tell_changes(first)  # (what the ticks after it compare with)
+            yield sse_named("snapshot", first)
             while True:
                 try:
                     event = await asyncio.wait_for(queue.get(), 15.0)
@@ -102,8 +104,9 @@ class ConsoleEvents:
 
     async def snapshot(self) -> dict[str, Any]:
         engine = self.engine
-        stats, rows = await asyncio.gather(self._ask("stats"), self._ask("requests"))
-        stats.pop("request_ids", None)  # every id again: the requests are listed anyway
+        answer, rows = await asyncio.gather(self._ask("stats"), self._ask("requests"))
+        # (every id again, as request_ids: the requests are listed anyway)
+        stats = {k: v for k, v in answer.items() if k != "request_ids"}
         states = {r["id"]: r for r in rows.get("requests", ()) if r.get("index", 0) == 0}
         requests = []
         for row in self.live.rows():
