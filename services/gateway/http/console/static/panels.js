@@ -56,30 +56,41 @@ class RequestsPanel {
     this.render();
   }
 
+  // Rows are updated in place (a button replaced under the pointer would lose its click);
+  // only a new request adds a row, only a finished one removes its row.
   render() {
     const rows = [...this.rows.values()].sort((a, b) => b.elapsed_s - a.elapsed_s);
-    const trs = rows.map((row) => {
-      const tr = document.createElement("tr");
-      tr.dataset.requestId = row.id;
-      cell(tr, row.id, "id").title = row.id;
-      cell(tr, row.model);
-      cell(tr, row.state, `state state-${row.state}`);
-      cell(tr, row.version || "–");
-      cell(tr, row.num_prompt_tokens, "num");
-      cell(tr, row.num_output_tokens, "num");
-      cell(tr, seconds(row.ttft_s), "num");
-      cell(tr, seconds(row.elapsed_s), "num");
-      const button = document.createElement("button");
-      button.className = "danger cancel";
+    const shown = new Map([...this.body.children].map((tr) => [tr.dataset.requestId, tr]));
+    for (const [id, tr] of shown) if (!this.rows.has(id)) tr.remove();
+    for (const [i, row] of rows.entries()) {
+      const tr = shown.get(row.id) || this.newRow(row.id);
+      const texts = [row.id, row.model, row.state, row.version || "–", row.num_prompt_tokens,
+        row.num_output_tokens, seconds(row.ttft_s), seconds(row.elapsed_s)];
+      texts.forEach((text, j) => {
+        const value = text === null || text === undefined ? "–" : String(text);
+        if (tr.cells[j].textContent !== value) tr.cells[j].textContent = value;
+      });
+      tr.cells[2].className = `state state-${row.state}`;
+      const button = tr.cells[8].firstChild;
       button.textContent = this.cancelling.has(row.id) ? "Cancelling…" : "Cancel";
       button.disabled = this.cancelling.has(row.id);
-      button.addEventListener("click", () => this.cancel(row.id));
-      cell(tr, "").replaceChildren(button);
-      return tr;
-    });
-    this.body.replaceChildren(...trs);
+      if (this.body.children[i] !== tr) this.body.insertBefore(tr, this.body.children[i] || null);
+    }
     document.getElementById("num-requests").textContent = String(rows.length);
     document.getElementById("requests-empty").hidden = rows.length > 0;
+  }
+
+  newRow(id) {
+    const tr = document.createElement("tr");
+    tr.dataset.requestId = id;
+    const classes = ["id", "", "state", "", "num", "num", "num", "num", ""];
+    for (const className of classes) cell(tr, "", className);
+    tr.cells[0].title = id;
+    const button = document.createElement("button");
+    button.className = "danger cancel";
+    button.addEventListener("click", () => this.cancel(id));
+    tr.cells[8].replaceChildren(button);
+    return tr;
   }
 
   async cancel(id) {
