@@ -160,10 +160,10 @@ def test_the_playground_streams_a_chat(console: WebDriver) -> None:
 
 def test_a_screenshot_under_load(server: Server, console: WebDriver, tmp_path: Path) -> None:
     wait = _waiter(console)
-    streams = [Stream(server, f"load-{i}", max_tokens=400) for i in range(6)]
+    streams = [Stream(server, f"load-{i}", max_tokens=1500) for i in range(6)]
     wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#requests tbody tr")) >= 4)
-    # the plots have a rate to show: output tokens per second above zero
-    wait.until(lambda d: _throughput(d) > 0)
+    # the plots have some minutes' worth to show: a few readings of a rate above zero
+    wait.until(lambda d: _throughput(d) > 0 and _num_readings(d, "plot-throughput") >= 8)
     shot = tmp_path / "console.png"
     assert console.save_screenshot(str(shot))
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -177,6 +177,10 @@ def test_a_screenshot_under_load(server: Server, console: WebDriver, tmp_path: P
         )
     wait_until(lambda: all(s.done.is_set() for s in streams), DEADLINE_S, "the load's end")
     assert all(s.error is None for s in streams)
+
+
+def _num_readings(driver: WebDriver, plot: str) -> int:
+    return int(driver.find_element(By.ID, plot).get_attribute("data-points") or 0)
 
 
 def _throughput(driver: WebDriver) -> float:

@@ -65,6 +65,7 @@ class LiveRequest:
             "num_output_tokens": self.num_output_tokens,
             "ttft_s": None if self.ttft_s is None else round(self.ttft_s, 4),
             "elapsed_s": round(now - self.arrival, 3),
+            "arrival": self.arrival,
             "version": self.version,
         }
 

@@ -112,7 +112,12 @@ class ConsoleEvents:
         for row in self.live.rows():
             seen = states.get(row["id"])
             if seen is not None:  # the scheduler's finer state: waiting, prefill, decoding, ...
-                row |= {"state": seen["state"], "version": seen.get("version") or row["version"]}
+                row |= {
+                    "state": seen["state"],
+                    "version": seen.get("version") or row["version"],
+                    # (known there once tokenised, here only with the first output)
+                    "num_prompt_tokens": row["num_prompt_tokens"] or seen["num_prompt_tokens"],
+                }
             requests.append(row)
         return {
             "t": time.time(),

@@ -59,7 +59,7 @@ class RequestsPanel {
   // Rows are updated in place (a button replaced under the pointer would lose its click);
   // only a new request adds a row, only a finished one removes its row.
   render() {
-    const rows = [...this.rows.values()].sort((a, b) => b.elapsed_s - a.elapsed_s);
+    const rows = [...this.rows.values()].sort((a, b) => a.arrival - b.arrival);
     const shown = new Map([...this.body.children].map((tr) => [tr.dataset.requestId, tr]));
     for (const [id, tr] of shown) if (!this.rows.has(id)) tr.remove();
     for (const [i, row] of rows.entries()) {

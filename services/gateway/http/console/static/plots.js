@@ -3,7 +3,8 @@
 // Every text goes in through textContent (series names can be version labels).
 
 const PLOT_COLORS = ["#2f6fde", "#d9822b", "#1f8a4c", "#9b59b6", "#c8372d", "#16a2b8"];
-const PLOT_WINDOW_S = 300;
+const PLOT_WINDOW_S = 300; // the last five minutes
+const PLOT_MIN_SPAN_S = 30;
 const SVG_NS = "http://www.w3.org/2000/svg";
 
 function svgElement(name, attrs) {
@@ -45,7 +46,13 @@ class LinePlot {
     const left = 40;
     const bottom = 14;
     const top = this.top();
-    const x = (t) => left + ((width - left - 4) * (t - (now - PLOT_WINDOW_S))) / PLOT_WINDOW_S;
+    // the x axis spans the readings held (at least PLOT_MIN_SPAN_S, at most the window)
+    let oldest = now;
+    for (const points of this.series.values()) {
+      if (points.length) oldest = Math.min(oldest, points[0][0]);
+    }
+    const span = Math.min(PLOT_WINDOW_S, Math.max(PLOT_MIN_SPAN_S, now - oldest));
+    const x = (t) => left + ((width - left - 4) * (t - (now - span))) / span;
     const y = (v) => height - bottom - ((height - bottom - 6) * v) / top;
     const svg = svgElement("svg", { class: "plot", viewBox: `0 0 ${width} ${height}` });
     svg.append(svgElement("line", { class: "axis", x1: left, y1: y(0), x2: width, y2: y(0) }));
@@ -56,7 +63,7 @@ class LinePlot {
       svg.append(text);
     }
     const minutes = svgElement("text", { x: left, y: height - 2 });
-    minutes.textContent = `-${PLOT_WINDOW_S / 60} min`;
+    minutes.textContent = span >= 120 ? `-${(span / 60).toFixed(0)} min` : `-${span.toFixed(0)} s`;
     const nowLabel = svgElement("text", { x: width - 4, y: height - 2, "text-anchor": "end" });
     nowLabel.textContent = "now";
     svg.append(minutes, nowLabel);
@@ -78,6 +85,9 @@ class LinePlot {
       legend.append(key);
     }
     this.container.replaceChildren(svg, legend);
+    // how many readings the longest series holds (what a test waits for)
+    const counts = [...this.series.values()].map((points) => points.length);
+    this.container.dataset.points = String(Math.max(0, ...counts));
   }
 }
 

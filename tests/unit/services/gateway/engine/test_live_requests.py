@@ -52,6 +52,7 @@ def test_a_request_row_from_arrival_to_its_end() -> None:
         "num_output_tokens": 0,
         "ttft_s": None,
         "elapsed_s": 0,
+        "arrival": 1000.0,
         "version": "",
     }
     clock.now += 0.25

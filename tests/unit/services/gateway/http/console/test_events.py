@@ -28,7 +28,11 @@ STATS = {
     "version": "v-test",
     "request_ids": ["r1"],
 }
-ROWS = {"requests": [{"id": "r1", "index": 0, "state": "decoding", "version": "v-test"}]}
+ROWS = {
+    "requests": [
+        {"id": "r1", "index": 0, "state": "decoding", "version": "v-test", "num_prompt_tokens": 3}
+    ]
+}
 
 
 class Feed:
