@@ -2,7 +2,8 @@
 Chromium (Debian's, `make browser`) driven by Selenium, against a real server on the real
 model. Log in through the form, watch a running request appear and cancel it from the page
 (the client's stream ends `cancelled`), chat in the playground, screenshot the console under
-load, and swap the model from the page until the new version shows.
+load, see a killed process's restart, and swap the model from the page until the new
+version shows.
 
 Every wait is for a state of the page (WebDriverWait) or of the client, with a deadline.
 `SHUTTLE_CONSOLE_SCREENSHOT=PATH` also copies the screenshot there (docs/console.png)."""
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -189,6 +191,18 @@ def _throughput(driver: WebDriver) -> float:
         return float(legend.partition(":")[2] or 0)
     except ValueError:  # "–": no reading yet
         return 0.0
+
+
+def test_a_restarted_process_shows_with_its_restart(server: Server, console: WebDriver) -> None:
+    pid = next(pid for module, pid in server.children() if module == "services.detokenizer")
+    os.kill(pid, signal.SIGKILL)
+    row = (By.CSS_SELECTOR, '#processes tr[data-process="detokenizer"]')
+    _waiter(console).until(
+        lambda d: d.find_element(*row).find_elements(By.TAG_NAME, "td")[2].text == "1"
+    )
+    cells = [td.text for td in console.find_element(*row).find_elements(By.TAG_NAME, "td")]
+    assert cells[3] == "-9"  # the exit code the supervisor saw: SIGKILL
+    wait_until(server.serves, DEADLINE_S, "serving again after the restart")
 
 
 def test_a_swap_from_the_page_shows_the_new_version(console: WebDriver) -> None:

@@ -5,6 +5,7 @@
     GET  /admin/requests     every in-flight request: id, state, tokens so far, age
     POST /admin/cancel/{id}  end a request (idempotent): its stream ends with `cancelled`
     POST /admin/swap-model   {"model": PATH, "version": LABEL?, "mode": "overlap"|"drain"}
+    GET  /admin/events       the operator console's event feed (services/gateway/http/console/)
 
 Every route wants `Authorization: Bearer <admin token>`, or the operator console's session
 cookie (services/gateway/http/console/): SameSite=Strict, and on anything but GET also the
