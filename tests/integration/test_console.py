@@ -2,8 +2,8 @@
 Chromium (Debian's, `make browser`) driven by Selenium, against a real server on the real
 model. Log in through the form, watch a running request appear and cancel it from the page
 (the client's stream ends `cancelled`), chat in the playground, screenshot the console under
-load, see a killed process's restart, and swap the model from the page until the new
-version shows.
+load, load and unload a LoRA adapter, see a killed process's restart, and swap the model
+from the page until the new version shows.
 
 Every wait is for a state of the page (WebDriverWait) or of the client, with a deadline.
 `SHUTTLE_CONSOLE_SCREENSHOT=PATH` also copies the screenshot there (docs/console.png)."""
@@ -30,6 +30,7 @@ from selenium.webdriver.support import expected_conditions as ec
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
 from common.prepare_model import default_model_dir
+from tests.lora_adapters import make_adapter
 from tests.server import Server, running_server
 from tests.waiting import wait_until
 
@@ -39,8 +40,23 @@ DEADLINE_S = 120.0  # for anything the page shows; a busy machine is only slower
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    with running_server("--admin-token", TOKEN, "--max-num-seqs", "16") as s:
+def adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random PEFT LoRA adapter of the served model."""
+    return make_adapter(default_model_dir(), tmp_path_factory.mktemp("lora") / "console-lora")
+
+
+@pytest.fixture(scope="module")
+def server(adapter: Path) -> Iterator[Server]:
+    flags = (
+        "--admin-token",
+        TOKEN,
+        "--max-num-seqs",
+        "16",
+        "--enable-lora",
+        "--max-lora-rank",
+        "8",
+    )
+    with running_server(*flags) as s:
         yield s
 
 
@@ -191,6 +207,24 @@ def _throughput(driver: WebDriver) -> float:
         return float(legend.partition(":")[2] or 0)
     except ValueError:  # "–": no reading yet
         return 0.0
+
+
+def test_an_adapter_is_loaded_and_unloaded_from_the_page(console: WebDriver, adapter: Path) -> None:
+    wait = _waiter(console)
+    console.find_element(By.ID, "lora-name").send_keys("console-lora")
+    console.find_element(By.ID, "lora-path").send_keys(str(adapter))
+    console.find_element(By.ID, "lora-load").click()
+    row = (By.CSS_SELECTOR, '#adapters tr[data-adapter="console-lora"]')
+    wait.until(ec.visibility_of_element_located(row))
+    wait.until(ec.text_to_be_present_in_element((By.ID, "lora-result"), "Success"))
+    # the playground may chat with it: its name is among the models
+    wait.until(
+        lambda d: (
+            "console-lora" in [o.text for o in Select(d.find_element(By.ID, "chat-model")).options]
+        )
+    )
+    console.find_element(*row).find_element(By.CSS_SELECTOR, "button.unload").click()
+    wait.until(ec.invisibility_of_element_located(row))
 
 
 def test_a_restarted_process_shows_with_its_restart(server: Server, console: WebDriver) -> None:

@@ -129,7 +129,8 @@ class ConsoleEvents:
                 "ready": engine.is_ready(),
                 "draining": engine.draining,
             },
-            "swap": engine.swap_status or stats.get("swap"),
+            # the scheduler's (its phase and time so far), else what this gateway asked for
+            "swap": stats.get("swap") or engine.swap_status,
             "lora_enabled": engine.lora_enabled,
             "adapters": engine.lora_adapters,
             "requests": requests,

@@ -178,7 +178,7 @@ class AdaptersPanel {
       cell(tr, name);
       cell(tr, folder, "id").title = folder;
       const button = document.createElement("button");
-      button.className = "danger";
+      button.className = "danger unload";
       button.textContent = "Unload";
       button.addEventListener("click", () => this.unload(name));
       cell(tr, "").replaceChildren(button);
