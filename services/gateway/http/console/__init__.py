@@ -39,11 +39,10 @@ from services.gateway.http.console.events import ConsoleEvents
 from services.gateway.http.streaming import SSE_HEADERS, SseResponse
 from services.gateway.openai.protocol import RequestRejected
 
-_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css", ".png": "image/png"}
+_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
 _STATIC = resources.files(__name__) / "static"
-_STATIC_NAMES = frozenset(
-    p.name for p in _STATIC.iterdir() if p.name[p.name.rfind(".") :] in _TYPES
-)
+# what GET /console/static/{name} serves: scripts and styles (the pages have their routes)
+_ASSETS = frozenset(p.name for p in _STATIC.iterdir() if p.name.endswith((".js", ".css")))
 # the page runs only its own files; nothing inline, nothing from elsewhere
 _CSP = "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'"
 
@@ -63,8 +62,8 @@ def _router(events: ConsoleEvents, admin_token: str | None) -> APIRouter:
     router = APIRouter()
 
     async def page(request: Request) -> Response:
-        authorised = check_admin_token(request.headers.get("authorization"), admin_token)
-        if authorised is not None and not has_console_session(request, admin_token):
+        why = check_admin_token(request.headers.get("authorization"), admin_token)
+        if why is not None and not has_console_session(request, admin_token):
             return RedirectResponse("/console/login", 303)
         return _static("index.html")
 
@@ -93,7 +92,9 @@ def _router(events: ConsoleEvents, admin_token: str | None) -> APIRouter:
         answer.delete_cookie(SESSION_COOKIE, path="/", httponly=True, samesite="strict")
         return answer
 
-    async def static(name: str) -> Response:
+    async def asset(name: str) -> Response:
+        if name not in _ASSETS:  # (no path walks out of static/ either)
+            return Response(b"not found", 404, media_type="text/plain")
         return _static(name)
 
     async def feed() -> Response:
@@ -103,7 +104,7 @@ def _router(events: ConsoleEvents, admin_token: str | None) -> APIRouter:
     router.add_api_route("/console/login", login_form, methods=["GET"], include_in_schema=False)
     router.add_api_route("/console/login", login, methods=["POST"], include_in_schema=False)
     router.add_api_route("/console/logout", logout, methods=["POST"], include_in_schema=False)
-    router.add_api_route("/console/static/{name}", static, methods=["GET"], include_in_schema=False)
+    router.add_api_route("/console/static/{name}", asset, methods=["GET"], include_in_schema=False)
     router.add_api_route(
         "/admin/events",
         feed,
@@ -132,9 +133,7 @@ def _login_page(error: str, status: int = 200) -> Response:
 
 
 def _static(name: str) -> Response:
-    """A file of static/ (only those: no path walks out), never cached stale."""
-    if name not in _STATIC_NAMES:
-        return Response(b"not found", 404, media_type="text/plain")
+    """A file of static/, never cached stale."""
     path = _STATIC / name
     suffix = name[name.rfind(".") :]
     headers = {"Cache-Control": "no-cache", "Content-Security-Policy": _CSP}

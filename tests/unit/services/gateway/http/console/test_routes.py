@@ -123,17 +123,18 @@ def test_the_feed_wants_the_token_or_the_cookie() -> None:
 
 
 def test_static_files_are_served_and_nothing_else() -> None:
-    js, css, outside, unknown = calls(
+    js, css, outside, unknown, page = calls(
         TOKEN,
         ("GET", "/console/static/console.js", {}),
         ("GET", "/console/static/console.css", {}),
         ("GET", "/console/static/..%2F__init__.py", {}),
         ("GET", "/console/static/nope.js", {}),
+        ("GET", "/console/static/index.html", {}),  # the page only at /console, behind login
     )
     assert js.status_code == 200 and js.headers["content-type"].startswith("text/javascript")
     assert "EventSource" in js.text
     assert css.status_code == 200 and css.headers["content-type"].startswith("text/css")
-    assert outside.status_code == unknown.status_code == 404
+    assert outside.status_code == unknown.status_code == page.status_code == 404
 
 
 def test_a_session_cookie_expires_and_is_bound_to_its_token() -> None:
