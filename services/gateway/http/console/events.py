@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 TICK_S = 1.0
 STATS_TIMEOUT_S = 1.0
 MAX_QUEUED = 256  # events per listener before it counts as gone
-_DROPPED = b""  # put in a full queue's place: the listener's stream ends
 
 
 def sse_named(kind: str, data: Any) -> bytes:
@@ -54,7 +53,8 @@ class ConsoleEvents:
         self.engine = engine
         self.live = live
         self.tick_s = tick_s
-        self.listeners: set[asyncio.Queue[bytes]] = set()
+        # one queue per listener; None in it ends that listener's stream (it fell behind)
+        self.listeners: set[asyncio.Queue[bytes | None]] = set()
         self.processes: dict[str, dict[str, Any]] = {}  # name -> restarts, last exit code
         self._sampler: asyncio.Task[None] | None = None
         self._last: dict[str, Any] = {}  # what the previous tick saw, to tell changes
@@ -62,7 +62,7 @@ class ConsoleEvents:
 
     async def stream(self) -> AsyncGenerator[bytes, None]:
         """One listener's events: a snapshot, then whatever happens, until it goes."""
-        queue: asyncio.Queue[bytes] = asyncio.Queue(MAX_QUEUED)
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue(MAX_QUEUED)
         self.listeners.add(queue)
         if self._sampler is None or self._sampler.done():
             self._sampler = asyncio.create_task(self._sample())
@@ -75,7 +75,7 @@ class ConsoleEvents:
                     event = await asyncio.wait_for(queue.get(), 15.0)
                 except TimeoutError:
                     event = sse_comment("keep-alive")
-                if event is _DROPPED:
+                if event is None:
                     return
                 yield event
         finally:
@@ -84,12 +84,17 @@ class ConsoleEvents:
                 self._sampler.cancel()
                 self._sampler = None
 
+    @property
+    def is_sampling(self) -> bool:
+        """Whether the sampler runs (it does while anyone listens)."""
+        return self._sampler is not None and not self._sampler.done()
+
     def publish(self, kind: str, data: Any) -> None:
         event = sse_named(kind, data)
         for queue in list(self.listeners):
-            if queue.qsize() >= MAX_QUEUED - 1:  # keep a slot for the drop marker
+            if queue.qsize() >= MAX_QUEUED - 1:  # keep a slot for the end
                 self.listeners.discard(queue)
-                queue.put_nowait(_DROPPED)
+                queue.put_nowait(None)
             else:
                 queue.put_nowait(event)
 

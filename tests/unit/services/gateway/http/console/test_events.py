@@ -14,8 +14,9 @@ import orjson
 from common.config import ServerConfig
 from common.messages import FinishReason, GenerateRequest, ProcessDown, SamplingParams
 from services.gateway.engine.client import OutputDelta
+from services.gateway.engine.live_requests import LiveRequests
 from services.gateway.http.app import create_app
-from services.gateway.http.console.events import ConsoleEvents
+from services.gateway.http.console.events import MAX_QUEUED, ConsoleEvents
 from tests.fake_engine import FakeEngine
 from tests.waiting import wait_until_async
 
@@ -219,10 +220,10 @@ def test_swaps_adapters_and_restarts_are_told_as_they_change() -> None:
 def test_the_sampler_runs_only_while_someone_listens() -> None:
     async def test(engine: FakeEngine, console: ConsoleEvents, feed: Feed) -> None:
         await wait_until_async(lambda: "snapshot" in feed.kinds(), 30, "the first snapshot")
-        assert console.listeners and console._sampler is not None
+        assert console.listeners and console.is_sampling
         feed.gone.set()
         await wait_until_async(lambda: not console.listeners, 30, "the listener gone")
-        assert console._sampler is None
+        assert not console.is_sampling
         console.publish("request", {"event": "started"})  # nobody to tell: no error
 
     listen(test)
@@ -234,3 +235,19 @@ def test_the_feed_without_the_token_is_401() -> None:
 
     feed = listen(test, headers={})
     assert feed.status == 401 and feed.events == []
+
+
+def test_a_listener_that_falls_behind_is_dropped_not_buffered() -> None:
+    async def go() -> tuple[int, bool]:
+        engine = Engine(stats=STATS)
+        console = ConsoleEvents(engine, LiveRequests(lambda: engine.model_name), tick_s=3600)
+        stream = console.stream()
+        await anext(stream)  # the snapshot
+        for i in range(MAX_QUEUED + 10):  # nobody reads meanwhile
+            console.publish("request", {"event": "started", "id": f"r{i}"})
+        assert not console.listeners  # let go of at once
+        got = [event async for event in stream]  # what was queued, then the end
+        return len(got), console.is_sampling
+
+    num_got, sampling = asyncio.run(go())
+    assert num_got == MAX_QUEUED - 1 and not sampling
