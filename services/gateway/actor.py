@@ -141,6 +141,8 @@ class GatewayActor(Actor):
     async def stop(self) -> None:
         # both front ends drain at once: streams in flight get the same grace on each
         draining = []
+        if self.console is not None:  # its feeds never end by themselves
+            self.console.close()
         if self.server is not None:
             self.server.should_exit = True
             draining.append(asyncio.wait_for(self.server_task, 10))

@@ -98,6 +98,13 @@ class ConsoleEvents:
             else:
                 queue.put_nowait(event)
 
+    def close(self) -> None:
+        """End every listener's stream (the gateway stops: an open feed would hold the HTTP
+        server's graceful shutdown to its deadline)."""
+        for queue in list(self.listeners):
+            self.listeners.discard(queue)
+            queue.put_nowait(None)  # (a full queue was dropped already: a slot is free)
+
     def on_process_down(self, msg: ProcessDown) -> None:
         """The supervisor restarts `msg.name` (the gateway actor passes its notice on)."""
         entry = self.processes.setdefault(msg.name, {"name": msg.name, "restarts": 0})

@@ -46,6 +46,7 @@ class Feed:
         self.status = 0
         self.events: list[tuple[str, Any]] = []
         self.gone = asyncio.Event()
+        self.ended = False  # the server ended the body
         self._buffer = b""
 
     async def run(self) -> None:
@@ -78,6 +79,7 @@ class Feed:
                 self.status = message["status"]
             elif message["type"] == "http.response.body":
                 self._buffer += message.get("body", b"")
+                self.ended = not message.get("more_body", False)
                 *frames, self._buffer = self._buffer.split(b"\n\n")
                 for frame in frames:
                     fields = dict(
@@ -227,6 +229,17 @@ def test_the_sampler_runs_only_while_someone_listens() -> None:
         console.publish("request", {"event": "started"})  # nobody to tell: no error
 
     listen(test)
+
+
+def test_closing_ends_every_stream() -> None:
+    async def test(engine: FakeEngine, console: ConsoleEvents, feed: Feed) -> None:
+        await wait_until_async(lambda: "snapshot" in feed.kinds(), 30, "the first snapshot")
+        console.close()
+        await wait_until_async(lambda: feed.ended, 30, "the body's end")
+        assert not console.is_sampling
+
+    feed = listen(test)
+    assert feed.status == 200
 
 
 def test_the_feed_without_the_token_is_401() -> None:
