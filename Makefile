@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 MODEL_STAMP := $(VENV)/.model-ready
 SERVE_FLAGS ?=
 
-.PHONY: serve test test-slow unit integration lint setup model clean bench-docs
+.PHONY: serve test test-slow unit integration lint setup model browser clean bench-docs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,8 +32,14 @@ model: $(MODEL_STAMP)
 serve: $(MODEL_STAMP)
 	$(VENV)/bin/shuttle serve --host 127.0.0.1 --port 8000 $(SERVE_FLAGS)
 
+# The console's browser tests (tests/integration/test_console.py) drive Debian's headless
+# chromium through its chromedriver; installed once, as root (CI runs as root).
+browser:
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		(apt-get update && apt-get install -y chromium chromium-driver)
+
 # pyproject's addopts deselect the `slow` tests (the soak, the schemathesis fuzz): test-slow
-test: $(MODEL_STAMP)
+test: $(MODEL_STAMP) browser
 	$(PY) -m pytest -q tests
 
 test-slow: $(MODEL_STAMP)
@@ -42,7 +48,7 @@ test-slow: $(MODEL_STAMP)
 unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
 
-integration: $(MODEL_STAMP)
+integration: $(MODEL_STAMP) browser
 	$(PY) -m pytest -q tests/integration
 
 # Every benchmark docs/benchmarks.md reports, then the page (about 30 minutes, CPU-bound).

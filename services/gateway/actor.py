@@ -32,6 +32,7 @@ from services.gateway.engine.zmq_client import ZmqEngineClient
 
 if TYPE_CHECKING:
     from services.gateway.grpc.server import GrpcGateway
+    from services.gateway.http.console.events import ConsoleEvents
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class GatewayActor(Actor):
         self.server: _Server | None = None
         self.grpc: GrpcGateway | None = None
         self.grpc_port = 0
+        self.console: ConsoleEvents | None = None  # the console's feed, told of restarts
         self.handlers.update(
             {
                 OutputBatch: self._on_outputs,
@@ -98,6 +100,7 @@ class GatewayActor(Actor):
         )
         server = self.config.server
         app = create_app(self.engine, server, self.config.scheduler)
+        self.console = app.state.console
         uv_config = uvicorn.Config(
             app,
             host=self.config.server.host,
@@ -138,6 +141,8 @@ class GatewayActor(Actor):
     async def stop(self) -> None:
         # both front ends drain at once: streams in flight get the same grace on each
         draining = []
+        if self.console is not None:  # its feeds never end by themselves
+            self.console.close()
         if self.server is not None:
             self.server.should_exit = True
             draining.append(asyncio.wait_for(self.server_task, 10))
@@ -178,6 +183,8 @@ class GatewayActor(Actor):
         output yet. (The scheduler fails the requests of a dead worker itself.) With several
         replicas, one replica's worker or scheduler: the others serve on; the router fails
         the requests a dead scheduler held, its scheduler those of a dead worker."""
+        if self.console is not None:
+            self.console.on_process_down(msg)
         if msg.name.startswith(("worker-", "scheduler-")):
             log.warning("%s died: its replica is routed around until it is back", msg.name)
             return

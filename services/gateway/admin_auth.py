@@ -1,10 +1,16 @@
 """What both front ends' admin APIs (services/gateway/http/admin.py, the gRPC Admin service
 in services/gateway/grpc/server.py) check alike: the admin token, and the folder a swap may
-load."""
+load; and the operator console's session cookie, which stands for the token over HTTP.
+
+A session cookie is `<expiry>.<HMAC-SHA256 of the expiry, keyed by the admin token>`: the
+gateway keeps no session state (any gateway process with the same token accepts it), a
+cookie expires on its own, and changing the token ends every session."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import time
 from pathlib import Path
 
 from common.gguf_meta import is_gguf_file
@@ -26,6 +32,34 @@ def check_admin_token(authorization: str | None, admin_token: str | None) -> str
     if not hmac.compare_digest((authorization or "").encode(), expected):
         return BAD_ADMIN_TOKEN
     return None
+
+
+SESSION_COOKIE = "shuttle_console"
+SESSION_TTL_S = 12 * 3600
+
+
+def session_cookie(admin_token: str, now: float | None = None) -> str:
+    """A session cookie's value for `admin_token`, valid SESSION_TTL_S from `now`."""
+    expiry = str(int((time.time() if now is None else now) + SESSION_TTL_S))
+    return f"{expiry}.{_sign(admin_token, expiry)}"
+
+
+def check_session_cookie(
+    cookie: str | None, admin_token: str | None, now: float | None = None
+) -> bool:
+    """Whether `cookie` is an unexpired session cookie made with `admin_token`."""
+    if not admin_token or not cookie:
+        return False
+    expiry, _, signature = cookie.partition(".")
+    if not expiry.isdigit() or int(expiry) <= (time.time() if now is None else now):
+        return False
+    # constant time, as the token's own check
+    return hmac.compare_digest(signature.encode(), _sign(admin_token, expiry).encode())
+
+
+def _sign(admin_token: str, expiry: str) -> str:
+    message = f"shuttle console session {expiry}".encode()
+    return hmac.new(admin_token.encode(), message, hashlib.sha256).hexdigest()
 
 
 def _inside_root(path: str, model_root: str | None, field: str) -> Path:

@@ -5,9 +5,13 @@
     GET  /admin/requests     every in-flight request: id, state, tokens so far, age
     POST /admin/cancel/{id}  end a request (idempotent): its stream ends with `cancelled`
     POST /admin/swap-model   {"model": PATH, "version": LABEL?, "mode": "overlap"|"drain"}
+    GET  /admin/events       the operator console's event feed (services/gateway/http/console/)
 
-Every route wants `Authorization: Bearer <admin token>`. With no token configured the admin
-API is closed: every call is refused (401) with a message saying so, never left open.
+Every route wants `Authorization: Bearer <admin token>`, or the operator console's session
+cookie (services/gateway/http/console/): SameSite=Strict, and on anything but GET also the
+`X-Shuttle-Console` header, which a cross-origin form cannot send (no CORS here). With no
+token configured the admin API is closed: every call is refused (401) with a message saying
+so, never left open.
 The gRPC Admin service checks the same token (services/gateway/grpc/server.py).
 """
 
@@ -20,7 +24,12 @@ import orjson
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
-from services.gateway.admin_auth import check_admin_token, resolve_model_folder
+from services.gateway.admin_auth import (
+    SESSION_COOKIE,
+    check_admin_token,
+    check_session_cookie,
+    resolve_model_folder,
+)
 from services.gateway.engine.client import EngineClient
 from services.gateway.openai.protocol import RequestRejected
 
@@ -96,7 +105,18 @@ def require_admin(admin_token: str | None) -> Callable[[Request], Awaitable[None
 
     async def check(request: Request) -> None:
         why = check_admin_token(request.headers.get("authorization"), admin_token)
-        if why is not None:
+        if why is not None and not has_console_session(request, admin_token):
             raise RequestRejected(why, None, 401)
 
     return check
+
+
+CONSOLE_HEADER = "x-shuttle-console"
+
+
+def has_console_session(request: Request, admin_token: str | None) -> bool:
+    """The request carries a valid console session cookie (and, unless it only reads, the
+    console's header: a cookie alone never authorises a change)."""
+    if not check_session_cookie(request.cookies.get(SESSION_COOKIE), admin_token):
+        return False
+    return request.method in ("GET", "HEAD") or CONSOLE_HEADER in request.headers

@@ -47,6 +47,7 @@ from services.gateway.http.admin import admin_router
 from services.gateway.http.body_limits import BodyLimitMiddleware, BodyLimits
 from services.gateway.http.chat import ChatReply
 from services.gateway.http.completions import CompletionReply
+from services.gateway.http.console import install_console
 from services.gateway.http.deltas import (
     Choice,
     DeltaReader,
@@ -140,6 +141,8 @@ def create_app(
     app.include_router(lora_router(engine, admin_token, server.model_root or None))
     # GET /metrics, and the engine's request timers
     install_metrics(app, engine, server.metrics_vllm_names)
+    # GET /console and its feed /admin/events (after /metrics: it chains the request observer)
+    install_console(app, engine, admin_token)
     if server.access_log:  # added last: outermost, it sees every refusal
         app.add_middleware(AccessLogMiddleware)
     return app
