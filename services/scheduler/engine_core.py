@@ -58,7 +58,7 @@ from services.scheduler.block_manager import BlockManager, HostBlockPool
 from services.scheduler.grammar_wait import GrammarWait
 from services.scheduler.lora_registry import Adapter, LoraRegistry
 from services.scheduler.plan import to_plan
-from services.scheduler.policy import PolicyConfig, Scheduler
+from services.scheduler.policy import PolicyConfig, SchedulingPolicy
 from services.scheduler.request import Request, Status
 from services.scheduler.swap import SwapCoordinator
 
@@ -138,7 +138,7 @@ class EngineCore:
         self.outbox = outbox
         # the policy's settings come from the config's scheduler section; tests may pass them
         self.policy_config = policy_config or PolicyConfig.from_config(config)
-        self.policy: Scheduler | None = None  # None until a worker is ready
+        self.policy: SchedulingPolicy | None = None  # None until a worker is ready
         self.served: _Served | None = None
         self.groups: dict[str, list[Request]] = {}  # request id -> its live sequences
         self.grammar_wait = GrammarWait()  # constrained requests until their grammar compiles
@@ -183,7 +183,7 @@ class EngineCore:
             log.warning("worker re-announced itself; resetting the block pool")
             self.fail_all("the worker restarted")
         s = self.config.scheduler
-        self.policy = Scheduler(
+        self.policy = SchedulingPolicy(
             self._block_manager(info),
             self.policy_config,
             host_pool=HostBlockPool(info.num_host_blocks),

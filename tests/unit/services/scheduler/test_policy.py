@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from common.messages import FinishReason, SamplingParams
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.policy import PolicyConfig, Scheduler
+from services.scheduler.policy import PolicyConfig, SchedulingPolicy
 from services.scheduler.request import Request, Status
 
 
@@ -22,12 +22,12 @@ def _req(rid: str, prompt_len: int, max_tokens: int = 4, eos: tuple[int, ...] = 
 
 def _sched(
     num_blocks: int = 64, block_size: int = 4, seqs: int = 8, budget: int = 32, **kw: object
-) -> Scheduler:
+) -> SchedulingPolicy:
     cfg = PolicyConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, watermark=0.0, **kw)
-    return Scheduler(BlockManager(num_blocks, block_size), cfg)
+    return SchedulingPolicy(BlockManager(num_blocks, block_size), cfg)
 
 
-def _run_step(s: Scheduler, token: int = 7) -> dict[str, int]:
+def _run_step(s: SchedulingPolicy, token: int = 7) -> dict[str, int]:
     """Plan a step and feed back one token for each request that reached its end."""
     out = s.schedule()
     sampled = [x.request.request_id for x in out.scheduled if x.samples]
