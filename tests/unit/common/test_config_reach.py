@@ -172,7 +172,7 @@ def test_scheduler_settings_reach_the_engine(config: Config) -> None:
         num_speculative_tokens=6,
         max_loras=3,
     )
-    assert core.max_in_flight == 1  # --no-async-scheduling (and speculation)
+    assert core.window.max_in_flight == 1  # --no-async-scheduling (and speculation)
     core.on_worker_ready(_info("v", num_blocks=16, block_size=8, max_model_len=77, model_name="m"))
     assert core.policy is not None and not core.policy.blocks.enable_prefix_caching
     for rid in ("a", "b"):  # --max-waiting 1: the second queued request is refused

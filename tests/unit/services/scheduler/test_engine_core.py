@@ -27,14 +27,10 @@ from common.messages import (
     TokenizedRequest,
     UnloadModel,
 )
-from services.scheduler.engine_core import (
-    EngineCore,
-    ToDetokenizer,
-    ToGateway,
-    ToWorker,
-    sequence_key,
-)
+from services.scheduler.engine_core import EngineCore
 from services.scheduler.engine_view import request_rows
+from services.scheduler.intake import sequence_key
+from services.scheduler.outbox import ToDetokenizer, ToGateway, ToWorker
 
 TOKEN = 7
 
@@ -128,7 +124,7 @@ def _run(core: EngineCore, out: Outbox, max_steps: int = 100) -> None:
     """Step until nothing is left to plan or wait for (the worker answers at once)."""
     for _ in range(max_steps):
         core.step()
-        waiting = {s.step_id for s in core.in_flight}
+        waiting = {s.step_id for s in core.window.in_flight}
         pending = [p for p in out.of(StepPlan) if p.step_id in waiting]
         if not pending:
             return
@@ -253,7 +249,7 @@ def test_a_restarted_worker_fails_live_requests_and_resets_the_pool() -> None:
     assert (err.request_id, err.status) == ("a", 503)
     forget = out.of(TokenBatch)[-1]
     assert forget.finish_reasons == [int(FinishReason.ERROR)]
-    assert not core.groups and not core.in_flight
+    assert not core.groups and not core.window.in_flight
     quiet = core.policy
     core.on_worker_ready(_info())  # idle, same boot id: nothing changes
     assert core.policy is quiet
