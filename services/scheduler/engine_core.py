@@ -46,7 +46,7 @@ from common.model_facts import cache_root
 from services.scheduler import detok_messages, intake
 from services.scheduler.block_manager import BlockManager, HostBlockPool
 from services.scheduler.grammar_wait import GrammarWait
-from services.scheduler.lora_registry import LoraRegistry
+from services.scheduler.lora_registry import ServedAdapters
 from services.scheduler.outbox import EngineOutbox
 from services.scheduler.plan import to_plan
 from services.scheduler.policy import PolicyConfig, SchedulingPolicy
@@ -80,7 +80,7 @@ class EngineCore:
         self.window = StepWindow(max_in_flight=2 if overlap else 1)
         self.swaps = SwapCoordinator(outbox.to_worker, outbox.reply)
         # LoRA adapters: which are served, their loads and unloads (lora_registry.py)
-        self.loras = LoraRegistry(config, outbox.to_worker, outbox.reply, outbox.to_gateway)
+        self.loras = ServedAdapters(config, outbox.to_worker, outbox.reply, outbox.to_gateway)
         self._checked_at, self._checked_at_step = 0.0, -1  # the last block-by-block check
 
     @property

@@ -117,7 +117,7 @@ def config() -> Config:
 
 
 def test_runner_settings_reach_the_model_runner(config: Config, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from gpu_worker.lora.registry import LoraOptions
+    from common.lora_config import LoraConfig
     from gpu_worker.runner.model_runner import ModelRunner
     from gpu_worker.runner.options import RunnerOptions
 
@@ -151,7 +151,14 @@ def test_runner_settings_reach_the_model_runner(config: Config, monkeypatch) -> 
             draft_model="",
             prompt_lookup_min=3,
             prompt_lookup_max=5,
-            lora=LoraOptions(3, 32, 5, (("a", "/a"),), dtype="bfloat16"),
+            lora=LoraConfig(
+                enable_lora=True,
+                lora_modules="a=/a",
+                max_loras=3,
+                max_lora_rank=32,
+                max_cpu_loras=5,
+                lora_dtype="bfloat16",
+            ),
         ),
         "tp": None,  # a single worker: no tensor-parallel group
         "progress": None,  # the worker passes its report_progress
