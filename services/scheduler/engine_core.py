@@ -13,7 +13,7 @@ both:
 
 Beside it: intake.py (whether a request is admitted, its sequences and their keys),
 step_window.py (the steps in flight), detok_messages.py (what the detokenizer hears),
-served.py (the served model's facts).
+current_model.py (the served model's facts).
 """
 
 from __future__ import annotations
@@ -45,13 +45,13 @@ from common.messages import (
 from common.model_facts import cache_root
 from services.scheduler import detok_messages, intake
 from services.scheduler.block_manager import BlockManager, HostBlockPool
+from services.scheduler.current_model import CurrentModel
 from services.scheduler.grammar_wait import GrammarWait
 from services.scheduler.lora_registry import ServedAdapters
 from services.scheduler.outbox import EngineOutbox
 from services.scheduler.plan import to_plan
 from services.scheduler.policy import PolicyConfig, SchedulingPolicy
 from services.scheduler.request import Request, Status
-from services.scheduler.served import ServedModel
 from services.scheduler.step_window import StepWindow
 from services.scheduler.swap import SwapCoordinator
 
@@ -69,7 +69,7 @@ class EngineCore:
         # the policy's settings come from the config's scheduler section; tests may pass them
         self.policy_config = policy_config or PolicyConfig.from_config(config)
         self.policy: SchedulingPolicy | None = None  # None until a worker is ready
-        self.served: ServedModel | None = None
+        self.served: CurrentModel | None = None
         self.groups: dict[str, list[Request]] = {}  # request id -> its live sequences
         self.grammar_wait = GrammarWait()  # constrained requests until their grammar compiles
         # speculative decoding needs each step's result (how many drafts were accepted)
@@ -148,7 +148,7 @@ class EngineCore:
         root = cache_root(
             name, info.weights_version, info.tokenizer_fingerprint, info.position_config
         )
-        self.served = ServedModel(info=info, name=name, root=root)
+        self.served = CurrentModel(info=info, name=name, root=root)
         policy.set_version(self.served.version, root)
         if old_fingerprint not in (None, self.served.tokenizer_fingerprint):
             self._retokenize_unstarted()

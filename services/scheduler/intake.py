@@ -11,12 +11,9 @@ import dataclasses
 
 from common.messages import TokenizedRequest
 from common.model_facts import lora_root, salted_root
-from services.scheduler.lora_registry import Adapter
+from services.scheduler.current_model import CurrentModel
+from services.scheduler.lora_registry import Adapter, Refusal
 from services.scheduler.request import Request
-from services.scheduler.served import ServedModel
-
-# a refusal: (HTTP status, message, the request field it names or None)
-Refusal = tuple[int, str, str | None]
 
 
 def sequence_key(request_id: str, index: int) -> str:
@@ -27,7 +24,7 @@ def sequence_key(request_id: str, index: int) -> str:
 
 def admission_error(
     msg: TokenizedRequest,
-    served: ServedModel,
+    served: CurrentModel,
     num_waiting: int,
     max_waiting: int,
     is_duplicate: bool,
@@ -65,7 +62,7 @@ def admission_error(
 
 
 def sequences(
-    msg: TokenizedRequest, served: ServedModel, adapter: Adapter | None = None
+    msg: TokenizedRequest, served: CurrentModel, adapter: Adapter | None = None
 ) -> list[Request]:
     """One Request per sequence: a leader, and for n > 1 n - 1 forks sharing its prompt."""
     lora_name, lora_hash = (adapter.name, adapter.weights_hash) if adapter else ("", "")

@@ -29,7 +29,7 @@ from common.messages import FinishReason
 from services.scheduler.admission import admit
 from services.scheduler.batching import BatchGate
 from services.scheduler.block_manager import BlockManager, HostBlockPool
-from services.scheduler.lora_admission import LoraGate, Verdict
+from services.scheduler.lora_admission import AdmissionVerdict, LoraGate
 from services.scheduler.policy_config import PolicyConfig
 from services.scheduler.queues import WaitingQueue
 from services.scheduler.request import Request, Status
@@ -236,10 +236,10 @@ class SchedulingPolicy:
             if self.paused and req.version is None:
                 break  # a drain: nothing new starts until the swap is done
             verdict = self.lora_gate.verdict(req)  # --max-loras
-            if verdict == Verdict.SKIP:
+            if verdict == AdmissionVerdict.SKIP:
                 i += 1
                 continue
-            num_new = 0 if verdict == Verdict.STOP else admit(self, req, budget, out)
+            num_new = 0 if verdict == AdmissionVerdict.STOP else admit(self, req, budget, out)
             if num_new == 0:
                 break
             self.waiting.remove(req)

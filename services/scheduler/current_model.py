@@ -8,7 +8,7 @@ from common.messages import ModelInfo
 
 
 @dataclasses.dataclass
-class ServedModel:
+class CurrentModel:
     """The served model's facts (`info`), its name and its prefix-cache root."""
 
     info: ModelInfo
