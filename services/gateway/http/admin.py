@@ -22,7 +22,7 @@ from starlette.responses import Response
 
 from services.gateway.admin_auth import check_admin_token, resolve_model_folder
 from services.gateway.engine.client import EngineClient
-from services.gateway.openai.protocol import RequestRejected
+from services.gateway.openai.request_errors import RequestRejected
 
 
 def admin_router(

@@ -24,13 +24,7 @@ from common.limits import (
 )
 from common.messages import GenerateRequest
 from services.gateway.openai.chat_messages import ChatMessage
-from services.gateway.openai.protocol import (
-    MaxTokens,
-    NumLogprobs,
-    RequestRejected,
-    _CommonRequest,
-    _refuse,
-)
+from services.gateway.openai.protocol import MaxTokens, NumLogprobs, _CommonRequest, _refuse
 from services.gateway.openai.reasoning import THINK_END
 from services.gateway.openai.refused import (
     IGNORED_FIELDS,
@@ -38,6 +32,7 @@ from services.gateway.openai.refused import (
     check_disjoint,
     refuse_unsupported,
 )
+from services.gateway.openai.request_errors import RequestRejected
 from services.gateway.openai.structured import (
     StructuredError,
 )
