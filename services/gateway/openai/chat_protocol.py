@@ -1,5 +1,5 @@
 """The body of POST /v1/chat/completions and its conversion to a `GenerateRequest`: the fields
-every generate body shares, their parsing and their limits are services/gateway/openai/protocol.py's
+every generate body shares, their checks and their limits are services/gateway/openai/protocol.py's
 (its docstring says how strict parsing is, the defaults and the limits); here what chat adds:
 `messages`, `max_completion_tokens`, tools, the chat template and its kwargs, `logprobs` /
 `top_logprobs`, vLLM's `add_generation_prompt`, `continue_final_message` and `echo`."""
