@@ -94,14 +94,6 @@ def test_abort_is_idempotent_and_frees_waiting_and_running() -> None:
     s.check_integrity()
 
 
-def test_admission_waits_for_free_blocks() -> None:
-    s = _sched(num_blocks=4, block_size=4, budget=64)
-    s.add(_req("a", 12))
-    s.add(_req("b", 8))
-    assert set(_run_step(s)) == {"a"}  # b's 2 blocks do not fit beside a's 3
-    assert s.requests["b"].status == Status.WAITING
-
-
 def test_preemption_recomputes_the_newest_and_keeps_its_tokens() -> None:
     s = _sched(num_blocks=4, block_size=4, budget=64)
     s.add(_req("a", 8, max_tokens=8))
