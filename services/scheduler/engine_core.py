@@ -108,7 +108,7 @@ class EngineCore:
             self.policy_config,
             host_pool=HostBlockPool(info.num_host_blocks),
         )
-        self.window.in_flight.clear()
+        self.window.clear()
         self.adopt(info)
         self.loras.on_worker_ready(info)  # (a new worker holds no adapter)
         log.info(
@@ -121,7 +121,7 @@ class EngineCore:
     def on_worker_down(self, why: str) -> None:
         """The worker died: nothing in flight can finish; wait for the next one's Ready."""
         self.fail_all(why)
-        self.window.in_flight.clear()
+        self.window.clear()
         self.policy = None
 
     def _block_manager(self, info: ModelInfo) -> BlockManager:

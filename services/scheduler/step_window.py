@@ -62,6 +62,10 @@ class StepWindow:
             return None
         return self.in_flight.popleft()
 
+    def clear(self) -> None:
+        """Forget the steps in flight: the worker that would answer them is gone."""
+        self.in_flight.clear()
+
     def count(self, step: InFlightStep, msg: StepResult) -> None:
         """A step's result came back: its time, and the interval since the last result."""
         self.num_steps += 1
