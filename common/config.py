@@ -4,6 +4,10 @@ Precedence: command-line flag > environment (`SHUTTLE_MAX_NUM_SEQS=32`) > defaul
 named as vLLM names them where it has one (`--max-num-seqs`, `--block-size`, ...). The
 supervisor writes the resolved tree to `<run_dir>/config.json` and every child process reads
 it back, so all processes agree on one config.
+
+The sections of one feature live beside it, with the helpers of common/config_base.py:
+speculative decoding (common/speculative_config.py), tensor and data parallelism
+(common/parallel_config.py) and LoRA (common/lora_config.py).
 """
 
 from __future__ import annotations
@@ -21,16 +25,18 @@ import orjson
 
 # ConfigError is re-exported: every caller names it common.config.ConfigError
 from common.config_base import ConfigError as ConfigError
-from common.config_base import config_field
+from common.config_base import check_field, config_field
 from common.cpu_features import auto_dtype
 from common.lora_config import LoraConfig
 from common.messages.types import POOLING_KINDS
-from common.parallel_config import DataParallelConfig
+from common.parallel_config import DataParallelConfig, ParallelConfig
+from common.speculative_config import SpeculativeConfig
 
 _ENV_PREFIX = "SHUTTLE_"
 
 
 _field = config_field
+_check = check_field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,92 +170,6 @@ class SchedulerConfig:
         _check(self.max_num_seqs >= 1, "max_num_seqs", ">= 1")
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1")
         _check(self.max_waiting >= 1, "max_waiting", ">= 1")
-
-
-@dataclasses.dataclass(frozen=True)
-class SpeculativeConfig:
-    speculative: str = _field(
-        "",
-        "speculative decoding: '' (off) | ngram (prompt lookup) | "
-        "draft (needs --draft-model); --draft-model alone means draft",
-    )
-    draft_model: str = _field(
-        "", "Hugging Face folder of a small draft model with the target's tokenizer"
-    )
-    num_speculative_tokens: int = _field(4, "tokens proposed per step for each decoding request")
-    prompt_lookup_max: int = _field(4, "ngram: longest suffix n-gram looked up in the context")
-    prompt_lookup_min: int = _field(2, "ngram: shortest suffix n-gram looked up")
-
-    def __post_init__(self) -> None:
-        _check(self.speculative in ("", "ngram", "draft"), "speculative", "'', ngram or draft")
-        _check(
-            self.speculative != "draft" or bool(self.draft_model),
-            "draft_model",
-            "set when --speculative is draft",
-        )
-        _check(
-            self.speculative != "ngram" or not self.draft_model,
-            "speculative",
-            "draft (or unset) when --draft-model is given",
-        )
-        _check(1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens", "in [1, 16]")
-        _check(
-            1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 16,
-            "prompt_lookup_min",
-            "in [1, --prompt-lookup-max] (and --prompt-lookup-max <= 16)",
-        )
-
-    @property
-    def method(self) -> str:
-        """'' (off), 'ngram' or 'draft'."""
-        return "draft" if self.draft_model else self.speculative
-
-    @property
-    def num_tokens(self) -> int:
-        """Draft tokens per step: 0 when speculation is off."""
-        return self.num_speculative_tokens if self.method else 0
-
-
-@dataclasses.dataclass(frozen=True)
-class ParallelConfig:
-    """Tensor parallelism: the worker is a group of ranks, one process per device."""
-
-    tensor_parallel_size: int = _field(
-        1, "worker ranks that split each layer (heads, MLP, vocabulary), one process each"
-    )
-    dist_init_addr: str = _field(
-        "",
-        "host:port where rank 0 serves the ranks' rendezvous (torch.distributed TCP store); "
-        "empty: a free loopback port (one host only)",
-    )
-    nnodes: int = _field(1, "hosts the worker ranks span (each runs an equal share)")
-    node_rank: int = _field(
-        0, "this host's index among --nnodes: 0 runs `shuttle serve`, others `shuttle worker-ranks`"
-    )
-
-    def __post_init__(self) -> None:
-        _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", ">= 1")
-        _check(
-            self.nnodes >= 1 and self.tensor_parallel_size % self.nnodes == 0,
-            "nnodes",
-            f">= 1 and divide --tensor-parallel-size {self.tensor_parallel_size}",
-        )
-        _check(0 <= self.node_rank < self.nnodes, "node_rank", f"in [0, {self.nnodes})")
-        _check(
-            self.nnodes == 1 or ":" in self.dist_init_addr,
-            "dist_init_addr",
-            "host:port (rank 0's host) when the ranks span several hosts",
-        )
-
-    @property
-    def ranks_per_node(self) -> int:
-        return self.tensor_parallel_size // self.nnodes
-
-    @property
-    def local_ranks(self) -> range:
-        """The global ranks this host runs."""
-        first = self.node_rank * self.ranks_per_node
-        return range(first, first + self.ranks_per_node)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -420,11 +340,6 @@ class Config:
             self,
             **{s: dataclasses.replace(getattr(self, s), **v) for s, v in sections.items()},
         )
-
-
-def _check(ok: bool, name: str, expected: str) -> None:
-    if not ok:
-        raise ConfigError(f"--{name.replace('_', '-')} must be {expected}")
 
 
 def _sections() -> list[tuple[str, type]]:

@@ -5,11 +5,13 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from common.lora_config import LoraConfig
 
 
 def make_adapter(
@@ -61,3 +63,10 @@ def peft_model(model_dir: str, adapter_dir: str) -> Any:
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     return peft.PeftModel.from_pretrained(base, adapter_dir).eval()
+
+
+def lora_config(modules: Iterable[tuple[str, str | Path]] = (), **flags: Any) -> LoraConfig:
+    """The config's LoRA section with --enable-lora, `modules` ((name, folder) pairs) as
+    --lora-modules, and any other of its flags."""
+    entries = "\n".join(f"{name}={path}" for name, path in modules)
+    return LoraConfig(enable_lora=True, lora_modules=entries, **flags)

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from common.lora_config import LoraConfig
 from gpu_worker.attention import AttentionMetadata
 from gpu_worker.lora.adapter import (
     AdapterSpec,
@@ -40,7 +41,7 @@ from gpu_worker.lora.layer import (
     enable_lora,
     lora_layers,
 )
-from gpu_worker.lora.registry import LoraOptions, LoraRegistry
+from gpu_worker.lora.registry import LoadedAdapterSpecs
 from gpu_worker.models.llama import DecodeStep, LlamaConfig, LlamaModel
 
 Target = tuple[LoraLinearMethod, int]  # a fused layer's method and the module's slice in it
@@ -178,10 +179,10 @@ class LoraManager:
     cache of `max_cpu_loras`, and the slots of each model version (`attach`)."""
 
     def __init__(
-        self, options: LoraOptions, config: LlamaConfig, tp: tuple[int, int] = (0, 1)
+        self, options: LoraConfig, config: LlamaConfig, tp: tuple[int, int] = (0, 1)
     ) -> None:
         self.options = options
-        self.registry = LoraRegistry(options, model_shape(config))
+        self.registry = LoadedAdapterSpecs(options, model_shape(config))
         self.tp = tp  # (rank, world): each rank keeps its shard in its slots
         self.cache: collections.OrderedDict[str, LoraAdapter] = collections.OrderedDict()
         self._slots: weakref.WeakKeyDictionary[nn.Module, LoraSlots] = weakref.WeakKeyDictionary()
@@ -223,7 +224,7 @@ class LoraManager:
     def _cache_put(self, adapter: LoraAdapter) -> None:
         self.cache[adapter.name] = adapter
         self.cache.move_to_end(adapter.name)
-        while len(self.cache) > self.options.cpu_capacity:
+        while len(self.cache) > self.options.cpu_loras:
             self.cache.popitem(last=False)
 
     def _forget(self, name: str) -> None:
@@ -241,7 +242,9 @@ class LoraManager:
             max_rank=self.options.max_lora_rank,
             max_tokens=max_tokens,
             kernel=kernel,
-            dtype=None if self.options.dtype == "auto" else getattr(torch, self.options.dtype),
+            dtype=None
+            if self.options.lora_dtype == "auto"
+            else getattr(torch, self.options.lora_dtype),
         )
         inner = model.get_submodule("model")
         # the one-call step adds the deltas of the "cpu" kernel's slots itself (lora.c); for

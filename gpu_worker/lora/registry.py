@@ -1,113 +1,36 @@
-"""The worker's LoRA settings and the adapters it has loaded, without torch: what both runners
-(the model runner's `LoraManager` and the synthetic runner) keep about adapters by name."""
+"""The adapters a worker has loaded, without torch: what both runners (the model runner's
+`LoraManager` and the synthetic runner) keep about adapters by name. Their settings are the
+config's LoRA section (common/lora_config.py's LoraConfig), read as it is."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
+from common.lora_config import LoraConfig, LoraModule
 from gpu_worker.lora.adapter import AdapterSpec, LoraAdapterError, ModelShape, check_adapter
 
 log = logging.getLogger(__name__)
 
 
-class LoraModuleFlag(Protocol):
-    """One --lora-modules entry (common/lora_config.py's LoraModule)."""
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def path(self) -> str: ...
-
-
-class LoraFlags(Protocol):
-    """The config's LoRA section (common/lora_config.py's LoraConfig), as the worker reads it."""
-
-    @property
-    def enable_lora(self) -> bool: ...
-
-    @property
-    def max_loras(self) -> int: ...
-
-    @property
-    def max_lora_rank(self) -> int: ...
-
-    @property
-    def max_cpu_loras(self) -> int: ...
-
-    @property
-    def lora_dtype(self) -> str: ...
-
-    @property
-    def modules(self) -> Sequence[LoraModuleFlag]: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class LoraOptions:
-    """The runner's LoRA settings (vLLM's flags): `max_loras` adapters in one step (the slots
-    per model version), ranks up to `max_lora_rank`, `max_cpu_loras` adapters' tensors kept in
-    host memory (0: max_loras; evicted ones are read again from their folder), and the
-    `modules` ((name, path) pairs of --lora-modules) loaded at start."""
-
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    max_cpu_loras: int = 0
-    modules: tuple[tuple[str, str], ...] = ()
-    dtype: str = "auto"  # the slots' weights: auto (the model's), float32, bfloat16
-
-    def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"--lora-dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
-        if self.max_loras < 1:
-            raise ValueError(f"--max-loras must be >= 1, got {self.max_loras}")
-        if self.max_lora_rank < 1:
-            raise ValueError(f"--max-lora-rank must be >= 1, got {self.max_lora_rank}")
-        if self.max_cpu_loras and self.max_cpu_loras < self.max_loras:
-            raise ValueError(
-                f"--max-cpu-loras ({self.max_cpu_loras}) must be >= --max-loras ({self.max_loras})"
-            )
-        names = [name for name, _ in self.modules]
-        if len(set(names)) != len(names) or not all(names):
-            raise ValueError(f"--lora-modules names must be unique and non-empty: {names}")
-
-    @property
-    def cpu_capacity(self) -> int:
-        return self.max_cpu_loras or self.max_loras
-
-    @classmethod
-    def from_flags(cls, flags: LoraFlags) -> LoraOptions | None:
-        """The runner's options from the config's LoRA section (None without --enable-lora)."""
-        if not flags.enable_lora:
-            return None
-        return cls(
-            max_loras=flags.max_loras,
-            max_lora_rank=flags.max_lora_rank,
-            max_cpu_loras=flags.max_cpu_loras,
-            modules=tuple((m.name, m.path) for m in flags.modules),
-            dtype=flags.lora_dtype,
-        )
-
-
 def load_start_modules(
-    load: Callable[[str, str], AdapterSpec], modules: Sequence[tuple[str, str]]
+    load: Callable[[str, str], AdapterSpec], modules: Sequence[LoraModule]
 ) -> None:
     """--lora-modules at start: one refused is logged with its error (naming file and field)
     and left out; the model serves on (the scheduler's LoadLora reports it again)."""
-    for name, path in modules:
+    for module in modules:
         try:
-            load(name, path)
+            load(module.name, module.path)
         except LoraAdapterError as e:
-            log.error("LoRA adapter %s from --lora-modules refused: %s", name, e)
+            log.error("LoRA adapter %s from --lora-modules refused: %s", module.name, e)
 
 
-class LoraRegistry:
+class LoadedAdapterSpecs:
     """The adapters loaded now, by name: each one's checked spec (its folder, weights hash
     and rank). Loading a name again replaces it; the order is the order of loading."""
 
-    def __init__(self, options: LoraOptions, shape: ModelShape) -> None:
+    def __init__(self, options: LoraConfig, shape: ModelShape) -> None:
         self.options = options
         self.shape = shape
         self.specs: dict[str, AdapterSpec] = {}

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 from common.config import Config
+from common.lora_config import LoraConfig
 from gpu_worker.distributed.sharding import threads_per_rank
 from gpu_worker.distributed.tensor_parallel import TensorParallel
-from gpu_worker.lora.registry import LoraOptions
 
 # the weight and KV dtypes the runner serves (--dtype auto resolves to one of them)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -51,7 +51,7 @@ class RunnerOptions:
     draft_model: str = ""  # the draft model's folder (speculative == "draft")
     prompt_lookup_min: int = 2  # ngram: shortest suffix looked up
     prompt_lookup_max: int = 4  # ngram: longest suffix looked up
-    lora: LoraOptions | None = None  # LoRA adapters (None: --enable-lora is off)
+    lora: LoraConfig | None = None  # LoRA adapters (None: --enable-lora is off)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -91,7 +91,7 @@ class RunnerOptions:
             draft_model=str(Path(spec.draft_model).expanduser()) if spec.draft_model else "",
             prompt_lookup_min=spec.prompt_lookup_min,
             prompt_lookup_max=spec.prompt_lookup_max,
-            lora=LoraOptions.from_flags(config.lora),
+            lora=config.lora if config.lora.enable_lora else None,
         )
 
     @property

@@ -34,11 +34,12 @@ from pathlib import Path
 from typing import Any
 
 from common.config import Config, ConfigError
+from common.lora_config import LoraConfig
 from common.messages.scheduler_worker import StepPlan, StepResult
 from common.messages.types import ModelInfo
 from common.model_paths import synthetic_params
 from gpu_worker.lora.adapter import AdapterSpec, LoraAdapterError, ModelShape
-from gpu_worker.lora.registry import LoraOptions, LoraRegistry, load_start_modules
+from gpu_worker.lora.registry import LoadedAdapterSpecs, load_start_modules
 from gpu_worker.runner.base import PlanRunner
 from gpu_worker.runner.request_table import RequestState, RequestTable
 from gpu_worker.runner.version_table import VersionTable
@@ -65,7 +66,7 @@ class SyntheticRunner(PlanRunner[str]):
         block_size: int = 16,
         dtype: str = "float32",
         max_model_len: int | None = None,
-        lora: LoraOptions | None = None,
+        lora: LoraConfig | None = None,
     ) -> None:
         params = synthetic_params(model_path)
         if params is None:
@@ -86,7 +87,7 @@ class SyntheticRunner(PlanRunner[str]):
         self.delay_s = float(params["delay_ms"]) / 1e3
         self.eos_after = int(params["eos_after"])
         # LoRA adapters: their folders read and checked for real, no weights kept
-        self.loras = LoraRegistry(lora, ModelShape.from_hf(self.config)) if lora else None
+        self.loras = LoadedAdapterSpecs(lora, ModelShape.from_hf(self.config)) if lora else None
         self.requests = RequestTable(
             block_size=block_size,
             num_blocks=self.num_blocks,
@@ -114,7 +115,7 @@ class SyntheticRunner(PlanRunner[str]):
             block_size=config.cache.block_size,
             dtype=m.dtype,
             max_model_len=m.max_model_len or None,
-            lora=LoraOptions.from_flags(config.lora),
+            lora=config.lora if config.lora.enable_lora else None,
         )
 
     def model_info(self) -> ModelInfo:

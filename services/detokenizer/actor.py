@@ -40,7 +40,7 @@ def load_tokenizer(model_dir: Path) -> Tokenizer:
     return Tokenizer.from_file(str(tokenizer_dir(model_dir) / "tokenizer.json"))
 
 
-class _Stream:
+class _DetokStream:
     __slots__ = (
         "detok",
         "fingerprint",
@@ -130,7 +130,7 @@ class DetokenizerActor(Actor):
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
-        self.streams: dict[SeqKey, _Stream] = {}
+        self.streams: dict[SeqKey, _DetokStream] = {}
         self.handlers.update(
             {
                 DetokNew: self._on_new,
@@ -181,7 +181,7 @@ class DetokenizerActor(Actor):
                 min_tokens=min_tokens[i],
                 include_stop_str=include_stop[i],
             )
-            stream = _Stream(detok, msg.num_prompt_tokens[i], fp, tokenizer, stop_token_ids[i])
+            stream = _DetokStream(detok, msg.num_prompt_tokens[i], fp, tokenizer, stop_token_ids[i])
             self.streams[rid, index] = stream
         for rid, fp in unknown.items():
             self._fail(rid, f"no tokenizer with fingerprint {fp!r} is loaded to decode it")

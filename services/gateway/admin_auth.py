@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from common.gguf_meta import is_gguf_file
-from services.gateway.openai.protocol import RequestRejected
+from services.gateway.openai.request_errors import RequestRejected
 
 NO_ADMIN_TOKEN = (
     "no admin token is configured on this server (set --admin-token or "

@@ -37,8 +37,9 @@ from common.messages import (
     UnloadLoraAdapter,
 )
 from common.topology import own_name, router_addr
-from services.scheduler.engine_core import EngineCore, ToDetokenizer, ToGateway, ToWorker
+from services.scheduler.engine_core import EngineCore
 from services.scheduler.engine_view import request_rows, stats
+from services.scheduler.outbox import ToDetokenizer, ToGateway, ToWorker
 from services.scheduler.replica_notices import NoticeBuilder
 
 log = logging.getLogger(__name__)

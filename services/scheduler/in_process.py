@@ -30,7 +30,8 @@ from common.messages import (
     TokenizedRequest,
     UnloadLora,
 )
-from services.scheduler.engine_core import EngineCore, ToDetokenizer, ToGateway, ToWorker
+from services.scheduler.engine_core import EngineCore
+from services.scheduler.outbox import ToDetokenizer, ToGateway, ToWorker
 from services.scheduler.policy import PolicyConfig
 
 SequenceId = tuple[str, int]  # (request id, index of the sequence)

@@ -24,7 +24,7 @@ from services.scheduler.request import Request
 MAX_SKIPS = 32  # schedules a request of a new adapter may be passed in before all wait
 
 
-class Verdict(enum.IntEnum):
+class AdmissionVerdict(enum.IntEnum):
     START = 0  # try to start it now
     SKIP = 1  # leave it waiting, look at the next
     STOP = 2  # nothing more starts this step
@@ -45,16 +45,16 @@ class LoraGate:
         self.active = {r.lora_name for r in running if r.lora_name}
         self._blocked = False
 
-    def verdict(self, req: Request) -> Verdict:
+    def verdict(self, req: Request) -> AdmissionVerdict:
         name = req.lora_name
         if not self.max_loras or not name or name in self.active:
-            return Verdict.START
+            return AdmissionVerdict.START
         if not self._blocked and len(self.active) < self.max_loras:
-            return Verdict.START
+            return AdmissionVerdict.START
         self._blocked = True
         skips = self._skips.get(req.request_id, 0) + 1
         self._skips[req.request_id] = skips
-        return Verdict.STOP if skips > self.max_skips else Verdict.SKIP
+        return AdmissionVerdict.STOP if skips > self.max_skips else AdmissionVerdict.SKIP
 
     def started(self, req: Request) -> None:
         if req.lora_name:

@@ -58,7 +58,7 @@ class Adapter:
         return self.module.name
 
 
-class LoraRegistry:
+class ServedAdapters:
     """The adapters of one replica; see the module docstring."""
 
     def __init__(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from common.messages import StepPlan
-from services.scheduler.policy import SchedulerOutput
+from services.scheduler.step_output import SchedulerOutput
 
 
 def to_plan(step_id: int, out: SchedulerOutput) -> StepPlan:

@@ -22,79 +22,27 @@ is never overwritten before that step is done.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from common.messages import FinishReason
-from common.model_facts import lora_root, salted_root
+from services.scheduler.admission import admit
 from services.scheduler.batching import BatchGate
-
-if TYPE_CHECKING:
-    from common.config import Config
 from services.scheduler.block_manager import BlockManager, HostBlockPool
-from services.scheduler.lora_admission import LoraGate, Verdict
+from services.scheduler.lora_admission import AdmissionVerdict, LoraGate
+from services.scheduler.policy_config import PolicyConfig
 from services.scheduler.queues import WaitingQueue
 from services.scheduler.request import Request, Status
+from services.scheduler.step_output import ScheduledReq, SchedulerOutput
+
+__all__ = ["PolicyConfig", "ScheduledReq", "SchedulerOutput", "SchedulingPolicy"]
 
 
-@dataclasses.dataclass
-class ScheduledReq:
-    request: Request
-    num_new_tokens: int
-    new_block_ids: list[int]
-    num_computed_tokens: int  # before this step
-    samples: bool  # the step reaches the request's last known token and samples the next
-    num_spec_tokens: int = 0  # draft slots after its token (speculative decoding)
+class SchedulingPolicy:
+    """What runs in the next step: the waiting and running queues over one block pool (the
+    algorithm at the top of this file); a waiting request's first blocks come from
+    admission.py."""
 
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledReq] = dataclasses.field(default_factory=list)
-    new_requests: list[Request] = dataclasses.field(default_factory=list)
-    finished_req_ids: list[str] = dataclasses.field(default_factory=list)
-    preempted_req_ids: list[str] = dataclasses.field(default_factory=list)
-    swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (gpu, host)
-    swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (host, gpu)
-    copies: list[tuple[str, int, int, int]] = dataclasses.field(default_factory=list)
-    # copy-on-write: (request, index in its table, source block, new block)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens + s.num_spec_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.scheduled or self.finished_req_ids or self.preempted_req_ids)
-
-
-@dataclasses.dataclass(frozen=True)
-class PolicyConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    watermark: float = 0.01
-    scheduling_policy: str = "fcfs"  # fcfs | priority
-    preemption_mode: str = "recompute"  # recompute | swap
-    batch_policy: str = "continuous"  # continuous | static | dynamic
-    batch_window: float = 0.05
-    static_batch_timeout: float = 1.0
-    num_speculative_tokens: int = 0  # draft slots per decode (0: no speculative decoding)
-    max_loras: int = 0  # distinct LoRA adapters in one step (0: LoRA off, no limit)
-
-    @classmethod
-    def from_config(cls, config: Config) -> PolicyConfig:
-        """The scheduler section's settings, field by field by name (a field added to both
-        cannot be forgotten here), and the draft slots speculative decoding asks for."""
-        section = dataclasses.asdict(config.scheduler)
-        return cls(
-            **{f.name: section[f.name] for f in dataclasses.fields(cls) if f.name in section},
-            num_speculative_tokens=config.speculative.num_tokens,
-            max_loras=config.lora.max_loras if config.lora.enable_lora else 0,
-        )
-
-
-class Scheduler:
     def __init__(
         self,
         blocks: BlockManager,
@@ -288,10 +236,10 @@ class Scheduler:
             if self.paused and req.version is None:
                 break  # a drain: nothing new starts until the swap is done
             verdict = self.lora_gate.verdict(req)  # --max-loras
-            if verdict == Verdict.SKIP:
+            if verdict == AdmissionVerdict.SKIP:
                 i += 1
                 continue
-            num_new = 0 if verdict == Verdict.STOP else self._admit(req, budget, out)
+            num_new = 0 if verdict == AdmissionVerdict.STOP else admit(self, req, budget, out)
             if num_new == 0:
                 break
             self.waiting.remove(req)
@@ -302,80 +250,6 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(self._take(req, num_new, out))
             budget -= num_new
-
-    def _admit(self, req: Request, budget: int, out: SchedulerOutput) -> int:
-        """Give req the blocks it starts with (prefix hits, a fork, swapped-in copies);
-        return the tokens it computes this step, or 0 if it cannot start now."""
-        if req.fork_of is not None:
-            return self._admit_fork(req, budget)
-        if req.is_swapped:
-            return self._admit_swapped(req, budget, out)
-        bm, rid = self.blocks, req.request_id
-        # a request that starts now runs on the version served now, hashed under its root
-        root = req.cache_root if req.version is not None or self.root is None else self.root
-        if req.version is None and self.root is not None:  # (vLLM's cache_salt, the adapter)
-            root = lora_root(salted_root(root, req.cache_salt), req.lora_name, req.lora_hash)
-        # prompt logprobs need the logits of every prompt position, mean pooling (embeddings)
-        # its hidden state: no prefix hits (vLLM disables prefix caching for such requests)
-        every_position = req.sampling.prompt_logprobs is not None or req.sampling.pooling == "mean"
-        hits = [] if every_position else bm.match_prefix(root, req.all_token_ids)
-        cached, take = len(hits) * bm.block_size, bm.num_hit_blocks_to_take(hits)
-        n = min(req.num_tokens - cached, budget)
-        whole = bm.num_blocks_for(req.num_tokens) - len(hits) + take
-        chunk = bm.num_blocks_for(cached + n) - len(hits) + take
-        if n <= 0 or not self._fits(whole, chunk):
-            return 0
-        if req.version is None:
-            req.version, req.cache_root = self.version, root
-        bm.take_prefix(rid, req.cache_root, hits, req.num_prompt_tokens)
-        req.num_computed_tokens = req.num_cached_tokens = cached
-        return n
-
-    def _admit_swapped(self, req: Request, budget: int, out: SchedulerOutput) -> int:
-        n = min(req.num_tokens - req.num_computed_tokens, budget)
-        need = self.blocks.num_blocks_for(req.num_computed_tokens + n)
-        if n <= 0 or not self._fits(need, need):
-            return 0
-        gpu = self.blocks.allocate(req.request_id, req.num_computed_tokens)
-        assert req.host_blocks is not None and len(gpu) == len(req.host_blocks)
-        out.swap_in.extend(zip(req.host_blocks, gpu, strict=True))
-        self.host_pool.free(req.host_blocks)
-        req.host_blocks = None
-        return n
-
-    def _fits(self, whole: int, chunk: int) -> bool:
-        """Admit when the whole prompt fits beside the watermark; on an idle server, when
-        the first chunk fits (so a prompt as large as the pool is never stuck)."""
-        return self.blocks.can_allocate(whole, reserve=self.num_watermark_blocks) or (
-            not self.running and self.blocks.can_allocate(chunk)
-        )
-
-    def _admit_fork(self, req: Request, budget: int) -> int:
-        """n > 1: share the leader's prompt blocks once it has computed all but the last
-        prompt token; each sequence computes that token itself and samples its own."""
-        leader, bm = req.fork_of, self.blocks
-        assert leader is not None
-        k = req.num_prompt_tokens - 1
-        if leader.is_finished or leader.is_swapped or leader.status == Status.WAITING or k == 0:
-            req.fork_of = None  # the leader cannot share now (never waits behind it): alone
-            return self._admit(req, budget, SchedulerOutput())
-        # KV copies run before a step computes, so only KV of earlier steps may be shared
-        ready = (
-            leader.computed_before_step
-            if leader.scheduled_in == self.num_schedules
-            else leader.num_computed_tokens
-        )
-        if leader.status != Status.RUNNING or ready < k:
-            return 0  # wait for the leader's prefill
-        # blocks past the shared ones, plus one for the copy of a shared partial block
-        need = bm.num_blocks_for(req.num_tokens) - bm.num_blocks_for(k) + 1
-        if not self._fits(need, need):
-            return 0
-        bm.fork(leader.request_id, req.request_id, k)
-        req.version, req.cache_root = leader.version, leader.cache_root
-        req.num_computed_tokens = req.num_cached_tokens = k
-        req.fork_of = None
-        return min(req.num_tokens - k, budget)
 
     def _take(
         self, req: Request, num_new: int, out: SchedulerOutput, spec: int = 0

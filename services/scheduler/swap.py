@@ -25,7 +25,7 @@ from common.messages import (
     SwapResult,
     UnloadModel,
 )
-from services.scheduler.policy import Scheduler
+from services.scheduler.policy import SchedulingPolicy
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class SwapCoordinator:
             "elapsed_s": round(time.monotonic() - self.swap.started, 3),
         }
 
-    def start(self, msg: SwapModel, policy: Scheduler) -> None:
+    def start(self, msg: SwapModel, policy: SchedulingPolicy) -> None:
         if self.swap is not None:
             self.reply(
                 msg.reply_to,
@@ -82,7 +82,7 @@ class SwapCoordinator:
         else:
             self.send_worker(LoadModel(path=msg.path, version=msg.version, mode="overlap"))
 
-    def advance(self, policy: Scheduler, in_flight: bool) -> None:
+    def advance(self, policy: SchedulingPolicy, in_flight: bool) -> None:
         """Move on when the requests the current phase waits for have finished."""
         s = self.swap
         if s is None:
@@ -96,7 +96,7 @@ class SwapCoordinator:
             self._done(policy, ok=True)
 
     def on_loaded(
-        self, msg: ModelLoaded, policy: Scheduler, adopt: Callable[[ModelInfo], None]
+        self, msg: ModelLoaded, policy: SchedulingPolicy, adopt: Callable[[ModelInfo], None]
     ) -> None:
         """The worker's answer to LoadModel: `adopt` installs the new version's info."""
         s = self.swap
@@ -117,7 +117,7 @@ class SwapCoordinator:
             s.phase = "retiring"
             self.advance(policy, in_flight=True)
 
-    def _done(self, policy: Scheduler, ok: bool, error: str = "") -> None:
+    def _done(self, policy: SchedulingPolicy, ok: bool, error: str = "") -> None:
         s = self.swap
         assert s is not None
         policy.paused = False

@@ -14,12 +14,11 @@ import pytest
 
 from common.messages import SamplingParams
 from common.prepare_model import prepare_default_model
-from gpu_worker.lora.registry import LoraOptions
 from gpu_worker.runner.model_runner import ModelRunner
 from gpu_worker.runner.options import RunnerOptions
 from services.scheduler.policy import PolicyConfig
 from tests.engine import LocalEngine
-from tests.lora_adapters import make_adapter, peft_model
+from tests.lora_adapters import lora_config, make_adapter, peft_model
 from tests.reference import greedy, hf_greedy
 from tests.tiny_models import make_tiny_model
 
@@ -84,7 +83,7 @@ def expected(tiny_dir: str, adapters: dict[str, str], prompts: list[list[int]]) 
 
 @pytest.fixture(scope="module")
 def runner(tiny_dir: str, adapters: dict[str, str]) -> ModelRunner:
-    options = LoraOptions(max_loras=3, max_lora_rank=16, modules=tuple(adapters.items()))
+    options = lora_config(adapters.items(), max_loras=3, max_lora_rank=16)
     return ModelRunner(
         tiny_dir,
         RunnerOptions(
@@ -174,7 +173,7 @@ def test_smollm2_with_two_adapters_and_the_base_model(tmp_path: Path) -> None:
             scale=0.2,
         )
     )
-    options = LoraOptions(max_loras=2, max_lora_rank=16, modules=(("a", a), ("b", b)))
+    options = lora_config((("a", a), ("b", b)), max_loras=2, max_lora_rank=16)
     runner = ModelRunner(
         model_dir,
         RunnerOptions(block_size=16, kv_cache_memory_gib=0.1, num_threads=2, lora=options),
@@ -199,7 +198,7 @@ def test_a_hot_swapped_version_has_slots_of_its_own(
     first = str(make_tiny_model(tmp_path / "v1", "llama", seed=3))
     second = str(make_tiny_model(tmp_path / "v2", "llama", seed=4))
     folder = adapters["all-r8"]
-    options = LoraOptions(max_loras=2, max_lora_rank=16, modules=(("x", folder),))
+    options = lora_config((("x", folder),), max_loras=2, max_lora_rank=16)
     runner = ModelRunner(
         first, RunnerOptions(block_size=4, num_blocks=256, num_threads=1, lora=options)
     )
@@ -257,7 +256,7 @@ def test_other_architectures(tmp_path: Path, arch: str, prompts: list[list[int]]
     (mistral): an all-target adapter beside a base request."""
     model = str(make_tiny_model(tmp_path / arch, arch))
     folder = str(make_adapter(model, tmp_path / "a", r=8, target_modules=ALL, seed=7))
-    options = LoraOptions(max_lora_rank=8, modules=(("a", folder),))
+    options = lora_config((("a", folder),), max_lora_rank=8)
     runner = ModelRunner(
         model, RunnerOptions(block_size=4, num_blocks=256, num_threads=1, lora=options)
     )
@@ -276,7 +275,7 @@ def test_ngram_drafts_are_verified_with_the_adapter(
     tokens come out through speculation (the scheduler may refuse adapters with it; the
     worker does not need to)."""
     folder = adapters["all-r8"]
-    options = LoraOptions(max_lora_rank=16, modules=(("a", folder),))
+    options = lora_config((("a", folder),), max_lora_rank=16)
     runner = ModelRunner(
         tiny_dir,
         RunnerOptions(

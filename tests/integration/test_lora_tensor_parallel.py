@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from common.messages import SamplingParams
-from tests.lora_adapters import make_adapter, peft_model
+from tests.lora_adapters import lora_config, make_adapter, peft_model
 from tests.reference import greedy, hf_greedy
 from tests.tiny_models import make_tiny_model
 
@@ -31,7 +31,6 @@ def _rank_main(
 ) -> None:
     """One rank: join the group, build its runner, serve every prompt with its adapter."""
     from gpu_worker.distributed.tensor_parallel import join_group
-    from gpu_worker.lora.registry import LoraOptions
     from gpu_worker.runner.model_runner import ModelRunner
     from gpu_worker.runner.options import RunnerOptions
     from services.scheduler.policy import PolicyConfig
@@ -39,7 +38,7 @@ def _rank_main(
 
     try:
         tp = join_group(rank, 2, addr, "cpu")
-        options = LoraOptions(max_loras=2, max_lora_rank=8, modules=tuple(adapters.items()))
+        options = lora_config(adapters.items(), max_loras=2, max_lora_rank=8)
         runner = ModelRunner(
             model, RunnerOptions(block_size=4, num_blocks=128, num_threads=1, lora=options), tp=tp
         )

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from common.messages import SamplingParams
 from gpu_worker.runner.model_runner import ModelRunner
 from gpu_worker.runner.options import RunnerOptions
-from services.scheduler.engine_core import sequence_key
+from services.scheduler.intake import sequence_key
 from tests.integration.test_scheduler_parity import _engine, _reference
 
 NUM_NEW = 24

@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from tools.benchmarks.baselines import hf_baseline  # noqa: E402
-from tools.benchmarks.load import INF, Extras, Progress, run_load  # noqa: E402
+from tools.benchmarks.load import INF, Extras, ProgressLine, run_load  # noqa: E402
 from tools.benchmarks.peers import add_flags as add_compare_flags  # noqa: E402
 from tools.benchmarks.report import Slo, per_request, print_report, summarize  # noqa: E402
 from tools.benchmarks.workload import Workload, load_jsonl, make_workload  # noqa: E402
@@ -64,7 +64,7 @@ def run_rates(url: str, args: argparse.Namespace, wl: Workload, slo: Slo) -> lis
     runs = []
     for rate in rates:
         label = f"rate {rate:g}/s " if len(rates) > 1 else ""
-        progress = Progress(len(wl.prompts), label, not args.no_progress)
+        progress = ProgressLine(len(wl.prompts), label, not args.no_progress)
         timings, dur, peak = asyncio.run(
             run_load(
                 url,

@@ -26,7 +26,7 @@ from tools.benchmarks.workload import Workload
 INF = float("inf")
 
 
-class Progress:
+class ProgressLine:
     """One stderr line, redrawn at most 5 times a second: done/total, failures, tokens."""
 
     def __init__(self, total: int, label: str = "", enabled: bool = True) -> None:
@@ -164,7 +164,7 @@ async def run_load(
     concurrency: int,
     rate: float,
     seed: int,
-    progress: Progress | None = None,
+    progress: ProgressLine | None = None,
     lean: bool = True,
     extras: Extras | None = None,
 ) -> tuple[list[Timing], float, int]:

@@ -31,12 +31,8 @@ from proto import shuttle_pb2 as pb
 from services.gateway.engine.client import EngineClient, OutputDelta, TokenLogprob
 from services.gateway.openai.chat_protocol import ChatCompletionRequest
 from services.gateway.openai.completions_protocol import CompletionRequest
-from services.gateway.openai.protocol import (
-    REQUEST_ID_PATTERN,
-    RequestRejected,
-    lora_of,
-    validate_request,
-)
+from services.gateway.openai.protocol import REQUEST_ID_PATTERN, lora_of
+from services.gateway.openai.request_errors import RequestRejected, validate_request
 from services.gateway.openai.tool_stream import ToolStream
 from services.gateway.openai.tools import ToolCall, ToolPlan
 

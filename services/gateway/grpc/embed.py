@@ -13,7 +13,8 @@ from proto import shuttle_pb2 as pb
 from services.gateway.engine.client import EngineClient, OutputDelta
 from services.gateway.grpc.convert import check_request_id, refuse_unknown_fields
 from services.gateway.openai.embeddings import EmbeddingRequest, shape_vector
-from services.gateway.openai.protocol import check_model, validate_request
+from services.gateway.openai.protocol import check_model
+from services.gateway.openai.request_errors import validate_request
 
 REQUEST_ID_PREFIX = "embd-"
 RENAMES = {"input": "inputs", "X-Request-Id": "request_id"}

@@ -59,7 +59,7 @@ from services.gateway.grpc.embed import (
     to_embedding_request,
     to_engine_requests,
 )
-from services.gateway.openai.protocol import RequestRejected
+from services.gateway.openai.request_errors import RequestRejected
 from services.gateway.openai.tool_stream import ToolStream
 from services.gateway.openai.tools import ToolPlan
 

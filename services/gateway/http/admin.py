@@ -31,7 +31,7 @@ from services.gateway.admin_auth import (
     resolve_model_folder,
 )
 from services.gateway.engine.client import EngineClient
-from services.gateway.openai.protocol import RequestRejected
+from services.gateway.openai.request_errors import RequestRejected
 
 
 def admin_router(

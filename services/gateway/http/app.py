@@ -73,7 +73,8 @@ from services.gateway.openai.best_of import best_choices
 from services.gateway.openai.chat_protocol import ChatCompletionRequest
 from services.gateway.openai.completions_protocol import CompletionRequest
 from services.gateway.openai.logprobs import ChoiceLogprobs
-from services.gateway.openai.protocol import RequestRejected, lora_of, parse_request
+from services.gateway.openai.protocol import lora_of
+from services.gateway.openai.request_errors import RequestRejected, parse_request
 from services.gateway.openai.token_output import shaped
 
 T = TypeVar("T")

@@ -24,7 +24,8 @@ import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.gateway.http.errors import error_type
-from services.gateway.openai.protocol import REQUEST_ID_PATTERN, RequestRejected
+from services.gateway.openai.protocol import REQUEST_ID_PATTERN
+from services.gateway.openai.request_errors import RequestRejected
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT_S = 30.0

@@ -26,7 +26,8 @@ from services.gateway.openai.embeddings import (
     encode_vector,
     shape_vector,
 )
-from services.gateway.openai.protocol import check_model, parse_request
+from services.gateway.openai.protocol import check_model
+from services.gateway.openai.request_errors import parse_request
 
 ID_PREFIX = "embd-"  # vLLM's
 

@@ -16,7 +16,8 @@ from starlette.responses import Response
 from services.gateway.engine.client import RequestFailed
 from services.gateway.http.access_log import note_refusal
 from services.gateway.http.deltas import ClientGone
-from services.gateway.openai.protocol import REQUEST_ID_PATTERN, RequestRejected, describe_error
+from services.gateway.openai.protocol import REQUEST_ID_PATTERN
+from services.gateway.openai.request_errors import RequestRejected, describe_error
 
 REQUEST_ID_HEADER = "X-Request-Id"
 _CLIENT_GONE = 499  # nginx's "client closed request"; nobody reads it, logs do

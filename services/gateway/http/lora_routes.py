@@ -24,7 +24,7 @@ from common.messages import LoraAdapterResult
 from services.gateway.admin_auth import resolve_adapter_folder
 from services.gateway.engine.client import EngineClient
 from services.gateway.http.admin import require_admin
-from services.gateway.openai.protocol import RequestRejected
+from services.gateway.openai.request_errors import RequestRejected
 
 
 def lora_router(

@@ -51,14 +51,9 @@ from services.gateway.http.response_store import ResponseStore, StoredResponse
 from services.gateway.http.responses_stream import stream_events
 from services.gateway.http.streaming import SseResponse
 from services.gateway.openai.chat_protocol import ChatCompletionRequest
-from services.gateway.openai.protocol import (
-    REQUEST_ID_PATTERN,
-    RequestRejected,
-    lora_of,
-    parse_request,
-    validate_request,
-)
+from services.gateway.openai.protocol import REQUEST_ID_PATTERN, lora_of
 from services.gateway.openai.reasoning import split_reasoning
+from services.gateway.openai.request_errors import RequestRejected, parse_request, validate_request
 from services.gateway.openai.responses_items import assistant_turn, output_items, reasoning_item
 from services.gateway.openai.responses_protocol import (
     ResponsesRequest,

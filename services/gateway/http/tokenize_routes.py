@@ -33,7 +33,8 @@ from services.gateway.openai.chat_protocol import (
     bounded_template_kwargs,
     trusted_chat_template,
 )
-from services.gateway.openai.protocol import RequestRejected, TokenId, lora_of, parse_request
+from services.gateway.openai.protocol import TokenId, lora_of
+from services.gateway.openai.request_errors import RequestRejected, parse_request
 from services.gateway.openai.structured import StructuredError
 from services.gateway.openai.tools import check_tools
 from services.gateway.openai.unknown_fields import check_unknown

@@ -1,5 +1,5 @@
 """The body of POST /v1/chat/completions and its conversion to a `GenerateRequest`: the fields
-every generate body shares, their parsing and their limits are services/gateway/openai/protocol.py's
+every generate body shares, their checks and their limits are services/gateway/openai/protocol.py's
 (its docstring says how strict parsing is, the defaults and the limits); here what chat adds:
 `messages`, `max_completion_tokens`, tools, the chat template and its kwargs, `logprobs` /
 `top_logprobs`, vLLM's `add_generation_prompt`, `continue_final_message` and `echo`."""
@@ -24,13 +24,7 @@ from common.limits import (
 )
 from common.messages import GenerateRequest
 from services.gateway.openai.chat_messages import ChatMessage
-from services.gateway.openai.protocol import (
-    MaxTokens,
-    NumLogprobs,
-    RequestRejected,
-    _CommonRequest,
-    _refuse,
-)
+from services.gateway.openai.protocol import MaxTokens, NumLogprobs, _CommonRequest, _refuse
 from services.gateway.openai.reasoning import THINK_END
 from services.gateway.openai.refused import (
     IGNORED_FIELDS,
@@ -38,6 +32,7 @@ from services.gateway.openai.refused import (
     check_disjoint,
     refuse_unsupported,
 )
+from services.gateway.openai.request_errors import RequestRejected
 from services.gateway.openai.structured import (
     StructuredError,
 )

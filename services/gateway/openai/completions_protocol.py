@@ -1,5 +1,5 @@
 """The body of POST /v1/completions and its conversion to engine requests: the fields every
-generate body shares, their parsing and their limits are services/gateway/openai/protocol.py's;
+generate body shares, their checks and their limits are services/gateway/openai/protocol.py's;
 here what completions add: `prompt` as a batch (at most MAX_PROMPTS strings or token-id lists,
 each its own engine request; `prompt_batch` also reads embeddings' `input`), `echo`,
 `logprobs` as a count, `best_of`, and the refusal of `suffix`."""

@@ -29,8 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from common.limits import INT32_MAX, MAX_EMBEDDING_INPUTS
 from common.messages import GenerateRequest, SamplingParams
 from services.gateway.openai.completions_protocol import prompt_batch
-from services.gateway.openai.protocol import RequestRejected
 from services.gateway.openai.refused import IGNORED_FIELDS, REFUSED_EMBEDDING, refuse_unsupported
+from services.gateway.openai.request_errors import RequestRejected
 from services.gateway.openai.unknown_fields import check_unknown
 
 Input = str | list[int]

@@ -23,8 +23,9 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
-from services.gateway.openai.protocol import MaxTokens, RequestRejected, Temperature, TopP
+from services.gateway.openai.protocol import MaxTokens, Temperature, TopP
 from services.gateway.openai.refused import ANY, check_disjoint, refuse_unsupported
+from services.gateway.openai.request_errors import RequestRejected
 from services.gateway.openai.unknown_fields import check_unknown
 
 _STRICT = ConfigDict(strict=True, extra="ignore")

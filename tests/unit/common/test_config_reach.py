@@ -1,10 +1,11 @@
 """Every `shuttle serve` flag reaches the code that uses it.
 
 Two checks. (1) Every leaf field of the config tree is read somewhere in the serving code
-(an attribute access outside common/config.py): a flag nobody reads fails here. (2) The
-settings the worker's runner and the scheduler's engine take are checked end to end: a
-config with a non-default value in each field, parsed from `shuttle serve` flags, builds
-the runner's arguments and the engine's policy, and each value arrives.
+(an attribute access outside common/config.py and the section modules split from it, where
+fields are only validated): a flag nobody reads fails here. (2) The settings the worker's
+runner and the scheduler's engine take are checked end to end: a config with a non-default
+value in each field, parsed from `shuttle serve` flags, builds the runner's arguments and
+the engine's policy, and each value arrives.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ from tests.unit.services.scheduler.test_engine_core import Outbox, _info
 
 REPO = Path(__file__).resolve().parents[3]
 SERVING = ("common", "services", "gpu_worker")
+# where sections are defined and validated: a field read only there is read by nobody
+DEFINING = {
+    REPO / "common" / name for name in ("config.py", "speculative_config.py", "parallel_config.py")
+}
 
 
 def _leaf_fields() -> list[tuple[str, str]]:
@@ -43,7 +48,7 @@ def _attributes_read() -> set[str]:
     names: set[str] = set()
     for folder in SERVING:
         for path in (REPO / folder).rglob("*.py"):
-            if path.name.endswith("_pb2.py") or path == REPO / "common" / "config.py":
+            if path.name.endswith("_pb2.py") or path in DEFINING:
                 continue
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.Attribute):
@@ -117,7 +122,7 @@ def config() -> Config:
 
 
 def test_runner_settings_reach_the_model_runner(config: Config, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from gpu_worker.lora.registry import LoraOptions
+    from common.lora_config import LoraConfig
     from gpu_worker.runner.model_runner import ModelRunner
     from gpu_worker.runner.options import RunnerOptions
 
@@ -151,7 +156,14 @@ def test_runner_settings_reach_the_model_runner(config: Config, monkeypatch) -> 
             draft_model="",
             prompt_lookup_min=3,
             prompt_lookup_max=5,
-            lora=LoraOptions(3, 32, 5, (("a", "/a"),), dtype="bfloat16"),
+            lora=LoraConfig(
+                enable_lora=True,
+                lora_modules="a=/a",
+                max_loras=3,
+                max_lora_rank=32,
+                max_cpu_loras=5,
+                lora_dtype="bfloat16",
+            ),
         ),
         "tp": None,  # a single worker: no tensor-parallel group
         "progress": None,  # the worker passes its report_progress
@@ -172,7 +184,7 @@ def test_scheduler_settings_reach_the_engine(config: Config) -> None:
         num_speculative_tokens=6,
         max_loras=3,
     )
-    assert core.max_in_flight == 1  # --no-async-scheduling (and speculation)
+    assert core.window.max_in_flight == 1  # --no-async-scheduling (and speculation)
     core.on_worker_ready(_info("v", num_blocks=16, block_size=8, max_model_len=77, model_name="m"))
     assert core.policy is not None and not core.policy.blocks.enable_prefix_caching
     for rid in ("a", "b"):  # --max-waiting 1: the second queued request is refused

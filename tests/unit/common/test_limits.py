@@ -18,7 +18,7 @@ from common.limits import (
 )
 from common.messages import SamplingParams
 from services.gateway.openai.chat_protocol import ChatCompletionRequest
-from services.gateway.openai.protocol import RequestRejected, parse_request
+from services.gateway.openai.request_errors import RequestRejected, parse_request
 from services.tokenizer.validate import InvalidRequest, check_sampling
 
 

@@ -14,16 +14,15 @@ from gpu_worker.attention import AttentionMetadata
 from gpu_worker.lora.adapter import WEIGHTS_FILE, LoraAdapterError
 from gpu_worker.lora.layer import LoraLinearMethod, LoraMapping
 from gpu_worker.lora.manager import LoraManager, SkipWhenLoraActive
-from gpu_worker.lora.registry import LoraOptions
 from gpu_worker.models.llama import LlamaModel
 from gpu_worker.runner.model_runner import ModelRunner
 from gpu_worker.runner.options import RunnerOptions
-from tests.lora_adapters import make_adapter
+from tests.lora_adapters import lora_config, make_adapter
 from tests.tiny_models import make_tiny_model
 
 
 def _runner(tiny_dir: Path, **options: int) -> ModelRunner:
-    opts = LoraOptions(**{"max_loras": 2, "max_lora_rank": 8, **options})
+    opts = lora_config(**{"max_loras": 2, "max_lora_rank": 8, **options})
     return ModelRunner(str(tiny_dir), RunnerOptions(block_size=4, num_blocks=8, lora=opts))
 
 
@@ -225,7 +224,7 @@ def test_lora_dtype_bfloat16_keeps_the_slots_in_bfloat16_with_the_adapters_value
         RunnerOptions(
             block_size=4,
             num_blocks=8,
-            lora=LoraOptions(max_loras=2, max_lora_rank=8, dtype="bfloat16"),
+            lora=lora_config(max_loras=2, max_lora_rank=8, lora_dtype="bfloat16"),
         ),
     )
     for runner in (wide, half):

@@ -4,7 +4,6 @@ start, and plans naming adapters (recorded per request, refused when not loaded)
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 import pytest
 
 from common.config import Config
+from common.lora_config import LoraConfig
 from common.messages import (
     LoadLora,
     LoadModel,
@@ -22,15 +22,15 @@ from common.messages import (
 )
 from common.model_paths import prepare_synthetic_folder
 from gpu_worker.lora.adapter import LoraAdapterError
-from gpu_worker.lora.registry import LoraOptions
 from gpu_worker.runner.model_runner import ModelRunner
 from gpu_worker.runner.options import RunnerOptions
 from gpu_worker.runner.synthetic import SyntheticRunner
 from gpu_worker.worker import WorkerActor
+from tests.lora_adapters import lora_config
 from tests.tiny_models import make_tiny_model, make_tiny_model_own_vocab
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-Make = Callable[[LoraOptions | None], ModelRunner | SyntheticRunner]
+Make = Callable[[LoraConfig | None], ModelRunner | SyntheticRunner]
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def _plan(step: int, lora: str) -> StepPlan:
 def test_start_modules_load_and_the_worker_loads_and_unloads(
     make_runner: Make, tmp_path: Path, adapter_dir: Path, rslora_dir: Path
 ) -> None:
-    options = LoraOptions(max_loras=2, max_lora_rank=8, modules=(("a", str(adapter_dir)),))
+    options = lora_config((("a", str(adapter_dir)),), max_loras=2, max_lora_rank=8)
     runner = make_runner(options)
     info = runner.model_info()
     assert (info.max_loras, info.max_lora_rank, info.lora_names) == (2, 8, ["a"])
@@ -106,7 +106,7 @@ def test_start_modules_load_and_the_worker_loads_and_unloads(
 def test_a_plan_records_the_adapter_and_refuses_one_not_loaded(
     make_runner: Make, adapter_dir: Path
 ) -> None:
-    runner = make_runner(LoraOptions(max_lora_rank=8, modules=(("a", str(adapter_dir)),)))
+    runner = make_runner(lora_config((("a", str(adapter_dir)),), max_lora_rank=8))
     result = runner.execute(_plan(0, "a"))
     assert result.req_ids == ["r"] and runner.requests.get("r").lora_name == "a"  # type: ignore[union-attr]
     runner.reset()
@@ -118,47 +118,15 @@ def test_a_plan_records_the_adapter_and_refuses_one_not_loaded(
     assert off.model_info().max_loras == 0 and off.model_info().lora_names == []
 
 
-def test_bad_options_fail_at_start() -> None:
-    with pytest.raises(ValueError, match="--max-cpu-loras"):
-        LoraOptions(max_loras=4, max_cpu_loras=2)
-    with pytest.raises(ValueError, match="--max-loras"):
-        LoraOptions(max_loras=0)
-    with pytest.raises(ValueError, match="unique"):
-        LoraOptions(modules=(("a", "/x"), ("a", "/y")))
-
-
 def test_a_refused_start_module_is_logged_and_the_rest_serve(
     make_runner: Make, tmp_path: Path, adapter_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     bad = tmp_path / "bad"
     bad.mkdir()
     modules = (("bad", str(bad)), ("a", str(adapter_dir)))
-    runner = make_runner(LoraOptions(max_lora_rank=8, modules=modules))
+    runner = make_runner(lora_config(modules, max_lora_rank=8))
     assert runner.model_info().lora_names == ["a"]
     assert f"{bad}/adapter_config.json: missing" in caplog.text
-
-
-@dataclasses.dataclass(frozen=True)
-class _Module:
-    name: str
-    path: str
-
-
-@dataclasses.dataclass(frozen=True)
-class _Flags:
-    """The shape of the config's LoRA section (common/lora_config.py)."""
-
-    enable_lora: bool = True
-    max_loras: int = 2
-    max_lora_rank: int = 16
-    max_cpu_loras: int = 0
-    lora_dtype: str = "auto"
-    modules: tuple[_Module, ...] = (_Module("a", "/adapters/a"),)
-
-
-def test_options_come_from_the_config_section() -> None:
-    assert LoraOptions.from_flags(_Flags()) == LoraOptions(2, 16, 0, (("a", "/adapters/a"),))
-    assert LoraOptions.from_flags(_Flags(enable_lora=False)) is None
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +140,7 @@ def wide_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_adapters_are_checked_against_the_model_served_now(
     tiny_dir: Path, wide_dir: Path, adapter_dir: Path
 ) -> None:
-    options = LoraOptions(max_lora_rank=8, modules=(("a", str(adapter_dir)),))
+    options = lora_config((("a", str(adapter_dir)),), max_lora_rank=8)
     runner = ModelRunner(str(tiny_dir), RunnerOptions(block_size=4, num_blocks=16, lora=options))
     runner.set_default_version(runner.load_version(str(wide_dir)))
     with pytest.raises(
@@ -186,7 +154,7 @@ def test_adapters_are_checked_against_the_model_served_now(
 def test_a_drain_swap_keeps_the_adapters_that_fit_the_new_model(
     tmp_path: Path, tiny_dir: Path, wide_dir: Path, adapter_dir: Path, rslora_dir: Path
 ) -> None:
-    options = LoraOptions(max_lora_rank=8, modules=(("a", str(adapter_dir)),))
+    options = lora_config((("a", str(adapter_dir)),), max_lora_rank=8)
 
     def build(path: str) -> ModelRunner:  # the worker's builder with LoRA on (the config's
         return ModelRunner(

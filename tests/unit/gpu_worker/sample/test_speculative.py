@@ -9,7 +9,7 @@ import torch
 from common.messages import SamplingParams
 from gpu_worker.sample.speculative import ngram_propose, verify
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.policy import PolicyConfig, Scheduler
+from services.scheduler.policy import PolicyConfig, SchedulingPolicy
 from services.scheduler.request import Request
 
 # chi-square critical values at alpha = 0.001 by degrees of freedom
@@ -124,8 +124,10 @@ def test_sampled_point_mass_drafts_keep_the_target_distribution() -> None:
 
 
 # --- the scheduler's draft slots --------------------------------------------------------------
-def _decoding(k: int, num_blocks: int = 32, max_tokens: int = 20) -> tuple[Scheduler, Request]:
-    s = Scheduler(BlockManager(num_blocks, 4), PolicyConfig(num_speculative_tokens=k))
+def _decoding(
+    k: int, num_blocks: int = 32, max_tokens: int = 20
+) -> tuple[SchedulingPolicy, Request]:
+    s = SchedulingPolicy(BlockManager(num_blocks, 4), PolicyConfig(num_speculative_tokens=k))
     req = Request(
         "r", list(range(100, 106)), SamplingParams(max_tokens=max_tokens, temperature=0.0)
     )
@@ -162,7 +164,7 @@ def test_draft_slots_never_exceed_what_the_request_may_still_produce() -> None:
 
 
 def test_tokens_after_a_stop_token_are_dropped() -> None:
-    s = Scheduler(BlockManager(32, 4), PolicyConfig(num_speculative_tokens=4))
+    s = SchedulingPolicy(BlockManager(32, 4), PolicyConfig(num_speculative_tokens=4))
     req = Request("r", [1, 2, 3], SamplingParams(max_tokens=20, temperature=0.0), eos_token_ids=[2])
     s.add(req)
     s.schedule()
@@ -194,7 +196,7 @@ def test_requests_with_drafts_in_flight_are_not_planned_again_nor_preempted() ->
 def test_requests_with_logits_controls_or_logprobs_get_no_draft_slots() -> None:
     """Drafts are verified without penalties, bias, min_tokens or bad words; min_p, a
     sampling filter that verification applies, keeps its slots."""
-    s = Scheduler(BlockManager(32, 4), PolicyConfig(num_speculative_tokens=3))
+    s = SchedulingPolicy(BlockManager(32, 4), PolicyConfig(num_speculative_tokens=3))
     kinds = {
         "penalty": SamplingParams(max_tokens=9, temperature=0.0, presence_penalty=0.5),
         "bias": SamplingParams(

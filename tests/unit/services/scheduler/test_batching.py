@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from common.messages import SamplingParams
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.policy import PolicyConfig, Scheduler
+from services.scheduler.policy import PolicyConfig, SchedulingPolicy
 from services.scheduler.request import Request
 
 
@@ -20,7 +20,7 @@ class Clock:
         return self.now
 
 
-def _sched(policy: str, clock: Clock, seqs: int = 3) -> Scheduler:
+def _sched(policy: str, clock: Clock, seqs: int = 3) -> SchedulingPolicy:
     config = PolicyConfig(
         max_num_seqs=seqs,
         max_num_batched_tokens=64,
@@ -29,16 +29,16 @@ def _sched(policy: str, clock: Clock, seqs: int = 3) -> Scheduler:
         batch_window=0.2,
         static_batch_timeout=1.0,
     )
-    return Scheduler(BlockManager(64, 4), config, clock=clock)
+    return SchedulingPolicy(BlockManager(64, 4), config, clock=clock)
 
 
-def _add(s: Scheduler, rid: str, max_tokens: int = 2) -> None:
+def _add(s: SchedulingPolicy, rid: str, max_tokens: int = 2) -> None:
     base = 100 * (sum(map(ord, rid)) % 50)  # distinct prompts: no prefix-cache hits
     prompt = list(range(base + 1, base + 5))
     s.add(Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0)))
 
 
-def _step(s: Scheduler) -> list[str]:
+def _step(s: SchedulingPolicy) -> list[str]:
     """One step; every request that samples gets a token. Returns the newly admitted ids."""
     running_before = {r.request_id for r in s.running}
     out = s.schedule()
@@ -49,7 +49,7 @@ def _step(s: Scheduler) -> list[str]:
     )
 
 
-def _run_until_idle(s: Scheduler) -> None:
+def _run_until_idle(s: SchedulingPolicy) -> None:
     while s.running:
         _step(s)
 

@@ -7,14 +7,14 @@ from __future__ import annotations
 from common.messages import SamplingParams
 from common.model_facts import salted_root
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.policy import PolicyConfig, Scheduler
+from services.scheduler.policy import PolicyConfig, SchedulingPolicy
 from services.scheduler.request import Request
 
 PROMPT = list(range(100, 117))  # 4 full blocks of 4, and one token more
 ROOT = 12345
 
 
-def _finish(s: Scheduler, rid: str, salt: str) -> Request:
+def _finish(s: SchedulingPolicy, rid: str, salt: str) -> Request:
     """Run one request of PROMPT with `salt` to its end; return it."""
     req = Request(rid, PROMPT, SamplingParams(max_tokens=1, temperature=0.0), cache_salt=salt)
     s.add(req)
@@ -26,7 +26,7 @@ def _finish(s: Scheduler, rid: str, salt: str) -> Request:
 
 
 def test_only_requests_with_the_same_salt_share_prefix_blocks() -> None:
-    s = Scheduler(BlockManager(64, 4), PolicyConfig(watermark=0.0))
+    s = SchedulingPolicy(BlockManager(64, 4), PolicyConfig(watermark=0.0))
     s.set_version("v1", ROOT)
     assert _finish(s, "a", "").num_cached_tokens == 0
     assert _finish(s, "b", "").num_cached_tokens == 16  # unsalted: shared

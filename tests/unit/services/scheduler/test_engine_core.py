@@ -1,7 +1,7 @@
-"""EngineCore with no processes and no model: n > 1 groups with structured ids, hot-swap
-states (overlap and drain, a tokenizer that changes), worker restarts, admission errors.
-A fake worker answers each plan: every sequence that reaches its last known token samples
-token 7."""
+"""EngineCore with no processes and no model: the served model, hot-swap states (overlap and
+drain, a tokenizer that changes), worker restarts, aborts (intake: test_intake.py; what the
+detokenizer hears: test_detok_messages.py). A fake worker answers each plan: every sequence
+that reaches its last known token samples token 7."""
 
 from __future__ import annotations
 
@@ -27,14 +27,10 @@ from common.messages import (
     TokenizedRequest,
     UnloadModel,
 )
-from services.scheduler.engine_core import (
-    EngineCore,
-    ToDetokenizer,
-    ToGateway,
-    ToWorker,
-    sequence_key,
-)
+from services.scheduler.engine_core import EngineCore
 from services.scheduler.engine_view import request_rows
+from services.scheduler.intake import sequence_key
+from services.scheduler.outbox import ToDetokenizer, ToGateway, ToWorker
 
 TOKEN = 7
 
@@ -128,7 +124,7 @@ def _run(core: EngineCore, out: Outbox, max_steps: int = 100) -> None:
     """Step until nothing is left to plan or wait for (the worker answers at once)."""
     for _ in range(max_steps):
         core.step()
-        waiting = {s.step_id for s in core.in_flight}
+        waiting = {s.step_id for s in core.window.in_flight}
         pending = [p for p in out.of(StepPlan) if p.step_id in waiting]
         if not pending:
             return
@@ -151,29 +147,6 @@ def test_first_ready_announces_the_served_model() -> None:
     assert (changed.name, changed.version, changed.tokenizer_fingerprint) == ("m", "v1", "tok-a")
     assert (changed.path, changed.vocab_size, changed.max_model_len) == ("/models/v1", 100, 128)
     assert core.is_ready and not core.has_work
-
-
-def test_n_sequences_are_one_group_with_indices() -> None:
-    core, out = _core()
-    core.add(_request("req#1", n=3))  # a '#' in a client id means nothing
-    (new,) = out.of(DetokNew)
-    assert new.request_ids == ["req#1"] * 3 and new.seq_indices == [0, 1, 2]
-    assert new.tokenizers == ["tok-a"] * 3
-    assert sorted(core.policy.requests) == sorted(sequence_key("req#1", i) for i in range(3))
-    _run(core, out)
-    assert _tokens(out) == {("req#1", i): [TOKEN] * 3 for i in range(3)}
-    assert not core.groups and not core.policy.requests
-    core.policy.check_idle()
-
-
-def test_the_detokenizer_hears_min_tokens_for_its_stop_strings() -> None:
-    core, out = _core()
-    core.add(_request("plain"))
-    sampling = SamplingParams(max_tokens=5, min_tokens=3, stop=["x"], n=2)
-    core.add(dataclasses.replace(_request("held"), sampling=sampling))
-    plain, held = out.of(DetokNew)
-    assert plain.min_tokens == []  # (none asked: the field stays empty)
-    assert held.min_tokens == [3, 3] and held.stop == [["x"], ["x"]]
 
 
 def test_plans_carry_the_stop_ids_min_tokens_masks() -> None:
@@ -227,21 +200,6 @@ def test_abort_ends_every_sequence_or_one() -> None:
     core.policy.check_idle()
 
 
-def test_admission_errors_name_the_field() -> None:
-    core, out = _core()
-    core.add(_request("long", prompt=list(range(3, 131))))
-    core.add(_request("vocab", prompt=[5, 6, 100]))
-    core.add(_request("ok"))
-    core.add(_request("ok"))
-    errors = {e.request_id: e for e in out.of(RequestError)}
-    assert errors["long"].status == 400 and errors["long"].param == "prompt"
-    assert errors["long"].message.startswith("prompt: the prompt has 128 tokens")
-    assert errors["vocab"].status == 400 and errors["vocab"].param == "prompt"
-    assert "token id 100" in errors["vocab"].message
-    assert errors["ok"].param == "X-Request-Id"
-    assert list(core.groups) == ["ok"]
-
-
 def test_a_restarted_worker_fails_live_requests_and_resets_the_pool() -> None:
     core, out = _core()
     core.add(_request("a", max_tokens=50))
@@ -253,7 +211,7 @@ def test_a_restarted_worker_fails_live_requests_and_resets_the_pool() -> None:
     assert (err.request_id, err.status) == ("a", 503)
     forget = out.of(TokenBatch)[-1]
     assert forget.finish_reasons == [int(FinishReason.ERROR)]
-    assert not core.groups and not core.in_flight
+    assert not core.groups and not core.window.in_flight
     quiet = core.policy
     core.on_worker_ready(_info())  # idle, same boot id: nothing changes
     assert core.policy is quiet
@@ -365,81 +323,3 @@ def test_a_failed_load_keeps_the_old_model() -> None:
     (result,) = out.of(SwapResult)
     assert not result.ok and "tokenizer" in result.error
     assert len(out.of(ModelChanged)) == 1 and core.policy.version == "v1"
-
-
-class LogprobWorker(Outbox):
-    """A worker that also reports logprobs, as the model runner lays them out: per sampled
-    token [token, 5] with [-0.5, -0.1] for requests that ask; the prompt's entries with the
-    first token."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.asks: dict[str, SamplingParams] = {}
-
-    def answer(self, plan: StepPlan) -> StepResult:
-        for rid, params in zip(plan.new_req_ids, plan.new_sampling, strict=True):
-            self.asks[rid] = params
-        prompts = dict(zip(plan.new_req_ids, plan.new_prompt_token_ids, strict=True))
-        first = set(plan.new_req_ids)
-        result = super().answer(plan)
-        asking = [self.asks[r].logprobs is not None for r in result.req_ids]
-        prompt = [
-            [[p[0]], *[[t, 5] for t in p[1:]]]
-            if r in first and self.asks[r].prompt_logprobs
-            else []
-            for r in result.req_ids
-            for p in [prompts.get(r, [])]
-        ]
-        return dataclasses.replace(
-            result,
-            logprob_token_ids=[[TOKEN, 5] if a else [] for a in asking] if any(asking) else [],
-            logprob_values=[[-0.5, -0.1] if a else [] for a in asking] if any(asking) else [],
-            prompt_logprob_token_ids=prompt if any(prompt) else [],
-            prompt_logprob_values=[
-                [[], *[[-1.0, -0.2] for _ in e[1:]]] if e else [] for e in prompt
-            ]
-            if any(prompt)
-            else [],
-        )
-
-
-def test_logprobs_pass_through_to_the_detokenizer() -> None:
-    out = LogprobWorker()
-    config = Config().replace(scheduler={"async_scheduling": False})
-    core = EngineCore(config, out)
-    core.on_worker_ready(_info())
-    core.add(_request("plain", prompt=[10, 11, 12, 13, 14, 15]))  # caches the first block
-    _run(core, out)
-    asking = _request("asks", prompt=[10, 11, 12, 13, 14, 15])
-    params = dataclasses.replace(asking.sampling, logprobs=1, prompt_logprobs=1)
-    core.add(dataclasses.replace(asking, sampling=params))
-    core.add(_request("other"))
-    _run(core, out)
-    key = sequence_key("asks", 0)
-    first_plan = next(p for p in out.of(StepPlan) if key in p.new_req_ids)
-    # prompt logprobs need every prompt position computed: no prefix hit
-    assert first_plan.num_computed_tokens[first_plan.req_ids.index(key)] == 0
-    got: dict[str, list[Any]] = {}
-    prompts: dict[str, list[Any]] = {}
-    for batch in out.of(TokenBatch):
-        for i, rid in enumerate(batch.request_ids):
-            if batch.logprob_token_ids:
-                got.setdefault(rid, []).extend(
-                    zip(batch.logprob_token_ids[i], batch.logprob_values[i], strict=True)
-                )
-            if batch.prompt_logprob_token_ids and batch.prompt_logprob_token_ids[i]:
-                prompts.setdefault(rid, []).append(
-                    (batch.prompt_logprob_token_ids[i], batch.prompt_logprob_values[i])
-                )
-    assert got["asks"] == [([TOKEN, 5], [-0.5, -0.1])] * 3
-    # "other" shares the steps of "asks": its rows are there, and empty (it did not ask)
-    assert got["other"] and all(entry == ([], []) for entry in got["other"])
-    assert "plain" not in got
-    assert prompts == {
-        "asks": [
-            (
-                [[10], *[[t, 5] for t in (11, 12, 13, 14, 15)]],
-                [[], *[[-1.0, -0.2]] * 5],
-            )
-        ]
-    }

@@ -18,7 +18,8 @@ from common.messages import (
     TokenBatch,
     TokenizedRequest,
 )
-from services.scheduler.engine_core import EngineCore, sequence_key
+from services.scheduler.engine_core import EngineCore
+from services.scheduler.intake import sequence_key
 from tests.unit.services.scheduler.test_engine_core import TOKEN, Outbox, _info, _run
 
 PROMPT = list(range(10, 19))  # 9 tokens: two full blocks of 4 and one more

@@ -7,7 +7,7 @@ from __future__ import annotations
 from common.messages import SamplingParams
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.lora_admission import MAX_SKIPS
-from services.scheduler.policy import PolicyConfig, Scheduler
+from services.scheduler.policy import PolicyConfig, SchedulingPolicy
 from services.scheduler.request import Request
 
 
@@ -17,14 +17,14 @@ def _req(rid: str, lora: str, max_tokens: int = 4) -> Request:
     return Request(rid, list(range(base, base + 5)), params, lora_name=lora, lora_hash="h")
 
 
-def _sched(max_loras: int, seqs: int = 16) -> Scheduler:
+def _sched(max_loras: int, seqs: int = 16) -> SchedulingPolicy:
     cfg = PolicyConfig(
         max_num_seqs=seqs, max_num_batched_tokens=256, watermark=0.0, max_loras=max_loras
     )
-    return Scheduler(BlockManager(256, 4), cfg)
+    return SchedulingPolicy(BlockManager(256, 4), cfg)
 
 
-def _step(s: Scheduler) -> list[str]:
+def _step(s: SchedulingPolicy) -> list[str]:
     """Plan a step, feed one token to each request that samples; the ids scheduled."""
     out = s.schedule()
     sampled = [x.request.request_id for x in out.scheduled if x.samples]
@@ -32,7 +32,7 @@ def _step(s: Scheduler) -> list[str]:
     return [x.request.request_id for x in out.scheduled]
 
 
-def _adapters(s: Scheduler) -> set[str]:
+def _adapters(s: SchedulingPolicy) -> set[str]:
     return {r.lora_name for r in s.running if r.lora_name}
 
 

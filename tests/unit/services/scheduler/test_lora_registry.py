@@ -134,7 +134,9 @@ def test_reloaded_weights_miss_and_unload_waits_for_running_requests() -> None:
     assert not out.of(UnloadLora) and out.of(LorasChanged)[-1].names == []
     core.add(_request("late", "A"))
     assert _errors(out)["late"].status == 404  # refused at once, before it starts
-    for plan in [p for p in out.of(StepPlan) if p.step_id in {s.step_id for s in core.in_flight}]:
+    for plan in [
+        p for p in out.of(StepPlan) if p.step_id in {s.step_id for s in core.window.in_flight}
+    ]:
         core.on_step_result(out.answer(plan))
     _run(core, out)  # a1 finishes; then the adapter goes
     assert out.of(UnloadLora) == [UnloadLora(name="A")]

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from common.messages import FinishReason, SamplingParams
 from services.scheduler.block_manager import BlockManager, HostBlockPool
-from services.scheduler.policy import PolicyConfig, Scheduler, SchedulerOutput
+from services.scheduler.policy import PolicyConfig, SchedulerOutput, SchedulingPolicy
 from services.scheduler.request import Request
 
 
@@ -65,7 +65,7 @@ def test_random_operations_keep_every_invariant(
 ) -> None:
     rng = random.Random(seed)
     clock = [0.0]
-    s = Scheduler(
+    s = SchedulingPolicy(
         BlockManager(num_blocks, 4),
         PolicyConfig(
             max_num_seqs=rng.randint(1, 8),

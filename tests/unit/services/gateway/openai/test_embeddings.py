@@ -19,8 +19,8 @@ from services.gateway.openai.embeddings import (
     encode_vector,
     shape_vector,
 )
-from services.gateway.openai.protocol import RequestRejected, parse_request
 from services.gateway.openai.refused import IGNORED_FIELDS, REFUSED_EMBEDDING
+from services.gateway.openai.request_errors import RequestRejected, parse_request
 from tests.fake_engine import MODEL, FakeEngine
 from tests.unit.services.gateway.http.test_app import error_of, run
 

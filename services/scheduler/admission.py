@@ -1,0 +1,98 @@
+"""Admission: the blocks a waiting request starts with when the policy starts it.
+
+A new request takes its prefix-cache hits and needs room for its whole prompt beside the
+watermark; a swapped-out one copies its blocks back in; a fork (`n > 1`) shares its
+leader's prompt blocks once the leader has computed them. Each answers the tokens the
+request computes this step, or 0 when it cannot start now (policy.py stops there).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from common.model_facts import lora_root, salted_root
+from services.scheduler.request import Request, Status
+from services.scheduler.step_output import SchedulerOutput
+
+if TYPE_CHECKING:
+    from services.scheduler.policy import SchedulingPolicy
+
+
+def admit(policy: SchedulingPolicy, req: Request, budget: int, out: SchedulerOutput) -> int:
+    """Give req the blocks it starts with (prefix hits, a fork, swapped-in copies);
+    return the tokens it computes this step, or 0 if it cannot start now."""
+    if req.fork_of is not None:
+        return _admit_fork(policy, req, budget)
+    if req.is_swapped:
+        return _admit_swapped(policy, req, budget, out)
+    bm, rid = policy.blocks, req.request_id
+    # a request that starts now runs on the version served now, hashed under its root
+    root = req.cache_root if req.version is not None or policy.root is None else policy.root
+    if req.version is None and policy.root is not None:  # (vLLM's cache_salt, the adapter)
+        root = lora_root(salted_root(root, req.cache_salt), req.lora_name, req.lora_hash)
+    # prompt logprobs need the logits of every prompt position, mean pooling (embeddings)
+    # its hidden state: no prefix hits (vLLM disables prefix caching for such requests)
+    every_position = req.sampling.prompt_logprobs is not None or req.sampling.pooling == "mean"
+    hits = [] if every_position else bm.match_prefix(root, req.all_token_ids)
+    cached, take = len(hits) * bm.block_size, bm.num_hit_blocks_to_take(hits)
+    n = min(req.num_tokens - cached, budget)
+    whole = bm.num_blocks_for(req.num_tokens) - len(hits) + take
+    chunk = bm.num_blocks_for(cached + n) - len(hits) + take
+    if n <= 0 or not _fits(policy, whole, chunk):
+        return 0
+    if req.version is None:
+        req.version, req.cache_root = policy.version, root
+    bm.take_prefix(rid, req.cache_root, hits, req.num_prompt_tokens)
+    req.num_computed_tokens = req.num_cached_tokens = cached
+    return n
+
+
+def _admit_swapped(
+    policy: SchedulingPolicy, req: Request, budget: int, out: SchedulerOutput
+) -> int:
+    n = min(req.num_tokens - req.num_computed_tokens, budget)
+    need = policy.blocks.num_blocks_for(req.num_computed_tokens + n)
+    if n <= 0 or not _fits(policy, need, need):
+        return 0
+    gpu = policy.blocks.allocate(req.request_id, req.num_computed_tokens)
+    assert req.host_blocks is not None and len(gpu) == len(req.host_blocks)
+    out.swap_in.extend(zip(req.host_blocks, gpu, strict=True))
+    policy.host_pool.free(req.host_blocks)
+    req.host_blocks = None
+    return n
+
+
+def _fits(policy: SchedulingPolicy, whole: int, chunk: int) -> bool:
+    """Admit when the whole prompt fits beside the watermark; on an idle server, when
+    the first chunk fits (so a prompt as large as the pool is never stuck)."""
+    return policy.blocks.can_allocate(whole, reserve=policy.num_watermark_blocks) or (
+        not policy.running and policy.blocks.can_allocate(chunk)
+    )
+
+
+def _admit_fork(policy: SchedulingPolicy, req: Request, budget: int) -> int:
+    """n > 1: share the leader's prompt blocks once it has computed all but the last
+    prompt token; each sequence computes that token itself and samples its own."""
+    leader, bm = req.fork_of, policy.blocks
+    assert leader is not None
+    k = req.num_prompt_tokens - 1
+    if leader.is_finished or leader.is_swapped or leader.status == Status.WAITING or k == 0:
+        req.fork_of = None  # the leader cannot share now (never waits behind it): alone
+        return admit(policy, req, budget, SchedulerOutput())
+    # KV copies run before a step computes, so only KV of earlier steps may be shared
+    ready = (
+        leader.computed_before_step
+        if leader.scheduled_in == policy.num_schedules
+        else leader.num_computed_tokens
+    )
+    if leader.status != Status.RUNNING or ready < k:
+        return 0  # wait for the leader's prefill
+    # blocks past the shared ones, plus one for the copy of a shared partial block
+    need = bm.num_blocks_for(req.num_tokens) - bm.num_blocks_for(k) + 1
+    if not _fits(policy, need, need):
+        return 0
+    bm.fork(leader.request_id, req.request_id, k)
+    req.version, req.cache_root = leader.version, leader.cache_root
+    req.num_computed_tokens = req.num_cached_tokens = k
+    req.fork_of = None
+    return min(req.num_tokens - k, budget)
