@@ -193,7 +193,7 @@ class _Recorder:
 def test_the_one_call_step_runs_only_steps_without_adapter_rows(tiny_dir: Path) -> None:
     runner = _runner(tiny_dir)
     # guarded unless the C step adds the deltas itself (the "cpu" LoRA kernel)
-    guarded = isinstance(runner.model.model.decode_step, SkipWhenLoraActive)
+    guarded = isinstance(runner.model.model.one_call_step, SkipWhenLoraActive)
     assert guarded == (_method(runner, 0, "qkv_proj").kernel != "cpu")
     mapping = LoraMapping(4, torch.device("cpu"))
     inner = _Recorder()
