@@ -18,7 +18,7 @@ t whose slot is s = token_slots[t] (-1: the base model, no delta):
     y[t, j] += sum_k lora_b[s, j, k] * sum_i lora_a[s, slice(j), k, i] * x[t, i]
 
 `lora_delta_reference` is that formula in torch: the kernels (C on the CPU, inside the
-one-call decode step too; Triton on CUDA) are tested against it.
+one-call step too; Triton on CUDA) are tested against it.
 
 One `LoraMapping` per model, shared by all its LoRA layers, holds the step's token slots; the
 runner sets it before each forward (vLLM's punica wrapper shape: layers read the step's

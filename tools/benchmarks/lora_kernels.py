@@ -112,7 +112,7 @@ def kernels(tokens_list: list[int]) -> None:
 
 
 def _smollm2() -> LlamaForCausalLM:
-    """SmolLM2-135M (float32) with the CPU's C kernels and one-call decode step."""
+    """SmolLM2-135M (float32) with the CPU's C kernels and one-call step."""
     from common.prepare_model import default_model_dir
     from gpu_worker.attention.torch_backend import TorchAttentionBackend
     from gpu_worker.layers.kernel_choice import choose_kernels
@@ -164,7 +164,7 @@ def decode_steps(context: int, steps: int, lora_dtype: torch.dtype) -> None:
     from gpu_worker.lora.layer import LoraLinearMethod, enable_lora, lora_layers
 
     model = _smollm2()
-    assert isinstance(model.model.decode_step, one_call_step.CpuDecodeStep)
+    assert isinstance(model.model.one_call_step, one_call_step.OneCallStep)
     mapping = enable_lora(model, max_loras=ADAPTERS, max_rank=RANK, max_tokens=8, kernel="cpu")
     with torch.no_grad():
         for _, layer, _ in lora_layers(model):
@@ -174,7 +174,7 @@ def decode_steps(context: int, steps: int, lora_dtype: torch.dtype) -> None:
             method.lora_a = torch.randn(method.lora_a.shape).mul_(0.02).to(lora_dtype)
             method.lora_b = torch.randn(method.lora_b.shape).mul_(0.02).to(lora_dtype)
     print(
-        f"one-call decode step, SmolLM2-135M float32, LoRA slots {lora_dtype}, context "
+        f"one-call step, SmolLM2-135M float32, LoRA slots {lora_dtype}, context "
         f"{context}, {steps} steps each: "
         "wall ms best / median, CPU ms (all threads) median"
     )

@@ -1,6 +1,6 @@
 """Adapters in memory (gpu_worker/lora/manager.py): the host LRU cache, each version's slots
 (LRU among the resident, filled in the fused layout), the step's token mapping, and the
-one-call decode step kept off steps with adapter rows. On a real tiny model."""
+one-call step kept off steps with adapter rows. On a real tiny model."""
 
 from __future__ import annotations
 
