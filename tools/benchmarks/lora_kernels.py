@@ -27,12 +27,11 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
-from typing import cast
 
 import torch
 
 from gpu_worker.cpu import lora
-from gpu_worker.models.llama import DecoderLayer, LlamaForCausalLM
+from gpu_worker.models.llama import LlamaConfig, LlamaForCausalLM
 
 RANK, ADAPTERS = 16, 8
 # (layer, in, slice bounds) of SmolLM2-135M
@@ -119,15 +118,11 @@ def _smollm2() -> LlamaForCausalLM:
     from gpu_worker.model_loader.loader import load_model, read_hf_config
 
     folder, cpu = default_model_dir(), torch.device("cpu")
-    cfg = read_hf_config(folder)
-    heads = cfg["num_attention_heads"]
+    cfg = LlamaConfig.from_hf(read_hf_config(folder))
     backend = TorchAttentionBackend(
-        num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        dtype=torch.float32,
-        device=cpu,
-    )
+        num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        dtype=torch.float32, device=cpu,
+    )  # fmt: skip
     kernels = choose_kernels(device=cpu, backend_name="torch", dtype=torch.float32)
     return load_model(folder, backend, dtype=torch.float32, device=cpu, max_positions=2048,
                       kernels=kernels)  # fmt: skip
@@ -139,7 +134,7 @@ def _step(model: LlamaForCausalLM, batch: int, context: int) -> Callable[[], obj
     from gpu_worker.attention.metadata import build_metadata
 
     inner = model.model
-    attn = cast(DecoderLayer, inner.layers[0]).self_attn
+    attn = inner.layers[0].self_attn
     block_size = 16
     per_seq = context // block_size + 1
     kv = torch.randn(len(inner.layers), 2, batch * per_seq, block_size, attn.num_kv_heads,

@@ -19,7 +19,7 @@ from gpu_worker.cpu.linear import MAX_ROWS
 from gpu_worker.layers.kernel_choice import KernelChoice, choose_kernels
 from gpu_worker.lora.layer import LoraLinearMethod, LoraMapping, enable_lora, lora_layers
 from gpu_worker.model_loader.loader import load_model, read_hf_config
-from gpu_worker.models.llama import LlamaForCausalLM
+from gpu_worker.models.llama import LlamaConfig, LlamaForCausalLM
 from tests.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.skipif(one_call_step.load() is None, reason="no C compiler here")
@@ -31,16 +31,9 @@ MAX_LORAS, MAX_RANK = 4, 8
 def _model(
     folder: Path, *, cpu_layers: bool = True, dtype: torch.dtype = torch.float32
 ) -> LlamaForCausalLM:
-    cfg = read_hf_config(folder)
-    heads = cfg["num_attention_heads"]
-    backend = TorchAttentionBackend(
-        num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        dtype=dtype,
-        device=torch.device("cpu"),
-    )
-    cpu = torch.device("cpu")
+    cfg, cpu = LlamaConfig.from_hf(read_hf_config(folder)), torch.device("cpu")
+    heads = {"num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads}
+    backend = TorchAttentionBackend(**heads, head_dim=cfg.head_dim, dtype=dtype, device=cpu)
     kernels = (
         choose_kernels(device=cpu, backend_name="torch", dtype=dtype)
         if cpu_layers
