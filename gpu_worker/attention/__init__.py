@@ -22,6 +22,9 @@ class AttentionBackend(abc.ABC):
     name: ClassVar[str]
     # a decode step reads only device tensors (no host numbers): CUDA graphs can capture it
     supports_cuda_graphs: ClassVar[bool] = False
+    # decodes run the CPU's C kernel (gpu_worker/cpu/paged_decode.c), the one the one-call
+    # step attends with (the torch backend on the CPU sets it)
+    cpu_decode_kernel: bool = False
 
     def __init__(
         self,

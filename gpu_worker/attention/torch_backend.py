@@ -2,7 +2,7 @@
 
 Decodes run as one batch. On the CPU they go to a small C kernel that reads each K/V row
 where it lies in the paged cache, each sequence only up to its own length, with GQA folded
-(gpu_worker/attention/cpu_kernel.py, cpu_paged_decode.c): no copy, no padding. Elsewhere,
+(gpu_worker/cpu/paged_decode.py, paged_decode.c): no copy, no padding. Elsewhere,
 or when that kernel cannot be built, their whole blocks are gathered (one `index_select` per
 K and V into a reused workspace, never per token), GQA is folded into the query dimension
 
@@ -26,8 +26,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.attention import AttentionBackend, cpu_kernel
+from gpu_worker.attention import AttentionBackend
 from gpu_worker.attention.metadata import AttentionMetadata
+from gpu_worker.cpu import paged_decode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +63,7 @@ class TorchAttentionBackend(AttentionBackend):
         # per machine (about a second of gcc), so that no request waits for it
         if cpu_decode_kernel is None:
             cpu_decode_kernel = self.device.type == "cpu"
-        self.cpu_decode_kernel = cpu_decode_kernel and cpu_kernel.load() is not None
+        self.cpu_decode_kernel = cpu_decode_kernel and paged_decode.load() is not None
         # every query row attended by the decode kernel, so a token's attention is the same
         # bits in a decode, a prefill chunk of any size or a speculative verification
         self.batch_invariant = batch_invariant and self.cpu_decode_kernel
@@ -120,7 +121,7 @@ class TorchAttentionBackend(AttentionBackend):
         tables, seq_lens = meta.decode_tables, meta.seq_lens[: meta.num_decodes]
         assert tables is not None
         if self.cpu_decode_kernel:
-            o = cpu_kernel.paged_decode(q, kv_cache, tables, seq_lens, self.scale)
+            o = paged_decode.paged_decode(q, kv_cache, tables, seq_lens, self.scale)
             if o is not None:
                 return o
         return self._decode_eager(q, kv_cache, tables, seq_lens)
@@ -187,7 +188,7 @@ class TorchAttentionBackend(AttentionBackend):
         n, first = q.shape[0], meta.num_computed_host[r]
         table = meta.block_tables[r : r + 1].expand(n, -1)  # one table for every row
         lens = torch.arange(first + 1, first + n + 1, dtype=torch.int32)
-        return cpu_kernel.paged_decode(q, kv_cache, table, lens, self.scale)
+        return paged_decode.paged_decode(q, kv_cache, table, lens, self.scale)
 
     def _gather(
         self, kv_cache: torch.Tensor, block_ids: torch.Tensor

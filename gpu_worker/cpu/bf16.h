@@ -1,4 +1,4 @@
-/* bfloat16 <-> float32 for the C kernels (linear.c, layers.c, cpu_paged_decode.c): a bf16 is
+/* bfloat16 <-> float32 for the C kernels (linear.c, layers.c, paged_decode.c): a bf16 is
  * the top half of a float32. Included by each source; the libraries' names hash it too
  * (gpu_worker/cpu/build.py, KernelLibrary's includes). */
 #ifndef SHUTTLE_BF16_H

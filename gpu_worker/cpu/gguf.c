@@ -23,9 +23,10 @@
  * More rows: gguf_linear_many, an int8 GEMM on 8 or 16 weight rows at a time (gguf_gemm.h),
  * for the 32-value types; 1 for K-quants (the caller dequantizes and multiplies in float).
  *
- * Files: gguf.h (formats, scalar), gguf_rows.h (the few-row kernel's AVX2 pieces),
- * gguf_gemm.h (the GEMM), this file (x's quantization, entries).
- * No global state, static helpers only: gpu_worker/cpu/decode_step.c may #include this file.
+ * Files: gguf.h (formats, scalar; x's quantized layout), gguf_rows.h (the few-row kernel's
+ * AVX2 pieces), gguf_gemm.h (the GEMM), this file (x's quantization, entries). Each header
+ * includes what it uses (tests/unit/gpu_worker/cpu/test_headers.py compiles each alone).
+ * No global state, static helpers only: gpu_worker/cpu/one_call_step.c may #include this file.
  * Built at first use by gpu_worker/cpu/build.py; called from gpu_worker/cpu/gguf.py.
  */
 #include <stdint.h>
@@ -33,34 +34,10 @@
 #include <string.h>
 
 #include "gguf.h"
-
-#define GGUF_ROW_TILE 8 /* rows of x per pass over a chunk of weight rows */
-#define GGUF_CHUNK 16   /* weight rows per scheduling unit */
-#ifndef GGUF_PREFETCH
-/* bytes of weights ahead of the block being read, prefetched: one thread streaming SmolLM2's
- * Q4_1 weights (CPU time, busy Sapphire Rapids): 18.5 ms with none, 12.8 (512 B), 11.4 (1 KB),
- * 10.2 (2 KB), 10.3 (4 KB) */
-#define GGUF_PREFETCH 2048
-#endif
-
-/* rows of x quantized per 32 values: q [rows, in], d and s [rows, in / 32] */
-typedef struct {
-    int8_t *q;
-    float *d; /* the block's scale: x ~= d * q */
-    /* the block's sum of the rounded x, d * sum(q) (llama.cpp's Q8_1 s): a weight's min term
-     * (Q4_1, Q5_1, K-quants) multiplies the same rounded activations as its scale term, so
-     * their rounding errors cancel as in the exact product. With the exact float sum
-     * instead, a Q4_1 layer's output was 2-3x further from x @ W.T (the min is about -8 d:
-     * the rounding error weighted by q in 0..15 no longer cancels), SmolLM2's Q4_1 file
-     * 1.2% above its float32 perplexity against llama.cpp's 0.2% */
-    float *s;
-    uint8_t *xu;   /* q + 128 (the GEMM's unsigned operand) */
-    int32_t *isum; /* the block's sum of q */
-    int in, nu;
-} gguf_xq;
-
 #include "gguf_rows.h"
 #include "gguf_gemm.h"
+
+#define GGUF_CHUNK 16   /* weight rows per scheduling unit */
 
 /* each row of x to int8 per 32 values (round to nearest), scale max|x| / 127 */
 __attribute__((unused)) static void gguf_quantize_x(const float *x, int rows, gguf_xq *xq) {

@@ -1,5 +1,5 @@
 /* Many rows of x against a 32-value GGUF block type (Q4_0, Q4_1, Q5_0, Q5_1; Q8_0 where the
- * CPU has VNNI): an int8 GEMM on the weights' own blocks. Included by gguf.c (static only).
+ * CPU has VNNI): an int8 GEMM on the weights' own blocks. Included by gguf.c: static only.
  * 16-lane tiles against 8-lane ones on Sapphire Rapids (one thread, Q4_1 [1536, 576], 256
  * rows): 1.62 vs 2.13 ms.
  *
@@ -16,7 +16,12 @@
  */
 #ifndef SHUTTLE_GGUF_GEMM_H
 #define SHUTTLE_GGUF_GEMM_H
+#include <stdint.h>
+
+#include "gguf.h"
+#include "gguf_rows.h"
 #if defined(__AVX2__)
+#include <immintrin.h>
 
 #define GGUF_GEMM_R 4 /* rows of x per register tile */
 

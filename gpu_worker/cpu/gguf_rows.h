@@ -1,8 +1,12 @@
 /* The few-row kernel of gguf.c on AVX2: weight blocks unpacked to bytes in registers, dotted with
  * every row of x (int8 per 32 values) by vpdpbusd or vpmaddubsw; the same unpacking dequantizes
- * (gguf_dequant_row). Included by gguf.c after gguf_xq: static only. */
+ * (gguf_dequant_row). Included by gguf.c: static only. */
 #ifndef SHUTTLE_GGUF_ROWS_H
 #define SHUTTLE_GGUF_ROWS_H
+#include <stdint.h>
+#include <string.h>
+
+#include "gguf.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
 

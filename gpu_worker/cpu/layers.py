@@ -1,17 +1,16 @@
 """A Llama layer's norms, rotary and SwiGLU activation by the C kernels of layers.c.
 
-`CpuLayerOps` is the model's layer ops (gpu_worker/layers/ops.py) on the CPU, chosen
-at load by gpu_worker/layers/kernel_choice.py, as `TritonLayerOps` is on CUDA:
+The functions behind the CPU's layer ops (`CpuLayerOps`, gpu_worker/layers/ops_cpu.py),
+chosen at load by gpu_worker/layers/kernel_choice.py, as the Triton kernels are on CUDA:
 
     rms_norm      one call instead of ~8 torch ops
     add_rms_norm  the residual add fused into the post-attention norm
     rope/rotate   q and k rotated in place, cos/sin read by position
     silu_mul      silu(gate) * up in one call
 
-Float32 and bfloat16 CPU models (`cpu_layer_ops` returns None otherwise, or when the library
-cannot be built); in bf16 the kernels round where the torch ops round (layers.c). A decode
-step of one sequence runs ~60 torch ops per layer whose dispatch costs more than their
-arithmetic; this leaves ~25.
+Float32 and bfloat16 CPU models (`load` returns None when the library cannot be built); in
+bf16 the kernels round where the torch ops round (layers.c). A decode step of one sequence
+runs ~60 torch ops per layer whose dispatch costs more than their arithmetic; this leaves ~25.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from pathlib import Path
 import torch
 
 from gpu_worker.cpu.build import KernelLibrary
-from gpu_worker.layers.ops import Rope
 
 SOURCE = Path(__file__).with_name("layers.c")
 
@@ -49,7 +47,7 @@ def load() -> ctypes.CDLL | None:
 
 def _lib_loaded() -> ctypes.CDLL:
     lib = _LIBRARY.load()
-    assert lib is not None, "cpu_layer_ops loads the library before the ops are used"
+    assert lib is not None, "the layer ops load the library before they are used"
     return lib
 
 
@@ -136,50 +134,3 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         _is_bf16(gate_up),
     )
     return out
-
-
-class CpuLayerOps:
-    """The layer ops (gpu_worker/layers/ops.py) by the C kernels of layers.c: float32
-    and bfloat16 activations; the rope is (cos table, sin table, positions), gathered by the
-    rotary kernel itself."""
-
-    name = "cpu"
-
-    def __init__(self) -> None:
-        self._float32_tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return rms_norm(x, weight, eps)
-
-    def add_rms_norm(
-        self, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return add_rms_norm(h, x, weight, eps)
-
-    def rope(
-        self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
-    ) -> Rope:
-        if cos.dtype != torch.float32:  # the kernel reads float32 tables: a bf16 model's, once
-            cached = self._float32_tables.get(cos.data_ptr())
-            if cached is None:
-                cached = self._float32_tables[cos.data_ptr()] = (cos.float(), sin.float())
-            cos, sin = cached
-        return cos, sin, positions.to(torch.int64).contiguous()
-
-    def rotate(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
-        cos, sin, positions = rope
-        return rotary_neox(x, positions, cos, sin)
-
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return silu_mul(gate_up)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
-
-
-def cpu_layer_ops(model_dtype: torch.dtype) -> CpuLayerOps | None:
-    """The C layer ops for a CPU model of `model_dtype`, or None where they do not serve it
-    (another dtype, or the library cannot be had)."""
-    if model_dtype not in (torch.float32, torch.bfloat16) or load() is None:
-        return None
-    return CpuLayerOps()

@@ -15,7 +15,7 @@
  *   expand  one work item per (run, LORA_CHUNK output rows): the run's tokens' z times those
  *           rows of its B, added into y (items of one run in a row: its B read in order)
  * Each value is summed by one thread in a fixed order, whatever the number of threads, so the
- * layer-by-layer path and the one-call decode step (decode_step.c includes this file) get the
+ * layer-by-layer path and the one-call step (one_call_step.c includes this file) get the
  * same bits. Sums are float32; y is float32, or bf16 (rounded once, after the add).
  *
  * Built at first use by gpu_worker/cpu/build.py; called from gpu_worker/cpu/lora.py.

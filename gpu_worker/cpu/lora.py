@@ -2,8 +2,8 @@
 layer's output in place, for a step whose tokens use several adapters and the base model.
 
 `LoraLinearMethod` (gpu_worker/lora/layer.py) calls `lora_add` after its base method when its
-kernel is "cpu"; the one-call decode step runs the same C function inside its loop
-(decode_step.c includes lora.c), so both paths get the same bits. x is fed in float32; y is
+kernel is "cpu"; the one-call step runs the same C function inside its loop
+(one_call_step.c includes lora.c), so both paths get the same bits. x is fed in float32; y is
 float32 or bfloat16 (rounded once after the add); the adapter weights float32 or bfloat16.
 """
 

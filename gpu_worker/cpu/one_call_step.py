@@ -1,25 +1,31 @@
-"""The CPU's one-call decode step as a model's `decode_step` (models/llama.py's DecodeStep):
-a decode step of a few sequences through every decoder layer in one C call
-(gpu_worker/cpu/decode_step.c, the kernel; this module reads the model for it).
+"""The CPU's one-call step (`OneCallStep`, a model's `one_call_step`): a decode step of a few
+sequences through every decoder layer in one C call (one_call_step.c, built once with gcc and
+called via ctypes).
 
 Layer by layer from Python, a decode step of one sequence spends ~6 ms of its ~25 ms in torch
 dispatch, tensor bookkeeping and ~10 ctypes calls per layer (tools/benchmarks/step_account.py);
-the C loop runs the same kernels (linear.c, gguf.c, int8.c, layers.c, cpu_paged_decode.c) in
-the same order with the same arithmetic, so its hidden states equal the layer-by-layer
+the C loop runs the same kernels (linear.c, gguf.c, int8.c, layers.c, lora.c, paged_decode.c)
+in the same order with the same arithmetic, so its hidden states equal the layer-by-layer
 path's exactly.
 
-`decode_step_for(model)` is the model's `decode_step` (chosen at load by
-gpu_worker/layers/kernel_choice.py): it takes the C loop for a decode-only step of at most
-linear.MAX_ROWS sequences (per weight dtype) and returns None otherwise, so the model runs
-its layers (prefill and extend chunks, larger batches, speculative verification). Only a
-model of the shape the kernels take: float32 or bfloat16 activations on the CPU with the C
-layer ops and linear methods with C kernels (float, GGUF, int8), one tensor-parallel rank,
-no per-head q/k norm, the torch attention backend with its C decode kernel.
+A leaf like the other kernels: it knows the C structs and the shape of a model (the Protocols
+below: `OneCallModel` and its parts, which gpu_worker/models/llama.py's classes fill), not the
+model's classes. Each linear layer's method gives its own descriptor
+(`LinearMethod.one_call_linear`, gpu_worker/layers/linear.py), built with the constructors
+here, or None when the C loop cannot run it.
 
-LoRA: a layer whose method is a LoraLinearMethod with the "cpu" kernel gives the step its base
-method's weight and its adapter slots; the step passes the model's LoraMapping's slots to the C
-loop when a row has an adapter (lora.c adds the deltas after each base kernel, as the layers
-do) and NULL when none has (nothing more to run). The "torch" LoRA kernel keeps the layers.
+`one_call_step_for(model)` (asked by gpu_worker/layers/kernel_choice.py, beside the C layer
+ops only) gives a model of the shape the kernels take its step: float32 or bfloat16
+activations on the CPU, one tensor-parallel rank, no per-head q/k norm, neox rotary, the torch
+attention backend with its C decode kernel, and every linear with a descriptor. The step takes
+a decode-only step of at most linear.MAX_ROWS sequences (per weight dtype) and returns None
+otherwise, so the model runs its layers (prefill and extend chunks, larger batches,
+speculative verification).
+
+LoRA: a LoraLinearMethod with the "cpu" kernel gives its base method's descriptor plus its
+adapter slots, and the step the model's token slots (`Keep.lora`); the step passes them to the
+C loop when a row has an adapter (lora.c adds the deltas after each base kernel, as the layers
+do) and NULL when none has. The "torch" LoRA kernel gives no descriptor: the layers run.
 
 A bfloat16 model keeps float32 activations between the kernels inside the loop (torch's bf16
 layers round every op's output to bf16): its hidden states equal the layer-by-layer path's
@@ -29,136 +35,335 @@ only within bf16's precision, and are closer to the float32 model's.
 from __future__ import annotations
 
 import ctypes
-from typing import cast
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import torch
-from torch import nn
 
-from gpu_worker.attention import AttentionMetadata
-from gpu_worker.attention.torch_backend import TorchAttentionBackend
 from gpu_worker.cpu import linear
-from gpu_worker.cpu.decode_step import (
-    LIN_BF16,
-    LIN_F32,
-    LIN_GGUF,
-    LIN_INT8,
-    MAX_SHARDS,
-    DecodeLayer,
-    DecodeLinear,
-    load,
+from gpu_worker.cpu.build import KernelLibrary
+
+if TYPE_CHECKING:  # annotations only: the attention package imports this one's kernels
+    from gpu_worker.attention import AttentionMetadata
+
+HERE = Path(__file__).parent
+SOURCE = HERE / "one_call_step.c"
+INCLUDES = tuple(
+    HERE / name
+    for name in (
+        *("bf16.h", "linear.c", "gguf.c", "gguf.h", "gguf_rows.h", "gguf_gemm.h"),
+        *("int8.c", "layers.c", "lora.c", "paged_decode.c"),
+    )
 )
-from gpu_worker.cpu.layers import CpuLayerOps
-from gpu_worker.layers.linear import Linear
-from gpu_worker.layers.linear_methods.cpu_float import CpuFloatLinearMethod
-from gpu_worker.layers.linear_methods.gguf import GGUFLinearMethod
-from gpu_worker.layers.linear_methods.int8 import Int8LinearMethod
-from gpu_worker.lora.layer import LoraLinearMethod, LoraMapping
-from gpu_worker.models.llama import DecoderLayer, LlamaForCausalLM, LlamaModel, RotaryEmbedding
+_P = ctypes.c_void_p
+MAX_SHARDS = 4  # one_call_step.c's
+LIN_F32, LIN_BF16, LIN_GGUF, LIN_INT8 = range(4)  # one_call_step.c's decode_linear_t kinds
+
+
+class DecodeLinear(ctypes.Structure):
+    """one_call_step.c's decode_linear_t: one linear layer's weight as its method keeps it,
+    its bias and its LoRA slots (lora_a NULL: none)."""
+
+    _fields_ = [
+        ("kind", ctypes.c_int),
+        ("nshards", ctypes.c_int),
+        ("w", _P * MAX_SHARDS),
+        ("qtype", ctypes.c_int * MAX_SHARDS),
+        ("rows", ctypes.c_int * MAX_SHARDS),
+        ("scale", _P),
+        ("b", _P),
+        ("lora_a", _P),
+        ("lora_b", _P),
+        ("lora_bounds", _P),
+        ("lora_bf16", ctypes.c_int),
+        ("lora_slices", ctypes.c_int),
+        ("lora_rank", ctypes.c_int),
+        ("lora_loras", ctypes.c_int),
+    ]
+
+
+class DecodeLayer(ctypes.Structure):
+    """one_call_step.c's decode_layer_t: one layer's norms and linears."""
+
+    _fields_ = [
+        ("input_norm", _P),
+        ("post_norm", _P),
+        ("qkv", DecodeLinear),
+        ("o", DecodeLinear),
+        ("gate_up", DecodeLinear),
+        ("down", DecodeLinear),
+    ]
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i, f, i64 = ctypes.c_int, ctypes.c_float, ctypes.c_int64
+    lib.decode_forward.restype = i
+    lib.decode_forward.argtypes = [
+        *(_P, i, _P, i, i, i, i, i, i, f),  # layers .. eps
+        *(_P, _P, _P, _P, _P, i64, i64),  # cos .. half_stride
+        *(_P, i, _P, i, f, i, _P, i),  # tables .. kv_bf16, lora_slots, nthreads
+    ]
+
+
+_LIBRARY = KernelLibrary(SOURCE, _declare, "CPU one-call step kernel", INCLUDES)
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library (built on first use), or None when it cannot be had."""
+    return _LIBRARY.load()
+
+
+# --- the descriptors, as the linear methods give them -------------------------------------
+
+
+def float_linear(weight: torch.Tensor) -> DecodeLinear | None:
+    """A float32 or bfloat16 weight [out, in] (linear.c), or None when it is not contiguous."""
+    if not weight.is_contiguous():
+        return None
+    desc = DecodeLinear(nshards=1)
+    desc.kind = LIN_BF16 if weight.dtype == torch.bfloat16 else LIN_F32
+    desc.w[0] = weight.data_ptr()
+    return desc
+
+
+def gguf_linear(shards: Sequence[tuple[torch.Tensor, int, int]]) -> DecodeLinear | None:
+    """GGUF blocks (gguf.c): each shard's (bytes, ggml type, rows), in row order; None past
+    MAX_SHARDS."""
+    if len(shards) > MAX_SHARDS:
+        return None
+    desc = DecodeLinear(kind=LIN_GGUF, nshards=len(shards))
+    for s, (w, qtype, rows) in enumerate(shards):
+        desc.w[s], desc.qtype[s], desc.rows[s] = w.data_ptr(), qtype, rows
+    return desc
+
+
+def int8_linear(weight: torch.Tensor, scale: torch.Tensor) -> DecodeLinear:
+    """int8 W8A8 (int8.c): weight int8 [out, in], scale float32 [out]."""
+    desc = DecodeLinear(kind=LIN_INT8, nshards=1, scale=scale.data_ptr())
+    desc.w[0] = weight.data_ptr()
+    return desc
+
+
+class LoraSlots(Protocol):
+    """The step's adapter slot of each token, -1 for none (gpu_worker/lora/layer.py's
+    LoraMapping): `buffer[:num_tokens]` int32; `active` when a token has an adapter."""
+
+    @property
+    def active(self) -> bool: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def buffer(self) -> torch.Tensor: ...
+
+
+class Keep:
+    """What the descriptors point at beside the model's parameters, alive as long as they
+    are: float32 copies (a bf16 model's norms, biases and rotary tables) and the token slots
+    the layers' LoRA descriptors read (set by the LoRA method, one mapping per model)."""
+
+    def __init__(self) -> None:
+        self.copies: list[torch.Tensor] = []
+        self.lora: LoraSlots | None = None
+
+    def float32(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """t as a contiguous float32 tensor (a copy, kept here, when it is not)."""
+        if t is None or (t.dtype == torch.float32 and t.is_contiguous()):
+            return t
+        copy = t.detach().to(torch.float32).contiguous()
+        self.copies.append(copy)
+        return copy
+
+
+def with_lora(
+    desc: DecodeLinear,
+    lora_a: torch.Tensor,  # [loras, slices, rank, in]
+    lora_b: torch.Tensor,  # [loras, out, rank]
+    bounds: torch.Tensor,  # [slices + 1] int32
+) -> DecodeLinear:
+    """desc plus a layer's LoRA slots (lora.c's a, b and slice bounds)."""
+    desc.lora_a, desc.lora_b, desc.lora_bounds = (
+        lora_a.data_ptr(),
+        lora_b.data_ptr(),
+        bounds.data_ptr(),
+    )
+    desc.lora_bf16 = int(lora_a.dtype == torch.bfloat16)
+    desc.lora_loras, desc.lora_slices, desc.lora_rank = lora_a.shape[:3]
+    return desc
+
+
+# --- the shape of a model the step takes (gpu_worker/models/llama.py fills it) -------------
+
+
+class OneCallLinear(Protocol):
+    """A linear layer (gpu_worker/layers/linear.py's Linear)."""
+
+    @property
+    def weight(self) -> torch.Tensor: ...
+
+    @property
+    def bias(self) -> torch.Tensor | None: ...
+
+    @property
+    def in_features(self) -> int: ...
+
+    @property
+    def method(self) -> object: ...
+
+    def one_call_linear(self, keep: Keep) -> DecodeLinear | None:
+        """Its method's descriptor (bias aside), or None when the C loop cannot run it."""
+        ...
+
+
+class OneCallBackend(Protocol):
+    @property
+    def scale(self) -> float: ...
+
+    @property
+    def cpu_decode_kernel(self) -> bool:
+        """Decodes run paged_decode.c, the kernel the C loop attends with."""
+        ...
+
+
+class OneCallNorm(Protocol):
+    @property
+    def weight(self) -> torch.Tensor: ...
+
+    @property
+    def eps(self) -> float: ...
+
+
+class OneCallAttention(Protocol):
+    @property
+    def num_heads(self) -> int: ...
+
+    @property
+    def num_kv_heads(self) -> int: ...
+
+    @property
+    def head_dim(self) -> int: ...
+
+    @property
+    def q_norm(self) -> object | None: ...
+
+    @property
+    def backend(self) -> OneCallBackend: ...
+
+    @property
+    def qkv_proj(self) -> OneCallLinear: ...
+
+    @property
+    def o_proj(self) -> OneCallLinear: ...
+
+
+class OneCallMLP(Protocol):
+    @property
+    def gate_up_proj(self) -> OneCallLinear: ...
+
+    @property
+    def down_proj(self) -> OneCallLinear: ...
+
+
+class OneCallLayer(Protocol):
+    @property
+    def input_layernorm(self) -> OneCallNorm: ...
+
+    @property
+    def post_attention_layernorm(self) -> OneCallNorm: ...
+
+    @property
+    def self_attn(self) -> OneCallAttention: ...
+
+    @property
+    def mlp(self) -> OneCallMLP: ...
+
+
+class OneCallRotary(Protocol):
+    @property
+    def is_neox_style(self) -> bool: ...
+
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class OneCallParallel(Protocol):
+    @property
+    def size(self) -> int: ...
+
+
+class OneCallModel(Protocol):
+    """The decoder stack (gpu_worker/models/llama.py's LlamaModel) as the step reads it."""
+
+    @property
+    def embed_tokens(self) -> Callable[[torch.Tensor], torch.Tensor]: ...
+
+    @property
+    def layers(self) -> Sequence[OneCallLayer]: ...
+
+    @property
+    def rotary(self) -> OneCallRotary: ...
+
+    @property
+    def tp(self) -> OneCallParallel: ...
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]: ...
+
+
+def _linears(layer: OneCallLayer) -> tuple[OneCallLinear, ...]:
+    """A layer's linears in decode_layer_t's order."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+
+def _descriptor(layer: OneCallLinear, keep: Keep) -> DecodeLinear | None:
+    desc = layer.one_call_linear(keep)
+    if desc is not None:
+        desc.b = _ptr(keep.float32(layer.bias))
+    return desc
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _layers(model: LlamaModel) -> list[DecoderLayer]:
-    return [cast(DecoderLayer, layer) for layer in model.layers]
-
-
-def _float32(t: torch.Tensor | None, keep: list[torch.Tensor]) -> torch.Tensor | None:
-    """t as a contiguous float32 tensor (a copy, kept alive in `keep`, when it is not)."""
-    if t is None or (t.dtype == torch.float32 and t.is_contiguous()):
-        return t
-    copy = t.detach().to(torch.float32).contiguous()
-    keep.append(copy)
-    return copy
-
-
-def _linear(layer: Linear, keep: list[torch.Tensor]) -> DecodeLinear | None:
-    """The descriptor of one linear layer for its method's C kernel (and its LoRA slots'), or
-    None when its method has none (the step then runs layer by layer)."""
-    method = layer.method
-    desc = DecodeLinear(nshards=1, b=_ptr(_float32(layer.bias, keep)))
-    if isinstance(method, LoraLinearMethod):
-        if method.kernel != "cpu":  # the layers' own arithmetic would differ from lora.c's
-            return None
-        _set_lora(desc, method)
-        method = method.base
-    if isinstance(method, CpuFloatLinearMethod) and layer.weight.is_contiguous():
-        desc.kind = LIN_BF16 if layer.weight.dtype == torch.bfloat16 else LIN_F32
-        desc.w[0] = layer.weight.data_ptr()
-    elif isinstance(method, GGUFLinearMethod) and method.kernel == "cpu":
-        shards = method.shards(layer)
-        if len(shards) > MAX_SHARDS:
-            return None
-        desc.kind, desc.nshards = LIN_GGUF, len(shards)
-        for s, (w, qtype, rows) in enumerate(zip(shards, method.qtypes, method.rows, strict=True)):
-            desc.w[s], desc.qtype[s], desc.rows[s] = w.data_ptr(), qtype, rows
-    elif isinstance(method, Int8LinearMethod) and method.kernel == "cpu":
-        desc.kind = LIN_INT8
-        desc.w[0] = layer.weight.data_ptr()
-        desc.scale = layer.get_parameter("weight_scale").data_ptr()
-    else:
-        return None
-    return desc
-
-
-def _set_lora(desc: DecodeLinear, method: LoraLinearMethod) -> None:
-    """The LoRA slots of a layer into its descriptor: lora.c's a, b and slice bounds."""
-    a, b = method.lora_a, method.lora_b
-    desc.lora_a, desc.lora_b, desc.lora_bounds = a.data_ptr(), b.data_ptr(), _ptr(method.bounds)
-    desc.lora_bf16 = int(a.dtype == torch.bfloat16)
-    desc.lora_loras, desc.lora_slices, desc.lora_rank = a.shape[0], a.shape[1], a.shape[2]
-
-
-def lora_mapping(model: LlamaModel) -> LoraMapping | None:
-    """The mapping the model's LoRA layers share (enable_lora's), or None without LoRA."""
-    method = _layers(model)[0].self_attn.qkv_proj.method
-    return method.mapping if isinstance(method, LoraLinearMethod) else None
-
-
-def _weights_key(model: LlamaModel) -> tuple[int, int]:
-    """What the descriptors point at: the first weight, and the first LoRA slots if any (a
-    new key after the weights are swapped or LoRA is enabled)."""
-    qkv = _layers(model)[0].self_attn.qkv_proj
-    method = qkv.method
-    lora = method.lora_a.data_ptr() if isinstance(method, LoraLinearMethod) else 0
-    return qkv.weight.data_ptr(), lora
-
-
-def _layer_pointers(
-    model: LlamaModel, keep: list[torch.Tensor]
-) -> ctypes.Array[DecodeLayer] | None:
+def _layer_table(model: OneCallModel, keep: Keep) -> ctypes.Array[DecodeLayer] | None:
     """Every layer's descriptor, in order: the linears' weights as their methods keep them,
-    the norms' weights and the biases in float32 (copies kept in `keep` for a bf16 model);
-    None when a linear's method has no kernel here."""
-    layers = _layers(model)
-    table = (DecodeLayer * len(layers))()
-    for slot, layer in zip(table, layers, strict=True):
-        attn, mlp = layer.self_attn, layer.mlp
-        slot.input_norm = _ptr(_float32(layer.input_layernorm.weight, keep))
-        slot.post_norm = _ptr(_float32(layer.post_attention_layernorm.weight, keep))
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        for name, linear_layer in zip(("qkv", "o", "gate_up", "down"), linears, strict=True):
-            desc = _linear(linear_layer, keep)
+    the norms' weights and the biases in float32 (copies in `keep` for a bf16 model); None
+    when a linear's method has no descriptor."""
+    table = (DecodeLayer * len(model.layers))()
+    for slot, layer in zip(table, model.layers, strict=True):
+        slot.input_norm = _ptr(keep.float32(layer.input_layernorm.weight))
+        slot.post_norm = _ptr(keep.float32(layer.post_attention_layernorm.weight))
+        names = ("qkv", "o", "gate_up", "down")
+        for name, linear_layer in zip(names, _linears(layer), strict=True):
+            desc = _descriptor(linear_layer, keep)
             if desc is None:
                 return None
             setattr(slot, name, desc)
     return table
 
 
-class CpuDecodeStep:
-    """The model's `decode_step` (models/llama.py's DecodeStep): a decode-only step of at
-    most linear.MAX_ROWS sequences through every layer in one C call. Holds the layers'
-    weight pointers, built once per weights."""
+def _weights_key(model: OneCallModel) -> tuple[int, int]:
+    """What the descriptors were built from: the first weight and its method (a new key after
+    the weights are replaced or LoRA wraps the methods)."""
+    qkv = model.layers[0].self_attn.qkv_proj
+    return qkv.weight.data_ptr(), id(qkv.method)
 
-    _pointers: ctypes.Array[DecodeLayer] | None = None
+
+class OneCallStep:
+    """A model's `one_call_step` (see the module docstring): a decode-only step of at most
+    linear.MAX_ROWS sequences through every layer in one C call. Holds the layers'
+    descriptors, built once per weights."""
+
+    _table: ctypes.Array[DecodeLayer] | None = None
     _weights_at: tuple[int, int] = (0, 0)
-    _float32_copies: list[torch.Tensor]  # a bf16 model's norms, biases and rotary tables
+    _keep: Keep
     _rope: tuple[torch.Tensor, torch.Tensor]
 
     def forward(
         self,
-        model: LlamaModel,
+        model: OneCallModel,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
@@ -180,9 +385,21 @@ class CpuDecodeStep:
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
+    def _bind(self, model: OneCallModel) -> ctypes.Array[DecodeLayer] | None:
+        """The descriptors of the model's current weights (built again when they change)."""
+        key = _weights_key(model)
+        if self._table is None or self._weights_at != key:
+            self._keep = keep = Keep()
+            self._table = _layer_table(model, keep)
+            self._weights_at = key
+            cos, sin = (keep.float32(t) for t in model.rotary.tables())
+            assert cos is not None and sin is not None
+            self._rope = cos, sin
+        return self._table
+
     def _decode(
         self,
-        model: LlamaModel,
+        model: OneCallModel,
         x: torch.Tensor,
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
@@ -191,33 +408,24 @@ class CpuDecodeStep:
         """All layers over x in place; False (x untouched or the step redone by the caller)
         when the kernel refuses."""
         lib = load()
-        layer = _layers(model)[0]
-        attn = layer.self_attn
-        first = _weights_key(model)
         if lib is None or kv_cache.dtype not in (torch.float32, torch.bfloat16):
             return False
-        if self._pointers is None or self._weights_at != first:  # built once per weights
-            self._float32_copies = []
-            self._pointers = _layer_pointers(model, self._float32_copies)
-            self._weights_at = first
-            keep = self._float32_copies
-            self._rope = tuple(_float32(t, keep) for t in model.rotary.tables())  # type: ignore[assignment]  # two tensors in, two out
-        if self._pointers is None:
+        table = self._bind(model)
+        if table is None:
             return False
+        layer = model.layers[0]
+        attn = layer.self_attn
         cos, sin = self._rope
         tables, lens = meta.block_tables, meta.seq_lens
         assert tables.dtype == torch.int32 and lens.dtype == torch.int32
         slots, pos = meta.slot_mapping, positions.to(torch.int64).contiguous()
         n, hidden = x.shape
-        backend = attn.backend
-        assert isinstance(backend, TorchAttentionBackend)
-        mapping = lora_mapping(model)
-        lora_slots = None
-        if mapping is not None and mapping.active:
-            assert mapping.num_tokens == n, "the LoRA mapping is not this step's"
-            lora_slots = mapping.buffer.data_ptr()
+        lora, lora_slots = self._keep.lora, None
+        if lora is not None and lora.active:
+            assert lora.num_tokens == n, "the LoRA mapping is not this step's"
+            lora_slots = lora.buffer.data_ptr()
         code = lib.decode_forward(
-            self._pointers,
+            table,
             len(model.layers),
             x.data_ptr(),
             n,
@@ -238,7 +446,7 @@ class CpuDecodeStep:
             tables.stride(0),
             lens.data_ptr(),
             meta.block_size,
-            backend.scale,
+            attn.backend.scale,
             int(kv_cache.dtype == torch.bfloat16),
             lora_slots,
             torch.get_num_threads(),
@@ -246,41 +454,29 @@ class CpuDecodeStep:
         return code == 0
 
 
-def can_use(model: nn.Module) -> bool:
-    """Whether `model` is of the shape decode_step.c takes (see the module docstring)."""
-    if not isinstance(model, LlamaForCausalLM) or model.tp.size != 1:
+def can_use(model: OneCallModel) -> bool:
+    """Whether `model` is of the shape one_call_step.c takes (see the module docstring)."""
+    if model.tp.size != 1 or not _one_float_dtype(model) or not model.rotary.is_neox_style:
         return False
-    if not isinstance(model.model.ops, CpuLayerOps) or not _one_float_dtype(model):
-        return False
-    inner = model.model
-    if not isinstance(inner.rotary, RotaryEmbedding) or not inner.rotary.is_neox_style:
-        return False
-    for layer in _layers(inner):
+    for layer in model.layers:
         attn = layer.self_attn
-        backend = attn.backend
-        if (
-            attn.q_norm is not None
-            or not isinstance(backend, TorchAttentionBackend)
-            or not backend.cpu_decode_kernel
-            or not all(
-                _linear(m, []) is not None
-                for m in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-            )
-        ):
+        if attn.q_norm is not None or not attn.backend.cpu_decode_kernel:
+            return False
+        if any(_descriptor(m, Keep()) is None for m in _linears(layer)):
             return False
     return True
 
 
-def _one_float_dtype(model: nn.Module) -> bool:
+def _one_float_dtype(model: OneCallModel) -> bool:
     """Every float parameter float32, or every one bfloat16 (quantized weights aside): the
     models the kernels take."""
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     return dtypes in ({torch.float32}, {torch.bfloat16})
 
 
-def decode_step_for(model: nn.Module) -> CpuDecodeStep | None:
-    """The one-call decode step for `model`, or None when it is not of a shape the kernel
-    takes or the library cannot be had."""
+def one_call_step_for(model: OneCallModel) -> OneCallStep | None:
+    """The one-call step for `model`, or None when it is not of a shape the kernel takes or
+    the library cannot be had."""
     if not can_use(model) or load() is None:
         return None
-    return CpuDecodeStep()
+    return OneCallStep()

@@ -58,6 +58,55 @@ def check_device(*tensors: torch.Tensor) -> None:
     )
 
 
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_paged_attention(
+    q: torch.Tensor,  # [T, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    out: torch.Tensor,  # like q
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks] int32
+    num_reqs: int,
+) -> None:
+    """The checks every paged-attention launcher makes (paged_decode, extend_attention): the
+    cache contiguous; q of its dtype and head_dim, its heads a multiple of the KV heads,
+    head_dim contiguous; out like q; one block-table row per request, rows contiguous."""
+    assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, f"kv_cache {tuple(kv_cache.shape)}"
+    assert kv_cache.is_contiguous(), "kv_cache must be contiguous"
+    num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+    assert q.dim() == 3 and q.shape[2] == head_dim, f"q {tuple(q.shape)}, head_dim {head_dim}"
+    assert q.shape[1] % num_kv_heads == 0, f"{q.shape[1]} heads, {num_kv_heads} KV heads"
+    assert q.stride(2) == 1, "q needs a contiguous head_dim"
+    assert q.dtype == kv_cache.dtype, f"q is {q.dtype}, cache {kv_cache.dtype}"
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1, "bad out"
+    assert block_tables.dim() == 2 and block_tables.shape[0] == num_reqs, "bad block_tables"
+    assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1, "bad block_tables"
+
+
+def matmul_out(x: torch.Tensor, k: int, n: int, out: torch.Tensor | None) -> torch.Tensor:
+    """The checks of a quantized GEMM launcher (gguf_matmul, int8_matmul) on x [M, K] (float,
+    rows dense) and out [M, N] (x's dtype, rows dense; made when None); returns out."""
+    assert x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1, "x must be [M, K], rows dense"
+    assert x.dtype in FLOAT_DTYPES, f"x is {x.dtype}"
+    m = x.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    assert out.shape == (m, n) and out.dtype == x.dtype and out.stride(1) == 1, "bad out"
+    return out
+
+
+def split_k_ranges(
+    split_k: int | None, m: int, num_tiles: int, k: int, block_k: int, device: torch.device
+) -> tuple[int, int]:
+    """(ranges, K per range) of a quantized GEMM over K in steps of block_k: `split_k` ranges
+    as asked, or for decode-sized m (<= 16) `decode_split_k`'s (1 otherwise), none empty."""
+    k_steps = -(-k // block_k)
+    if split_k is None:
+        split_k = decode_split_k(num_tiles, k_steps, sm_count(device)) if m <= 16 else 1
+    per_split = -(-k_steps // split_k) * block_k
+    return -(-k // per_split), per_split
+
+
 @functools.cache
 def _cuda_sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -4,7 +4,7 @@
     linear method one per linear layer, from its checkpoint weight (float, GGUF, int8) and
                   this choice: the C kernels on the CPU, Triton on CUDA, torch otherwise
     LoRA kernel   the batched adapter deltas after each targeted linear: the same choice
-    decode step   the CPU's one-call decode kernel, where it takes the model
+    one-call step the CPU's whole decode step in one C call, where it takes the model
 
 The model code names none of them (gpu_worker/models/llama.py); the loader asks this object
 for each layer's method, and the runner prints what was chosen.
@@ -13,17 +13,24 @@ for each layer's method, and the runner prints what was chosen.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
-from torch import nn
 
+from gpu_worker.cpu.one_call_step import OneCallModel, OneCallStep, one_call_step_for
 from gpu_worker.layers.linear import FloatLinearMethod, LinearMethod
+from gpu_worker.layers.linear_methods.cpu_float import CpuFloatLinearMethod
+from gpu_worker.layers.linear_methods.gguf import GGUFLinearMethod
+from gpu_worker.layers.linear_methods.int8 import Int8LinearMethod
 from gpu_worker.layers.linear_methods.weights import CheckpointWeight, GGUFWeight, Int8Weight
 from gpu_worker.layers.ops import TORCH_OPS, LayerOps
 
-if TYPE_CHECKING:
-    from gpu_worker.models.llama import DecodeStep
+# the quantized checkpoint weights and their methods, built with (kernel, dtype): a new format
+# is its method file (gpu_worker/layers/linear_methods/) and one line here
+QUANTIZED_METHODS: dict[type, Callable[[str, torch.dtype], LinearMethod]] = {
+    GGUFWeight: GGUFLinearMethod,
+    Int8Weight: Int8LinearMethod,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,22 +45,16 @@ class KernelChoice:
     cpu_packed_weights: bool = True
     # Triton kernels for quantized linears (CUDA)
     triton_linears: bool = False
-    # the one-call CPU decode step, when the model is of a shape it takes
-    cpu_decode_step: bool = False
+    # the CPU's one-call step (beside the C layer ops only), when the model is of a shape it
+    # takes
+    one_call_step: bool = False
 
     def linear_method(self, weight: CheckpointWeight) -> LinearMethod:
         """A new method object for one layer whose checkpoint weight is `weight`."""
-        if isinstance(weight, GGUFWeight):
-            from gpu_worker.layers.linear_methods.gguf import GGUFLinearMethod
-
-            return GGUFLinearMethod(self.quantized_kernel, self.dtype)
-        if isinstance(weight, Int8Weight):
-            from gpu_worker.layers.linear_methods.int8 import Int8LinearMethod
-
-            return Int8LinearMethod(self.quantized_kernel, self.dtype)
+        quantized = QUANTIZED_METHODS.get(type(weight))
+        if quantized is not None:
+            return quantized(self.quantized_kernel, self.dtype)
         if self.cpu_linears:
-            from gpu_worker.layers.linear_methods.cpu_float import CpuFloatLinearMethod
-
             return CpuFloatLinearMethod(pack=self.cpu_packed_weights)
         return FloatLinearMethod()
 
@@ -67,7 +68,7 @@ class KernelChoice:
     @property
     def lora_kernel(self) -> str:
         """The batched LoRA kernel of LoraLinearMethod (gpu_worker/lora/layer.py): "cpu"
-        (lora.c, also inside the one-call decode step) beside the C linears, "triton" beside
+        (lora.c, also inside the one-call step) beside the C linears, "triton" beside
         the Triton ones (CUDA), "torch" (the reference) otherwise."""
         if self.cpu_linears:
             from gpu_worker.cpu import lora
@@ -76,18 +77,15 @@ class KernelChoice:
                 return "cpu"
         return "triton" if self.triton_linears else "torch"
 
-    def decode_step_for(self, model: nn.Module) -> DecodeStep | None:
-        if not self.cpu_decode_step:
-            return None
-        from gpu_worker.cpu.one_call_step import decode_step_for
-
-        return decode_step_for(model)
+    def one_call_step_for(self, model: OneCallModel) -> OneCallStep | None:
+        """The model's one-call step, or None (not chosen, or not of a shape it takes)."""
+        return one_call_step_for(model) if self.one_call_step else None
 
     def describe(self) -> str:
         """One line for the start log."""
         return (
             f"layer ops {self.ops.name}, linears {self.quantized_kernel}, "
-            f"one-call decode step {'on' if self.cpu_decode_step else 'off'}"
+            f"one-call step {'on' if self.one_call_step else 'off'}"
         )
 
 
@@ -106,13 +104,13 @@ def choose_kernels(
     Triton layers with the triton backend; the C kernels on the CPU with the torch backend
     (unless `cpu_kernels` is off, or the libraries cannot be built); torch otherwise."""
     if backend_name == "triton":
-        from gpu_worker.kernels.fused_layers import TritonLayerOps
+        from gpu_worker.layers.ops_triton import TritonLayerOps
 
         return KernelChoice(ops=TritonLayerOps(), dtype=dtype, triton_linears=True)
     if device.type != "cpu" or not cpu_kernels or backend_name != "torch":
         return KernelChoice(dtype=dtype)
     from gpu_worker.cpu import linear
-    from gpu_worker.cpu.layers import cpu_layer_ops
+    from gpu_worker.layers.ops_cpu import cpu_layer_ops
 
     ops = cpu_layer_ops(dtype)
     if ops is None or linear.load() is None:
@@ -122,5 +120,5 @@ def choose_kernels(
         dtype=dtype,
         cpu_linears=True,
         cpu_packed_weights=cpu_packed_weights,
-        cpu_decode_step=True,
+        one_call_step=True,
     )

@@ -7,10 +7,13 @@ CPU C kernels, Triton) — vLLM's `quant_method` shape:
     method.load_weights(layer, weight, bias)     the checkpoint's tensors onto the layer
     method.process_weights_after_loading(layer)  pack or re-lay them once (oneDNN blocks, ...)
     method.apply(layer, x)                       y = x @ W.T + b, every forward
+    method.one_call_linear(layer, keep)          its descriptor for the CPU's one-call step
+                                                 (gpu_worker/cpu/one_call_step.py), or None
 
 The model code names no kernel: it calls `layer(x)`. What runs is `layer.method`, visible
-when the model is printed. The other methods live in gpu_worker/layers/linear_methods/
-(GGUF, int8, the CPU's float one); `FloatLinearMethod` here is plain torch, the reference
+when the model is printed. The other methods live in gpu_worker/layers/linear_methods/ (CPU
+float, GGUF, int8) and gpu_worker/lora/layer.py (LoRA around any of them), each binding its
+kernel function once, when it is built; `FloatLinearMethod` here is plain torch, the reference
 and the GPU path.
 """
 
@@ -22,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_worker.cpu.one_call_step import DecodeLinear, Keep
 from gpu_worker.layers.linear_methods.weights import CheckpointWeight
 
 
@@ -37,6 +41,12 @@ class LinearMethod(Protocol):
     def process_weights_after_loading(self, layer: Linear) -> None: ...
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor: ...
+
+    def one_call_linear(self, layer: Linear, keep: Keep) -> DecodeLinear | None:
+        """The layer's weight (and LoRA slots) as the one-call step's C loop reads them, bias
+        aside (the step adds it); None when the loop cannot run this method's arithmetic.
+        Tensors made for the descriptor go to `keep`, which outlives it."""
+        ...
 
     def weight_bytes(self, layer: Linear) -> int:
         """The bytes of weights a forward reads (the resident size of the layer's weights)."""
@@ -80,6 +90,9 @@ class FloatLinearMethod:
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
 
+    def one_call_linear(self, layer: Linear, keep: Keep) -> DecodeLinear | None:
+        return None  # torch's arithmetic, not the C loop's
+
     def weight_bytes(self, layer: Linear) -> int:
         return layer.weight.numel() * layer.weight.element_size()
 
@@ -116,6 +129,10 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)
+
+    def one_call_linear(self, keep: Keep) -> DecodeLinear | None:
+        """This layer's descriptor for the one-call step, by its method."""
+        return self.method.one_call_linear(self, keep)
 
     def extra_repr(self) -> str:
         bias = self.bias is not None

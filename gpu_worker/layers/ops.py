@@ -1,8 +1,8 @@
 """The layer kernels a model calls for its norms, rotary and activation, chosen once at load.
 
     TorchLayerOps   plain torch, HF's arithmetic: the reference, and the path everywhere
-    CpuLayerOps     gpu_worker/cpu/layers.py: the C kernels of layers.c (float32, bfloat16)
-    TritonLayerOps  gpu_worker/kernels/fused_layers.py: the Triton kernels (CUDA)
+    CpuLayerOps     ops_cpu.py: the C kernels of gpu_worker/cpu/layers.c (float32, bfloat16)
+    TritonLayerOps  ops_triton.py: the Triton kernels of gpu_worker/kernels/ (CUDA)
 
 The model's modules hold the ops object they were built with (`RMSNorm.ops`, ...) and call
 it; they name no kernel. `rope` is what `rotate` needs for the step's tokens, built once per

@@ -18,11 +18,12 @@ t whose slot is s = token_slots[t] (-1: the base model, no delta):
     y[t, j] += sum_k lora_b[s, j, k] * sum_i lora_a[s, slice(j), k, i] * x[t, i]
 
 `lora_delta_reference` is that formula in torch: the kernels (C on the CPU, inside the
-one-call decode step too; Triton on CUDA) are tested against it.
+one-call step too; Triton on CUDA) are tested against it.
 
 One `LoraMapping` per model, shared by all its LoRA layers, holds the step's token slots; the
 runner sets it before each forward (vLLM's punica wrapper shape: layers read the step's
-mapping, the forward signature does not change, and CUDA graphs capture its static buffer).
+mapping and the forward signature does not change). CUDA graphs are off while LoRA is on
+(gpu_worker/runner/options.py): the layers read the mapping's host-side runs and flags.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ import torch
 from torch import nn
 
 from gpu_worker.cpu import lora as cpu_lora
+from gpu_worker.cpu import one_call_step
+from gpu_worker.cpu.one_call_step import DecodeLinear, Keep
 from gpu_worker.layers.linear import Linear, LinearMethod
 from gpu_worker.layers.linear_methods.weights import CheckpointWeight
 
@@ -74,7 +77,7 @@ class LoraMapping:
     def set(self, token_slots: list[int]) -> None:
         """This step's slots, token by token in the packed order of the forward's input."""
         n = len(token_slots)
-        if n > self.buffer.numel():  # grow (eager steps only: graphs capture at most max)
+        if n > self.buffer.numel():  # grow
             self.buffer = torch.full((n,), -1, dtype=torch.int32, device=self.buffer.device)
         self.buffer[:n].copy_(torch.tensor(token_slots, dtype=torch.int32))
         self.num_tokens = n
@@ -194,6 +197,19 @@ class LoraLinearMethod:
             self.mapping.token_slots,
         )
         return y + delta.to(y.dtype).reshape(y.shape)
+
+    def one_call_linear(self, layer: Linear, keep: Keep) -> DecodeLinear | None:
+        """The base method's descriptor plus this layer's slots, and the model's mapping
+        into `keep`; None unless lora.c adds the deltas (the "cpu" kernel: the layers' own
+        arithmetic would differ from lora.c's)."""
+        if self.kernel != "cpu":
+            return None
+        desc = self.base.one_call_linear(layer, keep)
+        if desc is None:
+            return None
+        assert keep.lora in (None, self.mapping), "one mapping per model"
+        keep.lora = self.mapping
+        return one_call_step.with_lora(desc, self.lora_a, self.lora_b, self.bounds)
 
     def _choose_kernel(self, kernel: str) -> Callable[[torch.Tensor, torch.Tensor], bool] | None:
         """The function adding the step's deltas into y [T, out] in place for x [T, in] (False:

@@ -42,7 +42,7 @@ from gpu_worker.lora.layer import (
     lora_layers,
 )
 from gpu_worker.lora.registry import LoadedAdapterSpecs
-from gpu_worker.models.llama import DecodeStep, LlamaConfig, LlamaModel
+from gpu_worker.models.llama import LlamaConfig, LlamaModel, OneCallStepProtocol
 
 Target = tuple[LoraLinearMethod, int]  # a fused layer's method and the module's slice in it
 
@@ -59,12 +59,12 @@ def model_shape(config: LlamaConfig) -> ModelShape:
 
 
 class SkipWhenLoraActive:
-    """The model's one-call decode step (a C kernel that runs every layer itself, without the
+    """The model's one-call step (a C kernel that runs every layer itself, without the
     layers' methods) for steps with no adapter row only: with one, the model runs its layers,
     whose LoraLinearMethod adds the deltas. The one place that keeps the fast path from
     silently dropping adapters."""
 
-    def __init__(self, inner: DecodeStep, mapping: LoraMapping) -> None:
+    def __init__(self, inner: OneCallStepProtocol, mapping: LoraMapping) -> None:
         self.inner = inner
         self.mapping = mapping
 
@@ -235,7 +235,7 @@ class LoraManager:
     # model versions and steps ----------------------------------------------------------------
     def attach(self, model: nn.Module, max_tokens: int, kernel: str = "torch") -> LoraSlots:
         """Give a freshly loaded model (a version) its LoRA layers and slots; its one-call
-        decode step, if any, then runs only steps without adapter rows."""
+        step, if any, then runs only steps without adapter rows."""
         mapping = enable_lora(
             model,
             max_loras=self.options.max_loras,
@@ -249,8 +249,8 @@ class LoraManager:
         inner = model.get_submodule("model")
         # the one-call step adds the deltas of the "cpu" kernel's slots itself (lora.c); for
         # the other kernels it must leave steps with adapter rows to the layers
-        if isinstance(inner, LlamaModel) and inner.decode_step is not None and kernel != "cpu":
-            inner.decode_step = SkipWhenLoraActive(inner.decode_step, mapping)
+        if isinstance(inner, LlamaModel) and inner.one_call_step is not None and kernel != "cpu":
+            inner.one_call_step = SkipWhenLoraActive(inner.one_call_step, mapping)
         slots = LoraSlots(model, mapping, self.options.max_loras)
         self._slots[model] = slots
         return slots

@@ -14,15 +14,17 @@ and its metadata (passed in, per step) keep requests apart.
 
 What runs is chosen once at load and held where it is used: each `Linear` holds its method
 (gpu_worker/layers/linear.py: float, GGUF, int8; torch, C or Triton), the norms, attention and
-MLP hold the layer ops (gpu_worker/layers/ops.py), and `LlamaModel.decode_step` the
-one-call decode kernel where one serves the model (gpu_worker/cpu/one_call_step.py).
+MLP hold the layer ops (gpu_worker/layers/ops.py), and `LlamaModel.one_call_step` the CPU's
+one-call step where it takes the model (gpu_worker/cpu/one_call_step.py: it reads the model
+through its Protocols, which these classes fill).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -277,9 +279,10 @@ class DecoderLayer(nn.Module):
         return x + self.tp.all_reduce(self.mlp(h))
 
 
-class DecodeStep(Protocol):
-    """A kernel that runs a whole decode step through every decoder layer (the CPU's one-call
-    step, gpu_worker/cpu/one_call_step.py), for the steps it takes."""
+class OneCallStepProtocol(Protocol):
+    """What `LlamaModel.one_call_step` holds: a kernel that runs a whole decode step through
+    every decoder layer, for the steps it takes (the CPU's OneCallStep,
+    gpu_worker/cpu/one_call_step.py, or LoRA's guard around it, gpu_worker/lora/manager.py)."""
 
     def forward(
         self,
@@ -317,13 +320,16 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(
             cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device
         )
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, backend, tp, ops) for _ in range(cfg.num_layers)
+        # a ModuleList (registered submodules), typed as what it holds
+        self.layers = cast(
+            Sequence[DecoderLayer],
+            nn.ModuleList(DecoderLayer(cfg, backend, tp, ops) for _ in range(cfg.num_layers)),
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.ops = ops
-        # the one-call decode kernel, when the loader found one that takes this model
-        self.decode_step: DecodeStep | None = None
+        self.tp = tp
+        # the one-call step, when the loader's kernel choice has one that takes this model
+        self.one_call_step: OneCallStepProtocol | None = None
 
     def forward(
         self,
@@ -332,8 +338,8 @@ class LlamaModel(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        if self.decode_step is not None:
-            hidden = self.decode_step.forward(self, input_ids, positions, kv_cache, meta)
+        if self.one_call_step is not None:
+            hidden = self.one_call_step.forward(self, input_ids, positions, kv_cache, meta)
             if hidden is not None:
                 return hidden
         x = self.embed_tokens(input_ids)

@@ -106,7 +106,7 @@ def test_layers_with_the_triton_kernel_equal_the_reference(tiny_llama: Path) -> 
     and the base model) against its "torch" reference."""
     from gpu_worker.attention.metadata import build_metadata
     from gpu_worker.lora.layer import enable_lora, lora_layers
-    from tests.unit.gpu_worker.cpu.test_decode_step import _model
+    from tests.unit.gpu_worker.cpu.test_one_call_step import _model
 
     if torch.cuda.is_available():
         pytest.skip("a CPU model: the interpreter's path")

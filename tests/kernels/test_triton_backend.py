@@ -15,7 +15,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 from common.messages.scheduler_worker import StepPlan  # noqa: E402
 from common.messages.types import SamplingParams  # noqa: E402
 from gpu_worker.attention import build_metadata, create_backend  # noqa: E402
-from gpu_worker.kernels.fused_layers import TritonLayerOps  # noqa: E402
+from gpu_worker.layers.ops_triton import TritonLayerOps  # noqa: E402
 from gpu_worker.runner.model_runner import ModelRunner  # noqa: E402
 from gpu_worker.runner.options import RunnerOptions  # noqa: E402
 from tests.kernels.paged import randn  # noqa: E402

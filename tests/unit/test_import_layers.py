@@ -1,10 +1,25 @@
 """The import graph of the shipped packages, read from the source (ast, nothing imported):
 no circle; no service importing another service's package or the worker; common/ and
-gpu_worker/ importing no service; the worker's kernels leaves; the gateway's layers in order.
+gpu_worker/ importing no service; the worker's sub-packages in order, its kernels leaves; the
+gateway's layers in order.
 
     common  <-  gpu_worker            services/<one package each>  <-  services/*.py
        ^                                   (the supervisor, launch.py and friends)
        └──────────── services/gateway: engine <- openai <- (http | grpc) <- actor
+
+The worker, each sub-package `gpu_worker.<sub>` one unit and each root module its own, bottom
+first (a unit imports only units below it, or beside it without a circle):
+
+    kernels, cpu            the Triton and the C kernels: import no other worker code
+    attention               the attention backends (call the kernels)
+    distributed, kv_cache   tensor parallelism; the KV cache's memory
+    layers                  linear methods and layer ops: bind the kernels, once, at load
+    models                  the model code (names no kernel)
+    model_loader            reads checkpoints into a model
+    lora                    adapters around a loaded model's linear methods
+    sample                  sampling, logits controls, speculative drafts, pooling
+    runner                  a step: batches, versions, CUDA graphs
+    worker, rank, main      the process (and the package's own __init__)
 
 An import under `if TYPE_CHECKING:` is for annotations only and does not count; an import
 inside a function does (it runs)."""
@@ -162,26 +177,76 @@ def test_no_service_package_imports_the_worker(graph: dict[str, set[str]]) -> No
     assert wrong == []
 
 
-# the worker's kernels: C (cpu/, attention's C decode kernel) and Triton (kernels/)
+# the worker's kernels: C (cpu/) and Triton (kernels/), and the attention backends over them
 KERNEL_PACKAGES = ("gpu_worker.cpu", "gpu_worker.kernels", "gpu_worker.attention")
-# what a kernel may import of the worker: other kernels and the layer-ops protocol it fills
-KERNEL_MAY_IMPORT = (*KERNEL_PACKAGES, "gpu_worker.layers.ops")
-# TEMPORARY (the restructure in progress): the one-call step still reads the model's types
-NOT_YET_LEAVES = ("gpu_worker.cpu.one_call_step",)
 
 
 def test_the_workers_kernels_are_leaves(graph: dict[str, set[str]]) -> None:
-    """Kernels never import the model, its linear methods or the runner: the model's layers
-    hold the kernel objects they call (chosen by gpu_worker/layers/kernel_choice.py), never the
-    other way round (no kernel subclasses or patches the model)."""
+    """Kernels never import the model, its layers, linear methods or the runner: the model's
+    layers hold the kernel objects they call (chosen by gpu_worker/layers/kernel_choice.py),
+    never the other way round (no kernel subclasses or patches the model; the one-call step
+    reads the model through Protocols)."""
     inward = [
         (m, d)
         for m, deps in graph.items()
-        if m.startswith(KERNEL_PACKAGES) and m not in NOT_YET_LEAVES
+        if m.startswith(KERNEL_PACKAGES)
         for d in deps
-        if d.startswith("gpu_worker") and not d.startswith(KERNEL_MAY_IMPORT)
+        if d.startswith("gpu_worker") and not d.startswith(KERNEL_PACKAGES)
     ]
     assert inward == []
+
+
+# the worker's units, bottom first (see the module docstring); "" is the package's __init__
+WORKER_ORDER: tuple[tuple[str, ...], ...] = (
+    ("kernels", "cpu"),
+    ("attention",),
+    ("distributed", "kv_cache"),
+    ("layers",),
+    ("models",),
+    ("model_loader",),
+    ("lora",),
+    ("sample",),
+    ("runner",),
+    ("worker", "rank", "main", "__main__", ""),
+)
+
+
+def _worker_unit(module: str) -> str | None:
+    """The worker's unit a module belongs to (`gpu_worker.cpu.gguf` -> cpu, the package's own
+    __init__ -> ""), or None outside the worker."""
+    parts = module.split(".")
+    if parts[0] != "gpu_worker":
+        return None
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _worker_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The worker's units and the units each imports (itself left out)."""
+    units: dict[str, set[str]] = {}
+    for m, deps in graph.items():
+        unit = _worker_unit(m)
+        if unit is None:
+            continue
+        imported = {_worker_unit(d) for d in deps} - {None, unit}
+        units.setdefault(unit, set()).update(u for u in imported if u is not None)
+    return units
+
+
+def test_no_circle_between_the_workers_units(graph: dict[str, set[str]]) -> None:
+    assert _cycles(_worker_graph(graph)) == []
+
+
+def test_the_workers_units_import_downwards(graph: dict[str, set[str]]) -> None:
+    level = {unit: i for i, units in enumerate(WORKER_ORDER) for unit in units}
+    units = _worker_graph(graph)
+    assert sorted(set(units) - set(level)) == []  # a new unit takes its place in the order
+    upward = [(u, d) for u, deps in units.items() for d in deps if level[d] > level[u]]
+    assert sorted(upward) == []
+
+
+def test_the_unit_checker_finds_a_circle() -> None:
+    modules = {"gpu_worker.a.x": {"gpu_worker.b.y"}, "gpu_worker.b.y": {"gpu_worker.a.z"}}
+    assert _cycles(_worker_graph(modules)) == [["a", "b"]]
 
 
 def _gateway_layer(module: str) -> int | None:

@@ -27,12 +27,11 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
-from typing import cast
 
 import torch
 
 from gpu_worker.cpu import lora
-from gpu_worker.models.llama import DecoderLayer, LlamaForCausalLM
+from gpu_worker.models.llama import LlamaConfig, LlamaForCausalLM
 
 RANK, ADAPTERS = 16, 8
 # (layer, in, slice bounds) of SmolLM2-135M
@@ -112,22 +111,18 @@ def kernels(tokens_list: list[int]) -> None:
 
 
 def _smollm2() -> LlamaForCausalLM:
-    """SmolLM2-135M (float32) with the CPU's C kernels and one-call decode step."""
+    """SmolLM2-135M (float32) with the CPU's C kernels and one-call step."""
     from common.prepare_model import default_model_dir
     from gpu_worker.attention.torch_backend import TorchAttentionBackend
     from gpu_worker.layers.kernel_choice import choose_kernels
     from gpu_worker.model_loader.loader import load_model, read_hf_config
 
     folder, cpu = default_model_dir(), torch.device("cpu")
-    cfg = read_hf_config(folder)
-    heads = cfg["num_attention_heads"]
+    cfg = LlamaConfig.from_hf(read_hf_config(folder))
     backend = TorchAttentionBackend(
-        num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        dtype=torch.float32,
-        device=cpu,
-    )
+        num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        dtype=torch.float32, device=cpu,
+    )  # fmt: skip
     kernels = choose_kernels(device=cpu, backend_name="torch", dtype=torch.float32)
     return load_model(folder, backend, dtype=torch.float32, device=cpu, max_positions=2048,
                       kernels=kernels)  # fmt: skip
@@ -139,7 +134,7 @@ def _step(model: LlamaForCausalLM, batch: int, context: int) -> Callable[[], obj
     from gpu_worker.attention.metadata import build_metadata
 
     inner = model.model
-    attn = cast(DecoderLayer, inner.layers[0]).self_attn
+    attn = inner.layers[0].self_attn
     block_size = 16
     per_seq = context // block_size + 1
     kv = torch.randn(len(inner.layers), 2, batch * per_seq, block_size, attn.num_kv_heads,
@@ -164,7 +159,7 @@ def decode_steps(context: int, steps: int, lora_dtype: torch.dtype) -> None:
     from gpu_worker.lora.layer import LoraLinearMethod, enable_lora, lora_layers
 
     model = _smollm2()
-    assert isinstance(model.model.decode_step, one_call_step.CpuDecodeStep)
+    assert isinstance(model.model.one_call_step, one_call_step.OneCallStep)
     mapping = enable_lora(model, max_loras=ADAPTERS, max_rank=RANK, max_tokens=8, kernel="cpu")
     with torch.no_grad():
         for _, layer, _ in lora_layers(model):
@@ -174,7 +169,7 @@ def decode_steps(context: int, steps: int, lora_dtype: torch.dtype) -> None:
             method.lora_a = torch.randn(method.lora_a.shape).mul_(0.02).to(lora_dtype)
             method.lora_b = torch.randn(method.lora_b.shape).mul_(0.02).to(lora_dtype)
     print(
-        f"one-call decode step, SmolLM2-135M float32, LoRA slots {lora_dtype}, context "
+        f"one-call step, SmolLM2-135M float32, LoRA slots {lora_dtype}, context "
         f"{context}, {steps} steps each: "
         "wall ms best / median, CPU ms (all threads) median"
     )

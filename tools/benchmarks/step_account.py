@@ -20,13 +20,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import gpu_worker.attention.cpu_kernel as attention
 import gpu_worker.attention.torch_backend as torch_backend
 import gpu_worker.cpu.gguf as gguf
 import gpu_worker.cpu.int8 as int8
 import gpu_worker.cpu.layers as layers
 import gpu_worker.cpu.linear as linear
 import gpu_worker.cpu.one_call_step as one_call_step
+import gpu_worker.cpu.paged_decode as paged_decode
 from common.prepare_model import default_gguf_path, prepare_default_model
 from gpu_worker.models.llama import LlamaForCausalLM
 from gpu_worker.runner.model_runner import ModelRunner
@@ -100,11 +100,11 @@ def main() -> int:
         (linear, "linear_packed", PACKED),
         (gguf, "gguf_linear", QUANT),
         (int8, "int8_linear", QUANT),
-        (attention, "paged_decode", ATTENTION),
+        (paged_decode, "paged_decode", ATTENTION),
         (torch_backend.TorchAttentionBackend, "_extend", EXTEND),
         (torch_backend, "_store_kv", STORE),
         (LlamaForCausalLM, "forward", "forward"),
-        (one_call_step.CpuDecodeStep, "_decode", ONE_CALL),
+        (one_call_step.OneCallStep, "_decode", ONE_CALL),
         *((layers, n, LAYERS) for n in ("rms_norm", "add_rms_norm", "rotary_neox", "silu_mul")),
     ]
     for owner, name, key in patches:
@@ -118,7 +118,7 @@ def main() -> int:
     )
     runner = ModelRunner(_model_path(args.model), options)
     if args.layer_by_layer:  # the model's layers one by one, not the one-call C step
-        runner.model.model.decode_step = None
+        runner.model.model.one_call_step = None
     if args.prefill:
         total, ms = _prefills(runner, args.prefill, steps, spent)
         what = f"prefill step ({args.prefill} tokens, {args.dtype})"

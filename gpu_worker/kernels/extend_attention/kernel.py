@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_worker.kernels import check_device, dot_precision, next_power_of_2
+from gpu_worker.kernels import check_device, check_paged_attention, dot_precision, next_power_of_2
 
 _LOG2E = math.log2(math.e)
 
@@ -103,20 +103,11 @@ def _check_inputs(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
 ) -> None:
-    assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, f"kv_cache {tuple(kv_cache.shape)}"
-    assert kv_cache.is_contiguous(), "kv_cache must be contiguous"
-    num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
-    assert q.dim() == 3 and q.shape[2] == head_dim, f"q {tuple(q.shape)}, head_dim {head_dim}"
-    assert q.shape[1] % num_kv_heads == 0, f"{q.shape[1]} heads, {num_kv_heads} KV heads"
-    assert q.stride(2) == 1, "q needs a contiguous head_dim"
-    assert q.dtype == kv_cache.dtype, f"q is {q.dtype}, cache {kv_cache.dtype}"
-    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1, "bad out"
     num_reqs = seq_lens.shape[0]
+    check_paged_attention(q, kv_cache, out, block_tables, num_reqs)
     assert seq_lens.dim() == 1 and seq_lens.dtype == torch.int32, "bad seq_lens"
     assert query_start_loc.shape == (num_reqs + 1,), "query_start_loc needs R + 1 entries"
     assert query_start_loc.dtype == torch.int32, "query_start_loc must be int32"
-    assert block_tables.dim() == 2 and block_tables.shape[0] == num_reqs, "bad block_tables"
-    assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1, "bad block_tables"
     check_device(q, kv_cache, out, block_tables, query_start_loc, seq_lens)
 
 

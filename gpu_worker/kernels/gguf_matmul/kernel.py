@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_worker.kernels import check_device, decode_split_k, dot_precision, sm_count
+from gpu_worker.kernels import check_device, dot_precision, matmul_out, split_k_ranges
 from gpu_worker.kernels.gguf_matmul.reference import GGUF_BLOCKS, QTYPE_NAMES, row_bytes
 
 # the ggml type ids of reference.py, as constexprs the kernel's branches compare against
@@ -173,28 +173,19 @@ def gguf_matmul(
     same summation order whatever the batch."""
     assert qtype in GGUF_BLOCKS, f"unsupported ggml type {qtype}: {sorted(QTYPE_NAMES.values())}"
     qk, type_size = GGUF_BLOCKS[qtype]
-    assert x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1, "x must be [M, K], rows dense"
-    assert x.dtype in (torch.float16, torch.bfloat16, torch.float32), f"x is {x.dtype}"
+    out = matmul_out(x, k, n, out)
     assert weight.dtype == torch.uint8, f"weight must be uint8 blocks, got {weight.dtype}"
     assert weight.shape == (n, row_bytes(qtype, k)) and weight.stride(1) == 1, (
         f"weight {tuple(weight.shape)} is not [{n}, {row_bytes(qtype, k)}] dense rows "
         f"for {QTYPE_NAMES[qtype]} K={k}"
     )
     m = x.shape[0]
-    if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    assert out.shape == (m, n) and out.dtype == x.dtype and out.stride(1) == 1, "bad out"
     check_device(x, weight, out)
     if m == 0 or n == 0 or k == 0:
         return out.zero_()  # an empty sum
     block_m, block_n, warps = gguf_tiles(m, x.dtype)
-    k_steps = k // GGUF_BLOCK_K
-    if split_k is None:
-        split_k = (
-            decode_split_k(triton.cdiv(n, block_n), k_steps, sm_count(x.device)) if m <= 16 else 1
-        )
-    per_split = triton.cdiv(k_steps, split_k) * GGUF_BLOCK_K
-    split_k = triton.cdiv(k, per_split)  # no empty ranges
+    tiles = triton.cdiv(n, block_n)
+    split_k, per_split = split_k_ranges(split_k, m, tiles, k, GGUF_BLOCK_K, x.device)
     target = out if split_k == 1 else torch.empty(split_k, m, n, device=x.device)
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split_k)
     _gguf_matmul_kernel[grid](

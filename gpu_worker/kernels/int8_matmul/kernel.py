@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_worker.kernels import check_device, decode_split_k, next_power_of_2, sm_count
+from gpu_worker.kernels import check_device, matmul_out, next_power_of_2, split_k_ranges
 
 MAX_QUANT_BLOCK = 4096  # columns a quantize program holds at once; longer rows loop
 
@@ -123,9 +123,9 @@ def int8_matmul(
 
     Decode-sized x (M <= 16) on a GPU may split K over more programs (`decode_split_k`):
     the int32 sums are exact, so the result is bit-identical whatever the split."""
-    assert x.dim() == 2 and x.stride(1) == 1, "x must be [M, K] with contiguous rows"
     m, k = x.shape
     n = weight.shape[0]
+    out = matmul_out(x, k, n, out)
     assert weight.dtype == torch.int8 and weight.shape == (n, k) and weight.stride(1) == 1, (
         f"weight must be int8 [N, {k}] with contiguous rows, got {weight.dtype} "
         f"{tuple(weight.shape)}"
@@ -134,21 +134,13 @@ def int8_matmul(
         f"weight_scale must be float32 [{n}], got {weight_scale.dtype} {tuple(weight_scale.shape)}"
     )
     assert weight_scale.is_contiguous(), "weight_scale must be contiguous"
-    if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    assert out.shape == (m, n) and out.dtype == x.dtype and out.stride(1) == 1, "bad out"
     check_device(x, weight, weight_scale, out)
     if m == 0 or n == 0 or k == 0:
         return out.zero_()  # an empty sum
     xq, x_scale = quantize_rows(x)
     block_m, block_n, block_k, warps, stages = int8_tiles(m)
-    k_steps = triton.cdiv(k, block_k)
-    if split_k is None:
-        split_k = (
-            decode_split_k(triton.cdiv(n, block_n), k_steps, sm_count(x.device)) if m <= 16 else 1
-        )
-    per_split = triton.cdiv(k_steps, split_k) * block_k
-    split_k = triton.cdiv(k, per_split)  # no empty ranges
+    tiles = triton.cdiv(n, block_n)
+    split_k, per_split = split_k_ranges(split_k, m, tiles, k, block_k, x.device)
     target = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.int32,
                                                   device=x.device)  # fmt: skip
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split_k)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.cpu import linear
+from gpu_worker.cpu import linear, one_call_step
+from gpu_worker.cpu.one_call_step import DecodeLinear, Keep
 from gpu_worker.layers.linear import FloatLinearMethod, Linear
 from gpu_worker.layers.linear_methods.weights import CheckpointWeight
 
@@ -37,6 +38,9 @@ class CpuFloatLinearMethod:
         if self.packed is not None and x.dtype == layer.weight.dtype:
             return linear.linear_packed(x, self.packed, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
+
+    def one_call_linear(self, layer: Linear, keep: Keep) -> DecodeLinear | None:
+        return one_call_step.float_linear(layer.weight)
 
     def weight_bytes(self, layer: Linear) -> int:
         return layer.weight.numel() * layer.weight.element_size()

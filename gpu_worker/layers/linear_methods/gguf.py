@@ -2,7 +2,8 @@
 
 The layer keeps each shard's bytes (uint8 [rows, row_bytes]) as parameters `weight` (shard
 0) and `weight_1`, `weight_2`... (a fused layer whose parts have different types); the
-method keeps the shards' types and rows. The kernel is chosen once:
+method keeps the shards' types and rows. The kernel is chosen once, when the method is built
+(triton imported only when asked for):
 
     cpu     the C kernels of gpu_worker/cpu/gguf.py (activations quantized per row)
     triton  gpu_worker/kernels/gguf_matmul (dequantized tiles in the GEMM), CUDA
@@ -11,11 +12,15 @@ method keeps the shards' types and rows. The kernel is chosen once:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from gpu_worker.cpu import gguf as cpu_gguf
+from gpu_worker.cpu import one_call_step
+from gpu_worker.cpu.one_call_step import DecodeLinear, Keep
 from gpu_worker.layers.linear import Linear, set_parameter
 from gpu_worker.layers.linear_methods.weights import CheckpointWeight, GGUFWeight
 
@@ -36,13 +41,39 @@ def shard_names(count: int) -> list[str]:
     return ["weight"] + [f"weight_{i}" for i in range(1, count)]
 
 
+# y [..., rows] = x [..., in] @ W.T for one shard's bytes w, its ggml type and rows
+ShardMatmul = Callable[[torch.Tensor, torch.Tensor, int, int, int], torch.Tensor]
+
+
+def _cpu_matmul(x: torch.Tensor, w: torch.Tensor, qtype: int, rows: int, n_in: int) -> torch.Tensor:
+    return cpu_gguf.gguf_linear(x, w, qtype, rows, n_in, None)
+
+
+def _shard_matmul(kernel: str) -> ShardMatmul | None:
+    """The kernel function of `kernel`; None for "torch" (a float weight, F.linear)."""
+    if kernel == "torch":
+        return None
+    if kernel == "cpu":
+        return _cpu_matmul
+    if kernel == "triton":
+        from gpu_worker.kernels.gguf_matmul.kernel import gguf_matmul
+
+        def triton(
+            x: torch.Tensor, w: torch.Tensor, qtype: int, rows: int, n_in: int
+        ) -> torch.Tensor:
+            return gguf_matmul(x.reshape(-1, n_in), w, qtype, rows, n_in).view(*x.shape[:-1], rows)
+
+        return triton
+    raise ValueError(f"unknown GGUF kernel {kernel!r} (cpu, triton or torch)")
+
+
 class GGUFLinearMethod:
     """A GGUF-quantized weight (see the module docstring); one instance per layer."""
 
     name = "gguf"
 
     def __init__(self, kernel: str, dtype: torch.dtype) -> None:
-        assert kernel in ("cpu", "triton", "torch"), kernel
+        self._matmul = _shard_matmul(kernel)
         self.kernel = kernel
         self.dtype = dtype
         self.qtypes: tuple[int, ...] = ()
@@ -63,7 +94,7 @@ class GGUFLinearMethod:
         self.rows = tuple(s.rows for s in weight.shards)
         self.nbytes = weight.nbytes
         set_parameter(layer, "bias", bias)
-        if self.kernel == "torch":  # the reference: a float weight
+        if self._matmul is None:  # the reference: a float weight
             set_parameter(layer, "weight", dequantize_weight(weight).to(self.dtype))
             return
         device = layer.bias.device if layer.bias is not None else None
@@ -79,27 +110,24 @@ class GGUFLinearMethod:
         return [layer.get_parameter(n) for n in shard_names(len(self.qtypes))]
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel == "torch":
+        matmul = self._matmul
+        if matmul is None:
             return F.linear(x, layer.weight, layer.bias)
-        parts = [self._matmul(x, w, q, rows, layer) for w, q, rows in self._each(layer)]
+        n_in = layer.in_features
+        parts = [matmul(x, w, q, rows, n_in) for w, q, rows in self._each(layer)]
         y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         return y if layer.bias is None else y + layer.bias
 
     def _each(self, layer: Linear) -> list[tuple[torch.Tensor, int, int]]:
         return list(zip(self.shards(layer), self.qtypes, self.rows, strict=True))
 
-    def _matmul(
-        self, x: torch.Tensor, w: torch.Tensor, qtype: int, rows: int, layer: Linear
-    ) -> torch.Tensor:
-        if self.kernel == "cpu":  # (imported once, above: this runs per layer and step)
-            return cpu_gguf.gguf_linear(x, w, qtype, rows, layer.in_features, None)
-        from gpu_worker.kernels.gguf_matmul.kernel import gguf_matmul
-
-        flat = x.reshape(-1, layer.in_features)
-        return gguf_matmul(flat, w, qtype, rows, layer.in_features).view(*x.shape[:-1], rows)
+    def one_call_linear(self, layer: Linear, keep: Keep) -> DecodeLinear | None:
+        if self._matmul is not _cpu_matmul:  # the C loop runs gguf.c's arithmetic only
+            return None
+        return one_call_step.gguf_linear(self._each(layer))
 
     def weight_bytes(self, layer: Linear) -> int:
-        if self.kernel == "torch":
+        if self._matmul is None:
             return layer.weight.numel() * layer.weight.element_size()
         return self.nbytes
 

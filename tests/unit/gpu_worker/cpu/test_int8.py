@@ -112,7 +112,7 @@ def variants(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ctypes.CDLL]
         for march, needs in VARIANTS.items()
         if needs in flags
     }
-    # as a one-call decode step would have it: #included after the float kernels (whose
+    # as a one-call step would have it: #included after the float kernels (whose
     # fast-math options must not leak into int8.c's epilogue, nor its options out of it)
     step = folder / "step.c"
     cpu = int8.SOURCE.parent

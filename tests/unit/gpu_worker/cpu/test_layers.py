@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from gpu_worker.cpu import layers
+from gpu_worker.layers.ops_cpu import CpuLayerOps, cpu_layer_ops
 from gpu_worker.models.llama import MLP, LlamaConfig, RMSNorm, RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(layers.load() is None, reason="no C compiler here")
@@ -57,7 +58,7 @@ def _cfg() -> LlamaConfig:
     )  # fmt: skip
 
 
-def _with_ops(module: nn.Module, ops: layers.CpuLayerOps) -> nn.Module:
+def _with_ops(module: nn.Module, ops: CpuLayerOps) -> nn.Module:
     """A copy of `module` whose norms and MLPs call `ops` (as the loader builds them)."""
     copied = copy.deepcopy(module)
     for m in copied.modules():
@@ -69,11 +70,11 @@ def _with_ops(module: nn.Module, ops: layers.CpuLayerOps) -> nn.Module:
 def test_the_cpu_ops_serve_float32_and_bfloat16_models_only() -> None:
     mlp = MLP(_cfg())
     x = torch.randn(3, 64)
-    ops = layers.cpu_layer_ops(torch.float32)
-    assert ops is not None and layers.cpu_layer_ops(torch.bfloat16) is not None
+    ops = cpu_layer_ops(torch.float32)
+    assert ops is not None and cpu_layer_ops(torch.bfloat16) is not None
     wrapper = nn.Sequential(mlp, RMSNorm(64, 1e-5))
     torch.testing.assert_close(_with_ops(wrapper, ops)(x), wrapper(x), **CLOSE)
-    assert layers.cpu_layer_ops(torch.float16) is None
+    assert cpu_layer_ops(torch.float16) is None
 
 
 BF16_ULP = dict(rtol=2**-7, atol=1e-6)  # one bf16 rounding
@@ -110,6 +111,6 @@ def test_bfloat16_models_take_the_ops_too() -> None:
     mlp = MLP(_cfg()).to(torch.bfloat16)
     x = torch.randn(3, 64).to(torch.bfloat16)
     expected = mlp(x)
-    ops = layers.cpu_layer_ops(torch.bfloat16)
+    ops = cpu_layer_ops(torch.bfloat16)
     assert ops is not None
     torch.testing.assert_close(_with_ops(mlp, ops)(x), expected, **BF16_ULP)

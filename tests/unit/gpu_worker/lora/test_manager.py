@@ -1,6 +1,6 @@
 """Adapters in memory (gpu_worker/lora/manager.py): the host LRU cache, each version's slots
 (LRU among the resident, filled in the fused layout), the step's token mapping, and the
-one-call decode step kept off steps with adapter rows. On a real tiny model."""
+one-call step kept off steps with adapter rows. On a real tiny model."""
 
 from __future__ import annotations
 
@@ -192,7 +192,7 @@ class _Recorder:
 def test_the_one_call_step_runs_only_steps_without_adapter_rows(tiny_dir: Path) -> None:
     runner = _runner(tiny_dir)
     # guarded unless the C step adds the deltas itself (the "cpu" LoRA kernel)
-    guarded = isinstance(runner.model.model.decode_step, SkipWhenLoraActive)
+    guarded = isinstance(runner.model.model.one_call_step, SkipWhenLoraActive)
     assert guarded == (_method(runner, 0, "qkv_proj").kernel != "cpu")
     mapping = LoraMapping(4, torch.device("cpu"))
     inner = _Recorder()

@@ -1,4 +1,5 @@
-"""The layer ops (gpu_worker/layers/ops.py) by the Triton kernels, for CUDA models.
+"""The layer ops (gpu_worker/layers/ops.py) by the Triton kernels of gpu_worker/kernels/, for
+CUDA models.
 
     rms_norm      one kernel per norm instead of ~5 torch ops
     add_rms_norm  the residual add fused into the post-attention norm

@@ -5,14 +5,14 @@
  * Python, ~6 ms of torch dispatch, tensor bookkeeping and ctypes calls around ~10 kernels per
  * layer (docs/benchmarks.md, "Peers": the step account). This runs the same kernels in the
  * same order with the same arithmetic, so its output equals the layer-by-layer path's bit
- * for bit (tests/unit/gpu_worker/cpu/test_decode_step.py):
+ * for bit (tests/unit/gpu_worker/cpu/test_one_call_step.py):
  *
  *   h = rmsnorm(x) w_in;  qkv = h Wqkv^T (+b);  rotate q, k;  k, v -> cache slots
  *   a = paged attention(q);  x += a Wo^T (+b);  h = rmsnorm(x) w_post
  *   x += (silu(h Wg^T) * (h Wu^T)) Wd^T          (gate and up are one weight, [2I, hidden])
  *
  * x [n, hidden] is the residual stream, updated in place; what comes out is the input of the
- * final norm. The kernels are linear.c, layers.c, lora.c and cpu_paged_decode.c, compiled in
+ * final norm. The kernels are linear.c, gguf.c, int8.c, layers.c, lora.c and paged_decode.c, compiled in
  * here.
  *
  * Each linear runs the kernel of its layer's linear method (run_linear): float32 or bf16
@@ -21,9 +21,9 @@
  * bf16 path and a bf16 cache (K/V rounded to nearest even as they are stored, as torch
  * rounds); activations stay float32 between the kernels, where torch's bf16 layers round
  * each op's output to bf16, so it equals that path only within bf16's precision
- * (tests/unit/gpu_worker/cpu/test_decode_step.py bounds it).
+ * (tests/unit/gpu_worker/cpu/test_one_call_step.py bounds it).
  *
- * Built at first use by gpu_worker/cpu/build.py; called from gpu_worker/cpu/decode_step.py.
+ * Built at first use by gpu_worker/cpu/build.py; called from gpu_worker/cpu/one_call_step.py.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -34,10 +34,10 @@
 #include "int8.c"
 #include "layers.c"
 #include "lora.c"
-#include "../attention/cpu_paged_decode.c"
+#include "paged_decode.c"
 
-/* K (and as many V) elements below which one thread attends: gpu_worker/attention/
- * cpu_kernel.py's SMALL_WORK, the same choice */
+/* K (and as many V) elements below which one thread attends: gpu_worker/cpu/
+ * paged_decode.py's SMALL_WORK, the same choice */
 #define ATTEND_SMALL_WORK (1 << 18)
 
 /* One linear layer's weight as its linear method keeps it (gpu_worker/layers/linear_methods/):

@@ -1,4 +1,4 @@
-"""The C paged-decode kernel (gpu_worker/attention/cpu_kernel.py) against a naive reference."""
+"""The C paged-decode kernel (gpu_worker/cpu/paged_decode.py) against a naive reference."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ import random
 import pytest
 import torch
 
-from gpu_worker.attention import build_metadata, cpu_kernel, create_backend
+from gpu_worker.attention import build_metadata, create_backend
+from gpu_worker.cpu import paged_decode
 from tests.unit.gpu_worker.attention.test_torch_backend import naive_attention
 
 torch.set_num_threads(2)
 
-pytestmark = pytest.mark.skipif(cpu_kernel.load() is None, reason="no C compiler here")
+pytestmark = pytest.mark.skipif(paged_decode.load() is None, reason="no C compiler here")
 
 
 def _case(
@@ -45,7 +46,7 @@ def test_kernel_matches_naive_attention(num_seqs: int, q_per_kv: int, block_size
         contexts, block_size=block_size, num_kv_heads=2, q_per_kv=q_per_kv, head_dim=32
     )
     meta = build_metadata([c - 1 for c in contexts], [1] * num_seqs, tables, block_size)
-    out = cpu_kernel.paged_decode(q, cache, meta.block_tables, meta.seq_lens, 32**-0.5)
+    out = paged_decode.paged_decode(q, cache, meta.block_tables, meta.seq_lens, 32**-0.5)
     ref = naive_attention(q, cache, [c - 1 for c in contexts], [1] * num_seqs, tables)
     assert out is not None
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
@@ -63,7 +64,7 @@ def test_fixed_head_sizes_match_naive_attention(
     )
     meta = build_metadata([c - 1 for c in contexts], [1] * num_seqs, tables, 16)
     scale = head_dim**-0.5
-    out = cpu_kernel.paged_decode(q, cache, meta.block_tables, meta.seq_lens, scale)
+    out = paged_decode.paged_decode(q, cache, meta.block_tables, meta.seq_lens, scale)
     prior = [c - 1 for c in contexts]
     ref = naive_attention(q.float(), cache.float(), prior, [1] * num_seqs, tables)
     assert out is not None and out.dtype == dtype
@@ -77,7 +78,7 @@ def test_head_dim_off_the_vector_width_and_bfloat16() -> None:
         contexts, block_size=16, num_kv_heads=3, q_per_kv=3, head_dim=72, dtype=torch.bfloat16
     )
     meta = build_metadata([c - 1 for c in contexts], [1] * 3, tables, 16)
-    out = cpu_kernel.paged_decode(q, cache, meta.block_tables, meta.seq_lens, 72**-0.5)
+    out = paged_decode.paged_decode(q, cache, meta.block_tables, meta.seq_lens, 72**-0.5)
     ref = naive_attention(q.float(), cache.float(), [c - 1 for c in contexts], [1] * 3, tables)
     assert out is not None and out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)

@@ -1,6 +1,6 @@
 /* Paged decode attention for the CPU: one query token per sequence, K/V read in place.
  *
- * Built at first use by gpu_worker/attention/cpu_kernel.py (gcc -O3 -march=native -fopenmp)
+ * Built at first use by gpu_worker/cpu/paged_decode.py (gcc -O3 -march=native -fopenmp)
  * and called through ctypes with raw pointers; torch's own libgomp serves its threads.
  *
  * One task per (sequence i, KV head h): the G = num_heads / num_kv_heads query rows of that
@@ -24,7 +24,7 @@ float expf(float);
 #include <stdlib.h>
 #include <string.h>
 
-#include "../cpu/bf16.h"
+#include "bf16.h"
 
 
 

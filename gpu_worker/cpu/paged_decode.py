@@ -1,4 +1,4 @@
-"""The CPU paged-decode kernel (cpu_paged_decode.c): built once with gcc, called via ctypes.
+"""The CPU paged-decode kernel (paged_decode.c): built once with gcc, called via ctypes.
 
 The eager torch path gathers every decode's blocks into a buffer padded to the longest
 sequence and runs SDPA over it: each step copies the KV once and reads it twice, and short
@@ -6,7 +6,8 @@ sequences pay for the longest. The C kernel reads each sequence's own K/V rows i
 once, with torch's OpenMP threads (the process's libgomp is reused: same soname).
 
 The shared library is built at first use (gpu_worker/cpu/build.py). Without gcc, or if the
-build fails, `paged_decode` returns None and the backend keeps its eager path.
+build fails, `paged_decode` returns None and the torch attention backend
+(gpu_worker/attention/torch_backend.py) keeps its eager path.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from gpu_worker.cpu.build import KernelLibrary
 
-SOURCE = Path(__file__).with_name("cpu_paged_decode.c")
+SOURCE = Path(__file__).with_name("paged_decode.c")
 SMALL_WORK = 1 << 18  # K (and as many V) elements below which one thread attends
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -31,7 +32,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 _LIBRARY = KernelLibrary(
-    SOURCE, _declare, "CPU paged-decode kernel", (Path(__file__).parent.parent / "cpu" / "bf16.h",)
+    SOURCE, _declare, "CPU paged-decode kernel", (Path(__file__).with_name("bf16.h"),)
 )
 
 
