@@ -9,9 +9,13 @@ CPU C kernels, Triton) — vLLM's `quant_method` shape:
     method.apply(layer, x)                       y = x @ W.T + b, every forward
 
 The model code names no kernel: it calls `layer(x)`. What runs is `layer.method`, visible
-when the model is printed. Quantized methods live in gpu_worker/quant/, the CPU float one in
-gpu_worker/cpu/linear.py; `FloatLinearMethod` here is plain torch, the reference and the GPU
-path.
+when the model is printed. The other methods live in gpu_worker/layers/linear_methods/;
+`FloatLinearMethod` here is plain torch, the reference and the GPU path.
+
+A method takes the checkpoint's tensors where they were read; the loader moves the layer
+(everything `load_weights` registered on it) to the model's device before
+`process_weights_after_loading`, so a method never places a tensor itself, and whatever it
+derives after loading (a packed copy) is made from the placed weight.
 """
 
 from __future__ import annotations

@@ -3,8 +3,11 @@
 The checkpoint's separate q/k/v and gate/up projections are concatenated into the fused
 `qkv_proj` and `gate_up_proj` weights our model uses; a tied LM head reuses the embedding.
 The model is built on the "meta" device and the loaded tensors are assigned to it, so the
-weights are never initialised and then overwritten. Under tensor parallelism each rank reads
-only its slices from the files (safetensors slices, gpu_worker/distributed/sharding.py says which).
+weights are never initialised and then overwritten. `build_model` is the one owner of
+placement: each linear layer moves to the model's device once its method has loaded it
+(float, GGUF shards, int8 and scales alike), the other tensors as they are assigned. Under
+tensor parallelism each rank reads only its slices from the files (safetensors slices,
+gpu_worker/distributed/sharding.py says which).
 """
 
 from __future__ import annotations
@@ -224,11 +227,12 @@ def build_model(
         weight = weights.pop(f"{name}.weight")
         bias = weights.pop(f"{name}.bias", None)
         layer.method = kernels.linear_method(weight)
-        layer.method.load_weights(
-            layer, _to(weight, device, dtype), None if bias is None else _to(bias, device, dtype)
-        )
+        layer.method.load_weights(layer, _to(weight, dtype), _to(bias, dtype))
+        # the one place a layer's tensors move: whatever the method made of the checkpoint's
+        # (float, GGUF shards, int8 and scales) goes to the model's device before any packing
+        layer.to(device)
     # pop as we go: a dtype or device change never holds two copies of the whole model
-    rest = {name: _to(weights.pop(name), device, dtype) for name in list(weights)}
+    rest = {name: _to(weights.pop(name), dtype).to(device) for name in list(weights)}
     missing, unexpected = model.load_state_dict(rest, strict=False, assign=True)
     missing = [m for m in missing if m in _not_linear(model)]
     if missing or unexpected:
@@ -290,10 +294,11 @@ EMBED = "model.embed_tokens.weight"
 TIED_BLOCKS = "lm_head.tied_blocks"  # a GGUF embedding's blocks, for a tied LM head
 
 
-def _to(weight: Any, device: torch.device, dtype: torch.dtype) -> Any:
-    """A float tensor in the model's dtype on its device; quantized weights as they are."""
+def _to(weight: Any, dtype: torch.dtype) -> Any:
+    """A float tensor in the model's dtype; quantized weights (and None) as they are. The
+    device is build_model's to set, once, for every tensor."""
     if isinstance(weight, torch.Tensor) and weight.is_floating_point():
-        return weight.to(device=device, dtype=dtype)
+        return weight.to(dtype)
     return weight
 
 

@@ -27,7 +27,7 @@ class CpuFloatLinearMethod:
         FloatLinearMethod().load_weights(layer, weight, bias)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
-        if self.pack and linear.can_pack(layer.weight.dtype):
+        if self.pack and layer.weight.is_cpu and linear.can_pack(layer.weight.dtype):
             self.packed = linear.pack_weight(layer.weight)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:

@@ -66,10 +66,8 @@ class GGUFLinearMethod:
         if self.kernel == "torch":  # the reference: a float weight
             set_parameter(layer, "weight", dequantize_weight(weight).to(self.dtype))
             return
-        device = layer.bias.device if layer.bias is not None else None
         for name, shard in zip(shard_names(len(weight.shards)), weight.shards, strict=True):
-            data = shard.data if device is None else shard.data.to(device)
-            set_parameter(layer, name, data.contiguous())
+            set_parameter(layer, name, shard.data.contiguous())
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         pass

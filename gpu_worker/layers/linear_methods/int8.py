@@ -44,7 +44,7 @@ class Int8LinearMethod:
         set_parameter(layer, "bias", bias)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
-        if self.kernel == "cpu":
+        if self.kernel == "cpu" and layer.weight.is_cpu:  # (oneDNN packs host memory only)
             self.packed = int8.pack_weight(layer.weight)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
