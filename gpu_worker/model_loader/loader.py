@@ -191,14 +191,17 @@ def load_model(
     tp: TensorParallel | None = None,
     kernels: KernelChoice = TORCH_KERNELS,
     quantization: str = "",
+    hf_config: dict[str, Any] | None = None,
 ) -> LlamaForCausalLM:
     """Build the model for `folder` on `device` in `dtype`, ready for inference (with `tp`:
     this rank's shard of it), its layer ops, linear methods and decode step from `kernels`;
-    with `quantization` "int8", a float checkpoint's decoder linears quantized as it loads."""
+    with `quantization` "int8", a float checkpoint's decoder linears quantized as it loads.
+    `hf_config`: its config.json when the caller has read it already (read here otherwise)."""
     tp = tp or TensorParallel()
-    cfg = LlamaConfig.from_hf(read_hf_config(folder))
+    hf_config = read_hf_config(folder) if hf_config is None else hf_config
+    cfg = LlamaConfig.from_hf(hf_config)
     check_tensor_parallel(cfg, tp.size, folder)
-    weights = fuse_weights(read_checkpoint(folder, tp, quantization), cfg)
+    weights = fuse_weights(read_checkpoint(folder, hf_config, tp, quantization), cfg)
     return build_model(cfg, weights, backend, dtype, device, max_positions, tp, kernels)
 
 
@@ -261,29 +264,32 @@ def read_gguf_weights(path: str | Path) -> dict[str, Any]:
     return weights
 
 
-def read_checkpoint(folder: str | Path, tp: TensorParallel, quantization: str) -> dict[str, Any]:
+def read_checkpoint(
+    folder: str | Path, hf_config: dict[str, Any], tp: TensorParallel, quantization: str = ""
+) -> dict[str, Any]:
     """The tensors of a GGUF file, an int8 W8A8 compressed-tensors folder or a float folder
-    (this rank's slices), by HF name; with `quantization` "int8", a float folder's decoder
-    linears quantized as they are read."""
+    (this rank's slices), by HF name (`hf_config`: its config.json); with `quantization`
+    "int8", a float folder's decoder linears quantized as they are read. Raises ValueError
+    for a compressed-tensors scheme that is not served."""
     if is_gguf_file(folder):
         if tp.size != 1:
             raise ValueError(
                 f"{folder}: a GGUF file is served on one rank (--tensor-parallel-size 1)"
             )
         return read_gguf_weights(folder)
+    qc = quantization_config(hf_config)
+    if qc is not None:
+        check_int8_w8a8(qc)  # (before the weights are read)
+        return int8_weights(read_weights(folder, tp))
     raw = read_weights(folder, tp)
-    if quantization_config(read_hf_config(folder)) is not None:
-        check_int8_w8a8(quantization_config(read_hf_config(folder)) or {})
-        return int8_weights(raw)
     return quantize_linear_weights(raw) if quantization == "int8" else raw
 
 
-def stores_quantized(path: str | Path, quantization: str = "") -> bool:
-    """Whether the model at `path`, loaded with `quantization`, may have quantized linears:
-    a GGUF file, an int8 checkpoint, or --quantization int8."""
-    if quantization or is_gguf_file(path):
-        return True
-    return "quantization_config" in read_hf_config(path)
+def stores_quantized(path: str | Path, hf_config: dict[str, Any], quantization: str = "") -> bool:
+    """Whether the model at `path` (`hf_config`: its config.json), loaded with
+    `quantization`, may have quantized linears: a GGUF file, an int8 checkpoint, or
+    --quantization int8."""
+    return bool(quantization) or is_gguf_file(path) or "quantization_config" in hf_config
 
 
 def _gguf_weight(tensor: GGUFTensor) -> GGUFWeight:
