@@ -42,10 +42,6 @@ class LinearMethod(Protocol):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor: ...
 
-    def weight_bytes(self, layer: Linear) -> int:
-        """The bytes of weights a forward reads (the resident size of the layer's weights)."""
-        ...
-
     def extra_bytes(self, layer: Linear) -> int:
         """Bytes the method keeps beside the layer's parameters (a packed copy), 0 if none."""
         ...
@@ -83,9 +79,6 @@ class FloatLinearMethod:
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
-
-    def weight_bytes(self, layer: Linear) -> int:
-        return layer.weight.numel() * layer.weight.element_size()
 
     def extra_bytes(self, layer: Linear) -> int:
         return 0

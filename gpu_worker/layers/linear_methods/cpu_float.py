@@ -38,11 +38,9 @@ class CpuFloatLinearMethod:
             return linear.linear_packed(x, self.packed, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
 
-    def weight_bytes(self, layer: Linear) -> int:
-        return layer.weight.numel() * layer.weight.element_size()
-
     def extra_bytes(self, layer: Linear) -> int:
-        return self.weight_bytes(layer) if self.packed is not None else 0
+        # the packed copy: as large as the weight
+        return layer.weight.numel() * layer.weight.element_size() if self.packed is not None else 0
 
     storage = ""
 

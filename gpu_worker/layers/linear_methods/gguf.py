@@ -47,7 +47,6 @@ class GGUFLinearMethod:
         self.dtype = dtype
         self.qtypes: tuple[int, ...] = ()
         self.rows: tuple[int, ...] = ()
-        self.nbytes = 0
 
     def load_weights(
         self, layer: Linear, weight: CheckpointWeight, bias: torch.Tensor | None
@@ -61,7 +60,6 @@ class GGUFLinearMethod:
             )
         self.qtypes = tuple(s.qtype for s in weight.shards)
         self.rows = tuple(s.rows for s in weight.shards)
-        self.nbytes = weight.nbytes
         set_parameter(layer, "bias", bias)
         if self.kernel == "torch":  # the reference: a float weight
             set_parameter(layer, "weight", dequantize_weight(weight).to(self.dtype))
@@ -95,11 +93,6 @@ class GGUFLinearMethod:
 
         flat = x.reshape(-1, layer.in_features)
         return gguf_matmul(flat, w, qtype, rows, layer.in_features).view(*x.shape[:-1], rows)
-
-    def weight_bytes(self, layer: Linear) -> int:
-        if self.kernel == "torch":
-            return layer.weight.numel() * layer.weight.element_size()
-        return self.nbytes
 
     def extra_bytes(self, layer: Linear) -> int:
         return 0

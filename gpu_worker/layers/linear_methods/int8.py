@@ -61,11 +61,9 @@ class Int8LinearMethod:
         y = int8.int8_linear_torch(flat, layer.weight, scale, layer.bias)
         return y.to(x.dtype).view(*x.shape[:-1], layer.out_features)
 
-    def weight_bytes(self, layer: Linear) -> int:
-        return layer.weight.numel() + 4 * layer.out_features
-
     def extra_bytes(self, layer: Linear) -> int:
-        return self.weight_bytes(layer) if self.packed is not None else 0
+        # the packed copy: about the int8 weight and its scales
+        return layer.weight.numel() + 4 * layer.out_features if self.packed is not None else 0
 
     storage = "int8"
 
