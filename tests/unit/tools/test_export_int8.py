@@ -11,7 +11,8 @@ import torch
 
 from gpu_worker.distributed.tensor_parallel import TensorParallel
 from gpu_worker.model_loader.compressed_tensors import Int8Weight
-from gpu_worker.model_loader.loader import read_checkpoint, read_hf_config
+from gpu_worker.model_loader.hf_folder import read_hf_config
+from gpu_worker.model_loader.loader import read_checkpoint
 from tests.tiny_models import make_tiny_model
 from tools.export_int8 import export_int8, main
 

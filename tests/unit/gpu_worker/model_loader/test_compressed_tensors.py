@@ -18,7 +18,8 @@ from gpu_worker.cpu.int8 import quantize_weight
 from gpu_worker.distributed.tensor_parallel import TensorParallel
 from gpu_worker.layers.linear_methods.weights import concat_rows
 from gpu_worker.model_loader import compressed_tensors as ct
-from gpu_worker.model_loader.loader import read_checkpoint, read_hf_config, read_weights
+from gpu_worker.model_loader.hf_folder import read_hf_config
+from gpu_worker.model_loader.loader import read_checkpoint, read_weights
 from tests.tiny_models import make_tiny_model
 from tools.export_int8 import export_int8
 

@@ -13,7 +13,7 @@ import torch
 from common.messages import SamplingParams, StepPlan
 from common.model_facts import tokenizer_fingerprint
 from gpu_worker.distributed.tensor_parallel import TensorParallel
-from gpu_worker.model_loader.loader import read_hf_config, weights_version
+from gpu_worker.model_loader.hf_folder import read_hf_config, weights_version
 from gpu_worker.models.llama import LlamaConfig
 from gpu_worker.runner.builder import load_weights
 from gpu_worker.runner.model_runner import ModelRunner
