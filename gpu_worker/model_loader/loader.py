@@ -1,4 +1,6 @@
-"""Load a local Hugging Face folder (config.json + *.safetensors) into our Llama model.
+"""Load a model into our Llama: a Hugging Face folder (*.safetensors; float, or int8
+compressed-tensors, gpu_worker/model_loader/compressed_tensors.py) or a GGUF file
+(gpu_worker/model_loader/gguf_file.py); what else a folder says is read by hf_folder.py.
 
 The checkpoint's separate q/k/v and gate/up projections are concatenated into the fused
 `qkv_proj` and `gate_up_proj` weights our model uses; a tied LM head reuses the embedding.
