@@ -135,9 +135,9 @@ def test_every_weight_and_lora_slot_is_on_the_models_device(
         if model.startswith("gguf"):  # the LM head's blocks too (a tied one: the embedding's)
             assert loaded.lm_head.method.storage.startswith("gguf:")
     assert _off_device(loaded) == []
-    enable_lora(
-        loaded, max_loras=2, max_rank=4, max_tokens=8, kernel=KERNELS[kernel].quantized_kernel
-    )
+    # the LoRA kernel beside those linears (lora_kernel's choice, without building lora.c)
+    lora_kernel = KERNELS[kernel].quantized_kernel
+    enable_lora(loaded, max_loras=2, max_rank=4, max_tokens=8, kernel=lora_kernel)
     assert _off_device(loaded) == []
     lora = [m.method for m in loaded.modules() if isinstance(m, Linear)]
     assert sum(repr(m).startswith("LoRA(") for m in lora) == 4 * loaded.config.num_layers
