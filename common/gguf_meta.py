@@ -221,7 +221,7 @@ def llama3_rope_parameters(
 
 def gguf_weights_version(path: str | Path) -> str:
     """16 hex chars of sha256 over the file's name, size, first and last MiB (as
-    gpu_worker/models/loader.weights_version does for a folder's safetensors)."""
+    gpu_worker/model_loader/hf_folder.weights_version does for a folder's safetensors)."""
     path = Path(path)
     size = path.stat().st_size
     digest = hashlib.sha256(f"{path.name}:{size}".encode())

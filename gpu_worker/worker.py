@@ -305,7 +305,7 @@ def check_loadable(path: str) -> None:
     it to serve the new version, so a model without one must not replace a working one)."""
     from transformers import AutoTokenizer
 
-    from gpu_worker.model_loader.loader import read_hf_config
+    from gpu_worker.model_loader.hf_folder import read_hf_config
 
     read_hf_config(path)
     try:

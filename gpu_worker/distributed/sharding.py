@@ -123,16 +123,6 @@ def check_divisible(
         )
 
 
-def ranks_of_node(world: int, nnodes: int, node_rank: int) -> range:
-    """The global ranks one host runs: an equal, contiguous share."""
-    if nnodes < 1 or world % nnodes:
-        raise ValueError(f"--nnodes {nnodes} does not divide {FLAG} {world}")
-    if not 0 <= node_rank < nnodes:
-        raise ValueError(f"--node-rank must be in [0, {nnodes}), got {node_rank}")
-    per_node = world // nnodes
-    return range(node_rank * per_node, (node_rank + 1) * per_node)
-
-
 def threads_per_rank(num_cores: int, ranks_on_host: int) -> int:
     """Default torch threads of one rank: the host's cores shared out, at least one."""
     return max(1, num_cores // max(1, ranks_on_host))

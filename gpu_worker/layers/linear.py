@@ -15,6 +15,11 @@ when the model is printed. The other methods live in gpu_worker/layers/linear_me
 float, GGUF, int8) and gpu_worker/lora/layer.py (LoRA around any of them), each binding its
 kernel function once, when it is built; `FloatLinearMethod` here is plain torch, the reference
 and the GPU path.
+
+A method takes the checkpoint's tensors where they were read; the loader moves the layer
+(everything `load_weights` registered on it) to the model's device before
+`process_weights_after_loading`, so a method never places a tensor itself, and whatever it
+derives after loading (a packed copy) is made from the placed weight.
 """
 
 from __future__ import annotations
@@ -46,10 +51,6 @@ class LinearMethod(Protocol):
         """The layer's weight (and LoRA slots) as the one-call step's C loop reads them, bias
         aside (the step adds it); None when the loop cannot run this method's arithmetic.
         Tensors made for the descriptor go to `keep`, which outlives it."""
-        ...
-
-    def weight_bytes(self, layer: Linear) -> int:
-        """The bytes of weights a forward reads (the resident size of the layer's weights)."""
         ...
 
     def extra_bytes(self, layer: Linear) -> int:
@@ -92,9 +93,6 @@ class FloatLinearMethod:
 
     def one_call_linear(self, layer: Linear, keep: Keep) -> DecodeLinear | None:
         return None  # torch's arithmetic, not the C loop's
-
-    def weight_bytes(self, layer: Linear) -> int:
-        return layer.weight.numel() * layer.weight.element_size()
 
     def extra_bytes(self, layer: Linear) -> int:
         return 0

@@ -257,9 +257,6 @@ class LoraLinearMethod:
             else:
                 y[:, lo:hi] += (zc @ b[lo:hi].T).to(y.dtype)
 
-    def weight_bytes(self, layer: Linear) -> int:
-        return self.base.weight_bytes(layer)
-
     def extra_bytes(self, layer: Linear) -> int:
         lora = self.lora_a.numel() * self.lora_a.element_size()
         return (

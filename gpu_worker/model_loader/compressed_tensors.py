@@ -14,13 +14,10 @@ layers in `ignore` (the LM head, usually) and everything else stay float.
 
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from gpu_worker.layers.linear_methods.weights import Int8Weight
 
@@ -154,24 +151,6 @@ def int8_weights(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | I
         else:
             out[name] = t
     return out
-
-
-def read_int8_weights(folder: str | Path) -> dict[str, torch.Tensor | Int8Weight]:
-    """Every tensor of an int8 W8A8 compressed-tensors folder, by Hugging Face name, as
-    int8_weights gives them. Raises ValueError for a folder that is not such a checkpoint (or
-    a scheme not served)."""
-    folder = Path(folder)
-    hf_config = json.loads((folder / "config.json").read_text())
-    qc = quantization_config(hf_config)
-    if qc is None:
-        raise ValueError(f"{folder}/config.json has no compressed-tensors quantization_config")
-    check_int8_w8a8(qc)
-    tensors: dict[str, torch.Tensor] = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118  # safe_open is not a mapping
-                tensors[name] = f.get_tensor(name)
-    return int8_weights(tensors)
 
 
 def quantize_linear_weights(

@@ -1,16 +1,19 @@
-"""Load a local Hugging Face folder (config.json + *.safetensors) into our Llama model.
+"""Load a model into our Llama: a Hugging Face folder (*.safetensors; float, or int8
+compressed-tensors, gpu_worker/model_loader/compressed_tensors.py) or a GGUF file
+(gpu_worker/model_loader/gguf_file.py); what else a folder says is read by hf_folder.py.
 
 The checkpoint's separate q/k/v and gate/up projections are concatenated into the fused
 `qkv_proj` and `gate_up_proj` weights our model uses; a tied LM head reuses the embedding.
 The model is built on the "meta" device and the loaded tensors are assigned to it, so the
-weights are never initialised and then overwritten. Under tensor parallelism each rank reads
-only its slices from the files (safetensors slices, gpu_worker/distributed/sharding.py says which).
+weights are never initialised and then overwritten. `build_model` is the one owner of
+placement: each linear layer moves to the model's device once its method has loaded it
+(float, GGUF shards, int8 and scales alike), the other tensors as they are assigned. Under
+tensor parallelism each rank reads only its slices from the files (safetensors slices,
+gpu_worker/distributed/sharding.py says which).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
@@ -39,76 +42,10 @@ from gpu_worker.model_loader.compressed_tensors import (
 from gpu_worker.model_loader.gguf_file import (
     GGUFTensor,
     dequantize_tensor,
-    gguf_weights_version,
     read_gguf_tensors,
 )
+from gpu_worker.model_loader.hf_folder import read_hf_config, safetensors_files
 from gpu_worker.models.llama import LlamaConfig, LlamaForCausalLM
-
-_MIB = 1 << 20
-
-
-def read_hf_config(folder: str | Path) -> dict[str, Any]:
-    """The model's config.json: a folder's, or the one written from a GGUF file's metadata."""
-    if is_gguf_file(folder):
-        from common.model_paths import hf_config_of  # (the config: not for tools/gpu-check)
-
-        return hf_config_of(folder)
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{folder} has no config.json: not a Hugging Face model folder")
-    return json.loads(path.read_text())
-
-
-def safetensors_files(folder: str | Path) -> list[Path]:
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{folder} has no *.safetensors weights")
-    return files
-
-
-def eos_token_ids(folder: str | Path, hf_config: dict[str, Any]) -> list[int]:
-    """EOS ids from config.json and generation_config.json together, sorted."""
-    ids: set[int] = set()
-    sources = [hf_config]
-    gen_path = _tokenizer_dir(folder) / "generation_config.json"
-    if gen_path.is_file():
-        sources.append(json.loads(gen_path.read_text()))
-    for source in sources:
-        value = source.get("eos_token_id")
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list):
-            ids.update(int(v) for v in value)
-    return sorted(ids)
-
-
-def _tokenizer_dir(model: str | Path) -> Path:
-    """The folder of a model's tokenizer and generation config (a GGUF file's is written
-    from its metadata)."""
-    if not is_gguf_file(model):
-        return Path(model)
-    from common.model_paths import tokenizer_dir  # (imports the config: not for gpu-check)
-
-    return tokenizer_dir(model)
-
-
-def weights_version(folder: str | Path) -> str:
-    """16 hex chars of sha256 over each weights file's name, size, first and last MiB.
-
-    Cheap on multi-GB checkpoints, yet any re-export or fine-tune changes it. A GGUF file:
-    the same over the file.
-    """
-    if is_gguf_file(folder):
-        return gguf_weights_version(folder)
-    digest = hashlib.sha256()
-    for path in safetensors_files(folder):
-        size = path.stat().st_size
-        digest.update(f"{path.name}:{size}".encode())
-        with path.open("rb") as f:
-            digest.update(f.read(_MIB))
-            f.seek(max(0, size - _MIB))
-            digest.update(f.read(_MIB))
-    return digest.hexdigest()[:16]
 
 
 def fuse_weights(weights: dict[str, Any], cfg: LlamaConfig) -> dict[str, Any]:
@@ -188,14 +125,17 @@ def load_model(
     tp: TensorParallel | None = None,
     kernels: KernelChoice = TORCH_KERNELS,
     quantization: str = "",
+    hf_config: dict[str, Any] | None = None,
 ) -> LlamaForCausalLM:
     """Build the model for `folder` on `device` in `dtype`, ready for inference (with `tp`:
     this rank's shard of it), its layer ops, linear methods and decode step from `kernels`;
-    with `quantization` "int8", a float checkpoint's decoder linears quantized as it loads."""
+    with `quantization` "int8", a float checkpoint's decoder linears quantized as it loads.
+    `hf_config`: its config.json when the caller has read it already (read here otherwise)."""
     tp = tp or TensorParallel()
-    cfg = LlamaConfig.from_hf(read_hf_config(folder))
+    hf_config = read_hf_config(folder) if hf_config is None else hf_config
+    cfg = LlamaConfig.from_hf(hf_config)
     check_tensor_parallel(cfg, tp.size, folder)
-    weights = fuse_weights(read_checkpoint(folder, tp, quantization), cfg)
+    weights = fuse_weights(read_checkpoint(folder, hf_config, tp, quantization), cfg)
     return build_model(cfg, weights, backend, dtype, device, max_positions, tp, kernels)
 
 
@@ -224,11 +164,12 @@ def build_model(
         weight = weights.pop(f"{name}.weight")
         bias = weights.pop(f"{name}.bias", None)
         layer.method = kernels.linear_method(weight)
-        layer.method.load_weights(
-            layer, _to(weight, device, dtype), None if bias is None else _to(bias, device, dtype)
-        )
+        layer.method.load_weights(layer, _to(weight, dtype), _to(bias, dtype))
+        # the one place a layer's tensors move: whatever the method made of the checkpoint's
+        # (float, GGUF shards, int8 and scales) goes to the model's device before any packing
+        layer.to(device)
     # pop as we go: a dtype or device change never holds two copies of the whole model
-    rest = {name: _to(weights.pop(name), device, dtype) for name in list(weights)}
+    rest = {name: _to(weights.pop(name), dtype).to(device) for name in list(weights)}
     missing, unexpected = model.load_state_dict(rest, strict=False, assign=True)
     missing = [m for m in missing if m in _not_linear(model)]
     if missing or unexpected:
@@ -257,29 +198,32 @@ def read_gguf_weights(path: str | Path) -> dict[str, Any]:
     return weights
 
 
-def read_checkpoint(folder: str | Path, tp: TensorParallel, quantization: str) -> dict[str, Any]:
+def read_checkpoint(
+    folder: str | Path, hf_config: dict[str, Any], tp: TensorParallel, quantization: str = ""
+) -> dict[str, Any]:
     """The tensors of a GGUF file, an int8 W8A8 compressed-tensors folder or a float folder
-    (this rank's slices), by HF name; with `quantization` "int8", a float folder's decoder
-    linears quantized as they are read."""
+    (this rank's slices), by HF name (`hf_config`: its config.json); with `quantization`
+    "int8", a float folder's decoder linears quantized as they are read. Raises ValueError
+    for a compressed-tensors scheme that is not served."""
     if is_gguf_file(folder):
         if tp.size != 1:
             raise ValueError(
                 f"{folder}: a GGUF file is served on one rank (--tensor-parallel-size 1)"
             )
         return read_gguf_weights(folder)
+    qc = quantization_config(hf_config)
+    if qc is not None:
+        check_int8_w8a8(qc)  # (before the weights are read)
+        return int8_weights(read_weights(folder, tp))
     raw = read_weights(folder, tp)
-    if quantization_config(read_hf_config(folder)) is not None:
-        check_int8_w8a8(quantization_config(read_hf_config(folder)) or {})
-        return int8_weights(raw)
     return quantize_linear_weights(raw) if quantization == "int8" else raw
 
 
-def stores_quantized(path: str | Path, quantization: str = "") -> bool:
-    """Whether the model at `path`, loaded with `quantization`, may have quantized linears:
-    a GGUF file, an int8 checkpoint, or --quantization int8."""
-    if quantization or is_gguf_file(path):
-        return True
-    return "quantization_config" in read_hf_config(path)
+def stores_quantized(path: str | Path, hf_config: dict[str, Any], quantization: str = "") -> bool:
+    """Whether the model at `path` (`hf_config`: its config.json), loaded with
+    `quantization`, may have quantized linears: a GGUF file, an int8 checkpoint, or
+    --quantization int8."""
+    return bool(quantization) or is_gguf_file(path) or "quantization_config" in hf_config
 
 
 def _gguf_weight(tensor: GGUFTensor) -> GGUFWeight:
@@ -290,10 +234,11 @@ EMBED = "model.embed_tokens.weight"
 TIED_BLOCKS = "lm_head.tied_blocks"  # a GGUF embedding's blocks, for a tied LM head
 
 
-def _to(weight: Any, device: torch.device, dtype: torch.dtype) -> Any:
-    """A float tensor in the model's dtype on its device; quantized weights as they are."""
+def _to(weight: Any, dtype: torch.dtype) -> Any:
+    """A float tensor in the model's dtype; quantized weights (and None) as they are. The
+    device is build_model's to set, once, for every tensor."""
     if isinstance(weight, torch.Tensor) and weight.is_floating_point():
-        return weight.to(device=device, dtype=dtype)
+        return weight.to(dtype)
     return weight
 
 

@@ -23,6 +23,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -36,15 +37,16 @@ from gpu_worker.layers.linear import quantization_of, resident_weight_bytes
 from gpu_worker.lora.adapter import AdapterSpec, LoraAdapterError
 from gpu_worker.lora.manager import LoraManager, model_shape
 from gpu_worker.lora.registry import load_start_modules
-from gpu_worker.model_loader.loader import read_hf_config, weights_version
+from gpu_worker.model_loader.hf_folder import read_hf_config, weights_version
 from gpu_worker.models.llama import LlamaConfig, LlamaForCausalLM
 from gpu_worker.runner.base import PlanRunner
+from gpu_worker.runner.builder import load_weights
 from gpu_worker.runner.cuda_graphs import CUDAGraphRunner, maybe_capture_graphs, run_model
 from gpu_worker.runner.kv_pool import allocate_kv_pool
 from gpu_worker.runner.options import DEFAULT_OPTIONS, RunnerOptions
 from gpu_worker.runner.request_table import RequestState, RequestTable
 from gpu_worker.runner.step_batch import StepBatch, accept, prepare_batch, propose
-from gpu_worker.runner.versions import Built, ModelVersion, ModelVersions, load_weights
+from gpu_worker.runner.versions import Built, ModelVersion, ModelVersions
 from gpu_worker.sample.logprobs import (
     PromptEntries,
     add_prompt_entries,
@@ -92,7 +94,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
         self.lora: LoraManager | None = None
         if options.lora is not None:
             self.lora = LoraManager(options.lora, config, (self.tp.rank, self.tp.size))
-        backend, model = self._load_weights(model_path, config)
+        backend, model = self._load_weights(model_path, hf_config)
         self.progress("allocating the KV cache")
         self.kv_cache = allocate_kv_pool(config, options, self.tp)
         self.drafter = self._init_drafter(config, backend.name)
@@ -157,12 +159,12 @@ class ModelRunner(PlanRunner[ModelVersion]):
 
     # start-up ------------------------------------------------------------------------------
     def _load_weights(
-        self, path: str, config: LlamaConfig
+        self, path: str, hf_config: dict[str, Any]
     ) -> tuple[AttentionBackend, LlamaForCausalLM]:
         """This rank's shard of the model at `path`, and an attention backend for it."""
         backend, model = load_weights(
             path,
-            config,
+            hf_config,
             self.options,
             tp=self.tp,
             max_model_len=self.max_model_len,
@@ -176,9 +178,9 @@ class ModelRunner(PlanRunner[ModelVersion]):
         assert self.lora is not None
         self.lora.attach(model, max_tokens=256, kernel=kernel)
 
-    def _build(self, path: str, config: LlamaConfig) -> Built:
+    def _build(self, path: str, hf_config: dict[str, Any]) -> Built:
         """A version's backend, weights and decode graphs (after the first: the pool exists)."""
-        backend, model = self._load_weights(path, config)
+        backend, model = self._load_weights(path, hf_config)
         return backend, model, self._capture(backend, model)
 
     def _capture(

@@ -12,14 +12,13 @@ drain mode, with a new runner. Structured outputs compile per tokenizer: the fin
 version's tokenizer files is hashed once per folder, and `tokenizer_info` finds the loaded
 version with a fingerprint for the grammar compiler (gpu_worker/sample/structured.py).
 
-`load_weights` is how the runner's `build` reads a folder: this rank's shard of the weights
-with the kernels chosen for the options, and an attention backend for its heads.
+What `build` does with a folder (backend, weights, graphs) is the runner's: the weights and
+backend come from gpu_worker/runner/builder.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,31 +27,18 @@ import torch
 import xgrammar
 
 from common.model_facts import tokenizer_fingerprint
-from gpu_worker.attention import AttentionBackend, create_backend, resolve_backend_name
-from gpu_worker.cpu.huge_pages import use_huge_pages
-from gpu_worker.distributed.tensor_parallel import TensorParallel
-from gpu_worker.layers.kernel_choice import choose_kernels
-from gpu_worker.layers.linear import quantization_of, resident_weight_bytes
-from gpu_worker.model_loader.loader import (
-    check_tensor_parallel,
-    eos_token_ids,
-    load_model,
-    read_hf_config,
-    stores_quantized,
-    weights_version,
-)
+from gpu_worker.attention import AttentionBackend
+from gpu_worker.model_loader.hf_folder import eos_token_ids, read_hf_config, weights_version
 from gpu_worker.models.llama import LlamaConfig, LlamaForCausalLM
 from gpu_worker.runner.cuda_graphs import CUDAGraphRunner
-from gpu_worker.runner.options import RunnerOptions
 from gpu_worker.runner.version_table import VersionTable
 from gpu_worker.sample.logits_controls import TokenCounts
 from gpu_worker.sample.structured import hf_tokenizer_info
 
-log = logging.getLogger(__name__)
-
 # what a runner builds for a model folder: its attention backend, weights and decode graphs
 Built = tuple[AttentionBackend, LlamaForCausalLM, CUDAGraphRunner | None]
-Build = Callable[[str, LlamaConfig], Built]
+# (the model's path, its config.json as read once by `load`)
+Build = Callable[[str, dict[str, Any]], Built]
 
 
 class IncompatibleModel(ValueError):
@@ -115,7 +101,7 @@ class ModelVersions(VersionTable[ModelVersion]):
         version = version or weights_version(path)
         if version in self:
             raise ValueError(f"model version {version!r} is already loaded")
-        built = self._build(path, config)
+        built = self._build(path, hf_config)
         self.add(version, ModelVersion.create(path, hf_config, config, built, self._device))
         return version
 
@@ -144,64 +130,3 @@ class ModelVersions(VersionTable[ModelVersion]):
                 vocab, stops = loaded.config.vocab_size, list(loaded.eos_token_ids)
                 return hf_tokenizer_info(loaded.path, vocab, stops)
         raise KeyError(fingerprint)
-
-
-def load_weights(
-    path: str,
-    config: LlamaConfig,
-    options: RunnerOptions,
-    *,
-    tp: TensorParallel,
-    max_model_len: int,
-    progress: Callable[[str], None],
-    attach_lora: Callable[[LlamaForCausalLM, str], object] | None = None,
-) -> tuple[AttentionBackend, LlamaForCausalLM]:
-    """This rank's shard of the model at `path` (`config`: its config.json's), and an
-    attention backend for its heads: batch-invariant for a model whose linears quantize
-    activations (the torch backend on the CPU: a chunk's queries by the decode kernel, so a
-    rounding to int8 never depends on the chunking). `progress` hears its stages;
-    `attach_lora(model, lora_kernel)` gives the model its LoRA layers (gpu_worker/lora/)."""
-    check_tensor_parallel(config, tp.size, path)
-    device, dtype = options.torch_device, options.torch_dtype
-    name = resolve_backend_name(options.attention_backend, device)
-    quantized = stores_quantized(path, options.quantization)
-    backend = create_backend(
-        name,
-        num_heads=config.num_heads // tp.size,
-        num_kv_heads=config.num_kv_heads // tp.size,
-        head_dim=config.head_dim,
-        dtype=dtype,
-        device=device,
-        **({"batch_invariant": True} if name == "torch" and quantized else {}),
-    )
-    progress("choosing kernels (the C kernels are built by gcc on first use)")
-    kernels = choose_kernels(
-        device=device,
-        backend_name=backend.name,
-        dtype=dtype,
-        cpu_kernels=options.cpu_kernels,
-        cpu_packed_weights=options.cpu_packed_weights,
-    )
-    progress(f"reading weights from {path} ({kernels.describe()})")
-    model = load_model(
-        path,
-        backend,
-        dtype=dtype,
-        device=device,
-        max_positions=max_model_len,
-        tp=tp,
-        kernels=kernels,
-        quantization=options.quantization,
-    )
-    log.info(
-        "model %s: %.1f MB of weights resident (%s), %s",
-        path,
-        resident_weight_bytes(model) / 1e6,
-        quantization_of(model) or "float",
-        kernels.describe(),
-    )
-    if attach_lora is not None:
-        attach_lora(model, kernels.lora_kernel)
-    if options.huge_pages:
-        use_huge_pages(model)
-    return backend, model

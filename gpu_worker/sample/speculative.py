@@ -125,7 +125,8 @@ class DraftModel:
     ) -> None:
         from gpu_worker.attention import create_backend
         from gpu_worker.kv_cache import KVCache
-        from gpu_worker.model_loader.loader import load_model, read_hf_config
+        from gpu_worker.model_loader.hf_folder import read_hf_config
+        from gpu_worker.model_loader.loader import load_model
         from gpu_worker.models.llama import LlamaConfig
 
         self.path = path

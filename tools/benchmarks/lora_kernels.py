@@ -115,7 +115,8 @@ def _smollm2() -> LlamaForCausalLM:
     from common.prepare_model import default_model_dir
     from gpu_worker.attention.torch_backend import TorchAttentionBackend
     from gpu_worker.layers.kernel_choice import choose_kernels
-    from gpu_worker.model_loader.loader import load_model, read_hf_config
+    from gpu_worker.model_loader.hf_folder import read_hf_config
+    from gpu_worker.model_loader.loader import load_model
 
     folder, cpu = default_model_dir(), torch.device("cpu")
     cfg = LlamaConfig.from_hf(read_hf_config(folder))

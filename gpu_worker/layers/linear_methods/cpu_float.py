@@ -28,7 +28,7 @@ class CpuFloatLinearMethod:
         FloatLinearMethod().load_weights(layer, weight, bias)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
-        if self.pack and linear.can_pack(layer.weight.dtype):
+        if self.pack and layer.weight.is_cpu and linear.can_pack(layer.weight.dtype):
             self.packed = linear.pack_weight(layer.weight)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
@@ -42,11 +42,9 @@ class CpuFloatLinearMethod:
     def one_call_linear(self, layer: Linear, keep: Keep) -> DecodeLinear | None:
         return one_call_step.float_linear(layer.weight)
 
-    def weight_bytes(self, layer: Linear) -> int:
-        return layer.weight.numel() * layer.weight.element_size()
-
     def extra_bytes(self, layer: Linear) -> int:
-        return self.weight_bytes(layer) if self.packed is not None else 0
+        # the packed copy: as large as the weight
+        return layer.weight.numel() * layer.weight.element_size() if self.packed is not None else 0
 
     storage = ""
 

@@ -78,7 +78,6 @@ class GGUFLinearMethod:
         self.dtype = dtype
         self.qtypes: tuple[int, ...] = ()
         self.rows: tuple[int, ...] = ()
-        self.nbytes = 0
 
     def load_weights(
         self, layer: Linear, weight: CheckpointWeight, bias: torch.Tensor | None
@@ -92,15 +91,12 @@ class GGUFLinearMethod:
             )
         self.qtypes = tuple(s.qtype for s in weight.shards)
         self.rows = tuple(s.rows for s in weight.shards)
-        self.nbytes = weight.nbytes
         set_parameter(layer, "bias", bias)
         if self._matmul is None:  # the reference: a float weight
             set_parameter(layer, "weight", dequantize_weight(weight).to(self.dtype))
             return
-        device = layer.bias.device if layer.bias is not None else None
         for name, shard in zip(shard_names(len(weight.shards)), weight.shards, strict=True):
-            data = shard.data if device is None else shard.data.to(device)
-            set_parameter(layer, name, data.contiguous())
+            set_parameter(layer, name, shard.data.contiguous())
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         pass
@@ -125,11 +121,6 @@ class GGUFLinearMethod:
         if self._matmul is not _cpu_matmul:  # the C loop runs gguf.c's arithmetic only
             return None
         return one_call_step.gguf_linear(self._each(layer))
-
-    def weight_bytes(self, layer: Linear) -> int:
-        if self._matmul is None:
-            return layer.weight.numel() * layer.weight.element_size()
-        return self.nbytes
 
     def extra_bytes(self, layer: Linear) -> int:
         return 0

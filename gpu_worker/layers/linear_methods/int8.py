@@ -48,7 +48,7 @@ class Int8LinearMethod:
         set_parameter(layer, "bias", bias)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
-        if self._apply == self._apply_cpu:
+        if self._apply == self._apply_cpu and layer.weight.is_cpu:  # (oneDNN packs host memory)
             self.packed = int8.pack_weight(layer.weight)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
@@ -86,11 +86,9 @@ class Int8LinearMethod:
             return None
         return one_call_step.int8_linear(layer.weight, layer.get_parameter("weight_scale"))
 
-    def weight_bytes(self, layer: Linear) -> int:
-        return layer.weight.numel() + 4 * layer.out_features
-
     def extra_bytes(self, layer: Linear) -> int:
-        return self.weight_bytes(layer) if self.packed is not None else 0
+        # the packed copy: about the int8 weight and its scales
+        return layer.weight.numel() + 4 * layer.out_features if self.packed is not None else 0
 
     storage = "int8"
 

@@ -39,10 +39,6 @@ class GGUFWeight:
     def out_features(self) -> int:
         return sum(s.rows for s in self.shards)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(s.data.numel() for s in self.shards)
-
 
 @dataclasses.dataclass(frozen=True)
 class Int8Weight:

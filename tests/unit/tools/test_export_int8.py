@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_worker.model_loader.compressed_tensors import Int8Weight, read_int8_weights
+from gpu_worker.distributed.tensor_parallel import TensorParallel
+from gpu_worker.model_loader.compressed_tensors import Int8Weight
+from gpu_worker.model_loader.hf_folder import read_hf_config
+from gpu_worker.model_loader.loader import read_checkpoint
 from tests.tiny_models import make_tiny_model
 from tools.export_int8 import export_int8, main
 
@@ -60,7 +63,7 @@ def test_transformers_reads_the_same_weights(exported: Path) -> None:
     model = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
     with torch.no_grad():
         model(torch.tensor([[1, 2, 3]]))  # decompresses on the first forward
-    ours = read_int8_weights(exported)
+    ours = read_checkpoint(exported, read_hf_config(exported), TensorParallel())
     params = dict(model.named_parameters())
     for name, value in ours.items():
         if isinstance(value, Int8Weight):

@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_worker.model_loader.compressed_tensors import Int8Weight, read_int8_weights
+from gpu_worker.distributed.tensor_parallel import TensorParallel
+from gpu_worker.model_loader.compressed_tensors import Int8Weight
+from gpu_worker.model_loader.hf_folder import read_hf_config
+from gpu_worker.model_loader.loader import read_checkpoint
 from tests.tiny_models import make_tiny_model
 from tools.benchmarks.perplexity import HELD_TOPICS, held_text
 from tools.export_int8 import main
@@ -89,7 +92,7 @@ def test_a_smoothed_export_reads_back(tiny: Path, tmp_path: Path) -> None:
     assert main([str(tiny), str(tmp_path / "int8"), "--smoothquant", "0.8"]) == 0
     recipe = (tmp_path / "int8" / "recipe.yaml").read_text()
     assert "smoothing_strength: 0.8" in recipe and "re:.*o_proj" in recipe
-    ours = read_int8_weights(tmp_path / "int8")
+    ours = read_checkpoint(tmp_path / "int8", read_hf_config(tmp_path / "int8"), TensorParallel())
     model = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "int8", dtype=torch.float32
     )

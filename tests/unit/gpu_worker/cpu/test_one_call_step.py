@@ -18,7 +18,8 @@ from gpu_worker.cpu import one_call_step
 from gpu_worker.cpu.linear import MAX_ROWS
 from gpu_worker.layers.kernel_choice import KernelChoice, choose_kernels
 from gpu_worker.lora.layer import LoraLinearMethod, LoraMapping, enable_lora, lora_layers
-from gpu_worker.model_loader.loader import load_model, read_hf_config
+from gpu_worker.model_loader.hf_folder import read_hf_config
+from gpu_worker.model_loader.loader import load_model
 from gpu_worker.models.llama import LlamaConfig, LlamaForCausalLM
 from tests.tiny_models import make_tiny_model
 

@@ -15,7 +15,6 @@ from gpu_worker.distributed.sharding import (
     Split,
     check_divisible,
     even_range,
-    ranks_of_node,
     shard_range,
     split_of,
     threads_per_rank,
@@ -112,7 +111,6 @@ def test_parallel_flags_are_checked() -> None:
         parallel={"tensor_parallel_size": 4, "nnodes": 2, "node_rank": 1, "dist_init_addr": "a:1"}
     )
     assert list(config.parallel.local_ranks) == [2, 3]
-    assert list(ranks_of_node(4, 2, 1)) == [2, 3]
     assert (
         threads_per_rank(2, 2) == 1 and threads_per_rank(2, 3) == 1 and threads_per_rank(8, 2) == 4
     )

@@ -1,5 +1,6 @@
-"""Reading int8 W8A8 compressed-tensors checkpoints (gpu_worker/model_loader/compressed_tensors.py),
-written by tools/export_int8.py from tiny random models."""
+"""Reading int8 W8A8 compressed-tensors checkpoints (gpu_worker/model_loader/compressed_tensors.py)
+as the server does (the loader's read_checkpoint), written by tools/export_int8.py from tiny
+random models."""
 
 from __future__ import annotations
 
@@ -14,10 +15,19 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gpu_worker.cpu.int8 import quantize_weight
+from gpu_worker.distributed.tensor_parallel import TensorParallel
 from gpu_worker.layers.linear_methods.weights import concat_rows
 from gpu_worker.model_loader import compressed_tensors as ct
+from gpu_worker.model_loader.hf_folder import read_hf_config
+from gpu_worker.model_loader.loader import read_checkpoint, read_weights
 from tests.tiny_models import make_tiny_model
 from tools.export_int8 import export_int8
+
+
+def _read(folder: Path) -> dict[str, Any]:
+    """The checkpoint's tensors by HF name, as the server reads them (one rank)."""
+    return read_checkpoint(folder, read_hf_config(folder), TensorParallel())
+
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -34,7 +44,7 @@ def exported(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 
 def test_round_trip_gives_int8_layers_and_float_rest(exported: Path) -> None:
     source = load_file(str(next((exported.parent / "float").glob("*.safetensors"))))
-    weights = ct.read_int8_weights(exported)
+    weights = _read(exported)
     assert weights.keys() == source.keys()  # the scales are folded into their weights
     for name, original in source.items():
         got = weights[name]
@@ -92,7 +102,7 @@ def test_schemes_not_served_are_refused_naming_the_field(
 ) -> None:
     folder = _with_config(exported, tmp_path / "edited", _set(field, value))
     with pytest.raises(ValueError, match=named.replace(".", r"\.")):
-        ct.read_int8_weights(folder)
+        _read(folder)
 
 
 def test_group_wise_weights_are_refused(exported: Path) -> None:
@@ -107,15 +117,15 @@ def test_group_wise_weights_are_refused(exported: Path) -> None:
 def test_a_folder_without_the_config_or_a_scale_is_refused(exported: Path, tmp_path: Path) -> None:
     plain = exported.parent / "float"
     assert ct.quantization_config(json.loads((plain / "config.json").read_text())) is None
-    with pytest.raises(ValueError, match="quantization_config"):
-        ct.read_int8_weights(plain)
+    # without the config the folder is a float checkpoint: nothing is read as int8
+    assert not any(isinstance(w, ct.Int8Weight) for w in _read(plain).values())
     folder = tmp_path / "no_scale"
     shutil.copytree(exported, folder)
     tensors = load_file(str(folder / "model.safetensors"))
     del tensors["model.layers.0.mlp.up_proj.weight_scale"]
     save_file(tensors, str(folder / "model.safetensors"))
     with pytest.raises(ValueError, match=r"up_proj\.weight_scale is missing"):
-        ct.read_int8_weights(folder)
+        _read(folder)
 
 
 def test_zero_points_of_zeros_are_dropped_others_refused(exported: Path, tmp_path: Path) -> None:
@@ -126,13 +136,13 @@ def test_zero_points_of_zeros_are_dropped_others_refused(exported: Path, tmp_pat
     tensors[name] = torch.zeros(tensors["model.layers.1.self_attn.o_proj.weight"].shape[0], 1)
     tensors[name] = tensors[name].to(torch.int8)
     save_file(tensors, str(folder / "model.safetensors"))
-    weights = ct.read_int8_weights(folder)
+    weights = _read(folder)
     assert name not in weights
-    assert weights.keys() == ct.read_int8_weights(exported).keys()
+    assert weights.keys() == _read(exported).keys()
     tensors[name][3] = 1
     save_file(tensors, str(folder / "model.safetensors"))
     with pytest.raises(ValueError, match="weight_zero_point is not zero"):
-        ct.read_int8_weights(folder)
+        _read(folder)
 
 
 def _packed_copy(exported: Path, folder: Path) -> Path:
@@ -150,8 +160,8 @@ def _packed_copy(exported: Path, folder: Path) -> Path:
 
 
 def test_pack_quantized_reads_as_int_quantized(exported: Path, tmp_path: Path) -> None:
-    packed = ct.read_int8_weights(_packed_copy(exported, tmp_path / "packed"))
-    plain = ct.read_int8_weights(exported)
+    packed = _read(_packed_copy(exported, tmp_path / "packed"))
+    plain = _read(exported)
     assert packed.keys() == plain.keys()
     for name, value in plain.items():
         got = packed[name]
@@ -165,11 +175,8 @@ def test_tensor_parallel_slices_are_the_whole_cut(exported: Path, tmp_path: Path
     """loader.read_weights' slices for 2 ranks (gpu_worker/distributed/sharding.py's splits): a
     column-parallel layer's rows and scales split, a row-parallel one's columns split and
     its scales whole on each rank."""
-    from gpu_worker.distributed.tensor_parallel import TensorParallel
-    from gpu_worker.model_loader.loader import read_weights
-
     folder = exported if fmt == "int-quantized" else _packed_copy(exported, tmp_path / "packed")
-    whole = ct.read_int8_weights(exported)
+    whole = _read(exported)
     shards = [ct.int8_weights(read_weights(folder, TensorParallel(rank=r, size=2))) for r in (0, 1)]
     for layer, dim in [("self_attn.q_proj", 0), ("mlp.up_proj", 0), ("mlp.down_proj", 1)]:
         name = f"model.layers.1.{layer}.weight"

@@ -5,6 +5,7 @@ runner reading its default version from the table instead of keeping copies."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,17 +13,12 @@ import torch
 from common.messages import SamplingParams, StepPlan
 from common.model_facts import tokenizer_fingerprint
 from gpu_worker.distributed.tensor_parallel import TensorParallel
-from gpu_worker.model_loader.loader import read_hf_config, weights_version
+from gpu_worker.model_loader.hf_folder import read_hf_config, weights_version
 from gpu_worker.models.llama import LlamaConfig
+from gpu_worker.runner.builder import load_weights
 from gpu_worker.runner.model_runner import ModelRunner
 from gpu_worker.runner.options import RunnerOptions
-from gpu_worker.runner.versions import (
-    Built,
-    IncompatibleModel,
-    ModelVersion,
-    ModelVersions,
-    load_weights,
-)
+from gpu_worker.runner.versions import Built, IncompatibleModel, ModelVersion, ModelVersions
 from tests.tiny_models import EOS_TOKEN_ID, VOCAB_SIZE, make_tiny_model
 
 OPTIONS = RunnerOptions(block_size=4, num_blocks=16)
@@ -40,11 +36,11 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     }
 
 
-def _build(path: str, config: LlamaConfig) -> Built:
+def _build(path: str, hf_config: dict[str, Any]) -> Built:
     """What the runner builds on the CPU: backend and weights, no graphs (eager)."""
     progress: list[str] = []
     backend, model = load_weights(
-        path, config, OPTIONS, tp=TensorParallel(), max_model_len=64, progress=progress.append
+        path, hf_config, OPTIONS, tp=TensorParallel(), max_model_len=64, progress=progress.append
     )
     assert progress and path in progress[-1]  # its stages were told
     return backend, model, None
@@ -53,7 +49,9 @@ def _build(path: str, config: LlamaConfig) -> Built:
 def _versions(path: str) -> ModelVersions:
     hf_config = read_hf_config(path)
     config = LlamaConfig.from_hf(hf_config)
-    first = ModelVersion.create(path, hf_config, config, _build(path, config), torch.device("cpu"))
+    first = ModelVersion.create(
+        path, hf_config, config, _build(path, hf_config), torch.device("cpu")
+    )
     return ModelVersions("v1", first, _build)
 
 
