@@ -9,8 +9,8 @@ in the same order with the same arithmetic, so its hidden states equal the layer
 path's exactly.
 
 A leaf like the other kernels: it knows the C structs and the shape of a model (the Protocols
-below: `OneCallModel` and its parts, which gpu_worker/models/llama.py's classes fill), not the
-model's classes. Each linear layer's method gives its own descriptor
+of one_call_model.py: `OneCallModel` and its parts, which gpu_worker/models/llama.py's classes
+fill), not the model's classes. Each linear layer's method gives its own descriptor
 (`LinearMethod.one_call_linear`, gpu_worker/layers/linear.py), built with the constructors
 here, or None when the C loop cannot run it.
 
@@ -35,7 +35,7 @@ only within bf16's precision, and are closer to the float32 model's.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -43,6 +43,11 @@ import torch
 
 from gpu_worker.cpu import linear
 from gpu_worker.cpu.build import KernelLibrary
+from gpu_worker.cpu.one_call_model import (
+    OneCallLayer,
+    OneCallLinear,
+    OneCallModel,
+)
 
 if TYPE_CHECKING:  # annotations only: the attention package imports this one's kernels
     from gpu_worker.attention import AttentionMetadata
@@ -192,122 +197,6 @@ def with_lora(
     desc.lora_bf16 = int(lora_a.dtype == torch.bfloat16)
     desc.lora_loras, desc.lora_slices, desc.lora_rank = lora_a.shape[:3]
     return desc
-
-
-# --- the shape of a model the step takes (gpu_worker/models/llama.py fills it) -------------
-
-
-class OneCallLinear(Protocol):
-    """A linear layer (gpu_worker/layers/linear.py's Linear)."""
-
-    @property
-    def weight(self) -> torch.Tensor: ...
-
-    @property
-    def bias(self) -> torch.Tensor | None: ...
-
-    @property
-    def in_features(self) -> int: ...
-
-    @property
-    def method(self) -> object: ...
-
-    def one_call_linear(self, keep: Keep) -> DecodeLinear | None:
-        """Its method's descriptor (bias aside), or None when the C loop cannot run it."""
-        ...
-
-
-class OneCallBackend(Protocol):
-    @property
-    def scale(self) -> float: ...
-
-    @property
-    def cpu_decode_kernel(self) -> bool:
-        """Decodes run paged_decode.c, the kernel the C loop attends with."""
-        ...
-
-
-class OneCallNorm(Protocol):
-    @property
-    def weight(self) -> torch.Tensor: ...
-
-    @property
-    def eps(self) -> float: ...
-
-
-class OneCallAttention(Protocol):
-    @property
-    def num_heads(self) -> int: ...
-
-    @property
-    def num_kv_heads(self) -> int: ...
-
-    @property
-    def head_dim(self) -> int: ...
-
-    @property
-    def q_norm(self) -> object | None: ...
-
-    @property
-    def backend(self) -> OneCallBackend: ...
-
-    @property
-    def qkv_proj(self) -> OneCallLinear: ...
-
-    @property
-    def o_proj(self) -> OneCallLinear: ...
-
-
-class OneCallMLP(Protocol):
-    @property
-    def gate_up_proj(self) -> OneCallLinear: ...
-
-    @property
-    def down_proj(self) -> OneCallLinear: ...
-
-
-class OneCallLayer(Protocol):
-    @property
-    def input_layernorm(self) -> OneCallNorm: ...
-
-    @property
-    def post_attention_layernorm(self) -> OneCallNorm: ...
-
-    @property
-    def self_attn(self) -> OneCallAttention: ...
-
-    @property
-    def mlp(self) -> OneCallMLP: ...
-
-
-class OneCallRotary(Protocol):
-    @property
-    def is_neox_style(self) -> bool: ...
-
-    def tables(self) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
-class OneCallParallel(Protocol):
-    @property
-    def size(self) -> int: ...
-
-
-class OneCallModel(Protocol):
-    """The decoder stack (gpu_worker/models/llama.py's LlamaModel) as the step reads it."""
-
-    @property
-    def embed_tokens(self) -> Callable[[torch.Tensor], torch.Tensor]: ...
-
-    @property
-    def layers(self) -> Sequence[OneCallLayer]: ...
-
-    @property
-    def rotary(self) -> OneCallRotary: ...
-
-    @property
-    def tp(self) -> OneCallParallel: ...
-
-    def parameters(self) -> Iterator[torch.nn.Parameter]: ...
 
 
 def _linears(layer: OneCallLayer) -> tuple[OneCallLinear, ...]:

@@ -17,7 +17,8 @@ from collections.abc import Callable
 
 import torch
 
-from gpu_worker.cpu.one_call_step import OneCallModel, OneCallStep, one_call_step_for
+from gpu_worker.cpu.one_call_model import OneCallModel
+from gpu_worker.cpu.one_call_step import OneCallStep, one_call_step_for
 from gpu_worker.layers.linear import FloatLinearMethod, LinearMethod
 from gpu_worker.layers.linear_methods.cpu_float import CpuFloatLinearMethod
 from gpu_worker.layers.linear_methods.gguf import GGUFLinearMethod

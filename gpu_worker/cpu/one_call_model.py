@@ -1,0 +1,126 @@
+"""The shape of a model the one-call step takes (gpu_worker/cpu/one_call_step.py), as
+Protocols: gpu_worker/models/llama.py's classes fill them, and the step reads a model through
+them alone, so the kernels' package imports no model class."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from gpu_worker.cpu.one_call_step import DecodeLinear, Keep
+
+
+class OneCallLinear(Protocol):
+    """A linear layer (gpu_worker/layers/linear.py's Linear)."""
+
+    @property
+    def weight(self) -> torch.Tensor: ...
+
+    @property
+    def bias(self) -> torch.Tensor | None: ...
+
+    @property
+    def in_features(self) -> int: ...
+
+    @property
+    def method(self) -> object: ...
+
+    def one_call_linear(self, keep: Keep) -> DecodeLinear | None:
+        """Its method's descriptor (bias aside), or None when the C loop cannot run it."""
+        ...
+
+
+class OneCallBackend(Protocol):
+    @property
+    def scale(self) -> float: ...
+
+    @property
+    def cpu_decode_kernel(self) -> bool:
+        """Decodes run paged_decode.c, the kernel the C loop attends with."""
+        ...
+
+
+class OneCallNorm(Protocol):
+    @property
+    def weight(self) -> torch.Tensor: ...
+
+    @property
+    def eps(self) -> float: ...
+
+
+class OneCallAttention(Protocol):
+    @property
+    def num_heads(self) -> int: ...
+
+    @property
+    def num_kv_heads(self) -> int: ...
+
+    @property
+    def head_dim(self) -> int: ...
+
+    @property
+    def q_norm(self) -> object | None: ...
+
+    @property
+    def backend(self) -> OneCallBackend: ...
+
+    @property
+    def qkv_proj(self) -> OneCallLinear: ...
+
+    @property
+    def o_proj(self) -> OneCallLinear: ...
+
+
+class OneCallMLP(Protocol):
+    @property
+    def gate_up_proj(self) -> OneCallLinear: ...
+
+    @property
+    def down_proj(self) -> OneCallLinear: ...
+
+
+class OneCallLayer(Protocol):
+    @property
+    def input_layernorm(self) -> OneCallNorm: ...
+
+    @property
+    def post_attention_layernorm(self) -> OneCallNorm: ...
+
+    @property
+    def self_attn(self) -> OneCallAttention: ...
+
+    @property
+    def mlp(self) -> OneCallMLP: ...
+
+
+class OneCallRotary(Protocol):
+    @property
+    def is_neox_style(self) -> bool: ...
+
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class OneCallParallel(Protocol):
+    @property
+    def size(self) -> int: ...
+
+
+class OneCallModel(Protocol):
+    """The decoder stack (gpu_worker/models/llama.py's LlamaModel) as the step reads it."""
+
+    @property
+    def embed_tokens(self) -> Callable[[torch.Tensor], torch.Tensor]: ...
+
+    @property
+    def layers(self) -> Sequence[OneCallLayer]: ...
+
+    @property
+    def rotary(self) -> OneCallRotary: ...
+
+    @property
+    def tp(self) -> OneCallParallel: ...
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]: ...
