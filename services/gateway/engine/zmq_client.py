@@ -8,6 +8,12 @@ What the engine serves (model name, version, context length) is pushed by the sc
 (`ModelChanged`): once the worker is ready, and after every swap or worker restart. A request
 the scheduler cannot start because a swap changed the tokenizer after it was tokenised comes
 back as `Retokenize`; the client still holds it and sends it to a tokenizer again.
+
+A request lost to a process's death (the scheduler's, or an error marked `resumable`: the
+worker's, the detokenizer's) waits, its stream paused, until the scheduler says again what it
+serves, then is sent again where it stopped (services/gateway/engine/stream.py); one a dying
+tokenizer held is sent to a tokenizer again at once. Past `resume_timeout` seconds it fails
+with a retryable 503.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from common.messages import (
     TokenizeQuery,
     TokenizeResult,
 )
-from services.gateway.engine.client import OutputDelta, RequestFailed, RequestObserver, entries
+from services.gateway.engine.client import OutputDelta, RequestFailed, RequestObserver
 from services.gateway.engine.lora_adapters import LoraAdapters
 from services.gateway.engine.replicas import (
     Replies,
@@ -44,59 +50,13 @@ from services.gateway.engine.replicas import (
     merge_stats,
     merge_swap_results,
 )
+from services.gateway.engine.stream import Stream
 
 log = logging.getLogger(__name__)
 
 # A request is tokenised again at most this many times (each time a swap changed the
 # tokenizer before it started); then it fails with a retryable 503.
 MAX_RETOKENIZE = 4
-
-
-class _Stream:
-    """One in-flight request: the request itself (to tokenise it again), its queue, and
-    which of its sequences are still running."""
-
-    def __init__(self, request: GenerateRequest) -> None:
-        self.request = request
-        self.queue: asyncio.Queue[OutputDelta | RequestFailed] = asyncio.Queue()
-        self.running = set(range(request.sampling.n))
-        self.has_output = False
-        self.num_retokenized = 0
-
-    def put(self, msg: OutputBatch, i: int, index: int) -> None:
-        finish = FinishReason(msg.finish_reasons[i])
-        self.has_output = True
-        if finish != FinishReason.NONE:
-            self.running.discard(index)
-        self.queue.put_nowait(
-            OutputDelta(
-                text=msg.texts[i],
-                token_ids=msg.token_ids[i],
-                finish_reason=finish,
-                num_prompt_tokens=msg.num_prompt_tokens[i],
-                num_output_tokens=msg.num_output_tokens[i],
-                last=not self.running,
-                index=index,
-                version=msg.versions[i] if msg.versions else "",
-                stop_reason=msg.stop_reasons[i] if msg.stop_reasons else None,
-                logprobs=(
-                    entries(msg.logprob_token_ids[i], msg.logprob_values[i], msg.logprob_tokens[i])
-                    if msg.logprob_token_ids
-                    else []
-                ),
-                prompt_logprobs=(
-                    entries(
-                        msg.prompt_logprob_token_ids[i],
-                        msg.prompt_logprob_values[i],
-                        msg.prompt_logprob_tokens[i],
-                        msg.prompt_logprob_ranks[i] if msg.prompt_logprob_ranks else None,
-                    )
-                    if msg.prompt_logprob_token_ids
-                    else []
-                ),
-                embedding=msg.embeddings[i] if msg.embeddings else [],
-            )
-        )
 
 
 class ZmqEngineClient:
@@ -111,6 +71,7 @@ class ZmqEngineClient:
         num_replicas: int = 1,
         router: Sender | None = None,
         enable_lora: bool = False,
+        resume_timeout: float = 0.0,
     ) -> None:
         self.tokenizers = tokenizers
         self.aliases = list(aliases)  # --served-model-name: more names the model answers to
@@ -120,7 +81,10 @@ class ZmqEngineClient:
         self.inbox_addr = inbox_addr
         self.served: ModelChanged | None = None  # what the scheduler last said it serves
         self._is_serving = False  # False again while the worker or the scheduler restarts
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, Stream] = {}  # by the client's request id
+        self._by_wire: dict[str, Stream] = {}  # by the id its current attempt travels under
+        # seconds a request lost to a process's death waits to be resumed (0: it fails at once)
+        self.resume_timeout = resume_timeout
         self._stats_waiters: dict[int, Replies[dict[str, Any]]] = {}
         self._swap_waiters: dict[int, Replies[SwapResult]] = {}
         self._tokenize_waiters: dict[int, asyncio.Future[TokenizeResult]] = {}
@@ -184,12 +148,85 @@ class ZmqEngineClient:
                 failed += 1
         return failed
 
+    # resumes (services/gateway/engine/stream.py) --------------------------------------------
+    def lose_all(self, why: str) -> int:
+        """The scheduler died: every request waits to be resumed (or fails at once, when it
+        cannot be). Returns how many wait."""
+        lost = 0
+        for stream in self._streams.values():
+            if self._can_resume(stream):
+                self._lose(stream, why)
+                lost += 1
+            else:
+                stream.queue.put_nowait(RequestFailed(503, f"{why}; retry the request"))
+        return lost
+
+    def resend_waiting(self, why: str) -> int:
+        """A tokenizer died: requests with no output yet may have died with it; send them
+        again now (a live or restarted tokenizer takes them), the earlier attempt aborted in
+        case it had reached the scheduler. Returns how many."""
+        waiting = [s for s in self._streams.values() if not s.has_output and not s.is_lost]
+        for stream in waiting:
+            log.info("%s: sending it again", why, extra={"request_id": stream.request.request_id})
+            self._send_attempt(stream)
+        return len(waiting)
+
+    def _can_resume(self, stream: Stream) -> bool:
+        return self.resume_timeout > 0 and stream.is_resumable
+
+    def _lose(self, stream: Stream, why: str) -> None:
+        """The request's attempt died with a process: it waits to be resumed."""
+        if stream.is_lost:
+            return
+        loop = asyncio.get_running_loop()
+        stream.lost_at = lost_at = loop.time()
+        log.warning(
+            "%s: paused after %d tokens, to resume",
+            why,
+            len(stream.token_ids),
+            extra={"request_id": stream.request.request_id},
+        )
+        loop.call_later(self.resume_timeout, self._give_up, stream, lost_at)
+
+    def _give_up(self, stream: Stream, lost_at: float) -> None:
+        if stream.lost_at == lost_at:  # (else resumed meanwhile, or lost again later)
+            stream.lost_at = None
+            stream.queue.put_nowait(
+                RequestFailed(
+                    503,
+                    f"the engine did not come back within {self.resume_timeout:g} s to resume "
+                    "the request; retry the request",
+                )
+            )
+
+    def _resume_lost(self) -> None:
+        """The engine serves again: send every lost request again, where it stopped."""
+        lost = [s for s in self._streams.values() if s.is_lost]
+        for stream in lost:
+            log.info(
+                "resuming after %d tokens",
+                len(stream.token_ids),
+                extra={"request_id": stream.request.request_id},
+            )
+            self._send_attempt(stream)
+
+    def _send_attempt(self, stream: Stream) -> None:
+        """Send the stream's next attempt; the earlier one's id is forgotten and aborted
+        (it may still run if it reached the scheduler: its outputs would be moot)."""
+        old = stream.wire_id
+        self._by_wire.pop(old, None)
+        self.scheduler.send(Abort(request_ids=[old], reason=int(FinishReason.CANCELLED)))
+        request = stream.next_attempt()
+        self._by_wire[request.request_id] = stream
+        self.tokenizers.send(request)
+
     def on_model_changed(self, msg: ModelChanged) -> None:
         """The scheduler serves this model now (pushed before a swap's SwapResult)."""
         if self.served is None or msg.version != self.served.version:
             log.info("serving %s version %s", msg.name, msg.version)
         self.served = msg
         self._is_serving = True
+        self._resume_lost()
 
     def on_model_lost(self) -> None:
         """The worker or the scheduler died: not ready until the scheduler says again what
@@ -206,8 +243,9 @@ class ZmqEngineClient:
             raise RequestFailed(
                 400, f"X-Request-Id: request id {rid!r} is already in flight", "X-Request-Id"
             )
-        stream = _Stream(request)
+        stream = Stream(request)
         self._streams[rid] = stream
+        self._by_wire[rid] = stream
         finished = False
         timer = self.observer(request) if self.observer is not None else None
         try:
@@ -228,9 +266,12 @@ class ZmqEngineClient:
         finally:
             if not finished:  # the client went away or the caller stopped reading
                 # one Abort for the request id: the scheduler aborts all its sequences
-                self.scheduler.send(Abort(request_ids=[rid], reason=int(FinishReason.CANCELLED)))
+                self.scheduler.send(
+                    Abort(request_ids=[stream.wire_id], reason=int(FinishReason.CANCELLED))
+                )
             # state goes only after the abort is sent (DESIGN §8)
             self._streams.pop(rid, None)
+            self._by_wire.pop(stream.wire_id, None)
             if timer is not None:
                 timer.end()
 
@@ -271,7 +312,13 @@ class ZmqEngineClient:
             replies.add(str(len(replies.items)), msg)
 
     async def abort(self, request_id: str) -> None:
-        self.scheduler.send(Abort(request_ids=[request_id], reason=int(FinishReason.CANCELLED)))
+        stream = self._streams.get(request_id)
+        if stream is not None and stream.is_lost:  # nothing runs it: it ends here
+            stream.lost_at = None
+            stream.queue.put_nowait(stream.cancelled())
+            return
+        wire_id = stream.wire_id if stream is not None else request_id
+        self.scheduler.send(Abort(request_ids=[wire_id], reason=int(FinishReason.CANCELLED)))
 
     async def stats(self, timeout: float = 5.0, what: str = "stats") -> dict[str, Any]:
         """The scheduler's counters (`what="requests"`: its live requests, one row each).
@@ -365,19 +412,23 @@ class ZmqEngineClient:
     def on_outputs(self, msg: OutputBatch) -> None:
         indices = msg.seq_indices or [0] * len(msg.request_ids)
         for i, (rid, index) in enumerate(zip(msg.request_ids, indices, strict=True)):
-            stream = self._streams.get(rid)
+            stream = self._by_wire.get(rid)
             if stream is not None:  # else: finished or aborted, its late outputs are moot
                 stream.put(msg, i, index)
 
     def on_error(self, msg: RequestError) -> None:
-        stream = self._streams.get(msg.request_id)
-        if stream is not None:  # an error fails every sequence of the request
-            stream.queue.put_nowait(RequestFailed(msg.status, msg.message, msg.param))
+        stream = self._by_wire.get(msg.request_id)
+        if stream is None:
+            return
+        if msg.resumable and self._can_resume(stream):
+            self._lose(stream, "its engine process died")  # resumed once the engine serves
+            return
+        stream.queue.put_nowait(RequestFailed(msg.status, msg.message, msg.param))
 
     def on_retokenize(self, msg: Retokenize) -> None:
         """A swap changed the tokenizer before the request started: the scheduler dropped
         it; send it to a tokenizer again (which now has the new tokenizer)."""
-        stream = self._streams.get(msg.request_id)
+        stream = self._by_wire.get(msg.request_id)
         if stream is None:
             return  # the client went away meanwhile
         if stream.num_retokenized >= MAX_RETOKENIZE:
@@ -393,7 +444,7 @@ class ZmqEngineClient:
         log.info(
             "tokenising again (%d)", stream.num_retokenized, extra={"request_id": msg.request_id}
         )
-        self.tokenizers.send(stream.request)
+        self.tokenizers.send(stream.sent)
 
     def on_tokenize_result(self, msg: TokenizeResult) -> None:
         fut = self._tokenize_waiters.get(msg.query_id)
