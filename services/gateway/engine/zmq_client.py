@@ -36,7 +36,6 @@ from common.messages import (
     RequestError,
     Retokenize,
     Stats,
-    StatsQuery,
     SwapModel,
     SwapResult,
     TokenizeQuery,
@@ -44,12 +43,8 @@ from common.messages import (
 )
 from services.gateway.engine.client import OutputDelta, RequestFailed, RequestObserver
 from services.gateway.engine.lora_adapters import LoraAdapters
-from services.gateway.engine.replicas import (
-    Replies,
-    merge_request_rows,
-    merge_stats,
-    merge_swap_results,
-)
+from services.gateway.engine.replicas import Replies, merge_swap_results
+from services.gateway.engine.stats import StatsQueries
 from services.gateway.engine.stream import Stream
 
 log = logging.getLogger(__name__)
@@ -85,12 +80,12 @@ class ZmqEngineClient:
         self._by_wire: dict[str, Stream] = {}  # by the id its current attempt travels under
         # seconds a request lost to a process's death waits to be resumed (0: it fails at once)
         self.resume_timeout = resume_timeout
-        self._stats_waiters: dict[int, Replies[dict[str, Any]]] = {}
         self._swap_waiters: dict[int, Replies[SwapResult]] = {}
         self._tokenize_waiters: dict[int, asyncio.Future[TokenizeResult]] = {}
         self.swap_status: dict[str, Any] | None = None  # the swap this gateway asked for
         self.draining = False  # shutting down: new requests get 503
         self._query_ids = itertools.count()
+        self._stats = StatsQueries(scheduler, inbox_addr, num_replicas, router, self._query_ids)
         # LoRA adapters (lora_adapters.py): what the schedulers serve, loads and unloads
         self.loras = LoraAdapters(
             enable_lora, scheduler, inbox_addr, num_replicas, tickets=self._query_ids
@@ -321,44 +316,8 @@ class ZmqEngineClient:
         self.scheduler.send(Abort(request_ids=[wire_id], reason=int(FinishReason.CANCELLED)))
 
     async def stats(self, timeout: float = 5.0, what: str = "stats") -> dict[str, Any]:
-        """The scheduler's counters (`what="requests"`: its live requests, one row each).
-        With several replicas, theirs merged (services/gateway/engine/replicas.py), a replica that
-        does not answer within `timeout` (restarting) as not ready, and the router's
-        counters under `router`."""
-        if self.num_replicas == 1:
-            answers = await self._ask(self.scheduler, 1, what, timeout)
-            if not answers:
-                raise TimeoutError("the scheduler did not answer")
-            return next(iter(answers.values()))
-        asks = [self._ask(self.scheduler, self.num_replicas, what, timeout)]
-        if self.router is not None and what == "stats":
-            asks.append(self._ask(self.router, 1, what, timeout))
-        replicas, *routing = await asyncio.gather(*asks)
-        if not replicas:
-            raise TimeoutError("no replica answered")
-        if what == "requests":
-            return merge_request_rows(replicas)
-        merged = merge_stats(replicas, self.num_replicas)
-        if routing and "router" in routing[0]:
-            merged["router"] = routing[0]["router"]
-        return merged
-
-    async def _ask(
-        self, to: Sender, expected: int, what: str, timeout: float
-    ) -> dict[str, dict[str, Any]]:
-        """A StatsQuery to `to` (a fan-out: `expected` answers): the answers by who gave
-        them, those that came within `timeout`."""
-        qid = next(self._query_ids)
-        replies: Replies[dict[str, Any]] = Replies(expected)
-        self._stats_waiters[qid] = replies
-        try:
-            to.send(StatsQuery(reply_to=self.inbox_addr, query_id=qid, what=what))
-            await asyncio.wait_for(replies.done.wait(), timeout)
-        except TimeoutError:
-            pass
-        finally:
-            self._stats_waiters.pop(qid, None)
-        return replies.items
+        """The scheduler's counters, or its live requests (services/gateway/engine/stats.py)."""
+        return await self._stats.ask(timeout, what)
 
     async def tokenize(
         self,
@@ -452,6 +411,4 @@ class ZmqEngineClient:
             fut.set_result(msg)
 
     def on_stats(self, msg: Stats) -> None:
-        replies = self._stats_waiters.get(msg.query_id)
-        if replies is not None:
-            replies.add(msg.name, msg.data)
+        self._stats.on_stats(msg)
