@@ -6,9 +6,12 @@ cycle (worker, scheduler, detokenizer, tokenizer, gateway) is SIGKILLed; the sup
 restarts it. Every request is classified:
 
 - ok: it finished with the tokens it asked for (a stream resumed after a kill included);
-- gateway: its connection broke, or could not be made, within `GATEWAY_GRACE_S` of a kill of
-  the gateway (the only process whose death may cost a stream);
+- gateway: its connection broke within `GATEWAY_GRACE_S` of a kill of the gateway (the only
+  process whose death may cost a stream);
 - failed: anything else (an error event, a non-200, a broken stream with no gateway death).
+
+A connection refused (no gateway listening while it restarts) is not a request: the client
+backs off and tries again; the report counts those attempts apart.
 
 The verdict: no hang (every client's request ends within its timeout), no `failed`, at least
 `--min-completion` of the requests that reached the gateway ok, and the summed resident
@@ -53,6 +56,7 @@ WORDS = "river stone lamp orange window quiet seven market cloud paper engine ga
 class Report:
     ok: int = 0
     gateway: int = 0  # lost with a gateway process that died
+    unreachable: int = 0  # connections refused while the gateway restarted (not requests)
     failures: list[str] = dataclasses.field(default_factory=list)
     kills: list[tuple[float, str]] = dataclasses.field(default_factory=list)
     rss_warm_mib: float = 0.0
@@ -83,7 +87,8 @@ class Report:
         kinds = ", ".join(kind for _, kind in self.kills)
         return (
             f"{self.num_requests} requests: {self.ok} ok ({self.completion:.1%}), "
-            f"{self.gateway} lost with a gateway, {len(self.failures)} failed; "
+            f"{self.gateway} lost with a gateway, {len(self.failures)} failed "
+            f"({self.unreachable} connection attempts refused while a gateway restarted); "
             f"{len(self.kills)} kills ({kinds}); resident memory {self.rss_warm_mib:.0f} MiB "
             f"after the warm-up, {self.rss_end_mib:.0f} MiB at the end"
         )
@@ -121,10 +126,13 @@ async def _one(
                     tokens = chunk["usage"]["completion_tokens"]
                 for choice in chunk.get("choices", []):
                     finish = choice.get("finish_reason") or finish
+    except httpx.ConnectError:  # no gateway listening: the request never reached one
+        report.unreachable += 1
+        await asyncio.sleep(0.2)  # (a client's back-off while the gateway restarts)
+        return
     except httpx.TransportError as e:
         if report.gateway_died_lately():
             report.gateway += 1
-            await asyncio.sleep(0.2)  # (a client's back-off while the gateway restarts)
         else:
             report.failures.append(f"connection: {e!r}")
         return
@@ -168,7 +176,7 @@ async def soak(
     clients: int = 24,
     kill_every_s: float = 20.0,
     seed: int = 0,
-    request_timeout_s: float = 300.0,
+    request_timeout_s: float = 180.0,
 ) -> Report:
     """Run the load and the kills for `duration_s`; the report (requests still in flight at
     the end finish first; a hang shows as a request timeout, a failure)."""
@@ -180,7 +188,10 @@ async def soak(
         rng = random.Random(seed * 1000 + i)
         async with httpx.AsyncClient(base_url=server.url, timeout=request_timeout_s) as client:
             while time.monotonic() < until:
-                await _one(client, server, rng, report)
+                try:  # (SSE keep-alives would keep a read timeout from firing)
+                    await asyncio.wait_for(_one(client, server, rng, report), request_timeout_s)
+                except TimeoutError:
+                    report.failures.append(f"hang: no end within {request_timeout_s:g} s")
 
     async def measure_warm() -> None:
         await asyncio.sleep(min(kill_every_s / 2, duration_s / 4))  # before the first kill

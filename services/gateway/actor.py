@@ -181,9 +181,10 @@ class GatewayActor(Actor):
     def _on_process_down(self, msg: ProcessDown) -> None:
         """The scheduler or detokenizer holds every request's state: with resumes on, the
         requests of a dead scheduler wait for the new one's ModelChanged and are sent again;
-        those of a dead worker or detokenizer come back from the scheduler as resumable
-        errors. A tokenizer held only requests not yet scheduled: those with no output yet
-        are sent again. With resumes off (--resume-timeout 0) each of these fails with a
+        those of a dead detokenizer are sent again at once (it may have lost the last outputs
+        of a request the scheduler has finished); those of a dead worker come back from the
+        scheduler as resumable errors. A tokenizer held only requests not yet scheduled:
+        those with no output yet are sent again. With resumes off (--resume-timeout 0) each of these fails with a
         retryable 503, as do the router's. With several replicas, one replica's worker or
         scheduler: the others serve on; the router fails the requests a dead scheduler held,
         its scheduler those of a dead worker."""
@@ -197,6 +198,9 @@ class GatewayActor(Actor):
             if msg.name == "scheduler":
                 n = self.engine.lose_all(why)
                 log.warning("%s died: %d requests wait to be resumed", msg.name, n)
+            elif msg.name == "detokenizer":
+                n = self.engine.resend_all(why)
+                log.warning("%s died: %d requests sent again", msg.name, n)
             elif msg.name.startswith("tokenizer"):
                 n = self.engine.resend_waiting(why)
                 log.warning("%s died: %d requests sent to a tokenizer again", msg.name, n)

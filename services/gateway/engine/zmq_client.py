@@ -156,14 +156,27 @@ class ZmqEngineClient:
                 stream.queue.put_nowait(RequestFailed(503, f"{why}; retry the request"))
         return lost
 
+    def resend_all(self, why: str) -> int:
+        """The detokenizer died: outputs it had not passed on are lost, also those of
+        requests the scheduler has already finished (no error will come for them): send every
+        request again now from the tokens it has (or fail it when it cannot be resumed).
+        Returns how many were sent."""
+        sent = 0
+        for stream in list(self._streams.values()):
+            if self._can_resume(stream):
+                self._send_attempt(stream, why)
+                sent += 1
+            else:
+                stream.queue.put_nowait(RequestFailed(503, f"{why}; retry the request"))
+        return sent
+
     def resend_waiting(self, why: str) -> int:
         """A tokenizer died: requests with no output yet may have died with it; send them
         again now (a live or restarted tokenizer takes them), the earlier attempt aborted in
         case it had reached the scheduler. Returns how many."""
         waiting = [s for s in self._streams.values() if not s.has_output and not s.is_lost]
         for stream in waiting:
-            log.info("%s: sending it again", why, extra={"request_id": stream.request.request_id})
-            self._send_attempt(stream)
+            self._send_attempt(stream, why)
         return len(waiting)
 
     def _can_resume(self, stream: Stream) -> bool:
@@ -198,16 +211,17 @@ class ZmqEngineClient:
         """The engine serves again: send every lost request again, where it stopped."""
         lost = [s for s in self._streams.values() if s.is_lost]
         for stream in lost:
-            log.info(
-                "resuming after %d tokens",
-                len(stream.token_ids),
-                extra={"request_id": stream.request.request_id},
-            )
-            self._send_attempt(stream)
+            self._send_attempt(stream, "the engine serves again")
 
-    def _send_attempt(self, stream: Stream) -> None:
+    def _send_attempt(self, stream: Stream, why: str) -> None:
         """Send the stream's next attempt; the earlier one's id is forgotten and aborted
         (it may still run if it reached the scheduler: its outputs would be moot)."""
+        log.info(
+            "%s: sending it again after %d tokens",
+            why,
+            len(stream.token_ids),
+            extra={"request_id": stream.request.request_id},
+        )
         old = stream.wire_id
         self._by_wire.pop(old, None)
         self.scheduler.send(Abort(request_ids=[old], reason=int(FinishReason.CANCELLED)))

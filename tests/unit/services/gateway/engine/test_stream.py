@@ -193,3 +193,23 @@ def test_cancelling_a_paused_request_ends_it_there() -> None:
         (CANCELLED, True, 1),
     ]
     assert len(tokenizers.sent) == 1 and scheduler.sent == []
+
+
+def test_a_dead_detokenizer_s_requests_are_all_sent_again_at_once() -> None:
+    """Its last outputs may be lost, also of a request the scheduler finished (no error
+    comes for it): every request goes again from the tokens the gateway has; the scheduler's
+    resumable errors for the earlier attempts are moot."""
+    client, tokenizers, _ = make_client()
+
+    async def go() -> list[OutputDelta]:
+        task = await _start(client, request("r"))
+        client.on_outputs(out("r", [7], 1))
+        assert client.resend_all("the detokenizer process restarted") == 1
+        client.on_error(lost("r"))  # the earlier attempt's: moot
+        client.on_model_changed(model_changed("v1"))  # nothing is lost: nothing more is sent
+        client.on_outputs(out(resume_id("r", 1), [8], 2, LENGTH))
+        return await asyncio.wait_for(task, 5)
+
+    deltas = asyncio.run(go())
+    assert [d.token_ids for d in deltas] == [[7], [8]]
+    assert [m.resumed_token_ids for m in tokenizers.sent] == [[], [7]]
