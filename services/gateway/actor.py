@@ -184,10 +184,10 @@ class GatewayActor(Actor):
         those of a dead detokenizer are sent again at once (it may have lost the last outputs
         of a request the scheduler has finished); those of a dead worker come back from the
         scheduler as resumable errors. A tokenizer held only requests not yet scheduled:
-        those with no output yet are sent again. With resumes off (--resume-timeout 0) each of these fails with a
-        retryable 503, as do the router's. With several replicas, one replica's worker or
-        scheduler: the others serve on; the router fails the requests a dead scheduler held,
-        its scheduler those of a dead worker."""
+        those with no output yet are sent again. With resumes off (--resume-timeout 0) each
+        of these fails with a retryable 503, as do the router's. With several replicas, one
+        replica's worker or scheduler: the others serve on; the router fails the requests a
+        dead scheduler held, its scheduler those of a dead worker."""
         if msg.name.startswith(("worker-", "scheduler-")):
             log.warning("%s died: its replica is routed around until it is back", msg.name)
             return
