@@ -40,6 +40,7 @@ class Stream:
         self.queue: asyncio.Queue[OutputDelta | RequestFailed] = asyncio.Queue()
         self.running = set(range(request.sampling.n))
         self.has_output = False
+        self.attempt_has_output = False  # the attempt sent last has streamed something
         self.num_retokenized = 0
         self.attempt = 0
         self.token_ids: list[int] = []  # sequence 0's output token ids so far
@@ -68,6 +69,7 @@ class Stream:
         prompt logprobs once they went out with the first delta."""
         self.attempt += 1
         self.lost_at = None
+        self.attempt_has_output = False
         sampling = self.request.sampling
         if self.has_output and sampling.prompt_logprobs is not None:
             sampling = dataclasses.replace(sampling, prompt_logprobs=None)
@@ -93,7 +95,7 @@ class Stream:
 
     def put(self, msg: OutputBatch, i: int, index: int) -> None:
         finish = FinishReason(msg.finish_reasons[i])
-        self.has_output = True
+        self.has_output = self.attempt_has_output = True
         self.num_prompt_tokens = msg.num_prompt_tokens[i]
         if index == 0:
             self.token_ids.extend(msg.token_ids[i])

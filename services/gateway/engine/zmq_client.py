@@ -171,10 +171,11 @@ class ZmqEngineClient:
         return sent
 
     def resend_waiting(self, why: str) -> int:
-        """A tokenizer died: requests with no output yet may have died with it; send them
-        again now (a live or restarted tokenizer takes them), the earlier attempt aborted in
-        case it had reached the scheduler. Returns how many."""
-        waiting = [s for s in self._streams.values() if not s.has_output and not s.is_lost]
+        """A tokenizer died: requests whose current attempt has no output yet (new ones,
+        resumed ones) may have died with it; send them again now (a live or restarted
+        tokenizer takes them), the earlier attempt aborted in case it had reached the
+        scheduler. Returns how many."""
+        waiting = [s for s in self._streams.values() if not s.attempt_has_output and not s.is_lost]
         for stream in waiting:
             self._send_attempt(stream, why)
         return len(waiting)

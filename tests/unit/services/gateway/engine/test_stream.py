@@ -213,3 +213,24 @@ def test_a_dead_detokenizer_s_requests_are_all_sent_again_at_once() -> None:
     deltas = asyncio.run(go())
     assert [d.token_ids for d in deltas] == [[7], [8]]
     assert [m.resumed_token_ids for m in tokenizers.sent] == [[], [7]]
+
+
+def test_a_resumed_attempt_a_dead_tokenizer_held_is_sent_again() -> None:
+    client, tokenizers, _ = make_client()
+
+    async def go() -> list[OutputDelta]:
+        task = await _start(client, request("r"))
+        client.on_outputs(out("r", [7], 1))
+        client.on_error(lost("r"))
+        client.on_model_changed(model_changed("v1"))  # attempt 1 goes to a tokenizer...
+        assert client.resend_waiting("the tokenizer-1 process restarted") == 1  # ...that died
+        client.on_outputs(out(resume_id("r", 2), [8], 2, LENGTH))
+        return await asyncio.wait_for(task, 5)
+
+    deltas = asyncio.run(go())
+    assert [d.token_ids for d in deltas] == [[7], [8]]
+    assert [(m.request_id, m.resumed_token_ids) for m in tokenizers.sent] == [
+        ("r", []),
+        ("r/resume-1", [7]),
+        ("r/resume-2", [7]),
+    ]
