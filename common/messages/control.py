@@ -96,7 +96,7 @@ class SwapResult:
 class ProcessDown:
     """supervisor -> gateway, scheduler (the router, the detokenizer: see
     services/launch.py's _told_of_death): a process died and is being restarted. Requests in
-    flight through it are resumed once it is back (services/gateway/engine/stream.py), or
+    flight through it are resumed once it is back (services/gateway/engine/resume.py), or
     fail with a retryable error (HTTP 503, gRPC UNAVAILABLE)."""
 
     name: str  # worker | scheduler | detokenizer | tokenizer-<i> | gateway

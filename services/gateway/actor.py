@@ -194,15 +194,15 @@ class GatewayActor(Actor):
         if msg.name in ("worker", "scheduler"):  # health says NOT_SERVING until it is back
             self.engine.on_model_lost()
         why = f"the {msg.name} process restarted"
-        if self.engine.resume_timeout > 0 and msg.name != "router":
+        if self.engine.resumes.timeout > 0 and msg.name != "router":
             if msg.name == "scheduler":
-                n = self.engine.lose_all(why)
+                n = self.engine.resumes.lose_all(why)
                 log.warning("%s died: %d requests wait to be resumed", msg.name, n)
             elif msg.name == "detokenizer":
-                n = self.engine.resend_all(why)
+                n = self.engine.resumes.resend_all(why)
                 log.warning("%s died: %d requests sent again", msg.name, n)
             elif msg.name.startswith("tokenizer"):
-                n = self.engine.resend_waiting(why)
+                n = self.engine.resumes.resend_waiting(why)
                 log.warning("%s died: %d requests sent to a tokenizer again", msg.name, n)
             return
         if msg.name in ("scheduler", "detokenizer"):

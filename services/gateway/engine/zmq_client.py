@@ -9,11 +9,10 @@ What the engine serves (model name, version, context length) is pushed by the sc
 the scheduler cannot start because a swap changed the tokenizer after it was tokenised comes
 back as `Retokenize`; the client still holds it and sends it to a tokenizer again.
 
-A request lost to a process's death (the scheduler's, or an error marked `resumable`: the
-worker's, the detokenizer's) waits, its stream paused, until the scheduler says again what it
-serves, then is sent again where it stopped (services/gateway/engine/stream.py); one a dying
-tokenizer held is sent to a tokenizer again at once. Past `resume_timeout` seconds it fails
-with a retryable 503.
+A request lost to the death of a process behind the gateway is sent again where it stopped
+(`Resumes`, services/gateway/engine/resume.py, over the stream tables kept here): outputs and
+errors are looked up by the wire id of the stream's current attempt
+(services/gateway/engine/stream.py).
 """
 
 from __future__ import annotations
@@ -44,6 +43,7 @@ from common.messages import (
 from services.gateway.engine.client import OutputDelta, RequestFailed, RequestObserver
 from services.gateway.engine.lora_adapters import LoraAdapters
 from services.gateway.engine.replicas import Replies, merge_swap_results
+from services.gateway.engine.resume import Resumes
 from services.gateway.engine.stats import StatsQueries
 from services.gateway.engine.stream import Stream
 
@@ -78,8 +78,8 @@ class ZmqEngineClient:
         self._is_serving = False  # False again while the worker or the scheduler restarts
         self._streams: dict[str, Stream] = {}  # by the client's request id
         self._by_wire: dict[str, Stream] = {}  # by the id its current attempt travels under
-        # seconds a request lost to a process's death waits to be resumed (0: it fails at once)
-        self.resume_timeout = resume_timeout
+        # requests lost to a process's death, sent again (resume.py)
+        self.resumes = Resumes(self._streams, self._by_wire, tokenizers, scheduler, resume_timeout)
         self._swap_waiters: dict[int, Replies[SwapResult]] = {}
         self._tokenize_waiters: dict[int, asyncio.Future[TokenizeResult]] = {}
         self.swap_status: dict[str, Any] | None = None  # the swap this gateway asked for
@@ -143,100 +143,13 @@ class ZmqEngineClient:
                 failed += 1
         return failed
 
-    # resumes (services/gateway/engine/stream.py) --------------------------------------------
-    def lose_all(self, why: str) -> int:
-        """The scheduler died: every request waits to be resumed (or fails at once, when it
-        cannot be). Returns how many wait."""
-        lost = 0
-        for stream in self._streams.values():
-            if self._can_resume(stream):
-                self._lose(stream, why)
-                lost += 1
-            else:
-                stream.queue.put_nowait(RequestFailed(503, f"{why}; retry the request"))
-        return lost
-
-    def resend_all(self, why: str) -> int:
-        """The detokenizer died: outputs it had not passed on are lost, also those of
-        requests the scheduler has already finished (no error will come for them): send every
-        request again now from the tokens it has (or fail it when it cannot be resumed).
-        Returns how many were sent."""
-        sent = 0
-        for stream in list(self._streams.values()):
-            if self._can_resume(stream):
-                self._send_attempt(stream, why)
-                sent += 1
-            else:
-                stream.queue.put_nowait(RequestFailed(503, f"{why}; retry the request"))
-        return sent
-
-    def resend_waiting(self, why: str) -> int:
-        """A tokenizer died: requests whose current attempt has no output yet (new ones,
-        resumed ones) may have died with it; send them again now (a live or restarted
-        tokenizer takes them), the earlier attempt aborted in case it had reached the
-        scheduler. Returns how many."""
-        waiting = [s for s in self._streams.values() if not s.attempt_has_output and not s.is_lost]
-        for stream in waiting:
-            self._send_attempt(stream, why)
-        return len(waiting)
-
-    def _can_resume(self, stream: Stream) -> bool:
-        return self.resume_timeout > 0 and stream.is_resumable
-
-    def _lose(self, stream: Stream, why: str) -> None:
-        """The request's attempt died with a process: it waits to be resumed."""
-        if stream.is_lost:
-            return
-        loop = asyncio.get_running_loop()
-        stream.lost_at = lost_at = loop.time()
-        log.warning(
-            "%s: paused after %d tokens, to resume",
-            why,
-            len(stream.token_ids),
-            extra={"request_id": stream.request.request_id},
-        )
-        loop.call_later(self.resume_timeout, self._give_up, stream, lost_at)
-
-    def _give_up(self, stream: Stream, lost_at: float) -> None:
-        if stream.lost_at == lost_at:  # (else resumed meanwhile, or lost again later)
-            stream.lost_at = None
-            stream.queue.put_nowait(
-                RequestFailed(
-                    503,
-                    f"the engine did not come back within {self.resume_timeout:g} s to resume "
-                    "the request; retry the request",
-                )
-            )
-
-    def _resume_lost(self) -> None:
-        """The engine serves again: send every lost request again, where it stopped."""
-        lost = [s for s in self._streams.values() if s.is_lost]
-        for stream in lost:
-            self._send_attempt(stream, "the engine serves again")
-
-    def _send_attempt(self, stream: Stream, why: str) -> None:
-        """Send the stream's next attempt; the earlier one's id is forgotten and aborted
-        (it may still run if it reached the scheduler: its outputs would be moot)."""
-        log.info(
-            "%s: sending it again after %d tokens",
-            why,
-            len(stream.token_ids),
-            extra={"request_id": stream.request.request_id},
-        )
-        old = stream.wire_id
-        self._by_wire.pop(old, None)
-        self.scheduler.send(Abort(request_ids=[old], reason=int(FinishReason.CANCELLED)))
-        request = stream.next_attempt()
-        self._by_wire[request.request_id] = stream
-        self.tokenizers.send(request)
-
     def on_model_changed(self, msg: ModelChanged) -> None:
         """The scheduler serves this model now (pushed before a swap's SwapResult)."""
         if self.served is None or msg.version != self.served.version:
             log.info("serving %s version %s", msg.name, msg.version)
         self.served = msg
         self._is_serving = True
-        self._resume_lost()
+        self.resumes.resume_lost()
 
     def on_model_lost(self) -> None:
         """The worker or the scheduler died: not ready until the scheduler says again what
@@ -394,8 +307,8 @@ class ZmqEngineClient:
         stream = self._by_wire.get(msg.request_id)
         if stream is None:
             return
-        if msg.resumable and self._can_resume(stream):
-            self._lose(stream, "its engine process died")  # resumed once the engine serves
+        if msg.resumable and self.resumes.can_resume(stream):
+            self.resumes.lose(stream, "its engine process died")  # resumed once it serves
             return
         stream.queue.put_nowait(RequestFailed(msg.status, msg.message, msg.param))
 

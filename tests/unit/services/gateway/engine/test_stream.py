@@ -137,7 +137,7 @@ def test_past_the_resume_timeout_it_fails_with_a_retryable_503() -> None:
     async def go() -> None:
         task = await _start(client, request("r"))
         client.on_outputs(out("r", [7], 1))
-        assert client.lose_all("the scheduler process restarted") == 1
+        assert client.resumes.lose_all("the scheduler process restarted") == 1
         await asyncio.wait_for(task, 5)  # no ModelChanged comes
 
     with pytest.raises(RequestFailed) as failed:
@@ -165,7 +165,7 @@ def test_a_dead_tokenizer_s_requests_with_no_output_are_sent_again_at_once() -> 
         waiting = await _start(client, request("w"))
         streaming = await _start(client, request("s"))
         client.on_outputs(out("s", [5], 1))
-        assert client.resend_waiting("the tokenizer-0 process restarted") == 1
+        assert client.resumes.resend_waiting("the tokenizer-0 process restarted") == 1
         client.on_outputs(out("s", [6], 2, LENGTH))
         client.on_outputs(out(resume_id("w", 1), [1], 1, LENGTH))
         return [*await waiting, *await streaming]
@@ -204,7 +204,7 @@ def test_a_dead_detokenizer_s_requests_are_all_sent_again_at_once() -> None:
     async def go() -> list[OutputDelta]:
         task = await _start(client, request("r"))
         client.on_outputs(out("r", [7], 1))
-        assert client.resend_all("the detokenizer process restarted") == 1
+        assert client.resumes.resend_all("the detokenizer process restarted") == 1
         client.on_error(lost("r"))  # the earlier attempt's: moot
         client.on_model_changed(model_changed("v1"))  # nothing is lost: nothing more is sent
         client.on_outputs(out(resume_id("r", 1), [8], 2, LENGTH))
@@ -223,7 +223,9 @@ def test_a_resumed_attempt_a_dead_tokenizer_held_is_sent_again() -> None:
         client.on_outputs(out("r", [7], 1))
         client.on_error(lost("r"))
         client.on_model_changed(model_changed("v1"))  # attempt 1 goes to a tokenizer...
-        assert client.resend_waiting("the tokenizer-1 process restarted") == 1  # ...that died
+        assert (
+            client.resumes.resend_waiting("the tokenizer-1 process restarted") == 1
+        )  # ...that died
         client.on_outputs(out(resume_id("r", 2), [8], 2, LENGTH))
         return await asyncio.wait_for(task, 5)
 
