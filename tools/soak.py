@@ -11,7 +11,10 @@ restarts it. Every request is classified:
 - failed: anything else (an error event, a non-200, a broken stream with no gateway death).
 
 A connection refused (no gateway listening while it restarts) is not a request: the client
-backs off and tries again; the report counts those attempts apart.
+backs off and tries again; the report counts those attempts apart. A new request refused
+with a retryable 503 (`Retry-After`) because the engine is restarting (the gateway takes no
+new request until the scheduler serves again) is counted as a request, not completed, and
+apart from the failures: it never started, and a client retries it.
 
 The verdict: no hang (every client's request ends within its timeout), no `failed`, at least
 `--min-completion` of the requests that reached the gateway ok, and the summed resident
@@ -57,6 +60,7 @@ class Report:
     ok: int = 0
     gateway: int = 0  # lost with a gateway process that died
     unreachable: int = 0  # connections refused while the gateway restarted (not requests)
+    refused: int = 0  # new requests refused with a retryable 503 while the engine restarted
     failures: list[str] = dataclasses.field(default_factory=list)
     kills: list[tuple[float, str]] = dataclasses.field(default_factory=list)
     rss_warm_mib: float = 0.0
@@ -64,7 +68,7 @@ class Report:
 
     @property
     def num_requests(self) -> int:
-        return self.ok + self.gateway + len(self.failures)
+        return self.ok + self.gateway + self.refused + len(self.failures)
 
     @property
     def completion(self) -> float:
@@ -87,7 +91,8 @@ class Report:
         kinds = ", ".join(kind for _, kind in self.kills)
         return (
             f"{self.num_requests} requests: {self.ok} ok ({self.completion:.1%}), "
-            f"{self.gateway} lost with a gateway, {len(self.failures)} failed "
+            f"{self.gateway} lost with a gateway, {self.refused} refused at admission with a "
+            f"retryable 503 while the engine restarted, {len(self.failures)} failed "
             f"({self.unreachable} connection attempts refused while a gateway restarted); "
             f"{len(self.kills)} kills ({kinds}); resident memory {self.rss_warm_mib:.0f} MiB "
             f"after the warm-up, {self.rss_end_mib:.0f} MiB at the end"
@@ -112,6 +117,10 @@ async def _one(
     tokens, finish = 0, None
     try:
         async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code == 503 and r.headers.get("retry-after"):
+                report.refused += 1  # new while the engine restarts: not started, retry
+                await asyncio.sleep(0.2)
+                return
             if r.status_code != 200:
                 report.failures.append(f"HTTP {r.status_code} {(await r.aread())[:200]!r}")
                 return
