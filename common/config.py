@@ -193,6 +193,11 @@ class ServerConfig:
         30.0, "on SIGTERM: seconds in-flight requests may take to finish (new ones get 503)"
     )
     max_restarts: int = _field(5, "restarts of one process per minute before giving up")
+    resume_timeout: float = _field(
+        120.0,
+        "seconds a stream waits, paused, for a dead worker, scheduler, tokenizer or detokenizer "
+        "to come back and resume it before it fails with a retryable 503 (0: it fails at once)",
+    )
     max_request_bytes: int = _field(4 * 1024 * 1024, "largest HTTP request body (larger: 413)")
     request_body_timeout: float = _field(
         30.0, "seconds a client may pause while sending a request body (longer: 408)"
@@ -252,6 +257,7 @@ class ServerConfig:
         _check(self.request_body_timeout > 0, "request_body_timeout", "> 0")
         _check(self.max_prompt_chars >= 1, "max_prompt_chars", ">= 1")
         _check(self.num_tokenizers >= 1, "num_tokenizers", ">= 1")
+        _check(self.resume_timeout >= 0, "resume_timeout", ">= 0")
         _check(self.tool_call_parser in ("hermes", "json"), "tool_call_parser", "hermes or json")
         _check(self.pooling in POOLING_KINDS, "pooling", " or ".join(POOLING_KINDS))
         _check(

@@ -214,7 +214,8 @@ class Supervisor:
 
     def _told_of_death(self, name: str) -> list[str]:
         """Who hears that `name` died: the gateway; the schedulers (a worker's death only its
-        own replica's scheduler); with several replicas the router, of a scheduler's."""
+        own replica's scheduler); with several replicas the router, of a scheduler's; the
+        detokenizer, of the (only) scheduler's."""
         size = self.config.data_parallel.data_parallel_size
         schedulers = [replica_name("scheduler", i, size) for i in range(size)]
         if name.startswith("worker"):
@@ -222,6 +223,8 @@ class Supervisor:
         peers = ["gateway", *schedulers]
         if size > 1 and name in schedulers:
             peers.append("router")
+        if name == "scheduler":  # its sequences get no more tokens: the detokenizer forgets them
+            peers.append("detokenizer")
         return [p for p in peers if p != name]
 
     def _addr(self, name: str) -> str:

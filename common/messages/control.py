@@ -94,8 +94,10 @@ class SwapResult:
 
 @message("process_down")
 class ProcessDown:
-    """supervisor -> gateway, scheduler: a process died and is being restarted. Requests
-    in flight through it fail with a retryable error (HTTP 503, gRPC UNAVAILABLE)."""
+    """supervisor -> gateway, scheduler (the router, the detokenizer: see
+    services/launch.py's _told_of_death): a process died and is being restarted. Requests in
+    flight through it are resumed once it is back (services/gateway/engine/resume.py), or
+    fail with a retryable error (HTTP 503, gRPC UNAVAILABLE)."""
 
     name: str  # worker | scheduler | detokenizer | tokenizer-<i> | gateway
     exit_code: int

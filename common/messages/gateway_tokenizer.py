@@ -45,6 +45,10 @@ class GenerateRequest:
     # embeddings (sampling.pooling): the vector's size the client asked for, which the model
     # must allow (Matryoshka: its config.json's is_matryoshka / matryoshka_dimensions)
     dimensions: int | None = None
+    # a resumed request (a process behind the gateway died mid-stream): the output token ids
+    # the client already has; generation continues after them, as after a preemption by
+    # recompute, and the response counts them (max_tokens, usage) as this request's outputs
+    resumed_token_ids: list[int] = dataclasses.field(default_factory=list)  # [num_resumed]
 
 
 @message("request_error")
@@ -55,6 +59,9 @@ class RequestError:
     status: int  # HTTP status: 400 bad input, 404 unknown model, 429 overload, 503 down
     message: str
     param: str | None = None  # the offending field, when there is one
+    # the request was lost to a process's death (or its restart), not refused: the gateway
+    # may send it again, with the tokens it has streamed, once the engine serves again
+    resumable: bool = False
 
 
 @message("retokenize")

@@ -29,6 +29,9 @@ class DetokNew:
     skip_special_tokens: list[bool] = dataclasses.field(default_factory=list)  # [num_seqs] True
     stop_token_ids: list[list[int]] = dataclasses.field(default_factory=list)  # [num_seqs][*]
     # (what a finish names as its stop_reason when one of them ended the sequence)
+    # a resumed sequence's outputs so far, whose text the client already has: decoded
+    # silently, so its text continues after them (empty: none for every sequence)
+    resumed_token_ids: list[list[int]] = dataclasses.field(default_factory=list)  # [num_seqs][*]
 
 
 @message("token_batch")

@@ -37,6 +37,10 @@ class StepPlan:
     # min_tokens: the worker masks them until min_tokens are out; [] for the others, and
     # absent when no new request has min_tokens
     new_stop_token_ids: list[list[int]] = dataclasses.field(default_factory=list)  # [num_new][*]
+    # how many of each new request's token ids are outputs already sampled (a request resumed
+    # after a process died): its seeded generator is advanced past them and penalties count
+    # them as outputs; absent when no new request of the step has any
+    new_num_output_tokens: list[int] = dataclasses.field(default_factory=list)  # [num_new]
     # requests to forget before this step runs (finished, cancelled)
     finished_req_ids: list[str] = dataclasses.field(default_factory=list)
     # requests whose KV was dropped (recompute preemption): block table and count reset to 0,

@@ -21,3 +21,6 @@ class TokenizedRequest:
     # may only start on a model version with this tokenizer ("": the start-up model's)
     cache_salt: str = ""  # vLLM's: salts the request's prefix-cache root ("": none)
     lora_name: str = ""  # the LoRA adapter the request runs with ("": the base model)
+    # a resumed request (GenerateRequest.resumed_token_ids): outputs it already produced,
+    # which the scheduler recomputes after the prompt before it samples the next token
+    resumed_token_ids: list[int] = dataclasses.field(default_factory=list)  # [num_resumed]

@@ -109,7 +109,9 @@ class ModelRunner(PlanRunner[ModelVersion]):
             block_size=options.block_size,
             num_blocks=self.num_blocks,
             max_model_len=self.max_model_len,
-            new_generator=lambda params: make_generator(params, self._rng, self.device),
+            new_generator=lambda params, version, num_drawn: make_generator(
+                params, self._rng, self.device, num_drawn, self.versions[version].config.vocab_size
+            ),
             on_drop=self._release_counts,
             new_grammar=self._new_grammar,
             loras=self.lora.registry if self.lora else None,

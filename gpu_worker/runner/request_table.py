@@ -97,7 +97,9 @@ class RequestTable:
         block_size: int,
         num_blocks: int,
         max_model_len: int,
-        new_generator: Callable[[SamplingParams], torch.Generator | None] | None = None,
+        # (params, version, num_drawn): a request's generator, past the draws of the outputs it
+        # already sampled (a resumed request)
+        new_generator: Callable[[SamplingParams, str, int], torch.Generator | None] | None = None,
         on_drop: Callable[[RequestState], None] | None = None,
         new_grammar: Callable[[SamplingParams, str], RowGrammar | None] | None = None,
         loras: Container[str] | None = None,
@@ -162,6 +164,7 @@ class RequestTable:
         new_versions = plan.new_versions or [""] * len(plan.new_req_ids)
         new_stops = plan.new_stop_token_ids or [[] for _ in plan.new_req_ids]
         new_loras = plan.new_loras or [""] * len(plan.new_req_ids)
+        new_outputs = plan.new_num_output_tokens or [0] * len(plan.new_req_ids)
         new = zip(
             plan.new_req_ids,
             plan.new_prompt_token_ids,
@@ -169,12 +172,13 @@ class RequestTable:
             new_versions,
             new_stops,
             new_loras,
+            new_outputs,
             strict=True,
         )
-        for req_id, prompt, params, version, stops, lora in new:
+        for req_id, prompt, params, version, stops, lora, num_outputs in new:
             if req_id in self._states:
                 raise ValueError(f"request {req_id} is already running on the worker")
-            if not prompt:
+            if len(prompt) <= num_outputs:
                 raise ValueError(f"request {req_id} has an empty prompt")
             version = version or default_version
             if version not in versions:
@@ -184,12 +188,14 @@ class RequestTable:
             if lora and (self.loras is None or lora not in self.loras):
                 off = " (LoRA is not enabled)" if self.loras is None else ""
                 raise ValueError(f"request {req_id} wants LoRA adapter {lora!r}, not loaded{off}")
-            generator = self._new_generator(params) if self._new_generator else None
+            generator = (
+                self._new_generator(params, version, num_outputs) if self._new_generator else None
+            )
             state = RequestState(
                 req_id,
                 list(prompt),
                 params,
-                len(prompt),
+                len(prompt) - num_outputs,
                 version,
                 lora_name=lora,
                 stop_token_ids=list(stops),

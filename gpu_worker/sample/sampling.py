@@ -19,13 +19,24 @@ from gpu_worker.sample.logits_controls import History, apply_controls
 
 
 def make_generator(
-    params: SamplingParams, rng: random.Random, device: torch.device
+    params: SamplingParams,
+    rng: random.Random,
+    device: torch.device,
+    num_drawn: int = 0,
+    vocab_size: int = 0,
 ) -> torch.Generator | None:
-    """The request's generator; None for greedy requests, which never draw."""
+    """The request's generator; None for greedy requests, which never draw. A request
+    resumed after `num_drawn` sampled outputs (its worker died) gets its generator as it was
+    after them: each sampled token is one multinomial draw over the vocabulary, whose use of
+    the generator depends on the row's width only, not on its probabilities."""
     if params.is_greedy:
         return None
     generator = torch.Generator(device=device)
     generator.manual_seed(params.seed if params.seed is not None else rng.getrandbits(63))
+    if num_drawn:
+        uniform = torch.full((vocab_size,), 1.0 / vocab_size, device=device)
+        for _ in range(num_drawn):
+            torch.multinomial(uniform, 1, generator=generator)
     return generator
 
 

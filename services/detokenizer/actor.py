@@ -23,6 +23,7 @@ from common.messages import (
     FinishReason,
     ModelChanged,
     OutputBatch,
+    ProcessDown,
     RequestError,
     TokenBatch,
 )
@@ -136,6 +137,7 @@ class DetokenizerActor(Actor):
                 DetokNew: self._on_new,
                 TokenBatch: self._on_tokens,
                 ModelChanged: self._on_model_changed,
+                ProcessDown: self._on_process_down,
             }
         )
 
@@ -156,6 +158,14 @@ class DetokenizerActor(Actor):
                 msg.tokenizer_fingerprint,
             )
 
+    def _on_process_down(self, msg: ProcessDown) -> None:
+        """The scheduler died: no sequence it held gets another token (the gateway sends the
+        requests again, under new ids), so none is kept."""
+        if msg.name == "scheduler":
+            log.warning("the scheduler died: forgetting %d sequences", len(self.streams))
+            for key in list(self.streams):
+                self._forget(key)
+
     def _on_new(self, msg: DetokNew) -> None:
         n = len(msg.request_ids)
         tails = msg.prompt_tails or [[] for _ in range(n)]
@@ -165,6 +175,7 @@ class DetokenizerActor(Actor):
         include_stop = msg.include_stop_str or [False] * n
         skip_special = msg.skip_special_tokens or [True] * n
         stop_token_ids = msg.stop_token_ids or [[] for _ in range(n)]
+        resumed = msg.resumed_token_ids or [[] for _ in range(n)]
         unknown: dict[str, str] = {}  # request id -> the fingerprint no tokenizer has
         seqs = zip(msg.request_ids, indices, fingerprints, strict=True)
         for i, (rid, index, fp) in enumerate(seqs):
@@ -181,6 +192,9 @@ class DetokenizerActor(Actor):
                 min_tokens=min_tokens[i],
                 include_stop_str=include_stop[i],
             )
+            # a resumed sequence: the client has these tokens' text (one at a time, as when
+            # they came, so the stop-string screen holds back what it held back then)
+            detok.add(resumed[i], final=False)
             stream = _DetokStream(detok, msg.num_prompt_tokens[i], fp, tokenizer, stop_token_ids[i])
             self.streams[rid, index] = stream
         for rid, fp in unknown.items():

@@ -92,6 +92,12 @@ class GatewayActor(Actor):
             aliases=self.config.model.served_model_names,
             num_replicas=self.config.data_parallel.data_parallel_size,
             enable_lora=self.config.lora.enable_lora,
+            # (one replica: with several, the router and the other replicas serve on)
+            resume_timeout=(
+                self.config.server.resume_timeout
+                if self.config.data_parallel.data_parallel_size == 1
+                else 0.0
+            ),
             router=(
                 self.outbox(router_addr(self.config))
                 if self.config.data_parallel.data_parallel_size > 1
@@ -178,11 +184,15 @@ class GatewayActor(Actor):
         self.engine.on_tokenize_result(msg)
 
     def _on_process_down(self, msg: ProcessDown) -> None:
-        """The scheduler or detokenizer holds every request's state: fail them all. A
-        tokenizer (or the router) held only requests not yet scheduled: fail those with no
-        output yet. (The scheduler fails the requests of a dead worker itself.) With several
-        replicas, one replica's worker or scheduler: the others serve on; the router fails
-        the requests a dead scheduler held, its scheduler those of a dead worker."""
+        """The scheduler or detokenizer holds every request's state: with resumes on, the
+        requests of a dead scheduler wait for the new one's ModelChanged and are sent again;
+        those of a dead detokenizer are sent again at once (it may have lost the last outputs
+        of a request the scheduler has finished); those of a dead worker come back from the
+        scheduler as resumable errors. A tokenizer held only requests not yet scheduled:
+        those with no output yet are sent again. With resumes off (--resume-timeout 0) each
+        of these fails with a retryable 503, as do the router's. With several replicas, one
+        replica's worker or scheduler: the others serve on; the router fails the requests a
+        dead scheduler held, its scheduler those of a dead worker."""
         if self.console is not None:
             self.console.on_process_down(msg)
         if msg.name.startswith(("worker-", "scheduler-")):
@@ -190,6 +200,18 @@ class GatewayActor(Actor):
             return
         if msg.name in ("worker", "scheduler"):  # health says NOT_SERVING until it is back
             self.engine.on_model_lost()
+        why = f"the {msg.name} process restarted"
+        if self.engine.resumes.timeout > 0 and msg.name != "router":
+            if msg.name == "scheduler":
+                n = self.engine.resumes.lose_all(why)
+                log.warning("%s died: %d requests wait to be resumed", msg.name, n)
+            elif msg.name == "detokenizer":
+                n = self.engine.resumes.resend_all(why)
+                log.warning("%s died: %d requests sent again", msg.name, n)
+            elif msg.name.startswith("tokenizer"):
+                n = self.engine.resumes.resend_waiting(why)
+                log.warning("%s died: %d requests sent to a tokenizer again", msg.name, n)
+            return
         if msg.name in ("scheduler", "detokenizer"):
             n = self.engine.fail_all(f"the {msg.name} process restarted")
         elif msg.name.startswith("tokenizer") or msg.name == "router":

@@ -157,7 +157,8 @@ class SchedulerActor(Actor):
             if msg.name == "worker":  # not ready until the new worker's Ready
                 self.core.on_worker_down(why)
                 return
-            self.core.fail_all(why)
+            # a new detokenizer decodes a resumed request from its outputs so far
+            self.core.fail_all(why, resumable=msg.name == "detokenizer")
         self.core.announce()
         if self.core.loras.enabled:  # (and which adapters it serves)
             self.core.loras.changed()

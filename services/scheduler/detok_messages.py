@@ -33,6 +33,7 @@ def new_sequences(msg: TokenizedRequest, n: int) -> DetokNew:
         seq_indices=list(range(n)),
         tokenizers=[msg.tokenizer_fingerprint] * n,
         min_tokens=[msg.sampling.min_tokens] * n if msg.sampling.min_tokens else [],
+        resumed_token_ids=[list(msg.resumed_token_ids)] * n if msg.resumed_token_ids else [],
         **_output_options(msg.sampling, n),
     )
 

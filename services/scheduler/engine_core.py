@@ -101,7 +101,7 @@ class EngineCore:
             if same and not self.policy.requests and not self.window.in_flight:
                 return  # the answer to our own Reset at start-up: nothing changed
             log.warning("worker re-announced itself; resetting the block pool")
-            self.fail_all("the worker restarted")
+            self.fail_all("the worker restarted", resumable=True)
         s = self.config.scheduler
         self.policy = SchedulingPolicy(
             self._block_manager(info),
@@ -119,8 +119,9 @@ class EngineCore:
         )
 
     def on_worker_down(self, why: str) -> None:
-        """The worker died: nothing in flight can finish; wait for the next one's Ready."""
-        self.fail_all(why)
+        """The worker died: nothing in flight can finish here; the gateway sends each request
+        again (resumable) once the next worker's Ready has been announced."""
+        self.fail_all(why, resumable=True)
         self.window.clear()
         self.policy = None
 
@@ -194,7 +195,9 @@ class EngineCore:
     def add(self, msg: TokenizedRequest) -> None:
         """Admit a tokenised request into the waiting queue, or refuse it."""
         if self.policy is None or self.served is None:
-            self._reject(msg.request_id, 503, "the worker is restarting; retry shortly")
+            self._reject(
+                msg.request_id, 503, "the worker is restarting; retry shortly", resumable=True
+            )
             return
         served = self.served
         if msg.tokenizer_fingerprint and msg.tokenizer_fingerprint != served.tokenizer_fingerprint:
@@ -268,24 +271,26 @@ class EngineCore:
             late = self.policy.expire() + self.grammar_wait.expire(time.time())
             self._tell_detokenizer_finished(late)
 
-    def fail_all(self, why: str) -> None:
-        """Every live request ends: the gateway answers 503 (retry), the detokenizer drops it."""
+    def fail_all(self, why: str, resumable: bool = False) -> None:
+        """Every live request ends: the gateway answers 503 (retry), or with `resumable` (a
+        process died, not the request) sends it again; the detokenizer drops it."""
         if self.policy is not None:
             self._fail(
                 [*self.policy.requests.values(), *self.grammar_wait.end_all(FinishReason.ERROR)],
                 503,
                 f"{why}; the request was not completed, retry it",
+                resumable,
             )
         self.groups.clear()
 
-    def _fail(self, reqs: list[Request], status: int, why: str) -> None:
+    def _fail(self, reqs: list[Request], status: int, why: str, resumable: bool = False) -> None:
         """End requests with an error: one RequestError per request to the gateway (the
         only path that tells it), and an ERROR finish so the detokenizer forgets them."""
         assert self.policy is not None
         for req in reqs:
             self.policy.abort(req.request_id, FinishReason.ERROR)
         for request_id in sorted({r.group_id for r in reqs}):
-            self._reject(request_id, status, why)
+            self._reject(request_id, status, why, resumable=resumable)
         self._tell_detokenizer_finished(reqs)
 
     def _tell_detokenizer_finished(self, reqs: list[Request]) -> None:
@@ -300,10 +305,23 @@ class EngineCore:
             if seqs is not None and all(r.is_finished for r in seqs):
                 del self.groups[request_id]
 
-    def _reject(self, request_id: str, status: int, message: str, param: str | None = None) -> None:
+    def _reject(
+        self,
+        request_id: str,
+        status: int,
+        message: str,
+        param: str | None = None,
+        resumable: bool = False,
+    ) -> None:
         log.info("rejected: %s", message, extra={"request_id": request_id})
         self.outbox.to_gateway(
-            RequestError(request_id=request_id, status=status, message=message, param=param)
+            RequestError(
+                request_id=request_id,
+                status=status,
+                message=message,
+                param=param,
+                resumable=resumable,
+            )
         )
 
     # hot swap ------------------------------------------------------------------------------

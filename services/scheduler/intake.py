@@ -30,7 +30,7 @@ def admission_error(
     is_duplicate: bool,
 ) -> Refusal | None:
     """Why `msg` cannot be admitted (the queue is full, its prompt is too long or holds an
-    id outside the vocabulary, its id is taken), or None."""
+    id outside the vocabulary, its id is taken, a resume it cannot take), or None."""
     if num_waiting >= max_waiting:
         return (
             429,
@@ -58,6 +58,12 @@ def admission_error(
             )
     if is_duplicate:
         return (400, f"request id {msg.request_id!r} is already in flight", "X-Request-Id")
+    if msg.resumed_token_ids and (
+        msg.sampling.n != 1
+        or len(msg.prompt_token_ids) + len(msg.resumed_token_ids)
+        >= min(served.max_model_len, len(msg.prompt_token_ids) + msg.sampling.max_tokens)
+    ):
+        return (503, "the request cannot be resumed here; retry it", None)
     return None
 
 
@@ -91,4 +97,7 @@ def sequences(
                 seq_index=i,
             )
         )
+    # a resumed request: its outputs so far are known tokens without KV, as after a
+    # preemption by recompute (the admission allows it only with one sequence)
+    seqs[0].output_token_ids = list(msg.resumed_token_ids)
     return seqs

@@ -10,7 +10,8 @@ def to_plan(step_id: int, out: SchedulerOutput) -> StepPlan:
     return StepPlan(
         step_id=step_id,
         new_req_ids=[r.request_id for r in out.new_requests],
-        new_prompt_token_ids=[r.prompt_token_ids for r in out.new_requests],
+        # (a resumed request's outputs so far come along: the worker recomputes them)
+        new_prompt_token_ids=[r.all_token_ids for r in out.new_requests],
         new_sampling=[r.sampling for r in out.new_requests],
         new_versions=[r.version or "" for r in out.new_requests],
         new_loras=(
@@ -21,6 +22,11 @@ def to_plan(step_id: int, out: SchedulerOutput) -> StepPlan:
         new_stop_token_ids=(
             [r.stop_token_ids if r.sampling.min_tokens else [] for r in out.new_requests]
             if any(r.sampling.min_tokens for r in out.new_requests)
+            else []
+        ),
+        new_num_output_tokens=(
+            [len(r.output_token_ids) for r in out.new_requests]
+            if any(r.output_token_ids for r in out.new_requests)
             else []
         ),
         finished_req_ids=out.finished_req_ids,

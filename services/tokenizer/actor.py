@@ -223,6 +223,7 @@ class TokenizerActor(Actor):
             tokenizer_fingerprint=model.fingerprint,
             cache_salt=req.cache_salt,
             lora_name=req.lora_name,
+            resumed_token_ids=req.resumed_token_ids,
         )
 
     def _sampling(self, req: GenerateRequest, model: ServedModel) -> SamplingParams:

@@ -105,7 +105,11 @@ class _Load:
 
 @pytest.fixture(scope="module")
 def server():  # type: ignore[no-untyped-def]
-    with running_server("--admin-token", TOKEN, "--num-tokenizers", "2") as s:
+    # (resumes off: a request a dead process held fails fast, as tested here; the resumes
+    # are tests/integration/test_resume.py's)
+    with running_server(
+        "--admin-token", TOKEN, "--num-tokenizers", "2", "--resume-timeout", "0"
+    ) as s:
         yield s
 
 

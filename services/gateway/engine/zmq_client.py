@@ -8,6 +8,11 @@ What the engine serves (model name, version, context length) is pushed by the sc
 (`ModelChanged`): once the worker is ready, and after every swap or worker restart. A request
 the scheduler cannot start because a swap changed the tokenizer after it was tokenised comes
 back as `Retokenize`; the client still holds it and sends it to a tokenizer again.
+
+A request lost to the death of a process behind the gateway is sent again where it stopped
+(`Resumes`, services/gateway/engine/resume.py, over the stream tables kept here): outputs and
+errors are looked up by the wire id of the stream's current attempt
+(services/gateway/engine/stream.py).
 """
 
 from __future__ import annotations
@@ -30,73 +35,23 @@ from common.messages import (
     RequestError,
     Retokenize,
     Stats,
-    StatsQuery,
     SwapModel,
     SwapResult,
     TokenizeQuery,
     TokenizeResult,
 )
-from services.gateway.engine.client import OutputDelta, RequestFailed, RequestObserver, entries
+from services.gateway.engine.client import OutputDelta, RequestFailed, RequestObserver
 from services.gateway.engine.lora_adapters import LoraAdapters
-from services.gateway.engine.replicas import (
-    Replies,
-    merge_request_rows,
-    merge_stats,
-    merge_swap_results,
-)
+from services.gateway.engine.replicas import Replies, merge_swap_results
+from services.gateway.engine.resume import Resumes
+from services.gateway.engine.stats import StatsQueries
+from services.gateway.engine.stream import Stream
 
 log = logging.getLogger(__name__)
 
 # A request is tokenised again at most this many times (each time a swap changed the
 # tokenizer before it started); then it fails with a retryable 503.
 MAX_RETOKENIZE = 4
-
-
-class _Stream:
-    """One in-flight request: the request itself (to tokenise it again), its queue, and
-    which of its sequences are still running."""
-
-    def __init__(self, request: GenerateRequest) -> None:
-        self.request = request
-        self.queue: asyncio.Queue[OutputDelta | RequestFailed] = asyncio.Queue()
-        self.running = set(range(request.sampling.n))
-        self.has_output = False
-        self.num_retokenized = 0
-
-    def put(self, msg: OutputBatch, i: int, index: int) -> None:
-        finish = FinishReason(msg.finish_reasons[i])
-        self.has_output = True
-        if finish != FinishReason.NONE:
-            self.running.discard(index)
-        self.queue.put_nowait(
-            OutputDelta(
-                text=msg.texts[i],
-                token_ids=msg.token_ids[i],
-                finish_reason=finish,
-                num_prompt_tokens=msg.num_prompt_tokens[i],
-                num_output_tokens=msg.num_output_tokens[i],
-                last=not self.running,
-                index=index,
-                version=msg.versions[i] if msg.versions else "",
-                stop_reason=msg.stop_reasons[i] if msg.stop_reasons else None,
-                logprobs=(
-                    entries(msg.logprob_token_ids[i], msg.logprob_values[i], msg.logprob_tokens[i])
-                    if msg.logprob_token_ids
-                    else []
-                ),
-                prompt_logprobs=(
-                    entries(
-                        msg.prompt_logprob_token_ids[i],
-                        msg.prompt_logprob_values[i],
-                        msg.prompt_logprob_tokens[i],
-                        msg.prompt_logprob_ranks[i] if msg.prompt_logprob_ranks else None,
-                    )
-                    if msg.prompt_logprob_token_ids
-                    else []
-                ),
-                embedding=msg.embeddings[i] if msg.embeddings else [],
-            )
-        )
 
 
 class ZmqEngineClient:
@@ -111,6 +66,7 @@ class ZmqEngineClient:
         num_replicas: int = 1,
         router: Sender | None = None,
         enable_lora: bool = False,
+        resume_timeout: float = 0.0,
     ) -> None:
         self.tokenizers = tokenizers
         self.aliases = list(aliases)  # --served-model-name: more names the model answers to
@@ -120,13 +76,16 @@ class ZmqEngineClient:
         self.inbox_addr = inbox_addr
         self.served: ModelChanged | None = None  # what the scheduler last said it serves
         self._is_serving = False  # False again while the worker or the scheduler restarts
-        self._streams: dict[str, _Stream] = {}
-        self._stats_waiters: dict[int, Replies[dict[str, Any]]] = {}
+        self._streams: dict[str, Stream] = {}  # by the client's request id
+        self._by_wire: dict[str, Stream] = {}  # by the id its current attempt travels under
+        # requests lost to a process's death, sent again (resume.py)
+        self.resumes = Resumes(self._streams, self._by_wire, tokenizers, scheduler, resume_timeout)
         self._swap_waiters: dict[int, Replies[SwapResult]] = {}
         self._tokenize_waiters: dict[int, asyncio.Future[TokenizeResult]] = {}
         self.swap_status: dict[str, Any] | None = None  # the swap this gateway asked for
         self.draining = False  # shutting down: new requests get 503
         self._query_ids = itertools.count()
+        self._stats = StatsQueries(scheduler, inbox_addr, num_replicas, router, self._query_ids)
         # LoRA adapters (lora_adapters.py): what the schedulers serve, loads and unloads
         self.loras = LoraAdapters(
             enable_lora, scheduler, inbox_addr, num_replicas, tickets=self._query_ids
@@ -190,6 +149,7 @@ class ZmqEngineClient:
             log.info("serving %s version %s", msg.name, msg.version)
         self.served = msg
         self._is_serving = True
+        self.resumes.resume_lost()
 
     def on_model_lost(self) -> None:
         """The worker or the scheduler died: not ready until the scheduler says again what
@@ -206,8 +166,9 @@ class ZmqEngineClient:
             raise RequestFailed(
                 400, f"X-Request-Id: request id {rid!r} is already in flight", "X-Request-Id"
             )
-        stream = _Stream(request)
+        stream = Stream(request)
         self._streams[rid] = stream
+        self._by_wire[rid] = stream
         finished = False
         timer = self.observer(request) if self.observer is not None else None
         try:
@@ -228,9 +189,12 @@ class ZmqEngineClient:
         finally:
             if not finished:  # the client went away or the caller stopped reading
                 # one Abort for the request id: the scheduler aborts all its sequences
-                self.scheduler.send(Abort(request_ids=[rid], reason=int(FinishReason.CANCELLED)))
+                self.scheduler.send(
+                    Abort(request_ids=[stream.wire_id], reason=int(FinishReason.CANCELLED))
+                )
             # state goes only after the abort is sent (docs/architecture.md, "How a request flows")
             self._streams.pop(rid, None)
+            self._by_wire.pop(stream.wire_id, None)
             if timer is not None:
                 timer.end()
 
@@ -271,47 +235,17 @@ class ZmqEngineClient:
             replies.add(str(len(replies.items)), msg)
 
     async def abort(self, request_id: str) -> None:
-        self.scheduler.send(Abort(request_ids=[request_id], reason=int(FinishReason.CANCELLED)))
+        stream = self._streams.get(request_id)
+        if stream is not None and stream.is_lost:  # nothing runs it: it ends here
+            stream.lost_at = None
+            stream.queue.put_nowait(stream.cancelled())
+            return
+        wire_id = stream.wire_id if stream is not None else request_id
+        self.scheduler.send(Abort(request_ids=[wire_id], reason=int(FinishReason.CANCELLED)))
 
     async def stats(self, timeout: float = 5.0, what: str = "stats") -> dict[str, Any]:
-        """The scheduler's counters (`what="requests"`: its live requests, one row each).
-        With several replicas, theirs merged (services/gateway/engine/replicas.py), a replica that
-        does not answer within `timeout` (restarting) as not ready, and the router's
-        counters under `router`."""
-        if self.num_replicas == 1:
-            answers = await self._ask(self.scheduler, 1, what, timeout)
-            if not answers:
-                raise TimeoutError("the scheduler did not answer")
-            return next(iter(answers.values()))
-        asks = [self._ask(self.scheduler, self.num_replicas, what, timeout)]
-        if self.router is not None and what == "stats":
-            asks.append(self._ask(self.router, 1, what, timeout))
-        replicas, *routing = await asyncio.gather(*asks)
-        if not replicas:
-            raise TimeoutError("no replica answered")
-        if what == "requests":
-            return merge_request_rows(replicas)
-        merged = merge_stats(replicas, self.num_replicas)
-        if routing and "router" in routing[0]:
-            merged["router"] = routing[0]["router"]
-        return merged
-
-    async def _ask(
-        self, to: Sender, expected: int, what: str, timeout: float
-    ) -> dict[str, dict[str, Any]]:
-        """A StatsQuery to `to` (a fan-out: `expected` answers): the answers by who gave
-        them, those that came within `timeout`."""
-        qid = next(self._query_ids)
-        replies: Replies[dict[str, Any]] = Replies(expected)
-        self._stats_waiters[qid] = replies
-        try:
-            to.send(StatsQuery(reply_to=self.inbox_addr, query_id=qid, what=what))
-            await asyncio.wait_for(replies.done.wait(), timeout)
-        except TimeoutError:
-            pass
-        finally:
-            self._stats_waiters.pop(qid, None)
-        return replies.items
+        """The scheduler's counters, or its live requests (services/gateway/engine/stats.py)."""
+        return await self._stats.ask(timeout, what)
 
     async def tokenize(
         self,
@@ -365,19 +299,23 @@ class ZmqEngineClient:
     def on_outputs(self, msg: OutputBatch) -> None:
         indices = msg.seq_indices or [0] * len(msg.request_ids)
         for i, (rid, index) in enumerate(zip(msg.request_ids, indices, strict=True)):
-            stream = self._streams.get(rid)
+            stream = self._by_wire.get(rid)
             if stream is not None:  # else: finished or aborted, its late outputs are moot
                 stream.put(msg, i, index)
 
     def on_error(self, msg: RequestError) -> None:
-        stream = self._streams.get(msg.request_id)
-        if stream is not None:  # an error fails every sequence of the request
-            stream.queue.put_nowait(RequestFailed(msg.status, msg.message, msg.param))
+        stream = self._by_wire.get(msg.request_id)
+        if stream is None:
+            return
+        if msg.resumable and self.resumes.can_resume(stream):
+            self.resumes.lose(stream, "its engine process died")  # resumed once it serves
+            return
+        stream.queue.put_nowait(RequestFailed(msg.status, msg.message, msg.param))
 
     def on_retokenize(self, msg: Retokenize) -> None:
         """A swap changed the tokenizer before the request started: the scheduler dropped
         it; send it to a tokenizer again (which now has the new tokenizer)."""
-        stream = self._streams.get(msg.request_id)
+        stream = self._by_wire.get(msg.request_id)
         if stream is None:
             return  # the client went away meanwhile
         if stream.num_retokenized >= MAX_RETOKENIZE:
@@ -393,7 +331,7 @@ class ZmqEngineClient:
         log.info(
             "tokenising again (%d)", stream.num_retokenized, extra={"request_id": msg.request_id}
         )
-        self.tokenizers.send(stream.request)
+        self.tokenizers.send(stream.sent)
 
     def on_tokenize_result(self, msg: TokenizeResult) -> None:
         fut = self._tokenize_waiters.get(msg.query_id)
@@ -401,6 +339,4 @@ class ZmqEngineClient:
             fut.set_result(msg)
 
     def on_stats(self, msg: Stats) -> None:
-        replies = self._stats_waiters.get(msg.query_id)
-        if replies is not None:
-            replies.add(msg.name, msg.data)
+        self._stats.on_stats(msg)

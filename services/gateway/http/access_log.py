@@ -8,6 +8,11 @@ and for a refusal (any status >= 400) the reason, as the client read it:
 
     refused chatcmpl-2a.. POST /v1/chat/completions 400 (max_token: unknown field; ...)
 
+A client that went away before its answer (mid-body, or while it waited) is nginx's 499,
+neither a refusal nor a server error:
+
+    closed chatcmpl-3b.. POST /v1/chat/completions 499 (client closed the request)
+
 The fields are also in the JSON log line's `access` object. Routes that generate hand an
 `AccessRecord` to their delta reader (it sees every delta); the error handler notes the
 refusal's message. `--no-access-log` leaves the middleware out.
@@ -27,6 +32,7 @@ from services.gateway.engine.client import OutputDelta
 log = logging.getLogger("shuttle.access")
 
 REQUEST_ID_HEADER = b"x-request-id"
+CLIENT_CLOSED = 499  # nginx's "client closed request": the client left before its answer
 _NO_PATH_LOGGED = ("/health", "/ping", "/metrics")  # probes: every few seconds, say nothing
 
 
@@ -105,7 +111,8 @@ def write_line(scope: Scope, status: int, request_id: str | None, seconds: float
     head = f"{request_id or '-'} {scope['method']} {scope['path']} {status}"
     if status >= 400:
         fields["reason"] = state.get("refusal", "")
-        log.info("refused %s (%s)", head, fields["reason"], extra=_extra(request_id, fields))
+        word = "closed" if status == CLIENT_CLOSED else "refused"
+        log.info("%s %s (%s)", word, head, fields["reason"], extra=_extra(request_id, fields))
         return
     record = state.get("access")
     text = ""

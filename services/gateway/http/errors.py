@@ -11,16 +11,17 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from services.gateway.engine.client import RequestFailed
-from services.gateway.http.access_log import note_refusal
+from services.gateway.http.access_log import CLIENT_CLOSED, note_refusal
 from services.gateway.http.deltas import ClientGone
 from services.gateway.openai.protocol import REQUEST_ID_PATTERN
 from services.gateway.openai.request_errors import RequestRejected, describe_error
 
 REQUEST_ID_HEADER = "X-Request-Id"
-_CLIENT_GONE = 499  # nginx's "client closed request"; nobody reads it, logs do
+_CLIENT_GONE = CLIENT_CLOSED  # nobody reads it, logs do
 ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
@@ -111,6 +112,8 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, invalid)
     app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(ClientGone, client_gone)
+    # a client that disconnects in the middle of its body: routine, not an app error (500)
+    app.add_exception_handler(ClientDisconnect, client_gone)
     app.add_exception_handler(Exception, internal)
 
 

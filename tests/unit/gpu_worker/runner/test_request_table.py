@@ -266,6 +266,29 @@ def test_model_runner_copies_kv_blocks_and_seeds_sampled_requests(tiny_dir: Path
     assert state.block_table == [5]
 
 
+def test_model_runner_resumes_a_seeded_request_where_it_stopped(tiny_dir: Path) -> None:
+    """A request resumed on a new runner with its outputs so far (its worker died) counts
+    them as outputs and samples what the first runner samples next."""
+    first = ModelRunner(str(tiny_dir), OPTIONS)
+    first.execute(_plan(0, [("a", 0, 3, [1])], new={"a": A}, sampling=SAMPLED))
+    first.execute(_plan(1, [("a", 3, 1, [])]))
+    first.execute(_plan(2, [("a", 4, 1, [2])]))
+    state = first.requests.get("a")
+    assert state is not None and len(state.output_ids) == 3
+    again = ModelRunner(str(tiny_dir), OPTIONS)
+    resumed_plan = _plan(
+        0,
+        [("a", 0, 5, [1, 2])],
+        new={"a": [*A, *state.output_ids[:2]]},
+        sampling=SAMPLED,
+        new_num_output_tokens=[2],
+    )
+    again.execute(resumed_plan)
+    resumed = again.requests.get("a")
+    assert resumed is not None and resumed.num_prompt == len(A)
+    assert resumed.output_ids == state.output_ids
+
+
 def test_model_runner_applies_controls_and_frees_their_token_counts(tiny_dir: Path) -> None:
     runner = ModelRunner(str(tiny_dir), OPTIONS)
     # a: greedy, pushed to token 42 (+100) but with min_tokens 2 masking 42, its stop token

@@ -120,6 +120,23 @@ def test_unseeded_generators_come_from_the_runner_rng() -> None:
     assert first == again
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.8, seed=3),
+        SamplingParams(temperature=1.2, top_k=7, top_p=0.9, seed=4),
+    ],
+)
+def test_a_resumed_generator_continues_the_seeded_sequence(params: SamplingParams) -> None:
+    """A request resumed after k sampled tokens (its worker died) draws what it would have."""
+    rows = _logits(12, seed=5)
+    whole = make_generator(params, random.Random(0), CPU)
+    tokens = [sample(rows[i : i + 1], [params], [whole])[0] for i in range(12)]
+    for k in (1, 5, 11):
+        resumed = make_generator(params, random.Random(0), CPU, num_drawn=k, vocab_size=VOCAB)
+        assert [sample(rows[i : i + 1], [params], [resumed])[0] for i in range(k, 12)] == tokens[k:]
+
+
 # --- today's plain path, pinned ------------------------------------------------------------
 
 # the tokens the sampler gave these rows before logits controls existed (same seeds, logits)

@@ -68,3 +68,53 @@ def test_no_access_log(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="shuttle.access"):
         assert _send(False, ("POST", CHAT, chat_body())) == [200]
     assert not _lines(caplog)
+
+
+def test_a_client_gone_mid_body_is_a_499_at_info(caplog: pytest.LogCaptureFixture) -> None:
+    """nginx's convention: the client closed the request. Not a 500, nothing at error, and
+    /metrics counts no failure."""
+    sent: list[dict[str, object]] = []
+
+    async def go() -> bytes:
+        app = create_app(FakeEngine(), ServerConfig())
+        parts = [
+            {"type": "http.request", "body": b'{"model": "m", "messages": [', "more_body": True},
+            {"type": "http.disconnect"},
+        ]
+
+        async def receive() -> dict[str, object]:
+            return parts.pop(0) if parts else {"type": "http.disconnect"}
+
+        async def send(message: dict[str, object]) -> None:
+            sent.append(message)
+
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"400")]
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": CHAT,
+            "raw_path": CHAT.encode(),
+            "query_string": b"",
+            "root_path": "",
+            "headers": headers,
+            "client": ("127.0.0.1", 1234),
+            "server": ("test", 80),
+        }
+        await app(scope, receive, send)  # type: ignore[arg-type]
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return (await client.get("/metrics")).content
+
+    with caplog.at_level(logging.INFO):
+        metrics = asyncio.run(go())
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+    (line,) = _lines(caplog)
+    assert line.levelno == logging.INFO
+    assert " POST /v1/chat/completions 499 (client closed the request)" in line.getMessage()
+    assert line.getMessage().startswith("closed ")
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    failures = [row for row in metrics.decode().splitlines() if "request_failure_total{" in row]
+    assert all(row.endswith(" 0.0") for row in failures), failures
