@@ -218,14 +218,17 @@ def test_tp2_killed_rank_restarts_the_group(tp_server: Server, tiny: dict[str, P
     threads = _start_streams(tp_server, rids, out)
     os.kill(rank1, signal.SIGKILL)
     for t in threads:
-        t.join(120)
-    # 900 tokens each: had they survived the restart they would end with "length"
-    assert out == {rid: "error 503" for rid in rids}
+        t.join(300)
+    # 900 tokens each: the streams paused while the group restarted, were sent again with
+    # the tokens already streamed (the gateway's resume) and ran to their length
+    assert out == {rid: "length" for rid in rids}
     wait_until(tp_server.serves, 120, "serving again")
     assert {_rank_pid(tp_server, 0), _rank_pid(tp_server, 1)}.isdisjoint({rank0, rank1})
     wait_until(lambda: _idle(tp_server), 60, "every block free, nothing running")
     stats = _stats(tp_server)
-    assert stats["num_free_blocks"] + stats["num_cached_blocks"] == stats["num_total_blocks"]
+    # nothing leaked: every block free (a free count that includes the resumed streams'
+    # cached prefix blocks, which nobody holds)
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
     prompt = _prompts((25,), seed=5)[0]
     # after the restart the group serves the start-up model again
     assert _tokens(tp_server, prompt) == hf_greedy(tiny["a"], prompt, NUM_NEW)
