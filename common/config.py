@@ -202,6 +202,12 @@ class ServerConfig:
     request_body_timeout: float = _field(
         30.0, "seconds a client may pause while sending a request body (longer: 408)"
     )
+    http_keep_alive_timeout: float = _field(
+        75.0,
+        "seconds an idle HTTP keep-alive connection stays open; longer than client pools keep "
+        "idle connections (httpx 5 s, aiohttp 15 s), so a client never reuses one the server "
+        "is closing and loses its request without a response",
+    )
     max_prompt_chars: int = _field(
         1_000_000,
         "most characters in a prompt (all chat messages together), checked before tokenising",
@@ -255,6 +261,7 @@ class ServerConfig:
         _check(-1 <= self.grpc_port < 65536, "grpc_port", "-1 (off) or 0..65535")
         _check(self.max_request_bytes >= 1024, "max_request_bytes", ">= 1024")
         _check(self.request_body_timeout > 0, "request_body_timeout", "> 0")
+        _check(self.http_keep_alive_timeout > 0, "http_keep_alive_timeout", "> 0")
         _check(self.max_prompt_chars >= 1, "max_prompt_chars", ">= 1")
         _check(self.num_tokenizers >= 1, "num_tokenizers", ">= 1")
         _check(self.resume_timeout >= 0, "resume_timeout", ">= 0")

@@ -115,6 +115,7 @@ class GatewayActor(Actor):
             log_config=None,
             access_log=False,
             timeout_graceful_shutdown=5,
+            timeout_keep_alive=server.http_keep_alive_timeout,
         )
         self.server = uv_server = _Server(uv_config)
         self.server_task = asyncio.create_task(uv_server.serve())

@@ -37,11 +37,23 @@ def test_flag_beats_env_beats_default() -> None:
         (["--dtype", "float8"], {}, "dtype"),
         ([], {"SHUTTLE_PORT": "eighty"}, "SHUTTLE_PORT"),
         ([], {"SHUTTLE_PORT": "70000"}, "port"),
+        (["--http-keep-alive-timeout", "0"], {}, "http-keep-alive-timeout"),
     ],
 )
 def test_bad_values_name_the_setting(argv: list[str], env: dict[str, str], field: str) -> None:
     with pytest.raises(ConfigError, match=field):
         _parse(argv, env)
+
+
+def test_keep_alive_outlasts_client_pools() -> None:
+    """A client pool reuses an idle connection until its own expiry: the server must keep it
+    open longer, or a request sent as the server closes it is cut with no response (and no log
+    line on the server). httpx (the openai client's pool) keeps idle connections 5 s, aiohttp
+    15 s; uvicorn's own default, 5 s, races httpx's."""
+    httpx = pytest.importorskip("httpx")
+    timeout = Config().server.http_keep_alive_timeout
+    assert timeout > 15.0
+    assert timeout > (httpx.Limits().keepalive_expiry or 0.0)
 
 
 def test_json_round_trip_and_addresses(tmp_path) -> None:  # type: ignore[no-untyped-def]
