@@ -202,8 +202,8 @@ class ServerConfig:
     request_body_timeout: float = _field(
         30.0, "seconds a client may pause while sending a request body (longer: 408)"
     )
-    http_keep_alive_timeout: float = _field(
-        75.0,
+    http_keep_alive_timeout: int = _field(
+        75,
         "seconds an idle HTTP keep-alive connection stays open; longer than client pools keep "
         "idle connections (httpx 5 s, aiohttp 15 s), so a client never reuses one the server "
         "is closing and loses its request without a response",

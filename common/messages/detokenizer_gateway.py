@@ -35,3 +35,5 @@ class OutputBatch:
     prompt_logprob_ranks: list[list[int]] = dataclasses.field(default_factory=list)
     # embeddings, as in TokenBatch: a pooling request's vector with its finish
     embeddings: list[list[float]] = dataclasses.field(default_factory=list)  # [num_reqs][H]
+    # prompt tokens the prefix cache served at each sequence's prefill (empty: 0 for every one)
+    num_cached_tokens: list[int] = dataclasses.field(default_factory=list)  # [num_reqs]

@@ -207,6 +207,7 @@ class DetokenizerActor(Actor):
         n = len(msg.request_ids)
         versions = msg.versions or [""] * n
         indices = msg.seq_indices or [0] * n
+        cached = msg.num_cached_tokens or [0] * n
         for i, (rid, index, ids, reason, version) in enumerate(
             zip(msg.request_ids, indices, msg.token_ids, msg.finish_reasons, versions, strict=True)
         ):
@@ -231,6 +232,7 @@ class DetokenizerActor(Actor):
             out.finish_reasons.append(int(reason))
             out.num_prompt_tokens.append(stream.num_prompt_tokens)
             out.num_output_tokens.append(len(stream.detok.output_token_ids))
+            out.num_cached_tokens.append(cached[i])
             out.versions.append(stream.version)
             stop_reasons.append(stream.stop_reason(FinishReason(reason)))
             _add_logprobs(out, msg, i, stream.tokenizer)
@@ -238,6 +240,8 @@ class DetokenizerActor(Actor):
                 out.embeddings.append(msg.embeddings[i])
         if any(r is not None for r in stop_reasons):  # (commonly none: nothing on the wire)
             out.stop_reasons.extend(stop_reasons)
+        if not any(out.num_cached_tokens):  # (no prefix hit in the batch: nothing on the wire)
+            out.num_cached_tokens.clear()
         if out.request_ids:
             self.gateway.send(out)
         if stopped:  # the scheduler ends them now, so no step is spent after the stop

@@ -165,3 +165,37 @@ def test_streamed_prompt_logprobs_come_in_the_first_chunk(server: Server) -> Non
     chunks = _sse_chunks(server, "/v1/chat/completions", chat | {"stream": True})
     (carrying_chunk,) = [c for c in chunks if "prompt_logprobs" in c]
     _same_prompt_logprobs(carrying_chunk["prompt_logprobs"], r.json()["prompt_logprobs"])
+
+
+def test_cached_tokens_count_the_prompt_served_by_the_prefix_cache(client: openai.OpenAI) -> None:
+    """usage.prompt_tokens_details.cached_tokens (input_tokens_details in the Responses API):
+    0 on a prompt's first sight, whole blocks of it when the same prompt comes again, in the
+    chat answer, a completions stream's usage chunk and a response."""
+    text = "A tale of ships and harbours, told slowly: " + " ".join(
+        f"the {w} sailed at dawn and came home at dusk;" for w in ("Ada", "Brig", "Cora", "Dove")
+    )
+    chat = [{"role": "user", "content": text}]
+    first = client.chat.completions.create(model="smol", messages=chat, max_tokens=2)
+    again = client.chat.completions.create(model="smol", messages=chat, max_tokens=2)
+    assert first.usage is not None and again.usage is not None
+    assert first.usage.prompt_tokens_details is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
+    assert cached is not None and 16 <= cached < again.usage.prompt_tokens and cached % 16 == 0
+
+    client.completions.create(model="smol", prompt=text, max_tokens=2)
+    stream = client.completions.create(
+        model="smol",
+        prompt=text,
+        max_tokens=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    usage = [c.usage for c in stream if c.usage is not None]
+    assert len(usage) == 1 and usage[0].prompt_tokens_details is not None
+    cached = usage[0].prompt_tokens_details.cached_tokens
+    assert cached is not None and 16 <= cached < usage[0].prompt_tokens and cached % 16 == 0
+
+    response = client.responses.create(model="smol", input=text, max_output_tokens=2)
+    assert response.usage is not None
+    assert response.usage.input_tokens_details.cached_tokens > 0

@@ -71,6 +71,9 @@ class OutputDelta:
     stop_reason: str | int | None = None
     # an embeddings request's pooled vector (SamplingParams.pooling), with its finish; else []
     embedding: list[float] = dataclasses.field(default_factory=list)
+    # prompt tokens the prefix cache served (OpenAI's usage.prompt_tokens_details.cached_tokens):
+    # as counted at the sequence's first prefill (a preempted or resumed sequence keeps it)
+    num_cached_tokens: int = 0
 
 
 class RequestFailed(Exception):

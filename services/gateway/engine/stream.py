@@ -45,6 +45,7 @@ class Stream:
         self.attempt = 0
         self.token_ids: list[int] = []  # sequence 0's output token ids so far
         self.num_prompt_tokens = 0
+        self.num_cached_tokens: int | None = None  # as the first prefill found them
         self.lost_at: float | None = None  # (loop time) lost to a process's death, not resent
 
     @property
@@ -97,6 +98,8 @@ class Stream:
         finish = FinishReason(msg.finish_reasons[i])
         self.has_output = self.attempt_has_output = True
         self.num_prompt_tokens = msg.num_prompt_tokens[i]
+        if self.num_cached_tokens is None:  # a preempted or resumed prefill keeps the first
+            self.num_cached_tokens = msg.num_cached_tokens[i] if msg.num_cached_tokens else 0
         if index == 0:
             self.token_ids.extend(msg.token_ids[i])
         if finish != FinishReason.NONE:
@@ -108,6 +111,7 @@ class Stream:
                 finish_reason=finish,
                 num_prompt_tokens=msg.num_prompt_tokens[i],
                 num_output_tokens=msg.num_output_tokens[i],
+                num_cached_tokens=self.num_cached_tokens,
                 last=not self.running,
                 index=index,
                 version=msg.versions[i] if msg.versions else "",

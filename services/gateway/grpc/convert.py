@@ -306,6 +306,7 @@ def to_response(
         response.usage.prompt_tokens = prompt
         response.usage.completion_tokens = output
         response.usage.total_tokens = prompt + output
+        response.usage.cached_tokens = delta.num_cached_tokens
         response.system_fingerprint = fingerprint
     return response
 

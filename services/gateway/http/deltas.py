@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 from starlette.requests import Request
@@ -106,13 +106,15 @@ class Usage:
         self.n = n  # choices per prompt: choice index // n is the prompt's
         self._num_prompt_tokens: dict[int, int] = {}  # prompt index -> its count
         self._num_output_tokens: dict[int, int] = {}  # index -> that sequence's count so far
+        self._num_cached_tokens: dict[int, int] = {}  # prompt index -> served by the cache
 
     def add_prompt(self, delta: OutputDelta) -> None:
         """Count the delta's prompt only (a stream's role chunks come before its tokens)."""
         self._num_prompt_tokens[delta.index // self.n] = delta.num_prompt_tokens
+        self._num_cached_tokens[delta.index // self.n] = delta.num_cached_tokens
 
     def add(self, delta: OutputDelta) -> None:
-        self._num_prompt_tokens[delta.index // self.n] = delta.num_prompt_tokens
+        self.add_prompt(delta)
         self._num_output_tokens[delta.index] = delta.num_output_tokens
 
     @property
@@ -123,13 +125,23 @@ class Usage:
     def num_output_tokens(self) -> int:
         return sum(self._num_output_tokens.values())
 
-    def as_dict(self) -> dict[str, int]:
-        prompt, output = self.num_prompt_tokens, self.num_output_tokens
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": output,
-            "total_tokens": prompt + output,
-        }
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache (OpenAI's `cached_tokens`)."""
+        return sum(self._num_cached_tokens.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        return usage_dict(self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens)
+
+
+def usage_dict(prompt: int, output: int, cached: int) -> dict[str, Any]:
+    """OpenAI's chat and completions `usage`."""
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": output,
+        "total_tokens": prompt + output,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 async def collect(

@@ -99,9 +99,8 @@ class Reply(abc.ABC):
         return events + self.call_events(piece.deltas, index), stream.called
 
     def usage(self, usage: Usage) -> bytes:
-        counts = (usage.num_prompt_tokens, usage.num_output_tokens)
         ids = (self.request_id, self.model, self.created)
-        return sse.sse_event(sse.usage_chunk(self.kind, *ids, *counts, self.fingerprint))
+        return sse.sse_event(sse.usage_chunk(self.kind, *ids, usage.as_dict(), self.fingerprint))
 
     def body(self, choices: list[Choice], usage: Usage, with_token_ids: bool) -> dict[str, Any]:
         """The non-streamed answer (with the output token ids when asked for)."""

@@ -208,7 +208,7 @@ class _Turn:
             incomplete_details={"reason": "max_output_tokens"} if cut else None,
             usage={
                 "input_tokens": prompt,
-                "input_tokens_details": {"cached_tokens": 0},
+                "input_tokens_details": {"cached_tokens": usage.num_cached_tokens},
                 "output_tokens": output,
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": prompt + output,

@@ -98,17 +98,12 @@ def usage_chunk(
     request_id: str,
     model: str,
     created: int,
-    prompt_tokens: int,
-    completion_tokens: int,
+    usage: dict[str, Any],
     system_fingerprint: str | None,
 ) -> dict[str, Any]:
     """The usage chunk sent before [DONE] when `stream_options.include_usage` is set."""
     chunk = _chunk(kind, request_id, model, created, system_fingerprint, [])
-    chunk["usage"] = {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
+    chunk["usage"] = usage
     return chunk
 
 

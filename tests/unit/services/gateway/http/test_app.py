@@ -13,6 +13,7 @@ from common.config import SchedulerConfig, ServerConfig
 from common.messages import FinishReason
 from services.gateway.engine.client import RequestFailed
 from services.gateway.http.app import create_app
+from services.gateway.http.deltas import usage_dict
 from tests.fake_engine import HANG, MODEL, FakeEngine, delta
 from tests.sse_events import parse_sse
 
@@ -77,7 +78,7 @@ def test_chat_stream_framing() -> None:
         {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
     ]
     assert chunks[5]["choices"] == []
-    assert chunks[5]["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert chunks[5]["usage"] == usage_dict(5, 3, 0)
     assert len(chunks) == 6
 
 
@@ -124,7 +125,7 @@ def test_chat_non_streaming_shape_and_request_conversion() -> None:
             "finish_reason": "stop",
         }
     ]
-    assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert out["usage"] == usage_dict(5, 3, 0)
     sampling = engine.requests[0].sampling
     assert (sampling.temperature, sampling.top_p, sampling.top_k) == (0.0, 0.5, 0)
     assert (sampling.seed, sampling.stop, sampling.max_tokens) == (3, ["x"], 9)
@@ -219,7 +220,7 @@ def test_n_non_streaming_choices_by_index_and_summed_usage() -> None:
         assert texts == ["ab", "xy"]
         assert [c["finish_reason"] for c in out["choices"]] == ["stop", "length"]
         assert [c["token_ids"] for c in out["choices"]] == [[7] * 3] * 2
-        assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
+        assert out["usage"] == usage_dict(5, 4, 0)
 
 
 def test_n_chat_stream_one_choice_per_chunk() -> None:
@@ -242,7 +243,7 @@ def test_n_chat_stream_one_choice_per_chunk() -> None:
         (0, {}, "stop"),
     ]
     assert events[-2]["choices"] == []
-    assert events[-2]["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
+    assert events[-2]["usage"] == usage_dict(5, 4, 0)
 
 
 def test_n_completion_stream_ends_on_the_last_sequence() -> None:
@@ -316,7 +317,7 @@ def test_a_batch_of_prompts_answers_prompt_major(prompts: list[Any]) -> None:
         (5, "p2s1", "length"),
     ]
     # each prompt's 5 tokens once; 1 + 2 output tokens per prompt
-    assert out["usage"] == {"prompt_tokens": 15, "completion_tokens": 9, "total_tokens": 24}
+    assert out["usage"] == usage_dict(15, 9, 0)
     assert out["id"] == "cmpl-b" and not engine.aborted
 
 
@@ -335,7 +336,7 @@ def test_a_streamed_batch_ends_after_every_prompt() -> None:
         if c["finish_reason"]
     )
     assert finishes == [(0, "stop"), (1, "length"), (2, "stop"), (3, "length")]
-    assert events[-2]["usage"] == {"prompt_tokens": 10, "completion_tokens": 6, "total_tokens": 16}
+    assert events[-2]["usage"] == usage_dict(10, 6, 0)
 
 
 def test_a_failed_prompt_fails_the_batch_and_ends_the_others() -> None:

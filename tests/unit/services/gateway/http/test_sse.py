@@ -5,6 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
+from services.gateway.http.deltas import usage_dict
 from services.gateway.http.sse import (
     SSE_DONE,
     chat_chunk,
@@ -71,10 +72,16 @@ def test_completion_chunk_fields() -> None:
     ("kind", "obj"), [("chat", "chat.completion.chunk"), ("completion", "text_completion")]
 )
 def test_usage_chunk(kind: str, obj: str) -> None:
-    chunk = usage_chunk(kind, RID, MODEL, CREATED, 12, 5, FP)  # type: ignore[arg-type]
+    usage = usage_dict(12, 5, 4)
+    chunk = usage_chunk(kind, RID, MODEL, CREATED, usage, FP)  # type: ignore[arg-type]
     assert chunk["object"] == obj
     assert chunk["choices"] == []
-    assert chunk["usage"] == {"prompt_tokens": 12, "completion_tokens": 5, "total_tokens": 17}
+    assert chunk["usage"] == {
+        "prompt_tokens": 12,
+        "completion_tokens": 5,
+        "total_tokens": 17,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }
 
 
 def test_error_chunk() -> None:
@@ -88,7 +95,7 @@ def test_parse_round_trip() -> None:
         chat_chunk(RID, MODEL, CREATED, {"role": "assistant", "content": ""}, None, FP),
         chat_chunk(RID, MODEL, CREATED, {"content": "你好 🎉\n\ndata: x"}, None, FP),
         chat_chunk(RID, MODEL, CREATED, {}, "stop", FP),
-        usage_chunk("chat", RID, MODEL, CREATED, 3, 2, FP),
+        usage_chunk("chat", RID, MODEL, CREATED, usage_dict(3, 2, 0), FP),
     ]
     stream = sse_comment("keep-alive") + b"".join(map(sse_event, chunks)) + SSE_DONE
     assert parse_sse(stream) == [*chunks, "[DONE]"]
