@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 MODEL_STAMP := $(VENV)/.model-ready
 SERVE_FLAGS ?=
 
-.PHONY: serve test test-slow unit integration lint setup model browser clean bench-docs
+.PHONY: serve test test-slow unit integration lint setup model browser clean bench-docs bench-peers
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,13 @@ integration: $(MODEL_STAMP) browser
 # Every benchmark docs/benchmarks.md reports, then the page (about 30 minutes, CPU-bound).
 bench-docs: $(MODEL_STAMP)
 	$(PY) -m tools.benchmarks.docs
+
+# The peers on a fresh machine from the registries alone (tools/peers/setup.sh: vLLM's CPU
+# wheel, llama.cpp built from the llama-cpp-python sdist; 15-40 min once), then shuttle, vLLM
+# and llama.cpp in one sitting on the same workloads (docs/benchmarks.md, "Peers").
+bench-peers: $(MODEL_STAMP)
+	bash tools/peers/setup.sh
+	$(PY) -m tools.benchmarks.docs --only peers
 
 # mypy checks what [tool.mypy] in pyproject.toml names (common, services, gpu_worker, tools)
 lint: $(STAMP)
