@@ -104,6 +104,15 @@ class Supervisor:
             ports["grpc_port"] = self._grpc_hold.getsockname()[1]
         self.config = self.config.replace(server=ports)
         (Path(server.run_dir) / "config.json").write_bytes(self.config.to_json())
+        # /metrics sums every gateway process's request metrics, kept in files here
+        # (services/gateway/http/metrics.py); a fresh folder, as multiprocess mode needs
+        metrics = Path(server.run_dir) / "gateway-metrics"
+        shutil.rmtree(metrics, ignore_errors=True)
+        metrics.mkdir(parents=True)
+        for name in self.gateways:
+            # (prometheus_client's own variable; importing the metrics module here would
+            # cost the supervisor a second of start-up)
+            self._env.setdefault(name, {})["PROMETHEUS_MULTIPROC_DIR"] = str(metrics)
 
     def _replica_specs(self, base: list[str]) -> list[tuple[str, list[str]]]:
         """Each engine replica's worker and scheduler (with --data-parallel-size N > 1: on
