@@ -78,7 +78,6 @@ class Server:
                 out.append((module, int(pid)))
         return out
 
-
     def gateway_pids(self) -> dict[int, int]:
         """The pid of each gateway process, by its --index (0 when it has none)."""
         pids = {}

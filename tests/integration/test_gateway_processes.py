@@ -129,9 +129,7 @@ def test_a_killed_gateway_process_loses_only_its_own_streams(server: Server) -> 
     assert sorted(pids) == [0, 1]
     by = _streams_on_both(server, "k", 100)  # long enough to outlive the kill
     victim, survivor = sorted(by)  # gateway-0, gateway-1
-    wait_until(
-        lambda: all(s.num_chunks for ss in by.values() for s in ss), DEADLINE_S, "tokens"
-    )
+    wait_until(lambda: all(s.num_chunks for ss in by.values() for s in ss), DEADLINE_S, "tokens")
     index = int(victim.rpartition("-")[2])
     os.kill(pids[index], signal.SIGKILL)
     # new connections are served meanwhile (by the survivor, or queued for the new one)
@@ -199,3 +197,17 @@ def test_metrics_count_every_process_once(server: Server) -> None:
     for _ in range(4):
         text = httpx.get(server.url + "/metrics", timeout=30).text
         assert _success_total(text) == before + num
+
+
+def test_a_stored_response_is_found_by_every_process(server: Server) -> None:
+    r = httpx.post(
+        server.url + "/v1/responses",
+        json={"model": server.model, "input": "Hello", "max_output_tokens": 4},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    response_id = r.json()["id"]
+    # each on a new connection: whichever process takes it reads the same store
+    for _ in range(6):
+        got = httpx.get(f"{server.url}/v1/responses/{response_id}", timeout=30)
+        assert got.status_code == 200 and got.json()["id"] == response_id

@@ -51,8 +51,8 @@ def test_the_supervisor_gives_each_replica_its_gpus(
 
 
 def test_the_gateway_processes_share_the_port_the_supervisor_opened(tmp_path: Path) -> None:
-    from services import launch
     from common.topology import process_names
+    from services import launch
 
     config = Config().replace(
         server={"run_dir": str(tmp_path), "port": 0, "grpc_port": 0, "gateway_processes": 2}
