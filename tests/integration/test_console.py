@@ -240,10 +240,12 @@ def test_a_restarted_process_shows_with_its_restart(server: Server, console: Web
     assert cells[3] == "-9"  # the exit code the supervisor saw: SIGKILL
     # every process of the server is listed, those that never died with 0 restarts
     config = Config.from_json((server.run_dir / "config.json").read_bytes())
-    rows = console.find_elements(By.CSS_SELECTOR, "#processes tr[data-process]")
-    restarts = {
-        tr.get_attribute("data-process"): tr.find_elements(By.TAG_NAME, "td")[2].text for tr in rows
-    }
+    # (read at once: the panel is drawn again at every snapshot)
+    rows = console.execute_script(
+        "return [...document.querySelectorAll('#processes tr[data-process]')]"
+        ".map((tr) => [tr.dataset.process, tr.cells[2].textContent])"
+    )
+    restarts = dict(rows)
     assert sorted(restarts) == sorted(process_names(config))
     assert {n: r for n, r in restarts.items() if r != "0"} == {"detokenizer": "1"}
     wait_until(server.serves, DEADLINE_S, "serving again after the restart")
