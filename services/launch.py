@@ -389,7 +389,7 @@ def prepare(config: Config) -> Config:
         raise ConfigError("--node-rank > 0: run `shuttle worker-ranks` on that host instead")
     check_parallel(config, None if is_synthetic_spec(config.model.model) else path)
     run_dir = config.server.run_dir or tempfile.mkdtemp(prefix="shuttle-")
-    gateways = config.server.gateway_processes or default_gateway_processes()
+    gateways = _gateway_processes(config)
     return config.replace(
         model={
             "model": str(path),
@@ -397,6 +397,21 @@ def prepare(config: Config) -> Config:
         },
         server={"run_dir": run_dir, "chat_template": template, "gateway_processes": gateways},
     )
+
+
+def _gateway_processes(config: Config) -> int:
+    """--gateway-processes, 0 resolved: by the cores, but no more than the --gateway-addr
+    inboxes given; N given with fewer inboxes is refused here, by name."""
+    given = [a for a in config.addresses.gateway_addr.split(",") if a.strip()]
+    n = config.server.gateway_processes
+    if n == 0:
+        n = default_gateway_processes()
+        return min(n, len(given)) if given else n
+    if given and len(given) < n:
+        raise ConfigError(
+            f"--gateway-processes {n} needs {n} --gateway-addr inboxes, not {len(given)}"
+        )
+    return n
 
 
 def startup_line(msg: Ready | Progress, elapsed_s: float) -> str:

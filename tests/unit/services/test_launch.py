@@ -88,3 +88,17 @@ def test_gateway_processes_default_to_two_where_the_cores_allow(
     one = config.replace(server={"gateway_processes": 1})
     monkeypatch.setattr("common.topology.os.cpu_count", lambda: 8)
     assert launch.prepare(one).server.gateway_processes == 1
+
+
+def test_gateway_processes_fit_the_gateway_inboxes_given(tmp_path: Path) -> None:
+    from common.config import ConfigError
+    from services import launch
+
+    config = Config().replace(
+        server={"run_dir": str(tmp_path)},
+        model={"model": "synthetic"},
+        addresses={"gateway_addr": "tcp://127.0.0.1:5550"},
+    )
+    assert launch.prepare(config).server.gateway_processes == 1  # (0: as many as given)
+    with pytest.raises(ConfigError, match="--gateway-processes 2 needs 2 --gateway-addr"):
+        launch.prepare(config.replace(server={"gateway_processes": 2}))
