@@ -19,8 +19,10 @@ from typing import Any
 
 from common.config import Config, ConfigError
 from common.curve import CurveKeys
+from common.gateway_outbox import GatewayOutbox
 from common.ipc import Fanout, Inbox, Outbox, Sender
 from common.messages import ModelInfo, Ping, Pong, Progress, Ready, Shutdown
+from common.topology import gateway_addrs
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +94,11 @@ class Actor:
         if len(addrs) == 1:
             return self.outbox(addrs[0])
         return Fanout([self.outbox(a) for a in addrs])
+
+    def gateways(self) -> GatewayOutbox:
+        """Every gateway process, each message to the one it concerns (a request's outputs
+        and errors to its owner, notices to all: common/gateway_outbox.py)."""
+        return GatewayOutbox([self.outbox(a) for a in gateway_addrs(self.config)])
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()

@@ -187,6 +187,11 @@ class ServerConfig:
         "Bearer TOKEN'; empty: admin calls are refused",
     )
     num_tokenizers: int = _field(1, "tokenizer processes")
+    gateway_processes: int = _field(
+        0,
+        "gateway processes serving the one HTTP (and gRPC) port, so a dying one loses only its "
+        "own connections (0: 2 where there are 2 cores or more, else 1)",
+    )
     run_dir: str = _field("", "folder for ipc sockets and the resolved config (default: temp)")
     ready_timeout: float = _field(600.0, "seconds to wait for every process to be ready")
     shutdown_timeout: float = _field(
@@ -264,6 +269,7 @@ class ServerConfig:
         _check(self.http_keep_alive_timeout > 0, "http_keep_alive_timeout", "> 0")
         _check(self.max_prompt_chars >= 1, "max_prompt_chars", ">= 1")
         _check(self.num_tokenizers >= 1, "num_tokenizers", ">= 1")
+        _check(self.gateway_processes >= 0, "gateway_processes", ">= 0 (0: by the cores)")
         _check(self.resume_timeout >= 0, "resume_timeout", ">= 0")
         _check(self.tool_call_parser in ("hermes", "json"), "tool_call_parser", "hermes or json")
         _check(self.pooling in POOLING_KINDS, "pooling", " or ".join(POOLING_KINDS))
@@ -283,7 +289,11 @@ class ServerConfig:
 class AddressConfig:
     """Inbox address of each actor. Empty: `ipc://<run_dir>/<name>.sock` on this host."""
 
-    gateway_addr: str = _field("", "gateway inbox (e.g. tcp://gateway:5550)")
+    gateway_addr: str = _field(
+        "",
+        "gateway inbox (e.g. tcp://gateway:5550); with --gateway-processes N > 1, N of them "
+        "comma-separated",
+    )
     scheduler_addr: str = _field("", "scheduler inbox")
     worker_addr: str = _field("", "worker inbox")
     detokenizer_addr: str = _field("", "detokenizer inbox")

@@ -2,9 +2,13 @@
 the router, and where tokenised requests go (docs/architecture.md, "Processes"). Every
 process that addresses a replica asks here; nothing else knows the layout.
 
-    gateway ─▶ tokenizer ×T ─▶ router ─▶ scheduler-0 ─▶ worker-0     replica 0
-                                     └─▶ scheduler-1 ─▶ worker-1     replica 1
+    gateway ×G ─▶ tokenizer ×T ─▶ router ─▶ scheduler-0 ─▶ worker-0     replica 0
+                                        └─▶ scheduler-1 ─▶ worker-1     replica 1
     detokenizer (shared) ◀── token ids from every scheduler
+
+With --gateway-processes G > 1 the gateways are `gateway-0`..`gateway-{G-1}`, each with its
+own inbox; whatever answers a gateway reaches the one that owns the request through
+common/gateway_outbox.py. With G = 1 the one gateway is `gateway`.
 
 A replica is one scheduler and its worker (group), addressed by index. With
 --data-parallel-size 1 (the default) nothing changes: no router, the processes are named
@@ -15,6 +19,7 @@ worker addresses are the replica's, so the scheduler and worker code need not kn
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -30,6 +35,77 @@ def own_name(config: Config, base: str) -> str:
     """This process's name for `base` (scheduler, worker) in its replica."""
     dp = config.data_parallel
     return replica_name(base, dp.replica_index, dp.data_parallel_size)
+
+
+WORKER = "worker"
+_RANK_PREFIX = "worker-rank-"
+
+
+def worker_rank_name(rank: int) -> str:
+    """Rank 0 of a tensor-parallel group is `worker` (the one its scheduler talks to)."""
+    return WORKER if rank == 0 else f"{_RANK_PREFIX}{rank}"
+
+
+def is_worker_rank(name: str) -> bool:
+    return name == WORKER or name.startswith(_RANK_PREFIX)
+
+
+def num_gateways(config: Config) -> int:
+    """Gateway processes: --gateway-processes, resolved by `shuttle serve` (0 there: by the
+    cores); a process started on its own with 0 counts one."""
+    return max(1, config.server.gateway_processes)
+
+
+def default_gateway_processes() -> int:
+    """--gateway-processes 0: two where there are two cores or more, so one survives the
+    other's death; one on a single core."""
+    return min(2, os.cpu_count() or 1)
+
+
+def gateway_name(index: int, size: int) -> str:
+    """`gateway` with one gateway process; `gateway-0`, `gateway-1`, ... with several."""
+    return "gateway" if size == 1 else f"gateway-{index}"
+
+
+def gateway_index(name: str) -> int | None:
+    """Which of several gateway processes `name` is (`gateway-1`: 1); None for any other."""
+    base, sep, index = name.rpartition("-")
+    return int(index) if base == "gateway" and sep and index.isdigit() else None
+
+
+def gateway_addrs(config: Config) -> list[str]:
+    """Inbox of each gateway process, by index: --gateway-addr (comma-separated, one per
+    process), else `ipc://<run_dir>/gateway[-i].sock`."""
+    size = num_gateways(config)
+    explicit = _split(config.addresses.gateway_addr)
+    if explicit:
+        if len(explicit) < size:
+            raise ValueError(
+                f"--gateway-addr names {len(explicit)}, not one per gateway process ({size})"
+            )
+        return explicit[:size]
+    return [config.addr(gateway_name(i, size)) for i in range(size)]
+
+
+def process_names(config: Config) -> list[str]:
+    """Every process `shuttle serve` runs on this host, by the names the supervisor gives
+    them (and the console lists): each replica's worker (ranks) and scheduler, the router
+    with several replicas, the detokenizer, each tokenizer and each gateway."""
+    size = config.data_parallel.data_parallel_size
+    names: list[str] = []
+    for i in range(size):
+        if size == 1:
+            names += [worker_rank_name(r) for r in config.parallel.local_ranks]
+        else:
+            names.append(replica_name(WORKER, i, size))
+        names.append(replica_name("scheduler", i, size))
+    if size > 1:
+        names.append("router")
+    names.append("detokenizer")
+    names += [f"tokenizer-{i}" for i in range(config.server.num_tokenizers)]
+    gateways = num_gateways(config)
+    names += [gateway_name(i, gateways) for i in range(gateways)]
+    return names
 
 
 def _split(addrs: str) -> list[str]:

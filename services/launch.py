@@ -1,8 +1,12 @@
 """`shuttle serve`: start every process on this host, wait until each is ready, supervise.
 
-    supervisor ─spawns─▶ worker, scheduler, detokenizer, tokenizer×N, gateway
+    supervisor ─spawns─▶ worker, scheduler, detokenizer, tokenizer×N, gateway×G
         ▲                    │ each sends Ready to the supervisor's inbox once started
         └────────────────────┘
+
+The supervisor opens the HTTP port (and holds the gRPC port) itself, and every gateway
+process serves on it (services/gateway/listen.py): with G > 1 a gateway's death loses only
+its own connections, and it is restarted alone.
 
 On SIGINT/SIGTERM, or when a child dies, every child gets SIGTERM (SIGKILL after a grace
 period) and the run directory with its ipc sockets is removed: no orphans, no stale files.
@@ -14,6 +18,7 @@ import argparse
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -28,7 +33,19 @@ from common.config import Config, ConfigError, add_flags, from_args
 from common.curve import CurveKeys, uses_curve
 from common.messages import Drain, Drained, ProcessDown, Progress, Ready
 from common.model_paths import is_synthetic_spec, model_display_name, resolve_model_path
-from common.topology import replica_addrs, replica_config, replica_gpus, replica_name, router_addr
+from common.topology import (
+    default_gateway_processes,
+    gateway_addrs,
+    gateway_index,
+    gateway_name,
+    num_gateways,
+    replica_addrs,
+    replica_config,
+    replica_gpus,
+    replica_name,
+    router_addr,
+)
+from services.gateway.listen import hold_grpc_port, listen_http
 from services.tokenizer.chat_template import load_chat_template
 from services.worker_group import WORKER, check_parallel, is_worker_rank, rank_specs, stop_all
 
@@ -45,6 +62,8 @@ class Supervisor:
         self._peers: dict[str, zmq.Socket] = {}
         self.ready: dict[str, dict] = {}
         self._stop = False
+        self.listener: socket.socket | None = None  # the HTTP port, once open_ports() ran
+        self._grpc_hold: socket.socket | None = None
         # with --curve-dir, a tcp:// supervisor inbox and the notices it sends are CURVE
         # links like every other (ipc:// stays a local socket file)
         curve_dir = config.addresses.curve_dir
@@ -65,8 +84,35 @@ class Supervisor:
             (f"tokenizer-{i}", [*base, "services.tokenizer", *cfg, "--index", str(i)])
             for i in range(self.config.server.num_tokenizers)
         ]
-        specs.append(("gateway", [*base, "services.gateway", *cfg]))
+        specs += self._gateway_specs([*base, "services.gateway", *cfg])
         return specs
+
+    def _gateway_specs(self, command: list[str]) -> list[tuple[str, list[str]]]:
+        """Each gateway process, on the listening socket open_ports() opened."""
+        n = num_gateways(self.config)
+        fd = [] if self.listener is None else ["--listen-fd", str(self.listener.fileno())]
+        return [(gateway_name(i, n), [*command, "--index", str(i), *fd]) for i in range(n)]
+
+    def open_ports(self) -> None:
+        """Open the HTTP port and hold the gRPC port every gateway process serves on
+        (services/gateway/listen.py); the config (and config.json) names the ports bound."""
+        server = self.config.server
+        self.listener = listen_http(server.host, server.port)
+        ports = {"port": self.listener.getsockname()[1]}
+        if server.grpc_port >= 0:
+            self._grpc_hold = hold_grpc_port(server.host, server.grpc_port)
+            ports["grpc_port"] = self._grpc_hold.getsockname()[1]
+        self.config = self.config.replace(server=ports)
+        (Path(server.run_dir) / "config.json").write_bytes(self.config.to_json())
+        # /metrics sums every gateway process's request metrics, kept in files here
+        # (services/gateway/http/metrics.py); a fresh folder, as multiprocess mode needs
+        metrics = Path(server.run_dir) / "gateway-metrics"
+        shutil.rmtree(metrics, ignore_errors=True)
+        metrics.mkdir(parents=True)
+        for name in self.gateways:
+            # (prometheus_client's own variable; importing the metrics module here would
+            # cost the supervisor a second of start-up)
+            self._env.setdefault(name, {})["PROMETHEUS_MULTIPROC_DIR"] = str(metrics)
 
     def _replica_specs(self, base: list[str]) -> list[tuple[str, list[str]]]:
         """Each engine replica's worker and scheduler (with --data-parallel-size N > 1: on
@@ -114,9 +160,20 @@ class Supervisor:
 
     def _popen(self, name: str) -> subprocess.Popen[bytes]:
         env = {**os.environ, **self._env[name]} if name in self._env else None
-        return subprocess.Popen(self.commands[name], cwd=_repo_root(), env=env)
+        # a gateway process inherits the listening socket
+        fds = (self.listener.fileno(),) if self._is_gateway(name) and self.listener else ()
+        return subprocess.Popen(self.commands[name], cwd=_repo_root(), env=env, pass_fds=fds)
+
+    def _is_gateway(self, name: str) -> bool:
+        return name == "gateway" or gateway_index(name) is not None
+
+    @property
+    def gateways(self) -> list[str]:
+        n = num_gateways(self.config)
+        return [gateway_name(i, n) for i in range(n)]
 
     def start(self) -> None:
+        self.open_ports()
         self.write_replica_configs()
         self.commands = dict(self.specs())
         for name in self.commands:
@@ -158,11 +215,13 @@ class Supervisor:
 
     @property
     def port(self) -> int:
-        return int(self.ready["gateway"]["port"])
+        if self.listener is not None:
+            return int(self.listener.getsockname()[1])
+        return int(self.ready[self.gateways[0]]["port"])
 
     def grpc_banner(self) -> str:
         """The banner's gRPC part: ' grpc HOST:PORT', or '' when the gateway serves none."""
-        port = self.ready["gateway"].get("grpc_port")
+        port = self.ready[self.gateways[0]].get("grpc_port")
         return "" if port is None else f" grpc {self._client_host()}:{port}"
 
     def _client_host(self) -> str:
@@ -213,14 +272,15 @@ class Supervisor:
             self.children[n] = self._popen(n)
 
     def _told_of_death(self, name: str) -> list[str]:
-        """Who hears that `name` died: the gateway; the schedulers (a worker's death only its
-        own replica's scheduler); with several replicas the router, of a scheduler's; the
-        detokenizer, of the (only) scheduler's."""
+        """Who hears that `name` died: every gateway process; the schedulers (a worker's
+        death only its own replica's scheduler; a gateway's, so that they end its requests);
+        with several replicas the router, of a scheduler's; the detokenizer, of the (only)
+        scheduler's."""
         size = self.config.data_parallel.data_parallel_size
         schedulers = [replica_name("scheduler", i, size) for i in range(size)]
         if name.startswith("worker"):
             schedulers = [name.replace("worker", "scheduler", 1)]
-        peers = ["gateway", *schedulers]
+        peers = [*self.gateways, *schedulers]
         if size > 1 and name in schedulers:
             peers.append("router")
         if name == "scheduler":  # its sequences get no more tokens: the detokenizer forgets them
@@ -233,6 +293,8 @@ class Supervisor:
             return router_addr(self.config)
         if size > 1 and name.startswith("scheduler-"):
             return replica_addrs(self.config, "scheduler")[int(name.rpartition("-")[2])]
+        if self._is_gateway(name):
+            return gateway_addrs(self.config)[self.gateways.index(name)]
         return self.config.addr(name)
 
     def _send(self, name: str, frame: bytes) -> None:
@@ -253,21 +315,20 @@ class Supervisor:
         return msgs
 
     def drain(self) -> None:
-        """SIGTERM: the gateway refuses new requests and waits for in-flight ones (up to
-        --shutdown-timeout); then everything stops."""
+        """SIGTERM: every gateway process refuses new requests and waits for its in-flight
+        ones (up to --shutdown-timeout); once all have, everything stops."""
         timeout = self.config.server.shutdown_timeout
-        if timeout <= 0 or "gateway" not in self.ready:
+        waiting = [g for g in self.gateways if g in self.ready]
+        if timeout <= 0 or not waiting:
             return
-        self._send(
-            "gateway",
-            codec.encode(Drain(reply_to=self.config.addr("supervisor"), timeout_s=timeout)),
-        )
+        drain = codec.encode(Drain(reply_to=self.config.addr("supervisor"), timeout_s=timeout))
+        for name in waiting:
+            self._send(name, drain)
         deadline = time.monotonic() + timeout + 5.0
-        while time.monotonic() < deadline:
-            if any(isinstance(m, Drained) for m in self._drain_inbox()):
-                return
-            if self.children["gateway"].poll() is not None:
-                return
+        while waiting and time.monotonic() < deadline:
+            drained = {m.name for m in self._drain_inbox() if isinstance(m, Drained)}
+            # (a gateway that died meanwhile has nothing left to finish)
+            waiting = [g for g in waiting if g not in drained and self.children[g].poll() is None]
             time.sleep(0.05)
 
     def request_stop(self, *_: object) -> None:
@@ -287,6 +348,9 @@ class Supervisor:
                 proc.kill()
                 proc.wait()
         self.inbox.close(linger=0)
+        for port in (self.listener, self._grpc_hold):
+            if port is not None:
+                port.close()
 
 
 class ChildDied(RuntimeError):
@@ -325,13 +389,29 @@ def prepare(config: Config) -> Config:
         raise ConfigError("--node-rank > 0: run `shuttle worker-ranks` on that host instead")
     check_parallel(config, None if is_synthetic_spec(config.model.model) else path)
     run_dir = config.server.run_dir or tempfile.mkdtemp(prefix="shuttle-")
+    gateways = _gateway_processes(config)
     return config.replace(
         model={
             "model": str(path),
             "served_model_name": config.model.served_model_name or model_display_name(path),
         },
-        server={"run_dir": run_dir, "chat_template": template},
+        server={"run_dir": run_dir, "chat_template": template, "gateway_processes": gateways},
     )
+
+
+def _gateway_processes(config: Config) -> int:
+    """--gateway-processes, 0 resolved: by the cores, but no more than the --gateway-addr
+    inboxes given; N given with fewer inboxes is refused here, by name."""
+    given = [a for a in config.addresses.gateway_addr.split(",") if a.strip()]
+    n = config.server.gateway_processes
+    if n == 0:
+        n = default_gateway_processes()
+        return min(n, len(given)) if given else n
+    if given and len(given) < n:
+        raise ConfigError(
+            f"--gateway-processes {n} needs {n} --gateway-addr inboxes, not {len(given)}"
+        )
+    return n
 
 
 def startup_line(msg: Ready | Progress, elapsed_s: float) -> str:

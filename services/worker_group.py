@@ -39,16 +39,10 @@ from pathlib import Path
 from common.config import Config, ConfigError, add_flags, from_args
 from common.model_paths import is_synthetic_spec, resolve_model_path
 
-WORKER = "worker"
-_RANK_PREFIX = "worker-rank-"
-
-
-def rank_name(rank: int) -> str:
-    return WORKER if rank == 0 else f"{_RANK_PREFIX}{rank}"
-
-
-def is_worker_rank(name: str) -> bool:
-    return name == WORKER or name.startswith(_RANK_PREFIX)
+# (the names are common/topology.py's, which the console's process list also uses)
+from common.topology import WORKER as WORKER
+from common.topology import is_worker_rank as is_worker_rank
+from common.topology import worker_rank_name as rank_name
 
 
 def free_loopback_addr() -> str:

@@ -144,6 +144,14 @@ class FakeEngine:
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
+    async def cancel(self, request_id: str) -> bool:
+        held = self.is_in_flight(request_id)
+        await self.abort(request_id)
+        return held
+
+    async def peer_requests(self, timeout: float = 1.0) -> list[dict[str, Any]]:
+        return []
+
     async def stats(self, timeout: float = 5.0, what: str = "stats") -> dict[str, Any]:
         if self.stats_answer is None:
             raise TimeoutError

@@ -78,6 +78,20 @@ class Server:
                 out.append((module, int(pid)))
         return out
 
+    def gateway_pids(self) -> dict[int, int]:
+        """The pid of each gateway process, by its --index (0 when it has none)."""
+        pids = {}
+        for module, pid in self.children():
+            if module != "services.gateway":
+                continue
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+            except OSError:
+                continue  # exited meanwhile
+            index = argv[argv.index("--index") + 1] if "--index" in argv else "0"
+            pids[int(index)] = pid
+        return pids
+
 
 @contextmanager
 def running_server(*flags: str, timeout: float = 300.0) -> Iterator[Server]:

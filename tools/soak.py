@@ -3,14 +3,18 @@
 Clients stream completions (greedy and seeded, 8-48 tokens, `ignore_eos`) back to back
 while, every `--kill-every` seconds, one process of a kind picked in turn from a shuffled
 cycle (worker, scheduler, detokenizer, tokenizer, gateway) is SIGKILLed; the supervisor
-restarts it. Every request is classified:
+restarts it. Of a kind with several processes (the tokenizers, the gateway processes of
+--gateway-processes, 2 by default where there are 2 cores) one is picked at random, so
+each gateway process is a target. Every request is classified:
 
 - ok: it finished with the tokens it asked for (a stream resumed after a kill included);
-- gateway: its connection broke within `GATEWAY_GRACE_S` of a kill of the gateway (the only
-  process whose death may cost a stream);
+- gateway: its connection broke within `GATEWAY_GRACE_S` of a kill of a gateway process
+  (the only process whose death may cost a stream: the streams it held, not the other
+  gateway processes');
 - failed: anything else (an error event, a non-200, a broken stream with no gateway death).
 
-A connection refused (no gateway listening while it restarts) is not a request: the client
+A connection refused (no gateway listening: with the supervisor holding the listening
+socket, a connection waits in its queue instead) is not a request: the client
 backs off and tries again; the report counts those attempts apart. A new request refused
 with a retryable 503 (`Retry-After`) because the engine is restarting (the gateway takes no
 new request until the scheduler serves again) is counted as a request, not completed, and
@@ -216,7 +220,8 @@ async def soak(
 
 
 def server_flags(clients: int) -> list[str]:
-    """A fixed port (a free one now): a restarted gateway must listen where clients connect."""
+    """A fixed port (a free one now), which the supervisor listens on for every gateway
+    process it (re)starts."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

@@ -3,6 +3,7 @@
 from common.messages import (  # noqa: F401
     control,
     detokenizer_gateway,
+    gateway_gateway,
     gateway_tokenizer,
     scheduler_detokenizer,
     scheduler_router,
@@ -32,6 +33,7 @@ from common.messages.control import (
     UnloadLoraAdapter,
 )
 from common.messages.detokenizer_gateway import OutputBatch
+from common.messages.gateway_gateway import GatewayAnswer, GatewayQuery
 from common.messages.gateway_tokenizer import (
     DetokenizeQuery,
     GenerateRequest,
@@ -101,4 +103,6 @@ __all__ = [
     "LoadLora",
     "LoraLoaded",
     "UnloadLora",
+    "GatewayQuery",
+    "GatewayAnswer",
 ]

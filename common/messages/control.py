@@ -123,6 +123,7 @@ class Drain:
 @message("drained")
 class Drained:
     num_unfinished: int  # requests still in flight when the time ran out
+    name: str = ""  # the gateway process that drained (gateway-1)
 
 
 @message("model_changed")

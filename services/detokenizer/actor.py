@@ -144,7 +144,7 @@ class DetokenizerActor(Actor):
     async def start(self) -> None:
         model_dir = Path(self.config.model.model)
         self.tokenizers = Tokenizers(load_tokenizer(model_dir), tokenizer_fingerprint(model_dir))
-        self.gateway = self.outbox(self.config.addr("gateway"))
+        self.gateway = self.gateways()
         # a stop string's abort goes to every replica: whichever holds the request ends it
         self.scheduler = self.outboxes(replica_addrs(self.config, "scheduler"))
 

@@ -1,10 +1,17 @@
 """The gateway process: HTTP (FastAPI on uvicorn), gRPC (grpc.aio, with --grpc-port) and the
-ZeroMQ side, in one event loop."""
+ZeroMQ side, in one event loop.
+
+With --gateway-processes N > 1 there are N of these, `gateway-0`..`gateway-{N-1}`, on one
+HTTP port (the supervisor's listening socket, `listen_fd`) and one gRPC port
+(services/gateway/listen.py), each with its own inbox; each mints the wire ids of its
+requests (common/wire_id.py) so that their outputs come back to it, and asks the others
+(services/gateway/engine/peers.py) what concerns the whole server."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -13,9 +20,12 @@ import uvicorn
 
 from common.actor import Actor
 from common.config import Config
+from common.ipc import Fanout
 from common.messages import (
     Drain,
     Drained,
+    GatewayAnswer,
+    GatewayQuery,
     LoraAdapterResult,
     LorasChanged,
     ModelChanged,
@@ -27,8 +37,18 @@ from common.messages import (
     SwapResult,
     TokenizeResult,
 )
-from common.topology import replica_addrs, router_addr
+from common.topology import (
+    gateway_addrs,
+    gateway_name,
+    num_gateways,
+    process_names,
+    replica_addrs,
+    router_addr,
+)
+from services.gateway.engine.peers import GatewayPeers
+from services.gateway.engine.stream import WireIds
 from services.gateway.engine.zmq_client import ZmqEngineClient
+from services.gateway.listen import inherited
 
 if TYPE_CHECKING:
     from services.gateway.grpc.server import GrpcGateway
@@ -51,8 +71,12 @@ class _Server(uvicorn.Server):
 class GatewayActor(Actor):
     name = "gateway"
 
-    def __init__(self, config: Config) -> None:
-        super().__init__(config)
+    def __init__(self, config: Config, index: int = 0, listen_fd: int | None = None) -> None:
+        self.index = index  # which of the gateway processes this is
+        self.num_gateways = num_gateways(config)
+        self.addrs = gateway_addrs(config)  # every gateway process's inbox, by index
+        super().__init__(config, self.addrs[index])
+        self.listen_fd = listen_fd  # the supervisor's listening socket, or None: bind one
         self.port = 0
         self._engine: ZmqEngineClient | None = None  # built in start()
         self.server: _Server | None = None
@@ -72,8 +96,14 @@ class GatewayActor(Actor):
                 TokenizeResult: self._on_tokenize_result,
                 LoraAdapterResult: self._on_lora_result,
                 LorasChanged: self._on_loras_changed,
+                GatewayQuery: self._on_gateway_query,
+                GatewayAnswer: self._on_gateway_answer,
             }
         )
+
+    @property
+    def inbox_name(self) -> str:
+        return gateway_name(self.index, self.num_gateways)
 
     @property
     def engine(self) -> ZmqEngineClient:
@@ -103,10 +133,13 @@ class GatewayActor(Actor):
                 if self.config.data_parallel.data_parallel_size > 1
                 else None
             ),
+            wire_ids=WireIds(self.index, self.num_gateways),
+            peers=self._peers(),
         )
         server = self.config.server
         app = create_app(self.engine, server, self.config.scheduler)
         self.console = app.state.console
+        self.console.serve_as(self.inbox_name, process_names(self.config))
         uv_config = uvicorn.Config(
             app,
             host=self.config.server.host,
@@ -118,7 +151,8 @@ class GatewayActor(Actor):
             timeout_keep_alive=server.http_keep_alive_timeout,
         )
         self.server = uv_server = _Server(uv_config)
-        self.server_task = asyncio.create_task(uv_server.serve())
+        sockets = None if self.listen_fd is None else [inherited(self.listen_fd)]
+        self.server_task = asyncio.create_task(uv_server.serve(sockets))
         while not uv_server.started:
             if self.server_task.done():
                 self.server_task.result()
@@ -135,9 +169,37 @@ class GatewayActor(Actor):
         from services.gateway.grpc.server import GrpcGateway
 
         server = self.config.server
-        self.grpc = GrpcGateway(self.engine, server, self.config.scheduler)
+        # run by the supervisor, the gateway processes share the port it holds
+        share = self.listen_fd is not None
+        self.grpc = GrpcGateway(self.engine, server, self.config.scheduler, share_port=share)
         self.grpc_port = await self.grpc.start()
         log.info("gRPC on %s:%d", server.host, self.grpc_port)
+
+    def _peers(self) -> GatewayPeers | None:
+        """The other gateway processes (none with one)."""
+        others = [a for i, a in enumerate(self.addrs) if i != self.index]
+        if not others:
+            return None
+        boxes = Fanout([self.outbox(a) for a in others])
+        return GatewayPeers(boxes, len(others), self.inbox_addr, itertools.count())
+
+    async def _on_gateway_query(self, msg: GatewayQuery) -> None:
+        """Another gateway process asks: cancel a request if this one holds it, or list
+        this one's live requests."""
+        data: dict[str, Any] = {}
+        if msg.what == "cancel":
+            held = self.engine.is_in_flight(msg.request_id)
+            if held:
+                await self.engine.abort(msg.request_id)
+            data = {"cancelled": held}
+        elif msg.what == "requests" and self.console is not None:
+            data = {"requests": self.console.live.rows()}
+        self.outbox(msg.reply_to).send(
+            GatewayAnswer(name=self.inbox_name, query_id=msg.query_id, data=data)
+        )
+
+    def _on_gateway_answer(self, msg: GatewayAnswer) -> None:
+        self.engine.peers.on_answer(msg)
 
     def ready_info(self) -> dict[str, Any]:
         info: dict[str, Any] = {"host": self.config.server.host, "port": self.port}
@@ -235,7 +297,9 @@ class GatewayActor(Actor):
     def _on_drain(self, msg: Drain) -> None:
         self._drain(
             msg.timeout_s,
-            lambda unfinished: self.outbox(msg.reply_to).send(Drained(num_unfinished=unfinished)),
+            lambda unfinished: self.outbox(msg.reply_to).send(
+                Drained(num_unfinished=unfinished, name=self.inbox_name)
+            ),
         )
 
     def _drain(self, timeout_s: float, then: Callable[[int], None]) -> None:

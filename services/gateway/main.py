@@ -1,13 +1,27 @@
-"""python -m services.gateway --config-file RUN/config.json"""
+"""python -m services.gateway --config-file RUN/config.json [--index I --listen-fd FD]"""
 
+import argparse
 import sys
 
 from common.entry import run_actor
 from services.gateway.actor import GatewayActor
 
 
+def _flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--index", type=int, default=0, help="which of the gateway processes this is"
+    )
+    parser.add_argument(
+        "--listen-fd",
+        type=int,
+        default=None,
+        help="serve HTTP on this inherited listening socket (the supervisor's) instead of "
+        "binding --host:--port",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
-    return run_actor("gateway", lambda config, _args: GatewayActor(config), argv)
+    return run_actor("gateway", lambda c, a: GatewayActor(c, a.index, a.listen_fd), argv, _flags)
 
 
 if __name__ == "__main__":

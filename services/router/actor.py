@@ -67,7 +67,7 @@ class RouterActor(Actor):
 
     async def start(self) -> None:
         self.replica_boxes = [self.outbox(a) for a in replica_addrs(self.config, "scheduler")]
-        self.gateway = self.outbox(self.config.addr("gateway"))
+        self.gateway = self.gateways()
 
     def ready_info(self) -> dict[str, Any]:
         return {"num_replicas": len(self.replica_boxes), "routing": self.router.routing}

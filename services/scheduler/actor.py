@@ -36,7 +36,7 @@ from common.messages import (
     TokenizedRequest,
     UnloadLoraAdapter,
 )
-from common.topology import own_name, router_addr
+from common.topology import gateway_index, num_gateways, own_name, router_addr
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.engine_view import request_rows, stats
 from services.scheduler.outbox import ToDetokenizer, ToGateway, ToWorker
@@ -55,7 +55,7 @@ class _Sockets:
         config = actor.config
         self.worker = actor.outbox(config.addr("worker"))
         self.detokenizer = actor.outbox(config.addr("detokenizer"))
-        self.gateway = actor.outbox(config.addr("gateway"))
+        self.gateway = actor.gateways()
         # one socket per tokenizer: a PUSH over several addresses would pick one of them
         self.tokenizers = [actor.outbox(a) for a in config.tokenizer_addrs()]
 
@@ -69,7 +69,8 @@ class _Sockets:
         self.gateway.send(msg)
 
     def announce(self, msg: ModelChanged) -> None:
-        for box in (self.gateway, self.detokenizer, *self.tokenizers):
+        self.gateway.send(msg)  # (every gateway process)
+        for box in (self.detokenizer, *self.tokenizers):
             box.send(msg)
 
     def reply(self, address: str, msg: SwapResult | LoraAdapterResult) -> None:
@@ -149,6 +150,10 @@ class SchedulerActor(Actor):
             if self.notices is not None:
                 self.notices.resync()
             return
+        gateway = gateway_index(msg.name)
+        if gateway is not None:  # one of several gateways: only its requests lost their client
+            n = self.core.abort_owned_by(gateway, num_gateways(self.config))
+            log.warning("%s died: %d of its requests cancelled", msg.name, n)
         if msg.name == self.worker_name:  # this replica's worker (`worker-<i>` with several)
             msg = ProcessDown(name="worker", exit_code=msg.exit_code)
         if msg.name in ("worker", "detokenizer", "gateway"):

@@ -43,6 +43,7 @@ from common.messages import (
     UnloadLoraAdapter,
 )
 from common.model_facts import cache_root
+from common.wire_id import owner
 from services.scheduler import detok_messages, intake
 from services.scheduler.block_manager import BlockManager, HostBlockPool
 from services.scheduler.current_model import CurrentModel
@@ -264,6 +265,13 @@ class EngineCore:
                     if self.policy.abort(r.request_id, reason) is not None:
                         ended.append(r)
         self._tell_detokenizer_finished(ended)
+
+    def abort_owned_by(self, gateway: int, num_gateways: int) -> int:
+        """A gateway process died: the requests it sent have no client any more; they end
+        as cancelled (the other gateways' run on). Returns how many."""
+        ids = sorted(rid for rid in self.groups if owner(rid, num_gateways) == gateway)
+        self.abort(ids, FinishReason.CANCELLED)
+        return len(ids)
 
     def expire(self) -> None:
         """Finish every request past its deadline (finish reason `timeout`)."""

@@ -142,7 +142,7 @@ class TokenizerActor(Actor):
         m = self.config.model
         self.model = startup_model(Path(m.model), m.max_model_len, m.generation_config)
         self.scheduler = self.outbox(engine_entry_addr(self.config))  # scheduler, or router
-        self.gateway = self.outbox(self.config.addr("gateway"))
+        self.gateway = self.gateways()
 
     def ready_info(self) -> dict[str, Any]:
         m = self.model

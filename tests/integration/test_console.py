@@ -29,7 +29,9 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support import expected_conditions as ec
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
+from common.config import Config
 from common.prepare_model import default_model_dir
+from common.topology import process_names
 from tests.lora_adapters import make_adapter
 from tests.server import Server, running_server
 from tests.waiting import wait_until
@@ -236,6 +238,16 @@ def test_a_restarted_process_shows_with_its_restart(server: Server, console: Web
     )
     cells = [td.text for td in console.find_element(*row).find_elements(By.TAG_NAME, "td")]
     assert cells[3] == "-9"  # the exit code the supervisor saw: SIGKILL
+    # every process of the server is listed, those that never died with 0 restarts
+    config = Config.from_json((server.run_dir / "config.json").read_bytes())
+    # (read at once: the panel is drawn again at every snapshot)
+    rows = console.execute_script(
+        "return [...document.querySelectorAll('#processes tr[data-process]')]"
+        ".map((tr) => [tr.dataset.process, tr.cells[2].textContent])"
+    )
+    restarts = dict(rows)
+    assert sorted(restarts) == sorted(process_names(config))
+    assert {n: r for n, r in restarts.items() if r != "0"} == {"detokenizer": "1"}
     wait_until(server.serves, DEADLINE_S, "serving again after the restart")
 
 

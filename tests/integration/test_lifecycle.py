@@ -33,9 +33,9 @@ def _wait_gone(pids: list[int]) -> None:
 
 
 def test_sigterm_stops_every_process_and_removes_sockets() -> None:
-    with running_server("--num-tokenizers", "2") as server:
+    with running_server("--num-tokenizers", "2", "--gateway-processes", "2") as server:
         kids = _children(server.proc.pid)
-        assert len(kids) == 6  # worker, scheduler, detokenizer, 2 tokenizers, gateway
+        assert len(kids) == 7  # worker, scheduler, detokenizer, 2 tokenizers, 2 gateways
         socks = sorted(p.name for p in server.run_dir.glob("*.sock"))
         assert socks == sorted(
             [
@@ -44,7 +44,8 @@ def test_sigterm_stops_every_process_and_removes_sockets() -> None:
                 "detokenizer.sock",
                 "tokenizer-0.sock",
                 "tokenizer-1.sock",
-                "gateway.sock",
+                "gateway-0.sock",
+                "gateway-1.sock",
                 "supervisor.sock",
             ]
         )
@@ -56,9 +57,9 @@ def test_sigterm_stops_every_process_and_removes_sockets() -> None:
 
 
 def test_children_die_with_a_killed_supervisor() -> None:
-    with running_server() as server:
+    with running_server("--gateway-processes", "1") as server:
         kids = _children(server.proc.pid)
-        assert len(kids) == 5
+        assert len(kids) == 5  # worker, scheduler, detokenizer, tokenizer, gateway
         server.proc.send_signal(signal.SIGKILL)
         server.proc.wait(10)
         _wait_gone(kids)

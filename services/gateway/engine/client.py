@@ -186,6 +186,16 @@ class EngineClient(Protocol):
         """End a request's sequences in the engine; idempotent (an unknown id is no error)."""
         ...
 
+    async def cancel(self, request_id: str) -> bool:
+        """End a request by its client's id, whichever gateway process holds it (idempotent):
+        whether one held it."""
+        ...
+
+    async def peer_requests(self, timeout: float = 1.0) -> list[dict[str, Any]]:
+        """The other gateway processes' live requests (services/gateway/engine/live_requests.py
+        rows, each with `gateway`: who holds it); none with one gateway process."""
+        ...
+
     async def stats(self, timeout: float = 5.0, what: str = "stats") -> dict[str, Any]:
         """The scheduler's counters (`what="requests"`: its live requests, one row each).
         Raises TimeoutError when it does not answer within `timeout`."""

@@ -13,6 +13,9 @@ one is aborted.
 
     client id "abc" ─ attempt 0: wire id "abc"           ─ lost (a process died)
                     └ attempt 1: wire id "abc/resume-1"  ─ streams on from token k
+
+With several gateway processes every wire id also names the gateway that sends it
+("g1:abc/resume-1", common/wire_id.py), so its outputs come back to that gateway.
 """
 
 from __future__ import annotations
@@ -21,22 +24,44 @@ import asyncio
 import dataclasses
 
 from common.messages import FinishReason, GenerateRequest, OutputBatch
+from common.wire_id import wire_id
 from services.gateway.engine.client import OutputDelta, RequestFailed, entries
 
 
 def resume_id(request_id: str, attempt: int) -> str:
-    """The wire id of a request's `attempt` (0: the client's id). Built here only, never
-    parsed: the engine client maps wire ids to streams."""
+    """The id of a request's `attempt` (0: the client's id), before the gateway's mark.
+    Built here only, never parsed: the engine client maps wire ids to streams."""
     return request_id if attempt == 0 else f"{request_id}/resume-{attempt}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WireIds:
+    """Which gateway process sends the requests: `index` of `num_gateways`."""
+
+    index: int = 0
+    num_gateways: int = 1
+
+    def wire_id(self, request_id: str, attempt: int = 0) -> str:
+        return wire_id(self.index, self.num_gateways, resume_id(request_id, attempt))
+
+
+ONE_GATEWAY = WireIds()  # (the only gateway process: wire ids are the clients' ids)
+
+
+def _with_id(request: GenerateRequest, request_id: str) -> GenerateRequest:
+    return dataclasses.replace(request, request_id=request_id)
 
 
 class Stream:
     """One in-flight request: the request as the client sent it, its queue, which of its
     sequences are still running, and its resume state."""
 
-    def __init__(self, request: GenerateRequest) -> None:
+    def __init__(self, request: GenerateRequest, wire_ids: WireIds = ONE_GATEWAY) -> None:
         self.request = request  # as the client sent it
-        self.sent = request  # what went to a tokenizer last (its attempt's wire id)
+        self.wire_ids = wire_ids
+        # what went to a tokenizer last (under its attempt's wire id)
+        wire = wire_ids.wire_id(request.request_id)
+        self.sent = request if wire == request.request_id else _with_id(request, wire)
         self.queue: asyncio.Queue[OutputDelta | RequestFailed] = asyncio.Queue()
         self.running = set(range(request.sampling.n))
         self.has_output = False
@@ -76,7 +101,7 @@ class Stream:
             sampling = dataclasses.replace(sampling, prompt_logprobs=None)
         self.sent = dataclasses.replace(
             self.request,
-            request_id=resume_id(self.request.request_id, self.attempt),
+            request_id=self.wire_ids.wire_id(self.request.request_id, self.attempt),
             sampling=sampling,
             resumed_token_ids=list(self.token_ids),
         )

@@ -40,12 +40,14 @@ from common.messages import (
     TokenizeQuery,
     TokenizeResult,
 )
+from common.wire_id import client_id
 from services.gateway.engine.client import OutputDelta, RequestFailed, RequestObserver
 from services.gateway.engine.lora_adapters import LoraAdapters
+from services.gateway.engine.peers import GatewayPeers, no_peers
 from services.gateway.engine.replicas import Replies, merge_swap_results
 from services.gateway.engine.resume import Resumes
 from services.gateway.engine.stats import StatsQueries
-from services.gateway.engine.stream import Stream
+from services.gateway.engine.stream import ONE_GATEWAY, Stream, WireIds
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +69,11 @@ class ZmqEngineClient:
         router: Sender | None = None,
         enable_lora: bool = False,
         resume_timeout: float = 0.0,
+        wire_ids: WireIds = ONE_GATEWAY,
+        peers: GatewayPeers | None = None,
     ) -> None:
         self.tokenizers = tokenizers
+        self.wire_ids = wire_ids  # which gateway process this is: its requests' wire ids
         self.aliases = list(aliases)  # --served-model-name: more names the model answers to
         self.scheduler = scheduler  # every replica's scheduler (a fan-out with several)
         self.num_replicas = num_replicas
@@ -85,6 +90,7 @@ class ZmqEngineClient:
         self.swap_status: dict[str, Any] | None = None  # the swap this gateway asked for
         self.draining = False  # shutting down: new requests get 503
         self._query_ids = itertools.count()
+        self.peers = peers or no_peers()  # the other gateway processes (engine/peers.py)
         self._stats = StatsQueries(scheduler, inbox_addr, num_replicas, router, self._query_ids)
         # LoRA adapters (lora_adapters.py): what the schedulers serve, loads and unloads
         self.loras = LoraAdapters(
@@ -166,13 +172,13 @@ class ZmqEngineClient:
             raise RequestFailed(
                 400, f"X-Request-Id: request id {rid!r} is already in flight", "X-Request-Id"
             )
-        stream = Stream(request)
+        stream = Stream(request, self.wire_ids)
         self._streams[rid] = stream
-        self._by_wire[rid] = stream
+        self._by_wire[stream.wire_id] = stream
         finished = False
         timer = self.observer(request) if self.observer is not None else None
         try:
-            self.tokenizers.send(request)
+            self.tokenizers.send(stream.sent)
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, RequestFailed):
@@ -243,9 +249,29 @@ class ZmqEngineClient:
         wire_id = stream.wire_id if stream is not None else request_id
         self.scheduler.send(Abort(request_ids=[wire_id], reason=int(FinishReason.CANCELLED)))
 
+    async def cancel(self, request_id: str, timeout: float = 2.0) -> bool:
+        """End the request here if this process holds it, else wherever a peer does."""
+        if request_id in self._streams or not self.peers.num_peers:
+            held = request_id in self._streams
+            await self.abort(request_id)
+            return held
+        return await self.peers.cancel(request_id, timeout)
+
+    async def peer_requests(self, timeout: float = 1.0) -> list[dict[str, Any]]:
+        return await self.peers.requests(timeout)
+
     async def stats(self, timeout: float = 5.0, what: str = "stats") -> dict[str, Any]:
-        """The scheduler's counters, or its live requests (services/gateway/engine/stats.py)."""
-        return await self._stats.ask(timeout, what)
+        """The scheduler's counters, or its live requests (services/gateway/engine/stats.py),
+        with each request by its client's id (the scheduler knows wire ids)."""
+        answer = await self._stats.ask(timeout, what)
+        n = self.wire_ids.num_gateways
+        if n == 1:
+            return answer
+        if "request_ids" in answer:
+            answer["request_ids"] = sorted(client_id(r, n) for r in answer["request_ids"])
+        for row in answer.get("requests", ()):
+            row["id"] = client_id(row["id"], n)
+        return answer
 
     async def tokenize(
         self,

@@ -322,7 +322,7 @@ class AdminServicer(pb_grpc.AdminServicer):
     ) -> pb.AdminCancelResponse:
         self._authorize(context)
         check_request_id(request.request_id)
-        await self.engine.abort(request.request_id)
+        await self.engine.cancel(request.request_id)  # whichever gateway process holds it
         return pb.AdminCancelResponse()
 
     @_statuses
@@ -364,6 +364,7 @@ class GrpcGateway:
         scheduler: SchedulerConfig | None = None,
         *,
         health_poll_s: float = 0.5,
+        share_port: bool = False,
     ) -> None:
         """Serves on the server section's host and grpc_port (0: a free one), with its API
         key and admin token; the scheduler section says whether `priority` is honoured."""
@@ -374,8 +375,10 @@ class GrpcGateway:
         model_root = server.model_root or None
         self.port = 0  # the bound one, after start()
         self.health_poll_s = health_poll_s
-        # no SO_REUSEPORT: a port already taken must fail here, not split the traffic
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        # no SO_REUSEPORT, a port already taken must fail here, not split the traffic;
+        # but the gateway processes of one server share theirs (`share_port`: the
+        # supervisor holds the port, services/gateway/listen.py)
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", int(share_port))])
         self.health = health.aio.HealthServicer()
         context = {
             "scheduling_policy": (scheduler or SchedulerConfig()).scheduling_policy,

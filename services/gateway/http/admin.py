@@ -53,8 +53,8 @@ def admin_router(
         return _json(await ask("requests"))
 
     async def cancel(request_id: str) -> Response:
-        in_flight = engine.is_in_flight(request_id)
-        await engine.abort(request_id)  # idempotent either way
+        # (whichever gateway process holds it; idempotent either way)
+        in_flight = await engine.cancel(request_id)
         gone = "not in flight (finished, never sent, or cancelled already)"
         detail = "cancelled" if in_flight else gone
         return _json({"id": request_id, "cancelled": in_flight, "detail": detail})

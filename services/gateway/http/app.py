@@ -30,6 +30,7 @@ import hmac
 import importlib.metadata
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import orjson
@@ -66,6 +67,7 @@ from services.gateway.http.lora_routes import lora_router
 from services.gateway.http.metrics import install_metrics
 from services.gateway.http.openapi import json_body
 from services.gateway.http.reply import Reply
+from services.gateway.http.response_store import FileResponseStore, StoresResponses
 from services.gateway.http.responses import responses_router
 from services.gateway.http.streaming import SSE_HEADERS, SseResponse, sse_stream
 from services.gateway.http.tokenize_routes import tokenize_router
@@ -134,7 +136,9 @@ def create_app(
     app.include_router(tokenize_router(engine, context), dependencies=auth)
     pooling = (server.pooling, server.embedding_normalize)
     app.include_router(embeddings_router(engine, context, *pooling), dependencies=auth)
-    app.include_router(responses_router(engine, context), dependencies=auth)
+    app.include_router(
+        responses_router(engine, context, _response_store(server)), dependencies=auth
+    )
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/ping", routes.health, methods=["GET", "POST"])  # vLLM's alias
     app.add_api_route("/version", routes.version, methods=["GET"])
@@ -342,3 +346,11 @@ def _require_key(api_key: str) -> Callable[[Request], Awaitable[None]]:
 
 def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(orjson.dumps(obj), status, headers, media_type="application/json")
+
+
+def _response_store(server: ServerConfig) -> StoresResponses | None:
+    """Stored responses shared by the gateway processes of a server (a follow-up may reach
+    another one), in its run directory; with one process, in its memory (None)."""
+    if server.gateway_processes > 1 and server.run_dir:
+        return FileResponseStore(Path(server.run_dir) / "responses")
+    return None

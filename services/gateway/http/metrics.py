@@ -2,6 +2,12 @@
 vLLM's own `vllm:` prefix under --metrics-vllm-names (so a vLLM Grafana dashboard or an
 autoscaler written for vLLM reads shuttle unchanged).
 
+With several gateway processes (--gateway-processes) each stamps the requests it holds, and
+a scrape, whichever process answers it, reads every process's counters and histograms
+summed (prometheus_client's multiprocess mode, over files in the run directory): nothing
+is counted twice or hidden, and a dead process's counts stay in the sums, as counters
+must. The scheduler's figures are read once per scrape, as with one process.
+
 Every request timing is stamped in this one process (the gateway), as the engine client
 hands each delta to the HTTP or gRPC front end, so TTFT, ITL and E2E of one request share
 one clock and match what a client sees (less the network):
@@ -37,12 +43,13 @@ one clock and match what a client sees (less the network):
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from fastapi import FastAPI
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.responses import Response
@@ -51,6 +58,9 @@ from common.messages import FinishReason, GenerateRequest
 from services.gateway.engine.client import EngineClient, OutputDelta
 
 STATS_TIMEOUT_S = 0.5
+# prometheus_client's multiprocess mode: the folder each gateway process writes its
+# counters and histograms to (services/launch.py sets it for every gateway process)
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # vLLM's buckets, with finer ones at the low end: the synthetic model answers in microseconds
 # fmt: off
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -72,6 +82,7 @@ class GatewayMetrics:
         self.engine = engine
         self.prefix = "vllm" if vllm_names else "shuttle"
         self.registry = CollectorRegistry(auto_describe=True)
+        self._exposed: CollectorRegistry | None = None
         self.scheduler = _SchedulerStats(lambda: self.model_name, self.prefix)
         self.registry.register(self.scheduler)
         labels = ["model_name"]
@@ -143,7 +154,22 @@ class GatewayMetrics:
             self.scheduler.update(await self.engine.stats(timeout=STATS_TIMEOUT_S))
         except TimeoutError:
             pass  # keep the last values: a busy or restarting scheduler is no error here
-        return generate_latest(self.registry)
+        return generate_latest(self.exposed)
+
+    @property
+    def exposed(self) -> CollectorRegistry:
+        """What a scrape reads: this registry, or with several gateway processes
+        (PROMETHEUS_MULTIPROC_DIR, set by the supervisor) every process's request metrics
+        summed from their files, this process's living or not, plus the scheduler's."""
+        if self._exposed is None:
+            path = os.environ.get(MULTIPROC_ENV)
+            if not path:
+                self._exposed = self.registry
+            else:
+                self._exposed = CollectorRegistry()
+                multiprocess.MultiProcessCollector(self._exposed, path)
+                self._exposed.register(self.scheduler)
+        return self._exposed
 
 
 class RequestTimer:

@@ -47,7 +47,7 @@ from services.gateway.http.deltas import (
     until_disconnected,
 )
 from services.gateway.http.errors import REQUEST_ID_HEADER
-from services.gateway.http.response_store import ResponseStore, StoredResponse
+from services.gateway.http.response_store import ResponseStore, StoredResponse, StoresResponses
 from services.gateway.http.responses_stream import stream_events
 from services.gateway.http.streaming import SseResponse
 from services.gateway.openai.chat_protocol import ChatCompletionRequest
@@ -65,7 +65,7 @@ from services.gateway.openai.tools import ToolPlan
 
 
 def responses_router(
-    engine: EngineClient, context: dict[str, Any] | None, store: ResponseStore | None = None
+    engine: EngineClient, context: dict[str, Any] | None, store: StoresResponses | None = None
 ) -> APIRouter:
     routes = ResponsesRoutes(engine, context, store or ResponseStore())
     router = APIRouter(prefix="/v1")
@@ -79,7 +79,7 @@ class ResponsesRoutes:
     """The route handlers, bound to one engine and one store."""
 
     def __init__(
-        self, engine: EngineClient, context: dict[str, Any] | None, store: ResponseStore
+        self, engine: EngineClient, context: dict[str, Any] | None, store: StoresResponses
     ) -> None:
         self.engine = engine
         self.context = context
@@ -97,8 +97,8 @@ class ResponsesRoutes:
         stored = self.store.get(response_id)
         if stored is None:
             raise RequestRejected(
-                f"{param}: no stored response with id {response_id[:128]!r} (responses are "
-                f"kept in memory, the last {self.store.capacity})",
+                f"{param}: no stored response with id {response_id[:128]!r} (the last "
+                f"{self.store.capacity} responses are kept)",
                 param,
                 404,
             )

@@ -12,6 +12,11 @@
     event: adapters   the LoRA adapters served changed
     event: process    a process died and is being restarted: its name, exit code, restarts
 
+With several gateway processes the live requests are every process's: this one's rows and
+those the others answer (services/gateway/engine/peers.py), each naming its `gateway`; the
+`request` events are this process's only (the next snapshot has the others'). The process
+list is every process of the server (common/topology.py's names), each with its restarts.
+
 Everything here is what the gateway already knows: the engine client's served model, swap
 and adapters, and the scheduler's answers, sampled once per tick while a console listens
 (no listener, no sampling); the engine client's requests and the supervisor's ProcessDown
@@ -52,6 +57,7 @@ class ConsoleEvents:
     def __init__(self, engine: EngineClient, live: LiveRequests, tick_s: float = TICK_S) -> None:
         self.engine = engine
         self.live = live
+        self.name = "gateway"  # this gateway process's, on its rows (`serve_as`)
         self.tick_s = tick_s
         # one queue per listener; None in it ends that listener's stream (it fell behind)
         self.listeners: set[asyncio.Queue[bytes | None]] = set()
@@ -105,6 +111,13 @@ class ConsoleEvents:
             self.listeners.discard(queue)
             queue.put_nowait(None)  # (a full queue was dropped already: a slot is free)
 
+    def serve_as(self, name: str, processes: list[str]) -> None:
+        """This gateway process's name, and every process of the server (each listed with
+        its restarts, 0 until one dies)."""
+        self.name = name
+        for process in processes:
+            self.processes.setdefault(process, {"name": process, "restarts": 0})
+
     def on_process_down(self, msg: ProcessDown) -> None:
         """The supervisor restarts `msg.name` (the gateway actor passes its notice on)."""
         entry = self.processes.setdefault(msg.name, {"name": msg.name, "restarts": 0})
@@ -116,12 +129,17 @@ class ConsoleEvents:
 
     async def snapshot(self) -> dict[str, Any]:
         engine = self.engine
-        answer, rows = await asyncio.gather(self._ask("stats"), self._ask("requests"))
+        answer, rows, peer_rows = await asyncio.gather(
+            self._ask("stats"), self._ask("requests"), engine.peer_requests(STATS_TIMEOUT_S)
+        )
         # (every id again, as request_ids: the requests are listed anyway)
         stats = {k: v for k, v in answer.items() if k != "request_ids"}
         states = {r["id"]: r for r in rows.get("requests", ()) if r.get("index", 0) == 0}
         requests = []
-        for row in self.live.rows():
+        # this process's requests, then those the other gateway processes hold (the
+        # operator's view is the whole server, whichever process serves the console)
+        mine = [{**row, "gateway": self.name} for row in self.live.rows()]
+        for row in sorted([*mine, *peer_rows], key=lambda r: r["arrival"]):
             seen = states.get(row["id"])
             if seen is not None:  # the scheduler's finer state: waiting, prefill, decoding, ...
                 row |= {

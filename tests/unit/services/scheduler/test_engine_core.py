@@ -175,6 +175,18 @@ def test_plans_carry_the_stop_ids_min_tokens_masks() -> None:
     assert stops == {sequence_key("masked", 0): [2, 5, 9], sequence_key("ignoring", 0): [9]}
 
 
+def test_a_dead_gateway_process_s_requests_end_and_the_others_run_on() -> None:
+    core, out = _core()
+    for rid in ("g0:a", "g1:b", "g0:c"):  # wire ids of gateway-0 and gateway-1
+        core.add(_request(rid, max_tokens=50))
+    core.step()
+    assert core.abort_owned_by(0, num_gateways=2) == 2
+    ended = out.of(TokenBatch)[-1]
+    assert sorted(ended.request_ids) == ["g0:a", "g0:c"]
+    assert set(ended.finish_reasons) == {int(FinishReason.CANCELLED)}
+    assert list(core.groups) == ["g1:b"]
+
+
 def test_abort_ends_every_sequence_or_one() -> None:
     core, out = _core()
     core.add(_request("a", n=3, max_tokens=50))

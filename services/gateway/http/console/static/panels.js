@@ -208,17 +208,16 @@ class AdaptersPanel {
 }
 
 class ProcessesPanel {
+  // every process of the server (the gateway lists them all), each with its restarts
   show(snapshot) {
-    const heard = new Map(snapshot.processes.map((p) => [p.name, p]));
     const up = snapshot.model.ready;
-    const rows = [
-      { name: "gateway", state: "up" },
-      { name: "scheduler", state: snapshot.stats.ready === false ? "not answering" : "up" },
-      { name: "worker", state: up ? "up" : "not serving" },
-    ];
-    for (const name of heard.keys()) {
-      if (!rows.some((r) => r.name === name)) rows.push({ name, state: "restarted" });
-    }
+    const state = (p) => {
+      if (p.name.startsWith("scheduler") && snapshot.stats.ready === false) return "not answering";
+      if (p.name.startsWith("worker") && !up) return "not serving";
+      return p.restarts ? "restarted" : "up";
+    };
+    const heard = new Map(snapshot.processes.map((p) => [p.name, p]));
+    const rows = snapshot.processes.map((p) => ({ name: p.name, state: state(p) }));
     const trs = rows.map((row) => {
       const p = heard.get(row.name) || { restarts: 0 };
       const tr = document.createElement("tr");
