@@ -34,6 +34,7 @@ from gpu_worker.distributed.sharding import vocab_shard_size
 from gpu_worker.distributed.tensor_parallel import TensorParallel, VocabParallelEmbedding
 from gpu_worker.layers.linear import Linear
 from gpu_worker.layers.ops import TORCH_OPS, LayerOps, Rope, rotate_neox
+from gpu_worker.models.config_checks import check_activation, layer_windows
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -66,7 +67,14 @@ class LlamaConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
         num_heads = cfg["num_attention_heads"]
-        attention_bias = bool(cfg.get("attention_bias", False))
+        check_activation(cfg)
+        windows = layer_windows(cfg, model_type, cfg["num_hidden_layers"])
+        if any(windows):
+            raise ValueError(
+                f"sliding_window {max(windows)} is not implemented (model_type {model_type!r})"
+            )
+        # transformers' Mistral has no biases, Qwen2 q/k/v biases only, whatever the config
+        attention_bias = model_type in ("llama", "qwen3") and bool(cfg.get("attention_bias"))
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -83,7 +91,7 @@ class LlamaConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=attention_bias,
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            mlp_bias=model_type == "llama" and bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
         )
 

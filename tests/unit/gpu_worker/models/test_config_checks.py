@@ -1,0 +1,93 @@
+"""Config fields that change a served family's outputs: read as transformers reads them, or
+refused at start by name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gpu_worker.models.config_checks import layer_windows
+from gpu_worker.models.llama import LlamaConfig
+
+BASE: dict[str, Any] = dict(
+    vocab_size=10,
+    hidden_size=8,
+    intermediate_size=16,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    max_position_embeddings=64,
+)
+
+
+def _hf_windows(model_type: str, **fields: Any) -> tuple[int, ...]:
+    """Each layer's window in transformers' own config class, 0 for a full-attention one."""
+    import transformers
+
+    cls = {
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }[model_type]
+    hf = cls(**BASE, **fields)
+    kinds = getattr(hf, "layer_types", None) or ["sliding_attention"] * hf.num_hidden_layers
+    return tuple(
+        hf.sliding_window if k == "sliding_attention" and hf.sliding_window else 0 for k in kinds
+    )
+
+
+@pytest.mark.parametrize(
+    ("model_type", "fields"),
+    [
+        ("mistral", dict(sliding_window=16)),
+        ("mistral", dict(sliding_window=None)),
+        ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=2)),
+        ("qwen2", dict(use_sliding_window=False, sliding_window=8, max_window_layers=2)),
+        ("qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+        ("qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=9)),
+        (
+            "qwen2",
+            dict(
+                use_sliding_window=True,
+                sliding_window=8,
+                layer_types=["full_attention", "sliding_attention"] * 2,
+            ),
+        ),
+    ],
+)
+def test_layer_windows_follow_transformers(model_type: str, fields: dict[str, Any]) -> None:
+    cfg = dict(BASE, model_type=model_type, **fields)
+    assert layer_windows(cfg, model_type, 4) == _hf_windows(model_type, **fields)
+
+
+def test_llama_ignores_window_fields_as_transformers_does() -> None:
+    cfg = dict(BASE, model_type="llama", sliding_window=4, use_sliding_window=True)
+    assert layer_windows(cfg, "llama", 4) == (0, 0, 0, 0)
+
+
+def test_unimplemented_activation_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="hidden_act 'gelu'"):
+        LlamaConfig.from_hf(dict(BASE, model_type="llama", hidden_act="gelu"))
+
+
+def test_bad_window_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="sliding_window must be"):
+        LlamaConfig.from_hf(dict(BASE, model_type="mistral", sliding_window=0))
+    with pytest.raises(ValueError, match="layer_types"):
+        cfg = dict(BASE, model_type="qwen2", use_sliding_window=True, sliding_window=4)
+        LlamaConfig.from_hf(dict(cfg, layer_types=["chunked_attention"] * 4))
+
+
+def test_biases_follow_each_family() -> None:
+    """transformers' Mistral has no biases and Qwen2 no o_proj bias, whatever the config."""
+    mistral = LlamaConfig.from_hf(dict(BASE, model_type="mistral", attention_bias=True))
+    assert not (mistral.qkv_bias or mistral.o_bias)
+    qwen2 = LlamaConfig.from_hf(dict(BASE, model_type="qwen2", attention_bias=True))
+    assert qwen2.qkv_bias and not qwen2.o_bias
+    qwen3 = LlamaConfig.from_hf(dict(BASE, model_type="qwen3", attention_bias=True))
+    assert qwen3.qkv_bias and qwen3.o_bias
+
+
+def test_sliding_window_is_refused_until_implemented() -> None:
+    with pytest.raises(ValueError, match="sliding_window 16 is not implemented"):
+        LlamaConfig.from_hf(dict(BASE, model_type="mistral", sliding_window=16))
