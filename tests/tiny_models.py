@@ -8,6 +8,9 @@ to end. Creation is deterministic (torch.manual_seed). The shapes vary on purpos
     qwen2    4 heads / 1 KV head, q/k/v biases, untied
     qwen3    4 heads / 2 KV heads, head_dim 32 != hidden / heads, q/k norms, tied embeddings
     mistral  4 heads / 4 KV heads (no GQA), tied embeddings
+    mistral-window   mistral with a sliding window of 16 in every layer
+    qwen2-window     qwen2 whose layers from the second on slide over 8 positions
+                     (use_sliding_window, max_window_layers 1)
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 
 from common.prepare_model import default_model_dir
 
-TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mistral-window", "qwen2-window")
 VOCAB_SIZE = 49152  # SmolLM2's tokenizer
 EOS_TOKEN_ID = 2  # "<|im_end|>" in SmolLM2's tokenizer
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -67,6 +70,19 @@ def _config(arch: str, num_layers: int, vocab_size: int = VOCAB_SIZE) -> Any:
     if arch == "mistral":
         return transformers.MistralConfig(
             **common, num_key_value_heads=4, sliding_window=None, tie_word_embeddings=True
+        )
+    if arch == "mistral-window":
+        return transformers.MistralConfig(
+            **common, num_key_value_heads=2, sliding_window=16, tie_word_embeddings=True
+        )
+    if arch == "qwen2-window":
+        return transformers.Qwen2Config(
+            **common,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            use_sliding_window=True,
+            sliding_window=8,
+            max_window_layers=1,
         )
     raise ValueError(f"unknown tiny arch {arch!r}; known: {TINY_ARCHS}")
 

@@ -56,8 +56,11 @@ class AttentionBackend(abc.ABC):
         v: torch.Tensor,  # [T, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
+        window: int = 0,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        """Store k/v at meta.slot_mapping, then attend; returns the attention output."""
+        """Store k/v at meta.slot_mapping, then attend; returns the attention output. With a
+        sliding `window` > 0 a query at position i sees the keys at i - window < j <= i
+        (transformers' sliding_window), else every key up to its own position."""
 
 
 BACKEND_NAMES = ("auto", "torch", "triton")

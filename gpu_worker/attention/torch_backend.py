@@ -16,6 +16,9 @@ cached blocks and uses an explicit mask, causal within the new tokens. With
 last-bit difference in attention can flip a rounding and, rarely, a greedy token) a chunk's
 queries go to the decode kernel instead, each as a decode of its own length: a token's
 attention is then the same bits however the prompt was chunked or batched.
+
+A layer with a sliding window passes it to `forward`: the decode kernel starts each sequence
+at its last `window` positions, the eager paths mask the keys before them.
 """
 
 from __future__ import annotations
@@ -84,18 +87,19 @@ class TorchAttentionBackend(AttentionBackend):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        window: int = 0,
     ) -> torch.Tensor:
         assert isinstance(meta, TorchAttentionMetadata), "call build_metadata first"
         _store_kv(kv_cache, k, v, meta.slot_mapping)
         num_decodes = meta.num_decodes
         if num_decodes == meta.num_reqs:  # a decode-only step: no output to assemble
-            return self._decode(q, kv_cache, meta)
+            return self._decode(q, kv_cache, meta, window)
         out = torch.empty_like(q)
         if num_decodes:
-            out[:num_decodes] = self._decode(q[:num_decodes], kv_cache, meta)
+            out[:num_decodes] = self._decode(q[:num_decodes], kv_cache, meta, window)
         for r in range(num_decodes, meta.num_reqs):
             start, end = meta.query_start_loc_host[r], meta.query_start_loc_host[r + 1]
-            out[start:end] = self._extend(q, k, v, kv_cache, meta, r)
+            out[start:end] = self._extend(q, k, v, kv_cache, meta, r, window)
         return out
 
     def _decode_tables(self, meta: AttentionMetadata) -> torch.Tensor | None:
@@ -116,18 +120,23 @@ class TorchAttentionBackend(AttentionBackend):
         return key_pos <= query_pos
 
     def _decode(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: TorchAttentionMetadata
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: TorchAttentionMetadata, window: int
     ) -> torch.Tensor:
         tables, seq_lens = meta.decode_tables, meta.seq_lens[: meta.num_decodes]
         assert tables is not None
         if self.cpu_decode_kernel:
-            o = paged_decode.paged_decode(q, kv_cache, tables, seq_lens, self.scale)
+            o = paged_decode.paged_decode(q, kv_cache, tables, seq_lens, self.scale, window)
             if o is not None:
                 return o
-        return self._decode_eager(q, kv_cache, tables, seq_lens)
+        return self._decode_eager(q, kv_cache, tables, seq_lens, window)
 
     def _decode_eager(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        window: int,
     ) -> torch.Tensor:
         """Whole blocks gathered into the workspace, then SDPA with GQA folded into q."""
         n = q.shape[0]
@@ -139,6 +148,8 @@ class TorchAttentionBackend(AttentionBackend):
         mask = torch.zeros(n, k.shape[2], dtype=q.dtype, device=q.device)
         key_pos = torch.arange(k.shape[2], device=q.device)
         mask.masked_fill_(key_pos[None, :] >= seq_lens[:, None], float("-inf"))
+        if window > 0:  # the query sits at seq_len - 1
+            mask.masked_fill_(key_pos[None, :] < seq_lens[:, None] - window, float("-inf"))
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask[:, None, None, :], scale=self.scale
         )
@@ -152,14 +163,17 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: TorchAttentionMetadata,
         r: int,
+        window: int,
     ) -> torch.Tensor:
         start, end = meta.query_start_loc_host[r], meta.query_start_loc_host[r + 1]
         if self.batch_invariant:
-            o = self._extend_by_rows(q[start:end], kv_cache, meta, r)
+            o = self._extend_by_rows(q[start:end], kv_cache, meta, r, window)
             if o is not None:
                 return o
         mask = meta.extend_masks[r - meta.num_decodes]
-        if mask is None:  # nothing cached before this chunk: its own K/V is the context
+        if window > 0 and meta.seq_lens_host[r] > window:  # some keys fall out of the window
+            mask = self._window_mask(meta, r, window)
+        if meta.num_computed_host[r] == 0:  # nothing cached before: its own K/V is the context
             kr, vr = k[start:end], v[start:end]
         else:
             seq_len = meta.seq_lens_host[r]
@@ -180,15 +194,28 @@ class TorchAttentionBackend(AttentionBackend):
         )
         return o[0].transpose(0, 1)
 
+    def _window_mask(self, meta: AttentionMetadata, r: int, window: int) -> torch.Tensor:
+        """bool [num_new, seq_len]: key j visible to the query at position i when
+        i - window < j <= i."""
+        num_computed, seq_len = meta.num_computed_host[r], meta.seq_lens_host[r]
+        query_pos = torch.arange(num_computed, seq_len, device=self.device)[:, None]
+        key_pos = torch.arange(seq_len, device=self.device)[None, :]
+        return (key_pos <= query_pos) & (key_pos > query_pos - window)
+
     def _extend_by_rows(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: TorchAttentionMetadata, r: int
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: TorchAttentionMetadata,
+        r: int,
+        window: int,
     ) -> torch.Tensor | None:
         """A chunk's queries as decodes of their own lengths (row i attends to the first
         num_computed + i + 1 positions of request r's blocks), by the decode kernel."""
         n, first = q.shape[0], meta.num_computed_host[r]
         table = meta.block_tables[r : r + 1].expand(n, -1)  # one table for every row
         lens = torch.arange(first + 1, first + n + 1, dtype=torch.int32)
-        return paged_decode.paged_decode(q, kv_cache, table, lens, self.scale)
+        return paged_decode.paged_decode(q, kv_cache, table, lens, self.scale, window)
 
     def _gather(
         self, kv_cache: torch.Tensor, block_ids: torch.Tensor

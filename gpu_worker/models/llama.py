@@ -60,6 +60,13 @@ class LlamaConfig:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool
+    # each layer's sliding window, 0 where it attends to its whole context (empty: none has
+    # one); gpu_worker/models/config_checks.py reads it as transformers does per family
+    sliding_windows: tuple[int, ...] = ()
+
+    def sliding_window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window, 0 for the whole context."""
+        return self.sliding_windows[layer] if self.sliding_windows else 0
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> LlamaConfig:
@@ -69,10 +76,6 @@ class LlamaConfig:
         num_heads = cfg["num_attention_heads"]
         check_activation(cfg)
         windows = layer_windows(cfg, model_type, cfg["num_hidden_layers"])
-        if any(windows):
-            raise ValueError(
-                f"sliding_window {max(windows)} is not implemented (model_type {model_type!r})"
-            )
         # transformers' Mistral has no biases, Qwen2 q/k/v biases only, whatever the config
         attention_bias = model_type in ("llama", "qwen3") and bool(cfg.get("attention_bias"))
         return cls(
@@ -93,6 +96,7 @@ class LlamaConfig:
             o_bias=attention_bias,
             mlp_bias=model_type == "llama" and bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
+            sliding_windows=windows if any(windows) else (),
         )
 
 
@@ -195,9 +199,10 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention; the backend stores K/V and attends over the cache.
-    Under tensor parallelism it holds this rank's heads and KV heads; its o_proj output is
-    a partial sum (the decoder layer all-reduces it)."""
+    """Grouped-query self-attention; the backend stores K/V and attends over the cache (the
+    last `sliding_window` positions of it, where that is not 0). Under tensor parallelism it
+    holds this rank's heads and KV heads; its o_proj output is a partial sum (the decoder
+    layer all-reduces it)."""
 
     def __init__(
         self,
@@ -205,8 +210,10 @@ class Attention(nn.Module):
         backend: AttentionBackend,
         tp: TensorParallel,
         ops: LayerOps = TORCH_OPS,
+        sliding_window: int = 0,
     ) -> None:
         super().__init__()
+        self.sliding_window = sliding_window
         self.num_heads = cfg.num_heads // tp.size
         self.num_kv_heads = cfg.num_kv_heads // tp.size
         self.head_dim = cfg.head_dim
@@ -234,7 +241,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.ops.rotate(q, rope), self.ops.rotate(k, rope)
-        o = self.backend.forward(q, k, v, kv_cache, meta)
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.sliding_window)
         return self.o_proj(o.reshape(num_tokens, -1))
 
 
@@ -265,10 +272,11 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         tp: TensorParallel,
         ops: LayerOps = TORCH_OPS,
+        layer_idx: int = 0,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.self_attn = Attention(cfg, backend, tp, ops)
+        self.self_attn = Attention(cfg, backend, tp, ops, cfg.sliding_window(layer_idx))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.mlp = MLP(cfg, tp, ops)
         self.tp = tp
@@ -331,7 +339,9 @@ class LlamaModel(nn.Module):
         # a ModuleList (registered submodules), typed as what it holds
         self.layers = cast(
             Sequence[DecoderLayer],
-            nn.ModuleList(DecoderLayer(cfg, backend, tp, ops) for _ in range(cfg.num_layers)),
+            nn.ModuleList(
+                DecoderLayer(cfg, backend, tp, ops, layer_idx=i) for i in range(cfg.num_layers)
+            ),
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.ops = ops

@@ -28,7 +28,8 @@ def _backend(name: str, device: torch.device, num_heads: int = 6, num_kv_heads: 
                           dtype=torch.float32, device=device)  # fmt: skip
 
 
-def test_backend_matches_torch_backend_on_a_mixed_batch(device) -> None:
+@pytest.mark.parametrize("window", [0, 3, 6])  # 0: none
+def test_backend_matches_torch_backend_on_a_mixed_batch(window, device) -> None:
     # two decodes, then a prefill and an extend whose prefix ends mid-block
     num_computed, num_new = [15, 1, 0, 5], [1, 1, 9, 4]
     tables = [[3, 7, 10, 11], [0], [5, 1, 9], [2, 8, 4]]
@@ -41,7 +42,8 @@ def test_backend_matches_torch_backend_on_a_mixed_batch(device) -> None:
         backend = _backend(name, device)
         common = build_metadata(num_computed, num_new, tables, 4, device)
         caches.append(cache.clone())
-        outs.append(backend.forward(q, k, v, caches[-1], backend.build_metadata(common)))
+        meta = backend.build_metadata(common)
+        outs.append(backend.forward(q, k, v, caches[-1], meta, window))
     assert (outs[0] - outs[1]).abs().max().item() <= 2e-3
     assert torch.equal(caches[0], caches[1])
 
@@ -85,7 +87,8 @@ def _greedy_tokens(runner: ModelRunner) -> list[tuple[list[str], list[int]]]:
     return [(r.req_ids, r.token_ids) for r in results]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: q/k norms, head_dim 32
+# qwen3: q/k norms, head_dim 32; qwen2-window: a second layer sliding over 8 positions
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2-window"])
 def test_worker_greedy_tokens_match_torch_backend(arch, tiny_model_dir, device) -> None:
     path = str(tiny_model_dir(arch))
     kwargs = dict(device=str(device), num_blocks=16, block_size=4)

@@ -22,6 +22,7 @@ def _extend_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     qk_scale,  # scale * log2(e): scores in log2 units, softmax by exp2
+    window,  # sliding window: key j visible to query i when i - window < j; 0 for none
     stride_qt,
     stride_qh,
     stride_ot,
@@ -59,9 +60,10 @@ def _extend_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         bt_row = block_tables_ptr + r * stride_bt
-        # the last key any row of this tile may see (causal)
+        # the last key any row of this tile may see (causal), and the first (its window)
         end = tl.minimum(seq_len, num_computed + (m_block + 1) * BLOCK_M)
-        for n0 in range(0, end, BLOCK_N):
+        lo = tl.where(window > 0, tl.maximum(num_computed + m_block * BLOCK_M - window + 1, 0), 0)
+        for n0 in range(lo, end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             pos_mask = pos < end
             block = tl.load(bt_row + pos // block_size, mask=pos_mask, other=0).to(tl.int64)
@@ -74,15 +76,18 @@ def _extend_kernel(
             )
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             visible = pos_mask[None, :] & (pos[None, :] <= query_pos[:, None])
-            qk = tl.where(visible, qk, float("-inf"))
-            # key 0 is visible to every row, so m_new is finite from the first tile on
+            in_window = (window <= 0) | (pos[None, :] > query_pos[:, None] - window)
+            qk = tl.where(visible & in_window, qk, float("-inf"))
+            # with a window a row may see nothing in the first tiles: m_new is then -inf, and
+            # its p and alpha are taken against 0 (they are 0, not exp2(-inf + inf) = NaN)
             m_new = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.math.exp2(qk - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(qk - m_ref[:, None])
+            alpha = tl.math.exp2(m_i - m_ref)
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
-        o = acc / l_i[:, None]
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # padding rows may have seen nothing
         o_offs = (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :]
         o_mask = row_mask[:, None] & d_mask[None, :]
         tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
@@ -120,11 +125,13 @@ def extend_attention(
     scale: float,
     *,
     max_query_len: int,  # the longest request's new tokens (a host number: sizes the grid)
+    window: int = 0,  # sliding window: the last `window` positions of each query; 0 for all
     out: torch.Tensor | None = None,  # [T, num_heads, head_dim]; rows outside requests kept
     block_m: int | None = None,
     block_n: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of the requests' new tokens over their paged context (K/V stored)."""
+    """Causal attention of the requests' new tokens over their paged context (K/V stored),
+    each query over its last `window` positions with a sliding window."""
     out = torch.empty_like(q) if out is None else out
     _check_inputs(q, kv_cache, out, block_tables, query_start_loc, seq_lens)
     num_reqs = seq_lens.shape[0]
@@ -136,7 +143,7 @@ def extend_attention(
     block_m, block_n = block_m or default_m, block_n or default_n
     grid = (num_reqs, num_heads, triton.cdiv(max_query_len, block_m))
     _extend_kernel[grid](
-        q, kv_cache, out, block_tables, query_start_loc, seq_lens, scale * _LOG2E,
+        q, kv_cache, out, block_tables, query_start_loc, seq_lens, scale * _LOG2E, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),

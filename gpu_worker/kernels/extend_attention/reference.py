@@ -14,8 +14,9 @@ def extend_attention_reference(
     query_start_loc: torch.Tensor,  # [R + 1] int32, rows of q per request
     seq_lens: torch.Tensor,  # [R] int32, context length including the new tokens
     scale: float,
+    window: int = 0,  # sliding window: key j visible to query i when i - window < j
 ) -> torch.Tensor:  # [T, num_heads, head_dim] float32 (rows outside every request: 0)
-    """Causal attention of each request's new tokens over its whole cached context."""
+    """Causal attention of each request's new tokens over its cached context."""
     num_heads, num_kv_heads = q.shape[1], kv_cache.shape[3]
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     starts = query_start_loc.tolist()
@@ -29,6 +30,8 @@ def extend_attention_reference(
         query_pos = torch.arange(num_computed, seq_len, device=q.device)
         key_pos = torch.arange(seq_len, device=q.device)
         visible = key_pos[None, :] <= query_pos[:, None]  # [q_len, L]
+        if window > 0:
+            visible &= key_pos[None, :] > query_pos[:, None] - window
         scores = scores.masked_fill(~visible, float("-inf"))
         out[start:end] = torch.einsum("hql,lhd->qhd", scores.softmax(dim=-1), v)
     return out

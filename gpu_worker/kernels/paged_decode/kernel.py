@@ -2,6 +2,8 @@
 
 See the package docstring for the method. Scores are kept in log2 units (q is scaled by
 `scale * log2(e)`) so the softmax uses exp2, which is what the hardware computes natively.
+With a sliding window (`window` > 0) the splits share out only the last `window` positions
+of each context; the positions before are never read.
 """
 
 from __future__ import annotations
@@ -16,6 +18,12 @@ from gpu_worker.kernels import check_device, check_paged_attention, dot_precisio
 
 DEFAULT_NUM_SPLITS = 16
 _LOG2E = math.log2(math.e)
+
+
+@triton.jit
+def _window_start(seq_len, window):
+    """The first position the query (at seq_len - 1) sees: 0, or seq_len - window."""
+    return tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
 
 
 @triton.jit
@@ -34,6 +42,7 @@ def _decode_split_kernel(
     part_o_ptr,  # [B, num_heads, NUM_SPLITS, head_dim] float32
     part_lse_ptr,  # [B, num_heads, NUM_SPLITS] float32, log2 units
     qk_scale,  # scale * log2(e)
+    window,  # sliding window, 0 for the whole context
     stride_qb,
     stride_qh,
     stride_cache_kv,
@@ -62,8 +71,9 @@ def _decode_split_kernel(
     d_mask = d < head_dim
 
     seq_len = tl.load(seq_lens_ptr + b)
-    split_len = _split_len(seq_len, NUM_SPLITS, BLOCK_N)
-    start = split * split_len
+    first = _window_start(seq_len, window)
+    split_len = _split_len(seq_len - first, NUM_SPLITS, BLOCK_N)
+    start = first + split * split_len
     end = tl.minimum(start + split_len, seq_len)
     if start < end:  # later splits of a short context have nothing to do
         q_offs = b * stride_qb + heads[:, None] * stride_qh + d[None, :]
@@ -107,6 +117,7 @@ def _decode_merge_kernel(
     part_lse_ptr,
     seq_lens_ptr,
     out_ptr,
+    window,
     stride_ob,
     stride_oh,
     num_heads,
@@ -118,7 +129,8 @@ def _decode_merge_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
-    num_active = tl.cdiv(seq_len, _split_len(seq_len, NUM_SPLITS, BLOCK_N))
+    span = seq_len - _window_start(seq_len, window)  # the positions the splits share out
+    num_active = tl.cdiv(span, _split_len(span, NUM_SPLITS, BLOCK_N))
     s = tl.arange(0, NUM_SPLITS)
     s_mask = s < num_active  # inactive splits wrote nothing: never read them
     d = tl.arange(0, BLOCK_D)
@@ -165,14 +177,17 @@ def paged_decode(
     seq_lens: torch.Tensor,  # [B] int32, context length including the new token
     scale: float,
     *,
+    window: int = 0,  # sliding window: the last `window` positions only; 0 for all
     num_splits: int = DEFAULT_NUM_SPLITS,
     out: torch.Tensor | None = None,  # [B, num_heads, head_dim], written if given
     block_n: int | None = None,
 ) -> torch.Tensor:
-    """Attention of each sequence's one new query over its whole paged context."""
+    """Attention of each sequence's one new query over its paged context (its last `window`
+    positions with a sliding window)."""
     out = torch.empty_like(q) if out is None else out
     _check_inputs(q, kv_cache, block_tables, seq_lens, out)
     assert num_splits >= 1 and num_splits & (num_splits - 1) == 0, "num_splits: a power of 2"
+    assert window >= 0, "window: 0 (none) or positive"
     num_seqs, num_heads, head_dim = q.shape
     if num_seqs == 0:
         return out
@@ -187,7 +202,7 @@ def paged_decode(
     part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
     grid = (num_seqs, num_kv_heads * num_head_blocks, num_splits)
     _decode_split_kernel[grid](
-        q, kv_cache, block_tables, seq_lens, part_o, part_lse, scale * _LOG2E,
+        q, kv_cache, block_tables, seq_lens, part_o, part_lse, scale * _LOG2E, window,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
@@ -197,7 +212,7 @@ def paged_decode(
         num_warps=4, num_stages=2,
     )  # fmt: skip
     _decode_merge_kernel[(num_seqs, num_heads)](
-        part_o, part_lse, seq_lens, out, out.stride(0), out.stride(1), num_heads, head_dim,
+        part_o, part_lse, seq_lens, out, window, out.stride(0), out.stride(1), num_heads, head_dim,
         NUM_SPLITS=num_splits, BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=4,
     )  # fmt: skip

@@ -25,6 +25,7 @@ def paged_decode_reference(
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     seq_lens: torch.Tensor,  # [B] int32, tokens of context (the new one included)
     scale: float,
+    window: int = 0,  # sliding window: the last `window` positions only; 0 for all
 ) -> torch.Tensor:  # [B, num_heads, head_dim] float32
     """softmax(q K^T * scale) V per sequence, in float32, with GQA by repeating K/V heads."""
     num_heads, num_kv_heads = q.shape[1], kv_cache.shape[3]
@@ -34,5 +35,7 @@ def paged_decode_reference(
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [L, H, D]
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
         scores = torch.einsum("hd,lhd->hl", q[b].float(), k) * scale
+        if window > 0:
+            scores[:, : max(0, seq_len - window)] = float("-inf")
         out[b] = torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), v)
     return out

@@ -88,6 +88,8 @@ def test_biases_follow_each_family() -> None:
     assert qwen3.qkv_bias and qwen3.o_bias
 
 
-def test_sliding_window_is_refused_until_implemented() -> None:
-    with pytest.raises(ValueError, match="sliding_window 16 is not implemented"):
-        LlamaConfig.from_hf(dict(BASE, model_type="mistral", sliding_window=16))
+def test_windows_reach_the_config_per_layer() -> None:
+    cfg = dict(BASE, model_type="qwen2", use_sliding_window=True, sliding_window=8)
+    windows = LlamaConfig.from_hf(dict(cfg, max_window_layers=3))
+    assert [windows.sliding_window(i) for i in range(4)] == [0, 0, 0, 8]
+    assert LlamaConfig.from_hf(dict(cfg, max_window_layers=4)).sliding_windows == ()
