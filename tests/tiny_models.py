@@ -11,6 +11,8 @@ to end. Creation is deterministic (torch.manual_seed). The shapes vary on purpos
     mistral-window   mistral with a sliding window of 16 in every layer
     qwen2-window     qwen2 whose layers from the second on slide over 8 positions
                      (use_sliding_window, max_window_layers 1)
+    qwen3-yarn       qwen3 with YaRN rope scaling (factor 4 over an original 32 positions)
+    llama-linear     llama with linear rope scaling (factor 2)
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ import torch
 
 from common.prepare_model import default_model_dir
 
-TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mistral-window", "qwen2-window")
+TINY_ARCHS = (
+    *("llama", "qwen2", "qwen3", "mistral"),
+    *("mistral-window", "qwen2-window", "qwen3-yarn", "llama-linear"),
+)
 VOCAB_SIZE = 49152  # SmolLM2's tokenizer
 EOS_TOKEN_ID = 2  # "<|im_end|>" in SmolLM2's tokenizer
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -74,6 +79,18 @@ def _config(arch: str, num_layers: int, vocab_size: int = VOCAB_SIZE) -> Any:
     if arch == "mistral-window":
         return transformers.MistralConfig(
             **common, num_key_value_heads=2, sliding_window=16, tie_word_embeddings=True
+        )
+    if arch == "qwen3-yarn":
+        yarn = dict(
+            rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32
+        )
+        return transformers.Qwen3Config(
+            **common, num_key_value_heads=2, head_dim=32, rope_parameters=yarn
+        )
+    if arch == "llama-linear":
+        linear = dict(rope_type="linear", rope_theta=10000.0, factor=2.0)
+        return transformers.LlamaConfig(
+            **common, num_key_value_heads=2, rope_parameters=linear, tie_word_embeddings=False
         )
     if arch == "qwen2-window":
         return transformers.Qwen2Config(

@@ -22,7 +22,6 @@ through its Protocols, which these classes fill).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import Any, Protocol, cast
 
@@ -35,6 +34,7 @@ from gpu_worker.distributed.tensor_parallel import TensorParallel, VocabParallel
 from gpu_worker.layers.linear import Linear
 from gpu_worker.layers.ops import TORCH_OPS, LayerOps, Rope, rotate_neox
 from gpu_worker.models.config_checks import check_activation, layer_windows
+from gpu_worker.models.rope import rope_attention_factor, rope_inv_freq, rope_scaling, rope_theta
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -53,7 +53,7 @@ class LlamaConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict[str, Any] | None  # llama3 parameters, None for plain rope
+    rope_scaling: dict[str, Any] | None  # llama3/linear/yarn parameters, None for plain rope
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
@@ -88,8 +88,8 @@ class LlamaConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=_rope_theta(cfg),
-            rope_scaling=_rope_scaling(cfg),
+            rope_theta=rope_theta(cfg),
+            rope_scaling=rope_scaling(cfg),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or attention_bias,
@@ -98,48 +98,6 @@ class LlamaConfig:
             qk_norm=model_type == "qwen3",
             sliding_windows=windows if any(windows) else (),
         )
-
-
-def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
-    """transformers 5 keeps rope settings in rope_parameters, older configs in rope_scaling."""
-    return cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-
-
-def _rope_theta(cfg: dict[str, Any]) -> float:
-    return float(cfg.get("rope_theta") or _rope_params(cfg).get("rope_theta") or 10000.0)
-
-
-def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
-    params = _rope_params(cfg)
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial rotary embeddings are not supported")
-    if rope_type == "default":
-        return None
-    if rope_type != "llama3":
-        raise ValueError(f"rope_type {rope_type!r} is not supported (default, llama3)")
-    return params
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2], with Llama 3.1's wavelength-dependent scaling."""
-    # on the CPU explicitly, as HF does, even while the loader builds modules on "meta"
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim
-    inv_freq = 1.0 / (theta**exponents)
-    if scaling is None:
-        return inv_freq
-    factor = scaling["factor"]
-    low_freq_factor, high_freq_factor = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_context_len = scaling["original_max_position_embeddings"]
-    low_freq_wavelen = old_context_len / low_freq_factor
-    high_freq_wavelen = old_context_len / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    # long wavelengths are divided by factor, short ones kept, the band between interpolated
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
 
 
 class RMSNorm(nn.Module):
@@ -172,8 +130,9 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(head_dim, theta, scaling).to(device)
         positions = torch.arange(max_positions, device=device, dtype=torch.float)
         freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        factor = rope_attention_factor(scaling)  # yarn's, as transformers scales cos and sin
+        self.register_buffer("cos", freqs.cos() * factor, persistent=False)
+        self.register_buffer("sin", freqs.sin() * factor, persistent=False)
         self.is_neox_style = is_neox_style
 
     def forward(
