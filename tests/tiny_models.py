@@ -13,6 +13,8 @@ to end. Creation is deterministic (torch.manual_seed). The shapes vary on purpos
                      (use_sliding_window, max_window_layers 1)
     qwen3-yarn       qwen3 with YaRN rope scaling (factor 4 over an original 32 positions)
     llama-linear     llama with linear rope scaling (factor 2)
+    phi3             Phi-3-mini's config (fused qkv/gate_up weights, no biases, untied, a
+                     sliding window of about half the context: 2047 of 4096 there, 15 here)
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from common.prepare_model import default_model_dir
 
 TINY_ARCHS = (
     *("llama", "qwen2", "qwen3", "mistral"),
-    *("mistral-window", "qwen2-window", "qwen3-yarn", "llama-linear"),
+    *("mistral-window", "qwen2-window", "qwen3-yarn", "llama-linear", "phi3"),
 )
 VOCAB_SIZE = 49152  # SmolLM2's tokenizer
 EOS_TOKEN_ID = 2  # "<|im_end|>" in SmolLM2's tokenizer
@@ -91,6 +93,14 @@ def _config(arch: str, num_layers: int, vocab_size: int = VOCAB_SIZE) -> Any:
         linear = dict(rope_type="linear", rope_theta=10000.0, factor=2.0)
         return transformers.LlamaConfig(
             **common, num_key_value_heads=2, rope_parameters=linear, tie_word_embeddings=False
+        )
+    if arch == "phi3":
+        return transformers.Phi3Config(
+            **common,
+            num_key_value_heads=4,
+            sliding_window=15,
+            tie_word_embeddings=False,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
         )
     if arch == "qwen2-window":
         return transformers.Qwen2Config(

@@ -72,6 +72,11 @@ def _concat(weights: dict[str, Any], names: list[str], fused: str) -> None:
 
 def check_tensor_parallel(cfg: LlamaConfig, world: int, folder: str | Path = "") -> None:
     """Refuse (ValueError naming --tensor-parallel-size) a model that does not split."""
+    if world > 1 and cfg.model_type == "phi3":  # its checkpoint fuses q/k/v and gate/up
+        raise ValueError(
+            f"--tensor-parallel-size {world}: phi3 checkpoints (fused qkv_proj/gate_up_proj) "
+            "are served on one rank only"
+        )
     check_divisible(
         world,
         num_heads=cfg.num_heads,

@@ -4,12 +4,13 @@ transformers reads a few fields per family beyond the shapes (its modeling_<fami
 
     field                       families              here
     hidden_act                  all                   "silu" only (SwiGLU)
-    sliding_window              mistral               read: every layer's window
+    sliding_window              mistral, phi3         read: every layer's window
     use_sliding_window,         qwen2, qwen3          read: the window of the layers
       sliding_window,                                 layer_types (or max_window_layers)
       max_window_layers,                              names "sliding_attention"
       layer_types
-    attention_bias              llama, qwen3          q/k/v/o biases (qwen2: q/k/v always)
+    attention_bias              llama, qwen3          q/k/v/o biases (qwen2: q/k/v always;
+                                                      mistral, phi3: none)
     mlp_bias                    llama                 gate/up/down biases
 
 A field transformers reads for the family and we do not implement is refused at start with
@@ -38,11 +39,11 @@ def layer_windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> tupl
     window = cfg.get("sliding_window")
     if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
         window = None  # transformers drops the window unless use_sliding_window
-    if model_type not in ("mistral", "qwen2", "qwen3") or window is None:
+    if model_type not in ("mistral", "phi3", "qwen2", "qwen3") or window is None:
         return (0,) * num_layers
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise ValueError(f"sliding_window must be a positive integer, got {window!r}")
-    if model_type == "mistral":
+    if model_type in ("mistral", "phi3"):
         return (window,) * num_layers
     kinds = cfg.get("layer_types")
     if kinds is None:  # transformers' default: layers from max_window_layers on slide

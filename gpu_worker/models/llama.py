@@ -1,4 +1,4 @@
-"""The Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3) over a paged KV cache.
+"""The Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3) over a paged KV cache.
 
 A decoder-only transformer with pre-norm residual blocks:
 
@@ -8,7 +8,8 @@ A decoder-only transformer with pre-norm residual blocks:
 
 Attention uses rotary position embeddings (rotate-half / "neox" layout as in HF Llama) and
 grouped-query heads; Qwen2 adds q/k/v biases, Qwen3 an RMSNorm per head on q and k before
-rotary. q/k/v are one fused matmul and gate/up another (the loader concatenates weights).
+rotary. q/k/v are one fused matmul and gate/up another (the loader concatenates weights;
+Phi-3's checkpoints hold them fused already, in the same order).
 Tokens of every request in the step are packed into one [T] sequence; the attention backend
 and its metadata (passed in, per step) keep requests apart.
 
@@ -36,7 +37,7 @@ from gpu_worker.layers.ops import TORCH_OPS, LayerOps, Rope, rotate_neox
 from gpu_worker.models.config_checks import check_activation, layer_windows
 from gpu_worker.models.rope import rope_attention_factor, rope_inv_freq, rope_scaling, rope_theta
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -93,3 +93,13 @@ def test_windows_reach_the_config_per_layer() -> None:
     windows = LlamaConfig.from_hf(dict(cfg, max_window_layers=3))
     assert [windows.sliding_window(i) for i in range(4)] == [0, 0, 0, 8]
     assert LlamaConfig.from_hf(dict(cfg, max_window_layers=4)).sliding_windows == ()
+
+
+def test_phi3_reads_its_window_and_refuses_tensor_parallel() -> None:
+    from gpu_worker.model_loader.loader import check_tensor_parallel
+
+    cfg = LlamaConfig.from_hf(dict(BASE, model_type="phi3", sliding_window=15))
+    assert cfg.sliding_windows == (15,) * 4 and not (cfg.qkv_bias or cfg.mlp_bias)
+    check_tensor_parallel(cfg, 1)
+    with pytest.raises(ValueError, match="--tensor-parallel-size 2: phi3"):
+        check_tensor_parallel(cfg, 2)
