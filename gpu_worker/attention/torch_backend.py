@@ -18,7 +18,9 @@ queries go to the decode kernel instead, each as a decode of its own length: a t
 attention is then the same bits however the prompt was chunked or batched.
 
 A layer with a sliding window passes it to `forward`: the decode kernel starts each sequence
-at its last `window` positions, the eager paths mask the keys before them.
+at its last `window` positions, the eager paths mask the keys before them. With a soft cap
+(Gemma 2) the decode kernel caps its scores; SDPA cannot, so the eager paths then compute
+the scores, cap, mask and softmax (in float32) themselves.
 """
 
 from __future__ import annotations
@@ -125,7 +127,9 @@ class TorchAttentionBackend(AttentionBackend):
         tables, seq_lens = meta.decode_tables, meta.seq_lens[: meta.num_decodes]
         assert tables is not None
         if self.cpu_decode_kernel:
-            o = paged_decode.paged_decode(q, kv_cache, tables, seq_lens, self.scale, window)
+            o = paged_decode.paged_decode(
+                q, kv_cache, tables, seq_lens, self.scale, window, self.softcap
+            )
             if o is not None:
                 return o
         return self._decode_eager(q, kv_cache, tables, seq_lens, window)
@@ -150,10 +154,23 @@ class TorchAttentionBackend(AttentionBackend):
         mask.masked_fill_(key_pos[None, :] >= seq_lens[:, None], float("-inf"))
         if window > 0:  # the query sits at seq_len - 1
             mask.masked_fill_(key_pos[None, :] < seq_lens[:, None] - window, float("-inf"))
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask[:, None, None, :], scale=self.scale
-        )
+        if self.softcap > 0:
+            o = self._capped(q, k, v, mask[:, None, None, :] == 0)
+        else:
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask[:, None, None, :], scale=self.scale
+            )
         return o.reshape(n, self.num_heads, self.head_dim)
+
+    def _capped(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor
+    ) -> torch.Tensor:
+        """Soft-capped attention, as transformers' eager Gemma 2 computes it: q [..., n, D]
+        against k, v [..., L, D] (broadcast), visible bool [..., n, L]."""
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        return torch.matmul(scores, v.float()).to(q.dtype)
 
     def _extend(
         self,
@@ -181,6 +198,8 @@ class TorchAttentionBackend(AttentionBackend):
             kr, vr = self._gather(kv_cache, meta.block_tables[r, :num_blocks])
             kr = kr.view(-1, self.num_kv_heads, self.head_dim)[:seq_len]
             vr = vr.view(-1, self.num_kv_heads, self.head_dim)[:seq_len]
+        if self.softcap > 0:
+            return self._extend_capped(q[start:end], kr, vr, mask)
         # 4-D [1, heads, tokens, dim]: with 3-D inputs the CPU dispatches to the math kernel
         # (scores materialised, ~1.8x slower), with 4-D to the flash kernel, masked or causal
         o = F.scaled_dot_product_attention(
@@ -193,6 +212,19 @@ class TorchAttentionBackend(AttentionBackend):
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
         return o[0].transpose(0, 1)
+
+    def _extend_capped(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """A chunk's soft-capped attention: q [n, H, D] over k, v [L, KVH, D]; mask None
+        (causal, the chunk is the whole context) or bool [n, L]."""
+        n, length = q.shape[0], k.shape[0]
+        if mask is None:
+            mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril()
+        q_per_kv = self.num_heads // self.num_kv_heads
+        k = k.transpose(0, 1).repeat_interleave(q_per_kv, dim=0)  # [H, L, D]
+        v = v.transpose(0, 1).repeat_interleave(q_per_kv, dim=0)
+        return self._capped(q.transpose(0, 1), k, v, mask[None]).transpose(0, 1)
 
     def _window_mask(self, meta: AttentionMetadata, r: int, window: int) -> torch.Tensor:
         """bool [num_new, seq_len]: key j visible to the query at position i when
@@ -215,7 +247,7 @@ class TorchAttentionBackend(AttentionBackend):
         n, first = q.shape[0], meta.num_computed_host[r]
         table = meta.block_tables[r : r + 1].expand(n, -1)  # one table for every row
         lens = torch.arange(first + 1, first + n + 1, dtype=torch.int32)
-        return paged_decode.paged_decode(q, kv_cache, table, lens, self.scale, window)
+        return paged_decode.paged_decode(q, kv_cache, table, lens, self.scale, window, self.softcap)
 
     def _gather(
         self, kv_cache: torch.Tensor, block_ids: torch.Tensor

@@ -75,6 +75,7 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.seq_lens[:n],
                 self.scale,
                 window=window,
+                softcap=self.softcap,
                 num_splits=self.decode_num_splits,
                 out=out[:n],
             )
@@ -88,6 +89,7 @@ class TritonAttentionBackend(AttentionBackend):
                 self.scale,
                 max_query_len=meta.max_extend_len,
                 window=window,
+                softcap=self.softcap,
                 out=out,
             )
         return out

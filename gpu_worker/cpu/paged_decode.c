@@ -14,6 +14,9 @@
  * l >= seq_len - W (transformers' sliding_window: a key j is visible to a query i when
  * i - W < j <= i); the positions before are never read.
  *
+ * With a soft cap c > 0 (Gemma 2's attn_logit_softcapping) each score becomes c * tanh(s / c)
+ * before the softmax.
+ *
  * Scores, softmax and the output accumulate in float32 for either cache dtype (float32 or
  * bfloat16). q and out are float32 [n, H, D] contiguous; caches [blocks, bs, KVH, D].
  */
@@ -49,6 +52,11 @@ static inline const float *load_row(const void *cache, int is_bf16, int64_t offs
     return buf;
 }
 
+/* s = cap * tanh(s / cap) over n scores, as transformers' Gemma 2 soft-caps them */
+static void soft_cap(float *s, int n, float cap) {
+    for (int l = 0; l < n; l++) s[l] = tanhf(s[l] / cap) * cap;
+}
+
 /* Blocks are scattered: ask for position l + bs's rows now, one block ahead of their use,
  * into L2 (prefetcht1): into L1 (t0) each request holds one of the core's few L1 miss
  * buffers until it lands, and the loop stalled on them (a 64-sequence step's attention read
@@ -68,7 +76,8 @@ static inline void prefetch_ahead(const void *cache, int is_bf16, const int32_t 
  * once per pass (K, then V) instead of once per head. */
 static void attend(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
                    const int32_t *table, int start, int seq_len, int h0, int nh, int kvh, int g,
-                   int d, int bs, float scale, float *out, float *scores, float *row_buf) {
+                   int d, int bs, float scale, float softcap, float *out, float *scores,
+                   float *row_buf) {
     int rows = nh * g;
     for (int l = start; l < seq_len; l++) {
         int64_t slot = (int64_t)table[l / bs] * bs + l % bs;
@@ -79,6 +88,7 @@ static void attend(const float *q, const void *k_cache, const void *v_cache, int
     }
     for (int r = 0; r < rows; r++) {
         float *s = scores + (int64_t)r * seq_len, m = -INFINITY, sum = 0.0f;
+        if (softcap > 0.0f) soft_cap(s + start, seq_len - start, softcap);
         for (int l = start; l < seq_len; l++) m = s[l] > m ? s[l] : m;
 #pragma omp simd reduction(+ : sum)
         for (int l = start; l < seq_len; l++) {
@@ -110,8 +120,8 @@ static void attend(const float *q, const void *k_cache, const void *v_cache, int
 #define DEFINE_ATTEND_FIXED(D)                                                                 \
     static void attend_##D(const float *q, const void *k_cache, const void *v_cache,           \
                            int is_bf16, const int32_t *table, int start, int seq_len, int h0,  \
-                           int nh, int kvh, int g, int bs, float scale, float *out,            \
-                           float *scores) {                                                    \
+                           int nh, int kvh, int g, int bs, float scale, float softcap,         \
+                           float *out, float *scores) {                                        \
         int rows = nh * g;                                                                     \
         int64_t rs = (int64_t)kvh * D; /* elements from one position's row to the next */      \
         const float *kf = k_cache, *vf = v_cache;                                              \
@@ -140,6 +150,7 @@ static void attend(const float *q, const void *k_cache, const void *v_cache, int
         }                                                                                      \
         for (int r = 0; r < rows; r++) {                                                       \
             float *s = scores + (int64_t)r * seq_len, m = -INFINITY, sum = 0.0f;               \
+            if (softcap > 0.0f) soft_cap(s + start, seq_len - start, softcap);                 \
             for (int l = start; l < seq_len; l++) m = s[l] > m ? s[l] : m;                     \
             _Pragma("omp simd reduction(+ : sum)") for (int l = start; l < seq_len; l++) {     \
                 s[l] = expf(s[l] - m);                                                         \
@@ -179,11 +190,12 @@ DEFINE_ATTEND_FIXED(64)
 DEFINE_ATTEND_FIXED(128)
 
 /* Returns 0, or -1 when a shape is outside what the kernel handles (the caller falls back).
- * window: the sliding window, 0 for the whole context. */
+ * window: the sliding window, 0 for the whole context; softcap: the scores' soft cap, 0 for
+ * none. */
 int paged_decode(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
                  const int32_t *block_tables, int table_stride, const int32_t *seq_lens,
                  int n, int num_heads, int kvh, int d, int bs, float scale, int window,
-                 float *out, int num_threads) {
+                 float softcap, float *out, int num_threads) {
     int g = num_heads / kvh, max_len = 0;
     if (n <= 0 || num_threads <= 0) return -1;
     for (int i = 0; i < n; i++)
@@ -207,13 +219,13 @@ int paged_decode(const float *q, const void *k_cache, const void *v_cache, int i
             int len = seq_lens[i], start = window > 0 && len > window ? len - window : 0;
             if (d == 64)
                 attend_64(q + row, k_cache, v_cache, is_bf16, table, start, len, h0, nh, kvh, g,
-                          bs, scale, out + row, scores);
+                          bs, scale, softcap, out + row, scores);
             else if (d == 128)
                 attend_128(q + row, k_cache, v_cache, is_bf16, table, start, len, h0, nh, kvh, g,
-                           bs, scale, out + row, scores);
+                           bs, scale, softcap, out + row, scores);
             else
                 attend(q + row, k_cache, v_cache, is_bf16, table, start, len, h0, nh, kvh, g, d,
-                       bs, scale, out + row, scores, scores + (size_t)nh * g * max_len);
+                       bs, scale, softcap, out + row, scores, scores + (size_t)nh * g * max_len);
         }
         free(scores);
     }

@@ -28,7 +28,7 @@ _I = ctypes.c_int
 def _declare(lib: ctypes.CDLL) -> None:
     lib.paged_decode.restype = _I
     lib.paged_decode.argtypes = [_P, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _I]
-    lib.paged_decode.argtypes += [ctypes.c_float, _I, _P, _I]
+    lib.paged_decode.argtypes += [ctypes.c_float, _I, ctypes.c_float, _P, _I]
 
 
 _LIBRARY = KernelLibrary(
@@ -48,6 +48,7 @@ def paged_decode(
     seq_lens: torch.Tensor,  # [n] int32, >= 1
     scale: float,
     window: int = 0,  # sliding window: the last `window` positions only; 0 for all
+    softcap: float = 0.0,  # scores soft-capped to softcap * tanh(s / softcap); 0 for none
 ) -> torch.Tensor | None:
     """Decode attention over the paged cache, in q's dtype; None if the kernel is unavailable
     or the inputs are not CPU tensors of a supported layout (the caller falls back)."""
@@ -86,6 +87,7 @@ def paged_decode(
         block_size,
         scale,
         window,
+        softcap,
         out.data_ptr(),
         threads,
     )

@@ -37,7 +37,7 @@ from gpu_worker.kernels.rotary import kernel as rotary
 
 DTYPES = {"bf16": 2, "fp32": 4}  # name: element size
 SHAPES = ((9, 3, 64), (32, 8, 128))  # heads, KV heads, head_dim
-FLOAT_ARGS = ("qk_scale", "eps")
+FLOAT_ARGS = ("qk_scale", "eps", "softcap")
 
 
 def _resources(cubin: bytes) -> dict[str, int]:

@@ -21,7 +21,7 @@ MIXED = [(0, 1), (0, BLOCK_SIZE - 1), (0, BLOCK_SIZE + 1), (5, 3), (BLOCK_SIZE, 
 
 
 def _run(requests, *, num_kv_heads, q_per_kv, head_dim, device, row_offset=0,
-         dtype=torch.float32, window=0, **blocks):  # fmt: skip
+         dtype=torch.float32, window=0, softcap=0.0, q_gain=1.0, **blocks):  # fmt: skip
     """Returns (kernel output, reference) over the requests' rows."""
     seq_lens = [c + n for c, n in requests]
     query_lens = [n for _, n in requests]
@@ -30,15 +30,16 @@ def _run(requests, *, num_kv_heads, q_per_kv, head_dim, device, row_offset=0,
     qsl = [row_offset]
     for n in query_lens:
         qsl.append(qsl[-1] + n)
-    q = randn(qsl[-1], num_kv_heads * q_per_kv, head_dim, seed=1, device=device).to(dtype)
+    q = randn(qsl[-1], num_kv_heads * q_per_kv, head_dim, seed=1, device=device) * q_gain
+    q = q.to(dtype)
     qsl_t = torch.tensor(qsl, dtype=torch.int32, device=device)
     scale = head_dim**-0.5
     out = torch.full_like(q, 7.0)
     extend_attention(q, batch.kv_cache, batch.block_tables, qsl_t, batch.seq_lens, scale,
                      max_query_len=max(query_lens), out=out, window=window,
-                     **blocks)  # fmt: skip
+                     softcap=softcap, **blocks)  # fmt: skip
     ref = extend_attention_reference(q, batch.kv_cache, batch.block_tables, qsl_t,
-                                     batch.seq_lens, scale, window)  # fmt: skip
+                                     batch.seq_lens, scale, window, softcap)  # fmt: skip
     return out, ref
 
 
@@ -113,3 +114,10 @@ def test_windowed_reference_matches_naive_loop() -> None:
                                      batch.seq_lens, 0.3, 3)  # fmt: skip
     naive = naive_paged_attention(q, batch, [n for _, n in requests], 0.3, window=3)
     assert (ref.double() - naive).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("window", [0, 7])
+def test_soft_cap_matches_reference(window, device) -> None:
+    out, ref = _run(MIXED, num_kv_heads=1, q_per_kv=3, head_dim=64, device=device,
+                    window=window, softcap=3.0, q_gain=4.0, block_m=16, block_n=16)  # fmt: skip
+    assert (out - ref).abs().max().item() <= 2e-3

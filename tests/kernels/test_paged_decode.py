@@ -18,15 +18,16 @@ MIXED_LENS = [1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 300]
 
 
 def _check(seq_lens, *, num_kv_heads, q_per_kv, head_dim, num_splits, device, block_n=None,
-           window=0):  # fmt: skip
+           window=0, softcap=0.0, q_gain=1.0):  # fmt: skip
     batch = paged_batch(seq_lens, block_size=BLOCK_SIZE, num_kv_heads=num_kv_heads,
                         head_dim=head_dim, device=device)  # fmt: skip
-    q = randn(len(seq_lens), num_kv_heads * q_per_kv, head_dim, seed=1, device=device)
+    q = randn(len(seq_lens), num_kv_heads * q_per_kv, head_dim, seed=1, device=device) * q_gain
     scale = head_dim**-0.5
     out = paged_decode(q, batch.kv_cache, batch.block_tables, batch.seq_lens, scale,
-                       window=window, num_splits=num_splits, block_n=block_n)  # fmt: skip
+                       window=window, softcap=softcap, num_splits=num_splits,
+                       block_n=block_n)  # fmt: skip
     ref = paged_decode_reference(q, batch.kv_cache, batch.block_tables, batch.seq_lens, scale,
-                                 window)  # fmt: skip
+                                 window, softcap)  # fmt: skip
     assert (out - ref).abs().max().item() <= 2e-3
 
 
@@ -100,3 +101,10 @@ def test_windowed_reference_matches_naive_loop() -> None:
     ref = paged_decode_reference(q, batch.kv_cache, batch.block_tables, batch.seq_lens, 0.3, 3)
     naive = naive_paged_attention(q, batch, [1, 1, 1], 0.3, window=3)
     assert (ref.double() - naive).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("window", [0, 16])
+def test_soft_cap_matches_reference(window, device) -> None:
+    # q scaled up so that most scores are past the cap's knee
+    _check(MIXED_LENS, num_kv_heads=2, q_per_kv=3, head_dim=64, num_splits=4, device=device,
+           block_n=16, window=window, softcap=3.0, q_gain=4.0)  # fmt: skip

@@ -23,13 +23,15 @@ from tests.kernels.paged import randn  # noqa: E402
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def _backend(name: str, device: torch.device, num_heads: int = 6, num_kv_heads: int = 2):
+def _backend(name: str, device: torch.device, num_heads: int = 6, num_kv_heads: int = 2,
+             **variant: float):  # fmt: skip
     return create_backend(name, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64,
-                          dtype=torch.float32, device=device)  # fmt: skip
+                          dtype=torch.float32, device=device, **variant)  # fmt: skip
 
 
 @pytest.mark.parametrize("window", [0, 3, 6])  # 0: none
-def test_backend_matches_torch_backend_on_a_mixed_batch(window, device) -> None:
+@pytest.mark.parametrize("variant", [{}, {"scale": 0.3, "softcap": 2.0}], ids=["plain", "gemma2"])
+def test_backend_matches_torch_backend_on_a_mixed_batch(window, variant, device) -> None:
     # two decodes, then a prefill and an extend whose prefix ends mid-block
     num_computed, num_new = [15, 1, 0, 5], [1, 1, 9, 4]
     tables = [[3, 7, 10, 11], [0], [5, 1, 9], [2, 8, 4]]
@@ -39,7 +41,7 @@ def test_backend_matches_torch_backend_on_a_mixed_batch(window, device) -> None:
     k, v = randn(tokens, 2, 64, seed=2, device=device), randn(tokens, 2, 64, seed=3, device=device)
     outs, caches = [], []
     for name in ("torch", "triton"):
-        backend = _backend(name, device)
+        backend = _backend(name, device, **variant)
         common = build_metadata(num_computed, num_new, tables, 4, device)
         caches.append(cache.clone())
         meta = backend.build_metadata(common)

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from gpu_worker.kernels import check_device, check_paged_attention, dot_precision, next_power_of_2
+from gpu_worker.kernels.paged_decode.kernel import soft_cap
 
 _LOG2E = math.log2(math.e)
 
@@ -23,6 +24,7 @@ def _extend_kernel(
     seq_lens_ptr,
     qk_scale,  # scale * log2(e): scores in log2 units, softmax by exp2
     window,  # sliding window: key j visible to query i when i - window < j; 0 for none
+    softcap,  # soft cap in log2 units (cap * log2(e)), 0 for none
     stride_qt,
     stride_qh,
     stride_ot,
@@ -75,6 +77,8 @@ def _extend_kernel(
                 cache_ptr + stride_cache_kv + offs[:, None] + d[None, :], mask=kv_mask, other=0.0
             )
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            if softcap > 0:
+                qk = soft_cap(qk, softcap)
             visible = pos_mask[None, :] & (pos[None, :] <= query_pos[:, None])
             in_window = (window <= 0) | (pos[None, :] > query_pos[:, None] - window)
             qk = tl.where(visible & in_window, qk, float("-inf"))
@@ -126,6 +130,7 @@ def extend_attention(
     *,
     max_query_len: int,  # the longest request's new tokens (a host number: sizes the grid)
     window: int = 0,  # sliding window: the last `window` positions of each query; 0 for all
+    softcap: float = 0.0,  # scores soft-capped to softcap * tanh(s / softcap); 0 for none
     out: torch.Tensor | None = None,  # [T, num_heads, head_dim]; rows outside requests kept
     block_m: int | None = None,
     block_n: int | None = None,
@@ -144,7 +149,7 @@ def extend_attention(
     grid = (num_reqs, num_heads, triton.cdiv(max_query_len, block_m))
     _extend_kernel[grid](
         q, kv_cache, out, block_tables, query_start_loc, seq_lens, scale * _LOG2E, window,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        softcap * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
         num_heads // num_kv_heads, block_size, head_dim,

@@ -15,6 +15,7 @@ def extend_attention_reference(
     seq_lens: torch.Tensor,  # [R] int32, context length including the new tokens
     scale: float,
     window: int = 0,  # sliding window: key j visible to query i when i - window < j
+    softcap: float = 0.0,  # scores soft-capped to softcap * tanh(s / softcap); 0 for none
 ) -> torch.Tensor:  # [T, num_heads, head_dim] float32 (rows outside every request: 0)
     """Causal attention of each request's new tokens over its cached context."""
     num_heads, num_kv_heads = q.shape[1], kv_cache.shape[3]
@@ -27,6 +28,8 @@ def extend_attention_reference(
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [L, H, D]
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
         scores = torch.einsum("qhd,lhd->hql", q[start:end].float(), k) * scale
+        if softcap > 0:
+            scores = torch.tanh(scores / softcap) * softcap
         query_pos = torch.arange(num_computed, seq_len, device=q.device)
         key_pos = torch.arange(seq_len, device=q.device)
         visible = key_pos[None, :] <= query_pos[:, None]  # [q_len, L]

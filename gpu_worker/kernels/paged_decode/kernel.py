@@ -3,7 +3,9 @@
 See the package docstring for the method. Scores are kept in log2 units (q is scaled by
 `scale * log2(e)`) so the softmax uses exp2, which is what the hardware computes natively.
 With a sliding window (`window` > 0) the splits share out only the last `window` positions
-of each context; the positions before are never read.
+of each context; the positions before are never read. With a soft cap (`softcap` > 0,
+Gemma 2) each score becomes softcap * tanh(score / softcap) before the softmax; in log2 units
+that is the same with the cap times log2(e).
 """
 
 from __future__ import annotations
@@ -18,6 +20,15 @@ from gpu_worker.kernels import check_device, check_paged_attention, dot_precisio
 
 DEFAULT_NUM_SPLITS = 16
 _LOG2E = math.log2(math.e)
+
+
+@triton.jit
+def soft_cap(x, cap):
+    """cap * tanh(x / cap), tanh from exp2 (stable: e^(-2|y|) never overflows)."""
+    y = x / cap
+    t = tl.math.exp2(-2.8853900817779268 * tl.abs(y))  # e^(-2|y|): 2 * log2(e)
+    th = (1.0 - t) / (1.0 + t)
+    return cap * tl.where(y < 0, -th, th)
 
 
 @triton.jit
@@ -43,6 +54,7 @@ def _decode_split_kernel(
     part_lse_ptr,  # [B, num_heads, NUM_SPLITS] float32, log2 units
     qk_scale,  # scale * log2(e)
     window,  # sliding window, 0 for the whole context
+    softcap,  # soft cap in log2 units (cap * log2(e)), 0 for none
     stride_qb,
     stride_qh,
     stride_cache_kv,
@@ -94,6 +106,8 @@ def _decode_split_kernel(
                 cache_ptr + stride_cache_kv + offs[:, None] + d[None, :], mask=kv_mask, other=0.0
             )
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            if softcap > 0:
+                qk = soft_cap(qk, softcap)
             qk = tl.where(pos_mask[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             p = tl.math.exp2(qk - m_new[:, None])
@@ -178,6 +192,7 @@ def paged_decode(
     scale: float,
     *,
     window: int = 0,  # sliding window: the last `window` positions only; 0 for all
+    softcap: float = 0.0,  # scores soft-capped to softcap * tanh(s / softcap); 0 for none
     num_splits: int = DEFAULT_NUM_SPLITS,
     out: torch.Tensor | None = None,  # [B, num_heads, head_dim], written if given
     block_n: int | None = None,
@@ -187,7 +202,7 @@ def paged_decode(
     out = torch.empty_like(q) if out is None else out
     _check_inputs(q, kv_cache, block_tables, seq_lens, out)
     assert num_splits >= 1 and num_splits & (num_splits - 1) == 0, "num_splits: a power of 2"
-    assert window >= 0, "window: 0 (none) or positive"
+    assert window >= 0 and softcap >= 0, "window, softcap: 0 (none) or positive"
     num_seqs, num_heads, head_dim = q.shape
     if num_seqs == 0:
         return out
@@ -203,7 +218,7 @@ def paged_decode(
     grid = (num_seqs, num_kv_heads * num_head_blocks, num_splits)
     _decode_split_kernel[grid](
         q, kv_cache, block_tables, seq_lens, part_o, part_lse, scale * _LOG2E, window,
-        q.stride(0), q.stride(1),
+        softcap * _LOG2E, q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
         num_heads, q_per_kv, num_head_blocks, block_size, head_dim,

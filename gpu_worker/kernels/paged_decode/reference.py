@@ -26,6 +26,7 @@ def paged_decode_reference(
     seq_lens: torch.Tensor,  # [B] int32, tokens of context (the new one included)
     scale: float,
     window: int = 0,  # sliding window: the last `window` positions only; 0 for all
+    softcap: float = 0.0,  # scores soft-capped to softcap * tanh(s / softcap); 0 for none
 ) -> torch.Tensor:  # [B, num_heads, head_dim] float32
     """softmax(q K^T * scale) V per sequence, in float32, with GQA by repeating K/V heads."""
     num_heads, num_kv_heads = q.shape[1], kv_cache.shape[3]
@@ -35,6 +36,8 @@ def paged_decode_reference(
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [L, H, D]
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
         scores = torch.einsum("hd,lhd->hl", q[b].float(), k) * scale
+        if softcap > 0:
+            scores = torch.tanh(scores / softcap) * softcap
         if window > 0:
             scores[:, : max(0, seq_len - window)] = float("-inf")
         out[b] = torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), v)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -24,6 +25,8 @@ def naive_attention(
     num_new: list[int],
     block_tables: list[list[int]],
     window: int = 0,
+    scale: float | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Token by token: look up every earlier position's K/V through the block table (the
     last `window` positions only, with a sliding window)."""
@@ -38,7 +41,10 @@ def naive_attention(
             k = torch.stack([kv_cache[0, b, o] for b, o in slots])  # [pos + 1, KVH, D]
             v = torch.stack([kv_cache[1, b, o] for b, o in slots])
             for h in range(q.shape[1]):
-                scores = (k[:, h // q_per_kv].float() @ q[t, h].float()) * q.shape[-1] ** -0.5
+                scale_h = q.shape[-1] ** -0.5 if scale is None else scale
+                scores = (k[:, h // q_per_kv].float() @ q[t, h].float()) * scale_h
+                if softcap:
+                    scores = torch.tanh(scores / softcap) * softcap
                 out[t, h] = (scores.softmax(0) @ v[:, h // q_per_kv].float()).to(q.dtype)
             t += 1
     return out
@@ -52,7 +58,7 @@ def _run(
     q_per_kv: int,
     dtype: torch.dtype = torch.float32,
     window: int = 0,
-    **backend_options: bool,
+    **backend_options: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     num_heads = NUM_KV_HEADS * q_per_kv
@@ -86,7 +92,8 @@ def _run(
         ref_cache[0, slot // block_size, slot % block_size] = kk
         ref_cache[1, slot // block_size, slot % block_size] = vv
     assert torch.equal(ours_cache, ref_cache), "K/V stored in the wrong slots"
-    return out, naive_attention(q, ref_cache, num_computed, num_new, tables, window)
+    scale, softcap = backend_options.get("scale"), backend_options.get("softcap", 0.0)
+    return out, naive_attention(q, ref_cache, num_computed, num_new, tables, window, scale, softcap)
 
 
 @pytest.mark.parametrize("q_per_kv", [1, 3])
@@ -162,3 +169,17 @@ def test_window_wider_than_every_context_changes_nothing(path: str) -> None:
     full, _ = _run(*args, block_size=4, q_per_kv=1, **PATHS[path])
     wide, _ = _run(*args, block_size=4, q_per_kv=1, window=64, **PATHS[path])
     assert torch.equal(full, wide)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("window", [0, 5])
+def test_soft_cap_and_scale_in_a_mixed_batch(path: str, window: int) -> None:
+    """Gemma 2's attention: scores * query_pre_attn_scalar ** -0.5, capped at 2 (small, so
+    the cap bends most scores), on every path, with and without a window."""
+    num_computed = [0, 4, 39, 0, 7, 31]
+    num_new = [1, 1, 1, 30, 9, 5]
+    options = {**PATHS[path], "scale": 0.4, "softcap": 2.0}
+    out, ref = _run(num_computed, num_new, block_size=4, q_per_kv=3, window=window, **options)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    plain, _ = _run(num_computed, num_new, block_size=4, q_per_kv=3, window=window, scale=0.4)
+    assert (plain - out).abs().max() > 1e-2  # the cap changed the outputs

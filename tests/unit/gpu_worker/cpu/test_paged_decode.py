@@ -116,3 +116,20 @@ def test_sliding_window_matches_naive_attention(head_dim: int, window: int, num_
     ref = naive_attention(q, cache, prior, [1] * num_seqs, tables, window)
     assert out is not None
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_soft_cap_matches_naive_attention(head_dim: int, dtype: torch.dtype) -> None:
+    contexts = [1, 16, 40, 150]
+    q, cache, tables = _case(
+        contexts, block_size=16, num_kv_heads=2, q_per_kv=2, head_dim=head_dim, dtype=dtype
+    )
+    q = q * 4  # large scores, which the cap bends
+    meta = build_metadata([c - 1 for c in contexts], [1] * 4, tables, 16)
+    out = paged_decode.paged_decode(q, cache, meta.block_tables, meta.seq_lens, 0.3, 9, 5.0)
+    prior = [c - 1 for c in contexts]
+    ref = naive_attention(q.float(), cache.float(), prior, [1] * 4, tables, 9, 0.3, 5.0)
+    assert out is not None
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
