@@ -181,7 +181,8 @@ def build_model(
         raise KeyError(f"checkpoint does not fit the model: missing {missing}, extra {unexpected}")
     for _, layer in model.linears():
         layer.method.process_weights_after_loading(layer)
-    model.model.one_call_step = kernels.one_call_step_for(model.model)
+    if cfg.is_llama_layout:  # the one-call step computes the Llama layer only
+        model.model.one_call_step = kernels.one_call_step_for(model.model)
     return model.eval().requires_grad_(False)
 
 

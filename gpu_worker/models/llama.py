@@ -1,4 +1,5 @@
-"""The Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3) over a paged KV cache.
+"""The Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3 text) over a
+paged KV cache.
 
 A decoder-only transformer with pre-norm residual blocks:
 
@@ -10,8 +11,11 @@ Attention uses rotary position embeddings (rotate-half / "neox" layout as in HF 
 grouped-query heads; Qwen2 adds q/k/v biases, Qwen3 an RMSNorm per head on q and k before
 rotary. q/k/v are one fused matmul and gate/up another (the loader concatenates weights;
 Phi-3's checkpoints hold them fused already, in the same order).
-Tokens of every request in the step are packed into one [T] sequence; the attention backend
-and its metadata (passed in, per step) keep requests apart.
+Gemma's differences are config fields (gpu_worker/models/config_checks.py draws them): norms
+around both branches ("sandwich"), RMSNorm by (1 + weight), GeGLU, scaled embeddings, scaled and
+soft-capped attention scores (the backend's), soft-capped logits, and Gemma 3's own rope for
+its sliding layers. Tokens of every request in the step are packed into one [T] sequence;
+the attention backend and its metadata (passed in, per step) keep requests apart.
 
 What runs is chosen once at load and held where it is used: each `Linear` holds its method
 (gpu_worker/layers/linear.py: float, GGUF, int8; torch, C or Triton), the norms, attention and
@@ -27,6 +31,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.attention import AttentionBackend, AttentionMetadata
@@ -34,10 +39,16 @@ from gpu_worker.distributed.sharding import vocab_shard_size
 from gpu_worker.distributed.tensor_parallel import TensorParallel, VocabParallelEmbedding
 from gpu_worker.layers.linear import Linear
 from gpu_worker.layers.ops import TORCH_OPS, LayerOps, Rope, rotate_neox
-from gpu_worker.models.config_checks import check_activation, layer_windows
+from gpu_worker.models.config_checks import (
+    GEMMA_TYPES,
+    check_activation,
+    gemma3_ropes,
+    gemma_fields,
+    layer_windows,
+)
 from gpu_worker.models.rope import rope_attention_factor, rope_inv_freq, rope_scaling, rope_theta
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", *GEMMA_TYPES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,10 +75,36 @@ class LlamaConfig:
     # each layer's sliding window, 0 where it attends to its whole context (empty: none has
     # one); gpu_worker/models/config_checks.py reads it as transformers does per family
     sliding_windows: tuple[int, ...] = ()
+    # Gemma's (the defaults: Llama's layer)
+    norm_offset: float = 0.0  # every RMSNorm multiplies by (norm_offset + weight)
+    sandwich_norms: bool = False  # norms on both sides of attention and MLP
+    gelu_tanh: bool = False  # GeGLU (gelu tanh) in place of SwiGLU
+    embed_scale: float = 1.0
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    attn_softcap: float = 0.0  # 0: none
+    final_softcap: float = 0.0
+    # Gemma 3: the sliding layers' own rope (theta 0: every layer rotates by the one rope)
+    local_rope_theta: float = 0.0
+    local_rope_scaling: dict[str, Any] | None = None
 
     def sliding_window(self, layer: int) -> int:
         """Layer `layer`'s sliding window, 0 for the whole context."""
         return self.sliding_windows[layer] if self.sliding_windows else 0
+
+    def uses_local_rope(self, layer: int) -> bool:
+        """Whether layer `layer` rotates by the local rope (Gemma 3's sliding layers)."""
+        return self.local_rope_theta > 0 and self.sliding_window(layer) > 0
+
+    @property
+    def is_llama_layout(self) -> bool:
+        """The plain Llama layer (what the CPU's one-call step computes)."""
+        return not (
+            self.sandwich_norms or self.gelu_tanh or self.norm_offset or self.embed_scale != 1.0
+        ) and not (self.attn_softcap or self.final_softcap or self.local_rope_theta)
+
+    def attention_options(self) -> dict[str, Any]:
+        """The attention backend's keyword arguments for this model's scores."""
+        return {"scale": self.attn_scale, "softcap": self.attn_softcap}
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> LlamaConfig:
@@ -75,6 +112,8 @@ class LlamaConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
         num_heads = cfg["num_attention_heads"]
+        if model_type in GEMMA_TYPES:
+            return cls._from_gemma(cfg, model_type)
         check_activation(cfg)
         windows = layer_windows(cfg, model_type, cfg["num_hidden_layers"])
         # transformers' Mistral has no biases, Qwen2 q/k/v biases only, whatever the config
@@ -100,19 +139,49 @@ class LlamaConfig:
             sliding_windows=windows if any(windows) else (),
         )
 
+    @classmethod
+    def _from_gemma(cls, cfg: dict[str, Any], model_type: str) -> LlamaConfig:
+        num_heads, num_layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
+        attention_bias = bool(cfg.get("attention_bias", False))
+        rope_cfg, local_cfg = gemma3_ropes(cfg) if model_type == "gemma3_text" else (cfg, None)
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta(rope_cfg),
+            rope_scaling=rope_scaling(rope_cfg),
+            max_position_embeddings=cfg.get("max_position_embeddings", 8192),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+            qkv_bias=attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=False,
+            qk_norm=model_type == "gemma3_text",
+            local_rope_theta=rope_theta(local_cfg) if local_cfg else 0.0,
+            local_rope_scaling=rope_scaling(local_cfg) if local_cfg else None,
+            **gemma_fields(cfg, model_type, num_layers),
+        )
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight over the last dimension, by the layer ops (torch: in float32 like
-    HF, then cast back)."""
+    HF, then cast back); Gemma's multiply by (1 + weight): `offset` 1."""
 
-    def __init__(self, dim: int, eps: float, ops: LayerOps = TORCH_OPS) -> None:
+    def __init__(self, dim: int, eps: float, ops: LayerOps = TORCH_OPS, offset: float = 0.0):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.ops = ops
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.rms_norm(x, self.weight, self.eps)
+        weight = self.weight + self.offset if self.offset else self.weight
+        return self.ops.rms_norm(x, weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -181,8 +250,9 @@ class Attention(nn.Module):
         self.split_sizes = [q_size, kv_size, kv_size]
         self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
+        eps, offset = cfg.rms_norm_eps, cfg.norm_offset
+        self.q_norm = RMSNorm(cfg.head_dim, eps, ops, offset) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, eps, ops, offset) if cfg.qk_norm else None
         self.backend = backend
         self.ops = ops
 
@@ -217,14 +287,25 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * width, bias=cfg.mlp_bias)
         self.down_proj = Linear(width, cfg.hidden_size, bias=cfg.mlp_bias)
         self.ops = ops
+        self.gelu_tanh = cfg.gelu_tanh  # Gemma's GeGLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gelu_tanh:
+            return self.down_proj(gelu_tanh_mul(self.gate_up_proj(x)))
         return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, tanh approximation) * up: Gemma's gelu_pytorch_tanh."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP, each added to the residual stream; under tensor
-    parallelism each branch's partial output is all-reduced first (2 per layer)."""
+    parallelism each branch's partial output is all-reduced first (2 per layer). Gemma's
+    layer normalizes each branch's output too (`sandwich_norms`): its post_attention_layernorm
+    is the attention output's, pre_feedforward_layernorm the MLP input's."""
 
     def __init__(
         self,
@@ -235,10 +316,15 @@ class DecoderLayer(nn.Module):
         layer_idx: int = 0,
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        hidden, eps, offset = cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset
+        self.input_layernorm = RMSNorm(hidden, eps, ops, offset)
         self.self_attn = Attention(cfg, backend, tp, ops, cfg.sliding_window(layer_idx))
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, ops, offset)
         self.mlp = MLP(cfg, tp, ops)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(hidden, eps, ops, offset)
+            self.post_feedforward_layernorm = RMSNorm(hidden, eps, ops, offset)
         self.tp = tp
         self.ops = ops
 
@@ -250,6 +336,10 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         h = self.tp.all_reduce(self.self_attn(self.input_layernorm(x), rope, kv_cache, meta))
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(h)
+            h = self.tp.all_reduce(self.mlp(self.pre_feedforward_layernorm(x)))
+            return x + self.post_feedforward_layernorm(h)
         norm = self.post_attention_layernorm
         h, x = self.ops.add_rms_norm(h, x, norm.weight, norm.eps)
         return x + self.tp.all_reduce(self.mlp(h))
@@ -296,6 +386,16 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(
             cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device
         )
+        # Gemma 3's sliding layers' rope, None where every layer rotates by `rotary`
+        self.local_rotary = (
+            RotaryEmbedding(
+                cfg.head_dim, max_positions, cfg.local_rope_theta, cfg.local_rope_scaling, device
+            )
+            if cfg.local_rope_theta
+            else None
+        )
+        self.uses_local_rope = [cfg.uses_local_rope(i) for i in range(cfg.num_layers)]
+        self.embed_scale = cfg.embed_scale
         # a ModuleList (registered submodules), typed as what it holds
         self.layers = cast(
             Sequence[DecoderLayer],
@@ -303,7 +403,7 @@ class LlamaModel(nn.Module):
                 DecoderLayer(cfg, backend, tp, ops, layer_idx=i) for i in range(cfg.num_layers)
             ),
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, cfg.norm_offset)
         self.ops = ops
         self.tp = tp
         # the one-call step, when the loader's kernel choice has one that takes this model
@@ -321,10 +421,14 @@ class LlamaModel(nn.Module):
             if hidden is not None:
                 return hidden
         x = self.embed_tokens(input_ids)
-        # once per step, shared by every layer
+        if self.embed_scale != 1.0:  # Gemma's, in the embedding's dtype as transformers has it
+            x = x * torch.tensor(self.embed_scale, dtype=torch.float32).to(x.dtype)
+        # once per step, shared by every layer (Gemma 3: one per rope)
         rope = self.ops.rope(*self.rotary.tables(), positions, x.dtype)
+        local = self.local_rotary
+        local_rope = rope if local is None else self.ops.rope(*local.tables(), positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, kv_cache[i], meta)
+            x = layer(x, local_rope if self.uses_local_rope[i] else rope, kv_cache[i], meta)
         return x  # before the final norm, which only the sampled positions need
 
 
@@ -366,7 +470,14 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [S, vocab_size] float32
         hidden = self.model(input_ids, positions, kv_cache, meta)
         hidden = self.model.norm(hidden[logits_indices])
-        return self.tp.gather_vocab(self.lm_head(hidden), self.config.vocab_size).float()
+        return self._soft_cap(self.tp.gather_vocab(self.lm_head(hidden), self.config.vocab_size))
+
+    def _soft_cap(self, logits: torch.Tensor) -> torch.Tensor:
+        """float32 logits, soft-capped as transformers' Gemma does (final_logit_softcapping)."""
+        cap = self.config.final_softcap
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def forward_hidden(
         self,
@@ -384,4 +495,4 @@ class LlamaForCausalLM(nn.Module):
         normed = self.model.norm(hidden[torch.cat((logits_indices, hidden_indices))])
         num_sampled = logits_indices.shape[0]
         logits = self.tp.gather_vocab(self.lm_head(normed[:num_sampled]), self.config.vocab_size)
-        return logits.float(), normed[num_sampled:].float()
+        return self._soft_cap(logits), normed[num_sampled:].float()

@@ -4,6 +4,8 @@ alone and in one batch with chunked prefill, prefix-cache hits, n > 1 forks and 
 
     mistral-window  every layer slides over 16 positions (Mistral's sliding_window)
     qwen2-window    the second layer slides over 8 (use_sliding_window, max_window_layers 1)
+    gemma2          layers alternate sliding over 16 and full; soft caps, sandwich norms
+    gemma3          5 sliding layers (16, local rope) : 1 full (linear-scaled rope)
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ GREEDY = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
 SHARED = 40  # a common prefix of 40 tokens: whole blocks of it hit the prefix cache
 
 
-@pytest.fixture(scope="module", params=["mistral-window", "qwen2-window"])
+@pytest.fixture(scope="module", params=["mistral-window", "qwen2-window", "gemma2", "gemma3"])
 def model(request, tmp_path_factory) -> tuple[str, list[list[int]], list[list[int]]]:
     path = make_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
     gen = torch.Generator().manual_seed(3)

@@ -89,8 +89,9 @@ def _greedy_tokens(runner: ModelRunner) -> list[tuple[list[str], list[int]]]:
     return [(r.req_ids, r.token_ids) for r in results]
 
 
-# qwen3: q/k norms, head_dim 32; qwen2-window: a second layer sliding over 8 positions
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2-window"])
+# qwen3: q/k norms, head_dim 32; qwen2-window: a second layer sliding over 8 positions;
+# gemma2: soft caps, query_pre_attn_scalar, sandwich norms, GeGLU
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2-window", "gemma2"])
 def test_worker_greedy_tokens_match_torch_backend(arch, tiny_model_dir, device) -> None:
     path = str(tiny_model_dir(arch))
     kwargs = dict(device=str(device), num_blocks=16, block_size=4)

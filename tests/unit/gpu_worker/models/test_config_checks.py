@@ -103,3 +103,47 @@ def test_phi3_reads_its_window_and_refuses_tensor_parallel() -> None:
     check_tensor_parallel(cfg, 1)
     with pytest.raises(ValueError, match="--tensor-parallel-size 2: phi3"):
         check_tensor_parallel(cfg, 2)
+
+
+GEMMA3_LEGACY: dict[str, Any] = dict(
+    BASE,
+    model_type="gemma3_text",
+    num_hidden_layers=12,
+    head_dim=32,
+    query_pre_attn_scalar=256,
+    sliding_window=512,
+    sliding_window_pattern=6,
+    rope_theta=1_000_000.0,
+    rope_local_base_freq=10_000.0,
+    rope_scaling=dict(rope_type="linear", factor=8.0),
+    final_logit_softcapping=None,
+    attn_logit_softcapping=None,
+)
+
+
+def test_gemma3_legacy_config_reads_as_transformers_does() -> None:
+    """An older Gemma 3 config.json: 5 local : 1 global by sliding_window_pattern, the
+    global rope with rope_scaling, the local one by rope_local_base_freq."""
+    import transformers
+
+    cfg = LlamaConfig.from_hf(GEMMA3_LEGACY)
+    hf = transformers.Gemma3TextConfig(
+        **{k: v for k, v in GEMMA3_LEGACY.items() if k != "model_type"}
+    )
+    assert [cfg.sliding_window(i) > 0 for i in range(12)] == [
+        k == "sliding_attention" for k in hf.layer_types
+    ]
+    assert (cfg.rope_theta, cfg.rope_scaling) == (
+        1e6,
+        dict(rope_type="linear", factor=8.0, rope_theta=1e6),
+    )
+    assert (cfg.local_rope_theta, cfg.local_rope_scaling) == (1e4, None)
+    assert cfg.attn_scale == 256**-0.5 and not (cfg.attn_softcap or cfg.final_softcap)
+    assert cfg.norm_offset == 1.0 and cfg.qk_norm and not cfg.is_llama_layout
+
+
+def test_gemma_unserved_settings_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="hidden_activation 'gelu'"):
+        LlamaConfig.from_hf(dict(GEMMA3_LEGACY, hidden_activation="gelu"))
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        LlamaConfig.from_hf(dict(GEMMA3_LEGACY, use_bidirectional_attention=True))
