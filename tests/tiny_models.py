@@ -18,6 +18,8 @@ to end. Creation is deterministic (torch.manual_seed). The shapes vary on purpos
     gemma2           Gemma 2's config (4 layers alternating sliding 16 / full, head_dim 32
                      != hidden / heads, query_pre_attn_scalar 24 != head_dim as in 27b,
                      attention and final soft caps 50 and 30, tied)
+    smollm3          SmolLM3's config (every 4th layer without rope: 8 layers here, 36 there;
+                     GQA 4:1, tied)
     gemma3           Gemma 3 text's (6 layers: 5 sliding over 16 with a local rope base of
                      1e4, 1 full with theta 1e6 and the 4b+ linear rope scaling 8, q/k norms)
 """
@@ -35,7 +37,7 @@ from common.prepare_model import default_model_dir
 TINY_ARCHS = (
     *("llama", "qwen2", "qwen3", "mistral"),
     *("mistral-window", "qwen2-window", "qwen3-yarn", "llama-linear", "phi3"),
-    *("gemma2", "gemma3"),
+    *("gemma2", "gemma3", "smollm3"),
 )
 VOCAB_SIZE = 49152  # SmolLM2's tokenizer
 EOS_TOKEN_ID = 2  # "<|im_end|>" in SmolLM2's tokenizer
@@ -123,6 +125,14 @@ def _config(arch: str, num_layers: int, vocab_size: int = VOCAB_SIZE) -> Any:
             query_pre_attn_scalar=32,
             sliding_window=16,
             rope_parameters=ropes,
+            tie_word_embeddings=True,
+        )
+    if arch == "smollm3":
+        return transformers.SmolLM3Config(
+            **dict(common, num_hidden_layers=max(num_layers, 8)),
+            num_key_value_heads=1,
+            no_rope_layer_interval=4,
+            rope_parameters=dict(rope_type="default", rope_theta=5_000_000.0),
             tie_word_embeddings=True,
         )
     if arch == "phi3":

@@ -5,13 +5,15 @@ transformers reads a few fields per family beyond the shapes (its modeling_<fami
     field                       families              here
     hidden_act                  all                   "silu" only (SwiGLU)
     sliding_window              mistral, phi3         read: every layer's window
-    use_sliding_window,         qwen2, qwen3          read: the window of the layers
-      sliding_window,                                 layer_types (or max_window_layers)
-      max_window_layers,                              names "sliding_attention"
-      layer_types
-    attention_bias              llama, qwen3          q/k/v/o biases (qwen2: q/k/v always;
-                                                      mistral, phi3: none)
-    mlp_bias                    llama                 gate/up/down biases
+    use_sliding_window,         qwen2, qwen3,         read: the window of the layers
+      sliding_window,           smollm3               layer_types (or max_window_layers;
+      max_window_layers,                              smollm3: the no-rope layers) names
+      layer_types                                     "sliding_attention"
+    no_rope_layers              smollm3               read: 0 marks a layer without rope
+                                                      (default: every no_rope_layer_interval-th)
+    attention_bias              llama, qwen3,         q/k/v/o biases (qwen2: q/k/v always;
+                                smollm3               mistral, phi3: none)
+    mlp_bias                    llama, smollm3        gate/up/down biases
 
 A field transformers reads for the family and we do not implement is refused at start with
 its name, never ignored: an ignored field gives other tokens than the model's own.
@@ -37,15 +39,17 @@ def layer_windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> tupl
     position j is visible to a query at position i when i - window < j <= i), 0 for a layer
     that attends to its whole context."""
     window = cfg.get("sliding_window")
-    if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+    if model_type in _USE_SLIDING and not cfg.get("use_sliding_window", False):
         window = None  # transformers drops the window unless use_sliding_window
-    if model_type not in ("mistral", "phi3", "qwen2", "qwen3") or window is None:
+    if model_type not in ("mistral", "phi3", *_USE_SLIDING) or window is None:
         return (0,) * num_layers
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise ValueError(f"sliding_window must be a positive integer, got {window!r}")
     if model_type in ("mistral", "phi3"):
         return (window,) * num_layers
     kinds = cfg.get("layer_types")
+    if kinds is None and model_type == "smollm3":  # transformers' default: no-rope layers slide
+        kinds = ["full_attention" if r else "sliding_attention" for r in rope_layers(cfg)]
     if kinds is None:  # transformers' default: layers from max_window_layers on slide
         first = cfg.get("max_window_layers", 28)
         kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
@@ -55,6 +59,22 @@ def layer_windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> tupl
         if kind not in ("sliding_attention", "full_attention"):
             raise ValueError(f"layer_types entry {kind!r} is not supported")
     return tuple(window if kind == "sliding_attention" else 0 for kind in kinds)
+
+
+_USE_SLIDING = ("qwen2", "qwen3", "smollm3")
+
+
+def rope_layers(cfg: dict[str, Any]) -> tuple[bool, ...]:
+    """SmolLM3's layers that rotate q and k (no_rope_layers: 1 rotates, 0 does not; by default
+    every no_rope_layer_interval-th layer does not), as transformers reads them."""
+    num_layers = cfg["num_hidden_layers"]
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = cfg.get("no_rope_layer_interval", 4)
+        flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    if len(flags) != num_layers:
+        raise ValueError(f"no_rope_layers has {len(flags)} entries for {num_layers} layers")
+    return tuple(bool(f) for f in flags)
 
 
 # --- Gemma 2 and Gemma 3 (text) ---------------------------------------------------------

@@ -1,5 +1,5 @@
-"""The Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3 text) over a
-paged KV cache.
+"""The Llama family (Llama, SmolLM2/3, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3 text) over
+a paged KV cache.
 
 A decoder-only transformer with pre-norm residual blocks:
 
@@ -9,8 +9,8 @@ A decoder-only transformer with pre-norm residual blocks:
 
 Attention uses rotary position embeddings (rotate-half / "neox" layout as in HF Llama) and
 grouped-query heads; Qwen2 adds q/k/v biases, Qwen3 an RMSNorm per head on q and k before
-rotary. q/k/v are one fused matmul and gate/up another (the loader concatenates weights;
-Phi-3's checkpoints hold them fused already, in the same order).
+rotary, SmolLM3 layers without rotary. q/k/v are one fused matmul and gate/up another (the
+loader concatenates weights; Phi-3's checkpoints hold them fused already, in the same order).
 Gemma's differences are config fields (gpu_worker/models/config_checks.py draws them): norms
 around both branches ("sandwich"), RMSNorm by (1 + weight), GeGLU, scaled embeddings, scaled and
 soft-capped attention scores (the backend's), soft-capped logits, and Gemma 3's own rope for
@@ -45,10 +45,11 @@ from gpu_worker.models.config_checks import (
     gemma3_ropes,
     gemma_fields,
     layer_windows,
+    rope_layers,
 )
 from gpu_worker.models.rope import rope_attention_factor, rope_inv_freq, rope_scaling, rope_theta
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", *GEMMA_TYPES)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", *GEMMA_TYPES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +76,8 @@ class LlamaConfig:
     # each layer's sliding window, 0 where it attends to its whole context (empty: none has
     # one); gpu_worker/models/config_checks.py reads it as transformers does per family
     sliding_windows: tuple[int, ...] = ()
+    # whether each layer rotates q and k (empty: every layer does; SmolLM3's no_rope_layers)
+    rope_layers: tuple[bool, ...] = ()
     # Gemma's (the defaults: Llama's layer)
     norm_offset: float = 0.0  # every RMSNorm multiplies by (norm_offset + weight)
     sandwich_norms: bool = False  # norms on both sides of attention and MLP
@@ -91,6 +94,10 @@ class LlamaConfig:
         """Layer `layer`'s sliding window, 0 for the whole context."""
         return self.sliding_windows[layer] if self.sliding_windows else 0
 
+    def uses_rope(self, layer: int) -> bool:
+        """Whether layer `layer` rotates q and k."""
+        return self.rope_layers[layer] if self.rope_layers else True
+
     def uses_local_rope(self, layer: int) -> bool:
         """Whether layer `layer` rotates by the local rope (Gemma 3's sliding layers)."""
         return self.local_rope_theta > 0 and self.sliding_window(layer) > 0
@@ -100,7 +107,9 @@ class LlamaConfig:
         """The plain Llama layer (what the CPU's one-call step computes)."""
         return not (
             self.sandwich_norms or self.gelu_tanh or self.norm_offset or self.embed_scale != 1.0
-        ) and not (self.attn_softcap or self.final_softcap or self.local_rope_theta)
+        ) and not (
+            self.attn_softcap or self.final_softcap or self.local_rope_theta or self.rope_layers
+        )
 
     def attention_options(self) -> dict[str, Any]:
         """The attention backend's keyword arguments for this model's scores."""
@@ -117,7 +126,9 @@ class LlamaConfig:
         check_activation(cfg)
         windows = layer_windows(cfg, model_type, cfg["num_hidden_layers"])
         # transformers' Mistral has no biases, Qwen2 q/k/v biases only, whatever the config
-        attention_bias = model_type in ("llama", "qwen3") and bool(cfg.get("attention_bias"))
+        reads_bias = model_type in ("llama", "qwen3", "smollm3")
+        attention_bias = reads_bias and bool(cfg.get("attention_bias"))
+        no_rope = model_type == "smollm3" and not all(rope_layers(cfg))
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -134,9 +145,10 @@ class LlamaConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=attention_bias,
-            mlp_bias=model_type == "llama" and bool(cfg.get("mlp_bias", False)),
+            mlp_bias=model_type in ("llama", "smollm3") and bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
             sliding_windows=windows if any(windows) else (),
+            rope_layers=rope_layers(cfg) if no_rope else (),
         )
 
     @classmethod
@@ -240,9 +252,11 @@ class Attention(nn.Module):
         tp: TensorParallel,
         ops: LayerOps = TORCH_OPS,
         sliding_window: int = 0,
+        use_rope: bool = True,
     ) -> None:
         super().__init__()
         self.sliding_window = sliding_window
+        self.use_rope = use_rope  # SmolLM3's no-rope layers: False
         self.num_heads = cfg.num_heads // tp.size
         self.num_kv_heads = cfg.num_kv_heads // tp.size
         self.head_dim = cfg.head_dim
@@ -270,7 +284,8 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.ops.rotate(q, rope), self.ops.rotate(k, rope)
+        if self.use_rope:
+            q, k = self.ops.rotate(q, rope), self.ops.rotate(k, rope)
         o = self.backend.forward(q, k, v, kv_cache, meta, self.sliding_window)
         return self.o_proj(o.reshape(num_tokens, -1))
 
@@ -318,7 +333,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         hidden, eps, offset = cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset
         self.input_layernorm = RMSNorm(hidden, eps, ops, offset)
-        self.self_attn = Attention(cfg, backend, tp, ops, cfg.sliding_window(layer_idx))
+        self.self_attn = Attention(
+            cfg, backend, tp, ops, cfg.sliding_window(layer_idx), cfg.uses_rope(layer_idx)
+        )
         self.post_attention_layernorm = RMSNorm(hidden, eps, ops, offset)
         self.mlp = MLP(cfg, tp, ops)
         self.sandwich = cfg.sandwich_norms

@@ -28,6 +28,7 @@ def _hf_windows(model_type: str, **fields: Any) -> tuple[int, ...]:
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "smollm3": transformers.SmolLM3Config,
     }[model_type]
     hf = cls(**BASE, **fields)
     kinds = getattr(hf, "layer_types", None) or ["sliding_attention"] * hf.num_hidden_layers
@@ -45,6 +46,8 @@ def _hf_windows(model_type: str, **fields: Any) -> tuple[int, ...]:
         ("qwen2", dict(use_sliding_window=False, sliding_window=8, max_window_layers=2)),
         ("qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
         ("qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=9)),
+        ("smollm3", dict(use_sliding_window=True, sliding_window=8, no_rope_layer_interval=2)),
+        ("smollm3", dict(use_sliding_window=False, sliding_window=8)),
         (
             "qwen2",
             dict(
@@ -147,3 +150,14 @@ def test_gemma_unserved_settings_are_refused_by_name() -> None:
         LlamaConfig.from_hf(dict(GEMMA3_LEGACY, hidden_activation="gelu"))
     with pytest.raises(ValueError, match="use_bidirectional_attention"):
         LlamaConfig.from_hf(dict(GEMMA3_LEGACY, use_bidirectional_attention=True))
+
+
+def test_smollm3_no_rope_layers_as_transformers_reads_them() -> None:
+    import transformers
+
+    cfg = LlamaConfig.from_hf(dict(BASE, model_type="smollm3"))
+    hf = transformers.SmolLM3Config(**BASE)
+    assert [cfg.uses_rope(i) for i in range(4)] == [bool(f) for f in hf.no_rope_layers]
+    assert not cfg.is_llama_layout  # the one-call step rotates every layer
+    every = LlamaConfig.from_hf(dict(BASE, model_type="smollm3", no_rope_layers=[1, 1, 1, 1]))
+    assert every.rope_layers == () and every.is_llama_layout
