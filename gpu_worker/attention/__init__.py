@@ -66,10 +66,13 @@ class AttentionBackend(abc.ABC):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         window: int = 0,
+        sinks: torch.Tensor | None = None,  # [num_heads] float32
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Store k/v at meta.slot_mapping, then attend; returns the attention output. With a
         sliding `window` > 0 a query at position i sees the keys at i - window < j <= i
-        (transformers' sliding_window), else every key up to its own position."""
+        (transformers' sliding_window), else every key up to its own position. `sinks`
+        (gpt-oss): a learned logit per head that joins each softmax as a key with no value,
+        so the weights of the real keys sum to less than 1."""
 
 
 BACKEND_NAMES = ("auto", "torch", "triton")

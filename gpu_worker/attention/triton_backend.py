@@ -62,6 +62,7 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         window: int = 0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         assert isinstance(meta, TritonAttentionMetadata), "call build_metadata first"
         store_kv(k, v, kv_cache, meta.slot_mapping)
@@ -76,6 +77,7 @@ class TritonAttentionBackend(AttentionBackend):
                 self.scale,
                 window=window,
                 softcap=self.softcap,
+                sinks=sinks,
                 num_splits=self.decode_num_splits,
                 out=out[:n],
             )
@@ -90,6 +92,7 @@ class TritonAttentionBackend(AttentionBackend):
                 max_query_len=meta.max_extend_len,
                 window=window,
                 softcap=self.softcap,
+                sinks=sinks,
                 out=out,
             )
         return out

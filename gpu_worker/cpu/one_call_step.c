@@ -158,7 +158,7 @@ int decode_forward(const decode_layer_t *layers, int num_layers, float *x, int n
             }
         }
         if (paged_decode(q, k_cache, v_cache, kv_bf16, tables, table_stride, seq_lens, n, heads, kvh,
-                         d, bs, scale, w->window, 0.0f, att, attend_threads) != 0)
+                         d, bs, scale, w->window, 0.0f, NULL, att, attend_threads) != 0)
             code = 2;
         code |= run_linear(&w->o, att, n, proj, hidden, q_size, tmp, lora_slots, nthreads);
         /* x + proj into x, and its norm into h (the post-attention add-and-norm) */

@@ -17,6 +17,9 @@
  * With a soft cap c > 0 (Gemma 2's attn_logit_softcapping) each score becomes c * tanh(s / c)
  * before the softmax.
  *
+ * With sinks (gpt-oss), head j's learned logit sinks[j] joins its softmax as a key with no
+ * value: m = max(m, sink), sum += exp(sink - m).
+ *
  * Scores, softmax and the output accumulate in float32 for either cache dtype (float32 or
  * bfloat16). q and out are float32 [n, H, D] contiguous; caches [blocks, bs, KVH, D].
  */
@@ -76,8 +79,8 @@ static inline void prefetch_ahead(const void *cache, int is_bf16, const int32_t 
  * once per pass (K, then V) instead of once per head. */
 static void attend(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
                    const int32_t *table, int start, int seq_len, int h0, int nh, int kvh, int g,
-                   int d, int bs, float scale, float softcap, float *out, float *scores,
-                   float *row_buf) {
+                   int d, int bs, float scale, float softcap, const float *sinks, float *out,
+                   float *scores, float *row_buf) {
     int rows = nh * g;
     for (int l = start; l < seq_len; l++) {
         int64_t slot = (int64_t)table[l / bs] * bs + l % bs;
@@ -90,11 +93,13 @@ static void attend(const float *q, const void *k_cache, const void *v_cache, int
         float *s = scores + (int64_t)r * seq_len, m = -INFINITY, sum = 0.0f;
         if (softcap > 0.0f) soft_cap(s + start, seq_len - start, softcap);
         for (int l = start; l < seq_len; l++) m = s[l] > m ? s[l] : m;
+        if (sinks && sinks[r] > m) m = sinks[r];
 #pragma omp simd reduction(+ : sum)
         for (int l = start; l < seq_len; l++) {
             s[l] = expf(s[l] - m);
             sum += s[l];
         }
+        if (sinks) sum += expf(sinks[r] - m);
         float inv = 1.0f / sum;
         for (int l = start; l < seq_len; l++) s[l] *= inv;
         float *o = out + (int64_t)r * d;
@@ -121,7 +126,7 @@ static void attend(const float *q, const void *k_cache, const void *v_cache, int
     static void attend_##D(const float *q, const void *k_cache, const void *v_cache,           \
                            int is_bf16, const int32_t *table, int start, int seq_len, int h0,  \
                            int nh, int kvh, int g, int bs, float scale, float softcap,         \
-                           float *out, float *scores) {                                        \
+                           const float *sinks, float *out, float *scores) {                    \
         int rows = nh * g;                                                                     \
         int64_t rs = (int64_t)kvh * D; /* elements from one position's row to the next */      \
         const float *kf = k_cache, *vf = v_cache;                                              \
@@ -152,10 +157,12 @@ static void attend(const float *q, const void *k_cache, const void *v_cache, int
             float *s = scores + (int64_t)r * seq_len, m = -INFINITY, sum = 0.0f;               \
             if (softcap > 0.0f) soft_cap(s + start, seq_len - start, softcap);                 \
             for (int l = start; l < seq_len; l++) m = s[l] > m ? s[l] : m;                     \
+            if (sinks && sinks[r] > m) m = sinks[r];                                           \
             _Pragma("omp simd reduction(+ : sum)") for (int l = start; l < seq_len; l++) {     \
                 s[l] = expf(s[l] - m);                                                         \
                 sum += s[l];                                                                   \
             }                                                                                  \
+            if (sinks) sum += expf(sinks[r] - m);                                              \
             float inv = 1.0f / sum;                                                            \
             for (int l = start; l < seq_len; l++) s[l] *= inv;                                 \
             for (int x = 0; x < D; x++) out[(int64_t)r * D + x] = 0.0f;                        \
@@ -191,11 +198,11 @@ DEFINE_ATTEND_FIXED(128)
 
 /* Returns 0, or -1 when a shape is outside what the kernel handles (the caller falls back).
  * window: the sliding window, 0 for the whole context; softcap: the scores' soft cap, 0 for
- * none. */
+ * none; sinks: [num_heads] float32 logits, or NULL for none. */
 int paged_decode(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
                  const int32_t *block_tables, int table_stride, const int32_t *seq_lens,
                  int n, int num_heads, int kvh, int d, int bs, float scale, int window,
-                 float softcap, float *out, int num_threads) {
+                 float softcap, const float *sinks, float *out, int num_threads) {
     int g = num_heads / kvh, max_len = 0;
     if (n <= 0 || num_threads <= 0) return -1;
     for (int i = 0; i < n; i++)
@@ -217,15 +224,17 @@ int paged_decode(const float *q, const void *k_cache, const void *v_cache, int i
             int64_t row = ((int64_t)i * num_heads + (int64_t)h0 * g) * d;
             const int32_t *table = block_tables + (int64_t)i * table_stride;
             int len = seq_lens[i], start = window > 0 && len > window ? len - window : 0;
+            const float *task_sinks = sinks ? sinks + (int64_t)h0 * g : NULL; /* its rows' */
             if (d == 64)
                 attend_64(q + row, k_cache, v_cache, is_bf16, table, start, len, h0, nh, kvh, g,
-                          bs, scale, softcap, out + row, scores);
+                          bs, scale, softcap, task_sinks, out + row, scores);
             else if (d == 128)
                 attend_128(q + row, k_cache, v_cache, is_bf16, table, start, len, h0, nh, kvh, g,
-                           bs, scale, softcap, out + row, scores);
+                           bs, scale, softcap, task_sinks, out + row, scores);
             else
                 attend(q + row, k_cache, v_cache, is_bf16, table, start, len, h0, nh, kvh, g, d,
-                       bs, scale, softcap, out + row, scores, scores + (size_t)nh * g * max_len);
+                       bs, scale, softcap, task_sinks, out + row, scores,
+                       scores + (size_t)nh * g * max_len);
         }
         free(scores);
     }

@@ -28,7 +28,7 @@ _I = ctypes.c_int
 def _declare(lib: ctypes.CDLL) -> None:
     lib.paged_decode.restype = _I
     lib.paged_decode.argtypes = [_P, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _I]
-    lib.paged_decode.argtypes += [ctypes.c_float, _I, ctypes.c_float, _P, _I]
+    lib.paged_decode.argtypes += [ctypes.c_float, _I, ctypes.c_float, _P, _P, _I]
 
 
 _LIBRARY = KernelLibrary(
@@ -49,6 +49,7 @@ def paged_decode(
     scale: float,
     window: int = 0,  # sliding window: the last `window` positions only; 0 for all
     softcap: float = 0.0,  # scores soft-capped to softcap * tanh(s / softcap); 0 for none
+    sinks: torch.Tensor | None = None,  # [num_heads]: a logit per head with no value
 ) -> torch.Tensor | None:
     """Decode attention over the paged cache, in q's dtype; None if the kernel is unavailable
     or the inputs are not CPU tensors of a supported layout (the caller falls back)."""
@@ -67,6 +68,8 @@ def paged_decode(
     tables = block_tables.to(torch.int32)
     lens = seq_lens.to(torch.int32).contiguous()
     out = torch.empty(n, num_heads, head_dim, dtype=torch.float32)
+    head_sinks = None if sinks is None else sinks.to(torch.float32).contiguous()
+    assert head_sinks is None or head_sinks.shape == (num_heads,), "sinks: [num_heads]"
     # a few short sequences: one thread reads their K/V faster than waking a second one
     # (a sleeping OpenMP thread takes tens of microseconds to wake, per layer)
     read = lens.clamp(max=window) if window > 0 else lens
@@ -88,6 +91,7 @@ def paged_decode(
         scale,
         window,
         softcap,
+        None if head_sinks is None else head_sinks.data_ptr(),
         out.data_ptr(),
         threads,
     )

@@ -21,7 +21,8 @@ MIXED = [(0, 1), (0, BLOCK_SIZE - 1), (0, BLOCK_SIZE + 1), (5, 3), (BLOCK_SIZE, 
 
 
 def _run(requests, *, num_kv_heads, q_per_kv, head_dim, device, row_offset=0,
-         dtype=torch.float32, window=0, softcap=0.0, q_gain=1.0, **blocks):  # fmt: skip
+         dtype=torch.float32, window=0, softcap=0.0, q_gain=1.0, sinks=None,
+         **blocks):  # fmt: skip
     """Returns (kernel output, reference) over the requests' rows."""
     seq_lens = [c + n for c, n in requests]
     query_lens = [n for _, n in requests]
@@ -37,9 +38,9 @@ def _run(requests, *, num_kv_heads, q_per_kv, head_dim, device, row_offset=0,
     out = torch.full_like(q, 7.0)
     extend_attention(q, batch.kv_cache, batch.block_tables, qsl_t, batch.seq_lens, scale,
                      max_query_len=max(query_lens), out=out, window=window,
-                     softcap=softcap, **blocks)  # fmt: skip
+                     softcap=softcap, sinks=sinks, **blocks)  # fmt: skip
     ref = extend_attention_reference(q, batch.kv_cache, batch.block_tables, qsl_t,
-                                     batch.seq_lens, scale, window, softcap)  # fmt: skip
+                                     batch.seq_lens, scale, window, softcap, sinks)  # fmt: skip
     return out, ref
 
 
@@ -120,4 +121,12 @@ def test_windowed_reference_matches_naive_loop() -> None:
 def test_soft_cap_matches_reference(window, device) -> None:
     out, ref = _run(MIXED, num_kv_heads=1, q_per_kv=3, head_dim=64, device=device,
                     window=window, softcap=3.0, q_gain=4.0, block_m=16, block_n=16)  # fmt: skip
+    assert (out - ref).abs().max().item() <= 2e-3
+
+
+@pytest.mark.parametrize("window", [0, 7])
+def test_sinks_match_reference(window, device) -> None:
+    sinks = torch.tensor([4.0, -2.0, 9.0], device=device)
+    out, ref = _run(MIXED, num_kv_heads=1, q_per_kv=3, head_dim=64, device=device,
+                    window=window, sinks=sinks, block_m=16, block_n=16)  # fmt: skip
     assert (out - ref).abs().max().item() <= 2e-3

@@ -18,16 +18,16 @@ MIXED_LENS = [1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 300]
 
 
 def _check(seq_lens, *, num_kv_heads, q_per_kv, head_dim, num_splits, device, block_n=None,
-           window=0, softcap=0.0, q_gain=1.0):  # fmt: skip
+           window=0, softcap=0.0, q_gain=1.0, sinks=None):  # fmt: skip
     batch = paged_batch(seq_lens, block_size=BLOCK_SIZE, num_kv_heads=num_kv_heads,
                         head_dim=head_dim, device=device)  # fmt: skip
     q = randn(len(seq_lens), num_kv_heads * q_per_kv, head_dim, seed=1, device=device) * q_gain
     scale = head_dim**-0.5
     out = paged_decode(q, batch.kv_cache, batch.block_tables, batch.seq_lens, scale,
-                       window=window, softcap=softcap, num_splits=num_splits,
+                       window=window, softcap=softcap, sinks=sinks, num_splits=num_splits,
                        block_n=block_n)  # fmt: skip
     ref = paged_decode_reference(q, batch.kv_cache, batch.block_tables, batch.seq_lens, scale,
-                                 window, softcap)  # fmt: skip
+                                 window, softcap, sinks)  # fmt: skip
     assert (out - ref).abs().max().item() <= 2e-3
 
 
@@ -108,3 +108,11 @@ def test_soft_cap_matches_reference(window, device) -> None:
     # q scaled up so that most scores are past the cap's knee
     _check(MIXED_LENS, num_kv_heads=2, q_per_kv=3, head_dim=64, num_splits=4, device=device,
            block_n=16, window=window, softcap=3.0, q_gain=4.0)  # fmt: skip
+
+
+@pytest.mark.parametrize("window", [0, 16])
+def test_sinks_match_reference(window, device) -> None:
+    # one sink large enough to take most of its head's weight, one negligible
+    sinks = torch.tensor([4.0, -2.0, 0.5, 9.0, -30.0, 1.0], device=device)
+    _check(MIXED_LENS, num_kv_heads=2, q_per_kv=3, head_dim=64, num_splits=4, device=device,
+           block_n=16, window=window, sinks=sinks)  # fmt: skip

@@ -31,7 +31,9 @@ def _backend(name: str, device: torch.device, num_heads: int = 6, num_kv_heads: 
 
 @pytest.mark.parametrize("window", [0, 3, 6])  # 0: none
 @pytest.mark.parametrize("variant", [{}, {"scale": 0.3, "softcap": 2.0}], ids=["plain", "gemma2"])
-def test_backend_matches_torch_backend_on_a_mixed_batch(window, variant, device) -> None:
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_backend_matches_torch_backend_on_a_mixed_batch(window, variant, with_sinks,
+                                                        device) -> None:  # fmt: skip
     # two decodes, then a prefill and an extend whose prefix ends mid-block
     num_computed, num_new = [15, 1, 0, 5], [1, 1, 9, 4]
     tables = [[3, 7, 10, 11], [0], [5, 1, 9], [2, 8, 4]]
@@ -40,12 +42,13 @@ def test_backend_matches_torch_backend_on_a_mixed_batch(window, variant, device)
     q = randn(tokens, 6, 64, seed=1, device=device)
     k, v = randn(tokens, 2, 64, seed=2, device=device), randn(tokens, 2, 64, seed=3, device=device)
     outs, caches = [], []
+    sinks = torch.tensor([2.0, -1.0, 5.0, 0.0, 1.0, -4.0], device=device) if with_sinks else None
     for name in ("torch", "triton"):
         backend = _backend(name, device, **variant)
         common = build_metadata(num_computed, num_new, tables, 4, device)
         caches.append(cache.clone())
         meta = backend.build_metadata(common)
-        outs.append(backend.forward(q, k, v, caches[-1], meta, window))
+        outs.append(backend.forward(q, k, v, caches[-1], meta, window, sinks))
     assert (outs[0] - outs[1]).abs().max().item() <= 2e-3
     assert torch.equal(caches[0], caches[1])
 

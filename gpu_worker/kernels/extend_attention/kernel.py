@@ -22,6 +22,7 @@ def _extend_kernel(
     block_tables_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
+    sinks_ptr,  # [num_heads] float32, read when HAS_SINKS
     qk_scale,  # scale * log2(e): scores in log2 units, softmax by exp2
     window,  # sliding window: key j visible to query i when i - window < j; 0 for none
     softcap,  # soft cap in log2 units (cap * log2(e)), 0 for none
@@ -41,6 +42,7 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     r = tl.program_id(0)
     head = tl.program_id(1)
@@ -60,6 +62,10 @@ def _extend_kernel(
         query_pos = num_computed + rows
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if HAS_SINKS:  # the sink starts the softmax: a key of weight exp(sink), no value
+            sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # log2 units
+            m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + sink
+            l_i += 1.0
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         bt_row = block_tables_ptr + r * stride_bt
         # the last key any row of this tile may see (causal), and the first (its window)
@@ -131,6 +137,7 @@ def extend_attention(
     max_query_len: int,  # the longest request's new tokens (a host number: sizes the grid)
     window: int = 0,  # sliding window: the last `window` positions of each query; 0 for all
     softcap: float = 0.0,  # scores soft-capped to softcap * tanh(s / softcap); 0 for none
+    sinks: torch.Tensor | None = None,  # [num_heads] float32: a logit per head with no value
     out: torch.Tensor | None = None,  # [T, num_heads, head_dim]; rows outside requests kept
     block_m: int | None = None,
     block_n: int | None = None,
@@ -147,14 +154,18 @@ def extend_attention(
     default_m, default_n, block_d = extend_tiles(head_dim, q.element_size())
     block_m, block_n = block_m or default_m, block_n or default_n
     grid = (num_reqs, num_heads, triton.cdiv(max_query_len, block_m))
+    if sinks is not None:
+        assert sinks.shape == (num_heads,) and sinks.dtype == torch.float32, "sinks: [H] fp32"
+        check_device(q, sinks)
     _extend_kernel[grid](
-        q, kv_cache, out, block_tables, query_start_loc, seq_lens, scale * _LOG2E, window,
+        q, kv_cache, out, block_tables, query_start_loc, seq_lens,
+        seq_lens if sinks is None else sinks, scale * _LOG2E, window,
         softcap * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
         num_heads // num_kv_heads, block_size, head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        DOT_PRECISION=dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype), HAS_SINKS=sinks is not None,
         num_warps=4, num_stages=2,
     )  # fmt: skip
     return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.kernels.paged_decode.reference import gather_context
+from gpu_worker.kernels.paged_decode.reference import gather_context, sink_softmax
 
 
 def extend_attention_reference(
@@ -16,6 +16,7 @@ def extend_attention_reference(
     scale: float,
     window: int = 0,  # sliding window: key j visible to query i when i - window < j
     softcap: float = 0.0,  # scores soft-capped to softcap * tanh(s / softcap); 0 for none
+    sinks: torch.Tensor | None = None,  # [num_heads]: a logit per head with no value
 ) -> torch.Tensor:  # [T, num_heads, head_dim] float32 (rows outside every request: 0)
     """Causal attention of each request's new tokens over its cached context."""
     num_heads, num_kv_heads = q.shape[1], kv_cache.shape[3]
@@ -36,5 +37,5 @@ def extend_attention_reference(
         if window > 0:
             visible &= key_pos[None, :] > query_pos[:, None] - window
         scores = scores.masked_fill(~visible, float("-inf"))
-        out[start:end] = torch.einsum("hql,lhd->qhd", scores.softmax(dim=-1), v)
+        out[start:end] = torch.einsum("hql,lhd->qhd", sink_softmax(scores, sinks), v)
     return out

@@ -5,7 +5,8 @@ See the package docstring for the method. Scores are kept in log2 units (q is sc
 With a sliding window (`window` > 0) the splits share out only the last `window` positions
 of each context; the positions before are never read. With a soft cap (`softcap` > 0,
 Gemma 2) each score becomes softcap * tanh(score / softcap) before the softmax; in log2 units
-that is the same with the cap times log2(e).
+that is the same with the cap times log2(e). Attention sinks (gpt-oss: a logit per head) join
+at the merge, as one more split with no value.
 """
 
 from __future__ import annotations
@@ -130,6 +131,7 @@ def _decode_merge_kernel(
     part_o_ptr,
     part_lse_ptr,
     seq_lens_ptr,
+    sinks_ptr,  # [num_heads] float32, read when HAS_SINKS
     out_ptr,
     window,
     stride_ob,
@@ -139,6 +141,7 @@ def _decode_merge_kernel(
     NUM_SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -151,11 +154,16 @@ def _decode_merge_kernel(
     part = (b * num_heads + h) * NUM_SPLITS + s
     lse = tl.load(part_lse_ptr + part, mask=s_mask, other=float("-inf"))
     lse_max = tl.max(lse, 0)
+    if HAS_SINKS:  # the sink's logit, in log2 units like the splits' sums
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+        lse_max = tl.maximum(lse_max, sink)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # seq_len 0: output zeros
     w = tl.math.exp2(lse - lse_max)
     o_mask = s_mask[:, None] & (d[None, :] < head_dim)
     o = tl.load(part_o_ptr + part[:, None] * head_dim + d[None, :], mask=o_mask, other=0.0)
     total = tl.sum(w, 0)
+    if HAS_SINKS:
+        total += tl.math.exp2(sink - lse_max)
     total = tl.where(total > 0.0, total, 1.0)
     merged = tl.sum(o * w[:, None], 0) / total
     dst = out_ptr + b * stride_ob + h * stride_oh + d
@@ -193,6 +201,7 @@ def paged_decode(
     *,
     window: int = 0,  # sliding window: the last `window` positions only; 0 for all
     softcap: float = 0.0,  # scores soft-capped to softcap * tanh(s / softcap); 0 for none
+    sinks: torch.Tensor | None = None,  # [num_heads] float32: a logit per head with no value
     num_splits: int = DEFAULT_NUM_SPLITS,
     out: torch.Tensor | None = None,  # [B, num_heads, head_dim], written if given
     block_n: int | None = None,
@@ -226,9 +235,13 @@ def paged_decode(
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=4, num_stages=2,
     )  # fmt: skip
+    if sinks is not None:
+        assert sinks.shape == (num_heads,) and sinks.dtype == torch.float32, "sinks: [H] fp32"
+        check_device(q, sinks)
     _decode_merge_kernel[(num_seqs, num_heads)](
-        part_o, part_lse, seq_lens, out, window, out.stride(0), out.stride(1), num_heads, head_dim,
-        NUM_SPLITS=num_splits, BLOCK_N=block_n, BLOCK_D=block_d,
+        part_o, part_lse, seq_lens, part_lse if sinks is None else sinks, out, window,
+        out.stride(0), out.stride(1), num_heads, head_dim,
+        NUM_SPLITS=num_splits, BLOCK_N=block_n, BLOCK_D=block_d, HAS_SINKS=sinks is not None,
         num_warps=4,
     )  # fmt: skip
     return out

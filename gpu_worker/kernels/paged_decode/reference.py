@@ -27,6 +27,7 @@ def paged_decode_reference(
     scale: float,
     window: int = 0,  # sliding window: the last `window` positions only; 0 for all
     softcap: float = 0.0,  # scores soft-capped to softcap * tanh(s / softcap); 0 for none
+    sinks: torch.Tensor | None = None,  # [num_heads]: a logit per head with no value
 ) -> torch.Tensor:  # [B, num_heads, head_dim] float32
     """softmax(q K^T * scale) V per sequence, in float32, with GQA by repeating K/V heads."""
     num_heads, num_kv_heads = q.shape[1], kv_cache.shape[3]
@@ -40,5 +41,14 @@ def paged_decode_reference(
             scores = torch.tanh(scores / softcap) * softcap
         if window > 0:
             scores[:, : max(0, seq_len - window)] = float("-inf")
-        out[b] = torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), v)
+        out[b] = torch.einsum("hl,lhd->hd", sink_softmax(scores, sinks), v)
     return out
+
+
+def sink_softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the last dimension of scores [H, ..., L]; with sinks [H], each head's
+    sink joins as one more column whose weight is then dropped (it has no value)."""
+    if sinks is None:
+        return scores.softmax(dim=-1)
+    column = sinks.float().view(-1, *([1] * (scores.dim() - 1))).expand(*scores.shape[:-1], 1)
+    return torch.cat((scores, column), dim=-1).softmax(dim=-1)[..., :-1]

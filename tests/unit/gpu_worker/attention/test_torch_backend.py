@@ -27,6 +27,7 @@ def naive_attention(
     window: int = 0,
     scale: float | None = None,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Token by token: look up every earlier position's K/V through the block table (the
     last `window` positions only, with a sliding window)."""
@@ -45,7 +46,11 @@ def naive_attention(
                 scores = (k[:, h // q_per_kv].float() @ q[t, h].float()) * scale_h
                 if softcap:
                     scores = torch.tanh(scores / softcap) * softcap
-                out[t, h] = (scores.softmax(0) @ v[:, h // q_per_kv].float()).to(q.dtype)
+                if sinks is not None:  # a key whose value is 0
+                    probs = torch.cat((scores, sinks[h : h + 1].float())).softmax(0)[:-1]
+                else:
+                    probs = scores.softmax(0)
+                out[t, h] = (probs @ v[:, h // q_per_kv].float()).to(q.dtype)
             t += 1
     return out
 
@@ -58,6 +63,7 @@ def _run(
     q_per_kv: int,
     dtype: torch.dtype = torch.float32,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
     **backend_options: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
@@ -86,14 +92,17 @@ def _run(
     )
     meta = backend.build_metadata(build_metadata(num_computed, num_new, tables, block_size))
     ours_cache = cache.clone()
-    out = backend.forward(q, k, v, ours_cache, meta, window)
+    out = backend.forward(q, k, v, ours_cache, meta, window, sinks)
     ref_cache = cache.clone()
     for slot, kk, vv in zip(meta.slot_mapping.tolist(), k, v, strict=True):
         ref_cache[0, slot // block_size, slot % block_size] = kk
         ref_cache[1, slot // block_size, slot % block_size] = vv
     assert torch.equal(ours_cache, ref_cache), "K/V stored in the wrong slots"
     scale, softcap = backend_options.get("scale"), backend_options.get("softcap", 0.0)
-    return out, naive_attention(q, ref_cache, num_computed, num_new, tables, window, scale, softcap)
+    naive = naive_attention(
+        q, ref_cache, num_computed, num_new, tables, window, scale, softcap, sinks
+    )
+    return out, naive
 
 
 @pytest.mark.parametrize("q_per_kv", [1, 3])
@@ -183,3 +192,19 @@ def test_soft_cap_and_scale_in_a_mixed_batch(path: str, window: int) -> None:
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     plain, _ = _run(num_computed, num_new, block_size=4, q_per_kv=3, window=window, scale=0.4)
     assert (plain - out).abs().max() > 1e-2  # the cap changed the outputs
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("softcap", [0.0, 2.0])
+def test_sinks_in_a_mixed_batch(path: str, softcap: float) -> None:
+    """gpt-oss's attention sinks: a logit per head (some large, so they take most of the
+    weight) in each softmax, on every path, windowed and soft-capped too."""
+    sinks = torch.tensor([3.0, -1.0, 0.5, 8.0, -20.0, 1.0])
+    num_computed, num_new = [0, 4, 39, 0, 7, 31], [1, 1, 1, 30, 9, 5]
+    options = {**PATHS[path], "softcap": softcap}
+    for window in (0, 5):
+        out, ref = _run(num_computed, num_new, block_size=4, q_per_kv=3, window=window,
+                        sinks=sinks, **options)  # fmt: skip
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    plain, _ = _run(num_computed, num_new, block_size=4, q_per_kv=3, **options)
+    assert (plain - out).abs().max() > 1e-2

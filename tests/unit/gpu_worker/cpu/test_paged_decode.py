@@ -133,3 +133,20 @@ def test_soft_cap_matches_naive_attention(head_dim: int, dtype: torch.dtype) -> 
     assert out is not None
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("num_seqs", [3, 40])  # one KV head per task, or whole sequences
+def test_sinks_match_naive_attention(head_dim: int, num_seqs: int) -> None:
+    contexts = [1 + (37 * i) % 150 for i in range(num_seqs)]
+    q, cache, tables = _case(contexts, block_size=16, num_kv_heads=2, q_per_kv=3, head_dim=head_dim)
+    sinks = torch.tensor([2.0, -3.0, 0.0, 6.0, 1.5, -0.5])
+    meta = build_metadata([c - 1 for c in contexts], [1] * num_seqs, tables, 16)
+    scale = head_dim**-0.5
+    out = paged_decode.paged_decode(
+        q, cache, meta.block_tables, meta.seq_lens, scale, 20, 0.0, sinks
+    )
+    prior = [c - 1 for c in contexts]
+    ref = naive_attention(q, cache, prior, [1] * num_seqs, tables, 20, None, 0.0, sinks)
+    assert out is not None
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
