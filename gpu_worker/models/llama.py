@@ -182,7 +182,9 @@ class LlamaConfig:
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight over the last dimension, by the layer ops (torch: in float32 like
-    HF, then cast back); Gemma's multiply by (1 + weight): `offset` 1."""
+    HF, then cast back); Gemma's multiply by (1 + weight): `offset` 1, computed as transformers'
+    Gemma computes it (in float32, (1 + weight) in float32, then cast: the layer ops would round
+    a bf16 model's 1 + weight to bf16 first)."""
 
     def __init__(self, dim: int, eps: float, ops: LayerOps = TORCH_OPS, offset: float = 0.0):
         super().__init__()
@@ -192,8 +194,11 @@ class RMSNorm(nn.Module):
         self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight + self.offset if self.offset else self.weight
-        return self.ops.rms_norm(x, weight, self.eps)
+        if not self.offset:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (self.offset + self.weight.float())).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
