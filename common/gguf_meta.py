@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 _MIB = 1 << 20
 MARKER = "shuttle_gguf"  # config.json entry of a GGUF's tokenizer folder: {"path": file}
 # general.architecture -> model_type; a "llama" file named like Mistral is a mistral
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
 # the llama.cpp converter permutes q/k rows (rotary pairs) only for these
 PERMUTED_ARCHITECTURES = frozenset({"llama"})
 # ggml type names we serve: float types as tensors, block types as raw bytes
@@ -59,6 +59,7 @@ _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # phi3's fused q/k/v
     "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
@@ -86,15 +87,17 @@ def is_gguf_file(model: str | Path) -> bool:
     return path.suffix.lower() == ".gguf" and path.is_file()
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-    """llama.cpp's tensor name -> the Hugging Face one; ValueError for a name we do not know."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
+    """llama.cpp's tensor name -> the Hugging Face one; ValueError for a name we do not know.
+    A phi3 file's ffn_up is Phi-3's fused gate_up_proj (gate rows, then up rows)."""
     stem, _, kind = gguf_name.rpartition(".")
     if stem in _GLOBAL_NAMES and kind == "weight":
         return f"{_GLOBAL_NAMES[stem]}.weight"
     match = _LAYER_RE.match(gguf_name)
     if match and match.group(2) in _LAYER_NAMES:
         layer, part, kind = match.groups()
-        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+        hf = "mlp.gate_up_proj" if arch == "phi3" and part == "ffn_up" else _LAYER_NAMES[part]
+        return f"model.layers.{layer}.{hf}.{kind}"
     raise ValueError(f"GGUF tensor {gguf_name!r} has no place in a Llama-family model")
 
 
@@ -116,7 +119,9 @@ def check_tensor_types(reader: GGUFReader, path: str | Path) -> None:
     """Raise UnsupportedTensorType for the first tensor in a type we do not serve."""
     for tensor in reader.tensors:
         if tensor.tensor_type.name not in SUPPORTED_TYPES:
-            hf = hf_tensor_name(tensor.name) if tensor.name != ROPE_FREQS else "rope scaling"
+            arch = str(field_value(reader, "general.architecture", ""))
+            known = tensor.name != ROPE_FREQS
+            hf = hf_tensor_name(tensor.name, arch) if known else "rope scaling"
             raise UnsupportedTensorType(tensor.name, hf, tensor.tensor_type.name, path)
 
 
@@ -139,6 +144,10 @@ def read_gguf_config(path: str | Path, reader: GGUFReader | None = None) -> dict
     if scaling not in (None, "none"):
         raise ValueError(f"{path}: rope scaling {scaling!r} is not supported (default, llama3)")
     names = {t.name: t for t in reader.tensors}
+    if "rope_factors_long.weight" in names:  # Phi-3's long-context variants
+        raise ValueError(
+            f"{path}: rope_type 'longrope' (rope_factors_long.weight) is not supported"
+        )
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
     head_dim = int(key("attention.key_length", key("rope.dimension_count", hidden // heads)))
     theta = float(key("rope.freq_base", 10000.0))
@@ -162,6 +171,9 @@ def read_gguf_config(path: str | Path, reader: GGUFReader | None = None) -> dict
         "mlp_bias": "blk.0.ffn_down.bias" in names,
         "hidden_act": "silu",
     }
+    window = field_value(reader, f"{arch}.attention.sliding_window")
+    if arch == "phi3" and window:  # llama.cpp writes Phi-3's sliding_window here
+        config["sliding_window"] = int(window)
     if ROPE_FREQS in names:
         factors = np.asarray(names[ROPE_FREQS].data, dtype=np.float64)
         config["rope_parameters"] = llama3_rope_parameters(factors, theta, head_dim, path)
@@ -177,6 +189,7 @@ _HF_CLASSES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 _TOKEN_KEYS = {"bos": "bos", "eos": "eos", "padding": "pad", "unknown": "unk"}
 

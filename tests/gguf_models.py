@@ -29,13 +29,15 @@ from safetensors.torch import load_file
 _RANDOM_BLOCK_TYPES = (Q.Q2_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 # byte offsets of each block type's fp16 scale fields (ggml-common.h block layouts)
 _FP16_OFFSETS = {Q.Q2_K: (80, 82), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
-_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
 _LAYER_PARTS = {
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
+    "self_attn.qkv_proj": "attn_qkv",  # phi3, fused
+    "mlp.gate_up_proj": "ffn_up",  # phi3, fused as llama.cpp keeps it
     "self_attn.o_proj": "attn_output",
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
@@ -150,6 +152,8 @@ def _write_hparams(writer: gguf.GGUFWriter, arch: str, cfg: dict[str, Any]) -> N
     theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
     writer.add_float32(f"{arch}.rope.freq_base", float(theta))
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+    if arch == "phi3" and cfg.get("sliding_window"):
+        writer.add_uint32(f"{arch}.attention.sliding_window", int(cfg["sliding_window"]))
 
 
 def _llama3_rope_freqs(cfg: dict[str, Any], rope: dict[str, Any]) -> np.ndarray:

@@ -8,6 +8,20 @@ to end. Creation is deterministic (torch.manual_seed). The shapes vary on purpos
     qwen2    4 heads / 1 KV head, q/k/v biases, untied
     qwen3    4 heads / 2 KV heads, head_dim 32 != hidden / heads, q/k norms, tied embeddings
     mistral  4 heads / 4 KV heads (no GQA), tied embeddings
+    mistral-window   mistral with a sliding window of 16 in every layer
+    qwen2-window     qwen2 whose layers from the second on slide over 8 positions
+                     (use_sliding_window, max_window_layers 1)
+    qwen3-yarn       qwen3 with YaRN rope scaling (factor 4 over an original 32 positions)
+    llama-linear     llama with linear rope scaling (factor 2)
+    phi3             Phi-3-mini's config (fused qkv/gate_up weights, no biases, untied, a
+                     sliding window of about half the context: 2047 of 4096 there, 15 here)
+    gemma2           Gemma 2's config (4 layers alternating sliding 16 / full, head_dim 32
+                     != hidden / heads, query_pre_attn_scalar 24 != head_dim as in 27b,
+                     attention and final soft caps 50 and 30, tied)
+    smollm3          SmolLM3's config (every 4th layer without rope: 8 layers here, 36 there;
+                     GQA 4:1, tied)
+    gemma3           Gemma 3 text's (6 layers: 5 sliding over 16 with a local rope base of
+                     1e4, 1 full with theta 1e6 and the 4b+ linear rope scaling 8, q/k norms)
 """
 
 from __future__ import annotations
@@ -20,7 +34,11 @@ import torch
 
 from common.prepare_model import default_model_dir
 
-TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+TINY_ARCHS = (
+    *("llama", "qwen2", "qwen3", "mistral"),
+    *("mistral-window", "qwen2-window", "qwen3-yarn", "llama-linear", "phi3"),
+    *("gemma2", "gemma3", "smollm3"),
+)
 VOCAB_SIZE = 49152  # SmolLM2's tokenizer
 EOS_TOKEN_ID = 2  # "<|im_end|>" in SmolLM2's tokenizer
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -67,6 +85,72 @@ def _config(arch: str, num_layers: int, vocab_size: int = VOCAB_SIZE) -> Any:
     if arch == "mistral":
         return transformers.MistralConfig(
             **common, num_key_value_heads=4, sliding_window=None, tie_word_embeddings=True
+        )
+    if arch == "mistral-window":
+        return transformers.MistralConfig(
+            **common, num_key_value_heads=2, sliding_window=16, tie_word_embeddings=True
+        )
+    if arch == "qwen3-yarn":
+        yarn = dict(
+            rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32
+        )
+        return transformers.Qwen3Config(
+            **common, num_key_value_heads=2, head_dim=32, rope_parameters=yarn
+        )
+    if arch == "llama-linear":
+        linear = dict(rope_type="linear", rope_theta=10000.0, factor=2.0)
+        return transformers.LlamaConfig(
+            **common, num_key_value_heads=2, rope_parameters=linear, tie_word_embeddings=False
+        )
+    if arch == "gemma2":
+        return transformers.Gemma2Config(
+            **dict(common, num_hidden_layers=max(num_layers, 4)),
+            num_key_value_heads=2,
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=16,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            tie_word_embeddings=True,
+        )
+    if arch == "gemma3":
+        ropes = {
+            "full_attention": dict(rope_type="linear", factor=8.0, rope_theta=1_000_000.0),
+            "sliding_attention": dict(rope_type="default", rope_theta=10_000.0),
+        }
+        return transformers.Gemma3TextConfig(
+            **dict(common, num_hidden_layers=max(num_layers, 6)),
+            num_key_value_heads=1,
+            head_dim=32,
+            query_pre_attn_scalar=32,
+            sliding_window=16,
+            rope_parameters=ropes,
+            tie_word_embeddings=True,
+        )
+    if arch == "smollm3":
+        return transformers.SmolLM3Config(
+            **dict(common, num_hidden_layers=max(num_layers, 8)),
+            num_key_value_heads=1,
+            no_rope_layer_interval=4,
+            rope_parameters=dict(rope_type="default", rope_theta=5_000_000.0),
+            tie_word_embeddings=True,
+        )
+    if arch == "phi3":
+        return transformers.Phi3Config(
+            **common,
+            num_key_value_heads=4,
+            sliding_window=15,
+            tie_word_embeddings=False,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        )
+    if arch == "qwen2-window":
+        return transformers.Qwen2Config(
+            **common,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            use_sliding_window=True,
+            sliding_window=8,
+            max_window_layers=1,
         )
     raise ValueError(f"unknown tiny arch {arch!r}; known: {TINY_ARCHS}")
 

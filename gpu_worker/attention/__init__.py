@@ -17,6 +17,10 @@ class AttentionBackend(abc.ABC):
     add backend-specific fields (masks, index lists) to the common metadata; `forward` runs
     once per layer with that metadata and the layer's cache
     `kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim]`.
+
+    Scores are q.k * `scale` (head_dim ** -0.5 unless the model says otherwise: Gemma's
+    query_pre_attn_scalar ** -0.5), soft-capped to softcap * tanh(s / softcap) where
+    `softcap` > 0 (Gemma 2's attn_logit_softcapping), then masked and softmaxed.
     """
 
     name: ClassVar[str]
@@ -34,15 +38,20 @@ class AttentionBackend(abc.ABC):
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        scale: float | None = None,
+        softcap: float = 0.0,
     ) -> None:
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} heads do not split into {num_kv_heads} KV heads")
+        if softcap < 0:
+            raise ValueError(f"softcap must be >= 0 (0: none), got {softcap}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = device
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.softcap = softcap
 
     def build_metadata(self, common: AttentionMetadata) -> AttentionMetadata:
         """Per-step extras for this backend; the common metadata alone by default."""
@@ -56,8 +65,14 @@ class AttentionBackend(abc.ABC):
         v: torch.Tensor,  # [T, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
+        window: int = 0,
+        sinks: torch.Tensor | None = None,  # [num_heads] float32
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        """Store k/v at meta.slot_mapping, then attend; returns the attention output."""
+        """Store k/v at meta.slot_mapping, then attend; returns the attention output. With a
+        sliding `window` > 0 a query at position i sees the keys at i - window < j <= i
+        (transformers' sliding_window), else every key up to its own position. `sinks`
+        (gpt-oss): a learned logit per head that joins each softmax as a key with no value,
+        so the weights of the real keys sum to less than 1."""
 
 
 BACKEND_NAMES = ("auto", "torch", "triton")

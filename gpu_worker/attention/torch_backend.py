@@ -16,6 +16,12 @@ cached blocks and uses an explicit mask, causal within the new tokens. With
 last-bit difference in attention can flip a rounding and, rarely, a greedy token) a chunk's
 queries go to the decode kernel instead, each as a decode of its own length: a token's
 attention is then the same bits however the prompt was chunked or batched.
+
+A layer with a sliding window passes it to `forward`: the decode kernel starts each sequence
+at its last `window` positions, the eager paths mask the keys before them. With a soft cap
+(Gemma 2) the decode kernel caps its scores; SDPA cannot, so the eager paths then compute
+the scores, cap, mask and softmax (in float32) themselves, as they do for attention sinks
+(a per-head logit in every softmax's denominator; the decode kernel takes them too).
 """
 
 from __future__ import annotations
@@ -84,18 +90,20 @@ class TorchAttentionBackend(AttentionBackend):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        window: int = 0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         assert isinstance(meta, TorchAttentionMetadata), "call build_metadata first"
         _store_kv(kv_cache, k, v, meta.slot_mapping)
         num_decodes = meta.num_decodes
         if num_decodes == meta.num_reqs:  # a decode-only step: no output to assemble
-            return self._decode(q, kv_cache, meta)
+            return self._decode(q, kv_cache, meta, window, sinks)
         out = torch.empty_like(q)
         if num_decodes:
-            out[:num_decodes] = self._decode(q[:num_decodes], kv_cache, meta)
+            out[:num_decodes] = self._decode(q[:num_decodes], kv_cache, meta, window, sinks)
         for r in range(num_decodes, meta.num_reqs):
             start, end = meta.query_start_loc_host[r], meta.query_start_loc_host[r + 1]
-            out[start:end] = self._extend(q, k, v, kv_cache, meta, r)
+            out[start:end] = self._extend(q, k, v, kv_cache, meta, r, window, sinks)
         return out
 
     def _decode_tables(self, meta: AttentionMetadata) -> torch.Tensor | None:
@@ -116,18 +124,31 @@ class TorchAttentionBackend(AttentionBackend):
         return key_pos <= query_pos
 
     def _decode(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: TorchAttentionMetadata
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: TorchAttentionMetadata,
+        window: int,
+        sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         tables, seq_lens = meta.decode_tables, meta.seq_lens[: meta.num_decodes]
         assert tables is not None
         if self.cpu_decode_kernel:
-            o = paged_decode.paged_decode(q, kv_cache, tables, seq_lens, self.scale)
+            o = paged_decode.paged_decode(
+                q, kv_cache, tables, seq_lens, self.scale, window, self.softcap, sinks
+            )
             if o is not None:
                 return o
-        return self._decode_eager(q, kv_cache, tables, seq_lens)
+        return self._decode_eager(q, kv_cache, tables, seq_lens, window, sinks)
 
     def _decode_eager(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        window: int,
+        sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         """Whole blocks gathered into the workspace, then SDPA with GQA folded into q."""
         n = q.shape[0]
@@ -139,10 +160,39 @@ class TorchAttentionBackend(AttentionBackend):
         mask = torch.zeros(n, k.shape[2], dtype=q.dtype, device=q.device)
         key_pos = torch.arange(k.shape[2], device=q.device)
         mask.masked_fill_(key_pos[None, :] >= seq_lens[:, None], float("-inf"))
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask[:, None, None, :], scale=self.scale
-        )
+        if window > 0:  # the query sits at seq_len - 1
+            mask.masked_fill_(key_pos[None, :] < seq_lens[:, None] - window, float("-inf"))
+        if self.softcap > 0 or sinks is not None:
+            head_sinks = None if sinks is None else sinks.view(1, self.num_kv_heads, -1, 1)
+            o = self._manual(q, k, v, mask[:, None, None, :] == 0, head_sinks)
+        else:
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask[:, None, None, :], scale=self.scale
+            )
         return o.reshape(n, self.num_heads, self.head_dim)
+
+    def _manual(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        visible: torch.Tensor,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Attention with a soft cap and/or sinks, as transformers' eager Gemma 2 and gpt-oss
+        compute it: q [..., n, D] against k, v [..., L, D] (broadcast), visible bool
+        [..., n, L], sinks [..., n or 1, 1] (broadcast to the scores' rows) or None."""
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.scale
+        if self.softcap > 0:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is None:
+            probs = scores.softmax(dim=-1)
+        else:  # the sink's column joins the softmax, then is dropped (it has no value)
+            column = sinks.float().expand(*scores.shape[:-1], 1)
+            both = torch.cat((scores, column), dim=-1)
+            probs = (both - both.amax(dim=-1, keepdim=True)).softmax(dim=-1)[..., :-1]
+        return torch.matmul(probs, v.float()).to(q.dtype)
 
     def _extend(
         self,
@@ -152,14 +202,18 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: TorchAttentionMetadata,
         r: int,
+        window: int,
+        sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         start, end = meta.query_start_loc_host[r], meta.query_start_loc_host[r + 1]
         if self.batch_invariant:
-            o = self._extend_by_rows(q[start:end], kv_cache, meta, r)
+            o = self._extend_by_rows(q[start:end], kv_cache, meta, r, window, sinks)
             if o is not None:
                 return o
         mask = meta.extend_masks[r - meta.num_decodes]
-        if mask is None:  # nothing cached before this chunk: its own K/V is the context
+        if window > 0 and meta.seq_lens_host[r] > window:  # some keys fall out of the window
+            mask = self._window_mask(meta, r, window)
+        if meta.num_computed_host[r] == 0:  # nothing cached before: its own K/V is the context
             kr, vr = k[start:end], v[start:end]
         else:
             seq_len = meta.seq_lens_host[r]
@@ -167,6 +221,8 @@ class TorchAttentionBackend(AttentionBackend):
             kr, vr = self._gather(kv_cache, meta.block_tables[r, :num_blocks])
             kr = kr.view(-1, self.num_kv_heads, self.head_dim)[:seq_len]
             vr = vr.view(-1, self.num_kv_heads, self.head_dim)[:seq_len]
+        if self.softcap > 0 or sinks is not None:
+            return self._extend_manual(q[start:end], kr, vr, mask, sinks)
         # 4-D [1, heads, tokens, dim]: with 3-D inputs the CPU dispatches to the math kernel
         # (scores materialised, ~1.8x slower), with 4-D to the flash kernel, masked or causal
         o = F.scaled_dot_product_attention(
@@ -180,15 +236,50 @@ class TorchAttentionBackend(AttentionBackend):
         )
         return o[0].transpose(0, 1)
 
+    def _extend_manual(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """A chunk's attention with a soft cap or sinks: q [n, H, D] over k, v [L, KVH, D];
+        mask None (causal, the chunk is the whole context) or bool [n, L]."""
+        n, length = q.shape[0], k.shape[0]
+        if mask is None:
+            mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril()
+        q_per_kv = self.num_heads // self.num_kv_heads
+        k = k.transpose(0, 1).repeat_interleave(q_per_kv, dim=0)  # [H, L, D]
+        v = v.transpose(0, 1).repeat_interleave(q_per_kv, dim=0)
+        head_sinks = None if sinks is None else sinks.view(-1, 1, 1)
+        return self._manual(q.transpose(0, 1), k, v, mask[None], head_sinks).transpose(0, 1)
+
+    def _window_mask(self, meta: AttentionMetadata, r: int, window: int) -> torch.Tensor:
+        """bool [num_new, seq_len]: key j visible to the query at position i when
+        i - window < j <= i."""
+        num_computed, seq_len = meta.num_computed_host[r], meta.seq_lens_host[r]
+        query_pos = torch.arange(num_computed, seq_len, device=self.device)[:, None]
+        key_pos = torch.arange(seq_len, device=self.device)[None, :]
+        return (key_pos <= query_pos) & (key_pos > query_pos - window)
+
     def _extend_by_rows(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: TorchAttentionMetadata, r: int
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: TorchAttentionMetadata,
+        r: int,
+        window: int,
+        sinks: torch.Tensor | None,
     ) -> torch.Tensor | None:
         """A chunk's queries as decodes of their own lengths (row i attends to the first
         num_computed + i + 1 positions of request r's blocks), by the decode kernel."""
         n, first = q.shape[0], meta.num_computed_host[r]
         table = meta.block_tables[r : r + 1].expand(n, -1)  # one table for every row
         lens = torch.arange(first + 1, first + n + 1, dtype=torch.int32)
-        return paged_decode.paged_decode(q, kv_cache, table, lens, self.scale)
+        return paged_decode.paged_decode(
+            q, kv_cache, table, lens, self.scale, window, self.softcap, sinks
+        )
 
     def _gather(
         self, kv_cache: torch.Tensor, block_ids: torch.Tensor

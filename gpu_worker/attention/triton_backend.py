@@ -61,6 +61,8 @@ class TritonAttentionBackend(AttentionBackend):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        window: int = 0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         assert isinstance(meta, TritonAttentionMetadata), "call build_metadata first"
         store_kv(k, v, kv_cache, meta.slot_mapping)
@@ -73,6 +75,9 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.block_tables[:n],
                 meta.seq_lens[:n],
                 self.scale,
+                window=window,
+                softcap=self.softcap,
+                sinks=sinks,
                 num_splits=self.decode_num_splits,
                 out=out[:n],
             )
@@ -85,6 +90,9 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.seq_lens[n:],
                 self.scale,
                 max_query_len=meta.max_extend_len,
+                window=window,
+                softcap=self.softcap,
+                sinks=sinks,
                 out=out,
             )
         return out

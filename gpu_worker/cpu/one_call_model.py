@@ -65,6 +65,11 @@ class OneCallAttention(Protocol):
     def q_norm(self) -> object | None: ...
 
     @property
+    def sliding_window(self) -> int:
+        """The layer's sliding window, 0 for the whole context."""
+        ...
+
+    @property
     def backend(self) -> OneCallBackend: ...
 
     @property

@@ -60,10 +60,12 @@ typedef struct {
     int lora_bf16, lora_slices, lora_rank, lora_loras;
 } decode_linear_t;
 
-/* One layer: its norms' weights (float32) and its four linears */
+/* One layer: its norms' weights (float32), its four linears and its attention's sliding
+ * window (0: the whole context) */
 typedef struct {
     const float *input_norm, *post_norm;
     decode_linear_t qkv, o, gate_up, down;
+    int window;
 } decode_layer_t;
 
 static int run_base(const decode_linear_t *L, const float *x, int n, float *y, int out, int in,
@@ -156,7 +158,7 @@ int decode_forward(const decode_layer_t *layers, int num_layers, float *x, int n
             }
         }
         if (paged_decode(q, k_cache, v_cache, kv_bf16, tables, table_stride, seq_lens, n, heads, kvh,
-                         d, bs, scale, att, attend_threads) != 0)
+                         d, bs, scale, w->window, 0.0f, NULL, att, attend_threads) != 0)
             code = 2;
         code |= run_linear(&w->o, att, n, proj, hidden, q_size, tmp, lora_slots, nthreads);
         /* x + proj into x, and its norm into h (the post-attention add-and-norm) */

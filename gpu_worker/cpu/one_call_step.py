@@ -89,7 +89,7 @@ class DecodeLinear(ctypes.Structure):
 
 
 class DecodeLayer(ctypes.Structure):
-    """one_call_step.c's decode_layer_t: one layer's norms and linears."""
+    """one_call_step.c's decode_layer_t: one layer's norms, linears and sliding window."""
 
     _fields_ = [
         ("input_norm", _P),
@@ -98,6 +98,7 @@ class DecodeLayer(ctypes.Structure):
         ("o", DecodeLinear),
         ("gate_up", DecodeLinear),
         ("down", DecodeLinear),
+        ("window", ctypes.c_int),
     ]
 
 
@@ -224,6 +225,7 @@ def _layer_table(model: OneCallModel, keep: Keep) -> ctypes.Array[DecodeLayer] |
     for slot, layer in zip(table, model.layers, strict=True):
         slot.input_norm = _ptr(keep.float32(layer.input_layernorm.weight))
         slot.post_norm = _ptr(keep.float32(layer.post_attention_layernorm.weight))
+        slot.window = layer.self_attn.sliding_window
         names = ("qkv", "o", "gate_up", "down")
         for name, linear_layer in zip(names, _linears(layer), strict=True):
             desc = _descriptor(linear_layer, keep)

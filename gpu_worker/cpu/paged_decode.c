@@ -10,6 +10,16 @@
  *   row(l) = cache + ((table[i][l / bs] * bs + l % bs) * KVH + h) * D
  *   s[j][l] = scale * q[i][h*G + j] . K(l);  p = softmax_l(s);  o[i][h*G + j] = sum_l p V(l)
  *
+ * With a sliding window W > 0 the query (at position seq_len - 1) sees only the last W positions,
+ * l >= seq_len - W (transformers' sliding_window: a key j is visible to a query i when
+ * i - W < j <= i); the positions before are never read.
+ *
+ * With a soft cap c > 0 (Gemma 2's attn_logit_softcapping) each score becomes c * tanh(s / c)
+ * before the softmax.
+ *
+ * With sinks (gpt-oss), head j's learned logit sinks[j] joins its softmax as a key with no
+ * value: m = max(m, sink), sum += exp(sink - m).
+ *
  * Scores, softmax and the output accumulate in float32 for either cache dtype (float32 or
  * bfloat16). q and out are float32 [n, H, D] contiguous; caches [blocks, bs, KVH, D].
  */
@@ -45,6 +55,11 @@ static inline const float *load_row(const void *cache, int is_bf16, int64_t offs
     return buf;
 }
 
+/* s = cap * tanh(s / cap) over n scores, as transformers' Gemma 2 soft-caps them */
+static void soft_cap(float *s, int n, float cap) {
+    for (int l = 0; l < n; l++) s[l] = tanhf(s[l] / cap) * cap;
+}
+
 /* Blocks are scattered: ask for position l + bs's rows now, one block ahead of their use,
  * into L2 (prefetcht1): into L1 (t0) each request holds one of the core's few L1 miss
  * buffers until it lands, and the loop stalled on them (a 64-sequence step's attention read
@@ -63,10 +78,11 @@ static inline void prefetch_ahead(const void *cache, int is_bf16, const int32_t 
  * each position's rows of those heads are adjacent in memory, so a block streams through
  * once per pass (K, then V) instead of once per head. */
 static void attend(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
-                   const int32_t *table, int seq_len, int h0, int nh, int kvh, int g, int d,
-                   int bs, float scale, float *out, float *scores, float *row_buf) {
+                   const int32_t *table, int start, int seq_len, int h0, int nh, int kvh, int g,
+                   int d, int bs, float scale, float softcap, const float *sinks, float *out,
+                   float *scores, float *row_buf) {
     int rows = nh * g;
-    for (int l = 0; l < seq_len; l++) {
+    for (int l = start; l < seq_len; l++) {
         int64_t slot = (int64_t)table[l / bs] * bs + l % bs;
         prefetch_ahead(k_cache, is_bf16, table, l, seq_len, bs, kvh, h0, d, nh * d);
         const float *k = load_row(k_cache, is_bf16, (slot * kvh + h0) * d, nh * d, row_buf);
@@ -75,18 +91,21 @@ static void attend(const float *q, const void *k_cache, const void *v_cache, int
     }
     for (int r = 0; r < rows; r++) {
         float *s = scores + (int64_t)r * seq_len, m = -INFINITY, sum = 0.0f;
-        for (int l = 0; l < seq_len; l++) m = s[l] > m ? s[l] : m;
+        if (softcap > 0.0f) soft_cap(s + start, seq_len - start, softcap);
+        for (int l = start; l < seq_len; l++) m = s[l] > m ? s[l] : m;
+        if (sinks && sinks[r] > m) m = sinks[r];
 #pragma omp simd reduction(+ : sum)
-        for (int l = 0; l < seq_len; l++) {
+        for (int l = start; l < seq_len; l++) {
             s[l] = expf(s[l] - m);
             sum += s[l];
         }
+        if (sinks) sum += expf(sinks[r] - m);
         float inv = 1.0f / sum;
-        for (int l = 0; l < seq_len; l++) s[l] *= inv;
+        for (int l = start; l < seq_len; l++) s[l] *= inv;
         float *o = out + (int64_t)r * d;
         for (int x = 0; x < d; x++) o[x] = 0.0f;
     }
-    for (int l = 0; l < seq_len; l++) {
+    for (int l = start; l < seq_len; l++) {
         int64_t slot = (int64_t)table[l / bs] * bs + l % bs;
         prefetch_ahead(v_cache, is_bf16, table, l, seq_len, bs, kvh, h0, d, nh * d);
         const float *v = load_row(v_cache, is_bf16, (slot * kvh + h0) * d, nh * d, row_buf);
@@ -105,16 +124,18 @@ static void attend(const float *q, const void *k_cache, const void *v_cache, int
  * either dtype. The sums are those of attend() in another order. */
 #define DEFINE_ATTEND_FIXED(D)                                                                 \
     static void attend_##D(const float *q, const void *k_cache, const void *v_cache,           \
-                           int is_bf16, const int32_t *table, int seq_len, int h0, int nh,     \
-                           int kvh, int g, int bs, float scale, float *out, float *scores) {   \
+                           int is_bf16, const int32_t *table, int start, int seq_len, int h0,  \
+                           int nh, int kvh, int g, int bs, float scale, float softcap,         \
+                           const float *sinks, float *out, float *scores) {                    \
         int rows = nh * g;                                                                     \
         int64_t rs = (int64_t)kvh * D; /* elements from one position's row to the next */      \
         const float *kf = k_cache, *vf = v_cache;                                              \
         const uint16_t *kh = k_cache, *vh = v_cache;                                           \
-        for (int l0 = 0; l0 < seq_len; l0 += bs) {                                             \
+        int first = start - start % bs; /* the block holding position `start` */               \
+        for (int l0 = first; l0 < seq_len; l0 += bs) {                                         \
             int n = seq_len - l0 < bs ? seq_len - l0 : bs;                                     \
             int64_t base = (int64_t)table[l0 / bs] * bs * rs + (int64_t)h0 * D;                \
-            for (int j = 0; j < n; j++) {                                                      \
+            for (int j = l0 < start ? start - l0 : 0; j < n; j++) {                            \
                 prefetch_ahead(k_cache, is_bf16, table, l0 + j, seq_len, bs, kvh, h0, D,       \
                                nh * D);                                                        \
                 for (int r = 0; r < rows; r++) {                                               \
@@ -134,24 +155,28 @@ static void attend(const float *q, const void *k_cache, const void *v_cache, int
         }                                                                                      \
         for (int r = 0; r < rows; r++) {                                                       \
             float *s = scores + (int64_t)r * seq_len, m = -INFINITY, sum = 0.0f;               \
-            for (int l = 0; l < seq_len; l++) m = s[l] > m ? s[l] : m;                         \
-            _Pragma("omp simd reduction(+ : sum)") for (int l = 0; l < seq_len; l++) {         \
+            if (softcap > 0.0f) soft_cap(s + start, seq_len - start, softcap);                 \
+            for (int l = start; l < seq_len; l++) m = s[l] > m ? s[l] : m;                     \
+            if (sinks && sinks[r] > m) m = sinks[r];                                           \
+            _Pragma("omp simd reduction(+ : sum)") for (int l = start; l < seq_len; l++) {     \
                 s[l] = expf(s[l] - m);                                                         \
                 sum += s[l];                                                                   \
             }                                                                                  \
+            if (sinks) sum += expf(sinks[r] - m);                                              \
             float inv = 1.0f / sum;                                                            \
-            for (int l = 0; l < seq_len; l++) s[l] *= inv;                                     \
+            for (int l = start; l < seq_len; l++) s[l] *= inv;                                 \
             for (int x = 0; x < D; x++) out[(int64_t)r * D + x] = 0.0f;                        \
         }                                                                                      \
-        for (int l0 = 0; l0 < seq_len; l0 += bs) {                                             \
+        for (int l0 = first; l0 < seq_len; l0 += bs) {                                         \
             int n = seq_len - l0 < bs ? seq_len - l0 : bs;                                     \
             int64_t base = (int64_t)table[l0 / bs] * bs * rs + (int64_t)h0 * D;                \
+            int j0 = l0 < start ? start - l0 : 0;                                              \
             for (int r = 0; r < rows; r++) {                                                   \
                 const float *p = scores + (int64_t)r * seq_len + l0;                           \
-                int64_t off = base + (int64_t)(r / g) * D;                                     \
+                int64_t off = base + (int64_t)(r / g) * D + (int64_t)j0 * rs;                  \
                 float acc[D], *o = out + (int64_t)r * D;                                       \
                 _Pragma("omp simd") for (int x = 0; x < D; x++) acc[x] = o[x];                 \
-                for (int j = 0; j < n; j++, off += rs) {                                       \
+                for (int j = j0; j < n; j++, off += rs) {                                      \
                     float pj = p[j];                                                           \
                     if (r == 0) /* the next block, spread over the first row's positions */    \
                         prefetch_ahead(v_cache, is_bf16, table, l0 + j, seq_len, bs, kvh, h0,  \
@@ -171,11 +196,13 @@ static void attend(const float *q, const void *k_cache, const void *v_cache, int
 DEFINE_ATTEND_FIXED(64)
 DEFINE_ATTEND_FIXED(128)
 
-/* Returns 0, or -1 when a shape is outside what the kernel handles (the caller falls back). */
+/* Returns 0, or -1 when a shape is outside what the kernel handles (the caller falls back).
+ * window: the sliding window, 0 for the whole context; softcap: the scores' soft cap, 0 for
+ * none; sinks: [num_heads] float32 logits, or NULL for none. */
 int paged_decode(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
                  const int32_t *block_tables, int table_stride, const int32_t *seq_lens,
-                 int n, int num_heads, int kvh, int d, int bs, float scale, float *out,
-                 int num_threads) {
+                 int n, int num_heads, int kvh, int d, int bs, float scale, int window,
+                 float softcap, const float *sinks, float *out, int num_threads) {
     int g = num_heads / kvh, max_len = 0;
     if (n <= 0 || num_threads <= 0) return -1;
     for (int i = 0; i < n; i++)
@@ -196,15 +223,18 @@ int paged_decode(const float *q, const void *k_cache, const void *v_cache, int i
             int i = task / split, h0 = (task % split) * nh;
             int64_t row = ((int64_t)i * num_heads + (int64_t)h0 * g) * d;
             const int32_t *table = block_tables + (int64_t)i * table_stride;
+            int len = seq_lens[i], start = window > 0 && len > window ? len - window : 0;
+            const float *task_sinks = sinks ? sinks + (int64_t)h0 * g : NULL; /* its rows' */
             if (d == 64)
-                attend_64(q + row, k_cache, v_cache, is_bf16, table, seq_lens[i], h0, nh, kvh, g,
-                          bs, scale, out + row, scores);
+                attend_64(q + row, k_cache, v_cache, is_bf16, table, start, len, h0, nh, kvh, g,
+                          bs, scale, softcap, task_sinks, out + row, scores);
             else if (d == 128)
-                attend_128(q + row, k_cache, v_cache, is_bf16, table, seq_lens[i], h0, nh, kvh, g,
-                           bs, scale, out + row, scores);
+                attend_128(q + row, k_cache, v_cache, is_bf16, table, start, len, h0, nh, kvh, g,
+                           bs, scale, softcap, task_sinks, out + row, scores);
             else
-                attend(q + row, k_cache, v_cache, is_bf16, table, seq_lens[i], h0, nh, kvh, g, d,
-                       bs, scale, out + row, scores, scores + (size_t)nh * g * max_len);
+                attend(q + row, k_cache, v_cache, is_bf16, table, start, len, h0, nh, kvh, g, d,
+                       bs, scale, softcap, task_sinks, out + row, scores,
+                       scores + (size_t)nh * g * max_len);
         }
         free(scores);
     }

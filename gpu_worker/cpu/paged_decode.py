@@ -28,7 +28,7 @@ _I = ctypes.c_int
 def _declare(lib: ctypes.CDLL) -> None:
     lib.paged_decode.restype = _I
     lib.paged_decode.argtypes = [_P, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _I]
-    lib.paged_decode.argtypes += [ctypes.c_float, _P, _I]
+    lib.paged_decode.argtypes += [ctypes.c_float, _I, ctypes.c_float, _P, _P, _I]
 
 
 _LIBRARY = KernelLibrary(
@@ -47,6 +47,9 @@ def paged_decode(
     block_tables: torch.Tensor,  # [n, >= max blocks] int32, row i covers seq_lens[i]
     seq_lens: torch.Tensor,  # [n] int32, >= 1
     scale: float,
+    window: int = 0,  # sliding window: the last `window` positions only; 0 for all
+    softcap: float = 0.0,  # scores soft-capped to softcap * tanh(s / softcap); 0 for none
+    sinks: torch.Tensor | None = None,  # [num_heads]: a logit per head with no value
 ) -> torch.Tensor | None:
     """Decode attention over the paged cache, in q's dtype; None if the kernel is unavailable
     or the inputs are not CPU tensors of a supported layout (the caller falls back)."""
@@ -65,9 +68,12 @@ def paged_decode(
     tables = block_tables.to(torch.int32)
     lens = seq_lens.to(torch.int32).contiguous()
     out = torch.empty(n, num_heads, head_dim, dtype=torch.float32)
+    head_sinks = None if sinks is None else sinks.to(torch.float32).contiguous()
+    assert head_sinks is None or head_sinks.shape == (num_heads,), "sinks: [num_heads]"
     # a few short sequences: one thread reads their K/V faster than waking a second one
     # (a sleeping OpenMP thread takes tens of microseconds to wake, per layer)
-    work = int(lens.sum()) * num_kv_heads * head_dim
+    read = lens.clamp(max=window) if window > 0 else lens
+    work = int(read.sum()) * num_kv_heads * head_dim
     threads = 1 if work < SMALL_WORK else torch.get_num_threads()
     code = lib.paged_decode(
         qf.data_ptr(),
@@ -83,6 +89,9 @@ def paged_decode(
         head_dim,
         block_size,
         scale,
+        window,
+        softcap,
+        None if head_sinks is None else head_sinks.data_ptr(),
         out.data_ptr(),
         threads,
     )

@@ -84,12 +84,13 @@ def read_gguf_tensors(path: str | Path) -> dict[str, GGUFTensor]:
     reader = open_gguf(path)
     check_tensor_types(reader, path)
     config = read_gguf_config(path, reader)  # also validates the architecture
-    permuted = field_value(reader, "general.architecture") in PERMUTED_ARCHITECTURES
+    arch = str(field_value(reader, "general.architecture"))
+    permuted = arch in PERMUTED_ARCHITECTURES
     tensors: dict[str, GGUFTensor] = {}
     for entry in reader.tensors:
         if entry.name == ROPE_FREQS:  # already in config["rope_parameters"]
             continue
-        name = hf_tensor_name(entry.name)
+        name = hf_tensor_name(entry.name, arch)
         tensor = _to_tensor(entry)
         if permuted and ".self_attn.q_proj." in name:
             tensor = unpermute_rows(tensor, config["num_attention_heads"])

@@ -72,6 +72,11 @@ def _concat(weights: dict[str, Any], names: list[str], fused: str) -> None:
 
 def check_tensor_parallel(cfg: LlamaConfig, world: int, folder: str | Path = "") -> None:
     """Refuse (ValueError naming --tensor-parallel-size) a model that does not split."""
+    if world > 1 and cfg.model_type == "phi3":  # its checkpoint fuses q/k/v and gate/up
+        raise ValueError(
+            f"--tensor-parallel-size {world}: phi3 checkpoints (fused qkv_proj/gate_up_proj) "
+            "are served on one rank only"
+        )
     check_divisible(
         world,
         num_heads=cfg.num_heads,
@@ -176,7 +181,8 @@ def build_model(
         raise KeyError(f"checkpoint does not fit the model: missing {missing}, extra {unexpected}")
     for _, layer in model.linears():
         layer.method.process_weights_after_loading(layer)
-    model.model.one_call_step = kernels.one_call_step_for(model.model)
+    if cfg.is_llama_layout:  # the one-call step computes the Llama layer only
+        model.model.one_call_step = kernels.one_call_step_for(model.model)
     return model.eval().requires_grad_(False)
 
 

@@ -1,4 +1,5 @@
-"""The Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3) over a paged KV cache.
+"""The Llama family (Llama, SmolLM2/3, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3 text) over
+a paged KV cache.
 
 A decoder-only transformer with pre-norm residual blocks:
 
@@ -8,9 +9,13 @@ A decoder-only transformer with pre-norm residual blocks:
 
 Attention uses rotary position embeddings (rotate-half / "neox" layout as in HF Llama) and
 grouped-query heads; Qwen2 adds q/k/v biases, Qwen3 an RMSNorm per head on q and k before
-rotary. q/k/v are one fused matmul and gate/up another (the loader concatenates weights).
-Tokens of every request in the step are packed into one [T] sequence; the attention backend
-and its metadata (passed in, per step) keep requests apart.
+rotary, SmolLM3 layers without rotary. q/k/v are one fused matmul and gate/up another (the
+loader concatenates weights; Phi-3's checkpoints hold them fused already, in the same order).
+Gemma's differences are config fields (gpu_worker/models/config_checks.py draws them): norms
+around both branches ("sandwich"), RMSNorm by (1 + weight), GeGLU, scaled embeddings, scaled and
+soft-capped attention scores (the backend's), soft-capped logits, and Gemma 3's own rope for
+its sliding layers. Tokens of every request in the step are packed into one [T] sequence;
+the attention backend and its metadata (passed in, per step) keep requests apart.
 
 What runs is chosen once at load and held where it is used: each `Linear` holds its method
 (gpu_worker/layers/linear.py: float, GGUF, int8; torch, C or Triton), the norms, attention and
@@ -22,11 +27,11 @@ through its Protocols, which these classes fill).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import Any, Protocol, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.attention import AttentionBackend, AttentionMetadata
@@ -34,8 +39,17 @@ from gpu_worker.distributed.sharding import vocab_shard_size
 from gpu_worker.distributed.tensor_parallel import TensorParallel, VocabParallelEmbedding
 from gpu_worker.layers.linear import Linear
 from gpu_worker.layers.ops import TORCH_OPS, LayerOps, Rope, rotate_neox
+from gpu_worker.models.config_checks import (
+    GEMMA_TYPES,
+    check_activation,
+    gemma3_ropes,
+    gemma_fields,
+    layer_windows,
+    rope_layers,
+)
+from gpu_worker.models.rope import rope_attention_factor, rope_inv_freq, rope_scaling, rope_theta
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", *GEMMA_TYPES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,13 +66,54 @@ class LlamaConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict[str, Any] | None  # llama3 parameters, None for plain rope
+    rope_scaling: dict[str, Any] | None  # llama3/linear/yarn parameters, None for plain rope
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool
+    # each layer's sliding window, 0 where it attends to its whole context (empty: none has
+    # one); gpu_worker/models/config_checks.py reads it as transformers does per family
+    sliding_windows: tuple[int, ...] = ()
+    # whether each layer rotates q and k (empty: every layer does; SmolLM3's no_rope_layers)
+    rope_layers: tuple[bool, ...] = ()
+    # Gemma's (the defaults: Llama's layer)
+    norm_offset: float = 0.0  # every RMSNorm multiplies by (norm_offset + weight)
+    sandwich_norms: bool = False  # norms on both sides of attention and MLP
+    gelu_tanh: bool = False  # GeGLU (gelu tanh) in place of SwiGLU
+    embed_scale: float = 1.0
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    attn_softcap: float = 0.0  # 0: none
+    final_softcap: float = 0.0
+    # Gemma 3: the sliding layers' own rope (theta 0: every layer rotates by the one rope)
+    local_rope_theta: float = 0.0
+    local_rope_scaling: dict[str, Any] | None = None
+
+    def sliding_window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window, 0 for the whole context."""
+        return self.sliding_windows[layer] if self.sliding_windows else 0
+
+    def uses_rope(self, layer: int) -> bool:
+        """Whether layer `layer` rotates q and k."""
+        return self.rope_layers[layer] if self.rope_layers else True
+
+    def uses_local_rope(self, layer: int) -> bool:
+        """Whether layer `layer` rotates by the local rope (Gemma 3's sliding layers)."""
+        return self.local_rope_theta > 0 and self.sliding_window(layer) > 0
+
+    @property
+    def is_llama_layout(self) -> bool:
+        """The plain Llama layer (what the CPU's one-call step computes)."""
+        return not (
+            self.sandwich_norms or self.gelu_tanh or self.norm_offset or self.embed_scale != 1.0
+        ) and not (
+            self.attn_softcap or self.final_softcap or self.local_rope_theta or self.rope_layers
+        )
+
+    def attention_options(self) -> dict[str, Any]:
+        """The attention backend's keyword arguments for this model's scores."""
+        return {"scale": self.attn_scale, "softcap": self.attn_softcap}
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> LlamaConfig:
@@ -66,7 +121,14 @@ class LlamaConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
         num_heads = cfg["num_attention_heads"]
-        attention_bias = bool(cfg.get("attention_bias", False))
+        if model_type in GEMMA_TYPES:
+            return cls._from_gemma(cfg, model_type)
+        check_activation(cfg)
+        windows = layer_windows(cfg, model_type, cfg["num_hidden_layers"])
+        # transformers' Mistral has no biases, Qwen2 q/k/v biases only, whatever the config
+        reads_bias = model_type in ("llama", "qwen3", "smollm3")
+        attention_bias = reads_bias and bool(cfg.get("attention_bias"))
+        no_rope = model_type == "smollm3" and not all(rope_layers(cfg))
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -77,71 +139,66 @@ class LlamaConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=_rope_theta(cfg),
-            rope_scaling=_rope_scaling(cfg),
+            rope_theta=rope_theta(cfg),
+            rope_scaling=rope_scaling(cfg),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=attention_bias,
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            mlp_bias=model_type in ("llama", "smollm3") and bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
+            sliding_windows=windows if any(windows) else (),
+            rope_layers=rope_layers(cfg) if no_rope else (),
         )
 
-
-def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
-    """transformers 5 keeps rope settings in rope_parameters, older configs in rope_scaling."""
-    return cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-
-
-def _rope_theta(cfg: dict[str, Any]) -> float:
-    return float(cfg.get("rope_theta") or _rope_params(cfg).get("rope_theta") or 10000.0)
-
-
-def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
-    params = _rope_params(cfg)
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial rotary embeddings are not supported")
-    if rope_type == "default":
-        return None
-    if rope_type != "llama3":
-        raise ValueError(f"rope_type {rope_type!r} is not supported (default, llama3)")
-    return params
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2], with Llama 3.1's wavelength-dependent scaling."""
-    # on the CPU explicitly, as HF does, even while the loader builds modules on "meta"
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim
-    inv_freq = 1.0 / (theta**exponents)
-    if scaling is None:
-        return inv_freq
-    factor = scaling["factor"]
-    low_freq_factor, high_freq_factor = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_context_len = scaling["original_max_position_embeddings"]
-    low_freq_wavelen = old_context_len / low_freq_factor
-    high_freq_wavelen = old_context_len / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    # long wavelengths are divided by factor, short ones kept, the band between interpolated
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
+    @classmethod
+    def _from_gemma(cls, cfg: dict[str, Any], model_type: str) -> LlamaConfig:
+        num_heads, num_layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
+        attention_bias = bool(cfg.get("attention_bias", False))
+        rope_cfg, local_cfg = gemma3_ropes(cfg) if model_type == "gemma3_text" else (cfg, None)
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta(rope_cfg),
+            rope_scaling=rope_scaling(rope_cfg),
+            max_position_embeddings=cfg.get("max_position_embeddings", 8192),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+            qkv_bias=attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=False,
+            qk_norm=model_type == "gemma3_text",
+            local_rope_theta=rope_theta(local_cfg) if local_cfg else 0.0,
+            local_rope_scaling=rope_scaling(local_cfg) if local_cfg else None,
+            **gemma_fields(cfg, model_type, num_layers),
+        )
 
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight over the last dimension, by the layer ops (torch: in float32 like
-    HF, then cast back)."""
+    HF, then cast back); Gemma's multiply by (1 + weight): `offset` 1, computed as transformers'
+    Gemma computes it (in float32, (1 + weight) in float32, then cast: the layer ops would round
+    a bf16 model's 1 + weight to bf16 first)."""
 
-    def __init__(self, dim: int, eps: float, ops: LayerOps = TORCH_OPS) -> None:
+    def __init__(self, dim: int, eps: float, ops: LayerOps = TORCH_OPS, offset: float = 0.0):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.ops = ops
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.rms_norm(x, self.weight, self.eps)
+        if not self.offset:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (self.offset + self.weight.float())).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -160,8 +217,9 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(head_dim, theta, scaling).to(device)
         positions = torch.arange(max_positions, device=device, dtype=torch.float)
         freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        factor = rope_attention_factor(scaling)  # yarn's, as transformers scales cos and sin
+        self.register_buffer("cos", freqs.cos() * factor, persistent=False)
+        self.register_buffer("sin", freqs.sin() * factor, persistent=False)
         self.is_neox_style = is_neox_style
 
     def forward(
@@ -187,9 +245,10 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention; the backend stores K/V and attends over the cache.
-    Under tensor parallelism it holds this rank's heads and KV heads; its o_proj output is
-    a partial sum (the decoder layer all-reduces it)."""
+    """Grouped-query self-attention; the backend stores K/V and attends over the cache (the
+    last `sliding_window` positions of it, where that is not 0). Under tensor parallelism it
+    holds this rank's heads and KV heads; its o_proj output is a partial sum (the decoder
+    layer all-reduces it)."""
 
     def __init__(
         self,
@@ -197,8 +256,12 @@ class Attention(nn.Module):
         backend: AttentionBackend,
         tp: TensorParallel,
         ops: LayerOps = TORCH_OPS,
+        sliding_window: int = 0,
+        use_rope: bool = True,
     ) -> None:
         super().__init__()
+        self.sliding_window = sliding_window
+        self.use_rope = use_rope  # SmolLM3's no-rope layers: False
         self.num_heads = cfg.num_heads // tp.size
         self.num_kv_heads = cfg.num_kv_heads // tp.size
         self.head_dim = cfg.head_dim
@@ -206,8 +269,9 @@ class Attention(nn.Module):
         self.split_sizes = [q_size, kv_size, kv_size]
         self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
+        eps, offset = cfg.rms_norm_eps, cfg.norm_offset
+        self.q_norm = RMSNorm(cfg.head_dim, eps, ops, offset) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, eps, ops, offset) if cfg.qk_norm else None
         self.backend = backend
         self.ops = ops
 
@@ -225,8 +289,9 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.ops.rotate(q, rope), self.ops.rotate(k, rope)
-        o = self.backend.forward(q, k, v, kv_cache, meta)
+        if self.use_rope:
+            q, k = self.ops.rotate(q, rope), self.ops.rotate(k, rope)
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.sliding_window)
         return self.o_proj(o.reshape(num_tokens, -1))
 
 
@@ -242,14 +307,25 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * width, bias=cfg.mlp_bias)
         self.down_proj = Linear(width, cfg.hidden_size, bias=cfg.mlp_bias)
         self.ops = ops
+        self.gelu_tanh = cfg.gelu_tanh  # Gemma's GeGLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gelu_tanh:
+            return self.down_proj(gelu_tanh_mul(self.gate_up_proj(x)))
         return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, tanh approximation) * up: Gemma's gelu_pytorch_tanh."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP, each added to the residual stream; under tensor
-    parallelism each branch's partial output is all-reduced first (2 per layer)."""
+    parallelism each branch's partial output is all-reduced first (2 per layer). Gemma's
+    layer normalizes each branch's output too (`sandwich_norms`): its post_attention_layernorm
+    is the attention output's, pre_feedforward_layernorm the MLP input's."""
 
     def __init__(
         self,
@@ -257,12 +333,20 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         tp: TensorParallel,
         ops: LayerOps = TORCH_OPS,
+        layer_idx: int = 0,
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.self_attn = Attention(cfg, backend, tp, ops)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        hidden, eps, offset = cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset
+        self.input_layernorm = RMSNorm(hidden, eps, ops, offset)
+        self.self_attn = Attention(
+            cfg, backend, tp, ops, cfg.sliding_window(layer_idx), cfg.uses_rope(layer_idx)
+        )
+        self.post_attention_layernorm = RMSNorm(hidden, eps, ops, offset)
         self.mlp = MLP(cfg, tp, ops)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(hidden, eps, ops, offset)
+            self.post_feedforward_layernorm = RMSNorm(hidden, eps, ops, offset)
         self.tp = tp
         self.ops = ops
 
@@ -274,6 +358,10 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         h = self.tp.all_reduce(self.self_attn(self.input_layernorm(x), rope, kv_cache, meta))
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(h)
+            h = self.tp.all_reduce(self.mlp(self.pre_feedforward_layernorm(x)))
+            return x + self.post_feedforward_layernorm(h)
         norm = self.post_attention_layernorm
         h, x = self.ops.add_rms_norm(h, x, norm.weight, norm.eps)
         return x + self.tp.all_reduce(self.mlp(h))
@@ -320,12 +408,24 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(
             cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device
         )
+        # Gemma 3's sliding layers' rope, None where every layer rotates by `rotary`
+        self.local_rotary = (
+            RotaryEmbedding(
+                cfg.head_dim, max_positions, cfg.local_rope_theta, cfg.local_rope_scaling, device
+            )
+            if cfg.local_rope_theta
+            else None
+        )
+        self.uses_local_rope = [cfg.uses_local_rope(i) for i in range(cfg.num_layers)]
+        self.embed_scale = cfg.embed_scale
         # a ModuleList (registered submodules), typed as what it holds
         self.layers = cast(
             Sequence[DecoderLayer],
-            nn.ModuleList(DecoderLayer(cfg, backend, tp, ops) for _ in range(cfg.num_layers)),
+            nn.ModuleList(
+                DecoderLayer(cfg, backend, tp, ops, layer_idx=i) for i in range(cfg.num_layers)
+            ),
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, cfg.norm_offset)
         self.ops = ops
         self.tp = tp
         # the one-call step, when the loader's kernel choice has one that takes this model
@@ -343,10 +443,14 @@ class LlamaModel(nn.Module):
             if hidden is not None:
                 return hidden
         x = self.embed_tokens(input_ids)
-        # once per step, shared by every layer
+        if self.embed_scale != 1.0:  # Gemma's, in the embedding's dtype as transformers has it
+            x = x * torch.tensor(self.embed_scale, dtype=torch.float32).to(x.dtype)
+        # once per step, shared by every layer (Gemma 3: one per rope)
         rope = self.ops.rope(*self.rotary.tables(), positions, x.dtype)
+        local = self.local_rotary
+        local_rope = rope if local is None else self.ops.rope(*local.tables(), positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, kv_cache[i], meta)
+            x = layer(x, local_rope if self.uses_local_rope[i] else rope, kv_cache[i], meta)
         return x  # before the final norm, which only the sampled positions need
 
 
@@ -388,7 +492,14 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [S, vocab_size] float32
         hidden = self.model(input_ids, positions, kv_cache, meta)
         hidden = self.model.norm(hidden[logits_indices])
-        return self.tp.gather_vocab(self.lm_head(hidden), self.config.vocab_size).float()
+        return self._soft_cap(self.tp.gather_vocab(self.lm_head(hidden), self.config.vocab_size))
+
+    def _soft_cap(self, logits: torch.Tensor) -> torch.Tensor:
+        """float32 logits, soft-capped as transformers' Gemma does (final_logit_softcapping)."""
+        cap = self.config.final_softcap
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def forward_hidden(
         self,
@@ -406,4 +517,4 @@ class LlamaForCausalLM(nn.Module):
         normed = self.model.norm(hidden[torch.cat((logits_indices, hidden_indices))])
         num_sampled = logits_indices.shape[0]
         logits = self.tp.gather_vocab(self.lm_head(normed[:num_sampled]), self.config.vocab_size)
-        return logits.float(), normed[num_sampled:].float()
+        return self._soft_cap(logits), normed[num_sampled:].float()

@@ -55,6 +55,7 @@ def load_weights(
         head_dim=config.head_dim,
         dtype=dtype,
         device=device,
+        **config.attention_options(),
         **({"batch_invariant": True} if name == "torch" and quantized else {}),
     )
     progress("choosing kernels (the C kernels are built by gcc on first use)")

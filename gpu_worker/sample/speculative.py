@@ -143,6 +143,7 @@ class DraftModel:
             head_dim=self.config.head_dim,
             dtype=dtype,
             device=device,
+            **self.config.attention_options(),
         )
         self.model = load_model(
             path, self.backend, dtype=dtype, device=device, max_positions=max_positions
@@ -155,6 +156,7 @@ class DraftModel:
             head_dim=self.config.head_dim,
             dtype=dtype,
             device=device,
+            **self.config.attention_options(),
         )
         self.block_size = block_size
         self.device = device

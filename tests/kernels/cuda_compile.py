@@ -37,7 +37,7 @@ from gpu_worker.kernels.rotary import kernel as rotary
 
 DTYPES = {"bf16": 2, "fp32": 4}  # name: element size
 SHAPES = ((9, 3, 64), (32, 8, 128))  # heads, KV heads, head_dim
-FLOAT_ARGS = ("qk_scale", "eps")
+FLOAT_ARGS = ("qk_scale", "eps", "softcap")
 
 
 def _resources(cubin: bytes) -> dict[str, int]:
@@ -80,17 +80,21 @@ def _attention(arch: int, dt: str, heads: int, kv_heads: int, head_dim: int) -> 
     cache = {"cache_ptr": f"*{dt}", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32"}
     split = {"q_ptr": f"*{dt}", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", **cache}
     merge = {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "seq_lens_ptr": "*i32",
-             "out_ptr": f"*{dt}"}  # fmt: skip
+             "sinks_ptr": "*fp32", "out_ptr": f"*{dt}"}  # fmt: skip
     block_m, ext_n, _ = extend.extend_tiles(head_dim, DTYPES[dt])
-    ext = {"q_ptr": f"*{dt}", "out_ptr": f"*{dt}", "query_start_loc_ptr": "*i32", **cache}
+    ext = {"q_ptr": f"*{dt}", "out_ptr": f"*{dt}", "query_start_loc_ptr": "*i32",
+           "sinks_ptr": "*fp32", **cache}  # fmt: skip
     tiles = dict(NUM_SPLITS=16, BLOCK_N=block_n, BLOCK_D=block_d)
     return [
         _compile(decode._decode_split_kernel, arch, split,
                  dict(**tiles, BLOCK_H=block_h, DOT_PRECISION=precision),
                  num_warps=4, num_stages=2),
-        _compile(decode._decode_merge_kernel, arch, merge, tiles, num_warps=4),
+        # with attention sinks (gpt-oss), the variant with the most live values
+        _compile(decode._decode_merge_kernel, arch, merge, dict(**tiles, HAS_SINKS=True),
+                 num_warps=4),
         _compile(extend._extend_kernel, arch, ext,
-                 dict(BLOCK_M=block_m, BLOCK_N=ext_n, BLOCK_D=block_d, DOT_PRECISION=precision),
+                 dict(BLOCK_M=block_m, BLOCK_N=ext_n, BLOCK_D=block_d, DOT_PRECISION=precision,
+                      HAS_SINKS=True),
                  num_warps=4, num_stages=2),
     ]  # fmt: skip
 

@@ -74,8 +74,10 @@ def naive_paged_attention(
     batch: PagedBatch,
     query_lens: list[int],
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Every query token of every request against the keys it may see, slot by slot."""
+    """Every query token of every request against the keys it may see (its last `window`
+    with a sliding window), slot by slot."""
     cache, block_size = batch.kv_cache.cpu().double(), batch.kv_cache.shape[2]
     num_heads, num_kv_heads = q.shape[1], cache.shape[3]
     out = torch.zeros(q.shape, dtype=torch.float64)
@@ -83,7 +85,8 @@ def naive_paged_attention(
     for table, seq_len, q_len in zip(batch.tables, batch.seq_lens.tolist(), query_lens,
                                      strict=True):  # fmt: skip
         for pos in range(seq_len - q_len, seq_len):
-            slots = [(table[j // block_size], j % block_size) for j in range(pos + 1)]
+            first = max(0, pos - window + 1) if window else 0
+            slots = [(table[j // block_size], j % block_size) for j in range(first, pos + 1)]
             for h in range(num_heads):
                 g = h // (num_heads // num_kv_heads)
                 keys = [cache[0, b, o, g].tolist() for b, o in slots]

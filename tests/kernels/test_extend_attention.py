@@ -21,7 +21,8 @@ MIXED = [(0, 1), (0, BLOCK_SIZE - 1), (0, BLOCK_SIZE + 1), (5, 3), (BLOCK_SIZE, 
 
 
 def _run(requests, *, num_kv_heads, q_per_kv, head_dim, device, row_offset=0,
-         dtype=torch.float32, **blocks):  # fmt: skip
+         dtype=torch.float32, window=0, softcap=0.0, q_gain=1.0, sinks=None,
+         **blocks):  # fmt: skip
     """Returns (kernel output, reference) over the requests' rows."""
     seq_lens = [c + n for c, n in requests]
     query_lens = [n for _, n in requests]
@@ -30,14 +31,16 @@ def _run(requests, *, num_kv_heads, q_per_kv, head_dim, device, row_offset=0,
     qsl = [row_offset]
     for n in query_lens:
         qsl.append(qsl[-1] + n)
-    q = randn(qsl[-1], num_kv_heads * q_per_kv, head_dim, seed=1, device=device).to(dtype)
+    q = randn(qsl[-1], num_kv_heads * q_per_kv, head_dim, seed=1, device=device) * q_gain
+    q = q.to(dtype)
     qsl_t = torch.tensor(qsl, dtype=torch.int32, device=device)
     scale = head_dim**-0.5
     out = torch.full_like(q, 7.0)
     extend_attention(q, batch.kv_cache, batch.block_tables, qsl_t, batch.seq_lens, scale,
-                     max_query_len=max(query_lens), out=out, **blocks)  # fmt: skip
+                     max_query_len=max(query_lens), out=out, window=window,
+                     softcap=softcap, sinks=sinks, **blocks)  # fmt: skip
     ref = extend_attention_reference(q, batch.kv_cache, batch.block_tables, qsl_t,
-                                     batch.seq_lens, scale)  # fmt: skip
+                                     batch.seq_lens, scale, window, softcap, sinks)  # fmt: skip
     return out, ref
 
 
@@ -91,3 +94,39 @@ def test_launcher_rejects_bad_inputs(device) -> None:
     with pytest.raises(AssertionError, match="cache"):
         extend_attention(q.double(), batch.kv_cache, batch.block_tables, qsl, batch.seq_lens,
                          1.0, max_query_len=4)  # fmt: skip
+
+
+@pytest.mark.parametrize("window", [1, 7, 16, 40])
+def test_sliding_window_matches_reference(window, device) -> None:
+    # tiles of 16 rows and keys: later rows of a tile see nothing in its first key tiles
+    out, ref = _run(MIXED, num_kv_heads=1, q_per_kv=3, head_dim=64, device=device,
+                    window=window, block_m=16, block_n=16)  # fmt: skip
+    assert not out.isnan().any()
+    assert (out - ref).abs().max().item() <= 2e-3
+
+
+def test_windowed_reference_matches_naive_loop() -> None:
+    requests = [(0, 7), (5, 2), (3, 1)]
+    seq_lens = [c + n for c, n in requests]
+    batch = paged_batch(seq_lens, block_size=4, num_kv_heads=1, head_dim=8)
+    q = randn(10, 3, 8, seed=2)
+    qsl = torch.tensor([0, 7, 9, 10], dtype=torch.int32)
+    ref = extend_attention_reference(q, batch.kv_cache, batch.block_tables, qsl,
+                                     batch.seq_lens, 0.3, 3)  # fmt: skip
+    naive = naive_paged_attention(q, batch, [n for _, n in requests], 0.3, window=3)
+    assert (ref.double() - naive).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("window", [0, 7])
+def test_soft_cap_matches_reference(window, device) -> None:
+    out, ref = _run(MIXED, num_kv_heads=1, q_per_kv=3, head_dim=64, device=device,
+                    window=window, softcap=3.0, q_gain=4.0, block_m=16, block_n=16)  # fmt: skip
+    assert (out - ref).abs().max().item() <= 2e-3
+
+
+@pytest.mark.parametrize("window", [0, 7])
+def test_sinks_match_reference(window, device) -> None:
+    sinks = torch.tensor([4.0, -2.0, 9.0], device=device)
+    out, ref = _run(MIXED, num_kv_heads=1, q_per_kv=3, head_dim=64, device=device,
+                    window=window, sinks=sinks, block_m=16, block_n=16)  # fmt: skip
+    assert (out - ref).abs().max().item() <= 2e-3

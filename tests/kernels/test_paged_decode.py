@@ -17,14 +17,17 @@ BLOCK_SIZE = 16
 MIXED_LENS = [1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 300]
 
 
-def _check(seq_lens, *, num_kv_heads, q_per_kv, head_dim, num_splits, device, block_n=None):
+def _check(seq_lens, *, num_kv_heads, q_per_kv, head_dim, num_splits, device, block_n=None,
+           window=0, softcap=0.0, q_gain=1.0, sinks=None):  # fmt: skip
     batch = paged_batch(seq_lens, block_size=BLOCK_SIZE, num_kv_heads=num_kv_heads,
                         head_dim=head_dim, device=device)  # fmt: skip
-    q = randn(len(seq_lens), num_kv_heads * q_per_kv, head_dim, seed=1, device=device)
+    q = randn(len(seq_lens), num_kv_heads * q_per_kv, head_dim, seed=1, device=device) * q_gain
     scale = head_dim**-0.5
     out = paged_decode(q, batch.kv_cache, batch.block_tables, batch.seq_lens, scale,
-                       num_splits=num_splits, block_n=block_n)  # fmt: skip
-    ref = paged_decode_reference(q, batch.kv_cache, batch.block_tables, batch.seq_lens, scale)
+                       window=window, softcap=softcap, sinks=sinks, num_splits=num_splits,
+                       block_n=block_n)  # fmt: skip
+    ref = paged_decode_reference(q, batch.kv_cache, batch.block_tables, batch.seq_lens, scale,
+                                 window, softcap, sinks)  # fmt: skip
     assert (out - ref).abs().max().item() <= 2e-3
 
 
@@ -80,3 +83,36 @@ def test_half_precision(device) -> None:
     ref = paged_decode_reference(q, batch.kv_cache, batch.block_tables, batch.seq_lens, 0.125)
     assert out.dtype == torch.float16
     assert (out.float() - ref).abs().max().item() <= 1e-2
+
+
+@pytest.mark.parametrize("window", [1, 15, 16, 40])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_sliding_window_matches_reference(window, num_splits, device) -> None:
+    # contexts shorter than, equal to and many times the window; the splits share out only
+    # the window's positions
+    _check(MIXED_LENS, num_kv_heads=1, q_per_kv=3, head_dim=64, num_splits=num_splits,
+           device=device, block_n=16, window=window)  # fmt: skip
+
+
+def test_windowed_reference_matches_naive_loop() -> None:
+    seq_lens = [1, 5, 9]
+    batch = paged_batch(seq_lens, block_size=4, num_kv_heads=2, head_dim=8)
+    q = randn(3, 6, 8, seed=2)
+    ref = paged_decode_reference(q, batch.kv_cache, batch.block_tables, batch.seq_lens, 0.3, 3)
+    naive = naive_paged_attention(q, batch, [1, 1, 1], 0.3, window=3)
+    assert (ref.double() - naive).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("window", [0, 16])
+def test_soft_cap_matches_reference(window, device) -> None:
+    # q scaled up so that most scores are past the cap's knee
+    _check(MIXED_LENS, num_kv_heads=2, q_per_kv=3, head_dim=64, num_splits=4, device=device,
+           block_n=16, window=window, softcap=3.0, q_gain=4.0)  # fmt: skip
+
+
+@pytest.mark.parametrize("window", [0, 16])
+def test_sinks_match_reference(window, device) -> None:
+    # one sink large enough to take most of its head's weight, one negligible
+    sinks = torch.tensor([4.0, -2.0, 0.5, 9.0, -30.0, 1.0], device=device)
+    _check(MIXED_LENS, num_kv_heads=2, q_per_kv=3, head_dim=64, num_splits=4, device=device,
+           block_n=16, window=window, sinks=sinks)  # fmt: skip

@@ -23,12 +23,17 @@ from tests.kernels.paged import randn  # noqa: E402
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def _backend(name: str, device: torch.device, num_heads: int = 6, num_kv_heads: int = 2):
+def _backend(name: str, device: torch.device, num_heads: int = 6, num_kv_heads: int = 2,
+             **variant: float):  # fmt: skip
     return create_backend(name, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64,
-                          dtype=torch.float32, device=device)  # fmt: skip
+                          dtype=torch.float32, device=device, **variant)  # fmt: skip
 
 
-def test_backend_matches_torch_backend_on_a_mixed_batch(device) -> None:
+@pytest.mark.parametrize("window", [0, 3, 6])  # 0: none
+@pytest.mark.parametrize("variant", [{}, {"scale": 0.3, "softcap": 2.0}], ids=["plain", "gemma2"])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_backend_matches_torch_backend_on_a_mixed_batch(window, variant, with_sinks,
+                                                        device) -> None:  # fmt: skip
     # two decodes, then a prefill and an extend whose prefix ends mid-block
     num_computed, num_new = [15, 1, 0, 5], [1, 1, 9, 4]
     tables = [[3, 7, 10, 11], [0], [5, 1, 9], [2, 8, 4]]
@@ -37,11 +42,13 @@ def test_backend_matches_torch_backend_on_a_mixed_batch(device) -> None:
     q = randn(tokens, 6, 64, seed=1, device=device)
     k, v = randn(tokens, 2, 64, seed=2, device=device), randn(tokens, 2, 64, seed=3, device=device)
     outs, caches = [], []
+    sinks = torch.tensor([2.0, -1.0, 5.0, 0.0, 1.0, -4.0], device=device) if with_sinks else None
     for name in ("torch", "triton"):
-        backend = _backend(name, device)
+        backend = _backend(name, device, **variant)
         common = build_metadata(num_computed, num_new, tables, 4, device)
         caches.append(cache.clone())
-        outs.append(backend.forward(q, k, v, caches[-1], backend.build_metadata(common)))
+        meta = backend.build_metadata(common)
+        outs.append(backend.forward(q, k, v, caches[-1], meta, window, sinks))
     assert (outs[0] - outs[1]).abs().max().item() <= 2e-3
     assert torch.equal(caches[0], caches[1])
 
@@ -85,7 +92,9 @@ def _greedy_tokens(runner: ModelRunner) -> list[tuple[list[str], list[int]]]:
     return [(r.req_ids, r.token_ids) for r in results]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: q/k norms, head_dim 32
+# qwen3: q/k norms, head_dim 32; qwen2-window: a second layer sliding over 8 positions;
+# gemma2: soft caps, query_pre_attn_scalar, sandwich norms, GeGLU
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2-window", "gemma2"])
 def test_worker_greedy_tokens_match_torch_backend(arch, tiny_model_dir, device) -> None:
     path = str(tiny_model_dir(arch))
     kwargs = dict(device=str(device), num_blocks=16, block_size=4)

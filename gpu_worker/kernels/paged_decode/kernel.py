@@ -2,6 +2,11 @@
 
 See the package docstring for the method. Scores are kept in log2 units (q is scaled by
 `scale * log2(e)`) so the softmax uses exp2, which is what the hardware computes natively.
+With a sliding window (`window` > 0) the splits share out only the last `window` positions
+of each context; the positions before are never read. With a soft cap (`softcap` > 0,
+Gemma 2) each score becomes softcap * tanh(score / softcap) before the softmax; in log2 units
+that is the same with the cap times log2(e). Attention sinks (gpt-oss: a logit per head) join
+at the merge, as one more split with no value.
 """
 
 from __future__ import annotations
@@ -16,6 +21,21 @@ from gpu_worker.kernels import check_device, check_paged_attention, dot_precisio
 
 DEFAULT_NUM_SPLITS = 16
 _LOG2E = math.log2(math.e)
+
+
+@triton.jit
+def soft_cap(x, cap):
+    """cap * tanh(x / cap), tanh from exp2 (stable: e^(-2|y|) never overflows)."""
+    y = x / cap
+    t = tl.math.exp2(-2.8853900817779268 * tl.abs(y))  # e^(-2|y|): 2 * log2(e)
+    th = (1.0 - t) / (1.0 + t)
+    return cap * tl.where(y < 0, -th, th)
+
+
+@triton.jit
+def _window_start(seq_len, window):
+    """The first position the query (at seq_len - 1) sees: 0, or seq_len - window."""
+    return tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
 
 
 @triton.jit
@@ -34,6 +54,8 @@ def _decode_split_kernel(
     part_o_ptr,  # [B, num_heads, NUM_SPLITS, head_dim] float32
     part_lse_ptr,  # [B, num_heads, NUM_SPLITS] float32, log2 units
     qk_scale,  # scale * log2(e)
+    window,  # sliding window, 0 for the whole context
+    softcap,  # soft cap in log2 units (cap * log2(e)), 0 for none
     stride_qb,
     stride_qh,
     stride_cache_kv,
@@ -62,8 +84,9 @@ def _decode_split_kernel(
     d_mask = d < head_dim
 
     seq_len = tl.load(seq_lens_ptr + b)
-    split_len = _split_len(seq_len, NUM_SPLITS, BLOCK_N)
-    start = split * split_len
+    first = _window_start(seq_len, window)
+    split_len = _split_len(seq_len - first, NUM_SPLITS, BLOCK_N)
+    start = first + split * split_len
     end = tl.minimum(start + split_len, seq_len)
     if start < end:  # later splits of a short context have nothing to do
         q_offs = b * stride_qb + heads[:, None] * stride_qh + d[None, :]
@@ -84,6 +107,8 @@ def _decode_split_kernel(
                 cache_ptr + stride_cache_kv + offs[:, None] + d[None, :], mask=kv_mask, other=0.0
             )
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            if softcap > 0:
+                qk = soft_cap(qk, softcap)
             qk = tl.where(pos_mask[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             p = tl.math.exp2(qk - m_new[:, None])
@@ -106,7 +131,9 @@ def _decode_merge_kernel(
     part_o_ptr,
     part_lse_ptr,
     seq_lens_ptr,
+    sinks_ptr,  # [num_heads] float32, read when HAS_SINKS
     out_ptr,
+    window,
     stride_ob,
     stride_oh,
     num_heads,
@@ -114,22 +141,29 @@ def _decode_merge_kernel(
     NUM_SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
-    num_active = tl.cdiv(seq_len, _split_len(seq_len, NUM_SPLITS, BLOCK_N))
+    span = seq_len - _window_start(seq_len, window)  # the positions the splits share out
+    num_active = tl.cdiv(span, _split_len(span, NUM_SPLITS, BLOCK_N))
     s = tl.arange(0, NUM_SPLITS)
     s_mask = s < num_active  # inactive splits wrote nothing: never read them
     d = tl.arange(0, BLOCK_D)
     part = (b * num_heads + h) * NUM_SPLITS + s
     lse = tl.load(part_lse_ptr + part, mask=s_mask, other=float("-inf"))
     lse_max = tl.max(lse, 0)
+    if HAS_SINKS:  # the sink's logit, in log2 units like the splits' sums
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+        lse_max = tl.maximum(lse_max, sink)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # seq_len 0: output zeros
     w = tl.math.exp2(lse - lse_max)
     o_mask = s_mask[:, None] & (d[None, :] < head_dim)
     o = tl.load(part_o_ptr + part[:, None] * head_dim + d[None, :], mask=o_mask, other=0.0)
     total = tl.sum(w, 0)
+    if HAS_SINKS:
+        total += tl.math.exp2(sink - lse_max)
     total = tl.where(total > 0.0, total, 1.0)
     merged = tl.sum(o * w[:, None], 0) / total
     dst = out_ptr + b * stride_ob + h * stride_oh + d
@@ -165,14 +199,19 @@ def paged_decode(
     seq_lens: torch.Tensor,  # [B] int32, context length including the new token
     scale: float,
     *,
+    window: int = 0,  # sliding window: the last `window` positions only; 0 for all
+    softcap: float = 0.0,  # scores soft-capped to softcap * tanh(s / softcap); 0 for none
+    sinks: torch.Tensor | None = None,  # [num_heads] float32: a logit per head with no value
     num_splits: int = DEFAULT_NUM_SPLITS,
     out: torch.Tensor | None = None,  # [B, num_heads, head_dim], written if given
     block_n: int | None = None,
 ) -> torch.Tensor:
-    """Attention of each sequence's one new query over its whole paged context."""
+    """Attention of each sequence's one new query over its paged context (its last `window`
+    positions with a sliding window)."""
     out = torch.empty_like(q) if out is None else out
     _check_inputs(q, kv_cache, block_tables, seq_lens, out)
     assert num_splits >= 1 and num_splits & (num_splits - 1) == 0, "num_splits: a power of 2"
+    assert window >= 0 and softcap >= 0, "window, softcap: 0 (none) or positive"
     num_seqs, num_heads, head_dim = q.shape
     if num_seqs == 0:
         return out
@@ -187,8 +226,8 @@ def paged_decode(
     part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
     grid = (num_seqs, num_kv_heads * num_head_blocks, num_splits)
     _decode_split_kernel[grid](
-        q, kv_cache, block_tables, seq_lens, part_o, part_lse, scale * _LOG2E,
-        q.stride(0), q.stride(1),
+        q, kv_cache, block_tables, seq_lens, part_o, part_lse, scale * _LOG2E, window,
+        softcap * _LOG2E, q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
         num_heads, q_per_kv, num_head_blocks, block_size, head_dim,
@@ -196,9 +235,13 @@ def paged_decode(
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=4, num_stages=2,
     )  # fmt: skip
+    if sinks is not None:
+        assert sinks.shape == (num_heads,) and sinks.dtype == torch.float32, "sinks: [H] fp32"
+        check_device(q, sinks)
     _decode_merge_kernel[(num_seqs, num_heads)](
-        part_o, part_lse, seq_lens, out, out.stride(0), out.stride(1), num_heads, head_dim,
-        NUM_SPLITS=num_splits, BLOCK_N=block_n, BLOCK_D=block_d,
+        part_o, part_lse, seq_lens, part_lse if sinks is None else sinks, out, window,
+        out.stride(0), out.stride(1), num_heads, head_dim,
+        NUM_SPLITS=num_splits, BLOCK_N=block_n, BLOCK_D=block_d, HAS_SINKS=sinks is not None,
         num_warps=4,
     )  # fmt: skip
     return out

@@ -25,6 +25,9 @@ def paged_decode_reference(
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     seq_lens: torch.Tensor,  # [B] int32, tokens of context (the new one included)
     scale: float,
+    window: int = 0,  # sliding window: the last `window` positions only; 0 for all
+    softcap: float = 0.0,  # scores soft-capped to softcap * tanh(s / softcap); 0 for none
+    sinks: torch.Tensor | None = None,  # [num_heads]: a logit per head with no value
 ) -> torch.Tensor:  # [B, num_heads, head_dim] float32
     """softmax(q K^T * scale) V per sequence, in float32, with GQA by repeating K/V heads."""
     num_heads, num_kv_heads = q.shape[1], kv_cache.shape[3]
@@ -34,5 +37,18 @@ def paged_decode_reference(
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [L, H, D]
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
         scores = torch.einsum("hd,lhd->hl", q[b].float(), k) * scale
-        out[b] = torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), v)
+        if softcap > 0:
+            scores = torch.tanh(scores / softcap) * softcap
+        if window > 0:
+            scores[:, : max(0, seq_len - window)] = float("-inf")
+        out[b] = torch.einsum("hl,lhd->hd", sink_softmax(scores, sinks), v)
     return out
+
+
+def sink_softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the last dimension of scores [H, ..., L]; with sinks [H], each head's
+    sink joins as one more column whose weight is then dropped (it has no value)."""
+    if sinks is None:
+        return scores.softmax(dim=-1)
+    column = sinks.float().view(-1, *([1] * (scores.dim() - 1))).expand(*scores.shape[:-1], 1)
+    return torch.cat((scores, column), dim=-1).softmax(dim=-1)[..., :-1]

@@ -99,3 +99,54 @@ def test_backend_uses_the_kernel_and_agrees_with_its_eager_path() -> None:
     a = fast.forward(q, k, v, cache.clone(), fast.build_metadata(meta))
     b = eager.forward(q, k, v, cache.clone(), eager.build_metadata(meta))
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])  # the generic loop and the compiled-in ones
+@pytest.mark.parametrize("window", [1, 7, 16, 33])  # inside a block, one block, across blocks
+@pytest.mark.parametrize("num_seqs", [3, 40])
+def test_sliding_window_matches_naive_attention(head_dim: int, window: int, num_seqs: int) -> None:
+    contexts = [1 + (37 * i) % 150 for i in range(num_seqs)]
+    q, cache, tables = _case(
+        contexts, block_size=16, num_kv_heads=2, q_per_kv=3, head_dim=head_dim, seed=window
+    )
+    meta = build_metadata([c - 1 for c in contexts], [1] * num_seqs, tables, 16)
+    scale = head_dim**-0.5
+    out = paged_decode.paged_decode(q, cache, meta.block_tables, meta.seq_lens, scale, window)
+    prior = [c - 1 for c in contexts]
+    ref = naive_attention(q, cache, prior, [1] * num_seqs, tables, window)
+    assert out is not None
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_soft_cap_matches_naive_attention(head_dim: int, dtype: torch.dtype) -> None:
+    contexts = [1, 16, 40, 150]
+    q, cache, tables = _case(
+        contexts, block_size=16, num_kv_heads=2, q_per_kv=2, head_dim=head_dim, dtype=dtype
+    )
+    q = q * 4  # large scores, which the cap bends
+    meta = build_metadata([c - 1 for c in contexts], [1] * 4, tables, 16)
+    out = paged_decode.paged_decode(q, cache, meta.block_tables, meta.seq_lens, 0.3, 9, 5.0)
+    prior = [c - 1 for c in contexts]
+    ref = naive_attention(q.float(), cache.float(), prior, [1] * 4, tables, 9, 0.3, 5.0)
+    assert out is not None
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("num_seqs", [3, 40])  # one KV head per task, or whole sequences
+def test_sinks_match_naive_attention(head_dim: int, num_seqs: int) -> None:
+    contexts = [1 + (37 * i) % 150 for i in range(num_seqs)]
+    q, cache, tables = _case(contexts, block_size=16, num_kv_heads=2, q_per_kv=3, head_dim=head_dim)
+    sinks = torch.tensor([2.0, -3.0, 0.0, 6.0, 1.5, -0.5])
+    meta = build_metadata([c - 1 for c in contexts], [1] * num_seqs, tables, 16)
+    scale = head_dim**-0.5
+    out = paged_decode.paged_decode(
+        q, cache, meta.block_tables, meta.seq_lens, scale, 20, 0.0, sinks
+    )
+    prior = [c - 1 for c in contexts]
+    ref = naive_attention(q, cache, prior, [1] * num_seqs, tables, 20, None, 0.0, sinks)
+    assert out is not None
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -118,7 +118,7 @@ def test_tiny_config_reads_llama3_rope_from_rope_freqs(k_model: Path, tmp_path: 
     assert LlamaConfig.from_hf(config) == LlamaConfig.from_hf(hf)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "phi3"])
 def test_each_architecture_reads_back_exactly(arch: str, tmp_path: Path) -> None:
     folder = make_tiny_model(tmp_path / arch, arch, vocab_size=96)
     path = tmp_path / f"{arch}.gguf"
@@ -156,3 +156,19 @@ def test_dequantize_of_a_float_tensor_is_float32(k_model: Path, tmp_path: Path) 
     assert values.dtype == torch.float32
     assert torch.equal(values, tensor.data.float())
     assert dataclasses.is_dataclass(tensor)
+
+
+def test_phi3_long_rope_factors_are_refused_by_name(tmp_path: Path) -> None:
+    """Phi-3's long-context files carry longrope as rope_factors_long/short tensors."""
+    import gguf
+
+    path = tmp_path / "phi3-128k.gguf"
+    writer = gguf.GGUFWriter(str(path), "phi3")
+    for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
+        writer.add_tensor(name, np.ones(4, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="rope_type 'longrope' \\(rope_factors_long.weight\\)"):
+        read_gguf_config(path)

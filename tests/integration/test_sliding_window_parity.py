@@ -1,0 +1,80 @@
+"""Greedy parity with transformers for models with sliding-window layers, through the real
+scheduling policy and runner in this process: prompts that cross the window several times,
+alone and in one batch with chunked prefill, prefix-cache hits, n > 1 forks and preemption.
+
+    mistral-window  every layer slides over 16 positions (Mistral's sliding_window)
+    qwen2-window    the second layer slides over 8 (use_sliding_window, max_window_layers 1)
+    gemma2          layers alternate sliding over 16 and full; soft caps, sandwich norms
+    gemma3          5 sliding layers (16, local rope) : 1 full (linear-scaled rope)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.messages import SamplingParams
+from gpu_worker.runner.model_runner import ModelRunner
+from gpu_worker.runner.options import RunnerOptions
+from services.scheduler.policy import PolicyConfig
+from tests.engine import LocalEngine
+from tests.reference import hf_greedy
+from tests.tiny_models import VOCAB_SIZE, make_tiny_model
+
+torch.set_num_threads(2)
+
+NUM_NEW = 24
+GREEDY = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+SHARED = 40  # a common prefix of 40 tokens: whole blocks of it hit the prefix cache
+
+
+@pytest.fixture(scope="module", params=["mistral-window", "qwen2-window", "gemma2", "gemma3"])
+def model(request, tmp_path_factory) -> tuple[str, list[list[int]], list[list[int]]]:
+    path = make_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
+    gen = torch.Generator().manual_seed(3)
+    shared = torch.randint(3, VOCAB_SIZE, (SHARED,), generator=gen).tolist()
+    tails = [torch.randint(3, VOCAB_SIZE, (n,), generator=gen).tolist() for n in (3, 20, 61)]
+    singles = [torch.randint(3, VOCAB_SIZE, (n,), generator=gen).tolist() for n in (1, 15, 90)]
+    prompts = [shared + t for t in tails] + singles
+    return str(path), prompts, [hf_greedy(path, p, NUM_NEW) for p in prompts]
+
+
+def _serve(engine, prompts: list[list[int]], sp: SamplingParams = GREEDY):  # type: ignore[no-untyped-def]
+    ids = [engine.add(p, sp) for p in prompts]
+    out = engine.run()
+    return [[out[s] for s in seqs] for seqs in ids]
+
+
+def _runner(path: str) -> ModelRunner:
+    return ModelRunner(path, RunnerOptions(block_size=4, num_blocks=512, num_threads=2))
+
+
+def test_alone_then_batched_in_chunks_then_from_the_prefix_cache(model) -> None:
+    path, prompts, expected = model
+    runner = _runner(path)
+    for prompt, exp in zip(prompts, expected, strict=True):  # alone, each in a fresh engine
+        engine = LocalEngine(runner, PolicyConfig(max_num_batched_tokens=256))
+        assert _serve(engine, [prompt])[0][0] == exp
+    # one batch, prefills cut into chunks of at most 13 tokens beside the decodes
+    engine = LocalEngine(runner, PolicyConfig(max_num_batched_tokens=13))
+    assert [o[0] for o in _serve(engine, prompts)] == expected
+    hits = engine.policy.blocks.num_cached_hits
+    assert [o[0] for o in _serve(engine, prompts)] == expected  # again: from the cache
+    assert engine.policy.blocks.num_cached_hits - hits >= sum(len(p) for p in prompts) // 2
+
+
+def test_n_forks_and_preemption_keep_outputs(model) -> None:
+    path, prompts, expected = model
+    runner = _runner(path)
+    sp = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True, n=2)
+    engine = LocalEngine(runner, PolicyConfig(max_num_batched_tokens=64), prefix_caching=False)
+    assert _serve(engine, prompts[:3], sp) == [[e, e] for e in expected[:3]]
+    # 40 blocks of 4 tokens for prompts of up to 101 + 24 tokens: they cannot all fit
+    engine = LocalEngine(
+        runner,
+        PolicyConfig(max_num_batched_tokens=64, watermark=0.0),
+        num_blocks=40,
+        prefix_caching=False,
+    )
+    assert [o[0] for o in _serve(engine, prompts)] == expected
+    assert engine.policy.num_preemptions > 0
