@@ -351,6 +351,8 @@ def can_use(model: OneCallModel) -> bool:
         attn = layer.self_attn
         if attn.q_norm is not None or not attn.backend.cpu_decode_kernel:
             return False
+        if not hasattr(layer.mlp, "gate_up_proj"):  # a mixture of experts' block
+            return False
         if any(_descriptor(m, Keep()) is None for m in _linears(layer)):
             return False
     return True

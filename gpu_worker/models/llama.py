@@ -1,4 +1,6 @@
-"""The Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3) over a paged KV cache.
+"""The Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3) over a paged KV cache, and the
+mixture-of-experts families on its skeleton (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE:
+gpu_worker/models/moe.py gives their sparse MLP blocks).
 
 A decoder-only transformer with pre-norm residual blocks:
 
@@ -34,8 +36,12 @@ from gpu_worker.distributed.sharding import vocab_shard_size
 from gpu_worker.distributed.tensor_parallel import TensorParallel, VocabParallelEmbedding
 from gpu_worker.layers.linear import Linear
 from gpu_worker.layers.ops import TORCH_OPS, LayerOps, Rope, rotate_neox
+from gpu_worker.models import moe
+from gpu_worker.models.moe import MoeConfig, SparseMoeBlock
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# the mixture-of-experts families: gpu_worker/models/moe.py
+SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + moe.MOE_MODEL_TYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +65,10 @@ class LlamaConfig:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool
+    # OLMoE: q and k normed over the whole projection, before the heads split (not per head)
+    qk_norm_whole: bool = False
+    # the experts of a mixture-of-experts family (gpu_worker/models/moe.py), None if dense
+    moe: MoeConfig | None = None
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> LlamaConfig:
@@ -81,10 +91,12 @@ class LlamaConfig:
             rope_scaling=_rope_scaling(cfg),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or attention_bias,
+            qkv_bias=model_type == "qwen2" or attention_bias or moe.qkv_bias(cfg),
             o_bias=attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe"),
+            qk_norm_whole=model_type == "olmoe",
+            moe=MoeConfig.from_hf(cfg),
         )
 
 
@@ -206,8 +218,11 @@ class Attention(nn.Module):
         self.split_sizes = [q_size, kv_size, kv_size]
         self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
+        # per head, or over the whole q / k projection (OLMoE, one rank: gpu_worker/models/moe.py)
+        q_norm_dim, k_norm_dim = (q_size, kv_size) if cfg.qk_norm_whole else (cfg.head_dim,) * 2
+        self.qk_norm_whole = cfg.qk_norm_whole
+        self.q_norm = RMSNorm(q_norm_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_norm_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
         self.backend = backend
         self.ops = ops
 
@@ -220,10 +235,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        if self.q_norm is not None and self.k_norm is not None and self.qk_norm_whole:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None and not self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.ops.rotate(q, rope), self.ops.rotate(k, rope)
         o = self.backend.forward(q, k, v, kv_cache, meta)
@@ -257,12 +274,18 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         tp: TensorParallel,
         ops: LayerOps = TORCH_OPS,
+        layer_idx: int = 0,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.self_attn = Attention(cfg, backend, tp, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.mlp = MLP(cfg, tp, ops)
+        sparse = cfg.moe is not None and cfg.moe.is_sparse(layer_idx)
+        self.mlp: MLP | SparseMoeBlock = (
+            SparseMoeBlock(cfg.moe, cfg.hidden_size, tp, ops)
+            if cfg.moe is not None and sparse
+            else MLP(cfg, tp, ops)
+        )
         self.tp = tp
         self.ops = ops
 
@@ -323,7 +346,9 @@ class LlamaModel(nn.Module):
         # a ModuleList (registered submodules), typed as what it holds
         self.layers = cast(
             Sequence[DecoderLayer],
-            nn.ModuleList(DecoderLayer(cfg, backend, tp, ops) for _ in range(cfg.num_layers)),
+            nn.ModuleList(
+                DecoderLayer(cfg, backend, tp, ops, layer_idx=i) for i in range(cfg.num_layers)
+            ),
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.ops = ops
