@@ -98,7 +98,9 @@ def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
     return order, counts.tolist()
 
 
-def combine(out: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def combine(
+    out: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """sum over each token's slots of out [T, k, H] * weights [T, k], in increasing expert id
     order from zero, each term cast to `dtype` before it is added (transformers' index_add_
     over the experts in order)."""

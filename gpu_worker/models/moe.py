@@ -34,6 +34,9 @@ from gpu_worker.layers.linear import Linear
 from gpu_worker.layers.ops import TORCH_OPS, LayerOps
 
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+# families whose expert blocks are built here but whose model is not served yet: gpt-oss's
+# attention (sinks, alternating sliding windows) comes with the attention variants
+BLOCK_ONLY_TYPES = ("gpt_oss",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,16 +49,34 @@ class MoeConfig:
     shared_expert_width: int  # 0: none
     decoder_sparse_step: int
     mlp_only_layers: tuple[int, ...]
+    # gpt-oss: a router bias, experts' biases and the clamped SwiGLU (fused_moe.ACTIVATIONS)
+    router_bias: bool = False
+    expert_bias: bool = False
+    activation: str = "silu"
+    swiglu_limit: float = 7.0
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> MoeConfig | None:
         """The expert fields of a MoE family's config, None for a dense model_type. Raises
         ValueError naming a field whose value is not served."""
         model_type = cfg.get("model_type", "")
-        if model_type not in MOE_MODEL_TYPES:
+        if model_type not in MOE_MODEL_TYPES + BLOCK_ONLY_TYPES:
             return None
-        _refuse_unserved(cfg, model_type)
         top_k = int(cfg["num_experts_per_tok"])
+        if model_type == "gpt_oss":
+            return cls(
+                num_experts=int(cfg["num_local_experts"]),
+                width=int(cfg["intermediate_size"]),
+                routing=Routing(top_k, renormalize=False, scoring="topk_softmax"),
+                shared_expert_width=0,
+                decoder_sparse_step=1,
+                mlp_only_layers=(),
+                router_bias=True,
+                expert_bias=True,
+                activation="swiglu_clamp",
+                swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+            )
+        _refuse_unserved(cfg, model_type)
         if model_type == "mixtral":
             num_experts = int(cfg["num_local_experts"])
             width = int(cfg["intermediate_size"])
@@ -121,7 +142,9 @@ def check_tensor_parallel(moe: MoeConfig, model_type: str, world: int, model: st
         ("shared expert width (shared_expert_intermediate_size)", moe.shared_expert_width),
     ):
         if n % world:
-            raise ValueError(f"--tensor-parallel-size {world} does not divide {model}'s {what} = {n}")
+            raise ValueError(
+                f"--tensor-parallel-size {world} does not divide {model}'s {what} = {n}"
+            )
 
 
 class SharedExpert(nn.Module):
@@ -150,9 +173,16 @@ class SparseMoeBlock(nn.Module):
     ) -> None:
         super().__init__()
         size = tp.size if tp else 1
-        self.gate = Linear(hidden_size, moe.num_experts, bias=False)
+        self.gate = Linear(hidden_size, moe.num_experts, bias=moe.router_bias)
         self.experts = FusedMoE(
-            moe.num_experts, hidden_size, moe.width // size, moe.routing, ops=ops
+            moe.num_experts,
+            hidden_size,
+            moe.width // size,
+            moe.routing,
+            activation=moe.activation,
+            bias=moe.expert_bias,
+            swiglu_limit=moe.swiglu_limit,
+            ops=ops,
         )
         self.shared_expert: SharedExpert | None = None
         self.shared_expert_gate: Linear | None = None

@@ -41,7 +41,10 @@ class GGUFMoEMethod:
         self.rows: dict[str, tuple[int, ...]] = {}
 
     def load_weights(self, layer: FusedMoE, experts: ExpertWeights) -> None:
-        for prefix, parts, what in (("w13", experts.gate_up, "gate/up"), ("w2", experts.down, "down")):
+        for prefix, parts, what in (
+            ("w13", experts.gate_up, "gate/up"),
+            ("w2", experts.down, "down"),
+        ):
             weights = _gguf(parts, what)
             first = weights[0]
             check_shape(
@@ -63,7 +66,11 @@ class GGUFMoEMethod:
         pass
 
     def _project(self, layer: FusedMoE, prefix: str, expert: int, x: torch.Tensor) -> torch.Tensor:
-        bias = layer.get_parameter(f"{prefix}_bias") if getattr(layer, f"{prefix}_bias") is not None else None
+        bias = (
+            layer.get_parameter(f"{prefix}_bias")
+            if getattr(layer, f"{prefix}_bias") is not None
+            else None
+        )
         b = None if bias is None else bias[expert]
         matmul = self._matmul
         if matmul is None:

@@ -31,7 +31,10 @@ class Int8MoEMethod:
         self.kernel = kernel
 
     def load_weights(self, layer: FusedMoE, experts: ExpertWeights) -> None:
-        for prefix, parts, what in (("w13", experts.gate_up, "gate/up"), ("w2", experts.down, "down")):
+        for prefix, parts, what in (
+            ("w13", experts.gate_up, "gate/up"),
+            ("w2", experts.down, "down"),
+        ):
             weights = _int8(parts, what)
             w = torch.stack([x.weight for x in weights]).contiguous()
             check_shape(layer, f"{prefix}_weight", tuple(w.shape))
