@@ -47,7 +47,7 @@ from gpu_worker.model_loader.gguf_file import (
     read_gguf_tensors,
 )
 from gpu_worker.model_loader.hf_folder import read_hf_config, safetensors_files
-from gpu_worker.model_loader.moe_weights import fuse_expert_weights
+from gpu_worker.model_loader.moe_weights import fuse_expert_weights, split_stacked_experts
 from gpu_worker.models import moe
 from gpu_worker.models.llama import LlamaConfig, LlamaForCausalLM
 
@@ -203,6 +203,10 @@ def read_gguf_weights(path: str | Path) -> dict[str, Any]:
     embedding is dequantized for lookups; a tied LM head keeps the embedding's blocks."""
     weights: dict[str, Any] = {}
     for name, tensor in read_gguf_tensors(path).items():
+        experts = split_stacked_experts(name, tensor)
+        if experts is not None:  # a mixture of experts' stacked projection
+            weights.update(experts)
+            continue
         if name == EMBED and tensor.is_quantized and "lm_head.weight" not in weights:
             weights[TIED_BLOCKS] = _gguf_weight(tensor)
         is_linear = name.endswith("_proj.weight") or name == "lm_head.weight"
@@ -210,6 +214,8 @@ def read_gguf_weights(path: str | Path) -> dict[str, Any]:
             weights[name] = _gguf_weight(tensor)
         else:
             weights[name] = dequantize_tensor(tensor)
+        if name.endswith(".shared_expert_gate.weight") and len(tensor.shape) == 1:
+            weights[name] = weights[name][None]  # llama.cpp keeps it as a vector: [1, hidden]
     if "lm_head.weight" in weights:
         weights.pop(TIED_BLOCKS, None)
     return weights

@@ -13,6 +13,11 @@ alike, gpu_worker/layers/linear_methods/weights.py); the router (`mlp.gate.weigh
 shared expert (`mlp.shared_expert.{gate,up,down}_proj`, fused like a dense MLP) stay linears.
 Under tensor parallelism each expert tensor is already this rank's slice (the per-expert
 names shard like a dense MLP's, gpu_worker/distributed/sharding.py).
+
+A GGUF file stacks each projection's experts in one 3-D tensor (llama.cpp's
+`blk.{i}.ffn_{gate,up,down}_exps`, read as `model.layers.{i}.mlp.experts.{gate,up,down}_exps`);
+`split_stacked_experts` views it as the per-expert names above, each expert's blocks as the
+file stores them (a view of its rows: no copy until the layer stacks them).
 """
 
 from __future__ import annotations
@@ -20,8 +25,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import torch
+
 from gpu_worker.layers.fused_moe import ExpertWeights
-from gpu_worker.layers.linear_methods.weights import concat_rows
+from gpu_worker.layers.linear_methods.weights import GGUFShard, GGUFWeight, concat_rows
+from gpu_worker.model_loader.gguf_file import GGUFTensor
 from gpu_worker.models.moe import MoeConfig
 
 _MIXTRAL = re.compile(r"^(model\.layers\.\d+\.)block_sparse_moe\.")
@@ -56,3 +64,26 @@ def fuse_expert_weights(weights: dict[str, Any], moe: MoeConfig, num_layers: int
             gate_up.append(concat_rows([weights.pop(names[0]), weights.pop(names[1])]))
             down.append(weights.pop(names[2]))
         weights[prefix.rstrip(".")] = ExpertWeights(gate_up, down)
+
+
+_STACKED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate|up|down)_exps\.weight$")
+
+
+def split_stacked_experts(name: str, tensor: GGUFTensor) -> dict[str, Any] | None:
+    """A GGUF file's stacked experts `name` [experts, out, in] as per-expert weights by HF
+    name (GGUF blocks as stored, a float type as float32); None for any other tensor."""
+    match = _STACKED.match(name)
+    if match is None:
+        return None
+    prefix, proj = match.groups()
+    if len(tensor.shape) != 3:
+        raise ValueError(f"{name}: stacked experts must be 3-D, got shape {tensor.shape}")
+    out: dict[str, Any] = {}
+    for e in range(tensor.shape[0]):
+        part: Any = (
+            GGUFWeight((GGUFShard(tensor.qtype, tensor.data[e]),), tensor.shape[2])
+            if tensor.is_quantized
+            else tensor.data[e].to(torch.float32)
+        )
+        out[f"{prefix}.{e}.{proj}_proj.weight"] = part
+    return out
