@@ -268,3 +268,36 @@ def test_gguf_experts_read_only_the_selected_experts_bytes() -> None:
             for e in set(range(EXPERTS)) - {2, 5, 6}:
                 w[e].fill_(0x7F)
         assert torch.equal(layer(x, logits), want)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
+def test_the_c_moe_kernel_equals_the_per_expert_loop(kind: str) -> None:
+    """moe.c's one call (grouping, gguf.c's kernels, activation, weighted sum) against the
+    Python loop over the same kernels: the same result to float rounding (its silu and sum
+    are its own), the same counts, and it is what the layer runs."""
+    from gpu_worker.cpu import moe as cpu_moe
+
+    if cpu_moe.load() is None:
+        pytest.skip("moe.c cannot be built here")
+    layer = _layer(kind)
+    method = layer.method
+    assert isinstance(method, GGUFMoEMethod) and method._fused
+    gen = torch.Generator().manual_seed(4)
+    x, logits = torch.randn(23, HIDDEN, generator=gen), torch.randn(23, EXPERTS, generator=gen)
+    weights, ids = select_experts(logits, layer.routing)
+    qt13, qt2 = method.qtypes["w13"][0], method.qtypes["w2"][0]
+    done = cpu_moe.gguf_moe(x, ids, weights, layer.w13_weight, qt13, layer.w2_weight, qt2, WIDTH)
+    assert done is not None
+    fused, counts = done
+    with torch.no_grad():
+        assert torch.equal(layer(x, logits), fused)
+        method._fused = False
+        looped = layer(x, logits)
+    torch.testing.assert_close(fused, looped, rtol=1e-5, atol=1e-5)
+    assert counts == torch.bincount(ids.flatten(), minlength=EXPERTS).tolist()
+    bad = ids.clone()
+    bad[0, 0] = EXPERTS  # an expert id out of range: refused, the caller loops
+    assert (
+        cpu_moe.gguf_moe(x, bad, weights, layer.w13_weight, qt13, layer.w2_weight, qt2, WIDTH)
+        is None
+    )
