@@ -256,6 +256,24 @@ class FusedMoE(nn.Module):
         )
 
 
+def take_tokens_per_expert(model: nn.Module) -> list[int]:
+    """The (token, expert) pairs each expert computed since the last call, summed over the
+    model's MoE layers (empty for a dense model); the layers' counters restart at zero."""
+    total: list[int] = []
+    for layer in model.modules():
+        if isinstance(layer, FusedMoE):
+            total = add_counts(total, layer.tokens_per_expert)
+            layer.tokens_per_expert = [0] * layer.num_experts
+    return total
+
+
+def add_counts(a: list[int], b: list[int]) -> list[int]:
+    """Elementwise a + b; an empty list is zeros (models of different expert counts: the
+    longer list, the shorter added to its first entries)."""
+    longer, shorter = (a, b) if len(a) >= len(b) else (b, a)
+    return [n + (shorter[i] if i < len(shorter) else 0) for i, n in enumerate(longer)]
+
+
 def stack_float(parts: list[CheckpointWeight], what: str) -> torch.Tensor:
     """Per-expert float weights [out, in] as one tensor [E, out, in]."""
     tensors = [p for p in parts if isinstance(p, torch.Tensor)]
