@@ -196,7 +196,8 @@ class ModelRunner(PlanRunner[ModelVersion]):
             self.kv_cache.tensor,
             block_size=self.block_size,
             max_model_len=self.max_model_len,
-            enforce_eager=self.options.eager,
+            # a MoE layer groups tokens by expert on the host (data-dependent): eager
+            enforce_eager=self.options.eager or model.config.moe is not None,
             max_graph_batch_size=self.options.max_graph_batch_size,
         )
 

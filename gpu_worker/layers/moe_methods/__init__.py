@@ -1,6 +1,7 @@
 """The MoE methods (gpu_worker/layers/fused_moe.py's pattern) beside the torch reference:
 CPU float, GGUF and int8 experts, each calling the kernels its linear counterpart calls
-(gpu_worker/layers/linear_methods/). `moe_method` picks one per layer at load."""
+(gpu_worker/layers/linear_methods/), and float experts on CUDA by the Triton fused MoE.
+`moe_method` picks one per layer at load."""
 
 from __future__ import annotations
 
@@ -29,4 +30,8 @@ def moe_method(kernels: KernelChoice, experts: ExpertWeights) -> MoEMethod:
         from gpu_worker.layers.moe_methods.cpu_float import CpuFloatMoEMethod
 
         return CpuFloatMoEMethod()
+    if kernels.triton_linears:  # CUDA: the Triton fused MoE
+        from gpu_worker.layers.moe_methods.triton import TritonMoEMethod
+
+        return TritonMoEMethod()
     return FloatMoEMethod()
