@@ -161,3 +161,23 @@ def test_lora_on_a_moe_model_is_refused_by_name(tmp_path_factory) -> None:
     options = RunnerOptions(num_blocks=16, lora=LoraConfig(enable_lora=True))
     with pytest.raises(ValueError, match="--enable-lora.*mixtral"):
         ModelRunner(str(path), options)
+
+
+def test_an_int8_compressed_tensors_moe_folder_serves_its_int8_experts(tmp_path_factory) -> None:
+    """tools/export_int8's W8A8 checkpoint of a MoE (every expert's projections int8 with
+    per-row scales, routers float) loads into int8 experts, with the same tokens alone and
+    batched as --quantization int8 gives the float folder (the same quantization)."""
+    from tools.export_int8 import export_int8
+
+    path = _model(str(tmp_path_factory.getbasetemp()), "qwen2_moe")
+    exported = export_int8(path, tmp_path_factory.mktemp("int8") / "qwen2_moe", smoothquant=0)
+    runner = ModelRunner(str(exported), RunnerOptions(block_size=4, num_blocks=512))
+    assert all(isinstance(e.method, Int8MoEMethod) for e in _experts(runner))
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, VOCAB_SIZE, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    alone = run_greedy(runner, prompts, NUM_NEW, together=False)
+    assert run_greedy(runner, prompts, NUM_NEW, token_budget=5) == alone
+    at_load = ModelRunner(
+        str(path), RunnerOptions(block_size=4, num_blocks=512, quantization="int8")
+    )
+    assert run_greedy(at_load, prompts, NUM_NEW, together=False) == alone

@@ -1,7 +1,8 @@
 """A mixture-of-experts model served by the real processes: Qwen2-MoE (routed experts and a
 shared expert) under tensor parallelism 2 (each expert's FFN and the shared expert sharded,
 the routers replicated) equals transformers batched under a small pool (preemption),
-chunked, alone and after a prefix hit (tests/integration/test_tensor_parallel.py's checks),
+chunked, alone and after a prefix hit, with n-gram drafts verified
+(tests/integration/test_tensor_parallel.py's checks),
 and /admin/stats and /metrics report each expert's (token, expert) pairs."""
 
 from __future__ import annotations
@@ -39,9 +40,11 @@ def test_tp2_qwen2_moe_equals_transformers_and_counts_expert_tokens(qwen2_moe: P
     expected = [hf_greedy(qwen2_moe, p, NUM_NEW) for p in prompts]
     flags = ["--model", str(qwen2_moe), "--tensor-parallel-size", "2", "--admin-token", TOKEN]
     flags += ["--max-num-batched-tokens", "24", "--kv-cache-memory", _gib(14, BLOCK_BYTES)]
+    flags += ["--speculative", "ngram"]  # drafts verified on every rank alike
     with running_server(*flags) as server:
         assert _stats(server)["num_total_blocks"] == 14
         _check_parity_everywhere(server, prompts, expected)
+        assert _stats(server)["spec_num_draft_tokens"] > 0
         counts = _stats(server)["moe_expert_tokens"]
         # layer 1 of 3 is sparse (decoder_sparse_step 2): top-4 of 8 experts per token
         assert len(counts) == 8 and sum(counts) % 4 == 0 and sum(counts) > 0
