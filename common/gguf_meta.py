@@ -7,6 +7,9 @@ tokenizer files, generation_config.json), under `<cache>/gguf/<version>/`, so th
 detokenizer and model facts read it like any model folder (common/model_paths.tokenizer_dir).
 The tensors themselves are read by gpu_worker/model_loader/gguf_file.py.
 
+Mixtures of experts: qwen2moe and qwen3moe files, and Mixtral's (a "llama" file with
+`llama.expert_count`); each projection's experts are one 3-D tensor (`ffn_gate_exps`...).
+
 Names: llama.cpp's converter renames Hugging Face tensors (`model.layers.3.mlp.up_proj.weight`
 -> `blk.3.ffn_up.weight`); hf_tensor_name undoes it. The converter also permutes the rows of
 q and k for the "llama" architecture (it covers Mistral too); the reader undoes that.
@@ -140,6 +143,8 @@ def read_gguf_config(path: str | Path, reader: GGUFReader | None = None) -> dict
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not one of {list(ARCHITECTURES)}")
     name = str(field_value(reader, "general.name", ""))
     model_type = "mistral" if arch == "llama" and "mistral" in name.lower() else ARCHITECTURES[arch]
+    if arch == "llama" and field_value(reader, "llama.expert_count"):
+        model_type = "mixtral"  # llama.cpp writes Mixtral as a llama with experts
 
     def key(suffix: str, default: Any = None) -> Any:
         value = field_value(reader, f"{arch}.{suffix}", default)
@@ -176,6 +181,10 @@ def read_gguf_config(path: str | Path, reader: GGUFReader | None = None) -> dict
     }
     if arch in MOE_ARCHITECTURES:
         config.update(_moe_config(reader, arch, config["num_hidden_layers"], names))
+    if model_type == "mixtral":  # every layer sparse, experts of feed_forward_length
+        config["num_local_experts"] = int(key("expert_count"))
+        config["num_experts_per_tok"] = int(key("expert_used_count"))
+        config["sliding_window"] = None
     if ROPE_FREQS in names:
         factors = np.asarray(names[ROPE_FREQS].data, dtype=np.float64)
         config["rope_parameters"] = llama3_rope_parameters(factors, theta, head_dim, path)
@@ -210,6 +219,7 @@ def _moe_config(
 
 
 _HF_CLASSES = {
+    "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "llama": "LlamaForCausalLM",

@@ -17,9 +17,11 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file
 
-from tests.gguf_models import _write_hparams, _write_tokenizer, encode, gguf_name
+from tests.gguf_models import _write_hparams, _write_tokenizer, encode, gguf_name, permute
 
-MOE_GGUF_ARCHS = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+# Mixtral: llama.cpp's "llama" architecture with experts (q/k rows permuted as a llama's)
+MOE_GGUF_ARCHS = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+_MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _SHARED = {"gate_proj": "ffn_gate_shexp", "up_proj": "ffn_up_shexp", "down_proj": "ffn_down_shexp"}
 
 
@@ -46,13 +48,16 @@ def write_moe_gguf(folder: str | Path, path: str | Path, qtype: Q) -> dict[str, 
     weights: dict[str, torch.Tensor] = {}
     for file in sorted(folder.glob("*.safetensors")):
         weights.update(load_file(str(file)))
+    if cfg["model_type"] == "mixtral":  # Mixtral's names as the others'
+        weights = {_unmixtral(n): w for n, w in weights.items()}
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_string("general.name", f"tiny {cfg['model_type']}")
     _write_hparams(writer, arch, cfg)
     num_experts = cfg.get("num_experts") or cfg["num_local_experts"]
     writer.add_uint32(f"{arch}.expert_count", num_experts)
     writer.add_uint32(f"{arch}.expert_used_count", cfg["num_experts_per_tok"])
-    writer.add_uint32(f"{arch}.expert_feed_forward_length", cfg["moe_intermediate_size"])
+    if cfg.get("moe_intermediate_size"):
+        writer.add_uint32(f"{arch}.expert_feed_forward_length", cfg["moe_intermediate_size"])
     if cfg.get("shared_expert_intermediate_size"):
         shared = cfg["shared_expert_intermediate_size"]
         writer.add_uint32(f"{arch}.expert_shared_feed_forward_length", shared)
@@ -73,6 +78,10 @@ def write_moe_gguf(folder: str | Path, path: str | Path, qtype: Q) -> dict[str, 
         if name.endswith("ffn_gate_inp_shexp.weight"):
             weight = weight.reshape(-1)  # llama.cpp keeps the shared expert's gate a vector
         data, expected[hf_name] = encode(weight, kind, seed)
+        if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
+            heads = cfg["num_attention_heads"]
+            kv = heads if ".q_proj." in hf_name else cfg["num_key_value_heads"]
+            data = permute(torch.from_numpy(np.ascontiguousarray(data)), heads, kv).numpy()
         raw = None if kind in (Q.F32, Q.F16) else kind
         writer.add_tensor(name, np.ascontiguousarray(data), raw_dtype=raw)
     writer.write_header_to_file()
@@ -80,3 +89,48 @@ def write_moe_gguf(folder: str | Path, path: str | Path, qtype: Q) -> dict[str, 
     writer.write_tensors_to_file()
     writer.close()
     return expected
+
+
+def _unmixtral(name: str) -> str:
+    """Mixtral's `block_sparse_moe` names as `mlp` ones (w1/w3/w2: gate/up/down)."""
+    parts = name.replace(".block_sparse_moe.", ".mlp.").split(".")
+    if len(parts) > 6 and parts[4] == "experts":
+        parts[6] = _MIXTRAL.get(parts[6], parts[6])
+    return ".".join(parts)
+
+
+def hf_folder_of(expected: dict[str, torch.Tensor], like: str | Path, folder: str | Path) -> Path:
+    """A Hugging Face folder of the float weights a file stands for (write_moe_gguf's
+    `expected`), with `like`'s config and tokenizer: the reference for an architecture whose
+    GGUF transformers does not read (Mixtral). Returns the folder."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    like, folder = Path(like), Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((like / "config.json").read_text())
+    tensors: dict[str, torch.Tensor] = {}
+    for name, w in expected.items():
+        if name.endswith("_exps"):  # stacked experts -> per expert
+            prefix, proj = name.rsplit(".", 1)
+            for e in range(w.shape[0]):
+                tensors[f"{prefix}.{e}.{proj.removesuffix('_exps')}_proj.weight"] = w[e]
+        else:
+            tensors[name] = w
+    if cfg["model_type"] == "mixtral":
+        back = {v: k for k, v in _MIXTRAL.items()}
+        renamed = {}
+        for name, w in tensors.items():
+            parts = name.split(".")
+            if len(parts) > 4 and parts[3] == "mlp":
+                parts[3] = "block_sparse_moe"
+                if len(parts) > 6 and parts[4] == "experts":
+                    parts[6] = back[parts[6]]
+            renamed[".".join(parts)] = w
+        tensors = renamed
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+    for f in like.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors"):
+            shutil.copy(f, folder / f.name)
+    return folder

@@ -1,11 +1,14 @@
 """Mixture-of-experts GGUF files in llama.cpp's layout (tests/gguf_moe_models.py: stacked
 3-D experts, router, shared expert) served as they are: Qwen2-MoE (shared expert) in F32,
-Q8_0 and Q4_1, Qwen3-MoE in Q4_1.
+Q8_0 and Q4_1, Qwen3-MoE in Q4_1, Mixtral (a "llama" file with experts, q/k rows permuted)
+in F32 and Q4_1.
 
-The reference is transformers loading the same GGUF file (its qwen2moe/qwen3moe GGUF
-support dequantizes every tensor to float32). Its GGUF config mapping does not read the
+The reference for Qwen-MoE is transformers loading the same GGUF file (its qwen2moe/qwen3moe
+GGUF support dequantizes every tensor to float32). Its GGUF config mapping does not read the
 experts' widths (`expert_feed_forward_length`, `expert_shared_feed_forward_length`), so it
-is given the model's config.json beside the file; the weights are the file's.
+is given the model's config.json beside the file; the weights are the file's. transformers
+does not read a Mixtral GGUF (it would load a dense llama): its reference is transformers on
+the dequantized weights the file stands for, saved as a Hugging Face folder.
 
     torch kernels  GGUF experts dequantized at load, float arithmetic: transformers' tokens
                    for every type
@@ -29,7 +32,7 @@ from gpu_worker.layers.fused_moe import FusedMoE
 from gpu_worker.layers.moe_methods.gguf import GGUFMoEMethod
 from gpu_worker.runner.model_runner import ModelRunner
 from gpu_worker.runner.options import RunnerOptions
-from tests.gguf_moe_models import write_moe_gguf
+from tests.gguf_moe_models import hf_folder_of, write_moe_gguf
 from tests.integration.test_model_parity import hf_greedy, run_greedy
 from tests.tiny_models import VOCAB_SIZE
 from tests.tiny_moe_models import make_tiny_moe_model
@@ -39,9 +42,20 @@ torch.set_num_threads(2)
 NUM_NEW = 10
 PROMPT_LENS = (1, 5, 17, 40)
 # llama.cpp's qwen2moe/qwen3moe have experts in every layer (and qwen3moe renormalises)
-ALL_SPARSE = {"qwen2_moe": dict(decoder_sparse_step=1), "qwen3_moe": dict(mlp_only_layers=[])}
+ALL_SPARSE: dict[str, dict] = {
+    "qwen2_moe": dict(decoder_sparse_step=1),
+    "qwen3_moe": dict(mlp_only_layers=[]),
+    "mixtral": {},
+}
 # (each file costs a tokenizer folder and a transformers load: Qwen3-MoE in one type)
-CASES = [("qwen2_moe", Q.F32), ("qwen2_moe", Q.Q8_0), ("qwen2_moe", Q.Q4_1), ("qwen3_moe", Q.Q4_1)]
+CASES = [
+    ("qwen2_moe", Q.F32),
+    ("qwen2_moe", Q.Q8_0),
+    ("qwen2_moe", Q.Q4_1),
+    ("qwen3_moe", Q.Q4_1),
+    ("mixtral", Q.F32),
+    ("mixtral", Q.Q4_1),
+]
 IDS = [f"{arch}-{q.name}" for arch, q in CASES]
 
 
@@ -49,8 +63,9 @@ IDS = [f"{arch}-{q.name}" for arch, q in CASES]
 def _file(root: str, arch: str, qtype: Q) -> Path:
     folder = make_tiny_moe_model(Path(root) / arch, arch, **ALL_SPARSE[arch])
     path = Path(root) / f"{arch}-{qtype.name}.gguf"
-    if not path.is_file():
-        write_moe_gguf(folder, path, qtype)
+    expected = write_moe_gguf(folder, path, qtype)
+    if arch == "mixtral":  # the float weights the file stands for, as a folder
+        hf_folder_of(expected, folder, Path(root) / f"{arch}-{qtype.name}-dequantized")
     return path
 
 
@@ -59,10 +74,14 @@ def _reference(root: str, arch: str, qtype: Q) -> tuple[list[list[int]], list[li
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = _file(root, arch, qtype)
-    config = AutoConfig.from_pretrained(Path(root) / arch)
-    model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, config=config, dtype=torch.float32
-    ).eval()
+    if arch == "mixtral":
+        folder = Path(root) / f"{arch}-{qtype.name}-dequantized"
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    else:
+        config = AutoConfig.from_pretrained(Path(root) / arch)
+        model = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, config=config, dtype=torch.float32
+        ).eval()
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, VOCAB_SIZE, (n,), generator=gen).tolist() for n in PROMPT_LENS]
     return prompts, [hf_greedy(model, p, NUM_NEW) for p in prompts]
