@@ -40,7 +40,8 @@ class StepWindow:
         self.interval_s = self.interval_forward_s = self._last_result_at = 0.0
         self.num_intervals = 0
         self._busy_since_last_result = False
-        # a mixture of experts: (token, expert) pairs per expert since start (StepResult's)
+        # a mixture of experts: (token, expert) pairs per expert since the served model was
+        # adopted (StepResult's; EngineCore.adopt restarts them)
         self.expert_tokens: list[int] = []
 
     @property

@@ -53,3 +53,23 @@ def test_tp2_qwen2_moe_equals_transformers_and_counts_expert_tokens(qwen2_moe: P
                               metrics, re.M)  # fmt: skip
         assert sorted(int(e) for e, _ in exported) == list(range(8))
         assert sum(float(v) for _, v in exported) >= sum(counts)
+
+
+def test_hot_swap_between_a_dense_and_a_moe_model(qwen2_moe: Path, tmp_path_factory) -> None:
+    """A drain swap from a dense Llama to the MoE (another KV layout) and back: each serves
+    transformers' tokens, and the per-expert counts belong to the MoE while it serves."""
+    from tests.integration.test_tensor_parallel import _complete, _swap
+    from tests.tiny_models import make_tiny_model
+
+    dense = make_tiny_model(tmp_path_factory.mktemp("dense") / "llama", "llama", seed=1)
+    prompt = _prompts((21,), seed=5)[0]
+    with running_server("--model", str(dense), "--admin-token", TOKEN) as server:
+        assert _stats(server)["moe_expert_tokens"] == []
+        for model, version in ((qwen2_moe, "v-moe"), (dense, "v-dense")):
+            result = _swap(server, model, version, "drain")
+            assert result["ok"] and result["version"] == version, result
+            body = _complete(server, prompt)
+            assert body["system_fingerprint"] == version
+            assert body["choices"][0]["token_ids"] == hf_greedy(model, prompt, NUM_NEW)
+            counts = _stats(server)["moe_expert_tokens"]
+            assert (sum(counts) > 0) if model == qwen2_moe else counts == []
