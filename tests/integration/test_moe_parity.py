@@ -69,9 +69,16 @@ def test_moe_parity(moe, kernels: str) -> None:
     assert runner.model.model.one_call_step is None  # the one-call step takes dense models
     assert run_greedy(runner, prompts, NUM_NEW, together=False) == expected
     assert run_greedy(runner, prompts, NUM_NEW) == expected
+    results = []
+    execute = runner.execute
+    runner.execute = lambda plan: results.append(execute(plan)) or results[-1]  # type: ignore[method-assign]
     assert run_greedy(runner, prompts, NUM_NEW, token_budget=7) == expected
-    counts = [sum(e.tokens_per_expert) for e in experts]
-    assert all(c > 0 for c in counts)
+    # each step's (token, expert) pairs ride on its result: top-k per token per sparse layer
+    top_k = experts[0].routing.top_k
+    steps = [r for r in results if r.expert_tokens]
+    assert steps and all(sum(r.expert_tokens) % top_k == 0 for r in steps)
+    assert sum(sum(r.expert_tokens) for r in steps) > 0
+    assert all(sum(e.tokens_per_expert) == 0 for e in experts)  # taken by each step
 
 
 def test_moe_preempted_request_recomputes_the_same_tokens(moe) -> None:
