@@ -76,3 +76,32 @@ def test_the_triton_method_runs_a_layer_as_the_torch_reference(device: torch.dev
         want = reference(x, logits)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert layer.tokens_per_expert == reference.tokens_per_expert
+
+
+def test_int8_experts_by_the_triton_gemm_match_the_torch_path(device: torch.device) -> None:
+    from gpu_worker.cpu.int8 import quantize_weight
+    from gpu_worker.layers.fused_moe import ExpertWeights, FusedMoE
+    from gpu_worker.layers.linear_methods.weights import Int8Weight
+    from gpu_worker.layers.moe_methods.int8 import Int8MoEMethod
+
+    gen = torch.Generator().manual_seed(6)
+    w13 = [Int8Weight(*quantize_weight(0.2 * torch.randn(64, 64, generator=gen)))
+           for _ in range(4)]  # fmt: skip
+    w2 = [Int8Weight(*quantize_weight(0.2 * torch.randn(64, 32, generator=gen)))
+          for _ in range(4)]  # fmt: skip
+    layers = {}
+    for kernel in ("torch", "triton"):
+        layer = FusedMoE(4, 64, 32, Routing(2, renormalize=True))
+        layer.method = Int8MoEMethod(kernel)
+        on = device if kernel == "triton" else torch.device("cpu")
+        moved = ExpertWeights(
+            [Int8Weight(w.weight.to(on), w.scale.to(on)) for w in w13],
+            [Int8Weight(w.weight.to(on), w.scale.to(on)) for w in w2],
+        )
+        layer.method.load_weights(layer, moved)
+        layers[kernel] = layer
+    x, logits = torch.randn(7, 64, generator=gen), torch.randn(7, 4, generator=gen)
+    with torch.no_grad():
+        want = layers["torch"](x, logits)
+        got = layers["triton"](x.to(device), logits.to(device)).cpu()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

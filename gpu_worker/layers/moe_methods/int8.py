@@ -1,7 +1,8 @@
 """int8 W8A8 experts (symmetric per output row; activations quantized per row) by the int8
-linear kernels (gpu_worker/cpu/int8.py; torch's exact path for the "torch" kernel): a row's
-result is the same bits in any group. Stacked as `w13_weight` int8 [E, 2 * width, hidden]
-with `w13_scale` [E, 2 * width], and `w2_weight` / `w2_scale`."""
+linear kernels (gpu_worker/cpu/int8.py; torch's exact path for the "torch" kernel; the
+Triton W8A8 GEMM on CUDA): a row's result is the same bits in any group. Stacked as
+`w13_weight` int8 [E, 2 * width, hidden] with `w13_scale` [E, 2 * width], and `w2_weight` /
+`w2_scale`."""
 
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ class Int8MoEMethod:
     name = "int8"
 
     def __init__(self, kernel: str) -> None:
-        if kernel not in ("cpu", "torch"):
-            raise ValueError(f"int8 experts run on the CPU kernels or torch, not {kernel!r}")
+        if kernel not in ("cpu", "torch", "triton"):
+            raise ValueError(f"unknown int8 kernel {kernel!r} (cpu, triton or torch)")
         self.kernel = kernel
 
     def load_weights(self, layer: FusedMoE, experts: ExpertWeights) -> None:
@@ -54,6 +55,11 @@ class Int8MoEMethod:
         bias = None if bias_all is None else bias_all[expert].to(torch.float32)
         if self.kernel == "cpu":
             return int8.int8_linear(x, w, scale, bias)
+        if self.kernel == "triton":  # CUDA: the W8A8 Triton GEMM per expert group
+            from gpu_worker.kernels.int8_matmul.kernel import int8_matmul
+
+            y = int8_matmul(x.contiguous(), w, scale)
+            return y if bias is None else y + bias.to(y.dtype)
         y = int8.int8_linear_torch(x.to(torch.float32), w, scale, bias)
         return y.to(x.dtype)
 
