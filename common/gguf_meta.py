@@ -7,6 +7,9 @@ tokenizer files, generation_config.json), under `<cache>/gguf/<version>/`, so th
 detokenizer and model facts read it like any model folder (common/model_paths.tokenizer_dir).
 The tensors themselves are read by gpu_worker/model_loader/gguf_file.py.
 
+Mixtures of experts: qwen2moe and qwen3moe files, and Mixtral's (a "llama" file with
+`llama.expert_count`); each projection's experts are one 3-D tensor (`ffn_gate_exps`...).
+
 Names: llama.cpp's converter renames Hugging Face tensors (`model.layers.3.mlp.up_proj.weight`
 -> `blk.3.ffn_up.weight`); hf_tensor_name undoes it. The converter also permutes the rows of
 q and k for the "llama" architecture (it covers Mistral too); the reader undoes that.
@@ -27,9 +30,17 @@ if TYPE_CHECKING:
     from gguf import GGUFReader
 
 _MIB = 1 << 20
+# mixture-of-experts architectures (llama.cpp's names) -> model_type
+MOE_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 MARKER = "shuttle_gguf"  # config.json entry of a GGUF's tokenizer folder: {"path": file}
 # general.architecture -> model_type; a "llama" file named like Mistral is a mistral
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+ARCHITECTURES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    **MOE_ARCHITECTURES,
+}
 # the llama.cpp converter permutes q/k rows (rotary pairs) only for these
 PERMUTED_ARCHITECTURES = frozenset({"llama"})
 # ggml type names we serve: float types as tensors, block types as raw bytes
@@ -66,6 +77,16 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # mixture of experts: the router, each projection's experts stacked in one 3-D tensor
+    # [experts, out, in] (split per expert by the worker's reader), the shared expert
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_exps",
+    "ffn_up_exps": "mlp.experts.up_exps",
+    "ffn_down_exps": "mlp.experts.down_exps",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
@@ -132,7 +153,9 @@ def read_gguf_config(path: str | Path, reader: GGUFReader | None = None) -> dict
     if arch not in ARCHITECTURES:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not one of {list(ARCHITECTURES)}")
     name = str(field_value(reader, "general.name", ""))
-    model_type = "mistral" if arch == "llama" and "mistral" in name.lower() else arch
+    model_type = "mistral" if arch == "llama" and "mistral" in name.lower() else ARCHITECTURES[arch]
+    if arch == "llama" and field_value(reader, "llama.expert_count"):
+        model_type = "mixtral"  # llama.cpp writes Mixtral as a llama with experts
 
     def key(suffix: str, default: Any = None) -> Any:
         value = field_value(reader, f"{arch}.{suffix}", default)
@@ -174,6 +197,12 @@ def read_gguf_config(path: str | Path, reader: GGUFReader | None = None) -> dict
     window = field_value(reader, f"{arch}.attention.sliding_window")
     if arch == "phi3" and window:  # llama.cpp writes Phi-3's sliding_window here
         config["sliding_window"] = int(window)
+    if arch in MOE_ARCHITECTURES:
+        config.update(_moe_config(reader, arch, config["num_hidden_layers"], names))
+    if model_type == "mixtral":  # every layer sparse, experts of feed_forward_length
+        config["num_local_experts"] = int(key("expert_count"))
+        config["num_experts_per_tok"] = int(key("expert_used_count"))
+        config["sliding_window"] = None
     if ROPE_FREQS in names:
         factors = np.asarray(names[ROPE_FREQS].data, dtype=np.float64)
         config["rope_parameters"] = llama3_rope_parameters(factors, theta, head_dim, path)
@@ -184,7 +213,33 @@ def read_gguf_config(path: str | Path, reader: GGUFReader | None = None) -> dict
     return config
 
 
+def _moe_config(
+    reader: GGUFReader, arch: str, num_layers: int, names: dict[str, Any]
+) -> dict[str, Any]:
+    """A MoE file's expert fields as config.json names them. llama.cpp renormalises the top-k
+    weights for qwen3moe and not for qwen2moe; a layer without a router is dense."""
+    experts = field_value(reader, f"{arch}.expert_count")
+    if experts is None:
+        raise ValueError(f"GGUF metadata {arch}.expert_count is missing")
+    dense = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names]
+    config: dict[str, Any] = {
+        "num_experts": int(experts),
+        "num_experts_per_tok": int(field_value(reader, f"{arch}.expert_used_count", 0)),
+        "moe_intermediate_size": int(field_value(reader, f"{arch}.expert_feed_forward_length", 0)),
+        "norm_topk_prob": arch == "qwen3moe",
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": dense,
+    }
+    shared = field_value(reader, f"{arch}.expert_shared_feed_forward_length")
+    if shared is not None:
+        config["shared_expert_intermediate_size"] = int(shared)
+    return config
+
+
 _HF_CLASSES = {
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",

@@ -103,6 +103,9 @@ class StepResult:
     pooled_req_ids: list[str] = dataclasses.field(default_factory=list)  # [num_pooled]
     embeddings: list[list[float]] = dataclasses.field(default_factory=list)  # [num_pooled][H]
     forward_s: float = 0.0  # worker time for the step, model + sampling
+    # a mixture of experts: (token, expert) pairs each expert computed this step, summed over
+    # the model's MoE layers (routing skew, /admin/stats); empty for a dense model
+    expert_tokens: list[int] = dataclasses.field(default_factory=list)  # [num_experts]
     error: str = ""  # set when the step failed: its requests are failed, not retried
 
 

@@ -5,7 +5,7 @@ them alone, so the kernels' package imports no model class."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
@@ -98,7 +98,16 @@ class OneCallLayer(Protocol):
     def self_attn(self) -> OneCallAttention: ...
 
     @property
-    def mlp(self) -> OneCallMLP: ...
+    def mlp(self) -> object:
+        """A dense MLP (OneCallMLP: `dense_mlp` gives it), or a mixture of experts' block,
+        which the step does not take."""
+        ...
+
+
+def dense_mlp(layer: OneCallLayer) -> OneCallMLP | None:
+    """The layer's MLP if it is dense (gate_up_proj and down_proj), else None."""
+    mlp = layer.mlp
+    return cast(OneCallMLP, mlp) if hasattr(mlp, "gate_up_proj") else None
 
 
 class OneCallRotary(Protocol):

@@ -47,6 +47,7 @@ from gpu_worker.cpu.one_call_model import (
     OneCallLayer,
     OneCallLinear,
     OneCallModel,
+    dense_mlp,
 )
 
 if TYPE_CHECKING:  # annotations only: the attention package imports this one's kernels
@@ -202,7 +203,8 @@ def with_lora(
 
 def _linears(layer: OneCallLayer) -> tuple[OneCallLinear, ...]:
     """A layer's linears in decode_layer_t's order."""
-    attn, mlp = layer.self_attn, layer.mlp
+    attn, mlp = layer.self_attn, dense_mlp(layer)
+    assert mlp is not None, "can_use takes dense layers only"
     return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
@@ -324,7 +326,7 @@ class OneCallStep:
             attn.num_heads,
             attn.num_kv_heads,
             attn.head_dim,
-            layer.mlp.down_proj.in_features,
+            _linears(layer)[3].in_features,
             layer.input_layernorm.eps,
             cos.data_ptr(),
             sin.data_ptr(),
@@ -352,6 +354,8 @@ def can_use(model: OneCallModel) -> bool:
     for layer in model.layers:
         attn = layer.self_attn
         if attn.q_norm is not None or not attn.backend.cpu_decode_kernel:
+            return False
+        if dense_mlp(layer) is None:  # a mixture of experts' block
             return False
         if any(_descriptor(m, Keep()) is None for m in _linears(layer)):
             return False

@@ -12,6 +12,8 @@ before q/k/v and gate/up are fused) are cut like this:
     embed_tokens lm_head                     vocabulary-parallel: rows split into equal shards
                                              of ceil(V/N), the last one padded with zero rows
     norms (q_norm, k_norm too)               replicated
+    MoE experts.{e}.gate/up/down (w1/w3/w2)  each expert like a dense MLP; the router (gate)
+                                             and a shared expert's gate replicated
     int8 layers (compressed-tensors)         weight and weight_packed as the weight; the scale
                                              [out, 1] split with the rows of a column-parallel
                                              layer, whole on every rank of a row-parallel one
@@ -38,8 +40,9 @@ class Split(enum.Enum):
         return {Split.COLUMN: 0, Split.ROW: 1, Split.VOCAB: 0}.get(self)
 
 
-_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-_ROW = ("o_proj", "down_proj")
+# (w1, w3, w2: Mixtral's experts' gate, up and down)
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3")
+_ROW = ("o_proj", "down_proj", "w2")
 _VOCAB = ("embed_tokens.weight", "lm_head.weight")
 # an int8 compressed-tensors checkpoint's shape of a packed weight: whole on every rank
 _INT8_META = ("weight_shape",)

@@ -26,6 +26,7 @@ KERNEL_NAMES = (
     "gguf_matmul",
     "int8_matmul",
     "lora",
+    "fused_moe",
 )
 
 

@@ -23,9 +23,10 @@ from gpu_worker.layers.linear_methods.weights import Int8Weight
 
 QUANT_METHOD = "compressed-tensors"
 # the linear layers made int8 from a float checkpoint, by Hugging Face weight name (Llama,
-# Qwen2/3, Mistral): attention and MLP projections; embeddings and the LM head stay float
+# Qwen2/3, Mistral): attention and MLP projections, and a mixture of experts' expert
+# projections (Mixtral's w1/w2/w3); embeddings, routers and the LM head stay float
 QUANTIZED_LINEARS = re.compile(
-    r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$"
+    r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$"
 )
 # storage formats: the int8 [out, in] weight as it is ("naive" is the older name), or packed
 # four to an int32 (`X.weight_packed` + `X.weight_shape`, unpacked by compressed-tensors)

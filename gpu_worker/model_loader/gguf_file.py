@@ -60,7 +60,8 @@ class GGUFTensor:
     `qtype` is a gguf.GGMLQuantizationType value. `shape` is the logical shape in torch
     order ((out, in) for a matrix, (n,) for a norm or bias). `data` is, for F32/F16/BF16,
     a tensor of that dtype and shape; for a block type, uint8 [out, row_bytes] (the file's
-    blocks of each row, row_bytes = in / block_size * block_bytes)."""
+    blocks of each row, row_bytes = in / block_size * block_bytes); [experts, out, row_bytes]
+    for a mixture of experts' stacked projections (shape (experts, out, in))."""
 
     qtype: int
     shape: tuple[int, ...]
@@ -110,7 +111,8 @@ def _to_tensor(entry: Any) -> GGUFTensor:
     elif type_name in _FLOAT_TYPES:
         data = torch.from_numpy(array)
     else:
-        data = torch.from_numpy(array.reshape(shape[0] if len(shape) > 1 else 1, -1))
+        # rows of blocks: [out, row_bytes], or [experts, out, row_bytes] for stacked experts
+        data = torch.from_numpy(array.reshape(*(shape[:-1] if len(shape) > 1 else (1,)), -1))
     if type_name in _FLOAT_TYPES:
         data = data.reshape(shape)
     return GGUFTensor(qtype=int(entry.tensor_type), shape=shape, data=data)

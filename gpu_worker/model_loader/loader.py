@@ -31,8 +31,10 @@ from gpu_worker.distributed.sharding import (
     vocab_shard_size,
 )
 from gpu_worker.distributed.tensor_parallel import TensorParallel
+from gpu_worker.layers.fused_moe import ExpertWeights, FusedMoE
 from gpu_worker.layers.kernel_choice import TORCH_KERNELS, KernelChoice
 from gpu_worker.layers.linear_methods.weights import GGUFShard, GGUFWeight, concat_rows
+from gpu_worker.layers.moe_methods import moe_method
 from gpu_worker.model_loader.compressed_tensors import (
     check_int8_w8a8,
     int8_weights,
@@ -45,6 +47,8 @@ from gpu_worker.model_loader.gguf_file import (
     read_gguf_tensors,
 )
 from gpu_worker.model_loader.hf_folder import read_hf_config, safetensors_files
+from gpu_worker.model_loader.moe_weights import fuse_expert_weights, split_stacked_experts
+from gpu_worker.models import moe
 from gpu_worker.models.llama import LlamaConfig, LlamaForCausalLM
 
 
@@ -58,6 +62,10 @@ def fuse_weights(weights: dict[str, Any], cfg: LlamaConfig) -> dict[str, Any]:
             _concat(out, [f"{attn}{p}_proj.{kind}" for p in "qkv"], f"{attn}qkv_proj.{kind}")
             gate_up = [f"{mlp}{p}_proj.{kind}" for p in ("gate", "up")]
             _concat(out, gate_up, f"{mlp}gate_up_proj.{kind}")
+            shared = [f"{mlp}shared_expert.{p}_proj.{kind}" for p in ("gate", "up")]
+            _concat(out, shared, f"{mlp}shared_expert.gate_up_proj.{kind}")
+    if cfg.moe is not None:
+        fuse_expert_weights(out, cfg.moe, cfg.num_layers)
     return out
 
 
@@ -84,6 +92,8 @@ def check_tensor_parallel(cfg: LlamaConfig, world: int, folder: str | Path = "")
         intermediate_size=cfg.intermediate_size,
         model=str(folder) or "the model",
     )
+    if cfg.moe is not None:
+        moe.check_tensor_parallel(cfg.moe, cfg.model_type, world, str(folder) or "the model")
 
 
 def read_weights(folder: str | Path, tp: TensorParallel) -> dict[str, torch.Tensor]:
@@ -173,6 +183,11 @@ def build_model(
         # the one place a layer's tensors move: whatever the method made of the checkpoint's
         # (float, GGUF shards, int8 and scales) goes to the model's device before any packing
         layer.to(device)
+    for name, experts in model_experts(model):
+        checkpoint = weights.pop(name)
+        experts.method = moe_method(kernels, checkpoint)
+        experts.method.load_weights(experts, _experts_to(checkpoint, dtype))
+        experts.to(device)
     # pop as we go: a dtype or device change never holds two copies of the whole model
     rest = {name: _to(weights.pop(name), dtype).to(device) for name in list(weights)}
     missing, unexpected = model.load_state_dict(rest, strict=False, assign=True)
@@ -181,6 +196,8 @@ def build_model(
         raise KeyError(f"checkpoint does not fit the model: missing {missing}, extra {unexpected}")
     for _, layer in model.linears():
         layer.method.process_weights_after_loading(layer)
+    for _, experts in model_experts(model):
+        experts.method.process_weights_after_loading(experts)
     if cfg.is_llama_layout:  # the one-call step computes the Llama layer only
         model.model.one_call_step = kernels.one_call_step_for(model.model)
     return model.eval().requires_grad_(False)
@@ -192,6 +209,10 @@ def read_gguf_weights(path: str | Path) -> dict[str, Any]:
     embedding is dequantized for lookups; a tied LM head keeps the embedding's blocks."""
     weights: dict[str, Any] = {}
     for name, tensor in read_gguf_tensors(path).items():
+        experts = split_stacked_experts(name, tensor)
+        if experts is not None:  # a mixture of experts' stacked projection
+            weights.update(experts)
+            continue
         if name == EMBED and tensor.is_quantized and "lm_head.weight" not in weights:
             weights[TIED_BLOCKS] = _gguf_weight(tensor)
         is_linear = name.endswith("_proj.weight") or name == "lm_head.weight"
@@ -199,6 +220,8 @@ def read_gguf_weights(path: str | Path) -> dict[str, Any]:
             weights[name] = _gguf_weight(tensor)
         else:
             weights[name] = dequantize_tensor(tensor)
+        if name.endswith(".shared_expert_gate.weight") and len(tensor.shape) == 1:
+            weights[name] = weights[name][None]  # llama.cpp keeps it as a vector: [1, hidden]
     if "lm_head.weight" in weights:
         weights.pop(TIED_BLOCKS, None)
     return weights
@@ -249,8 +272,23 @@ def _to(weight: Any, dtype: torch.dtype) -> Any:
 
 
 def _not_linear(model: LlamaForCausalLM) -> set[str]:
-    """The state-dict names of everything but the linear layers (which the methods load)."""
-    linear_params = {
-        f"{name}.{p}" for name, layer in model.linears() for p, _ in layer.named_parameters()
-    }
+    """The state-dict names of everything but the linear and MoE layers (which the methods
+    load)."""
+    layers: list[tuple[str, torch.nn.Module]] = [*model.linears(), *model_experts(model)]
+    linear_params = {f"{name}.{p}" for name, layer in layers for p, _ in layer.named_parameters()}
     return set(model.state_dict()) - linear_params
+
+
+def model_experts(model: torch.nn.Module) -> list[tuple[str, FusedMoE]]:
+    """Every MoE layer of the model with its name, in the model's order."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, FusedMoE)]
+
+
+def _experts_to(experts: ExpertWeights, dtype: torch.dtype) -> ExpertWeights:
+    """The checkpoint's float experts (and biases) in the model's dtype; quantized as they are."""
+    return ExpertWeights(
+        [_to(w, dtype) for w in experts.gate_up],
+        [_to(w, dtype) for w in experts.down],
+        _to(experts.gate_up_bias, dtype),
+        _to(experts.down_bias, dtype),
+    )

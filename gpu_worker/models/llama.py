@@ -1,5 +1,6 @@
 """The Llama family (Llama, SmolLM2/3, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3 text) over
-a paged KV cache.
+a paged KV cache, and the mixture-of-experts families on its skeleton (Qwen3-MoE, Qwen2-MoE,
+Mixtral, OLMoE: gpu_worker/models/moe.py gives their sparse MLP blocks).
 
 A decoder-only transformer with pre-norm residual blocks:
 
@@ -39,6 +40,7 @@ from gpu_worker.distributed.sharding import vocab_shard_size
 from gpu_worker.distributed.tensor_parallel import TensorParallel, VocabParallelEmbedding
 from gpu_worker.layers.linear import Linear
 from gpu_worker.layers.ops import TORCH_OPS, LayerOps, Rope, rotate_neox
+from gpu_worker.models import moe
 from gpu_worker.models.config_checks import (
     GEMMA_TYPES,
     check_activation,
@@ -47,9 +49,12 @@ from gpu_worker.models.config_checks import (
     layer_windows,
     rope_layers,
 )
+from gpu_worker.models.moe import MoeConfig, SparseMoeBlock
 from gpu_worker.models.rope import rope_attention_factor, rope_inv_freq, rope_scaling, rope_theta
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", *GEMMA_TYPES)
+DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", *GEMMA_TYPES)
+# the mixture-of-experts families: gpu_worker/models/moe.py
+SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + moe.MOE_MODEL_TYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +78,10 @@ class LlamaConfig:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool
+    # OLMoE: q and k normed over the whole projection, before the heads split (not per head)
+    qk_norm_whole: bool = False
+    # the experts of a mixture-of-experts family (gpu_worker/models/moe.py), None if dense
+    moe: MoeConfig | None = None
     # each layer's sliding window, 0 where it attends to its whole context (empty: none has
     # one); gpu_worker/models/config_checks.py reads it as transformers does per family
     sliding_windows: tuple[int, ...] = ()
@@ -143,10 +152,12 @@ class LlamaConfig:
             rope_scaling=rope_scaling(cfg),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or attention_bias,
+            qkv_bias=model_type == "qwen2" or attention_bias or moe.qkv_bias(cfg),
             o_bias=attention_bias,
             mlp_bias=model_type in ("llama", "smollm3") and bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe"),
+            qk_norm_whole=model_type == "olmoe",
+            moe=MoeConfig.from_hf(cfg),
             sliding_windows=windows if any(windows) else (),
             rope_layers=rope_layers(cfg) if no_rope else (),
         )
@@ -270,8 +281,11 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
         eps, offset = cfg.rms_norm_eps, cfg.norm_offset
-        self.q_norm = RMSNorm(cfg.head_dim, eps, ops, offset) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, eps, ops, offset) if cfg.qk_norm else None
+        # per head, or over the whole q / k projection (OLMoE, one rank: gpu_worker/models/moe.py)
+        q_norm_dim, k_norm_dim = (q_size, kv_size) if cfg.qk_norm_whole else (cfg.head_dim,) * 2
+        self.qk_norm_whole = cfg.qk_norm_whole
+        self.q_norm = RMSNorm(q_norm_dim, eps, ops, offset) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_norm_dim, eps, ops, offset) if cfg.qk_norm else None
         self.backend = backend
         self.ops = ops
 
@@ -284,10 +298,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        if self.q_norm is not None and self.k_norm is not None and self.qk_norm_whole:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None and not self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             q, k = self.ops.rotate(q, rope), self.ops.rotate(k, rope)
@@ -342,7 +358,12 @@ class DecoderLayer(nn.Module):
             cfg, backend, tp, ops, cfg.sliding_window(layer_idx), cfg.uses_rope(layer_idx)
         )
         self.post_attention_layernorm = RMSNorm(hidden, eps, ops, offset)
-        self.mlp = MLP(cfg, tp, ops)
+        sparse = cfg.moe is not None and cfg.moe.is_sparse(layer_idx)
+        self.mlp: MLP | SparseMoeBlock = (
+            SparseMoeBlock(cfg.moe, cfg.hidden_size, tp, ops)
+            if cfg.moe is not None and sparse
+            else MLP(cfg, tp, ops)
+        )
         self.sandwich = cfg.sandwich_norms
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(hidden, eps, ops, offset)

@@ -45,6 +45,11 @@ def load_weights(
     (gpu_worker/lora/)."""
     config = LlamaConfig.from_hf(hf_config)
     check_tensor_parallel(config, tp.size, path)
+    if attach_lora is not None and config.moe is not None:
+        raise ValueError(
+            f"--enable-lora: {path} is a mixture of experts ({config.model_type}); LoRA "
+            "adapters are served on dense models only"
+        )
     device, dtype = options.torch_device, options.torch_dtype
     name = resolve_backend_name(options.attention_backend, device)
     quantized = stores_quantized(path, hf_config, options.quantization)

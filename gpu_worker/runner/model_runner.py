@@ -33,6 +33,7 @@ from common.messages.types import ModelInfo, SamplingParams
 from gpu_worker.attention import AttentionBackend
 from gpu_worker.distributed.tensor_parallel import TensorParallel
 from gpu_worker.kv_cache import GIB
+from gpu_worker.layers.fused_moe import add_counts, take_tokens_per_expert
 from gpu_worker.layers.linear import quantization_of, resident_weight_bytes
 from gpu_worker.lora.adapter import AdapterSpec, LoraAdapterError
 from gpu_worker.lora.manager import LoraManager, model_shape
@@ -195,7 +196,8 @@ class ModelRunner(PlanRunner[ModelVersion]):
             self.kv_cache.tensor,
             block_size=self.block_size,
             max_model_len=self.max_model_len,
-            enforce_eager=self.options.eager,
+            # a MoE layer groups tokens by expert on the host (data-dependent): eager
+            enforce_eager=self.options.eager or model.config.moe is not None,
             max_graph_batch_size=self.options.max_graph_batch_size,
         )
 
@@ -290,6 +292,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
         logprobs: dict[str, tuple[list[list[int]], list[list[float]]]] = {}
         prompt: dict[str, PromptEntries] = {}
         pooled: dict[str, list[float]] = {}  # embeddings requests done this step
+        expert_tokens: list[int] = []  # a MoE model's pairs per expert (fused_moe.py)
         for version, indices in self._by_version(states).items():  # one forward per version
             loaded = self.versions[version]
             batch = self._prepare_batch(plan, indices, states, loaded.backend)
@@ -307,6 +310,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
                     batch.pool,
                 )
                 pooled |= vectors
+                expert_tokens = add_counts(expert_tokens, take_tokens_per_expert(loaded.model))
                 add_prompt_entries(logits[batch.num_sampling_rows :], batch.prompt_rows)
                 rows = logits[: batch.num_sampling_rows]
                 accepted = accept(rows, batch, loaded.counts, self.block_size)
@@ -333,6 +337,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
             **step_result_fields(order, sampled, logprobs, prompt),
             **pooled_fields(plan.req_ids, pooled),
             forward_s=time.perf_counter() - start,
+            expert_tokens=expert_tokens,
         )
 
     def _release_counts(self, state: RequestState) -> None:

@@ -152,6 +152,7 @@ class EngineCore:
         )
         self.served = CurrentModel(info=info, name=name, root=root)
         policy.set_version(self.served.version, root)
+        self.window.expert_tokens = []  # a MoE's per-expert counts are the served model's
         if old_fingerprint not in (None, self.served.tokenizer_fingerprint):
             self._retokenize_unstarted()
         self.announce()

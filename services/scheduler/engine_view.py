@@ -74,6 +74,9 @@ def stats(core: EngineCore) -> dict[str, Any]:
         # yields (vLLM's "mean acceptance length")
         "spec_mean_accepted_length": 1 + p.num_accepted_tokens / max(1, p.num_spec_rounds),
         "model_weight_bytes": core.served.info.weight_bytes,
+        # a mixture of experts: (token, expert) pairs each expert has computed, summed over
+        # its layers (routing skew); [] for a dense model
+        "moe_expert_tokens": list(core.window.expert_tokens),
         "request_ids": sorted(core.groups),
         "model": {**dataclasses.asdict(core.served.info), "model_name": core.served.name},
         # per LoRA adapter: state, rank, hash, requests accepted and live, cached blocks

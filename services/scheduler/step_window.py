@@ -40,6 +40,9 @@ class StepWindow:
         self.interval_s = self.interval_forward_s = self._last_result_at = 0.0
         self.num_intervals = 0
         self._busy_since_last_result = False
+        # a mixture of experts: (token, expert) pairs per expert since the served model was
+        # adopted (StepResult's; EngineCore.adopt restarts them)
+        self.expert_tokens: list[int] = []
 
     @property
     def has_room(self) -> bool:
@@ -72,6 +75,12 @@ class StepWindow:
         now = time.perf_counter()
         self.step_time_s += now - step.sent_at
         self.worker_time_s += msg.forward_s
+        if msg.expert_tokens:
+            if len(msg.expert_tokens) != len(self.expert_tokens):  # another model: restart
+                self.expert_tokens = [0] * len(msg.expert_tokens)
+            self.expert_tokens = [
+                a + b for a, b in zip(self.expert_tokens, msg.expert_tokens, strict=True)
+            ]
         if self._busy_since_last_result and self._last_result_at:
             # back-to-back steps: the gap beyond the worker's own time is scheduling cost
             self.interval_s += now - self._last_result_at

@@ -26,6 +26,7 @@ from triton.compiler import compile as triton_compile
 
 from gpu_worker.kernels import dot_precision, next_power_of_2
 from gpu_worker.kernels.extend_attention import kernel as extend
+from gpu_worker.kernels.fused_moe import kernel as moe
 from gpu_worker.kernels.gguf_matmul import kernel as gguf
 from gpu_worker.kernels.gguf_matmul.reference import GGUF_BLOCKS, QTYPE_NAMES
 from gpu_worker.kernels.int8_matmul import kernel as int8
@@ -204,6 +205,25 @@ def _lora(arch: int, dt: str) -> list[dict]:
     return rows
 
 
+def _moe(arch: int, dt: str) -> list[dict]:
+    """The fused MoE's gate/up (with the activation) and down launches."""
+    import torch
+
+    precision = dot_precision(torch.float32 if dt == "fp32" else torch.bfloat16)
+    block_n, block_k, warps = moe.moe_tiles(1024, 2048)
+    tiles = dict(BLOCK_M=moe.BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision)
+    ids = {"pair_ids_ptr": "*i32", "block_experts_ptr": "*i32"}
+    gate_up = {"x_ptr": f"*{dt}", "w13_ptr": f"*{dt}", "h_ptr": f"*{dt}", **ids}
+    down = {"h_ptr": f"*{dt}", "w2_ptr": f"*{dt}", "out_ptr": "*fp32", "weights_ptr": "*fp32",
+            **ids}  # fmt: skip
+    return [
+        _compile(moe._moe_gate_up_kernel, arch, gate_up, tiles, (*gate_up, "hidden", "width",
+                 "stride_x", "stride_we", "stride_wn", "stride_h"), num_warps=warps),
+        _compile(moe._moe_down_kernel, arch, down, tiles, (*down, "hidden", "width",
+                 "stride_h", "stride_we", "stride_wn", "stride_o"), num_warps=warps),
+    ]  # fmt: skip
+
+
 def main(archs: list[int]) -> int:
     for i, arch in enumerate(archs):
         # the first architecture gets every variant, the others the bf16 production ones
@@ -211,7 +231,8 @@ def main(archs: list[int]) -> int:
             for shape in SHAPES:
                 for row in _attention(arch, dt, *shape):
                     print(json.dumps({"dtype": dt, "shape": list(shape), **row}), flush=True)
-            for row in _elementwise(arch, dt) + _gguf(arch, dt) + _int8(arch, dt) + _lora(arch, dt):
+            rows = _elementwise(arch, dt) + _gguf(arch, dt) + _int8(arch, dt) + _lora(arch, dt)
+            for row in rows + _moe(arch, dt):
                 print(json.dumps({"dtype": dt, **row}), flush=True)
     return 0
 

@@ -19,6 +19,7 @@ MAX_SHARED_BYTES = 99 * 1024
 QUANT_KERNELS = ("_gguf_matmul_kernel", "_int8_matmul_kernel", "_quantize_rows_kernel")
 LORA_KERNELS = ("_lora_shrink_kernel", "_lora_expand_kernel", "_sgmv_shrink_kernel",
                 "_sgmv_expand_kernel")  # fmt: skip
+MOE_KERNELS = ("_moe_gate_up_kernel", "_moe_down_kernel")
 
 
 def test_kernels_compile_for_sm90_and_sm80() -> None:
@@ -32,7 +33,7 @@ def test_kernels_compile_for_sm90_and_sm80() -> None:
     kernels = {(r["kernel"], r["arch"]) for r in rows}
     names = ("_decode_split_kernel", "_decode_merge_kernel", "_extend_kernel",
              "_store_kv_kernel", "_rms_norm_kernel", "_rotary_kernel", *QUANT_KERNELS,
-             *LORA_KERNELS)  # fmt: skip
+             *LORA_KERNELS, *MOE_KERNELS)  # fmt: skip
     assert kernels == {(name, arch) for name in names for arch in (90, 80)}
     assert max(r["shared_bytes"] for r in rows) <= MAX_SHARED_BYTES
     # every GGUF type in its decode and prefill tiles, for each architecture and dtype
@@ -43,7 +44,7 @@ def test_kernels_compile_for_sm90_and_sm80() -> None:
             if r["kernel"] in LORA_KERNELS]  # fmt: skip
     assert len(lora) == len(set(lora)) and {n for *_, n, _ in lora} == {"1", "2", "3"}
     # the quantized GEMMs and LoRA keep every value in registers (`stack_bytes` holds spills)
-    quant = [r for r in rows if r["kernel"] in QUANT_KERNELS + LORA_KERNELS]
+    quant = [r for r in rows if r["kernel"] in QUANT_KERNELS + LORA_KERNELS + MOE_KERNELS]
     assert [r for r in quant if r["stack_bytes"]] == [] and max(
         r["registers"] for r in quant
     ) <= 255

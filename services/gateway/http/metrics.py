@@ -30,6 +30,9 @@ one clock and match what a client sees (less the network):
   its reason (stop, length, cancelled, timeout, error); a request the client dropped before
   its end counts as cancelled. Requests the engine refused count in
   `request_failure_total{status}` instead.
+- `moe_expert_tokens_total{expert}` (a mixture-of-experts model): the (token, expert) pairs
+  each expert has computed, summed over the model's MoE layers, from the scheduler's
+  `moe_expert_tokens`: an operator sees routing skew. Not broken down by replica.
 - Per-request histograms, observed once when the request ends (as vLLM's): its prompt and
   generated tokens (all n sequences together), the most tokens one of its sequences
   generated (`request_max_num_generation_tokens`), its `n` and `max_tokens`, and
@@ -330,6 +333,9 @@ class _SchedulerStats:
         # the router's decisions
         self.last_by_replica: dict[str, dict[str, float]] = {}
         self.routed: dict[str, float] = {}
+        # a mixture of experts: (token, expert) pairs per expert (the scheduler's
+        # moe_expert_tokens), exported as moe_expert_tokens_total{expert="<i>"}
+        self.expert_tokens: list[int] = []
 
     def update(self, stats: dict[str, Any]) -> None:
         router = stats.get("router") or {}
@@ -341,6 +347,9 @@ class _SchedulerStats:
                 self.last_by_replica[str(row["replica"])] = self._values(row)
         if stats.get("ready", True):
             self.last.update(self._values(stats))
+            experts = stats.get("moe_expert_tokens")
+            if isinstance(experts, list):
+                self.expert_tokens = [int(n) for n in experts]
 
     def _values(self, stats: dict[str, Any]) -> dict[str, float]:
         return {
@@ -365,6 +374,16 @@ class _SchedulerStats:
             c = CounterMetricFamily(f"{self.prefix}:{name}", doc, labels=["model_name"])
             c.add_metric([model], self.last.get(key, 0.0))
             yield c
+        if self.expert_tokens:
+            experts = CounterMetricFamily(
+                f"{self.prefix}:moe_expert_tokens",
+                "Mixture of experts: (token, expert) pairs each expert computed, summed over "
+                "the model's MoE layers (routing skew).",
+                labels=["model_name", "expert"],
+            )
+            for e, n in enumerate(self.expert_tokens):
+                experts.add_metric([model, str(e)], float(n))
+            yield experts
 
     def _collect_by_replica(self) -> Iterator[Metric]:
         model, labels = self.model_name(), ["model_name", "replica"]

@@ -50,6 +50,17 @@ from services.worker_group import check_parallel, rank_name, rank_specs
         ("model.layers.0.mlp.down_proj.weight_zero_point", Split.REPLICATED),
         ("model.layers.0.mlp.down_proj.weight_packed", Split.ROW),
         ("model.layers.0.mlp.down_proj.weight_shape", Split.REPLICATED),
+        # mixtures of experts: each expert like a dense MLP, the routers replicated
+        ("model.layers.1.mlp.experts.7.gate_proj.weight", Split.COLUMN),
+        ("model.layers.1.mlp.experts.7.up_proj.weight", Split.COLUMN),
+        ("model.layers.1.mlp.experts.7.down_proj.weight", Split.ROW),
+        ("model.layers.1.block_sparse_moe.experts.3.w1.weight", Split.COLUMN),
+        ("model.layers.1.block_sparse_moe.experts.3.w3.weight", Split.COLUMN),
+        ("model.layers.1.block_sparse_moe.experts.3.w2.weight", Split.ROW),
+        ("model.layers.1.block_sparse_moe.gate.weight", Split.REPLICATED),
+        ("model.layers.1.mlp.gate.weight", Split.REPLICATED),
+        ("model.layers.1.mlp.shared_expert.gate_proj.weight", Split.COLUMN),
+        ("model.layers.1.mlp.shared_expert_gate.weight", Split.REPLICATED),
     ],
 )
 def test_each_checkpoint_tensor_has_its_split(name: str, split: Split) -> None:

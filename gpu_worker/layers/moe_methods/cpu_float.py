@@ -1,0 +1,40 @@
+"""Float32 and bfloat16 experts on the CPU by linear.c's row-by-row kernel (gpu_worker/cpu/
+linear.py), at most linear.MAX_ROWS rows per call: a row's result never depends on the
+others in its call, so an expert's output for a token is the same bits however many tokens
+the step routes to it. Dtypes the kernel does not take go to torch."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from gpu_worker.cpu import linear
+from gpu_worker.layers.fused_moe import FloatMoEMethod, FusedMoE
+
+
+def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [rows, in] @ weight.T (+ bias): linear.c at most MAX_ROWS rows at a time."""
+    step = linear.MAX_ROWS.get(weight.dtype, 0)
+    if step == 0 or x.shape[0] == 0:
+        return F.linear(x, weight, bias)
+    parts = []
+    for lo in range(0, x.shape[0], step):
+        y = linear.linear_small(x[lo : lo + step], weight, bias)
+        if y is None:  # the library could not be had
+            return F.linear(x, weight, bias)
+        parts.append(y)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+class CpuFloatMoEMethod(FloatMoEMethod):
+    """Float experts [E, out, in] on the CPU (see the module docstring)."""
+
+    name = "cpu_float"
+
+    def gate_up(self, layer: FusedMoE, expert: int, x: torch.Tensor) -> torch.Tensor:
+        bias = None if layer.w13_bias is None else layer.w13_bias[expert]
+        return rows_linear(x, layer.w13_weight[expert], bias)
+
+    def down(self, layer: FusedMoE, expert: int, x: torch.Tensor) -> torch.Tensor:
+        bias = None if layer.w2_bias is None else layer.w2_bias[expert]
+        return rows_linear(x, layer.w2_weight[expert], bias)

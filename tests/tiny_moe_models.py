@@ -1,0 +1,72 @@
+"""Tiny randomly initialised mixture-of-experts models, saved as Hugging Face folders for
+tests (tests/tiny_models.py's conventions: SmolLM2's vocabulary and tokenizer, hidden 64,
+deterministic). Real config fields, shrunk sizes, chosen to cover each family's routing:
+
+    qwen3_moe  8 experts of 32, top-2 renormalised (norm_topk_prob), per-head q/k norms,
+               3 layers with layer 1 dense (mlp_only_layers)
+    qwen2_moe  8 experts of 32, top-4 not renormalised, a shared expert of 96 with its
+               sigmoid gate, q/k/v biases, 3 layers of which layer 1 is sparse
+               (decoder_sparse_step 2)
+    mixtral    4 experts of 96, top-2 (always renormalised, weights kept in float32)
+    olmoe      8 experts of 32, top-2, q/k RMSNorm over the whole projections
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.tiny_models import _COMMON, _copy_tokenizer, _perturb_norms_and_biases
+
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+
+
+def moe_config(arch: str, **overrides: Any) -> Any:
+    """The transformers config of a tiny `arch` MoE (see the module docstring)."""
+    import transformers
+
+    common = dict(_COMMON, num_key_value_heads=2, tie_word_embeddings=False)
+    if arch == "qwen3_moe":
+        fields = dict(
+            common, num_hidden_layers=3, head_dim=32, num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1],
+        )  # fmt: skip
+        return transformers.Qwen3MoeConfig(**{**fields, **overrides})
+    if arch == "qwen2_moe":
+        fields = dict(
+            common, num_hidden_layers=3, num_experts=8, num_experts_per_tok=4,
+            moe_intermediate_size=32, norm_topk_prob=False, shared_expert_intermediate_size=96,
+            decoder_sparse_step=2, use_sliding_window=False,
+        )  # fmt: skip
+        return transformers.Qwen2MoeConfig(**{**fields, **overrides})
+    if arch == "mixtral":
+        fields = dict(
+            common, num_hidden_layers=2, intermediate_size=96, num_local_experts=4,
+            num_experts_per_tok=2, sliding_window=None,
+        )  # fmt: skip
+        return transformers.MixtralConfig(**{**fields, **overrides})
+    if arch == "olmoe":
+        fields = dict(
+            common, num_hidden_layers=2, intermediate_size=32, num_experts=8,
+            num_experts_per_tok=2, norm_topk_prob=False,
+        )  # fmt: skip
+        return transformers.OlmoeConfig(**{**fields, **overrides})
+    raise ValueError(f"unknown tiny MoE arch {arch!r}; known: {MOE_ARCHS}")
+
+
+def make_tiny_moe_model(folder: str | Path, arch: str, *, seed: int = 0, **overrides: Any) -> Path:
+    """Create (or reuse, if complete) a tiny `arch` MoE model in `folder`; returns it."""
+    import transformers
+
+    folder = Path(folder)
+    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+        return folder
+    config = moe_config(arch, **overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _perturb_norms_and_biases(model)
+    model.save_pretrained(folder)
+    _copy_tokenizer(folder)
+    return folder
