@@ -40,7 +40,10 @@ def run_actor(
     build: Callable[[Config, argparse.Namespace], Actor],
     argv: list[str] | None = None,
     extra_flags: Callable[[argparse.ArgumentParser], None] | None = None,
+    instance: Callable[[Config, argparse.Namespace], str] | None = None,
 ) -> int:
+    """Run the actor `build` makes; `instance` names this process among several of its
+    kind (`gateway-1`) in its title and log lines, else `name` does."""
     parser = argparse.ArgumentParser(prog=f"python -m services.{name}")
     add_flags(parser)
     if extra_flags is not None:
@@ -51,8 +54,9 @@ def run_actor(
     except ConfigError as e:
         parser.error(str(e))
     _die_with_parent()
-    _set_title(f"shuttle-{name}")
-    setup_logging(name, config.server.log_level)
+    label = name if instance is None else instance(config, args)
+    _set_title(f"shuttle-{label}")
+    setup_logging(label, config.server.log_level)
     try:
         actor = build(config, args)
         _run(actor.run())

@@ -3,7 +3,9 @@
 import argparse
 import sys
 
+from common.config import Config
 from common.entry import run_actor
+from common.topology import gateway_name, num_gateways
 from services.gateway.actor import GatewayActor
 
 
@@ -20,8 +22,14 @@ def _flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _name(config: Config, args: argparse.Namespace) -> str:
+    return gateway_name(args.index, num_gateways(config))
+
+
 def main(argv: list[str] | None = None) -> int:
-    return run_actor("gateway", lambda c, a: GatewayActor(c, a.index, a.listen_fd), argv, _flags)
+    return run_actor(
+        "gateway", lambda c, a: GatewayActor(c, a.index, a.listen_fd), argv, _flags, _name
+    )
 
 
 if __name__ == "__main__":
