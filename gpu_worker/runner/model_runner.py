@@ -314,7 +314,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
         """Apply the plan's diffs, run its batch, and return the sampled tokens."""
         start = time.perf_counter()
         fetched, failed = self.tiers.apply(plan) if self.tiers is not None else ([], [])
-        tiers = dict(tier_fetched_keys=fetched, tier_fetch_failed_keys=failed)
+        tiers: dict[str, Any] = dict(tier_fetched_keys=fetched, tier_fetch_failed_keys=failed)
         states = self._begin_step(plan, self.kv_cache)
         if not plan.req_ids:
             return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[], **tiers)
