@@ -79,14 +79,13 @@ def _tier_hits(
         return None
     if not req.tier_read_up and any(where == DISK for _, _, where in run):
         req.tier_read_up = True
-        for key, _, where in run:
-            if where == HOST:
-                tiers.pin(key)
+        for key, _, _ in reversed(run):  # (the head newest)
+            tiers.pin(key)
         fetched = 0
         for key, block_tokens, where in run:
             if where == DISK:
-                if not tiers.fetch(key, block_tokens):
-                    break
+                if tiers.where(key, block_tokens) != DISK or not tiers.fetch(key, block_tokens):
+                    break  # (no room left for it: what is read so far serves)
                 fetched += 1
         if fetched:
             return None

@@ -159,10 +159,14 @@ class TierIndex:
 
     # up ------------------------------------------------------------------------------------
     def pin(self, key: int) -> None:
-        """Keep a host block from eviction while this plan is built (a request's prefix
-        that goes on on disk: its host part must not make room for the rest)."""
-        self._host.move_to_end(key)
-        self._pinned.add(key)
+        """Keep a block of a request's prefix from eviction while this plan is built (the
+        request's host part must not make room for its disk part, nor a spill drop a file
+        it is about to read): the newest in its tier, and a host one pinned."""
+        if key in self._host:
+            self._host.move_to_end(key)
+            self._pinned.add(key)
+        elif key in self._disk:
+            self._disk.move_to_end(key)
 
     def fetch(self, key: int, tokens: Tokens) -> bool:
         """Read a disk block up into host memory (answered by the step's result); False

@@ -4,12 +4,18 @@ checked against a simulated worker that carries each block's contents."""
 
 from __future__ import annotations
 
-from common.messages import SamplingParams
+import itertools
+import random
+
+import pytest
+
+from common.messages import FinishReason, SamplingParams
 from common.prefix_hash import prefix_hashes
-from services.scheduler.block_manager import BlockManager
+from services.scheduler.block_manager import BlockManager, HostBlockPool
 from services.scheduler.kv_tiers import DISK, FETCHING, HOST, TierIndex, TierMoves
 from services.scheduler.policy import PolicyConfig, SchedulingPolicy
 from services.scheduler.request import Request
+from services.scheduler.step_output import SchedulerOutput
 
 
 def test_host_lru_spills_the_oldest_to_disk_and_disk_drops_its_oldest() -> None:
@@ -216,3 +222,82 @@ def test_another_version_never_reads_the_tiers_of_the_old_one() -> None:
     _serve(p, w, "c", _prompt(3))
     p.set_version("w", root=999)  # a hot swap: another root
     assert _serve(p, w, "a2", a) == 0
+
+
+class FullWorker(FakeWorker):
+    """FakeWorker plus the swap pool and the order of a whole plan: tier moves but loads,
+    swap-outs, loads, swap-ins, copies; then the step writes the blocks it fills."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.swapped: dict[int, tuple[int, ...]] = {}
+
+    def run_plan(self, out: SchedulerOutput, policy: SchedulingPolicy) -> tuple[list, list]:
+        loads, out.tiers.loads = out.tiers.loads, []
+        ok, failed = self.run(out.tiers)
+        for gpu, host in out.swap_out:
+            if gpu in self.device:
+                self.swapped[host] = self.device[gpu]
+        for slot, block in loads:
+            self.device[block] = self.host[slot]
+        for host, gpu in out.swap_in:
+            if host in self.swapped:
+                self.device[gpu] = self.swapped[host]
+        for _, _, src, dst in out.copies:
+            if src in self.device:
+                self.device[dst] = self.device[src]
+        for s in out.scheduled:
+            req = s.request
+            table = policy.blocks.block_tables[req.request_id]
+            tokens = req.all_token_ids
+            for i in range(s.num_computed_tokens // BS):  # what it reads is its own
+                assert self.device.get(table[i]) == tuple(tokens[i * BS : (i + 1) * BS]), (
+                    req.request_id,
+                    i,
+                )
+            for pos in range(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens):
+                if pos % BS == BS - 1:
+                    self.device[table[pos // BS]] = tuple(tokens[pos - BS + 1 : pos + 1])
+        return ok, failed
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_workload_reads_only_its_own_blocks_through_the_tiers(seed: int) -> None:
+    """Shared prefixes, aborts, preemption (recompute or swap), tiny tiers: every block a
+    request reads holds its own tokens, whichever tier it came from."""
+    rng = random.Random(seed)
+    mode = "swap" if seed % 2 else "recompute"
+    cfg = PolicyConfig(
+        max_num_seqs=4, max_num_batched_tokens=24, watermark=0.0, preemption_mode=mode
+    )
+    bm = BlockManager(rng.randint(10, 16), BS, record_evictions=True)
+    p = SchedulingPolicy(
+        bm,
+        cfg,
+        host_pool=HostBlockPool(8),
+        tiers=TierIndex(rng.randint(2, 8), rng.randint(0, 12)),
+    )
+    p.set_version("v", root=7)
+    w = FullWorker()
+    bases = [[b * 100 + i for i in range(24)] for b in range(3)]
+    ids = itertools.count()
+    for _ in range(300):
+        r = rng.random()
+        if r < 0.2:
+            prompt = rng.choice(bases)[: rng.randint(5, 24)] + [rng.randint(1, 9)]
+            params = SamplingParams(max_tokens=rng.randint(1, 6), temperature=0.0)
+            p.add(Request(f"r{next(ids)}", prompt, params))
+        elif r < 0.25 and p.requests:
+            p.abort(rng.choice(sorted(p.requests)), FinishReason.CANCELLED)
+        else:
+            out = p.schedule()
+            ok, failed = w.run_plan(out, p)
+            if rng.random() < 0.1 and out.tiers.fetches:  # a bad file now and then
+                bad = out.tiers.fetches[0][0]
+                ok, failed = [k for k in ok if k != bad], [*failed, bad]
+            assert p.tiers is not None
+            p.tiers.on_fetched(ok, failed)
+            sampled = [s.request.request_id for s in out.scheduled if s.samples]
+            p.update(sampled, [rng.randint(1, 9) for _ in sampled])
+        p.check_integrity()
+    assert p.tiers is not None and p.tiers.num_saves > 0
