@@ -41,22 +41,25 @@ def _reference(folder: Path, prompt: str) -> str:
     return tok.decode(hf_greedy(folder, tok.encode(prompt), NUM_NEW), skip_special_tokens=True)
 
 
-def _flags(model: Path, host_blocks: int, disk: Path | None, *extra: str) -> list[str]:
+def _flags(model: Path, host_blocks: int, disk: Path | None, *extra: str, tp: int = 1) -> list[str]:
+    block_bytes = BLOCK_BYTES // tp  # a rank's shard of a block
     flags = [
         "--model",
         str(model),
         "--dtype",
         "float32",
         "--kv-cache-memory",
-        str(12 * BLOCK_BYTES / GIB),  # 12 blocks of 16 tokens: a prompt of ~7 fits
+        str(12 * block_bytes / GIB),  # 12 blocks of 16 tokens: a prompt of ~7 fits
         "--kv-offload-memory",
-        str(host_blocks * BLOCK_BYTES / GIB),
+        str(host_blocks * block_bytes / GIB),
+        "--tensor-parallel-size",
+        str(tp),
         "--admin-token",
         TOKEN,
         *extra,
     ]
     if disk is not None:
-        flags += ["--kv-offload-dir", str(disk), "--kv-offload-disk", str(256 * BLOCK_BYTES / GIB)]
+        flags += ["--kv-offload-dir", str(disk), "--kv-offload-disk", str(256 * block_bytes / GIB)]
     return flags
 
 
@@ -180,3 +183,31 @@ def test_a_hot_swap_never_reads_the_old_versions_blocks(
         assert text == _reference(models["b"], PROMPT) and cached == 0
         assert after["kv_offload_disk_hits"] == before["kv_offload_disk_hits"]
         assert after["kv_offload_host_hits"] == before["kv_offload_host_hits"]
+
+
+def test_tp2_each_rank_keeps_its_shard_and_a_bad_shard_fails_the_read_everywhere(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    want = _reference(models["a"], PROMPT)
+    disk = tmp_path / "kv"
+    flags = _flags(models["a"], host_blocks=8, disk=disk, tp=2)
+    with running_server(*flags) as server:
+        assert _complete(server, PROMPT) == (want, 0)
+        _evict(server)
+        text, cached = _complete(server, PROMPT)
+        assert text == want and cached >= 64
+        assert _stats(server)["kv_offload_disk_hits"] > 0
+    ranks = [sorted(p.name for p in disk.glob(f"worker/rank{r}of2/*.kv")) for r in (0, 1)]
+    assert ranks[0] and ranks[0] == ranks[1]  # the same blocks, one shard each
+    with running_server(*flags) as server:  # a restart: from both ranks' files
+        text, cached = _complete(server, PROMPT)
+        assert text == want and cached >= 64
+    for path in disk.glob("worker/rank1of2/*.kv"):  # rank 1's shards only
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0x55
+        path.write_bytes(bytes(data))
+    with running_server(*flags) as server:
+        text, cached = _complete(server, PROMPT)
+        stats = _stats(server)
+        assert text == want and cached == 0
+        assert stats["kv_offload_fetch_failures"] > 0 and stats["kv_offload_disk_hits"] == 0
