@@ -18,6 +18,7 @@ current_model.py (the served model's facts).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -162,6 +163,8 @@ class EngineCore:
         if info.tier_store_id != self._tier_store_id:  # the worker rebuilt its tiers
             assert not self.window.in_flight, "tiers rebuilt while a step is in flight"
             policy.tiers = self._tier_index(info)
+        # (the disk tier's keys live in its index: not in every stats answer and Ready)
+        info = dataclasses.replace(info, tier_disk_keys=[], tier_disk_tokens=[])
         old_fingerprint = self.served.tokenizer_fingerprint if self.served else None
         root = cache_root(
             name, info.weights_version, info.tokenizer_fingerprint, info.position_config
