@@ -109,7 +109,9 @@ class WorkerActor(Actor):
         self.runner = self._build(path)
         self.scheduler = self._scheduler_outbox()
         info = self.runner.model_info()
-        log.info("model loaded: %s", info)
+        # (the disk tier's keys are counted, not listed: there may be many)
+        shown = dataclasses.replace(info, tier_disk_keys=[], tier_disk_tokens=[])
+        log.info("model loaded: %s (%d blocks on disk)", shown, len(info.tier_disk_keys))
         self.report_progress(
             f"model loaded: {info.num_blocks} KV blocks of {info.block_size} tokens, "
             f"{info.dtype} on {info.device}"
