@@ -126,6 +126,14 @@ class CacheConfig:
     gpu_memory_utilization: float = _field(0.9, "fraction of GPU memory for weights + KV")
     swap_space: float = _field(1.0, "host memory in GiB for swapped-out KV (preemption swap)")
     enable_prefix_caching: bool = _field(True, "share KV of common prompt prefixes")
+    # the prefix cache's lower tiers (gpu_worker/kv_tiers.py, services/scheduler/kv_tiers.py)
+    kv_offload_memory: float = _field(
+        0.0, "GiB of host memory for prefix-cache blocks evicted from the KV pool (0: off)"
+    )
+    kv_offload_dir: str = _field(
+        "", "folder for prefix-cache blocks evicted from host memory; survives restarts"
+    )
+    kv_offload_disk: float = _field(0.0, "GiB of files under --kv-offload-dir")
 
     def __post_init__(self) -> None:
         _check(
@@ -134,6 +142,23 @@ class CacheConfig:
         _check(self.kv_cache_memory > 0, "kv_cache_memory", "> 0")
         _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "in (0, 1]")
         _check(self.swap_space >= 0, "swap_space", ">= 0")
+        _check(self.kv_offload_memory >= 0, "kv_offload_memory", ">= 0")
+        _check(self.kv_offload_disk >= 0, "kv_offload_disk", ">= 0")
+        _check(
+            bool(self.kv_offload_dir) == (self.kv_offload_disk > 0),
+            "kv_offload_dir",
+            "set together with --kv-offload-disk > 0",
+        )
+        _check(
+            not self.kv_offload_dir or self.kv_offload_memory > 0,
+            "kv_offload_dir",
+            "used with --kv-offload-memory > 0 (disk blocks are read up through host memory)",
+        )
+        _check(
+            not self.kv_offload_memory or self.enable_prefix_caching,
+            "kv_offload_memory",
+            "0 without prefix caching (the tiers hold prefix-cache blocks)",
+        )
 
 
 @dataclasses.dataclass(frozen=True)

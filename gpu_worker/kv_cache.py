@@ -60,6 +60,7 @@ class KVCache:
         else:
             self.tensor = torch.zeros(shape, dtype=dtype, device=device)
         self.host: torch.Tensor | None = None
+        self.tier = torch.empty(0)  # the prefix cache's host slots (allocate_tier)
 
     def allocate_host(self, budget_bytes: int) -> int:
         """A host-memory pool for swapped-out blocks (pinned when the cache is on CUDA)."""
@@ -79,6 +80,42 @@ class KVCache:
         """Host blocks src[i] -> device blocks dst[i]."""
         assert self.host is not None and len(src) == len(dst)
         self.tensor[:, :, dst] = self.host[:, :, src].to(self.tensor.device)
+
+    # the prefix cache's host tier (gpu_worker/kv_tiers.py) ------------------------------
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """One block, every layer: [num_layers, 2, block_size, num_kv_heads, head_dim]."""
+        s = self.tensor.shape
+        return (s[0], s[1], *s[3:])
+
+    @property
+    def block_bytes(self) -> int:
+        return self.tensor[:, :, 0].numel() * self.tensor.element_size()
+
+    def allocate_tier(self, num_slots: int) -> None:
+        """Host slots for evicted prefix-cache blocks (pinned when the cache is on CUDA;
+        never read before written, so not zero-filled)."""
+        s = self.tensor.shape
+        pin = self.tensor.device.type == "cuda"
+        shape = (s[0], s[1], num_slots, *s[3:])
+        self.tier = torch.empty(shape, dtype=self.tensor.dtype, pin_memory=pin)
+
+    def tier_save(self, src: list[int], dst: list[int]) -> None:
+        """Device blocks src[i] -> host slots dst[i]."""
+        assert len(src) == len(dst)
+        self.tier[:, :, dst] = self.tensor[:, :, src].to("cpu")
+
+    def tier_load(self, src: list[int], dst: list[int]) -> None:
+        """Host slots src[i] -> device blocks dst[i]."""
+        assert len(src) == len(dst)
+        self.tensor[:, :, dst] = self.tier[:, :, src].to(self.tensor.device)
+
+    def tier_block(self, slot: int) -> torch.Tensor:
+        """A host slot, [num_layers, 2, block_size, num_kv_heads, head_dim] (a view)."""
+        return self.tier[:, :, slot]
+
+    def set_tier_block(self, slot: int, block: torch.Tensor) -> None:
+        self.tier[:, :, slot] = block
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Device blocks src[i] -> dst[i] (copy-on-write of shared blocks)."""

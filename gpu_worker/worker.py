@@ -109,11 +109,19 @@ class WorkerActor(Actor):
         self.runner = self._build(path)
         self.scheduler = self._scheduler_outbox()
         info = self.runner.model_info()
-        log.info("model loaded: %s", info)
+        # (the disk tier's keys are counted, not listed: there may be many)
+        shown = dataclasses.replace(info, tier_disk_keys=[], tier_disk_tokens=[])
+        log.info("model loaded: %s (%d blocks on disk)", shown, len(info.tier_disk_keys))
         self.report_progress(
             f"model loaded: {info.num_blocks} KV blocks of {info.block_size} tokens, "
             f"{info.dtype} on {info.device}"
         )
+
+    async def stop(self) -> None:
+        """The disk tier's queued writes land before the process ends (they outlive it)."""
+        runner = getattr(self, "runner", None)  # (None when start-up failed)
+        if runner is not None:
+            runner.close()
 
     def _join_group(self) -> TensorParallel | None:
         """Join the tensor-parallel group (blocks until every rank has joined)."""
@@ -206,6 +214,7 @@ class WorkerActor(Actor):
         old_path, old_version = self.runner.model_path, self.runner.default_version
         info = self.runner.model_info()
         loras = list(zip(info.lora_names, info.lora_paths, strict=True))
+        self.runner.close()  # (its queued disk writes land before the next one scans)
         del self.runner
         gc.collect()
         try:
@@ -292,7 +301,12 @@ class WorkerActor(Actor):
             for req_id in plan.req_ids:
                 self.runner.drop(req_id)
             result = StepResult(
-                step_id=plan.step_id, req_ids=[], token_ids=[], error=f"{type(e).__name__}: {e}"
+                step_id=plan.step_id,
+                req_ids=[],
+                token_ids=[],
+                # its tier reads are not known to have landed: the scheduler forgets them
+                tier_fetch_failed_keys=plan.tier_fetch_keys,
+                error=f"{type(e).__name__}: {e}",
             )
         self.scheduler.send(result)
         self._answer_compiles()

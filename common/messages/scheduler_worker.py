@@ -67,6 +67,25 @@ class StepPlan:
     copy_index: list[int] = dataclasses.field(default_factory=list)  # [c]
     copy_src: list[int] = dataclasses.field(default_factory=list)  # [c]
     copy_dst: list[int] = dataclasses.field(default_factory=list)  # [c]
+    # the prefix cache's lower tiers (host slots and files, keyed by the block's hash chain
+    # key, version root included); the worker does them before the step computes, in this
+    # order: drops, spills, fetches, saves; then (after swap_out) loads. Absent: none.
+    # files to delete (evicted from the disk tier)
+    tier_drop_keys: list[int] = dataclasses.field(default_factory=list)  # [d]
+    # host slot -> file (evicted from the host tier; written in the background)
+    tier_spill_slots: list[int] = dataclasses.field(default_factory=list)  # [s]
+    tier_spill_keys: list[int] = dataclasses.field(default_factory=list)  # [s]
+    tier_spill_tokens: list[list[int]] = dataclasses.field(default_factory=list)  # [s][bs]
+    # file -> host slot, checked (key, tokens, layout, checksum); answered in the result
+    tier_fetch_keys: list[int] = dataclasses.field(default_factory=list)  # [f]
+    tier_fetch_tokens: list[list[int]] = dataclasses.field(default_factory=list)  # [f][bs]
+    tier_fetch_slots: list[int] = dataclasses.field(default_factory=list)  # [f]
+    # device block -> host slot (a full cached block evicted from the pool)
+    tier_save_src: list[int] = dataclasses.field(default_factory=list)  # [v] device blocks
+    tier_save_dst: list[int] = dataclasses.field(default_factory=list)  # [v] host slots
+    # host slot -> device block (a prefix hit in host memory)
+    tier_load_src: list[int] = dataclasses.field(default_factory=list)  # [l] host slots
+    tier_load_dst: list[int] = dataclasses.field(default_factory=list)  # [l] device blocks
 
     @property
     def num_tokens(self) -> int:
@@ -102,6 +121,10 @@ class StepResult:
     # nothing and are done
     pooled_req_ids: list[str] = dataclasses.field(default_factory=list)  # [num_pooled]
     embeddings: list[list[float]] = dataclasses.field(default_factory=list)  # [num_pooled][H]
+    # the plan's tier fetches: keys now in their host slots, and keys discarded (a missing,
+    # unreadable or corrupted file, or one whose header does not match its key)
+    tier_fetched_keys: list[int] = dataclasses.field(default_factory=list)  # [ok]
+    tier_fetch_failed_keys: list[int] = dataclasses.field(default_factory=list)  # [failed]
     forward_s: float = 0.0  # worker time for the step, model + sampling
     # a mixture of experts: (token, expert) pairs each expert computed this step, summed over
     # the model's MoE layers (routing skew, /admin/stats); empty for a dense model

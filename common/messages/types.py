@@ -154,6 +154,15 @@ class ModelInfo:
     eos_token_ids: list[int]
     weights_version: str
     num_host_blocks: int = 0  # host-memory blocks for swapped-out KV
+    # the prefix cache's lower tiers (--kv-offload-memory, --kv-offload-dir): host slots,
+    # the blocks the disk budget holds, bytes of one block (this rank's shard), and the
+    # blocks already on disk (found at start-up: they outlive a restart), key and tokens
+    num_tier_host_blocks: int = 0
+    num_tier_disk_blocks: int = 0
+    tier_block_bytes: int = 0
+    tier_disk_keys: list[int] = dataclasses.field(default_factory=list)  # [n]
+    tier_disk_tokens: list[list[int]] = dataclasses.field(default_factory=list)  # [n][bs]
+    tier_store_id: str = ""  # a new id: the worker's tiers were rebuilt (start, drain swap)
     device: str = ""
     speculative: str = ""  # the speculative method, "" = off
     tensor_parallel_size: int = 1

@@ -82,6 +82,14 @@ class TensorParallel:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
         return int(t.item())
 
+    def agree_all(self, flags: list[bool]) -> list[bool]:
+        """flags[i] on every rank when every rank's flags[i] is true (e.g. a block read)."""
+        if self.size == 1 or not flags:
+            return list(flags)
+        t = torch.tensor(flags, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
+        return [bool(v) for v in t.tolist()]
+
     def broadcast_frame(self, frame: bytes) -> None:
         """Rank 0: send one encoded message to every other rank."""
         assert self.is_leader and self.size > 1

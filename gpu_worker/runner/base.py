@@ -66,6 +66,11 @@ class Runner(Protocol):
         """Forget every request (a new scheduler starts from an empty pool)."""
         ...
 
+    def close(self) -> None:
+        """Finish background work that outlives a step (the disk tier's writes) before the
+        runner is replaced."""
+        ...
+
     def num_requests(self) -> int: ...
 
     def model_info(self) -> ModelInfo:
@@ -123,6 +128,9 @@ class PlanRunner(abc.ABC, Generic[VersionT]):
     def reset(self) -> None:
         """Forget every request."""
         self.requests.clear()
+
+    def close(self) -> None:
+        """Nothing runs in the background unless a subclass says so."""
 
     def relabel(self, version: str) -> None:
         """Give the default version an operator-chosen label (its requests follow)."""

@@ -33,6 +33,7 @@ from common.messages.types import ModelInfo, SamplingParams
 from gpu_worker.attention import AttentionBackend
 from gpu_worker.distributed.tensor_parallel import TensorParallel
 from gpu_worker.kv_cache import GIB
+from gpu_worker.kv_tiers import KVTierStore
 from gpu_worker.layers.fused_moe import add_counts, take_tokens_per_expert
 from gpu_worker.layers.linear import quantization_of, resident_weight_bytes
 from gpu_worker.lora.adapter import AdapterSpec, LoraAdapterError
@@ -100,6 +101,14 @@ class ModelRunner(PlanRunner[ModelVersion]):
         self.kv_cache = allocate_kv_pool(config, options, self.tp)
         self.drafter = self._init_drafter(config, backend.name)
         self.num_host_blocks = self.kv_cache.allocate_host(int(options.swap_space_gib * GIB))
+        self.tiers = KVTierStore.create(
+            self.kv_cache,
+            memory_gib=options.kv_offload_memory_gib,
+            folder=options.kv_offload_dir,
+            disk_gib=options.kv_offload_disk_gib,
+            version=weights_version(model_path),
+            tp=self.tp,
+        )
         if self.device.type == "cuda":
             self.progress("capturing CUDA graphs of decode steps")
         built = (backend, model, self._capture(backend, model))
@@ -232,6 +241,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
             eos_token_ids=list(self.eos_token_ids),
             weights_version=self.default_version,
             num_host_blocks=self.num_host_blocks,
+            **self._tier_info(),
             device=str(self.device),
             speculative=self.options.speculative,
             tensor_parallel_size=self.tp.size,
@@ -239,6 +249,25 @@ class ModelRunner(PlanRunner[ModelVersion]):
             quantization=quantization_of(self.model),
             **(self.lora.registry.model_info_fields() if self.lora else {}),
         )
+
+    def _tier_info(self) -> dict[str, Any]:
+        """ModelInfo's fields for the lower tiers: their sizes, and what is on disk."""
+        if self.tiers is None:
+            return {}
+        keys, tokens = self.tiers.disk_contents()
+        return dict(
+            num_tier_host_blocks=self.tiers.num_host_slots,
+            num_tier_disk_blocks=self.tiers.num_disk_blocks,
+            tier_block_bytes=self.kv_cache.block_bytes,
+            tier_disk_keys=keys,
+            tier_disk_tokens=tokens,
+            tier_store_id=self.tiers.store_id,
+        )
+
+    def close(self) -> None:
+        """Finish the disk tier's queued writes (before another runner scans the folder)."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     # LoRA adapters ---------------------------------------------------------------------------
     def load_lora(self, name: str, path: str) -> AdapterSpec:
@@ -263,6 +292,8 @@ class ModelRunner(PlanRunner[ModelVersion]):
         super().set_default_version(version)
         if self.lora is not None:  # adapters loaded from now on must fit the served model
             self.lora.registry.shape = model_shape(self.config)
+        if self.tiers is not None:  # files written from now on name the served weights
+            self.tiers.set_version(weights_version(self.model_path))
 
     def unload_version(self, version: str) -> None:
         """Free a version's weights once no request uses it."""
@@ -284,9 +315,11 @@ class ModelRunner(PlanRunner[ModelVersion]):
     def execute(self, plan: StepPlan) -> StepResult:
         """Apply the plan's diffs, run its batch, and return the sampled tokens."""
         start = time.perf_counter()
+        fetched, failed = self.tiers.apply(plan) if self.tiers is not None else ([], [])
+        tiers: dict[str, Any] = dict(tier_fetched_keys=fetched, tier_fetch_failed_keys=failed)
         states = self._begin_step(plan, self.kv_cache)
         if not plan.req_ids:
-            return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[])
+            return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[], **tiers)
         sampled: dict[str, list[int]] = {}
         proposed: dict[str, int] = {}
         logprobs: dict[str, tuple[list[list[int]], list[list[float]]]] = {}
@@ -336,6 +369,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
             num_proposed=[proposed[rid] for rid in order] if spec else [],
             **step_result_fields(order, sampled, logprobs, prompt),
             **pooled_fields(plan.req_ids, pooled),
+            **tiers,
             forward_s=time.perf_counter() - start,
             expert_tokens=expert_tokens,
         )

@@ -15,6 +15,7 @@ import torch
 
 from common.config import Config
 from common.lora_config import LoraConfig
+from common.topology import own_name
 from gpu_worker.distributed.sharding import threads_per_rank
 from gpu_worker.distributed.tensor_parallel import TensorParallel
 
@@ -38,6 +39,11 @@ class RunnerOptions:
     num_threads: int | None = None  # torch threads (None: torch's default)
     gpu_memory_utilization: float = 0.9  # the KV budget on CUDA: this share of free memory
     swap_space_gib: float = 0.0  # host memory for swapped-out KV blocks
+    # the prefix cache's lower tiers (gpu_worker/kv_tiers.py): host memory, and files in
+    # kv_offload_dir (this replica's folder) up to kv_offload_disk_gib
+    kv_offload_memory_gib: float = 0.0
+    kv_offload_dir: str = ""
+    kv_offload_disk_gib: float = 0.0
     enforce_eager: bool | None = None  # None: eager off CUDA, graphs on it
     max_graph_batch_size: int = 64  # largest decode batch captured as a CUDA graph
     speculative: str = ""  # '' | ngram | draft (with draft_model)
@@ -83,6 +89,14 @@ class RunnerOptions:
             max_graph_batch_size=m.max_graph_batch_size,
             num_threads=threads,
             swap_space_gib=c.swap_space if swap else 0.0,
+            kv_offload_memory_gib=c.kv_offload_memory,
+            # each data-parallel replica its own tier: its own folder (worker, worker-1, ...)
+            kv_offload_dir=(
+                str(Path(c.kv_offload_dir).expanduser() / own_name(config, "worker"))
+                if c.kv_offload_dir
+                else ""
+            ),
+            kv_offload_disk_gib=c.kv_offload_disk,
             speculative=spec.method,
             cpu_kernels=m.cpu_kernels,
             cpu_packed_weights=m.cpu_packed_weights,

@@ -42,6 +42,8 @@ class KVCopier(Protocol):
 
     def swap_in(self, src: list[int], dst: list[int]) -> None: ...
 
+    def tier_load(self, src: list[int], dst: list[int]) -> None: ...
+
     def copy_blocks(self, src: list[int], dst: list[int]) -> None: ...
 
 
@@ -150,6 +152,8 @@ class RequestTable:
             self.drop(req_id)
         if kv is not None and plan.swap_out_src:  # before anything overwrites the blocks saved
             kv.swap_out(plan.swap_out_src, plan.swap_out_dst)
+        if kv is not None and plan.tier_load_src:  # prefix hits in host memory (after the
+            kv.tier_load(plan.tier_load_src, plan.tier_load_dst)  # swap-outs: blocks reused)
         for req_id in plan.preempted_req_ids:
             state = self._states[req_id]
             state.block_table = []

@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from common.model_facts import lora_root, salted_root
+from common.prefix_hash import block_hash, num_matchable_blocks
+from services.scheduler.kv_tiers import DISK, FETCHING, HOST
 from services.scheduler.request import Request, Status
 from services.scheduler.step_output import SchedulerOutput
 
@@ -34,7 +36,11 @@ def admit(policy: SchedulingPolicy, req: Request, budget: int, out: SchedulerOut
     # its hidden state: no prefix hits (vLLM disables prefix caching for such requests)
     every_position = req.sampling.prompt_logprobs is not None or req.sampling.pooling == "mean"
     hits = [] if every_position else bm.match_prefix(root, req.all_token_ids)
-    cached, take = len(hits) * bm.block_size, bm.num_hit_blocks_to_take(hits)
+    loaded = [] if every_position else _tier_hits(policy, req, root, hits)
+    if loaded is None:
+        return 0  # its prefix is being read up from disk: planned once it is in memory
+    cached = (len(hits) + len(loaded)) * bm.block_size
+    take = bm.num_hit_blocks_to_take(hits)
     n = min(req.num_tokens - cached, budget)
     whole = bm.num_blocks_for(req.num_tokens) - len(hits) + take
     chunk = bm.num_blocks_for(cached + n) - len(hits) + take
@@ -43,8 +49,52 @@ def admit(policy: SchedulingPolicy, req: Request, budget: int, out: SchedulerOut
     if req.version is None:
         req.version, req.cache_root = policy.version, root
     bm.take_prefix(rid, req.cache_root, hits, req.num_prompt_tokens)
+    if loaded:
+        assert policy.tiers is not None
+        for (key, _), block in zip(loaded, bm.take_loaded(rid, loaded), strict=True):
+            policy.tiers.load(key, block)
     req.num_computed_tokens = req.num_cached_tokens = cached
     return n
+
+
+def _tier_hits(
+    policy: SchedulingPolicy, req: Request, root: int, hits: list[int]
+) -> list[tuple[int, tuple[int, ...]]] | None:
+    """The prefix blocks after the device's hits that host memory holds ((key, tokens) each,
+    in order), or None when the request must wait: its prefix goes on on disk and is read
+    up now (once per request: what a failed or crowded-out read leaves is recomputed)."""
+    tiers, bm = policy.tiers, policy.blocks
+    if tiers is None or not tiers.enabled:
+        return []
+    tokens, bs = req.all_token_ids, bm.block_size
+    parent, run = bm.hash_after(root, hits), []
+    for i in range(len(hits), num_matchable_blocks(len(tokens), bs)):
+        block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
+        parent = block_hash(parent, block_tokens)
+        where = tiers.where(parent, block_tokens)
+        if where is None:
+            break
+        run.append((parent, block_tokens, where))
+    if any(where == FETCHING for _, _, where in run):
+        return None
+    if not req.tier_read_up and any(where == DISK for _, _, where in run):
+        req.tier_read_up = True
+        for key, _, _ in reversed(run):  # (the head newest)
+            tiers.pin(key)
+        fetched = 0
+        for key, block_tokens, where in run:
+            if where == DISK:
+                if tiers.where(key, block_tokens) != DISK or not tiers.fetch(key, block_tokens):
+                    break  # (no room left for it: what is read so far serves)
+                fetched += 1
+        if fetched:
+            return None
+    loaded = []
+    for key, block_tokens, where in run:
+        if where != HOST:
+            break
+        loaded.append((key, block_tokens))
+    return loaded
 
 
 def _admit_swapped(

@@ -34,6 +34,7 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         track_hash_changes: bool = False,
+        record_evictions: bool = False,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
@@ -55,6 +56,11 @@ class BlockManager:
         # data parallelism: hash -> cached (True) or evicted (False) since the last
         # drain_hash_changes(), the router's view of this replica; None: nobody asks
         self._hash_changes: dict[int, bool] | None = {} if track_hash_changes else None
+        # the prefix cache's lower tiers: (block, hash, tokens) of each cached block evicted
+        # since the last drain_evictions(), to be saved before the plan reuses the block
+        self._evicted: list[tuple[int, int, tuple[int, ...]]] | None = (
+            [] if record_evictions else None
+        )
 
     # capacity -----------------------------------------------------------------------------
     @property
@@ -109,6 +115,42 @@ class BlockManager:
                 break
             hits.append(block)
         return hits
+
+    def hash_after(self, root: int, hits: list[int]) -> int:
+        """The chain's hash after `hits` (a match_prefix answer): where a lookup in a lower
+        tier goes on."""
+        if not hits:
+            return root
+        h = self._hash_of[hits[-1]]
+        assert h is not None, "a prefix hit has a hash"
+        return h
+
+    def take_loaded(self, req_id: str, blocks: list[tuple[int, tuple[int, ...]]]) -> list[int]:
+        """Append fresh blocks to req_id's table for prefix blocks a lower tier holds
+        ((hash, tokens) each, in chain order) and cache them under their hashes; the worker
+        copies their KV in before the step. Returns the blocks, in order."""
+        table, chain = self.block_tables[req_id], self._chains.setdefault(req_id, [])
+        assert len(chain) == len(table), "loaded blocks go right after the prefix hits"
+        new_ids = []
+        for h, tokens in blocks:
+            block = self._fresh()
+            table.append(block)
+            chain.append(h)
+            if h not in self._by_hash:
+                self._hash_of[block], self._tokens_of[block] = h, tokens
+                self._by_hash[h] = block
+                if self._hash_changes is not None:
+                    self._hash_changes[h] = True
+            new_ids.append(block)
+        self.num_cached_hits += len(blocks) * self.block_size
+        return new_ids
+
+    def drain_evictions(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """(block, hash, tokens) of the cached blocks evicted since the last call."""
+        evicted = self._evicted or []
+        if self._evicted:
+            self._evicted = []
+        return evicted
 
     def num_hit_blocks_to_take(self, hits: list[int]) -> int:
         """How many of `hits` now sit in the LRU (taking them lowers the free count)."""
@@ -253,6 +295,10 @@ class BlockManager:
             del self._by_hash[evicted]
             if self._hash_changes is not None:
                 self._hash_changes[evicted] = False
+            if self._evicted is not None:
+                tokens = self._tokens_of[block]
+                assert tokens is not None
+                self._evicted.append((block, evicted, tokens))
             self._hash_of[block] = self._tokens_of[block] = None
             self._owner_of[block] = ""
             self.num_evictions += 1

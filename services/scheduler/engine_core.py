@@ -18,6 +18,7 @@ current_model.py (the served model's facts).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -48,6 +49,7 @@ from services.scheduler import detok_messages, intake
 from services.scheduler.block_manager import BlockManager, HostBlockPool
 from services.scheduler.current_model import CurrentModel
 from services.scheduler.grammar_wait import GrammarWait
+from services.scheduler.kv_tiers import TierIndex
 from services.scheduler.lora_registry import ServedAdapters
 from services.scheduler.outbox import EngineOutbox
 from services.scheduler.plan import to_plan
@@ -83,6 +85,7 @@ class EngineCore:
         # LoRA adapters: which are served, their loads and unloads (lora_registry.py)
         self.loras = ServedAdapters(config, outbox.to_worker, outbox.reply, outbox.to_gateway)
         self._checked_at, self._checked_at_step = 0.0, -1  # the last block-by-block check
+        self._tier_store_id = ""  # the worker's tiers the policy's index describes
 
     @property
     def is_ready(self) -> bool:
@@ -108,6 +111,7 @@ class EngineCore:
             self._block_manager(info),
             self.policy_config,
             host_pool=HostBlockPool(info.num_host_blocks),
+            tiers=self._tier_index(info),
         )
         self.window.clear()
         self.adopt(info)
@@ -133,7 +137,18 @@ class EngineCore:
             enable_prefix_caching=self.config.cache.enable_prefix_caching,
             # several replicas: the router hears which blocks each caches
             track_hash_changes=self.config.data_parallel.data_parallel_size > 1,
+            record_evictions=info.num_tier_host_blocks > 0,  # saved down the tiers
         )
+
+    def _tier_index(self, info: ModelInfo) -> TierIndex | None:
+        """The index of the worker's lower tiers as it announced them (None: off): its host
+        slots are empty, its disk holds what it found at start-up."""
+        if not info.num_tier_host_blocks:
+            return None
+        tiers = TierIndex(info.num_tier_host_blocks, info.num_tier_disk_blocks)
+        tiers.adopt_disk(info.tier_disk_keys, info.tier_disk_tokens)
+        self._tier_store_id = info.tier_store_id
+        return tiers
 
     def adopt(self, info: ModelInfo) -> None:
         """Serve the model `info` describes: new requests start on its version and root;
@@ -146,6 +161,11 @@ class EngineCore:
             # a drain swap to another KV layout: nothing holds blocks now, rebuild the pool
             assert blocks.num_used_blocks == 0, "pool rebuilt while blocks are in use"
             policy.blocks = self._block_manager(info)
+        if info.tier_store_id != self._tier_store_id:  # the worker rebuilt its tiers
+            assert not self.window.in_flight, "tiers rebuilt while a step is in flight"
+            policy.tiers = self._tier_index(info)
+        # (the disk tier's keys live in its index: not in every stats answer and Ready)
+        info = dataclasses.replace(info, tier_disk_keys=[], tier_disk_tokens=[])
         old_fingerprint = self.served.tokenizer_fingerprint if self.served else None
         root = cache_root(
             name, info.weights_version, info.tokenizer_fingerprint, info.position_config
@@ -420,6 +440,8 @@ class EngineCore:
         step = self.window.close(msg)
         if step is None:
             return
+        if self.policy.tiers is not None:  # (a failed step reports its fetches failed)
+            self.policy.tiers.on_fetched(msg.tier_fetched_keys, msg.tier_fetch_failed_keys)
         if msg.error:
             log.error("step %d failed on the worker: %s", msg.step_id, msg.error)
             reqs = [r for key in step.seq_keys if (r := self.policy.requests.get(key))]

@@ -54,6 +54,8 @@ def stats(core: EngineCore) -> dict[str, Any]:
         "kv_cache_usage": b.usage,
         "prefix_cache_queries": b.num_cached_queries,
         "prefix_cache_hits": b.num_cached_hits,
+        # the prefix cache's lower tiers (kv_offload_*: blocks, bytes and hits per tier)
+        **_tier_stats(core),
         "num_preemptions": p.num_preemptions,
         "num_swaps": p.num_swaps,
         "num_steps": core.window.num_steps,
@@ -82,6 +84,13 @@ def stats(core: EngineCore) -> dict[str, Any]:
         # per LoRA adapter: state, rank, hash, requests accepted and live, cached blocks
         "lora_adapters": core.loras.stats(core.num_live_by_lora(), b.num_hashed_by_owner()),
     }
+
+
+def _tier_stats(core: EngineCore) -> dict[str, int]:
+    tiers, served = core.policy.tiers if core.policy else None, core.served
+    if tiers is None or served is None:
+        return {}
+    return {f"kv_offload_{k}": v for k, v in tiers.stats(served.info.tier_block_bytes).items()}
 
 
 def _state_name(r: Request) -> str:

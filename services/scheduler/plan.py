@@ -7,6 +7,7 @@ from services.scheduler.step_output import SchedulerOutput
 
 
 def to_plan(step_id: int, out: SchedulerOutput) -> StepPlan:
+    t = out.tiers
     return StepPlan(
         step_id=step_id,
         new_req_ids=[r.request_id for r in out.new_requests],
@@ -48,4 +49,15 @@ def to_plan(step_id: int, out: SchedulerOutput) -> StepPlan:
         copy_index=[c[1] for c in out.copies],
         copy_src=[c[2] for c in out.copies],
         copy_dst=[c[3] for c in out.copies],
+        tier_drop_keys=t.drops,
+        tier_spill_slots=[s for s, _, _ in t.spills],
+        tier_spill_keys=[k for _, k, _ in t.spills],
+        tier_spill_tokens=[list(toks) for _, _, toks in t.spills],
+        tier_fetch_keys=[k for k, _, _ in t.fetches],
+        tier_fetch_tokens=[list(toks) for _, toks, _ in t.fetches],
+        tier_fetch_slots=[s for _, _, s in t.fetches],
+        tier_save_src=[b for b, _ in t.saves],
+        tier_save_dst=[s for _, s in t.saves],
+        tier_load_src=[s for s, _ in t.loads],
+        tier_load_dst=[b for _, b in t.loads],
     )

@@ -29,6 +29,7 @@ from common.messages import FinishReason
 from services.scheduler.admission import admit
 from services.scheduler.batching import BatchGate
 from services.scheduler.block_manager import BlockManager, HostBlockPool
+from services.scheduler.kv_tiers import TierIndex
 from services.scheduler.lora_admission import AdmissionVerdict, LoraGate
 from services.scheduler.policy_config import PolicyConfig
 from services.scheduler.queues import WaitingQueue
@@ -49,12 +50,16 @@ class SchedulingPolicy:
         config: PolicyConfig = PolicyConfig(),
         host_pool: HostBlockPool | None = None,
         clock: Callable[[], float] = time.monotonic,
+        tiers: TierIndex | None = None,
     ) -> None:
         if config.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"unknown preemption mode {config.preemption_mode!r}")
         self.blocks = blocks
         self.config = config
         self.host_pool = host_pool or HostBlockPool(0)
+        # the prefix cache's lower tiers (None: off); the block manager then records the
+        # cached blocks it evicts, saved in the plan that evicts them
+        self.tiers = tiers
         self.clock = clock
         self.num_watermark_blocks = int(config.watermark * blocks.num_blocks)
         self.gate = BatchGate(
@@ -149,6 +154,10 @@ class SchedulingPolicy:
             if not s.request.is_known_to_worker:
                 s.request.is_known_to_worker = True
                 out.new_requests.append(s.request)
+        if self.tiers is not None:
+            for block, key, tokens in self.blocks.drain_evictions():
+                self.tiers.save(block, key, tokens)
+            out.tiers = self.tiers.end_plan()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -371,6 +380,8 @@ class SchedulingPolicy:
 
     def check_integrity(self) -> None:
         self.blocks.check_integrity()
+        if self.tiers is not None:
+            self.tiers.check_integrity()
         self.host_pool.check_integrity(
             [b for r in self.waiting if r.host_blocks for b in r.host_blocks]
         )

@@ -60,6 +60,7 @@ class Request:
         self.is_known_to_worker = False
         self.worker_has_table = False  # False when new or preempted: the next plan sends it all
         self.host_blocks: list[int] | None = None  # set while swapped out
+        self.tier_read_up = False  # its prefix was read up from disk once (admission.py)
         self.num_preemptions = 0
         self.scheduled_in = -1  # the last schedule() that gave it tokens
         self.computed_before_step = 0  # num_computed_tokens before that step

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from services.scheduler.kv_tiers import TierMoves
 from services.scheduler.request import Request
 
 
@@ -29,6 +30,7 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (host, gpu)
     copies: list[tuple[str, int, int, int]] = dataclasses.field(default_factory=list)
     # copy-on-write: (request, index in its table, source block, new block)
+    tiers: TierMoves = dataclasses.field(default_factory=TierMoves)  # lower-tier moves
 
     @property
     def num_tokens(self) -> int:
@@ -36,4 +38,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.scheduled or self.finished_req_ids or self.preempted_req_ids)
+        return (
+            not (self.scheduled or self.finished_req_ids or self.preempted_req_ids)
+            and self.tiers.is_empty
+        )

@@ -12,7 +12,8 @@ first (a unit imports only units below it, or beside it without a circle):
 
     kernels, cpu            the Triton and the C kernels: import no other worker code
     attention               the attention backends (call the kernels)
-    distributed, kv_cache   tensor parallelism; the KV cache's memory
+    distributed, kv_cache,  tensor parallelism; the KV cache's memory, and the prefix
+    kv_tiers                cache's lower tiers (host slots, files)
     layers                  linear methods and layer ops: bind the kernels, once, at load
     models                  the model code (names no kernel)
     model_loader            reads checkpoints into a model
@@ -200,7 +201,7 @@ def test_the_workers_kernels_are_leaves(graph: dict[str, set[str]]) -> None:
 WORKER_ORDER: tuple[tuple[str, ...], ...] = (
     ("kernels", "cpu"),
     ("attention",),
-    ("distributed", "kv_cache"),
+    ("distributed", "kv_cache", "kv_tiers"),
     ("layers",),
     ("models",),
     ("model_loader",),

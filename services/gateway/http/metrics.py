@@ -293,6 +293,10 @@ class _SchedulerStats:
             "model_weight_bytes",
             "Bytes of model weights resident in the worker (quantized ones as stored).",
         ),
+        ("kv_offload_host_blocks", "kv_offload_host_blocks", "Prefix-cache blocks in host memory."),
+        ("kv_offload_host_bytes", "kv_offload_host_bytes", "Bytes of those blocks (this rank's)."),
+        ("kv_offload_disk_blocks", "kv_offload_disk_blocks", "Prefix-cache blocks on disk."),
+        ("kv_offload_disk_bytes", "kv_offload_disk_bytes", "Bytes of those files (this rank's)."),
         (
             "spec_decode_acceptance_rate",
             "spec_acceptance_rate",
@@ -308,6 +312,21 @@ class _SchedulerStats:
         ("num_preemptions", "num_preemptions", "Cumulative preemptions."),
         ("prefix_cache_queries", "prefix_cache_queries", "Prefix-cache queries, in tokens."),
         ("prefix_cache_hits", "prefix_cache_hits", "Prefix-cache hits, in tokens."),
+        (
+            "kv_offload_host_hits",
+            "kv_offload_host_hits",
+            "Prefix-cache blocks copied back into the KV pool from host memory.",
+        ),
+        (
+            "kv_offload_disk_hits",
+            "kv_offload_disk_hits",
+            "Prefix-cache blocks read up from disk into host memory.",
+        ),
+        (
+            "kv_offload_fetch_failures",
+            "kv_offload_fetch_failures",
+            "Prefix-cache files discarded on read (missing, or not matching their key).",
+        ),
         (
             "spec_decode_num_drafts",
             "spec_num_drafts",

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from common.config import Config
+from common.config import Config, ConfigError
 from gpu_worker.distributed.tensor_parallel import TensorParallel
 from gpu_worker.runner.options import DEFAULT_OPTIONS, RunnerOptions
 
@@ -63,6 +63,33 @@ def test_swap_space_is_reserved_only_for_preemption_by_swap() -> None:
     assert RunnerOptions.from_config(config).swap_space_gib == 0.0
     swap = config.replace(scheduler={"preemption_mode": "swap"})
     assert RunnerOptions.from_config(swap).swap_space_gib == 0.5
+
+
+def test_each_data_parallel_replica_has_its_own_kv_offload_folder() -> None:
+    config = Config().replace(
+        cache={"kv_offload_memory": 1.0, "kv_offload_dir": "/kv", "kv_offload_disk": 2.0}
+    )
+    options = RunnerOptions.from_config(config)
+    assert (options.kv_offload_memory_gib, options.kv_offload_disk_gib) == (1.0, 2.0)
+    assert options.kv_offload_dir == "/kv/worker"
+    second = config.replace(data_parallel={"data_parallel_size": 2, "replica_index": 1})
+    assert RunnerOptions.from_config(second).kv_offload_dir == "/kv/worker-1"
+    assert RunnerOptions.from_config(Config()).kv_offload_dir == ""
+
+
+@pytest.mark.parametrize(
+    "cache",
+    [
+        {"kv_offload_dir": "/kv"},  # no disk size
+        {"kv_offload_disk": 1.0},  # no folder
+        {"kv_offload_dir": "/kv", "kv_offload_disk": 1.0},  # no host memory to read through
+        {"kv_offload_memory": 1.0, "enable_prefix_caching": False},
+        {"kv_offload_memory": -1.0},
+    ],
+)
+def test_kv_offload_settings_that_cannot_work_are_refused_by_name(cache: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError, match="--kv-offload-"):
+        Config().replace(cache=cache)
 
 
 def test_a_draft_model_alone_means_draft_speculation_at_its_expanded_path() -> None:
