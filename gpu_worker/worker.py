@@ -204,7 +204,13 @@ class WorkerActor(Actor):
         except Exception as e:  # a bad folder, bad weights, a layout mismatch: old one serves
             self._stop_if_group_broken(e)
             log.exception("loading %s failed", msg.path)
-            reply = ModelLoaded(version=msg.version, error=f"{type(e).__name__}: {e}")
+            rebuilt = msg.mode != "overlap" and hasattr(self, "runner")
+            reply = ModelLoaded(
+                version=msg.version,
+                error=f"{type(e).__name__}: {e}",
+                # a failed drain rebuilt the old model on a new (empty) KV pool: say so
+                model=self.model_info() if rebuilt else None,
+            )
         self.scheduler.send(reply)
 
     def _replace(self, path: str, version: str) -> None:

@@ -145,7 +145,8 @@ class LoadModel:
 @message("model_loaded")
 class ModelLoaded:
     """worker -> scheduler: the answer to LoadModel; `error` set when it failed (the old
-    model goes on serving). `model` describes the new version (None on error)."""
+    model goes on serving). `model` describes the new version; on error, the old one when a
+    failed drain rebuilt it (on a new KV pool), else None."""
 
     version: str
     model: ModelInfo | None = None

@@ -163,6 +163,8 @@ class ModelInfo:
     tier_disk_keys: list[int] = dataclasses.field(default_factory=list)  # [n]
     tier_disk_tokens: list[list[int]] = dataclasses.field(default_factory=list)  # [n][bs]
     tier_store_id: str = ""  # a new id: the worker's tiers were rebuilt (start, drain swap)
+    kv_pool_id: str = ""  # a new id: the worker allocated a new KV pool (start, drain swap),
+    # whose blocks hold nothing: the scheduler's prefix cache of the old pool is forgotten
     device: str = ""
     speculative: str = ""  # the speculative method, "" = off
     tensor_parallel_size: int = 1

@@ -22,6 +22,7 @@ import concurrent.futures
 import logging
 import random
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -99,6 +100,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
         backend, model = self._load_weights(model_path, hf_config)
         self.progress("allocating the KV cache")
         self.kv_cache = allocate_kv_pool(config, options, self.tp)
+        self.kv_pool_id = uuid.uuid4().hex  # (the scheduler forgets another pool's prefixes)
         self.drafter = self._init_drafter(config, backend.name)
         self.num_host_blocks = self.kv_cache.allocate_host(int(options.swap_space_gib * GIB))
         self.tiers = KVTierStore.create(
@@ -247,6 +249,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
             tensor_parallel_size=self.tp.size,
             weight_bytes=resident_weight_bytes(self.model),
             quantization=quantization_of(self.model),
+            kv_pool_id=self.kv_pool_id,
             **(self.lora.registry.model_info_fields() if self.lora else {}),
         )
 

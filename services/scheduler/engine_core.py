@@ -86,6 +86,7 @@ class EngineCore:
         self.loras = ServedAdapters(config, outbox.to_worker, outbox.reply, outbox.to_gateway)
         self._checked_at, self._checked_at_step = 0.0, -1  # the last block-by-block check
         self._tier_store_id = ""  # the worker's tiers the policy's index describes
+        self._kv_pool_id = ""  # the worker's KV pool the policy's block manager describes
 
     @property
     def is_ready(self) -> bool:
@@ -157,10 +158,14 @@ class EngineCore:
         assert policy is not None
         name = self.served.name if self.served else info.model_name
         blocks = policy.blocks
-        if (info.num_blocks, info.block_size) != (blocks.num_blocks, blocks.block_size):
-            # a drain swap to another KV layout: nothing holds blocks now, rebuild the pool
+        layout = (info.num_blocks, info.block_size) != (blocks.num_blocks, blocks.block_size)
+        if layout or info.kv_pool_id != self._kv_pool_id:
+            # a drain swap (or a failed one, which rebuilt the old model): the worker's new
+            # pool holds nothing, so the prefixes cached in the old one are forgotten (the
+            # same version's root would find them again); nothing holds blocks now
             assert blocks.num_used_blocks == 0, "pool rebuilt while blocks are in use"
             policy.blocks = self._block_manager(info)
+            self._kv_pool_id = info.kv_pool_id
         if info.tier_store_id != self._tier_store_id:  # the worker rebuilt its tiers
             assert not self.window.in_flight, "tiers rebuilt while a step is in flight"
             policy.tiers = self._tier_index(info)

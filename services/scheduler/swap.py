@@ -105,6 +105,8 @@ class SwapCoordinator:
             return
         if msg.error:
             log.error("swap failed: %s", msg.error)
+            if msg.model is not None:  # a failed drain rebuilt the old model on a new pool
+                adopt(msg.model)
             self._done(policy, ok=False, error=msg.error)
             return
         if msg.model is None:

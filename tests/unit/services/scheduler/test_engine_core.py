@@ -296,6 +296,29 @@ def test_drain_swap_waits_for_started_requests_and_holds_queued_ones() -> None:
     assert out.of(SwapResult)[0].ok
 
 
+def test_a_drain_onto_a_new_pool_forgets_the_old_pools_prefixes() -> None:
+    """A drain swap (or a failed one, which rebuilds the old model) gives the worker a new,
+    empty KV pool of the same layout: the prefixes cached in the old pool are forgotten, or
+    the same version's root would find blocks that hold nothing any more."""
+    long_prompt = list(range(10, 30))
+    core, out = _core(_info(kv_pool_id="pool-1"))
+    core.add(_request("first", prompt=long_prompt))
+    _run(core, out)
+    assert core.policy.blocks.num_cached_blocks > 0
+    _swap(core, "drain", version="v1")
+    _run(core, out)
+    rebuilt = _info(kv_pool_id="pool-2")
+    core.on_model_loaded(ModelLoaded(version="v1", error="OSError: bad folder", model=rebuilt))
+    assert core.policy.blocks.num_cached_blocks == 0
+    assert not out.of(SwapResult)[-1].ok
+    core.add(_request("again", prompt=long_prompt))
+    _run(core, out)
+    assert core.policy.blocks.num_cached_blocks > 0  # cached again, in the new pool
+    _swap(core, "overlap", version="v2")  # the same pool: its prefixes stay
+    core.on_model_loaded(ModelLoaded(version="v2", model=_info("v2", kv_pool_id="pool-2")))
+    assert core.policy.blocks.num_cached_blocks > 0
+
+
 def test_a_new_tokenizer_sends_unstarted_requests_back_to_be_tokenised() -> None:
     core, out = _core()
     core.add(_request("started", n=2, max_tokens=20))
