@@ -51,7 +51,7 @@ def layer_windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> tupl
         return (window,) * num_layers
     kinds = cfg.get("layer_types")
     if kinds is None and model_type == "gpt_oss":  # transformers' default: even layers slide
-        kinds = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+        kinds = [_KINDS[i % 2] for i in range(num_layers)]
     if kinds is None and model_type == "smollm3":  # transformers' default: no-rope layers slide
         kinds = ["full_attention" if r else "sliding_attention" for r in rope_layers(cfg)]
     if kinds is None:  # transformers' default: layers from max_window_layers on slide

@@ -116,11 +116,9 @@ class LlamaConfig:
     @property
     def is_llama_layout(self) -> bool:
         """The plain Llama layer (what the CPU's one-call step computes)."""
-        return not (
-            self.sandwich_norms or self.gelu_tanh or self.norm_offset or self.embed_scale != 1.0
-        ) and not (
-            self.attn_softcap or self.final_softcap or self.local_rope_theta or self.rope_layers
-        ) and not self.attention_sinks
+        gemma = self.sandwich_norms or self.gelu_tanh or self.norm_offset or self.embed_scale != 1.0
+        scores = self.attn_softcap or self.final_softcap or self.attention_sinks
+        return not (gemma or scores or self.local_rope_theta or self.rope_layers)
 
     def attention_options(self) -> dict[str, Any]:
         """The attention backend's keyword arguments for this model's scores."""
