@@ -109,3 +109,55 @@ def make_tiny_moe_model(folder: str | Path, arch: str, *, seed: int = 0, **overr
     model.save_pretrained(folder)
     _copy_tokenizer(folder)
     return folder
+
+
+def make_tiny_mxfp4_gpt_oss(folder: str | Path, seed: int = 0) -> tuple[Path, Path]:
+    """A tiny gpt-oss in the shipped layout: its experts' gate/up and down as MXFP4
+    (`*_blocks` uint8 [E, out, in / 32, 16] of random E2M1 nibbles, `*_scales` uint8
+    [E, out, in / 32] of random E8M0 exponents 2 ** -5 .. 2 ** -3), everything else float,
+    config.json with quantization_config {"quant_method": "mxfp4", ...} as gpt-oss-20b's.
+    Returns (that folder, a float folder of the same model with the experts dequantized:
+    what transformers computes on)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from gpu_worker.layers.moe_methods.mxfp4 import dequantize_mxfp4
+
+    folder = Path(folder)
+    packed, dense = folder / "mxfp4", folder / "dequantized"
+    if (packed / "config.json").is_file() and (dense / "config.json").is_file():
+        return packed, dense
+    base = make_tiny_moe_model(folder / "float", "gpt_oss", seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(base.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    quantized = dict(tensors)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, n_in, n_out = tensors[name].shape  # x @ W: [E, in, out]
+        blocks = torch.randint(0, 256, (experts, n_out, n_in // 32, 16), generator=gen)
+        scales = torch.randint(122, 125, (experts, n_out, n_in // 32), generator=gen)
+        blocks, scales = blocks.to(torch.uint8), scales.to(torch.uint8)
+        del quantized[name]
+        quantized[f"{name}_blocks"], quantized[f"{name}_scales"] = blocks, scales
+        tensors[name] = dequantize_mxfp4(blocks, scales).transpose(1, 2).contiguous()
+    config = json.loads((base / "config.json").read_text())
+    for out, weights, cfg in (
+        (dense, tensors, config),
+        (packed, quantized, dict(config, quantization_config=_MXFP4_CONFIG)),
+    ):
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+        _copy_tokenizer(out)
+        (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return packed, dense
+
+
+# gpt-oss-20b's quantization_config
+_MXFP4_CONFIG = {
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head",
+    ],
+    "quant_method": "mxfp4",
+}  # fmt: skip

@@ -37,7 +37,12 @@ from typing import Any
 import torch
 
 from gpu_worker.layers.fused_moe import ExpertWeights
-from gpu_worker.layers.linear_methods.weights import GGUFShard, GGUFWeight, concat_rows
+from gpu_worker.layers.linear_methods.weights import (
+    CheckpointWeight,
+    GGUFShard,
+    GGUFWeight,
+    concat_rows,
+)
 from gpu_worker.model_loader.gguf_file import GGUFTensor
 from gpu_worker.models.moe import MoeConfig
 
@@ -84,11 +89,13 @@ def _stacked_experts(weights: dict[str, Any], prefix: str) -> ExpertWeights:
     """gpt-oss's stacked experts under `prefix` (popped from `weights`): float [E, in, out]
     as per-expert [out, in] tensors, or MXFP4 blocks as per-expert MXFP4Weight."""
     biases = [weights.pop(f"{prefix}{p}_proj_bias", None) for p in ("gate_up", "down")]
+    gate_up: list[CheckpointWeight]
+    down: list[CheckpointWeight]
     if f"{prefix}gate_up_proj_blocks" in weights:
         from gpu_worker.model_loader.mxfp4 import split_mxfp4_experts
 
-        gate_up = split_mxfp4_experts(weights, f"{prefix}gate_up_proj")
-        down = split_mxfp4_experts(weights, f"{prefix}down_proj")
+        gate_up = list(split_mxfp4_experts(weights, f"{prefix}gate_up_proj"))
+        down = list(split_mxfp4_experts(weights, f"{prefix}down_proj"))
     else:
         for p in ("gate_up", "down"):
             if f"{prefix}{p}_proj" not in weights:

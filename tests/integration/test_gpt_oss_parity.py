@@ -3,7 +3,9 @@ config (tests/tiny_moe_models.py: q/k/v/o biases, a sink logit per head, layers 
 16-position window and full attention, YaRN rope, top-4 of 8 experts with the router bias and
 the clamped SwiGLU): each prompt alone, all in one batch, chunked prefill beside decodes and
 preemption (MiniScheduler), then through the real scheduler with prefix hits, n = 2 and a KV
-pool small enough to preempt. Prompts cross the window several times. And the refusals."""
+pool small enough to preempt. Prompts cross the window several times. Then the shipped
+layout: MXFP4 experts (written here from random nibbles and exponents) served packed, against
+transformers on the same folder (which dequantizes it). And the refusals."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from common.messages import SamplingParams
 from gpu_worker.cpu.linear import load as linear_kernel
 from gpu_worker.layers.fused_moe import FusedMoE
 from gpu_worker.layers.moe_methods.cpu_float import CpuFloatMoEMethod
+from gpu_worker.layers.moe_methods.mxfp4 import MXFP4MoEMethod
 from gpu_worker.model_loader.loader import check_tensor_parallel
 from gpu_worker.models.llama import LlamaConfig
 from gpu_worker.runner.model_runner import ModelRunner
@@ -24,7 +27,7 @@ from services.scheduler.policy import PolicyConfig
 from tests.engine import LocalEngine
 from tests.integration.test_model_parity import GREEDY, MiniScheduler, hf_references, run_greedy
 from tests.tiny_models import VOCAB_SIZE
-from tests.tiny_moe_models import make_tiny_moe_model, moe_config
+from tests.tiny_moe_models import make_tiny_moe_model, make_tiny_mxfp4_gpt_oss, moe_config
 
 torch.set_num_threads(2)
 
@@ -124,3 +127,34 @@ def test_gpt_oss_refusals() -> None:
     bad["layer_types"] = ["chunked_attention"] * 4
     with pytest.raises(ValueError, match="layer_types"):
         LlamaConfig.from_hf(bad)
+
+
+@pytest.mark.parametrize("kernels", ["cpu-kernels", "torch-only"])
+def test_mxfp4_gpt_oss_serves_packed_with_transformers_tokens(kernels: str, tmp_path) -> None:
+    """The MXFP4 folder loads into packed experts (uint8 blocks and exponents resident) and
+    gives transformers' greedy tokens on it (transformers dequantizes MXFP4 on the CPU; the
+    dequantized float folder gives the same), alone, batched and in chunks."""
+    packed, dense = make_tiny_mxfp4_gpt_oss(tmp_path)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, VOCAB_SIZE, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    expected = hf_references(packed, prompts, NUM_NEW)
+    assert hf_references(dense, prompts, NUM_NEW) == expected
+    options = RunnerOptions(block_size=4, num_blocks=512, cpu_kernels=kernels == "cpu-kernels")
+    runner = ModelRunner(str(packed), options)
+    experts = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
+    assert len(experts) == 4
+    for e in experts:
+        assert isinstance(e.method, MXFP4MoEMethod)
+        assert e.method.kernel == (
+            "cpu" if kernels == "cpu-kernels" and linear_kernel() else "torch"
+        )
+        assert e.w13_weight.dtype == torch.uint8 and e.w2_weight.dtype == torch.uint8
+    assert run_greedy(runner, prompts, NUM_NEW, together=False) == expected
+    assert run_greedy(runner, prompts, NUM_NEW) == expected
+    assert run_greedy(runner, prompts, NUM_NEW, token_budget=7) == expected
+
+
+def test_mxfp4_refusals(tmp_path) -> None:
+    packed, _ = make_tiny_mxfp4_gpt_oss(tmp_path)
+    with pytest.raises(ValueError, match="--quantization int8.*mxfp4"):
+        ModelRunner(str(packed), RunnerOptions(num_blocks=16, quantization="int8"))
