@@ -1,6 +1,7 @@
 """The Llama family (Llama, SmolLM2/3, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3 text) over
 a paged KV cache, and the mixture-of-experts families on its skeleton (Qwen3-MoE, Qwen2-MoE,
-Mixtral, OLMoE: gpu_worker/models/moe.py gives their sparse MLP blocks).
+Mixtral, OLMoE, gpt-oss: gpu_worker/models/moe.py gives their sparse MLP blocks; gpt-oss's
+attention adds q/k/v/o biases and a sink logit per head, passed to the backend).
 
 A decoder-only transformer with pre-norm residual blocks:
 

@@ -1,5 +1,5 @@
 """Mixture-of-experts families on the Llama skeleton (gpu_worker/models/llama.py): Qwen3-MoE,
-Qwen2-MoE (a shared expert beside the routed ones), Mixtral and OLMoE.
+Qwen2-MoE (a shared expert beside the routed ones), Mixtral, OLMoE and gpt-oss.
 
 They share Llama's decoder layer (pre-norm attention, then an MLP) and differ in the MLP of
 their sparse layers: a router (`gate`, a Linear to one logit per expert) and `experts`
@@ -9,7 +9,10 @@ and added. Which layers are sparse: every `decoder_sparse_step`-th layer not in
 `mlp_only_layers` (Qwen-MoE), every layer (Mixtral, OLMoE); the others keep a dense MLP of
 `intermediate_size`. The attention side differs little: Qwen2-MoE has q/k/v biases (its
 `qkv_bias`), Qwen3-MoE Qwen3's per-head q/k norms, OLMoE an RMSNorm over the whole q and k
-projections (before the heads are split).
+projections (before the heads are split). gpt-oss's router (`mlp.router`, read as `gate`) has a
+bias and takes the top-k logits then a softmax over them; its experts have biases and the
+clamped SwiGLU on alternate gate/up columns; its attention (biases, sinks, alternating
+windows) is llama.py's with `LlamaConfig.attention_sinks`. It is served on one rank.
 
 `MoeConfig.from_hf` reads the fields; a field that would change outputs and is not served
 (a sliding window, OLMoE's `clip_qkv`, another activation) is refused by name.
