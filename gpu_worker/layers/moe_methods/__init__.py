@@ -26,7 +26,7 @@ def moe_method(kernels: KernelChoice, experts: ExpertWeights) -> MoEMethod:
     if isinstance(first, MXFP4Weight):
         from gpu_worker.layers.moe_methods.mxfp4 import MXFP4MoEMethod
 
-        return MXFP4MoEMethod("cpu" if kernels.cpu_linears else "torch")
+        return MXFP4MoEMethod(kernels.quantized_kernel)  # "cpu", "triton" or "torch"
     if isinstance(first, Int8Weight):
         from gpu_worker.layers.moe_methods.int8 import Int8MoEMethod
 

@@ -9,7 +9,9 @@ for down, and the float biases. Two kernels:
 
     "cpu"    mxfp4.c (gpu_worker/cpu/mxfp4.py): each selected expert's rows dot the expert's
              groups unpacked one at a time; a row's result is the same bits in any batch
-    "torch"  the reference (and the path off the CPU or without a compiler): the selected
+    "triton" CUDA: gpu_worker/kernels/mxfp4_matmul, a GEMM that decodes each 32-value group
+             of the packed tile and multiplies it by tl.dot (float32 sums)
+    "torch"  the reference (and the path without a compiler or Triton): the selected
              expert's weight dequantized as transformers' integrations/mxfp4.py does
              (`dequantize_mxfp4`), then F.linear
 
@@ -82,6 +84,11 @@ class MXFP4MoEMethod:
             layer.w13_weight.device.type != "cpu" or cpu_mxfp4.load() is None
         ):
             self.kernel = "torch"  # no compiler (or not on the CPU): the reference
+        if self.kernel == "triton" and layer.w13_weight.device.type != "cuda":
+            from gpu_worker.kernels import interpreting
+
+            if not interpreting():  # (the interpreter runs the kernel on the CPU: tests)
+                self.kernel = "torch"
 
     def _project(self, layer: FusedMoE, prefix: str, expert: int, x: torch.Tensor) -> torch.Tensor:
         blocks = layer.get_parameter(f"{prefix}_weight")[expert]
@@ -92,6 +99,10 @@ class MXFP4MoEMethod:
             y = cpu_mxfp4.linear_rows(x, blocks, scales, bias)
             if y is not None:
                 return y
+        if self.kernel == "triton":
+            from gpu_worker.kernels.mxfp4_matmul.kernel import mxfp4_matmul
+
+            return mxfp4_matmul(x.contiguous(), blocks, scales, bias)
         return F.linear(x, dequantize_mxfp4(blocks, scales, x.dtype), bias)
 
     def gate_up(self, layer: FusedMoE, expert: int, x: torch.Tensor) -> torch.Tensor:
