@@ -156,7 +156,7 @@ class MoEMethod(Protocol):
 
     @property
     def storage(self) -> str:
-        """How the experts are stored: "" (float), "int8", "gguf:<types>"."""
+        """How the experts are stored: "" (float), "int8", "gguf:<types>", "mxfp4"."""
         ...
 
 

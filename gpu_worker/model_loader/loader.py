@@ -48,6 +48,7 @@ from gpu_worker.model_loader.gguf_file import (
 )
 from gpu_worker.model_loader.hf_folder import read_hf_config, safetensors_files
 from gpu_worker.model_loader.moe_weights import fuse_expert_weights, split_stacked_experts
+from gpu_worker.model_loader.mxfp4 import check_mxfp4, is_mxfp4
 from gpu_worker.models import moe
 from gpu_worker.models.llama import LlamaConfig, LlamaForCausalLM
 
@@ -240,6 +241,9 @@ def read_checkpoint(
                 f"{folder}: a GGUF file is served on one rank (--tensor-parallel-size 1)"
             )
         return read_gguf_weights(folder)
+    if is_mxfp4(hf_config):  # gpt-oss as shipped: MXFP4 experts, the rest float
+        check_mxfp4(hf_config, quantization)
+        return read_weights(folder, tp)
     qc = quantization_config(hf_config)
     if qc is not None:
         check_int8_w8a8(qc)  # (before the weights are read)

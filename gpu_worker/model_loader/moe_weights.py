@@ -5,6 +5,15 @@ Hugging Face folders name each expert's projections separately:
     model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight         Qwen-MoE, OLMoE
     model.layers.{i}.block_sparse_moe.experts.{e}.{w1,w3,w2}.weight     Mixtral
     model.layers.{i}.block_sparse_moe.gate.weight                       Mixtral's router
+    model.layers.{i}.mlp.experts.{gate_up,down}_proj[_bias]             gpt-oss (stacked)
+    model.layers.{i}.mlp.router.{weight,bias}                           gpt-oss's router
+
+gpt-oss stacks each projection's experts as x @ W: gate_up_proj [E, hidden, 2 * width] with
+gate and up in alternate columns (FusedMoE's "swiglu_clamp" reads them so: the layout is kept)
+and down_proj [E, width, hidden]; each expert's slice is transposed to [out, in], the biases
+[E, out] kept beside. Its router becomes `mlp.gate`. MXFP4 checkpoints (the shipped
+gpt-oss) store the same projections as `{gate_up,down}_proj_blocks` / `_scales`:
+gpu_worker/model_loader/mxfp4.py reads them.
 
 `fuse_expert_weights` renames Mixtral's to the first form (w1 gate, w3 up, w2 down), then
 replaces a sparse layer's expert tensors by one `ExpertWeights` under
@@ -28,7 +37,12 @@ from typing import Any
 import torch
 
 from gpu_worker.layers.fused_moe import ExpertWeights
-from gpu_worker.layers.linear_methods.weights import GGUFShard, GGUFWeight, concat_rows
+from gpu_worker.layers.linear_methods.weights import (
+    CheckpointWeight,
+    GGUFShard,
+    GGUFWeight,
+    concat_rows,
+)
 from gpu_worker.model_loader.gguf_file import GGUFTensor
 from gpu_worker.models.moe import MoeConfig
 
@@ -51,10 +65,15 @@ def fuse_expert_weights(weights: dict[str, Any], moe: MoeConfig, num_layers: int
     Raises KeyError naming an expert tensor the checkpoint lacks."""
     for name in [n for n in weights if _MIXTRAL.match(n)]:
         weights[_rename(name)] = weights.pop(name)
+    for name in [n for n in weights if ".mlp.router." in n]:  # gpt-oss
+        weights[name.replace(".mlp.router.", ".mlp.gate.")] = weights.pop(name)
     for i in range(num_layers):
         if not moe.is_sparse(i):
             continue
         prefix = f"model.layers.{i}.mlp.experts."
+        if f"{prefix}gate_up_proj" in weights or f"{prefix}gate_up_proj_blocks" in weights:
+            weights[prefix.rstrip(".")] = _stacked_experts(weights, prefix)
+            continue
         gate_up, down = [], []
         for e in range(moe.num_experts):
             names = [f"{prefix}{e}.{p}_proj.weight" for p in ("gate", "up", "down")]
@@ -64,6 +83,26 @@ def fuse_expert_weights(weights: dict[str, Any], moe: MoeConfig, num_layers: int
             gate_up.append(concat_rows([weights.pop(names[0]), weights.pop(names[1])]))
             down.append(weights.pop(names[2]))
         weights[prefix.rstrip(".")] = ExpertWeights(gate_up, down)
+
+
+def _stacked_experts(weights: dict[str, Any], prefix: str) -> ExpertWeights:
+    """gpt-oss's stacked experts under `prefix` (popped from `weights`): float [E, in, out]
+    as per-expert [out, in] tensors, or MXFP4 blocks as per-expert MXFP4Weight."""
+    biases = [weights.pop(f"{prefix}{p}_proj_bias", None) for p in ("gate_up", "down")]
+    gate_up: list[CheckpointWeight]
+    down: list[CheckpointWeight]
+    if f"{prefix}gate_up_proj_blocks" in weights:
+        from gpu_worker.model_loader.mxfp4 import split_mxfp4_experts
+
+        gate_up = list(split_mxfp4_experts(weights, f"{prefix}gate_up_proj"))
+        down = list(split_mxfp4_experts(weights, f"{prefix}down_proj"))
+    else:
+        for p in ("gate_up", "down"):
+            if f"{prefix}{p}_proj" not in weights:
+                raise KeyError(f"checkpoint has no {prefix}{p}_proj")
+        gate_up = [w.t().contiguous() for w in weights.pop(f"{prefix}gate_up_proj")]
+        down = [w.t().contiguous() for w in weights.pop(f"{prefix}down_proj")]
+    return ExpertWeights(gate_up, down, *biases)
 
 
 _STACKED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate|up|down)_exps\.weight$")

@@ -12,7 +12,9 @@ transformers reads a few fields per family beyond the shapes (its modeling_<fami
     no_rope_layers              smollm3               read: 0 marks a layer without rope
                                                       (default: every no_rope_layer_interval-th)
     attention_bias              llama, qwen3,         q/k/v/o biases (qwen2: q/k/v always;
-                                smollm3               mistral, phi3: none)
+                                smollm3, gpt_oss      mistral, phi3: none; gpt_oss: default on)
+    sliding_window,             gpt_oss               read: the window of the layers
+      layer_types                                     "sliding_attention" (default: even ones)
     mlp_bias                    llama, smollm3        gate/up/down biases
 
 A field transformers reads for the family and we do not implement is refused at start with
@@ -41,13 +43,15 @@ def layer_windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> tupl
     window = cfg.get("sliding_window")
     if model_type in _USE_SLIDING and not cfg.get("use_sliding_window", False):
         window = None  # transformers drops the window unless use_sliding_window
-    if model_type not in ("mistral", "phi3", *_USE_SLIDING) or window is None:
+    if model_type not in ("mistral", "phi3", "gpt_oss", *_USE_SLIDING) or window is None:
         return (0,) * num_layers
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise ValueError(f"sliding_window must be a positive integer, got {window!r}")
     if model_type in ("mistral", "phi3"):
         return (window,) * num_layers
     kinds = cfg.get("layer_types")
+    if kinds is None and model_type == "gpt_oss":  # transformers' default: even layers slide
+        kinds = [_KINDS[i % 2] for i in range(num_layers)]
     if kinds is None and model_type == "smollm3":  # transformers' default: no-rope layers slide
         kinds = ["full_attention" if r else "sliding_attention" for r in rope_layers(cfg)]
     if kinds is None:  # transformers' default: layers from max_window_layers on slide

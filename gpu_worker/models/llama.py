@@ -1,6 +1,7 @@
 """The Llama family (Llama, SmolLM2/3, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3 text) over
 a paged KV cache, and the mixture-of-experts families on its skeleton (Qwen3-MoE, Qwen2-MoE,
-Mixtral, OLMoE: gpu_worker/models/moe.py gives their sparse MLP blocks).
+Mixtral, OLMoE, gpt-oss: gpu_worker/models/moe.py gives their sparse MLP blocks; gpt-oss's
+attention adds q/k/v/o biases and a sink logit per head, passed to the backend).
 
 A decoder-only transformer with pre-norm residual blocks:
 
@@ -98,6 +99,8 @@ class LlamaConfig:
     # Gemma 3: the sliding layers' own rope (theta 0: every layer rotates by the one rope)
     local_rope_theta: float = 0.0
     local_rope_scaling: dict[str, Any] | None = None
+    # gpt-oss: a learned logit per head in each softmax (the attention backends' sinks)
+    attention_sinks: bool = False
 
     def sliding_window(self, layer: int) -> int:
         """Layer `layer`'s sliding window, 0 for the whole context."""
@@ -114,11 +117,9 @@ class LlamaConfig:
     @property
     def is_llama_layout(self) -> bool:
         """The plain Llama layer (what the CPU's one-call step computes)."""
-        return not (
-            self.sandwich_norms or self.gelu_tanh or self.norm_offset or self.embed_scale != 1.0
-        ) and not (
-            self.attn_softcap or self.final_softcap or self.local_rope_theta or self.rope_layers
-        )
+        gemma = self.sandwich_norms or self.gelu_tanh or self.norm_offset or self.embed_scale != 1.0
+        scores = self.attn_softcap or self.final_softcap or self.attention_sinks
+        return not (gemma or scores or self.local_rope_theta or self.rope_layers)
 
     def attention_options(self) -> dict[str, Any]:
         """The attention backend's keyword arguments for this model's scores."""
@@ -134,9 +135,12 @@ class LlamaConfig:
             return cls._from_gemma(cfg, model_type)
         check_activation(cfg)
         windows = layer_windows(cfg, model_type, cfg["num_hidden_layers"])
-        # transformers' Mistral has no biases, Qwen2 q/k/v biases only, whatever the config
+        # transformers' Mistral has no biases, Qwen2 q/k/v biases only, whatever the config;
+        # gpt-oss q/k/v/o biases unless attention_bias is false
         reads_bias = model_type in ("llama", "qwen3", "smollm3")
         attention_bias = reads_bias and bool(cfg.get("attention_bias"))
+        if model_type == "gpt_oss":
+            attention_bias = bool(cfg.get("attention_bias", True))
         no_rope = model_type == "smollm3" and not all(rope_layers(cfg))
         return cls(
             model_type=model_type,
@@ -160,6 +164,7 @@ class LlamaConfig:
             moe=MoeConfig.from_hf(cfg),
             sliding_windows=windows if any(windows) else (),
             rope_layers=rope_layers(cfg) if no_rope else (),
+            attention_sinks=model_type == "gpt_oss",
         )
 
     @classmethod
@@ -286,6 +291,8 @@ class Attention(nn.Module):
         self.qk_norm_whole = cfg.qk_norm_whole
         self.q_norm = RMSNorm(q_norm_dim, eps, ops, offset) if cfg.qk_norm else None
         self.k_norm = RMSNorm(k_norm_dim, eps, ops, offset) if cfg.qk_norm else None
+        # gpt-oss's sinks [num_heads] (this model's dtype; the backends take them in float32)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.attention_sinks else None
         self.backend = backend
         self.ops = ops
 
@@ -307,7 +314,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             q, k = self.ops.rotate(q, rope), self.ops.rotate(k, rope)
-        o = self.backend.forward(q, k, v, kv_cache, meta, self.sliding_window)
+        sinks = None if self.sinks is None else self.sinks.float()
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.sliding_window, sinks)
         return self.o_proj(o.reshape(num_tokens, -1))
 
 

@@ -1,5 +1,5 @@
 """Mixture-of-experts families on the Llama skeleton (gpu_worker/models/llama.py): Qwen3-MoE,
-Qwen2-MoE (a shared expert beside the routed ones), Mixtral and OLMoE.
+Qwen2-MoE (a shared expert beside the routed ones), Mixtral, OLMoE and gpt-oss.
 
 They share Llama's decoder layer (pre-norm attention, then an MLP) and differ in the MLP of
 their sparse layers: a router (`gate`, a Linear to one logit per expert) and `experts`
@@ -9,7 +9,10 @@ and added. Which layers are sparse: every `decoder_sparse_step`-th layer not in
 `mlp_only_layers` (Qwen-MoE), every layer (Mixtral, OLMoE); the others keep a dense MLP of
 `intermediate_size`. The attention side differs little: Qwen2-MoE has q/k/v biases (its
 `qkv_bias`), Qwen3-MoE Qwen3's per-head q/k norms, OLMoE an RMSNorm over the whole q and k
-projections (before the heads are split).
+projections (before the heads are split). gpt-oss's router (`mlp.router`, read as `gate`) has a
+bias and takes the top-k logits then a softmax over them; its experts have biases and the
+clamped SwiGLU on alternate gate/up columns; its attention (biases, sinks, alternating
+windows) is llama.py's with `LlamaConfig.attention_sinks`. It is served on one rank.
 
 `MoeConfig.from_hf` reads the fields; a field that would change outputs and is not served
 (a sliding window, OLMoE's `clip_qkv`, another activation) is refused by name.
@@ -33,10 +36,7 @@ from gpu_worker.layers.fused_moe import FusedMoE, Routing
 from gpu_worker.layers.linear import Linear
 from gpu_worker.layers.ops import TORCH_OPS, LayerOps
 
-MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
-# families whose expert blocks are built here but whose model is not served yet: gpt-oss's
-# attention (sinks, alternating sliding windows) comes with the attention variants
-BLOCK_ONLY_TYPES = ("gpt_oss",)
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,16 +54,18 @@ class MoeConfig:
     expert_bias: bool = False
     activation: str = "silu"
     swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> MoeConfig | None:
         """The expert fields of a MoE family's config, None for a dense model_type. Raises
         ValueError naming a field whose value is not served."""
         model_type = cfg.get("model_type", "")
-        if model_type not in MOE_MODEL_TYPES + BLOCK_ONLY_TYPES:
+        if model_type not in MOE_MODEL_TYPES:
             return None
         top_k = int(cfg["num_experts_per_tok"])
         if model_type == "gpt_oss":
+            _refuse_unserved_gpt_oss(cfg)
             return cls(
                 num_experts=int(cfg["num_local_experts"]),
                 width=int(cfg["intermediate_size"]),
@@ -75,6 +77,7 @@ class MoeConfig:
                 expert_bias=True,
                 activation="swiglu_clamp",
                 swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+                swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
             )
         _refuse_unserved(cfg, model_type)
         if model_type == "mixtral":
@@ -123,6 +126,14 @@ def _refuse_unserved(cfg: dict[str, Any], model_type: str) -> None:
         raise ValueError("qwen2_moe: shared_expert_intermediate_size must be > 0")
 
 
+def _refuse_unserved_gpt_oss(cfg: dict[str, Any]) -> None:
+    """gpt-oss's experts always run the clamped SwiGLU (transformers ignores hidden_act);
+    refuse what would change the routing."""
+    top_k, num = int(cfg["num_experts_per_tok"]), int(cfg["num_local_experts"])
+    if not 1 <= top_k <= num:
+        raise ValueError(f"num_experts_per_tok {top_k} is not in [1, {num}] experts")
+
+
 def qkv_bias(cfg: dict[str, Any]) -> bool:
     """Whether a MoE family's q/k/v projections have biases (Qwen2-MoE's `qkv_bias`)."""
     return cfg.get("model_type") == "qwen2_moe" and bool(cfg.get("qkv_bias", True))
@@ -132,6 +143,11 @@ def check_tensor_parallel(moe: MoeConfig, model_type: str, world: int, model: st
     """Refuse (ValueError naming --tensor-parallel-size) a MoE model that does not split."""
     if world == 1:
         return
+    if model_type == "gpt_oss":
+        raise ValueError(
+            f"--tensor-parallel-size {world}: {model} is gpt_oss, served on one rank "
+            "(its attention sinks and interleaved expert gate/up columns are not sharded)"
+        )
     if model_type == "olmoe":
         raise ValueError(
             f"--tensor-parallel-size {world}: {model} is olmoe, whose q/k norms span every "
@@ -182,6 +198,7 @@ class SparseMoeBlock(nn.Module):
             activation=moe.activation,
             bias=moe.expert_bias,
             swiglu_limit=moe.swiglu_limit,
+            swiglu_alpha=moe.swiglu_alpha,
             ops=ops,
         )
         self.shared_expert: SharedExpert | None = None

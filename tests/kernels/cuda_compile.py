@@ -32,6 +32,7 @@ from gpu_worker.kernels.gguf_matmul.reference import GGUF_BLOCKS, QTYPE_NAMES
 from gpu_worker.kernels.int8_matmul import kernel as int8
 from gpu_worker.kernels.kv_store import kernel as kv_store
 from gpu_worker.kernels.lora import kernel as lora
+from gpu_worker.kernels.mxfp4_matmul import kernel as mxfp4
 from gpu_worker.kernels.paged_decode import kernel as decode
 from gpu_worker.kernels.rmsnorm import kernel as rmsnorm
 from gpu_worker.kernels.rotary import kernel as rotary
@@ -224,6 +225,24 @@ def _moe(arch: int, dt: str) -> list[dict]:
     ]  # fmt: skip
 
 
+def _mxfp4(arch: int, dt: str) -> list[dict]:
+    """The MXFP4 GEMM (gpt-oss's experts) in the decode and the prefill tiles, with a bias."""
+    import torch
+
+    dtype = torch.float32 if dt == "fp32" else torch.bfloat16
+    pointers = {"x_ptr": f"*{dt}", "blocks_ptr": "*u8", "scales_ptr": "*u8",
+                "bias_ptr": f"*{dt}", "out_ptr": f"*{dt}"}  # fmt: skip
+    aligned = (*pointers, "K", "stride_xm", "stride_om")
+    rows = []
+    for m in (DECODE_M, PREFILL_M):
+        block_m, block_n, warps = mxfp4.mxfp4_tiles(m, dtype)
+        tiles = dict(HAS_BIAS=True, BLOCK_M=block_m, BLOCK_N=block_n,
+                     DOT_PRECISION=dot_precision(dtype))  # fmt: skip
+        rows.append(_compile(mxfp4._mxfp4_matmul_kernel, arch, pointers, tiles, aligned,
+                             num_warps=warps))  # fmt: skip
+    return rows
+
+
 def main(archs: list[int]) -> int:
     for i, arch in enumerate(archs):
         # the first architecture gets every variant, the others the bf16 production ones
@@ -232,7 +251,7 @@ def main(archs: list[int]) -> int:
                 for row in _attention(arch, dt, *shape):
                     print(json.dumps({"dtype": dt, "shape": list(shape), **row}), flush=True)
             rows = _elementwise(arch, dt) + _gguf(arch, dt) + _int8(arch, dt) + _lora(arch, dt)
-            for row in rows + _moe(arch, dt):
+            for row in rows + _moe(arch, dt) + _mxfp4(arch, dt):
                 print(json.dumps({"dtype": dt, **row}), flush=True)
     return 0
 

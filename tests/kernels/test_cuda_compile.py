@@ -16,7 +16,8 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 ROOT = Path(__file__).resolve().parents[2]
 # the smallest opt-in shared memory per block among the GPUs we target (sm_86/sm_89: 99 KB)
 MAX_SHARED_BYTES = 99 * 1024
-QUANT_KERNELS = ("_gguf_matmul_kernel", "_int8_matmul_kernel", "_quantize_rows_kernel")
+QUANT_KERNELS = ("_gguf_matmul_kernel", "_int8_matmul_kernel", "_quantize_rows_kernel",
+                 "_mxfp4_matmul_kernel")  # fmt: skip
 LORA_KERNELS = ("_lora_shrink_kernel", "_lora_expand_kernel", "_sgmv_shrink_kernel",
                 "_sgmv_expand_kernel")  # fmt: skip
 MOE_KERNELS = ("_moe_gate_up_kernel", "_moe_down_kernel")

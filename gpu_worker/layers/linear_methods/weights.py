@@ -3,6 +3,7 @@
     torch.Tensor  a float weight [out, in] (F32/F16/BF16 in any file, safetensors floats)
     GGUFWeight    GGUF blocks: one or more row ranges (shards), each of one ggml type
     Int8Weight    int8 [out, in] with a float32 scale per output row (W8A8, per channel)
+    MXFP4Weight   MXFP4 blocks (gpt-oss's experts): 4-bit E2M1 values, an E8M0 exponent per 32
 
 A fused layer (q/k/v, gate/up) concatenates its parts' rows. GGUF parts of one type become
 one shard; parts of different types (a "Q4_K_M" file keeps v in Q6_K, q and k in Q4_K) stay
@@ -48,7 +49,25 @@ class Int8Weight:
     scale: torch.Tensor  # float32 [out]
 
 
-CheckpointWeight = torch.Tensor | GGUFWeight | Int8Weight
+@dataclasses.dataclass(frozen=True)
+class MXFP4Weight:
+    """An MXFP4 weight [out, in] as gpt-oss checkpoints store it (transformers' integrations/
+    mxfp4.py): each row's values in groups of 32, a group 16 bytes of two E2M1 values (the low
+    nibble first) and one E8M0 exponent; W[o, 32 g + j] = FP4[nibble j] * 2 ** (scale - 127)."""
+
+    blocks: torch.Tensor  # uint8 [out, in / 32, 16]
+    scales: torch.Tensor  # uint8 [out, in / 32]
+
+    @property
+    def out_features(self) -> int:
+        return int(self.blocks.shape[0])
+
+    @property
+    def in_features(self) -> int:
+        return int(self.blocks.shape[1]) * 32
+
+
+CheckpointWeight = torch.Tensor | GGUFWeight | Int8Weight | MXFP4Weight
 
 
 def concat_rows(parts: list[CheckpointWeight]) -> CheckpointWeight:

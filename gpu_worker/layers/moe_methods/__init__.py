@@ -1,6 +1,7 @@
 """The MoE methods (gpu_worker/layers/fused_moe.py's pattern) beside the torch reference:
 CPU float, GGUF and int8 experts, each calling the kernels its linear counterpart calls
-(gpu_worker/layers/linear_methods/), and float experts on CUDA by the Triton fused MoE.
+(gpu_worker/layers/linear_methods/), MXFP4 experts (gpt-oss as shipped) by their own kernel,
+and float experts on CUDA by the Triton fused MoE.
 `moe_method` picks one per layer at load."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from gpu_worker.layers.fused_moe import ExpertWeights, FloatMoEMethod, MoEMethod
-from gpu_worker.layers.linear_methods.weights import GGUFWeight, Int8Weight
+from gpu_worker.layers.linear_methods.weights import GGUFWeight, Int8Weight, MXFP4Weight
 
 if TYPE_CHECKING:
     from gpu_worker.layers.kernel_choice import KernelChoice
@@ -22,6 +23,10 @@ def moe_method(kernels: KernelChoice, experts: ExpertWeights) -> MoEMethod:
         from gpu_worker.layers.moe_methods.gguf import GGUFMoEMethod
 
         return GGUFMoEMethod(kernels.quantized_kernel, kernels.dtype)
+    if isinstance(first, MXFP4Weight):
+        from gpu_worker.layers.moe_methods.mxfp4 import MXFP4MoEMethod
+
+        return MXFP4MoEMethod(kernels.quantized_kernel)  # "cpu", "triton" or "torch"
     if isinstance(first, Int8Weight):
         from gpu_worker.layers.moe_methods.int8 import Int8MoEMethod
 
