@@ -4,6 +4,7 @@ batched prompts, /tokenize and /detokenize (answered by a tokenizer process), /p
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -169,21 +170,14 @@ def test_streamed_prompt_logprobs_come_in_the_first_chunk(server: Server) -> Non
 
 def test_cached_tokens_count_the_prompt_served_by_the_prefix_cache(client: openai.OpenAI) -> None:
     """usage.prompt_tokens_details.cached_tokens (input_tokens_details in the Responses API):
-    0 on a prompt's first sight, whole blocks of it when the same prompt comes again, in the
-    chat answer, a completions stream's usage chunk and a response."""
-    text = "A tale of ships and harbours, told slowly: " + " ".join(
+    0 on a prompt's first sight, whole blocks of it when the same prompt comes again, in a
+    completions answer and stream's usage chunk, the chat answer and a response."""
+    text = f"{uuid.uuid4().hex}: a tale of ships and harbours, told slowly: " + " ".join(
         f"the {w} sailed at dawn and came home at dusk;" for w in ("Ada", "Brig", "Cora", "Dove")
     )
-    chat = [{"role": "user", "content": text}]
-    first = client.chat.completions.create(model="smol", messages=chat, max_tokens=2)
-    again = client.chat.completions.create(model="smol", messages=chat, max_tokens=2)
-    assert first.usage is not None and again.usage is not None
-    assert first.usage.prompt_tokens_details is not None
-    assert first.usage.prompt_tokens_details.cached_tokens == 0
-    cached = again.usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
-    assert cached is not None and 16 <= cached < again.usage.prompt_tokens and cached % 16 == 0
-
-    client.completions.create(model="smol", prompt=text, max_tokens=2)
+    first = client.completions.create(model="smol", prompt=text, max_tokens=2)
+    assert first.usage is not None and first.usage.prompt_tokens_details is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0  # (no block of it seen yet)
     stream = client.completions.create(
         model="smol",
         prompt=text,
@@ -195,6 +189,16 @@ def test_cached_tokens_count_the_prompt_served_by_the_prefix_cache(client: opena
     assert len(usage) == 1 and usage[0].prompt_tokens_details is not None
     cached = usage[0].prompt_tokens_details.cached_tokens
     assert cached is not None and 16 <= cached < usage[0].prompt_tokens and cached % 16 == 0
+
+    chat = [{"role": "user", "content": text}]
+    once = client.chat.completions.create(model="smol", messages=chat, max_tokens=2)
+    again = client.chat.completions.create(model="smol", messages=chat, max_tokens=2)
+    assert once.usage is not None and again.usage is not None
+    assert once.usage.prompt_tokens_details is not None
+    assert again.usage.prompt_tokens_details is not None
+    before = once.usage.prompt_tokens_details.cached_tokens or 0  # (the template's own start)
+    cached = again.usage.prompt_tokens_details.cached_tokens or 0
+    assert before < cached < again.usage.prompt_tokens and cached % 16 == 0
 
     response = client.responses.create(model="smol", input=text, max_output_tokens=2)
     assert response.usage is not None
