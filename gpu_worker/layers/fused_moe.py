@@ -160,8 +160,16 @@ class MoEMethod(Protocol):
         ...
 
 
+class ExpertProjections(Protocol):
+    """What grouped_experts needs of a method: each expert's two projections."""
+
+    def gate_up(self, layer: FusedMoE, expert: int, x: torch.Tensor) -> torch.Tensor: ...
+
+    def down(self, layer: FusedMoE, expert: int, x: torch.Tensor) -> torch.Tensor: ...
+
+
 def grouped_experts(
-    method: MoEMethod,
+    method: ExpertProjections,
     layer: FusedMoE,
     x: torch.Tensor,
     weights: torch.Tensor,
@@ -286,6 +294,29 @@ def check_shape(layer: FusedMoE, name: str, got: tuple[int, ...]) -> None:
     want = tuple(layer.get_parameter(name).shape)
     if got != want:
         raise ValueError(f"MoE {name} {list(got)} does not fit a layer {list(want)}")
+
+
+class ProjectedExperts:
+    """What a method whose experts are stored per projection shares: gate_up and down are
+    its `_project` of the stacked "w13" / "w2" weights, the layer runs grouped_experts, and
+    nothing is resident beside the weights."""
+
+    def _project(self, layer: FusedMoE, prefix: str, expert: int, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def gate_up(self, layer: FusedMoE, expert: int, x: torch.Tensor) -> torch.Tensor:
+        return self._project(layer, "w13", expert, x)
+
+    def down(self, layer: FusedMoE, expert: int, x: torch.Tensor) -> torch.Tensor:
+        return self._project(layer, "w2", expert, x)
+
+    def apply(
+        self, layer: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        return grouped_experts(self, layer, x, weights, ids)
+
+    def extra_bytes(self, layer: FusedMoE) -> int:
+        return 0
 
 
 class FloatMoEMethod:

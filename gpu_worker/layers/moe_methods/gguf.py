@@ -15,7 +15,13 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.cpu import moe as cpu_moe
-from gpu_worker.layers.fused_moe import ExpertWeights, FusedMoE, check_shape, grouped_experts
+from gpu_worker.layers.fused_moe import (
+    ExpertWeights,
+    FusedMoE,
+    ProjectedExperts,
+    check_shape,
+    grouped_experts,
+)
 from gpu_worker.layers.linear import set_parameter
 from gpu_worker.layers.linear_methods.gguf import _shard_matmul, dequantize_weight, shard_names
 from gpu_worker.layers.linear_methods.weights import CheckpointWeight, GGUFWeight
@@ -31,7 +37,7 @@ def _gguf(parts: list[CheckpointWeight], what: str) -> list[GGUFWeight]:
     return out
 
 
-class GGUFMoEMethod:
+class GGUFMoEMethod(ProjectedExperts):
     """GGUF experts (see the module docstring); one instance per layer."""
 
     name = "gguf"
@@ -96,12 +102,6 @@ class GGUFMoEMethod:
         y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         return y if b is None else y + b
 
-    def gate_up(self, layer: FusedMoE, expert: int, x: torch.Tensor) -> torch.Tensor:
-        return self._project(layer, "w13", expert, x)
-
-    def down(self, layer: FusedMoE, expert: int, x: torch.Tensor) -> torch.Tensor:
-        return self._project(layer, "w2", expert, x)
-
     def apply(
         self, layer: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     ) -> torch.Tensor:
@@ -115,9 +115,6 @@ class GGUFMoEMethod:
                 layer.count_tokens(counts)
                 return y
         return grouped_experts(self, layer, x, weights, ids)
-
-    def extra_bytes(self, layer: FusedMoE) -> int:
-        return 0
 
     @property
     def storage(self) -> str:

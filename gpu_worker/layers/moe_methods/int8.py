@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from gpu_worker.cpu import int8
-from gpu_worker.layers.fused_moe import ExpertWeights, FusedMoE, check_shape, grouped_experts
+from gpu_worker.layers.fused_moe import ExpertWeights, FusedMoE, ProjectedExperts, check_shape
 from gpu_worker.layers.linear import set_parameter
 from gpu_worker.layers.linear_methods.weights import CheckpointWeight, Int8Weight
 
@@ -21,7 +21,7 @@ def _int8(parts: list[CheckpointWeight], what: str) -> list[Int8Weight]:
     return out
 
 
-class Int8MoEMethod:
+class Int8MoEMethod(ProjectedExperts):
     """int8 experts (see the module docstring); one instance per layer."""
 
     name = "int8"
@@ -62,20 +62,6 @@ class Int8MoEMethod:
             return y if bias is None else y + bias.to(y.dtype)
         y = int8.int8_linear_torch(x.to(torch.float32), w, scale, bias)
         return y.to(x.dtype)
-
-    def gate_up(self, layer: FusedMoE, expert: int, x: torch.Tensor) -> torch.Tensor:
-        return self._project(layer, "w13", expert, x)
-
-    def down(self, layer: FusedMoE, expert: int, x: torch.Tensor) -> torch.Tensor:
-        return self._project(layer, "w2", expert, x)
-
-    def apply(
-        self, layer: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-    ) -> torch.Tensor:
-        return grouped_experts(self, layer, x, weights, ids)
-
-    def extra_bytes(self, layer: FusedMoE) -> int:
-        return 0
 
     storage = "int8"
 

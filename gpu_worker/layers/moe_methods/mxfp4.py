@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.cpu import mxfp4 as cpu_mxfp4
-from gpu_worker.layers.fused_moe import ExpertWeights, FusedMoE, check_shape, grouped_experts
+from gpu_worker.layers.fused_moe import ExpertWeights, FusedMoE, ProjectedExperts, check_shape
 from gpu_worker.layers.linear import set_parameter
 from gpu_worker.layers.linear_methods.weights import CheckpointWeight, MXFP4Weight
 
@@ -53,7 +53,7 @@ def _mxfp4(parts: list[CheckpointWeight], what: str) -> list[MXFP4Weight]:
     return out
 
 
-class MXFP4MoEMethod:
+class MXFP4MoEMethod(ProjectedExperts):
     """MXFP4 experts (see the module docstring); one instance per layer."""
 
     name = "mxfp4"
@@ -104,20 +104,6 @@ class MXFP4MoEMethod:
 
             return mxfp4_matmul(x.contiguous(), blocks, scales, bias)
         return F.linear(x, dequantize_mxfp4(blocks, scales, x.dtype), bias)
-
-    def gate_up(self, layer: FusedMoE, expert: int, x: torch.Tensor) -> torch.Tensor:
-        return self._project(layer, "w13", expert, x)
-
-    def down(self, layer: FusedMoE, expert: int, x: torch.Tensor) -> torch.Tensor:
-        return self._project(layer, "w2", expert, x)
-
-    def apply(
-        self, layer: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-    ) -> torch.Tensor:
-        return grouped_experts(self, layer, x, weights, ids)
-
-    def extra_bytes(self, layer: FusedMoE) -> int:
-        return 0
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(kernel={self.kernel})"
