@@ -40,6 +40,12 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self, *, decode_num_splits: int = DEFAULT_NUM_SPLITS, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        if self.kv_format.quantized:
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_format.name} is not implemented by the triton "
+                "attention backend (its kernels read float K/V); use --attention-backend torch "
+                "or --kv-cache-dtype auto"
+            )
         if self.device.type != "cuda" and not interpreting():
             raise ValueError(
                 f"the triton attention backend needs a CUDA device, got {self.device} "
