@@ -111,8 +111,8 @@ class WorkerActor(Actor):
         info = self.runner.model_info()
         log.info("model loaded: %s", info)
         self.report_progress(
-            f"model loaded: {info.num_blocks} KV blocks of {info.block_size} tokens, "
-            f"{info.dtype} on {info.device}"
+            f"model loaded: {info.num_blocks} KV blocks of {info.block_size} tokens "
+            f"({info.kv_cache_dtype} KV), {info.dtype} on {info.device}"
         )
 
     def _join_group(self) -> TensorParallel | None:

@@ -154,6 +154,7 @@ class ModelInfo:
     eos_token_ids: list[int]
     weights_version: str
     num_host_blocks: int = 0  # host-memory blocks for swapped-out KV
+    kv_cache_dtype: str = ""  # how KV rows are stored: the float dtype, int8, fp8_e4m3, fp8_e5m2
     device: str = ""
     speculative: str = ""  # the speculative method, "" = off
     tensor_parallel_size: int = 1

@@ -230,6 +230,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
             eos_token_ids=list(self.eos_token_ids),
             weights_version=self.default_version,
             num_host_blocks=self.num_host_blocks,
+            kv_cache_dtype=self.kv_cache.format.describe(),
             device=str(self.device),
             speculative=self.options.speculative,
             tensor_parallel_size=self.tp.size,
