@@ -163,7 +163,6 @@ def test_backend_stores_quantized_and_attends(name: str, variant: str, extras: s
 @pytest.mark.parametrize("name", FORMATS)
 def test_batch_invariant_rows_same_bits_however_chunked(name: str) -> None:
     """A prompt attended in one chunk, in two, or token by token: the same bits."""
-    fmt = KVFormat.create(name, torch.float32)
     gen = torch.Generator().manual_seed(5)
     n = 21
     q = torch.randn(n, 6, 64, generator=gen)
