@@ -181,12 +181,3 @@ def test_batch_invariant_rows_same_bits_however_chunked(name: str) -> None:
             )
         results.append(torch.cat(outs))
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
-
-
-def test_triton_backend_refuses_quantized_kv_by_name() -> None:
-    pytest.importorskip("triton")
-    with pytest.raises(ValueError, match="kv_cache_dtype int8"):
-        create_backend(
-            "triton", num_heads=2, num_kv_heads=2, head_dim=16, dtype=torch.float32,
-            device=torch.device("cpu"), kv_cache_dtype="int8",
-        )  # fmt: skip
