@@ -13,7 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: (y + M) - M rounds |y| < 2**22 to nearest even
+# 1.5 * 2**23: (y + M) - M rounds |y| < 2**22 to nearest even
+ROUND_MAGIC = tl.constexpr(12582912.0)
 
 
 @triton.jit
