@@ -89,6 +89,55 @@ static void fp8_tables_init(void) {
     fp8_ready = 1;
 }
 
+/* x [d] rounded to fp8 bits (RNE, clamped to +-max): exact power-of-2 scalings and rintf, as
+ * torch converts float32 to float8 (man_bits 3 / bias 7 for e4m3fn, 2 / 15 for e5m2). */
+static uint8_t fp8_encode(float x, float max, int man_bits, int bias) {
+    float a = fabsf(x) < max ? fabsf(x) : max;
+    int e;
+    frexpf(a, &e); /* a = f * 2^e, f in [0.5, 1): the unbiased exponent is e - 1 */
+    e = a == 0.0f ? 1 - bias : e - 1;
+    if (e < 1 - bias) e = 1 - bias;
+    float r = ldexpf(rintf(ldexpf(a, man_bits - e)), e - man_bits);
+    int bits = 0;
+    if (r != 0.0f) {
+        int re;
+        float f = frexpf(r, &re);
+        re -= 1;
+        if (re < 1 - bias)
+            bits = (int)ldexpf(r, bias - 1 + man_bits); /* a subnormal's mantissa */
+        else
+            bits = ((re + bias) << man_bits) | ((int)ldexpf(2.0f * f - 1.0f, man_bits));
+    }
+    return (uint8_t)(x < 0.0f ? bits | 128 : bits);
+}
+
+/* A row of d floats stored as `kind` at dst (gpu_worker/kv_quant.py's quantize, bit for bit:
+ * no reciprocal for the int8 division, whatever the file's -ffast-math). */
+__attribute__((optimize("no-fast-math"))) static void store_row(void *dst, int kind,
+                                                                const float *x, int d) {
+    if (kind == KV_F32) {
+        memcpy(dst, x, sizeof(float) * d);
+    } else if (kind == KV_BF16) {
+        uint16_t *o = dst;
+        for (int e = 0; e < d; e++) o[e] = f32_to_bf16(x[e]);
+    } else if (kind == KV_INT8) {
+        float amax = 0.0f;
+        for (int e = 0; e < d; e++) amax = fabsf(x[e]) > amax ? fabsf(x[e]) : amax;
+        float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+        int8_t *o = dst;
+        for (int e = 0; e < d; e++) {
+            float q = rintf(x[e] / scale);
+            o[e] = (int8_t)(q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q);
+        }
+        memcpy(o + d, &scale, sizeof scale);
+    } else {
+        uint8_t *o = dst;
+        int e4m3 = kind == KV_FP8_E4M3;
+        for (int e = 0; e < d; e++)
+            o[e] = fp8_encode(x[e], e4m3 ? 448.0f : 57344.0f, e4m3 ? 3 : 2, e4m3 ? 7 : 15);
+    }
+}
+
 /* The rows of heads [h0, h0 + nh) at `slot`, as float32: in place for float32, else
  * converted into buf. */
 static inline const float *load_rows(const void *cache, int kind, int64_t slot, int kvh, int h0,
@@ -305,4 +354,10 @@ int paged_decode(const float *q, const void *k_cache, const void *v_cache, int k
         free(scores);
     }
     return failed ? -1 : 0;
+}
+
+/* For the tests: `rows` rows of d floats stored as `kind` one after another (row_bytes). */
+void shuttle_test_store_row(void *dst, int kind, const float *x, int d, int rows) {
+    for (int r = 0; r < rows; r++)
+        store_row((char *)dst + r * row_bytes(kind, d), kind, x + (size_t)r * d, d);
 }

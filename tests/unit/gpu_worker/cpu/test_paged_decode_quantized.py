@@ -181,3 +181,29 @@ def test_batch_invariant_rows_same_bits_however_chunked(name: str) -> None:
             )
         results.append(torch.cat(outs))
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", FORMATS)
+def test_c_store_writes_the_bits_torch_writes(name: str) -> None:
+    """The one-call step's C store (paged_decode.c's store_row) against KVFormat.quantize."""
+    import ctypes
+
+    from gpu_worker.cpu import one_call_step
+
+    lib = one_call_step.load()
+    if lib is None:
+        pytest.skip("no C compiler here")
+    lib.shuttle_test_store_row.restype = None
+    lib.shuttle_test_store_row.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                           ctypes.c_int, ctypes.c_int]  # fmt: skip
+    fmt = KVFormat.create(name, torch.float32)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(400, 64, generator=gen) * torch.logspace(-7, 3, 400)[:, None]
+    x[0, :4] = torch.tensor([0.5 * 2**-9, 1.5 * 2**-9, 1000.0, -70000.0])  # ties, clamps
+    x[1] = 0.0
+    x[2, :8] = torch.tensor([0.5, 1.5, 2.5, -0.5, 3.5, 126.5, -126.5, 2**-17])  # int8 ties
+    want = fmt.quantize(x)
+    got = torch.empty_like(want)
+    lib.shuttle_test_store_row(got.data_ptr(), fmt.kind, x.data_ptr(), 64, 400)
+    assert torch.equal(got, want)
