@@ -47,7 +47,10 @@ def prompts() -> list[list[int]]:
 
 def _runner(tiny: Path, kv: str) -> ModelRunner:
     return ModelRunner(
-        str(tiny), RunnerOptions(block_size=8, num_blocks=96, num_threads=2, kv_cache_dtype=kv)
+        str(tiny),
+        RunnerOptions(
+            block_size=8, num_blocks=96, num_threads=2, kv_cache_dtype=kv, swap_space_gib=0.01
+        ),
     )
 
 
@@ -73,6 +76,13 @@ def test_greedy_alone_equals_any_batch(tiny: Path, prompts: list[list[int]], kv:
     tight = LocalEngine(runner, PolicyConfig(watermark=0.0), num_blocks=10, prefix_caching=False)
     assert _serve(tight, prompts) == alone
     assert tight.policy.num_preemptions > 0
+    # preempted by swapping: the quantized blocks (their scales inside) to host memory and back
+    swapping = LocalEngine(
+        runner, PolicyConfig(watermark=0.0, preemption_mode="swap"), num_blocks=10,
+        prefix_caching=False,
+    )  # fmt: skip
+    assert _serve(swapping, prompts) == alone
+    assert swapping.policy.num_swaps > 0
 
 
 @pytest.mark.parametrize("kv", ["auto", "int8", "fp8_e4m3", "fp8_e5m2"])
