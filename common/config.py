@@ -125,6 +125,11 @@ class CacheConfig:
     kv_cache_memory: float = _field(1.0, "KV cache size in GiB on CPU")
     gpu_memory_utilization: float = _field(0.9, "fraction of GPU memory for weights + KV")
     swap_space: float = _field(1.0, "host memory in GiB for swapped-out KV (preemption swap)")
+    kv_cache_dtype: str = _field(
+        "auto",
+        "KV cache storage: auto (the model's dtype) | int8 (a scale per token and head) | "
+        "fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2 (scale 1)",
+    )
     enable_prefix_caching: bool = _field(True, "share KV of common prompt prefixes")
     # the prefix cache's lower tiers (gpu_worker/kv_tiers.py, services/scheduler/kv_tiers.py)
     kv_offload_memory: float = _field(
@@ -158,6 +163,11 @@ class CacheConfig:
             not self.kv_offload_memory or self.enable_prefix_caching,
             "kv_offload_memory",
             "0 without prefix caching (the tiers hold prefix-cache blocks)",
+        )
+        _check(
+            self.kv_cache_dtype in ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"),
+            "kv_cache_dtype",
+            "auto, int8, fp8, fp8_e4m3 or fp8_e5m2",
         )
 
 

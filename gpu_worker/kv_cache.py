@@ -1,6 +1,10 @@
 """The paged KV cache: one tensor for all layers, sized from a memory budget.
 
-    kv [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
+    kv [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, row_width]
+
+row_width is head_dim, or head_dim + 4 bytes for int8 rows with their scale (a quantized
+cache, `--kv-cache-dtype`, stores rows as gpu_worker/kv_quant.py says): a block's bytes,
+kv[:, :, block], are all that is needed to read it back.
 
 A token's slot is `block_id * block_size + offset`; the scheduler owns which blocks a
 request holds, the worker only reads and writes the slots it is told.
@@ -11,16 +15,23 @@ from __future__ import annotations
 import torch
 
 from gpu_worker.cpu import huge_pages as cpu_huge_pages
+from gpu_worker.kv_quant import KVFormat
 
 GIB = 1 << 30
 
 
 def bytes_per_block(
-    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    num_layers: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    kv_cache_dtype: str = "auto",
 ) -> int:
-    """K and V of one block across every layer."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return num_layers * 2 * block_size * num_kv_heads * head_dim * itemsize
+    """K and V of one block across every layer, stored as `kv_cache_dtype` says."""
+    fmt = KVFormat.create(kv_cache_dtype, dtype)
+    itemsize = torch.empty((), dtype=fmt.storage_dtype).element_size()
+    return num_layers * 2 * block_size * num_kv_heads * fmt.row_width(head_dim) * itemsize
 
 
 def cuda_kv_budget_bytes(device: torch.device, gpu_memory_utilization: float) -> int:
@@ -46,14 +57,25 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         huge_pages: bool = False,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """`huge_pages`: on the CPU, the tensor in transparent huge pages (gpu_worker/cpu/
-        huge_pages.py) where the kernel has them."""
+        huge_pages.py) where the kernel has them; `kv_cache_dtype`: auto (`dtype`) or a
+        quantized format (gpu_worker/kv_quant.py)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of one slot, got {num_blocks}x{block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        self.format = KVFormat.create(kv_cache_dtype, dtype)
+        dtype = self.format.storage_dtype
+        shape = (
+            num_layers,
+            2,
+            num_blocks,
+            block_size,
+            num_kv_heads,
+            self.format.row_width(head_dim),
+        )
         # zeros, not empty: a masked score of 0 times a NaN from stale memory is still NaN
         if huge_pages and device.type == "cpu" and cpu_huge_pages.available():
             self.tensor = cpu_huge_pages.zeros(shape, dtype)
@@ -123,7 +145,7 @@ class KVCache:
         self.tensor[:, :, dst] = self.tensor[:, :, src]
 
     def layer(self, i: int) -> torch.Tensor:
-        """[2, num_blocks, block_size, num_kv_heads, head_dim], a view."""
+        """[2, num_blocks, block_size, num_kv_heads, row_width], a view."""
         return self.tensor[i]
 
     @property

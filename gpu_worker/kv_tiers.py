@@ -263,7 +263,9 @@ class KVTierStore:
             num_disk = tp.agree_min(int(disk_gib * GIB) // per_block)
             shape = kv.block_shape
             layout = {
-                "dtype": str(kv.tensor.dtype).removeprefix("torch."),
+                # the KV format, not only the tensor's dtype: fp8 e4m3 and e5m2 rows are
+                # both uint8, and one must never read the other's bytes
+                "dtype": kv.format.describe(),
                 "shape": list(shape),
                 "num_layers": shape[0],
                 "block_size": kv.block_size,

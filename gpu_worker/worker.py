@@ -113,8 +113,8 @@ class WorkerActor(Actor):
         shown = dataclasses.replace(info, tier_disk_keys=[], tier_disk_tokens=[])
         log.info("model loaded: %s (%d blocks on disk)", shown, len(info.tier_disk_keys))
         self.report_progress(
-            f"model loaded: {info.num_blocks} KV blocks of {info.block_size} tokens, "
-            f"{info.dtype} on {info.device}"
+            f"model loaded: {info.num_blocks} KV blocks of {info.block_size} tokens "
+            f"({info.kv_cache_dtype} KV), {info.dtype} on {info.device}"
         )
 
     async def stop(self) -> None:

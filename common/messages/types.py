@@ -165,6 +165,7 @@ class ModelInfo:
     tier_store_id: str = ""  # a new id: the worker's tiers were rebuilt (start, drain swap)
     kv_pool_id: str = ""  # a new id: the worker allocated a new KV pool (start, drain swap),
     # whose blocks hold nothing: the scheduler's prefix cache of the old pool is forgotten
+    kv_cache_dtype: str = ""  # how KV rows are stored: the float dtype, int8, fp8_e4m3, fp8_e5m2
     device: str = ""
     speculative: str = ""  # the speculative method, "" = off
     tensor_parallel_size: int = 1

@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 import torch
 
 from gpu_worker.attention.metadata import AttentionMetadata, build_metadata
+from gpu_worker.kv_quant import KVFormat
 
 
 class AttentionBackend(abc.ABC):
@@ -16,7 +17,9 @@ class AttentionBackend(abc.ABC):
     One instance serves every layer of a model. `build_metadata` runs once per step and may
     add backend-specific fields (masks, index lists) to the common metadata; `forward` runs
     once per layer with that metadata and the layer's cache
-    `kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim]`.
+    `kv_cache [2, num_blocks, block_size, num_kv_heads, row_width]` (row_width: head_dim, or
+    the quantized row of `kv_cache_dtype`, gpu_worker/kv_quant.py: the backend quantizes each
+    new token's K and V as it stores them, once, and reads the quantized rows back).
 
     Scores are q.k * `scale` (head_dim ** -0.5 unless the model says otherwise: Gemma's
     query_pre_attn_scalar ** -0.5), soft-capped to softcap * tanh(s / softcap) where
@@ -40,6 +43,7 @@ class AttentionBackend(abc.ABC):
         device: torch.device,
         scale: float | None = None,
         softcap: float = 0.0,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} heads do not split into {num_kv_heads} KV heads")
@@ -52,6 +56,7 @@ class AttentionBackend(abc.ABC):
         self.device = device
         self.scale = head_dim**-0.5 if scale is None else scale
         self.softcap = softcap
+        self.kv_format = KVFormat.create(kv_cache_dtype, dtype)
 
     def build_metadata(self, common: AttentionMetadata) -> AttentionMetadata:
         """Per-step extras for this backend; the common metadata alone by default."""

@@ -94,7 +94,9 @@ class TorchAttentionBackend(AttentionBackend):
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         assert isinstance(meta, TorchAttentionMetadata), "call build_metadata first"
-        _store_kv(kv_cache, k, v, meta.slot_mapping)
+        _store_kv(
+            kv_cache, self.kv_format.quantize(k), self.kv_format.quantize(v), meta.slot_mapping
+        )
         num_decodes = meta.num_decodes
         if num_decodes == meta.num_reqs:  # a decode-only step: no output to assemble
             return self._decode(q, kv_cache, meta, window, sinks)
@@ -135,7 +137,15 @@ class TorchAttentionBackend(AttentionBackend):
         assert tables is not None
         if self.cpu_decode_kernel:
             o = paged_decode.paged_decode(
-                q, kv_cache, tables, seq_lens, self.scale, window, self.softcap, sinks
+                q,
+                kv_cache,
+                tables,
+                seq_lens,
+                self.scale,
+                window,
+                self.softcap,
+                sinks,
+                kv_format=self.kv_format,
             )
             if o is not None:
                 return o
@@ -153,8 +163,8 @@ class TorchAttentionBackend(AttentionBackend):
         """Whole blocks gathered into the workspace, then SDPA with GQA folded into q."""
         n = q.shape[0]
         k, v = self._gather(kv_cache, tables.reshape(-1))
-        k = k.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        k = k.reshape(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.reshape(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q_per_kv = self.num_heads // self.num_kv_heads
         q = q.reshape(n, self.num_kv_heads, q_per_kv, self.head_dim)
         mask = torch.zeros(n, k.shape[2], dtype=q.dtype, device=q.device)
@@ -213,14 +223,15 @@ class TorchAttentionBackend(AttentionBackend):
         mask = meta.extend_masks[r - meta.num_decodes]
         if window > 0 and meta.seq_lens_host[r] > window:  # some keys fall out of the window
             mask = self._window_mask(meta, r, window)
-        if meta.num_computed_host[r] == 0:  # nothing cached before: its own K/V is the context
+        if meta.num_computed_host[r] == 0 and not self.kv_format.quantized:
+            # nothing cached before: its own K/V is the context (quantized: read back as stored)
             kr, vr = k[start:end], v[start:end]
         else:
             seq_len = meta.seq_lens_host[r]
             num_blocks = _cdiv(seq_len, meta.block_size)
             kr, vr = self._gather(kv_cache, meta.block_tables[r, :num_blocks])
-            kr = kr.view(-1, self.num_kv_heads, self.head_dim)[:seq_len]
-            vr = vr.view(-1, self.num_kv_heads, self.head_dim)[:seq_len]
+            kr = kr.reshape(-1, self.num_kv_heads, self.head_dim)[:seq_len]
+            vr = vr.reshape(-1, self.num_kv_heads, self.head_dim)[:seq_len]
         if self.softcap > 0 or sinks is not None:
             return self._extend_manual(q[start:end], kr, vr, mask, sinks)
         # 4-D [1, heads, tokens, dim]: with 3-D inputs the CPU dispatches to the math kernel
@@ -278,13 +289,22 @@ class TorchAttentionBackend(AttentionBackend):
         table = meta.block_tables[r : r + 1].expand(n, -1)  # one table for every row
         lens = torch.arange(first + 1, first + n + 1, dtype=torch.int32)
         return paged_decode.paged_decode(
-            q, kv_cache, table, lens, self.scale, window, self.softcap, sinks
+            q,
+            kv_cache,
+            table,
+            lens,
+            self.scale,
+            window,
+            self.softcap,
+            sinks,
+            kv_format=self.kv_format,
         )
 
     def _gather(
         self, kv_cache: torch.Tensor, block_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Whole blocks of K and V into the reused workspace: [n, block_size, kv_heads, dim]."""
+        """Whole blocks of K and V into the reused workspace: [n, block_size, kv_heads, dim]
+        (a quantized cache's rows read back in the model's dtype)."""
         n = block_ids.numel()
         capacity = 0 if self._workspace is None else self._workspace[0].shape[0]
         if capacity < n:  # grow geometrically so steady state never allocates
@@ -297,6 +317,8 @@ class TorchAttentionBackend(AttentionBackend):
         k_buf, v_buf = self._workspace
         k = torch.index_select(kv_cache[0], 0, block_ids, out=k_buf[:n])
         v = torch.index_select(kv_cache[1], 0, block_ids, out=v_buf[:n])
+        if self.kv_format.quantized:
+            return self.kv_format.dequantize(k), self.kv_format.dequantize(v)
         return k, v
 
 

@@ -2,7 +2,8 @@
 
 Per layer and step, three launches at most:
 
-    store_kv          the step's new K/V into their slots (negative slot: padding, skipped)
+    store_kv          the step's new K/V into their slots (negative slot: padding, skipped),
+                      quantized once there with --kv-cache-dtype int8/fp8 (kernels/kv_rows.py)
     paged_decode      requests [0, num_decodes): one query each, split-K over the context
     extend_attention  the other requests: their new tokens, causal, over the cached prefix
 
@@ -65,7 +66,8 @@ class TritonAttentionBackend(AttentionBackend):
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         assert isinstance(meta, TritonAttentionMetadata), "call build_metadata first"
-        store_kv(k, v, kv_cache, meta.slot_mapping)
+        kv_dtype = self.kv_format.name
+        store_kv(k, v, kv_cache, meta.slot_mapping, kv_dtype)
         out = torch.empty_like(q)
         n = meta.num_decodes
         if n:
@@ -80,6 +82,7 @@ class TritonAttentionBackend(AttentionBackend):
                 sinks=sinks,
                 num_splits=self.decode_num_splits,
                 out=out[:n],
+                kv_cache_dtype=kv_dtype,
             )
         if n < meta.num_reqs:
             extend_attention(
@@ -94,5 +97,6 @@ class TritonAttentionBackend(AttentionBackend):
                 softcap=self.softcap,
                 sinks=sinks,
                 out=out,
+                kv_cache_dtype=kv_dtype,
             )
         return out

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
+from gpu_worker.kv_quant import KVFormat
+
 if TYPE_CHECKING:
     from gpu_worker.cpu.one_call_step import DecodeLinear, Keep
 
@@ -40,6 +42,11 @@ class OneCallBackend(Protocol):
     @property
     def cpu_decode_kernel(self) -> bool:
         """Decodes run paged_decode.c, the kernel the C loop attends with."""
+        ...
+
+    @property
+    def kv_format(self) -> KVFormat:
+        """How the cache's rows are stored (the C loop stores and reads them so)."""
         ...
 
 

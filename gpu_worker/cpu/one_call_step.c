@@ -17,7 +17,7 @@
  *
  * Each linear runs the kernel of its layer's linear method (run_linear): float32 or bf16
  * weights (linear.c), GGUF blocks (gguf.c), int8 W8A8 (int8.c), the same kernels the layers
- * call one by one. A bfloat16 model (bf16 weights, kv_bf16) runs the same loop with linear.c's
+ * call one by one. A bfloat16 model (bf16 weights, a bf16 cache) runs the same loop with linear.c's
  * bf16 path and a bf16 cache (K/V rounded to nearest even as they are stored, as torch
  * rounds); activations stay float32 between the kernels, where torch's bf16 layers round
  * each op's output to bf16, so it equals that path only within bf16's precision
@@ -112,7 +112,8 @@ static int run_linear(const decode_linear_t *L, const float *x, int n, float *y,
 
 /* Returns 0; 1 when the shapes are outside what it takes (n > MAX_ROWS), 2 when memory ran
  * out or a kernel refused (the caller runs the layers one by one). kv_base is the cache
- * [layers, 2, blocks, bs, kvh, d] (float32, or bf16 with kv_bf16): layer l's K at
+ * [layers, 2, blocks, bs, kvh, row] (rows as kv_kind stores them, paged_decode.c: float32,
+ * bf16, int8 with its scale, fp8 e4m3 / e5m2; each new row quantized once): layer l's K at
  * l * layer_stride, its V half_stride further (elements). lora_slots [n]: each row's adapter
  * slot (-1: none), or NULL when no row has one (the step then costs nothing more). */
 int decode_forward(const decode_layer_t *layers, int num_layers, float *x, int n, int hidden,
@@ -120,7 +121,7 @@ int decode_forward(const decode_layer_t *layers, int num_layers, float *x, int n
                    const float *sin_t, const int64_t *positions, const int64_t *slots,
                    void *kv_base, int64_t layer_stride, int64_t half_stride,
                    const int32_t *tables, int table_stride, const int32_t *seq_lens, int bs,
-                   float scale, int kv_bf16, const int32_t *lora_slots, int nthreads) {
+                   float scale, int kv_kind, const int32_t *lora_slots, int nthreads) {
     if (n < 1 || n > MAX_ROWS || heads % kvh != 0) return 1;
     int q_size = heads * d, kv_size = kvh * d, qkv_size = q_size + 2 * kv_size;
     int64_t work = 0;
@@ -135,9 +136,10 @@ int decode_forward(const decode_layer_t *layers, int num_layers, float *x, int n
     float *gate_up = proj + (size_t)n * hidden, *act = gate_up + (size_t)n * 2 * inter;
     float *tmp = act + (size_t)n * inter;
     int code = 0;
+    if (kv_kind < KV_F32 || kv_kind > KV_FP8_E5M2) return 1;
+    int64_t size = kv_kind == KV_F32 ? 4 : kv_kind == KV_BF16 ? 2 : 1, rb = row_bytes(kv_kind, d);
     for (int l = 0; l < num_layers && code == 0; l++) {
         const decode_layer_t *w = layers + l;
-        int64_t size = kv_bf16 ? 2 : 4;
         char *k_cache = (char *)kv_base + l * layer_stride * size;
         char *v_cache = k_cache + half_stride * size;
         rms_norm(x, NULL, w->input_norm, eps, h, NULL, n, hidden, nthreads, 0);
@@ -148,16 +150,13 @@ int decode_forward(const decode_layer_t *layers, int num_layers, float *x, int n
             const float *row = qkv + (size_t)i * qkv_size;
             memcpy(q + (size_t)i * q_size, row, sizeof(float) * q_size);
             const float *k = row + q_size, *v = k + kv_size;
-            if (kv_bf16) {
-                uint16_t *kd = (uint16_t *)k_cache + slots[i] * kv_size;
-                uint16_t *vd = (uint16_t *)v_cache + slots[i] * kv_size;
-                for (int e = 0; e < kv_size; e++) kd[e] = f32_to_bf16(k[e]), vd[e] = f32_to_bf16(v[e]);
-            } else {
-                memcpy((float *)k_cache + slots[i] * kv_size, k, sizeof(float) * kv_size);
-                memcpy((float *)v_cache + slots[i] * kv_size, v, sizeof(float) * kv_size);
+            for (int hh = 0; hh < kvh; hh++) { /* each row stored (quantized) once */
+                int64_t at = (slots[i] * kvh + hh) * rb;
+                store_row(k_cache + at, kv_kind, k + (size_t)hh * d, d);
+                store_row(v_cache + at, kv_kind, v + (size_t)hh * d, d);
             }
         }
-        if (paged_decode(q, k_cache, v_cache, kv_bf16, tables, table_stride, seq_lens, n, heads, kvh,
+        if (paged_decode(q, k_cache, v_cache, kv_kind, tables, table_stride, seq_lens, n, heads, kvh,
                          d, bs, scale, w->window, 0.0f, NULL, att, attend_threads) != 0)
             code = 2;
         code |= run_linear(&w->o, att, n, proj, hidden, q_size, tmp, lora_slots, nthreads);

@@ -109,7 +109,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.decode_forward.argtypes = [
         *(_P, i, _P, i, i, i, i, i, i, f),  # layers .. eps
         *(_P, _P, _P, _P, _P, i64, i64),  # cos .. half_stride
-        *(_P, i, _P, i, f, i, _P, i),  # tables .. kv_bf16, lora_slots, nthreads
+        *(_P, i, _P, i, f, i, _P, i),  # tables .. kv_kind, lora_slots, nthreads
     ]
 
 
@@ -263,7 +263,10 @@ class OneCallStep:
         meta: AttentionMetadata,
     ) -> torch.Tensor | None:
         n = input_ids.shape[0]
-        dtype = kv_cache.dtype
+        kv_format = model.layers[0].self_attn.backend.kv_format
+        dtype = kv_format.dtype  # the model's (a quantized cache stores int8 / fp8 rows)
+        if kv_cache.dtype != kv_format.storage_dtype:
+            return None
         if (
             meta.num_decodes != meta.num_reqs
             or n > linear.MAX_ROWS.get(dtype, 0)
@@ -301,7 +304,8 @@ class OneCallStep:
         """All layers over x in place; False (x untouched or the step redone by the caller)
         when the kernel refuses."""
         lib = load()
-        if lib is None or kv_cache.dtype not in (torch.float32, torch.bfloat16):
+        kv_format = model.layers[0].self_attn.backend.kv_format
+        if lib is None or kv_format.dtype not in (torch.float32, torch.bfloat16):
             return False
         table = self._bind(model)
         if table is None:
@@ -340,7 +344,7 @@ class OneCallStep:
             lens.data_ptr(),
             meta.block_size,
             attn.backend.scale,
-            int(kv_cache.dtype == torch.bfloat16),
+            kv_format.kind,  # float32, bf16, or a quantized row (kv_quant.py)
             lora_slots,
             torch.get_num_threads(),
         )

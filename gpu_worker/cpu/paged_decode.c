@@ -20,8 +20,15 @@
  * With sinks (gpt-oss), head j's learned logit sinks[j] joins its softmax as a key with no
  * value: m = max(m, sink), sum += exp(sink - m).
  *
- * Scores, softmax and the output accumulate in float32 for either cache dtype (float32 or
- * bfloat16). q and out are float32 [n, H, D] contiguous; caches [blocks, bs, KVH, D].
+ * Scores, softmax and the output accumulate in float32 for every cache kind. q and out are
+ * float32 [n, H, D] contiguous; caches [blocks, bs, KVH, row] where a row is one token's K (or
+ * V) of one head, stored as `kind` says (gpu_worker/kv_quant.py):
+ *
+ *   0 float32 [D]   1 bfloat16 [D]
+ *   2 int8 [D] then the row's float32 scale (4 bytes): x = q * scale
+ *   3 fp8 e4m3fn [D], 4 fp8 e5m2 [D] (scale 1): x = the fp8 value
+ *
+ * Quantized rows are converted to float32 as they are read (a table of the 256 fp8 values).
  */
 #include <math.h>
 #include <stdint.h>
@@ -46,12 +53,116 @@ static inline float dot(const float *a, const float *b, int d) {
     return s;
 }
 
-/* `count` elements from element `offset` of a cache, as float32 (bf16 converted into buf). */
-static inline const float *load_row(const void *cache, int is_bf16, int64_t offset, int count,
-                                    float *buf) {
-    if (!is_bf16) return (const float *)cache + offset;
-    const uint16_t *src = (const uint16_t *)cache + offset;
-    for (int x = 0; x < count; x++) buf[x] = bf16_to_f32(src[x]);
+enum { KV_F32 = 0, KV_BF16 = 1, KV_INT8 = 2, KV_FP8_E4M3 = 3, KV_FP8_E5M2 = 4 };
+
+/* bytes of one row of d elements */
+static inline int64_t row_bytes(int kind, int d) {
+    switch (kind) {
+    case KV_F32: return 4 * (int64_t)d;
+    case KV_BF16: return 2 * (int64_t)d;
+    case KV_INT8: return (int64_t)d + 4;
+    default: return d;
+    }
+}
+
+/* the 256 values of each fp8 format, filled once (fp8_tables_init) before any thread reads */
+static float fp8_e4m3[256], fp8_e5m2[256];
+static int fp8_ready;
+
+static float fp8_value(int bits, int exp_bits, int man_bits, int e4m3fn) {
+    int sign = bits >> 7, e = (bits >> man_bits) & ((1 << exp_bits) - 1);
+    int m = bits & ((1 << man_bits) - 1), bias = (1 << (exp_bits - 1)) - 1;
+    float v;
+    if (e4m3fn && e == 15 && m == 7) v = NAN;
+    else if (!e4m3fn && e == 31) v = m ? NAN : INFINITY;
+    else if (e == 0) v = ldexpf((float)m / (float)(1 << man_bits), 1 - bias);
+    else v = ldexpf(1.0f + (float)m / (float)(1 << man_bits), e - bias);
+    return sign ? -v : v;
+}
+
+static void fp8_tables_init(void) {
+    if (fp8_ready) return;
+    for (int b = 0; b < 256; b++) {
+        fp8_e4m3[b] = fp8_value(b, 4, 3, 1);
+        fp8_e5m2[b] = fp8_value(b, 5, 2, 0);
+    }
+    fp8_ready = 1;
+}
+
+/* x [d] rounded to fp8 bits (RNE, clamped to +-max): exact power-of-2 scalings and rintf, as
+ * torch converts float32 to float8 (man_bits 3 / bias 7 for e4m3fn, 2 / 15 for e5m2). */
+static uint8_t fp8_encode(float x, float max, int man_bits, int bias) {
+    float a = fabsf(x) < max ? fabsf(x) : max;
+    int e;
+    frexpf(a, &e); /* a = f * 2^e, f in [0.5, 1): the unbiased exponent is e - 1 */
+    e = a == 0.0f ? 1 - bias : e - 1;
+    if (e < 1 - bias) e = 1 - bias;
+    float r = ldexpf(rintf(ldexpf(a, man_bits - e)), e - man_bits);
+    int bits = 0;
+    if (r != 0.0f) {
+        int re;
+        float f = frexpf(r, &re);
+        re -= 1;
+        if (re < 1 - bias)
+            bits = (int)ldexpf(r, bias - 1 + man_bits); /* a subnormal's mantissa */
+        else
+            bits = ((re + bias) << man_bits) | ((int)ldexpf(2.0f * f - 1.0f, man_bits));
+    }
+    return (uint8_t)(x < 0.0f ? bits | 128 : bits);
+}
+
+/* A row of d floats stored as `kind` at dst (gpu_worker/kv_quant.py's quantize, bit for bit:
+ * no reciprocal for the int8 division, whatever the file's -ffast-math). */
+__attribute__((optimize("no-fast-math"))) static void store_row(void *dst, int kind,
+                                                                const float *x, int d) {
+    if (kind == KV_F32) {
+        memcpy(dst, x, sizeof(float) * d);
+    } else if (kind == KV_BF16) {
+        uint16_t *o = dst;
+        for (int e = 0; e < d; e++) o[e] = f32_to_bf16(x[e]);
+    } else if (kind == KV_INT8) {
+        float amax = 0.0f;
+        for (int e = 0; e < d; e++) amax = fabsf(x[e]) > amax ? fabsf(x[e]) : amax;
+        float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+        int8_t *o = dst;
+        for (int e = 0; e < d; e++) {
+            float q = rintf(x[e] / scale);
+            o[e] = (int8_t)(q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q);
+        }
+        memcpy(o + d, &scale, sizeof scale);
+    } else {
+        uint8_t *o = dst;
+        int e4m3 = kind == KV_FP8_E4M3;
+        for (int e = 0; e < d; e++)
+            o[e] = fp8_encode(x[e], e4m3 ? 448.0f : 57344.0f, e4m3 ? 3 : 2, e4m3 ? 7 : 15);
+    }
+}
+
+/* The rows of heads [h0, h0 + nh) at `slot`, as float32: in place for float32, else
+ * converted into buf. */
+static inline const float *load_rows(const void *cache, int kind, int64_t slot, int kvh, int h0,
+                                     int nh, int d, float *buf) {
+    int64_t first = slot * kvh + h0;
+    if (kind == KV_F32) return (const float *)cache + first * d;
+    if (kind == KV_BF16) {
+        const uint16_t *src = (const uint16_t *)cache + first * d;
+        for (int x = 0; x < nh * d; x++) buf[x] = bf16_to_f32(src[x]);
+        return buf;
+    }
+    int64_t rb = row_bytes(kind, d);
+    for (int hh = 0; hh < nh; hh++) {
+        const uint8_t *row = (const uint8_t *)cache + (first + hh) * rb;
+        float *o = buf + (int64_t)hh * d;
+        if (kind == KV_INT8) {
+            float sc;
+            memcpy(&sc, row + d, sizeof sc);
+            const int8_t *qv = (const int8_t *)row;
+            for (int x = 0; x < d; x++) o[x] = (float)qv[x] * sc;
+        } else {
+            const float *table = kind == KV_FP8_E4M3 ? fp8_e4m3 : fp8_e5m2;
+            for (int x = 0; x < d; x++) o[x] = table[row[x]];
+        }
+    }
     return buf;
 }
 
@@ -64,28 +175,28 @@ static void soft_cap(float *s, int n, float cap) {
  * into L2 (prefetcht1): into L1 (t0) each request holds one of the core's few L1 miss
  * buffers until it lands, and the loop stalled on them (a 64-sequence step's attention read
  * its KV at 17 GB/s with t0, 21 GB/s with t1, on a 2-core EPYC). */
-static inline void prefetch_ahead(const void *cache, int is_bf16, const int32_t *table, int l,
+static inline void prefetch_ahead(const void *cache, int kind, const int32_t *table, int l,
                                   int seq_len, int bs, int kvh, int h0, int d, int count) {
     int ahead = l + bs;
     if (ahead >= seq_len) return;
     int64_t slot = (int64_t)table[ahead / bs] * bs + ahead % bs;
-    int64_t size = is_bf16 ? 2 : 4;
-    const char *row = (const char *)cache + (slot * kvh + h0) * d * size;
-    for (int64_t byte = 0; byte < count * size; byte += 64) __builtin_prefetch(row + byte, 0, 2);
+    int64_t rb = row_bytes(kind, d), bytes = (int64_t)(count / d) * rb;
+    const char *row = (const char *)cache + (slot * kvh + h0) * rb;
+    for (int64_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch(row + byte, 0, 2);
 }
 
 /* Query rows of KV heads [h0, h0 + nh) of one sequence. Positions are walked in order and
  * each position's rows of those heads are adjacent in memory, so a block streams through
  * once per pass (K, then V) instead of once per head. */
-static void attend(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
+static void attend(const float *q, const void *k_cache, const void *v_cache, int kind,
                    const int32_t *table, int start, int seq_len, int h0, int nh, int kvh, int g,
                    int d, int bs, float scale, float softcap, const float *sinks, float *out,
                    float *scores, float *row_buf) {
     int rows = nh * g;
     for (int l = start; l < seq_len; l++) {
         int64_t slot = (int64_t)table[l / bs] * bs + l % bs;
-        prefetch_ahead(k_cache, is_bf16, table, l, seq_len, bs, kvh, h0, d, nh * d);
-        const float *k = load_row(k_cache, is_bf16, (slot * kvh + h0) * d, nh * d, row_buf);
+        prefetch_ahead(k_cache, kind, table, l, seq_len, bs, kvh, h0, d, nh * d);
+        const float *k = load_rows(k_cache, kind, slot, kvh, h0, nh, d, row_buf);
         for (int r = 0; r < rows; r++)
             scores[(int64_t)r * seq_len + l] = dot(q + (int64_t)r * d, k + (r / g) * d, d) * scale;
     }
@@ -107,8 +218,8 @@ static void attend(const float *q, const void *k_cache, const void *v_cache, int
     }
     for (int l = start; l < seq_len; l++) {
         int64_t slot = (int64_t)table[l / bs] * bs + l % bs;
-        prefetch_ahead(v_cache, is_bf16, table, l, seq_len, bs, kvh, h0, d, nh * d);
-        const float *v = load_row(v_cache, is_bf16, (slot * kvh + h0) * d, nh * d, row_buf);
+        prefetch_ahead(v_cache, kind, table, l, seq_len, bs, kvh, h0, d, nh * d);
+        const float *v = load_rows(v_cache, kind, slot, kvh, h0, nh, d, row_buf);
         for (int r = 0; r < rows; r++) {
             float p = scores[(int64_t)r * seq_len + l];
             const float *vr = v + (r / g) * d;
@@ -197,14 +308,18 @@ DEFINE_ATTEND_FIXED(64)
 DEFINE_ATTEND_FIXED(128)
 
 /* Returns 0, or -1 when a shape is outside what the kernel handles (the caller falls back).
- * window: the sliding window, 0 for the whole context; softcap: the scores' soft cap, 0 for
- * none; sinks: [num_heads] float32 logits, or NULL for none. */
-int paged_decode(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
+ * kind: the caches' row format (see the top); window: the sliding window, 0 for the whole
+ * context; softcap: the scores' soft cap, 0 for none; sinks: [num_heads] float32 logits, or
+ * NULL for none. The fixed-size loops read float32 and bf16 rows; quantized rows go through
+ * attend(), which converts each position's rows once into a buffer. */
+int paged_decode(const float *q, const void *k_cache, const void *v_cache, int kind,
                  const int32_t *block_tables, int table_stride, const int32_t *seq_lens,
                  int n, int num_heads, int kvh, int d, int bs, float scale, int window,
                  float softcap, const float *sinks, float *out, int num_threads) {
     int g = num_heads / kvh, max_len = 0;
-    if (n <= 0 || num_threads <= 0) return -1;
+    if (n <= 0 || num_threads <= 0 || kind < KV_F32 || kind > KV_FP8_E5M2) return -1;
+    if (kind >= KV_INT8) fp8_tables_init();
+    int is_bf16 = kind == KV_BF16, fixed = kind <= KV_BF16;
     for (int i = 0; i < n; i++)
         if (seq_lens[i] > max_len) max_len = seq_lens[i];
     /* whole sequences per task when there are enough of them, else one KV head per task */
@@ -225,18 +340,24 @@ int paged_decode(const float *q, const void *k_cache, const void *v_cache, int i
             const int32_t *table = block_tables + (int64_t)i * table_stride;
             int len = seq_lens[i], start = window > 0 && len > window ? len - window : 0;
             const float *task_sinks = sinks ? sinks + (int64_t)h0 * g : NULL; /* its rows' */
-            if (d == 64)
+            if (fixed && d == 64)
                 attend_64(q + row, k_cache, v_cache, is_bf16, table, start, len, h0, nh, kvh, g,
                           bs, scale, softcap, task_sinks, out + row, scores);
-            else if (d == 128)
+            else if (fixed && d == 128)
                 attend_128(q + row, k_cache, v_cache, is_bf16, table, start, len, h0, nh, kvh, g,
                            bs, scale, softcap, task_sinks, out + row, scores);
             else
-                attend(q + row, k_cache, v_cache, is_bf16, table, start, len, h0, nh, kvh, g, d,
+                attend(q + row, k_cache, v_cache, kind, table, start, len, h0, nh, kvh, g, d,
                        bs, scale, softcap, task_sinks, out + row, scores,
                        scores + (size_t)nh * g * max_len);
         }
         free(scores);
     }
     return failed ? -1 : 0;
+}
+
+/* For the tests: `rows` rows of d floats stored as `kind` one after another (row_bytes). */
+void shuttle_test_store_row(void *dst, int kind, const float *x, int d, int rows) {
+    for (int r = 0; r < rows; r++)
+        store_row((char *)dst + r * row_bytes(kind, d), kind, x + (size_t)r * d, d);
 }

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from gpu_worker.cpu.build import KernelLibrary
+from gpu_worker.kv_quant import KVFormat
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
 SMALL_WORK = 1 << 18  # K (and as many V) elements below which one thread attends
@@ -50,20 +51,25 @@ def paged_decode(
     window: int = 0,  # sliding window: the last `window` positions only; 0 for all
     softcap: float = 0.0,  # scores soft-capped to softcap * tanh(s / softcap); 0 for none
     sinks: torch.Tensor | None = None,  # [num_heads]: a logit per head with no value
+    kv_format: KVFormat | None = None,  # a quantized cache's rows (None: kv_cache's dtype)
 ) -> torch.Tensor | None:
     """Decode attention over the paged cache, in q's dtype; None if the kernel is unavailable
-    or the inputs are not CPU tensors of a supported layout (the caller falls back)."""
+    or the inputs are not CPU tensors of a supported layout (the caller falls back). The
+    cache's rows are read as `kv_format` stores them (gpu_worker/kv_quant.py)."""
     lib = load()
-    if (
-        lib is None
-        or q.device.type != "cpu"
-        or kv_cache.dtype not in (torch.float32, torch.bfloat16)
-    ):
+    if kv_format is None or not kv_format.quantized:
+        if kv_cache.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        kv_format = KVFormat.create("auto", kv_cache.dtype)
+    elif kv_cache.dtype != kv_format.storage_dtype:
+        return None
+    if lib is None or q.device.type != "cpu":
         return None
     if not kv_cache.is_contiguous() or block_tables.stride(1) != 1:
         return None
     n, num_heads, head_dim = q.shape
-    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    _, _, block_size, num_kv_heads, row = kv_cache.shape
+    assert kv_format.head_dim(row) == head_dim, f"cache rows of {row} for head_dim {head_dim}"
     qf = q.to(torch.float32).contiguous()
     tables = block_tables.to(torch.int32)
     lens = seq_lens.to(torch.int32).contiguous()
@@ -79,7 +85,7 @@ def paged_decode(
         qf.data_ptr(),
         kv_cache[0].data_ptr(),
         kv_cache[1].data_ptr(),
-        int(kv_cache.dtype == torch.bfloat16),
+        kv_format.kind,
         tables.data_ptr(),
         tables.stride(0),
         lens.data_ptr(),

@@ -68,17 +68,22 @@ def check_paged_attention(
     out: torch.Tensor,  # like q
     block_tables: torch.Tensor,  # [num_reqs, max_blocks] int32
     num_reqs: int,
+    kv_cache_dtype: str = "auto",
 ) -> None:
     """The checks every paged-attention launcher makes (paged_decode, extend_attention): the
     cache contiguous; q of its dtype and head_dim, its heads a multiple of the KV heads,
     head_dim contiguous; out like q; one block-table row per request, rows contiguous."""
     assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, f"kv_cache {tuple(kv_cache.shape)}"
     assert kv_cache.is_contiguous(), "kv_cache must be contiguous"
-    num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+    from gpu_worker.kv_quant import KVFormat
+
+    fmt = KVFormat.create(kv_cache_dtype, q.dtype)
+    num_kv_heads, head_dim = kv_cache.shape[3], fmt.head_dim(kv_cache.shape[4])
     assert q.dim() == 3 and q.shape[2] == head_dim, f"q {tuple(q.shape)}, head_dim {head_dim}"
     assert q.shape[1] % num_kv_heads == 0, f"{q.shape[1]} heads, {num_kv_heads} KV heads"
     assert q.stride(2) == 1, "q needs a contiguous head_dim"
-    assert q.dtype == kv_cache.dtype, f"q is {q.dtype}, cache {kv_cache.dtype}"
+    want = fmt.storage_dtype
+    assert kv_cache.dtype == want, f"q is {q.dtype}, cache {kv_cache.dtype} ({kv_cache_dtype})"
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1, "bad out"
     assert block_tables.dim() == 2 and block_tables.shape[0] == num_reqs, "bad block_tables"
     assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1, "bad block_tables"

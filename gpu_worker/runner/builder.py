@@ -53,6 +53,7 @@ def load_weights(
     device, dtype = options.torch_device, options.torch_dtype
     name = resolve_backend_name(options.attention_backend, device)
     quantized = stores_quantized(path, hf_config, options.quantization)
+    kv_quantized = options.kv_cache_dtype != "auto"
     backend = create_backend(
         name,
         num_heads=config.num_heads // tp.size,
@@ -60,8 +61,12 @@ def load_weights(
         head_dim=config.head_dim,
         dtype=dtype,
         device=device,
+        kv_cache_dtype=options.kv_cache_dtype,
         **config.attention_options(),
-        **({"batch_invariant": True} if name == "torch" and quantized else {}),
+        # quantized weights round activations per row; a quantized KV cache rounds each
+        # stored row: either way every query row goes through the decode kernel, so a
+        # token's attention is the same bits however its prompt was chunked or batched
+        **({"batch_invariant": True} if name == "torch" and (quantized or kv_quantized) else {}),
     )
     progress("choosing kernels (the C kernels are built by gcc on first use)")
     kernels = choose_kernels(

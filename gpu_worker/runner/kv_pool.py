@@ -1,5 +1,7 @@
 """The runner's KV pool, sized from its options once the first model's weights are loaded.
 
+bytes    per block from the KV dtype (--kv-cache-dtype: int8 rows take head_dim + 4 bytes,
+         fp8 rows head_dim, float32 4 * head_dim): a quantized pool holds more blocks
 budget   CUDA: gpu_memory_utilization of the memory still free after the weights;
          CPU: kv_cache_memory_gib (or exactly num_blocks when the options give it)
 share    with a draft model, the draft pool has as many blocks as the target's, so the
@@ -30,15 +32,25 @@ def kv_budget_bytes(
     return int(memory_gib * GIB * share)
 
 
-def draft_kv_share(config: LlamaConfig, draft_model: str, tp_size: int) -> float:
+def draft_kv_share(
+    config: LlamaConfig,
+    draft_model: str,
+    tp_size: int,
+    kv_cache_dtype: str = "auto",
+    dtype: torch.dtype = torch.float32,
+) -> float:
     """The draft model's part of the KV budget (0 without one): the pools have as many
-    blocks each, so the budget is split by their bytes per block."""
+    blocks each, so the budget is split by their bytes per block (the draft's KV stays in
+    the model's dtype; the target's is stored as `kv_cache_dtype`)."""
     if not draft_model:
         return 0.0
     draft = LlamaConfig.from_hf(read_hf_config(draft_model))
     # this rank's KV heads of the target; the draft model is whole on every rank
-    mine = config.num_layers * (config.num_kv_heads // tp_size) * config.head_dim
-    theirs = draft.num_layers * draft.num_kv_heads * draft.head_dim
+    mine = bytes_per_block(
+        config.num_layers, 1, config.num_kv_heads // tp_size, config.head_dim, dtype,
+        kv_cache_dtype,
+    )  # fmt: skip
+    theirs = bytes_per_block(draft.num_layers, 1, draft.num_kv_heads, draft.head_dim, dtype)
     return theirs / (mine + theirs)
 
 
@@ -54,10 +66,12 @@ def allocate_kv_pool(config: LlamaConfig, options: RunnerOptions, tp: TensorPara
     dtype, device = options.torch_dtype, options.torch_device
     num_blocks = options.num_blocks
     if num_blocks is None:
-        share = 1 - draft_kv_share(config, options.draft_model, tp.size)
+        share = 1 - draft_kv_share(
+            config, options.draft_model, tp.size, options.kv_cache_dtype, dtype
+        )
         memory, utilization = options.kv_cache_memory_gib, options.gpu_memory_utilization
         budget = kv_budget_bytes(device, memory, utilization, share)
-        per_block = bytes_per_block(**layout, dtype=dtype)
+        per_block = bytes_per_block(**layout, dtype=dtype, kv_cache_dtype=options.kv_cache_dtype)
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise ValueError(f"KV budget of {budget} bytes holds no block of {per_block} bytes")
@@ -66,5 +80,6 @@ def allocate_kv_pool(config: LlamaConfig, options: RunnerOptions, tp: TensorPara
         dtype=dtype,
         device=device,
         huge_pages=options.huge_pages,
+        kv_cache_dtype=options.kv_cache_dtype,
         **layout,
     )

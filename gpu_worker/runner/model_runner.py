@@ -244,6 +244,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
             weights_version=self.default_version,
             num_host_blocks=self.num_host_blocks,
             **self._tier_info(),
+            kv_cache_dtype=self.kv_cache.format.describe(),
             device=str(self.device),
             speculative=self.options.speculative,
             tensor_parallel_size=self.tp.size,

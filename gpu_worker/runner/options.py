@@ -18,6 +18,7 @@ from common.lora_config import LoraConfig
 from common.topology import own_name
 from gpu_worker.distributed.sharding import threads_per_rank
 from gpu_worker.distributed.tensor_parallel import TensorParallel
+from gpu_worker.kv_quant import resolve_kv_cache_dtype
 
 # the weight and KV dtypes the runner serves (--dtype auto resolves to one of them)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -32,6 +33,7 @@ class RunnerOptions:
     device: str = "cpu"  # this rank's: cpu, cuda, cuda:N
     block_size: int = 16  # tokens per KV block
     kv_cache_memory_gib: float = 1.0  # the KV budget on the CPU
+    kv_cache_dtype: str = "auto"  # auto (dtype) | int8 | fp8 | fp8_e4m3 | fp8_e5m2 (kv_quant.py)
     num_blocks: int | None = None  # exactly this many KV blocks (None: from the budget)
     max_model_len: int | None = None  # None: the model's own limit
     seed: int = 0  # generators of unseeded sampled requests
@@ -62,6 +64,7 @@ class RunnerOptions:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        resolve_kv_cache_dtype(self.kv_cache_dtype)  # a ValueError naming the field
         draft = self.speculative == "draft"
         if self.speculative not in SPECULATIVE_METHODS or draft != bool(self.draft_model):
             raise ValueError(
@@ -81,6 +84,7 @@ class RunnerOptions:
             device=device,
             block_size=c.block_size,
             kv_cache_memory_gib=c.kv_cache_memory,
+            kv_cache_dtype=c.kv_cache_dtype,
             gpu_memory_utilization=c.gpu_memory_utilization,
             max_model_len=m.max_model_len or None,
             seed=m.seed,

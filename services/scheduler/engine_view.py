@@ -48,6 +48,8 @@ def stats(core: EngineCore) -> dict[str, Any]:
         "num_running": p.num_running,
         "num_swapped": sum(1 for r in p.waiting if r.is_swapped),
         "num_total_blocks": b.num_blocks,
+        "block_size": b.block_size,
+        "kv_cache_dtype": core.served.info.kv_cache_dtype,
         "num_free_blocks": b.num_free_blocks,
         "num_cached_blocks": b.num_cached_blocks,
         "num_used_blocks": b.num_used_blocks,

@@ -73,13 +73,19 @@ def _compile(fn: Any, arch: int, pointers: dict[str, str], constexprs: dict[str,
             "s": seconds}  # fmt: skip
 
 
-def _attention(arch: int, dt: str, heads: int, kv_heads: int, head_dim: int) -> list[dict]:
+# a quantized KV cache's kinds (gpu_worker/kv_quant.py) and the cache's element type
+KV_KINDS = {2: "i8", 3: "u8", 4: "u8"}  # int8 rows with their scale, fp8 e4m3, fp8 e5m2
+
+
+def _attention(arch: int, dt: str, heads: int, kv_heads: int, head_dim: int,
+               kv_kind: int = 0) -> list[dict]:  # fmt: skip
     import torch
 
     dtype = torch.float32 if dt == "fp32" else torch.bfloat16
     precision = dot_precision(dtype)
     block_h, block_n, block_d = decode.decode_tiles(heads // kv_heads, head_dim, DTYPES[dt])
-    cache = {"cache_ptr": f"*{dt}", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32"}
+    cache_dt = KV_KINDS.get(kv_kind, dt)
+    cache = {"cache_ptr": f"*{cache_dt}", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32"}
     split = {"q_ptr": f"*{dt}", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", **cache}
     merge = {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "seq_lens_ptr": "*i32",
              "sinks_ptr": "*fp32", "out_ptr": f"*{dt}"}  # fmt: skip
@@ -89,14 +95,14 @@ def _attention(arch: int, dt: str, heads: int, kv_heads: int, head_dim: int) -> 
     tiles = dict(NUM_SPLITS=16, BLOCK_N=block_n, BLOCK_D=block_d)
     return [
         _compile(decode._decode_split_kernel, arch, split,
-                 dict(**tiles, BLOCK_H=block_h, DOT_PRECISION=precision),
+                 dict(**tiles, BLOCK_H=block_h, DOT_PRECISION=precision, KV_KIND=kv_kind),
                  num_warps=4, num_stages=2),
         # with attention sinks (gpt-oss), the variant with the most live values
         _compile(decode._decode_merge_kernel, arch, merge, dict(**tiles, HAS_SINKS=True),
                  num_warps=4),
         _compile(extend._extend_kernel, arch, ext,
                  dict(BLOCK_M=block_m, BLOCK_N=ext_n, BLOCK_D=block_d, DOT_PRECISION=precision,
-                      HAS_SINKS=True),
+                      HAS_SINKS=True, KV_KIND=kv_kind),
                  num_warps=4, num_stages=2),
     ]  # fmt: skip
 
@@ -110,12 +116,27 @@ def _elementwise(arch: int, dt: str) -> list[dict]:
             "sin_ptr": "*fp32"}  # fmt: skip
     return [
         _compile(kv_store._store_kv_kernel, arch, kv,
-                 dict(BLOCK_H=next_power_of_2(kv_heads), BLOCK_D=head_dim)),
+                 dict(BLOCK_H=next_power_of_2(kv_heads), BLOCK_D=head_dim, KV_KIND=0)),
         _compile(rmsnorm._rms_norm_kernel, arch, norm, dict(HAS_RESIDUAL=True, BLOCK=4096),
                  num_warps=16),
         _compile(rotary._rotary_kernel, arch, rope,
                  dict(HAS_K=True, BLOCK_HQ=heads, BLOCK_HK=kv_heads, BLOCK_HALF=head_dim // 2)),
     ]  # fmt: skip
+
+
+def _quantized_kv(arch: int, dt: str) -> list[dict]:
+    """The attention kernels reading, and the store quantizing, each quantized KV kind
+    (the largest shape: head_dim 128)."""
+    heads, kv_heads, head_dim = SHAPES[-1]
+    rows = []
+    for kind, cache_dt in KV_KINDS.items():
+        rows += _attention(arch, dt, heads, kv_heads, head_dim, kind)
+        kv = {"k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "cache_ptr": f"*{cache_dt}",
+              "slot_ptr": "*i64"}  # fmt: skip
+        rows.append(_compile(kv_store._store_kv_kernel, arch, kv,
+                             dict(BLOCK_H=next_power_of_2(kv_heads), BLOCK_D=head_dim,
+                                  KV_KIND=kind)))  # fmt: skip
+    return rows
 
 
 DECODE_M, PREFILL_M = 8, 64  # the launchers' tiles for M = 1..8 and for M >= 64
@@ -252,6 +273,8 @@ def main(archs: list[int]) -> int:
                     print(json.dumps({"dtype": dt, "shape": list(shape), **row}), flush=True)
             rows = _elementwise(arch, dt) + _gguf(arch, dt) + _int8(arch, dt) + _lora(arch, dt)
             for row in rows + _moe(arch, dt) + _mxfp4(arch, dt):
+                print(json.dumps({"dtype": dt, **row}), flush=True)
+            for row in _quantized_kv(arch, dt):
                 print(json.dumps({"dtype": dt, **row}), flush=True)
     return 0
 

@@ -37,6 +37,11 @@ def test_kernels_compile_for_sm90_and_sm80() -> None:
              *LORA_KERNELS, *MOE_KERNELS)  # fmt: skip
     assert kernels == {(name, arch) for name in names for arch in (90, 80)}
     assert max(r["shared_bytes"] for r in rows) <= MAX_SHARED_BYTES
+    # a quantized KV cache (int8 rows with their scale, fp8 e4m3 and e5m2): the decode,
+    # extend and store kernels of each kind, for each architecture and dtype
+    kv = {(r["kernel"], r["arch"], r["KV_KIND"]) for r in rows if r.get("KV_KIND", "0") != "0"}
+    attention = ("_decode_split_kernel", "_extend_kernel", "_store_kv_kernel")
+    assert kv == {(k, arch, kind) for k in attention for arch in (90, 80) for kind in "234"}
     # every GGUF type in its decode and prefill tiles, for each architecture and dtype
     gguf = [(r["arch"], r["dtype"], r["qtype"]) for r in rows if "qtype" in r]
     assert len(gguf) == len(set(gguf)) * 2 and len({q for _, _, q in gguf}) == 8

@@ -10,6 +10,7 @@ gateway's layers in order.
 The worker, each sub-package `gpu_worker.<sub>` one unit and each root module its own, bottom
 first (a unit imports only units below it, or beside it without a circle):
 
+    kv_quant                the KV rows' format (float, int8, fp8): imports no worker code
     kernels, cpu            the Triton and the C kernels: import no other worker code
     attention               the attention backends (call the kernels)
     distributed, kv_cache,  tensor parallelism; the KV cache's memory, and the prefix
@@ -178,8 +179,14 @@ def test_no_service_package_imports_the_worker(graph: dict[str, set[str]]) -> No
     assert wrong == []
 
 
-# the worker's kernels: C (cpu/) and Triton (kernels/), and the attention backends over them
-KERNEL_PACKAGES = ("gpu_worker.cpu", "gpu_worker.kernels", "gpu_worker.attention")
+# the worker's kernels: C (cpu/) and Triton (kernels/), and the attention backends over them;
+# beside them the KV rows' format they all read (kv_quant.py: imports no worker code)
+KERNEL_PACKAGES = (
+    "gpu_worker.cpu",
+    "gpu_worker.kernels",
+    "gpu_worker.attention",
+    "gpu_worker.kv_quant",
+)
 
 
 def test_the_workers_kernels_are_leaves(graph: dict[str, set[str]]) -> None:
@@ -199,6 +206,7 @@ def test_the_workers_kernels_are_leaves(graph: dict[str, set[str]]) -> None:
 
 # the worker's units, bottom first (see the module docstring); "" is the package's __init__
 WORKER_ORDER: tuple[tuple[str, ...], ...] = (
+    ("kv_quant",),
     ("kernels", "cpu"),
     ("attention",),
     ("distributed", "kv_cache", "kv_tiers"),

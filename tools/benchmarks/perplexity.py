@@ -33,6 +33,10 @@ Sources (each flag may be repeated; `--gguf "Q4_1 dequantized=FILE"` names a sou
                          served model (default: the first of /v1/models)
   --llamacpp-url URL     llama.cpp's llama-server, which cannot return prompt logprobs:
                          one forced token per request (perplexity_servers.py says how)
+  --runner PATH          shuttle's own runner and scheduler in this process (an HF folder
+                         or a .gguf file), `prompt_logprobs: 0` as a server's; once per
+                         --kv-cache-dtype given (auto, int8, fp8, fp8_e4m3, fp8_e5m2;
+                         default auto): what a quantized KV cache costs on the same weights
 
 llama.cpp's own figure, by its llama-perplexity tool on the same text (`--write-text
 held.txt`; build it in its tree with `cmake --build build --target llama-perplexity`):
@@ -234,6 +238,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--url", action="append", default=[], help="a vLLM-compatible server")
     p.add_argument("--model", action="append", default=[], help="of each --url, in order")
     p.add_argument("--llamacpp-url", action="append", default=[], metavar="URL")
+    p.add_argument("--runner", action="append", default=[], metavar="PATH")
+    p.add_argument("--kv-cache-dtype", action="append", default=[], metavar="DTYPE")
     p.add_argument("--windows", type=int, default=DEFAULT_WINDOWS)
     p.add_argument("--window-len", type=int, default=DEFAULT_WINDOW_LEN)
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight per server")
@@ -279,7 +285,35 @@ def _sources(args: argparse.Namespace, windows: list[list[int]]) -> list[tuple[s
         label, url = split_label(value)
         call = functools.partial(llamacpp_logprobs, url, windows, args.concurrency)
         out.append((label or f"llamacpp:{url}", call))
+    for value in args.runner:
+        label, path = split_label(value)
+        for kv in args.kv_cache_dtype or ["auto"]:
+            name = f"{label or 'runner:' + Path(path).name}, kv {kv}"
+            out.append((name, functools.partial(runner_logprobs, path, kv, windows)))
     return out
+
+
+def runner_logprobs(path: str, kv_cache_dtype: str, windows: list[list[int]]) -> list[list[float]]:
+    """Each window's prompt logprobs from shuttle's runner and scheduler in this process
+    (the worker's CPU kernels), with its KV cache stored as `kv_cache_dtype`."""
+    from common.config import Config
+    from common.messages import SamplingParams
+    from gpu_worker.runner.model_runner import ModelRunner
+    from gpu_worker.runner.options import RunnerOptions
+    from services.scheduler.in_process import InProcessEngine
+
+    need = max(len(w) for w in windows) * len(windows)
+    options = RunnerOptions(num_blocks=need // 16 + len(windows) + 1, kv_cache_dtype=kv_cache_dtype)
+    engine = InProcessEngine(ModelRunner(path, options), Config())
+    sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, ignore_eos=True)
+    rids = [engine.add(w, sp)[0][0] for w in windows]
+    engine.run()
+    found: dict[str, list[float]] = {}
+    for batch in engine.batches:
+        for i, rid in enumerate(batch.request_ids):
+            if batch.prompt_logprob_values and batch.prompt_logprob_values[i]:
+                found[rid] = [values[0] for values in batch.prompt_logprob_values[i][1:]]
+    return [found[rid] for rid in rids]
 
 
 def _transformers_run(

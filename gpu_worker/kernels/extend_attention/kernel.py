@@ -9,7 +9,9 @@ import triton
 import triton.language as tl
 
 from gpu_worker.kernels import check_device, check_paged_attention, dot_precision, next_power_of_2
+from gpu_worker.kernels.kv_rows import load_kv_rows
 from gpu_worker.kernels.paged_decode.kernel import soft_cap
+from gpu_worker.kv_quant import KVFormat
 
 _LOG2E = math.log2(math.e)
 
@@ -42,6 +44,7 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_KIND: tl.constexpr,  # how rows are stored (gpu_worker/kernels/kv_rows.py)
     HAS_SINKS: tl.constexpr,
 ):
     r = tl.program_id(0)
@@ -78,9 +81,9 @@ def _extend_kernel(
             offs = block * stride_cache_block + (pos % block_size) * stride_cache_slot
             offs = offs + kv_head * stride_cache_h
             kv_mask = pos_mask[:, None] & d_mask[None, :]
-            k = tl.load(cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(
-                cache_ptr + stride_cache_kv + offs[:, None] + d[None, :], mask=kv_mask, other=0.0
+            k = load_kv_rows(cache_ptr, offs, d, kv_mask, pos_mask, head_dim, KV_KIND, q.dtype)
+            v = load_kv_rows(
+                cache_ptr + stride_cache_kv, offs, d, kv_mask, pos_mask, head_dim, KV_KIND, q.dtype
             )
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             if softcap > 0:
@@ -117,9 +120,10 @@ def _check_inputs(
     block_tables: torch.Tensor,
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
+    kv_cache_dtype: str = "auto",
 ) -> None:
     num_reqs = seq_lens.shape[0]
-    check_paged_attention(q, kv_cache, out, block_tables, num_reqs)
+    check_paged_attention(q, kv_cache, out, block_tables, num_reqs, kv_cache_dtype)
     assert seq_lens.dim() == 1 and seq_lens.dtype == torch.int32, "bad seq_lens"
     assert query_start_loc.shape == (num_reqs + 1,), "query_start_loc needs R + 1 entries"
     assert query_start_loc.dtype == torch.int32, "query_start_loc must be int32"
@@ -138,6 +142,7 @@ def extend_attention(
     window: int = 0,  # sliding window: the last `window` positions of each query; 0 for all
     softcap: float = 0.0,  # scores soft-capped to softcap * tanh(s / softcap); 0 for none
     sinks: torch.Tensor | None = None,  # [num_heads] float32: a logit per head with no value
+    kv_cache_dtype: str = "auto",  # how rows are stored (gpu_worker/kv_quant.py)
     out: torch.Tensor | None = None,  # [T, num_heads, head_dim]; rows outside requests kept
     block_m: int | None = None,
     block_n: int | None = None,
@@ -145,7 +150,8 @@ def extend_attention(
     """Causal attention of the requests' new tokens over their paged context (K/V stored),
     each query over its last `window` positions with a sliding window."""
     out = torch.empty_like(q) if out is None else out
-    _check_inputs(q, kv_cache, out, block_tables, query_start_loc, seq_lens)
+    _check_inputs(q, kv_cache, out, block_tables, query_start_loc, seq_lens, kv_cache_dtype)
+    fmt = KVFormat.create(kv_cache_dtype, q.dtype)
     num_reqs = seq_lens.shape[0]
     if num_reqs == 0 or max_query_len == 0:
         return out
@@ -165,7 +171,7 @@ def extend_attention(
         block_tables.stride(0),
         num_heads // num_kv_heads, block_size, head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        DOT_PRECISION=dot_precision(q.dtype), HAS_SINKS=sinks is not None,
+        DOT_PRECISION=dot_precision(q.dtype), KV_KIND=fmt.kind, HAS_SINKS=sinks is not None,
         num_warps=4, num_stages=2,
     )  # fmt: skip
     return out

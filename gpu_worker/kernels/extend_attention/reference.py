@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.kernels.paged_decode.reference import gather_context, sink_softmax
+from gpu_worker.kernels.paged_decode.reference import dequantized, gather_context, sink_softmax
 
 
 def extend_attention_reference(
@@ -17,8 +17,10 @@ def extend_attention_reference(
     window: int = 0,  # sliding window: key j visible to query i when i - window < j
     softcap: float = 0.0,  # scores soft-capped to softcap * tanh(s / softcap); 0 for none
     sinks: torch.Tensor | None = None,  # [num_heads]: a logit per head with no value
+    kv_cache_dtype: str = "auto",  # a quantized cache's rows are read back first
 ) -> torch.Tensor:  # [T, num_heads, head_dim] float32 (rows outside every request: 0)
     """Causal attention of each request's new tokens over its cached context."""
+    kv_cache = dequantized(kv_cache, kv_cache_dtype)
     num_heads, num_kv_heads = q.shape[1], kv_cache.shape[3]
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     starts = query_start_loc.tolist()

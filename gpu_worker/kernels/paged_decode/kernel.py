@@ -18,6 +18,8 @@ import triton
 import triton.language as tl
 
 from gpu_worker.kernels import check_device, check_paged_attention, dot_precision, next_power_of_2
+from gpu_worker.kernels.kv_rows import load_kv_rows
+from gpu_worker.kv_quant import KVFormat
 
 DEFAULT_NUM_SPLITS = 16
 _LOG2E = math.log2(math.e)
@@ -73,6 +75,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_KIND: tl.constexpr,  # how rows are stored (gpu_worker/kernels/kv_rows.py)
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1) // num_head_blocks
@@ -102,9 +105,9 @@ def _decode_split_kernel(
             offs = block * stride_cache_block + (pos % block_size) * stride_cache_slot
             offs = offs + kv_head * stride_cache_h
             kv_mask = pos_mask[:, None] & d_mask[None, :]
-            k = tl.load(cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(
-                cache_ptr + stride_cache_kv + offs[:, None] + d[None, :], mask=kv_mask, other=0.0
+            k = load_kv_rows(cache_ptr, offs, d, kv_mask, pos_mask, head_dim, KV_KIND, q.dtype)
+            v = load_kv_rows(
+                cache_ptr + stride_cache_kv, offs, d, kv_mask, pos_mask, head_dim, KV_KIND, q.dtype
             )
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             if softcap > 0:
@@ -185,9 +188,10 @@ def _check_inputs(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     out: torch.Tensor,
+    kv_cache_dtype: str = "auto",
 ) -> None:
     num_seqs = q.shape[0]
-    check_paged_attention(q, kv_cache, out, block_tables, num_seqs)
+    check_paged_attention(q, kv_cache, out, block_tables, num_seqs, kv_cache_dtype)
     assert seq_lens.shape == (num_seqs,) and seq_lens.dtype == torch.int32, "bad seq_lens"
     check_device(q, kv_cache, block_tables, seq_lens, out)
 
@@ -202,6 +206,7 @@ def paged_decode(
     window: int = 0,  # sliding window: the last `window` positions only; 0 for all
     softcap: float = 0.0,  # scores soft-capped to softcap * tanh(s / softcap); 0 for none
     sinks: torch.Tensor | None = None,  # [num_heads] float32: a logit per head with no value
+    kv_cache_dtype: str = "auto",  # how rows are stored (gpu_worker/kv_quant.py)
     num_splits: int = DEFAULT_NUM_SPLITS,
     out: torch.Tensor | None = None,  # [B, num_heads, head_dim], written if given
     block_n: int | None = None,
@@ -209,7 +214,8 @@ def paged_decode(
     """Attention of each sequence's one new query over its paged context (its last `window`
     positions with a sliding window)."""
     out = torch.empty_like(q) if out is None else out
-    _check_inputs(q, kv_cache, block_tables, seq_lens, out)
+    _check_inputs(q, kv_cache, block_tables, seq_lens, out, kv_cache_dtype)
+    fmt = KVFormat.create(kv_cache_dtype, q.dtype)
     assert num_splits >= 1 and num_splits & (num_splits - 1) == 0, "num_splits: a power of 2"
     assert window >= 0 and softcap >= 0, "window, softcap: 0 (none) or positive"
     num_seqs, num_heads, head_dim = q.shape
@@ -232,7 +238,7 @@ def paged_decode(
         block_tables.stride(0),
         num_heads, q_per_kv, num_head_blocks, block_size, head_dim,
         NUM_SPLITS=num_splits, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
-        DOT_PRECISION=dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype), KV_KIND=fmt.kind,
         num_warps=4, num_stages=2,
     )  # fmt: skip
     if sinks is not None:

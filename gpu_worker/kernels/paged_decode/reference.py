@@ -28,8 +28,10 @@ def paged_decode_reference(
     window: int = 0,  # sliding window: the last `window` positions only; 0 for all
     softcap: float = 0.0,  # scores soft-capped to softcap * tanh(s / softcap); 0 for none
     sinks: torch.Tensor | None = None,  # [num_heads]: a logit per head with no value
+    kv_cache_dtype: str = "auto",  # a quantized cache's rows are read back first
 ) -> torch.Tensor:  # [B, num_heads, head_dim] float32
     """softmax(q K^T * scale) V per sequence, in float32, with GQA by repeating K/V heads."""
+    kv_cache = dequantized(kv_cache, kv_cache_dtype)
     num_heads, num_kv_heads = q.shape[1], kv_cache.shape[3]
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for b, seq_len in enumerate(seq_lens.tolist()):
@@ -43,6 +45,14 @@ def paged_decode_reference(
             scores[:, : max(0, seq_len - window)] = float("-inf")
         out[b] = torch.einsum("hl,lhd->hd", sink_softmax(scores, sinks), v)
     return out
+
+
+def dequantized(kv_cache: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:
+    """The cache's rows as float32 (gpu_worker/kv_quant.py); a float cache as it is."""
+    from gpu_worker.kv_quant import KVFormat
+
+    fmt = KVFormat.create(kv_cache_dtype, torch.float32)
+    return fmt.dequantize(kv_cache, torch.float32) if fmt.quantized else kv_cache
 
 
 def sink_softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:

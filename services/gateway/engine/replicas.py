@@ -83,6 +83,8 @@ def merge_stats(replies: dict[str, dict[str, Any]], num_replicas: int) -> dict[s
         first = ready[0]
         merged["version"] = first.get("version")
         merged["model"] = first.get("model")
+        merged["kv_cache_dtype"] = first.get("kv_cache_dtype")
+        merged["block_size"] = first.get("block_size")
         merged["swap"] = next((d["swap"] for d in ready if d.get("swap")), None)
     merged["lora_adapters"] = _merge_loras(ready)
     merged["replicas"] = [{"replica": i, **d} for i, d in enumerate(per)]

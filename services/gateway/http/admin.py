@@ -1,7 +1,8 @@
 """Admin HTTP routes under /admin, behind the admin token (`--admin-token`).
 
     GET  /admin/stats        the scheduler's counters: num_running, num_waiting,
-                             num_free_blocks, num_total_blocks, kv_cache_usage, ...
+                             num_free_blocks, num_total_blocks, kv_cache_dtype,
+                             block_size, kv_cache_usage, ...
     GET  /admin/requests     every in-flight request: id, state, tokens so far, age
     POST /admin/cancel/{id}  end a request (idempotent): its stream ends with `cancelled`
     POST /admin/swap-model   {"model": PATH, "version": LABEL?, "mode": "overlap"|"drain"}

@@ -288,6 +288,7 @@ class _SchedulerStats:
         ("num_requests_running", "num_running", "Requests in model execution batches."),
         ("num_requests_waiting", "num_waiting", "Requests waiting to be processed."),
         ("kv_cache_usage_perc", "kv_cache_usage", "KV-cache usage, 1 means 100 percent."),
+        ("kv_cache_num_blocks", "num_total_blocks", "KV blocks in the pool."),
         (
             "model_weight_bytes",
             "model_weight_bytes",
@@ -355,8 +356,16 @@ class _SchedulerStats:
         # a mixture of experts: (token, expert) pairs per expert (the scheduler's
         # moe_expert_tokens), exported as moe_expert_tokens_total{expert="<i>"}
         self.expert_tokens: list[int] = []
+        # the KV pool's settings, as vLLM's cache_config_info labels them
+        self.cache_config: dict[str, str] = {}
 
     def update(self, stats: dict[str, Any]) -> None:
+        if stats.get("kv_cache_dtype"):
+            self.cache_config = {
+                "cache_dtype": str(stats["kv_cache_dtype"]),
+                "block_size": str(stats.get("block_size", "")),
+                "num_gpu_blocks": str(stats.get("num_total_blocks", "")),
+            }
         router = stats.get("router") or {}
         for how in ("prefix", "least_loaded"):
             if isinstance(router.get(f"num_{how}_routed"), int | float):
@@ -378,6 +387,15 @@ class _SchedulerStats:
         }
 
     def collect(self) -> Iterator[Metric]:
+        if self.cache_config:
+            keys = sorted(self.cache_config)
+            info = GaugeMetricFamily(
+                f"{self.prefix}:cache_config_info",
+                "The KV cache's settings (cache_dtype: the KV rows' dtype, --kv-cache-dtype).",
+                labels=["model_name", *keys],
+            )
+            info.add_metric([self.model_name(), *(self.cache_config[k] for k in keys)], 1.0)
+            yield info
         if self.last_by_replica:
             yield from self._collect_by_replica()
             return

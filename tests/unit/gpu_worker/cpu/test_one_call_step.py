@@ -30,11 +30,17 @@ MAX_LORAS, MAX_RANK = 4, 8
 
 
 def _model(
-    folder: Path, *, cpu_layers: bool = True, dtype: torch.dtype = torch.float32
+    folder: Path,
+    *,
+    cpu_layers: bool = True,
+    dtype: torch.dtype = torch.float32,
+    kv_cache_dtype: str = "auto",
 ) -> LlamaForCausalLM:
     cfg, cpu = LlamaConfig.from_hf(read_hf_config(folder)), torch.device("cpu")
     heads = {"num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads}
-    backend = TorchAttentionBackend(**heads, head_dim=cfg.head_dim, dtype=dtype, device=cpu)
+    backend = TorchAttentionBackend(
+        **heads, head_dim=cfg.head_dim, dtype=dtype, device=cpu, kv_cache_dtype=kv_cache_dtype
+    )
     kernels = (
         choose_kernels(device=cpu, backend_name="torch", dtype=dtype)
         if cpu_layers
@@ -67,6 +73,7 @@ def _step(model: LlamaForCausalLM, n: int, seed: int) -> tuple[torch.Tensor, ...
         len(inner.layers), 2, NUM_BLOCKS, BLOCK_SIZE, attn.num_kv_heads, attn.head_dim,
         generator=gen,
     ).to(attn.qkv_proj.weight.dtype)  # fmt: skip
+    kv = attn.backend.kv_format.quantize(kv)  # a quantized cache's rows (auto: as it is)
     computed = [int(c) for c in torch.randint(0, 40, (n,), generator=gen)]
     blocks = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
     tables = []
@@ -91,6 +98,28 @@ def test_one_call_equals_the_layers_bit_for_bit(tiny: dict[str, Path], arch: str
         got = model.model(ids, meta.positions, kv, meta)
     assert torch.equal(got, expected)
     assert torch.equal(kv, kv_layers)  # the new tokens' K/V stored alike, nothing else touched
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("n", [1, 5])
+def test_quantized_kv_equals_the_layers_bit_for_bit(
+    tiny: dict[str, Path], kv_cache_dtype: str, n: int
+) -> None:
+    """With a quantized cache the C loop quantizes each new row as the torch backend does
+    (the same bits stored) and attends over the rows as stored."""
+    model = _model(tiny["llama"], kv_cache_dtype=kv_cache_dtype)
+    ids, kv, meta = _step(model, n, seed=10 + n)
+    assert kv.dtype in (torch.int8, torch.uint8)
+    kv_layers = kv.clone()
+    with torch.inference_mode():
+        expected = _layer_by_layer(model, ids, meta.positions, kv_layers, meta)
+        got = model.model(ids, meta.positions, kv, meta)
+    assert torch.equal(got, expected)
+    assert torch.equal(kv, kv_layers)  # the new rows quantized to the same bits
+    step = model.model.one_call_step
+    assert step is not None
+    with torch.inference_mode():  # and the C loop took the step (it did not fall back)
+        assert step.forward(model.model, ids, meta.positions, kv.clone(), meta) is not None
 
 
 @pytest.mark.parametrize("n", [1, 4])

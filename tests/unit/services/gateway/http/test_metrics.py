@@ -291,3 +291,27 @@ def test_metrics_are_labelled_by_replica() -> None:
         ("least_loaded", 3.0),
         ("prefix", 7.0),
     ]
+
+
+def test_kv_cache_dtype_and_blocks_are_exported() -> None:
+    """--kv-cache-dtype: the pool's blocks as a gauge and vLLM's cache_config_info, alone and
+    merged over replicas."""
+    for stats in (
+        {**_stats(), "kv_cache_dtype": "int8", "block_size": 16},
+        merge_stats(
+            {
+                f"scheduler-{i}": {**_stats(), "kv_cache_dtype": "int8", "block_size": 16}
+                for i in range(2)
+            },
+            2,
+        ),  # fmt: skip
+    ):
+        collector = _SchedulerStats(lambda: "m")
+        collector.update(stats)
+        families = {f.name: f for f in collector.collect()}
+        (info,) = families["shuttle:cache_config_info"].samples
+        assert info.value == 1.0 and info.labels["cache_dtype"] == "int8"
+        assert info.labels["block_size"] == "16"
+        assert info.labels["num_gpu_blocks"] == str(stats["num_total_blocks"])
+        blocks = families["shuttle:kv_cache_num_blocks"].samples
+        assert sum(s.value for s in blocks) == stats["num_total_blocks"]  # per replica, summed
