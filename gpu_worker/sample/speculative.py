@@ -156,7 +156,6 @@ class DraftModel:
             head_dim=self.config.head_dim,
             dtype=dtype,
             device=device,
-            **self.config.attention_options(),
         )
         self.block_size = block_size
         self.device = device
