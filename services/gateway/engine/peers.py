@@ -12,14 +12,13 @@ nothing: its requests died with it.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 from collections.abc import Iterator
 from typing import Any
 
 from common.ipc import Sender
 from common.messages import GatewayAnswer, GatewayQuery
-from services.gateway.engine.replicas import Replies
+from services.gateway.engine.replicas import PendingQueries
 
 
 class GatewayPeers:
@@ -32,7 +31,7 @@ class GatewayPeers:
         self.num_peers = num_peers
         self.inbox_addr = inbox_addr
         self._tickets = tickets
-        self._waiters: dict[int, Replies[dict[str, Any]]] = {}
+        self._pending = PendingQueries()
 
     async def cancel(self, request_id: str, timeout: float) -> bool:
         """End the request wherever a peer holds it: whether one did."""
@@ -55,25 +54,13 @@ class GatewayPeers:
         if self.num_peers == 0:
             return {}
         qid = next(self._tickets)
-        replies: Replies[dict[str, Any]] = Replies(self.num_peers)
-        self._waiters[qid] = replies
-        try:
-            self.peers.send(
-                GatewayQuery(
-                    reply_to=self.inbox_addr, query_id=qid, what=what, request_id=request_id
-                )
-            )
-            await asyncio.wait_for(replies.done.wait(), timeout)
-        except TimeoutError:
-            pass
-        finally:
-            self._waiters.pop(qid, None)
-        return replies.items
+        query = GatewayQuery(
+            reply_to=self.inbox_addr, query_id=qid, what=what, request_id=request_id
+        )
+        return await self._pending.ask(qid, self.num_peers, lambda: self.peers.send(query), timeout)
 
     def on_answer(self, msg: GatewayAnswer) -> None:
-        replies = self._waiters.get(msg.query_id)
-        if replies is not None:
-            replies.add(msg.name, msg.data)
+        self._pending.answer(msg.query_id, msg.name, msg.data)
 
 
 def no_peers() -> GatewayPeers:

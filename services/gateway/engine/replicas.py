@@ -9,6 +9,7 @@ are tagged with their replica; a swap succeeds when every replica's did.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from common.messages import SwapResult
@@ -56,6 +57,34 @@ class Replies(Generic[T]):
         self.items[key] = item
         if len(self.items) >= self.expected:
             self.done.set()
+
+
+class PendingQueries:
+    """Queries sent out and the answers coming back, by query id: `ask` sends one and waits
+    for its `expected` answers (or `timeout`); `answer` files one that arrived."""
+
+    def __init__(self) -> None:
+        self._waiters: dict[int, Replies[dict[str, Any]]] = {}
+
+    async def ask(
+        self, qid: int, expected: int, send: Callable[[], None], timeout: float
+    ) -> dict[str, dict[str, Any]]:
+        """The answers by who gave them, those that came within `timeout`."""
+        replies: Replies[dict[str, Any]] = Replies(expected)
+        self._waiters[qid] = replies
+        try:
+            send()
+            await asyncio.wait_for(replies.done.wait(), timeout)
+        except TimeoutError:
+            pass
+        finally:
+            self._waiters.pop(qid, None)
+        return replies.items
+
+    def answer(self, qid: int, name: str, data: dict[str, Any]) -> None:
+        replies = self._waiters.get(qid)
+        if replies is not None:
+            replies.add(name, data)
 
 
 def replica_index(name: str) -> int:

@@ -9,7 +9,7 @@ from typing import Any
 
 from common.ipc import Sender
 from common.messages import Stats, StatsQuery
-from services.gateway.engine.replicas import Replies, merge_request_rows, merge_stats
+from services.gateway.engine.replicas import PendingQueries, merge_request_rows, merge_stats
 
 
 class StatsQueries:
@@ -28,7 +28,7 @@ class StatsQueries:
         self.num_replicas = num_replicas
         self.router = router
         self._tickets = tickets
-        self._waiters: dict[int, Replies[dict[str, Any]]] = {}
+        self._pending = PendingQueries()
 
     async def ask(self, timeout: float = 5.0, what: str = "stats") -> dict[str, Any]:
         """The scheduler's counters (`what="requests"`: its live requests, one row each).
@@ -59,18 +59,8 @@ class StatsQueries:
         """A StatsQuery to `to` (a fan-out: `expected` answers): the answers by who gave
         them, those that came within `timeout`."""
         qid = next(self._tickets)
-        replies: Replies[dict[str, Any]] = Replies(expected)
-        self._waiters[qid] = replies
-        try:
-            to.send(StatsQuery(reply_to=self.inbox_addr, query_id=qid, what=what))
-            await asyncio.wait_for(replies.done.wait(), timeout)
-        except TimeoutError:
-            pass
-        finally:
-            self._waiters.pop(qid, None)
-        return replies.items
+        query = StatsQuery(reply_to=self.inbox_addr, query_id=qid, what=what)
+        return await self._pending.ask(qid, expected, lambda: to.send(query), timeout)
 
     def on_stats(self, msg: Stats) -> None:
-        replies = self._waiters.get(msg.query_id)
-        if replies is not None:
-            replies.add(msg.name, msg.data)
+        self._pending.answer(msg.query_id, msg.name, msg.data)
