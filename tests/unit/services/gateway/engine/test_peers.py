@@ -34,6 +34,12 @@ def _client(index: int = 1) -> tuple[ZmqEngineClient, FakeOutbox, FakeOutbox, Fa
     return client, tokenizers, scheduler, peers
 
 
+async def _sent(box: FakeOutbox) -> None:
+    """Until the task under test has sent its message to `box` (the event it waits for)."""
+    while not box.sent:
+        await asyncio.sleep(0)
+
+
 def test_a_request_travels_under_its_gateways_mark_and_its_outputs_come_back() -> None:
     asyncio.run(_a_request_travels_under_its_gateways_mark_and_its_outputs_come_back())
 
@@ -42,7 +48,7 @@ async def _a_request_travels_under_its_gateways_mark_and_its_outputs_come_back()
     client, tokenizers, scheduler, _ = _client()
     deltas = client.generate(request("abc"))
     first = asyncio.ensure_future(deltas.__anext__())
-    await asyncio.sleep(0)
+    await _sent(tokenizers)
     sent = tokenizers.sent[0]
     assert isinstance(sent, GenerateRequest) and sent.request_id == "g1:abc"
     assert client.is_in_flight("abc")  # (by the client's id)
@@ -59,7 +65,7 @@ def test_a_cancel_of_a_request_held_elsewhere_asks_the_other_processes() -> None
 async def _a_cancel_of_a_request_held_elsewhere_asks_the_other_processes() -> None:
     client, _, scheduler, peers = _client()
     cancel = asyncio.ensure_future(client.cancel("theirs"))
-    await asyncio.sleep(0)
+    await _sent(peers)
     (query,) = peers.sent
     assert query == GatewayQuery(
         reply_to="inproc://gateway-1", query_id=query.query_id, what="cancel", request_id="theirs"
@@ -87,7 +93,7 @@ def test_the_live_list_names_the_process_holding_each_request() -> None:
 async def _the_live_list_names_the_process_holding_each_request() -> None:
     client, _, _, peers = _client()
     rows = asyncio.ensure_future(client.peer_requests())
-    await asyncio.sleep(0)
+    await _sent(peers)
     (query,) = peers.sent
     row: dict[str, Any] = {"id": "x", "arrival": 1.0}
     client.peers.on_answer(GatewayAnswer("gateway-0", query.query_id, {"requests": [row]}))
@@ -101,7 +107,7 @@ def test_the_schedulers_rows_name_requests_by_the_clients_id() -> None:
 async def _the_schedulers_rows_name_requests_by_the_clients_id() -> None:
     client, _, scheduler, _ = _client()
     answer = asyncio.ensure_future(client.stats(what="requests"))
-    await asyncio.sleep(0)
+    await _sent(scheduler)
     (query,) = scheduler.sent
     client.on_stats(
         Stats(name="scheduler", query_id=query.query_id, data={"requests": [{"id": "g0:a"}]})
