@@ -6,6 +6,7 @@ store and the model's forward, decode steps driven as tools/benchmarks/step.py d
     .venv/bin/python -m tools.benchmarks.step_account --batch 64 --context 300
     .venv/bin/python -m tools.benchmarks.step_account --layer-by-layer   # kernels one by one
     .venv/bin/python -m tools.benchmarks.step_account --prefill 512      # a prompt's chunk
+    .venv/bin/python -m tools.benchmarks.step_account --batch 64 --context 300 --kv-cache-dtype int8
     GOMP_SPINCOUNT=0 .venv/bin/python -m tools.benchmarks.step_account   # threads sleep at once
 """
 
@@ -92,6 +93,7 @@ def main() -> int:
         "default-gguf: its Q4_1 file)",
     )
     p.add_argument("--quantization", default="", help="'' or int8 (quantized at load)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto, int8, fp8, fp8_e4m3, fp8_e5m2")
     args = p.parse_args()
     steps = args.steps
     spent: dict[str, float] = collections.defaultdict(float)
@@ -115,6 +117,7 @@ def main() -> int:
         num_threads=2,
         kv_cache_memory_gib=1.5,
         cpu_huge_pages=not args.no_huge_pages,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     runner = ModelRunner(_model_path(args.model), options)
     if args.layer_by_layer:  # the model's layers one by one, not the one-call C step
@@ -132,7 +135,10 @@ def main() -> int:
             drv.step({}, [(r, 1) for r in rids])
         total = (time.perf_counter() - t0) / steps * 1e3
         ms = {k: v / steps * 1e3 for k, v in spent.items()}
-        what = f"decode step (B={args.batch}, context {args.context}, {args.dtype})"
+        what = (
+            f"decode step (B={args.batch}, context {args.context}, {args.dtype}, "
+            f"KV {args.kv_cache_dtype})"
+        )
     kernels = sum(ms.get(k, 0.0) for k in KERNELS)
     print(
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} "
