@@ -28,6 +28,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from common.model_paths import tokenizer_dir
 from gpu_worker.runner.model_runner import ModelRunner
 from gpu_worker.runner.options import RunnerOptions
 from tests.gguf_models import write_gguf
@@ -94,3 +95,18 @@ def test_gguf_family_matches_transformers(root: str, arch: str, qtype: Q) -> Non
     assert runner.model.config.model_type == {"gemma3": "gemma3_text"}.get(arch, arch.split("-")[0])
     assert run_greedy(runner, prompts, NUM_NEW, together=False) == expected
     assert run_greedy(runner, prompts, NUM_NEW, token_budget=7) == expected
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "smollm3"])
+def test_the_files_chat_template_is_served(root: str, arch: str) -> None:
+    """The tokenizer folder written from the file (every process's tokenizer) renders chats
+    with the file's tokenizer.chat_template."""
+    from transformers import AutoTokenizer
+
+    path = _file(root, arch, dict(CASES)[arch])
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(path))
+    template = (Path(root) / arch / "chat_template.jinja").read_text()
+    assert tokenizer.chat_template == template
+    chat = [{"role": "user", "content": "hello"}]
+    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert "hello" in text and text.endswith("assistant\n")
