@@ -8,7 +8,8 @@ tokenizer as tokenizer.ggml.* metadata (a byte-level BPE: model "gpt2"), so read
 back tests the reader's undoing of each. Per family (common/gguf_families.py reads them):
 Gemma's norms stored with its +1 added, post-attention/pre- and post-MLP norms under their
 llama.cpp names, soft caps, window and the local rope's base; SmolLM3's q/k rows permuted as
-a llama's; a windowed Mistral's window as `llama.attention.sliding_window`.
+a llama's; a windowed Mistral's window as `llama.attention.sliding_window` (gguf-py's key;
+llama.cpp's own converter writes no window for a Mistral, so its files attend to everything).
 
 Float types and Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 are quantized from the weights with gguf-py. gguf-py
 cannot quantize K-quants (nor Q2_K), so for those every weight is random valid blocks built
