@@ -10,9 +10,13 @@ The tensors themselves are read by gpu_worker/model_loader/gguf_file.py.
 Mixtures of experts: qwen2moe and qwen3moe files, and Mixtral's (a "llama" file with
 `llama.expert_count`); each projection's experts are one 3-D tensor (`ffn_gate_exps`...).
 
+Dense families: llama (Mistral is a "llama" file named so), qwen2, qwen3, phi3, smollm3,
+gemma2, gemma3; what each adds to the Llama keys is read by common/gguf_families.py.
+
 Names: llama.cpp's converter renames Hugging Face tensors (`model.layers.3.mlp.up_proj.weight`
 -> `blk.3.ffn_up.weight`); hf_tensor_name undoes it. The converter also permutes the rows of
-q and k for the "llama" architecture (it covers Mistral too); the reader undoes that.
+q and k for the "llama" and "smollm3" architectures (llama covers Mistral too); the reader
+undoes that.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from common.gguf_families import GEMMA_ARCHITECTURES, family_config
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
@@ -39,10 +45,13 @@ ARCHITECTURES = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "phi3": "phi3",
+    "smollm3": "smollm3",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3_text",
     **MOE_ARCHITECTURES,
 }
 # the llama.cpp converter permutes q/k rows (rotary pairs) only for these
-PERMUTED_ARCHITECTURES = frozenset({"llama"})
+PERMUTED_ARCHITECTURES = frozenset({"llama", "smollm3"})
 # ggml type names we serve: float types as tensors, block types as raw bytes
 SUPPORTED_TYPES = (
     "F32",
@@ -88,6 +97,12 @@ _LAYER_NAMES = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# Gemma's four norms a layer: its ffn_norm is the norm before the MLP, not after attention
+_GEMMA_LAYER_NAMES = {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
@@ -115,9 +130,12 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
     if stem in _GLOBAL_NAMES and kind == "weight":
         return f"{_GLOBAL_NAMES[stem]}.weight"
     match = _LAYER_RE.match(gguf_name)
-    if match and match.group(2) in _LAYER_NAMES:
+    names = (
+        dict(_LAYER_NAMES, **_GEMMA_LAYER_NAMES) if arch in GEMMA_ARCHITECTURES else _LAYER_NAMES
+    )
+    if match and match.group(2) in names:
         layer, part, kind = match.groups()
-        hf = "mlp.gate_up_proj" if arch == "phi3" and part == "ffn_up" else _LAYER_NAMES[part]
+        hf = "mlp.gate_up_proj" if arch == "phi3" and part == "ffn_up" else names[part]
         return f"model.layers.{layer}.{hf}.{kind}"
     raise ValueError(f"GGUF tensor {gguf_name!r} has no place in a Llama-family model")
 
@@ -164,8 +182,10 @@ def read_gguf_config(path: str | Path, reader: GGUFReader | None = None) -> dict
         return value
 
     scaling = field_value(reader, f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise ValueError(f"{path}: rope scaling {scaling!r} is not supported (default, llama3)")
+    if scaling not in (None, "none", "linear"):
+        raise ValueError(
+            f"{path}: rope scaling {scaling!r} is not supported (default, linear, llama3)"
+        )
     names = {t.name: t for t in reader.tensors}
     if "rope_factors_long.weight" in names:  # Phi-3's long-context variants
         raise ValueError(
@@ -174,7 +194,8 @@ def read_gguf_config(path: str | Path, reader: GGUFReader | None = None) -> dict
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
     head_dim = int(key("attention.key_length", key("rope.dimension_count", hidden // heads)))
     theta = float(key("rope.freq_base", 10000.0))
-    vocab = key("vocab_size", len(field_value(reader, "tokenizer.ggml.tokens", [])) or None)
+    # (Gemma's converter writes no vocab_size: the embedding's rows are the vocabulary)
+    vocab = key("vocab_size", _embedding_rows(names) or None)
     config: dict[str, Any] = {
         "architectures": [_HF_CLASSES[model_type]],
         "model_type": model_type,
@@ -194,9 +215,12 @@ def read_gguf_config(path: str | Path, reader: GGUFReader | None = None) -> dict
         "mlp_bias": "blk.0.ffn_down.bias" in names,
         "hidden_act": "silu",
     }
-    window = field_value(reader, f"{arch}.attention.sliding_window")
-    if arch == "phi3" and window:  # llama.cpp writes Phi-3's sliding_window here
-        config["sliding_window"] = int(window)
+    if scaling == "linear":
+        factor = float(key("rope.scaling.factor"))
+        config["rope_parameters"] = {"rope_theta": theta, "rope_type": "linear", "factor": factor}
+    config.update(
+        family_config(arch, model_type, lambda k, d: field_value(reader, f"{arch}.{k}", d), config)
+    )
     if arch in MOE_ARCHITECTURES:
         config.update(_moe_config(reader, arch, config["num_hidden_layers"], names))
     if model_type == "mixtral":  # every layer sparse, experts of feed_forward_length
@@ -211,6 +235,11 @@ def read_gguf_config(path: str | Path, reader: GGUFReader | None = None) -> dict
         if token_id is not None:
             config[f"{_TOKEN_KEYS[field]}_token_id"] = int(token_id)
     return config
+
+
+def _embedding_rows(names: dict[str, Any]) -> int:
+    embedding = names.get("token_embd.weight")
+    return 0 if embedding is None else int(embedding.shape[-1])  # (ggml order: rows last)
 
 
 def _moe_config(
@@ -245,7 +274,11 @@ _HF_CLASSES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
+_NO_TRANSFORMERS_CONFIG = frozenset({"smollm3"})  # (transformers 5 reads no SmolLM3 GGUF)
 _TOKEN_KEYS = {"bos": "bos", "eos": "eos", "padding": "pad", "unknown": "unk"}
 
 
@@ -323,9 +356,13 @@ def gguf_tokenizer_folder(path: str | Path) -> Path:
 def _fill_tokenizer_folder(
     tmp: Path, path: Path, reader: GGUFReader, config: dict[str, Any]
 ) -> None:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    # AutoTokenizer reads the file's model config first, which transformers does not for
+    # every architecture; the tokenizer itself is the tokenizer.ggml.* metadata either way
+    arch = str(field_value(reader, "general.architecture"))
+    tokenizer_class = PreTrainedTokenizerFast if arch in _NO_TRANSFORMERS_CONFIG else AutoTokenizer
+    tokenizer = tokenizer_class.from_pretrained(path.parent, gguf_file=path.name)
     tokenizer.save_pretrained(tmp)
     eos = [config["eos_token_id"]] if "eos_token_id" in config else []
     eot = field_value(reader, "tokenizer.ggml.eot_token_id")

@@ -5,7 +5,11 @@ a GGUF file whose 2-D weights (embedding, linears, LM head) are all of one ggml 
 and biases stay F32, as llama.cpp keeps them. Like llama.cpp it renames tensors, permutes the
 q/k rows of a "llama" file, writes Llama 3 rope scaling as a rope_freqs tensor and writes the
 tokenizer as tokenizer.ggml.* metadata (a byte-level BPE: model "gpt2"), so reading a file
-back tests the reader's undoing of each.
+back tests the reader's undoing of each. Per family (common/gguf_families.py reads them):
+Gemma's norms stored with its +1 added, post-attention/pre- and post-MLP norms under their
+llama.cpp names, soft caps, window and the local rope's base; SmolLM3's q/k rows permuted as
+a llama's; a windowed Mistral's window as `llama.attention.sliding_window` (gguf-py's key;
+llama.cpp's own converter writes no window for a Mistral, so its files attend to everything).
 
 Float types and Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 are quantized from the weights with gguf-py. gguf-py
 cannot quantize K-quants (nor Q2_K), so for those every weight is random valid blocks built
@@ -29,7 +33,23 @@ from safetensors.torch import load_file
 _RANDOM_BLOCK_TYPES = (Q.Q2_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 # byte offsets of each block type's fp16 scale fields (ggml-common.h block layouts)
 _FP16_OFFSETS = {Q.Q2_K: (80, 82), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
-_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+_ARCHS = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    "smollm3": "smollm3",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+}
+_PERMUTED = ("llama", "smollm3")
+_GEMMAS = ("gemma2", "gemma3")
+_GEMMA_PARTS = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 _LAYER_PARTS = {
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
@@ -52,11 +72,12 @@ _GLOBALS = {
 }
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     if hf_name in _GLOBALS:
         return _GLOBALS[hf_name]
     parts = hf_name.split(".")  # model.layers.N.<part...>.weight|bias
-    return f"blk.{parts[2]}.{_LAYER_PARTS['.'.join(parts[3:-1])]}.{parts[-1]}"
+    names = dict(_LAYER_PARTS, **_GEMMA_PARTS) if arch in _GEMMAS else _LAYER_PARTS
+    return f"blk.{parts[2]}.{names['.'.join(parts[3:-1])]}.{parts[-1]}"
 
 
 def permute(weights: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:
@@ -114,14 +135,17 @@ def write_gguf(
     for seed, (hf_name, weight) in enumerate(sorted(weights.items())):
         weight = weight.float().contiguous()
         kind = overrides.get(hf_name, qtype if weight.dim() == 2 else Q.F32)
-        data, expected[hf_name] = encode(weight, kind, seed)
+        plus_one = arch in _GEMMAS and hf_name.endswith("norm.weight")
+        data, expected[hf_name] = encode(weight + 1 if plus_one else weight, kind, seed)
+        if plus_one:  # what a reader taking the 1 off in float32 gets back
+            expected[hf_name] = expected[hf_name] - 1
         data_t = torch.from_numpy(np.ascontiguousarray(data))
-        if arch == "llama" and ".q_proj." in hf_name:
+        if arch in _PERMUTED and ".q_proj." in hf_name:
             data_t = permute(data_t, heads, heads)
-        elif arch == "llama" and ".k_proj." in hf_name:
+        elif arch in _PERMUTED and ".k_proj." in hf_name:
             data_t = permute(data_t, heads, kv_heads)
         raw = None if kind in (Q.F32, Q.F16) else kind
-        writer.add_tensor(gguf_name(hf_name), data_t.numpy(), raw_dtype=raw)
+        writer.add_tensor(gguf_name(hf_name, arch), data_t.numpy(), raw_dtype=raw)
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama3_rope_freqs(cfg, rope))
@@ -135,7 +159,8 @@ def write_gguf(
 def _write_hparams(writer: gguf.GGUFWriter, arch: str, cfg: dict[str, Any]) -> None:
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     rope = cfg.get("rope_parameters") or {}
-    for key, value in (
+    rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' rope
+    fields = (
         ("context_length", cfg["max_position_embeddings"]),
         ("embedding_length", cfg["hidden_size"]),
         ("block_count", cfg["num_hidden_layers"]),
@@ -144,7 +169,10 @@ def _write_hparams(writer: gguf.GGUFWriter, arch: str, cfg: dict[str, Any]) -> N
         ("attention.head_count_kv", cfg["num_key_value_heads"]),
         ("rope.dimension_count", head_dim),
         ("vocab_size", cfg["vocab_size"]),
-    ):
+    )
+    for key, value in fields:
+        if key == "vocab_size" and arch in _GEMMAS:
+            continue  # (llama.cpp's Gemma converters write none)
         writer.add_uint32(f"{arch}.{key}", int(value))
     if head_dim != cfg["hidden_size"] // cfg["num_attention_heads"]:
         writer.add_uint32(f"{arch}.attention.key_length", head_dim)
@@ -152,7 +180,30 @@ def _write_hparams(writer: gguf.GGUFWriter, arch: str, cfg: dict[str, Any]) -> N
     theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
     writer.add_float32(f"{arch}.rope.freq_base", float(theta))
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
-    if arch == "phi3" and cfg.get("sliding_window"):
+    if arch in ("phi3", "llama") and cfg.get("sliding_window"):
+        writer.add_uint32(f"{arch}.attention.sliding_window", int(cfg["sliding_window"]))
+    if rope.get("rope_type") == "linear":
+        writer.add_string(f"{arch}.rope.scaling.type", "linear")
+        writer.add_float32(f"{arch}.rope.scaling.factor", float(rope["factor"]))
+    if arch in _GEMMAS:
+        _write_gemma_hparams(writer, arch, cfg, head_dim)
+
+
+def _write_gemma_hparams(
+    writer: gguf.GGUFWriter, arch: str, cfg: dict[str, Any], head_dim: int
+) -> None:
+    """As llama.cpp's Gemma2Model / Gemma3Model write them. The file has no key for
+    query_pre_attn_scalar: llama.cpp takes head_dim (hidden / heads for a 27B), so a config
+    with another is refused here rather than written as a file that means something else."""
+    if cfg.get("query_pre_attn_scalar", head_dim) != head_dim:
+        raise ValueError(
+            f"query_pre_attn_scalar {cfg['query_pre_attn_scalar']} != head_dim {head_dim}: "
+            "a GGUF file cannot say it"
+        )
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key):
+            writer.add_float32(f"{arch}.{key}", float(cfg[key]))
+    if cfg.get("sliding_window"):
         writer.add_uint32(f"{arch}.attention.sliding_window", int(cfg["sliding_window"]))
 
 

@@ -6,6 +6,9 @@ before q/k/v and gate/up are fused) are cut like this:
     q_proj k_proj v_proj gate_proj up_proj   column-parallel: rows (output features) split,
                                              so rank r owns heads [r*H/N, (r+1)*H/N) and KV
                                              heads [r*K/N, (r+1)*K/N); biases split the same
+    qkv_proj gate_up_proj (Phi-3's fused)    fused column-parallel: each part (q | k | v,
+                                             gate | up) split as its own layer would be, the
+                                             rank's slices of the parts stacked in that order
     o_proj down_proj                         row-parallel: columns (input features) split; the
                                              partial outputs are summed by an all-reduce; a
                                              bias is added once (rank 0 keeps it, others 0)
@@ -34,15 +37,17 @@ class Split(enum.Enum):
     ROW = "row"  # dim 1 (in features), even split
     ROW_BIAS = "row_bias"  # a row-parallel layer's bias: rank 0 only
     VOCAB = "vocab"  # dim 0, padded shards
+    FUSED = "fused"  # dim 0, each of the stacked parts split evenly (fused_ranges)
 
     @property
     def dim(self) -> int | None:
-        return {Split.COLUMN: 0, Split.ROW: 1, Split.VOCAB: 0}.get(self)
+        return {Split.COLUMN: 0, Split.ROW: 1, Split.VOCAB: 0, Split.FUSED: 0}.get(self)
 
 
 # (w1, w3, w2: Mixtral's experts' gate, up and down)
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3")
 _ROW = ("o_proj", "down_proj", "w2")
+_FUSED = ("qkv_proj", "gate_up_proj")  # Phi-3's checkpoint stores them fused
 _VOCAB = ("embed_tokens.weight", "lm_head.weight")
 # an int8 compressed-tensors checkpoint's shape of a packed weight: whole on every rank
 _INT8_META = ("weight_shape",)
@@ -58,6 +63,8 @@ def split_of(name: str) -> Split:
         return Split.REPLICATED
     if layer in _COLUMN:
         return Split.COLUMN
+    if layer in _FUSED:
+        return Split.FUSED
     if layer in _ROW:
         if parts[-1] in ("weight", "weight_packed"):
             return Split.ROW
@@ -98,6 +105,20 @@ def shard_range(split: Split, shape: tuple[int, ...], rank: int, world: int) -> 
     if split is Split.VOCAB:
         return vocab_range(shape[0], rank, world)
     return even_range(shape[dim], rank, world)
+
+
+def fused_ranges(parts: tuple[int, ...], rank: int, world: int) -> list[tuple[int, int]]:
+    """[start, end) rows rank keeps of a tensor whose rows are `parts` stacked (Phi-3's
+    qkv_proj: q, k, v rows; gate_up_proj: gate, up rows): its even share of each part.
+
+        parts (8, 4, 4), world 2:  rank 0 [0, 4) [8, 10) [12, 14)   rank 1 [4, 8) [10, 12) [14, 16)
+    """
+    ranges, offset = [], 0
+    for size in parts:
+        start, end = even_range(size, rank, world)
+        ranges.append((offset + start, offset + end))
+        offset += size
+    return ranges
 
 
 def check_divisible(

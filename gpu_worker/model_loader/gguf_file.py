@@ -16,6 +16,10 @@ are adjacent (GPT-J style); our model rotates halves (NeoX style, as Hugging Fac
     file row  (head h, pair p, half i)   <-   HF row  (head h, half i, pair p)
 
 Undoing it moves whole rows, so it applies to a block type's uint8 rows unchanged.
+
+Gemma's RMSNorm multiplies by (1 + weight); llama.cpp's converter stores every Gemma norm
+weight with the 1 added (a Gemma 2 or 3 file). The reader takes it off, in float32 (as
+transformers' GGUF loader does), so the weights are the Hugging Face checkpoint's.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.gguf_families import GEMMA_ARCHITECTURES
 from common.gguf_meta import (
     PERMUTED_ARCHITECTURES,
     ROPE_FREQS,
@@ -79,9 +84,10 @@ class GGUFTensor:
 
 
 def read_gguf_tensors(path: str | Path) -> dict[str, GGUFTensor]:
-    """Every weight of the file by Hugging Face name, q/k rows un-permuted for a "llama"
-    file. Raises UnsupportedTensorType (a ValueError naming the tensor and its type) for a
-    type outside common.gguf_meta.SUPPORTED_TYPES, ValueError for an unknown tensor name."""
+    """Every weight of the file by Hugging Face name, q/k rows un-permuted for a "llama" or
+    "smollm3" file, a Gemma file's norms without the 1 its converter added. Raises
+    UnsupportedTensorType (a ValueError naming the tensor and its type) for a type outside
+    common.gguf_meta.SUPPORTED_TYPES, ValueError for an unknown tensor name."""
     reader = open_gguf(path)
     check_tensor_types(reader, path)
     config = read_gguf_config(path, reader)  # also validates the architecture
@@ -97,6 +103,8 @@ def read_gguf_tensors(path: str | Path) -> dict[str, GGUFTensor]:
             tensor = unpermute_rows(tensor, config["num_attention_heads"])
         elif permuted and ".self_attn.k_proj." in name:
             tensor = unpermute_rows(tensor, config["num_key_value_heads"])
+        elif arch in GEMMA_ARCHITECTURES and name.endswith("norm.weight"):
+            tensor = _minus_one(tensor)
         tensors[name] = tensor
     return tensors
 
@@ -116,6 +124,14 @@ def _to_tensor(entry: Any) -> GGUFTensor:
     if type_name in _FLOAT_TYPES:
         data = data.reshape(shape)
     return GGUFTensor(qtype=int(entry.tensor_type), shape=shape, data=data)
+
+
+def _minus_one(tensor: GGUFTensor) -> GGUFTensor:
+    """A Gemma norm weight as its checkpoint holds it: float32, 1 taken off."""
+    from gguf import GGMLQuantizationType
+
+    values = dequantize_tensor(tensor) - 1.0
+    return GGUFTensor(qtype=int(GGMLQuantizationType.F32), shape=tensor.shape, data=values)
 
 
 def unpermute_rows(tensor: GGUFTensor, num_heads: int) -> GGUFTensor:

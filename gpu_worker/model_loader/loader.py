@@ -26,6 +26,7 @@ from gpu_worker.attention import AttentionBackend
 from gpu_worker.distributed.sharding import (
     Split,
     check_divisible,
+    fused_ranges,
     shard_range,
     split_of,
     vocab_shard_size,
@@ -81,11 +82,6 @@ def _concat(weights: dict[str, Any], names: list[str], fused: str) -> None:
 
 def check_tensor_parallel(cfg: LlamaConfig, world: int, folder: str | Path = "") -> None:
     """Refuse (ValueError naming --tensor-parallel-size) a model that does not split."""
-    if world > 1 and cfg.model_type == "phi3":  # its checkpoint fuses q/k/v and gate/up
-        raise ValueError(
-            f"--tensor-parallel-size {world}: phi3 checkpoints (fused qkv_proj/gate_up_proj) "
-            "are served on one rank only"
-        )
     check_divisible(
         world,
         num_heads=cfg.num_heads,
@@ -97,9 +93,19 @@ def check_tensor_parallel(cfg: LlamaConfig, world: int, folder: str | Path = "")
         moe.check_tensor_parallel(cfg.moe, cfg.model_type, world, str(folder) or "the model")
 
 
-def read_weights(folder: str | Path, tp: TensorParallel) -> dict[str, torch.Tensor]:
+def fused_parts(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """The row counts of the parts a fused checkpoint tensor stacks (Phi-3's qkv_proj and
+    gate_up_proj), by layer name: how a rank finds its slices of each."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {"qkv_proj": (q, kv, kv), "gate_up_proj": (cfg.intermediate_size,) * 2}
+
+
+def read_weights(
+    folder: str | Path, tp: TensorParallel, fused: dict[str, tuple[int, ...]] | None = None
+) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors (HF names), or under tensor parallelism this rank's slices
-    of them: only those bytes are read."""
+    of them: only those bytes are read. `fused`: fused_parts of the model, for a checkpoint
+    that fuses q/k/v or gate/up (Phi-3)."""
     weights: dict[str, torch.Tensor] = {}
     for path in safetensors_files(folder):
         if tp.size == 1:
@@ -107,12 +113,21 @@ def read_weights(folder: str | Path, tp: TensorParallel) -> dict[str, torch.Tens
             continue
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118  # safe_open is not a mapping
-                weights[name] = _read_shard(f, name, tp)
+                weights[name] = _read_shard(f, name, tp, fused or {})
     return weights
 
 
-def _read_shard(f: Any, name: str, tp: TensorParallel) -> torch.Tensor:
+def _read_shard(
+    f: Any, name: str, tp: TensorParallel, fused: dict[str, tuple[int, ...]]
+) -> torch.Tensor:
     split = split_of(name)
+    if split is Split.FUSED:  # each part's slice, stacked as the fused layer's rows
+        parts = fused.get(name.split(".")[-2])
+        if parts is None:
+            raise ValueError(f"{name}: a fused tensor, but the model's part sizes are not known")
+        sliced = f.get_slice(name)
+        ranges = fused_ranges(parts, tp.rank, tp.size)
+        return torch.cat([sliced[start:end] for start, end in ranges])
     if split is Split.REPLICATED:
         return f.get_tensor(name)
     if split is Split.ROW_BIAS:  # added once, after the all-reduce: rank 0 holds it
@@ -241,14 +256,15 @@ def read_checkpoint(
                 f"{folder}: a GGUF file is served on one rank (--tensor-parallel-size 1)"
             )
         return read_gguf_weights(folder)
+    fused = fused_parts(LlamaConfig.from_hf(hf_config)) if tp.size > 1 else None
     if is_mxfp4(hf_config):  # gpt-oss as shipped: MXFP4 experts, the rest float
         check_mxfp4(hf_config, quantization)
-        return read_weights(folder, tp)
+        return read_weights(folder, tp, fused)
     qc = quantization_config(hf_config)
     if qc is not None:
         check_int8_w8a8(qc)  # (before the weights are read)
-        return int8_weights(read_weights(folder, tp))
-    raw = read_weights(folder, tp)
+        return int8_weights(read_weights(folder, tp, fused))
+    raw = read_weights(folder, tp, fused)
     return quantize_linear_weights(raw) if quantization == "int8" else raw
 
 

@@ -2,7 +2,8 @@
 gloo). Greedy tokens equal transformers' through batching, chunked prefill, prefix hits and
 preemption; cancellation and hot-swap (overlap and drain) reach every rank; a killed rank
 takes its group down, the supervisor restarts it, requests in flight get the retryable 503
-and no KV block leaks. One server per configuration serves many checks."""
+and no KV block leaks. Phi-3, whose checkpoint fuses q/k/v and gate/up, splits part by part.
+One server per configuration serves many checks."""
 
 from __future__ import annotations
 
@@ -112,6 +113,18 @@ def test_tp2_tiny_llama_equals_transformers(tiny: dict[str, Path]) -> None:
         assert server.logs().count('"rank 1 ready"') == 1
         _check_parity_everywhere(server, prompts, expected)
         assert _stats(server)["spec_num_draft_tokens"] > 0
+
+
+def test_tp2_tiny_phi3_equals_transformers(tmp_path: Path) -> None:
+    """Phi-3's checkpoint fuses q/k/v and gate/up: each rank reads its share of every part
+    (gpu_worker/distributed/sharding.fused_ranges); a window of 15 the prompts cross."""
+    phi3 = make_tiny_model(tmp_path / "phi3", "phi3")  # 4 heads, 4 KV heads
+    prompts = _prompts((5, 17, 41, 60))
+    expected = [hf_greedy(phi3, p, NUM_NEW) for p in prompts]
+    flags = ["--model", str(phi3), "--tensor-parallel-size", "2", "--admin-token", TOKEN]
+    with running_server(*flags, "--max-num-batched-tokens", "24") as server:
+        assert _together(server, prompts) == expected
+        assert [_tokens(server, p) for p in prompts] == expected
 
 
 @pytest.fixture(scope="module")

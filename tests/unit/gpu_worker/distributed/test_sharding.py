@@ -15,6 +15,7 @@ from gpu_worker.distributed.sharding import (
     Split,
     check_divisible,
     even_range,
+    fused_ranges,
     shard_range,
     split_of,
     threads_per_rank,
@@ -61,6 +62,9 @@ from services.worker_group import check_parallel, rank_name, rank_specs
         ("model.layers.1.mlp.gate.weight", Split.REPLICATED),
         ("model.layers.1.mlp.shared_expert.gate_proj.weight", Split.COLUMN),
         ("model.layers.1.mlp.shared_expert_gate.weight", Split.REPLICATED),
+        # Phi-3's fused projections: each part split
+        ("model.layers.0.self_attn.qkv_proj.weight", Split.FUSED),
+        ("model.layers.0.mlp.gate_up_proj.weight", Split.FUSED),
     ],
 )
 def test_each_checkpoint_tensor_has_its_split(name: str, split: Split) -> None:
@@ -172,3 +176,32 @@ def test_each_rank_takes_its_device_and_a_share_of_the_cores(monkeypatch) -> Non
     assert rank_device_and_threads(config, TensorParallel(rank=1, size=2)) == ("cpu", 2)
     cuda = config.replace(model={"device": "cuda", "num_threads": 3})
     assert rank_device_and_threads(cuda, TensorParallel(rank=1, size=2)) == ("cuda:1", 3)
+
+
+def test_fused_ranges_take_each_parts_share() -> None:
+    assert fused_ranges((8, 4, 4), 0, 2) == [(0, 4), (8, 10), (12, 14)]
+    assert fused_ranges((8, 4, 4), 1, 2) == [(4, 8), (10, 12), (14, 16)]
+    with pytest.raises(ValueError, match="does not divide"):
+        fused_ranges((8, 3, 3), 0, 2)
+
+
+def test_a_fused_phi3_tensor_splits_as_its_parts_would(tmp_path: Path) -> None:
+    """Rank r's rows of Phi-3's qkv_proj are its q rows, then its k, then its v rows: what
+    concatenating its slices of separate q/k/v projections gives (GQA: 4 heads, 2 KV)."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(8, 4), torch.randn(4, 4), torch.randn(4, 4)
+    gate, up = torch.randn(6, 4), torch.randn(6, 4)
+    full = {
+        "model.layers.0.self_attn.qkv_proj.weight": torch.cat([q, k, v]),
+        "model.layers.0.mlp.gate_up_proj.weight": torch.cat([gate, up]),
+    }
+    save_file(full, str(tmp_path / "model.safetensors"))
+    fused = {"qkv_proj": (8, 4, 4), "gate_up_proj": (6, 6)}
+    for r in range(2):
+        shard = read_weights(tmp_path, TensorParallel(rank=r, size=2), fused)
+        qkv = [t[r * t.shape[0] // 2 : (r + 1) * t.shape[0] // 2] for t in (q, k, v)]
+        gate_up = [t[r * 3 : (r + 1) * 3] for t in (gate, up)]
+        assert torch.equal(shard["model.layers.0.self_attn.qkv_proj.weight"], torch.cat(qkv))
+        assert torch.equal(shard["model.layers.0.mlp.gate_up_proj.weight"], torch.cat(gate_up))
+    with pytest.raises(ValueError, match="part sizes are not known"):
+        read_weights(tmp_path, TensorParallel(rank=0, size=2))

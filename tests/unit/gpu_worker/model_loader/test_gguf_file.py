@@ -172,3 +172,32 @@ def test_phi3_long_rope_factors_are_refused_by_name(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(ValueError, match="rope_type 'longrope' \\(rope_factors_long.weight\\)"):
         read_gguf_config(path)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "smollm3", "mistral-window"])
+def test_each_family_reads_back_its_checkpoint(arch: str, tmp_path: Path) -> None:
+    """Gemma's norms come back without the 1 the file adds (exactly what taking it off in
+    float32 gives, within rounding of the checkpoint's), SmolLM3's q/k rows un-permuted,
+    and each family's config as its config.json says (common/gguf_families.py)."""
+    folder = make_tiny_model(tmp_path / arch, arch, vocab_size=96)
+    hf = json.loads((folder / "config.json").read_text())
+    if arch == "gemma2":  # a GGUF file says query_pre_attn_scalar only as head_dim
+        hf["query_pre_attn_scalar"] = hf["head_dim"]
+        (folder / "config.json").write_text(json.dumps(hf))
+    path = tmp_path / f"{arch}.gguf"
+    expected = write_gguf(folder, path, Q.F32, name=f"tiny {arch}")
+    tensors = read_gguf_tensors(path)
+    weights = load_file(str(folder / "model.safetensors"))
+    assert sorted(tensors) == sorted(weights)
+    for name, tensor in tensors.items():
+        assert tensor.data.dtype == torch.float32, name
+        assert torch.equal(tensor.data, expected[name]), name
+        assert torch.allclose(tensor.data, weights[name], rtol=0, atol=1e-6), name
+    hf["rms_norm_eps"] = _as_f32(hf["rms_norm_eps"])
+    assert LlamaConfig.from_hf(read_gguf_config(path)) == LlamaConfig.from_hf(hf)
+
+
+def test_a_gemma2_query_scale_no_file_can_say_is_not_written(tmp_path: Path) -> None:
+    folder = make_tiny_model(tmp_path / "gemma2", "gemma2", vocab_size=96)  # 24 != head_dim
+    with pytest.raises(ValueError, match="query_pre_attn_scalar 24"):
+        write_gguf(folder, tmp_path / "gemma2.gguf", Q.F32)

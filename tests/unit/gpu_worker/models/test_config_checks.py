@@ -98,14 +98,15 @@ def test_windows_reach_the_config_per_layer() -> None:
     assert LlamaConfig.from_hf(dict(cfg, max_window_layers=4)).sliding_windows == ()
 
 
-def test_phi3_reads_its_window_and_refuses_tensor_parallel() -> None:
-    from gpu_worker.model_loader.loader import check_tensor_parallel
+def test_phi3_reads_its_window_and_splits_over_ranks() -> None:
+    from gpu_worker.model_loader.loader import check_tensor_parallel, fused_parts
 
     cfg = LlamaConfig.from_hf(dict(BASE, model_type="phi3", sliding_window=15))
     assert cfg.sliding_windows == (15,) * 4 and not (cfg.qkv_bias or cfg.mlp_bias)
     check_tensor_parallel(cfg, 1)
-    with pytest.raises(ValueError, match="--tensor-parallel-size 2: phi3"):
-        check_tensor_parallel(cfg, 2)
+    check_tensor_parallel(cfg, 2)  # its fused qkv_proj / gate_up_proj split part by part
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    assert fused_parts(cfg) == {"qkv_proj": (q, kv, kv), "gate_up_proj": (16, 16)}
 
 
 GEMMA3_LEGACY: dict[str, Any] = dict(
