@@ -168,3 +168,24 @@ def test_bad_request_extras_are_refused_before_any_load() -> None:
     for flags in (["--logprobs", "21"], ["--repetition-penalty", "0"]):
         with pytest.raises(SystemExit):
             cli.parse_args(flags)
+
+
+def test_multi_turn_workload_sends_each_conversation_with_its_replies(
+    synthetic: Server, tmp_path: Path
+) -> None:
+    r = _run(
+        synthetic,
+        tmp_path,
+        *("--workload", "multi-turn", "--conversations", "3", "--turns", "3"),
+        *("--user-len", "5:9", "--system-len", "20", "--output-len", "4", "--concurrency", "2"),
+    )
+    assert (r["turns"], r["failed"]) == (9, 0)
+    rows = r["turn_results"]
+    assert [t["conversation"] for t in rows] == [0, 1, 2] * 3
+    for c in range(3):
+        prompts = [t["prompt_tokens"] for t in rows if t["conversation"] == c]
+        assert prompts[0] < prompts[1] < prompts[2]  # each turn carries the ones before
+    assert r["prompt_tokens"] == sum(t["prompt_tokens"] for t in rows)
+    assert r["cached_tokens"] == sum(t["cached_tokens"] for t in rows)
+    assert r["server_counters"]["prefix_cache_queries"] == r["prompt_tokens"]
+    assert r["working_set_blocks"] > 0 and r["device_pool_blocks"] > 0

@@ -5,6 +5,8 @@
     tools/bench --jsonl prompts.jsonl --sweep-rates 1,2,4,8 --plot-dir out/ --slo-ttft-ms 500
     tools/bench --server-flags "--model synthetic" --num-prompts 256 --output-len 200
     tools/bench --compare shuttle,vllm,llamacpp --json out/peers.json    (peers.py)
+    tools/bench --workload multi-turn --conversations 16 --turns 6 --concurrency 2 \
+        --output-len 16 --admin-token t    # chat conversations: the prefix cache's hit rate
     tools/bench --num-prompts 64 --input-len 32:512 --output-len 16:256 \
         --logprobs 5 --repetition-penalty 1.1     # the mixed load, every request asking
     tools/bench --num-prompts 64 --input-len 32:512 --output-len 16:256 \
@@ -45,6 +47,7 @@ sys.path.insert(0, str(REPO))
 
 from tools.benchmarks.baselines import hf_baseline  # noqa: E402
 from tools.benchmarks.load import INF, Extras, ProgressLine, run_load  # noqa: E402
+from tools.benchmarks.multi_turn import add_flags as add_multi_turn_flags  # noqa: E402
 from tools.benchmarks.peers import add_flags as add_compare_flags  # noqa: E402
 from tools.benchmarks.report import Slo, per_request, print_report, summarize  # noqa: E402
 from tools.benchmarks.workload import Workload, load_jsonl, make_workload  # noqa: E402
@@ -152,6 +155,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="this share of the requests (0..1) asks for JSON under BENCH_SCHEMA",
     )
     add_compare_flags(p)
+    add_multi_turn_flags(p)
     args = p.parse_args(argv)
     if not 0.0 <= args.structured_share <= 1.0:
         p.error(f"--structured-share: must be 0..1, got {args.structured_share}")
@@ -227,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if args.compare:
         return _compare(args, model_dir, flags, threads)
+    if args.workload == "multi-turn":
+        return _multi_turn(args, model_dir, flags)
     if args.url:
         runs = run_rates(args.url, args, wl, slo)
         server_stats = _server_stats(args.url, args.admin_token)
@@ -308,6 +314,28 @@ def _compare(args: argparse.Namespace, model_dir: str, flags: list[str], threads
         if isinstance(summary, dict) and summary.get("failed")
     ]
     return 1 if failed else 0
+
+
+def _multi_turn(args: argparse.Namespace, model_dir: str, flags: list[str]) -> int:
+    """--workload multi-turn: the conversations against one server (multi_turn.py)."""
+    from tools.benchmarks.multi_turn import print_summary, run, spec_from_args
+
+    spec = spec_from_args(args)
+    if args.url:
+        model = asyncio.run(_served_model(args.url, args.model))
+        result = run(args.url, model, spec, args.concurrency, args.admin_token)
+    else:
+        from tests.server import running_server
+
+        token = args.admin_token or "bench"
+        with running_server("--model", model_dir, "--admin-token", token, *flags) as server:
+            result = run(server.url, server.model, spec, args.concurrency, token)
+    result["server_flags"] = " ".join(flags) if not args.url else "external"
+    print_summary(result)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+    return 0 if result["failed"] == 0 else 1
 
 
 def _flag(flags: list[str], name: str, default: str) -> str:
