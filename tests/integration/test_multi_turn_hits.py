@@ -35,6 +35,7 @@ def _hits(model: Path, host_blocks: int) -> dict:
         return run(server.url, server.model, SPEC, 1, TOKEN)
 
 
+@pytest.mark.slow  # two servers, ~80 s on 2 cores; the tiers' hits are in test_kv_offload
 def test_the_host_tier_raises_the_multi_turn_hit_rate(tiny: Path) -> None:
     without, with_host = _hits(tiny, 0), _hits(tiny, 128)
     for r in (without, with_host):

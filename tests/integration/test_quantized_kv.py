@@ -158,6 +158,7 @@ def _tp_complete(url: str, model: str, prompt: list[int]) -> tuple[list[int], in
     return body["choices"][0]["token_ids"], int(cached)
 
 
+@pytest.mark.slow  # a TP group of its own, ~55 s; TP2 tiers run by default in test_kv_offload
 def test_int8_kv_tp2_equals_tp1_and_each_rank_files_its_shard(
     tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
 ) -> None:
