@@ -252,7 +252,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = rope_inv_freq(rotary_dim, theta, scaling, max_positions).to(device)
         positions = torch.arange(max_positions, device=device, dtype=torch.float)
-        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, rotary_dim // 2]
         factor = rope_attention_factor(scaling)  # yarn's / longrope's, as transformers has it
         self.register_buffer("cos", freqs.cos() * factor, persistent=False)
         self.register_buffer("sin", freqs.sin() * factor, persistent=False)
