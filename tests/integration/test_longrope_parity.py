@@ -9,7 +9,9 @@ partial_rotary_factor 0.75), through the real scheduling policy and runner in th
                                  alone, then batched with chunked prefill (whose first chunks
                                  sit within the original, still rotated by the long factors)
 
-The choice is gpu_worker/models/rope.py's: one per server, by max_model_len.
+The choice is gpu_worker/models/rope.py's: one per server, by max_model_len. And the
+Phi-4-mini checkpoint as a float32 GGUF file (llama.cpp's rope_factors_long/short tensors and
+rope.dimension_count of 12): the folder's tokens.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from gpu_worker.runner.model_runner import ModelRunner
 from gpu_worker.runner.options import RunnerOptions
 from services.scheduler.policy import PolicyConfig
 from tests.engine import LocalEngine
+from tests.gguf_models import Q, write_gguf
 from tests.reference import hf_greedy
 from tests.tiny_models import LONGROPE_ORIGINAL, VOCAB_SIZE, make_tiny_model
 
@@ -48,19 +51,39 @@ def _serve(engine, prompts: list[list[int]]) -> list[list[int]]:  # type: ignore
     return [out[seqs[0]] for seqs in ids]
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_alone_then_batched_in_chunks(model_path: str, case: str) -> None:
-    max_model_len, lengths = CASES[case]
+def _prompts(lengths: tuple[int, ...]) -> list[list[int]]:
     gen = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(3, VOCAB_SIZE, (n,), generator=gen).tolist() for n in lengths]
-    assert all(n + NUM_NEW <= max_model_len for n in lengths)
-    expected = [hf_greedy(model_path, p, NUM_NEW) for p in prompts]
+    return [torch.randint(3, VOCAB_SIZE, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _runner(path: str, max_model_len: int) -> ModelRunner:
     options = RunnerOptions(
         block_size=4, num_blocks=256, num_threads=2, max_model_len=max_model_len
     )
-    runner = ModelRunner(model_path, options)
+    return ModelRunner(path, options)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_alone_then_batched_in_chunks(model_path: str, case: str) -> None:
+    max_model_len, lengths = CASES[case]
+    prompts = _prompts(lengths)
+    assert all(n + NUM_NEW <= max_model_len for n in lengths)
+    expected = [hf_greedy(model_path, p, NUM_NEW) for p in prompts]
+    runner = _runner(model_path, max_model_len)
     for prompt, exp in zip(prompts, expected, strict=True):
         engine = LocalEngine(runner, PolicyConfig(max_num_batched_tokens=256))
         assert _serve(engine, [prompt]) == [exp]
+    engine = LocalEngine(runner, PolicyConfig(max_num_batched_tokens=7), prefix_caching=False)
+    assert _serve(engine, prompts) == expected
+
+
+def test_a_phi4_mini_gguf_file_serves_as_its_folder(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    folder = make_tiny_model(tmp_path / "phi4-mini", "phi4-mini")
+    path = tmp_path / "phi4-mini.gguf"
+    write_gguf(folder, path, Q.F32, name="tiny phi4-mini")
+    max_model_len, lengths = CASES["long"]
+    prompts = _prompts(lengths)
+    expected = [hf_greedy(folder, p, NUM_NEW) for p in prompts]
+    runner = _runner(str(path), max_model_len)
     engine = LocalEngine(runner, PolicyConfig(max_num_batched_tokens=7), prefix_caching=False)
     assert _serve(engine, prompts) == expected
