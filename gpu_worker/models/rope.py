@@ -11,8 +11,8 @@
     longrope    default / short_factor[i], or / long_factor[i] when   attention_factor, or
                 the served context passes the original (below)           sqrt(1 + ln(factor) /
                                                                          ln(original))
-    dynamic     default (the served context never passes the          1
-                original: below)
+    dynamic     default (the served context never passes              1
+                max_position_embeddings, where it starts: below)
 
 `d` is the rotary dimension: head_dim * partial_rotary_factor (Phi-4-mini: 0.75). Only the
 first d dimensions of each head rotate, pairs (i, i + d/2); the rest pass through unchanged.
@@ -33,9 +33,10 @@ call from the longest position in that call, so they are served by a static rule
   a sequence's cached keys were rotated by factors its later tokens did not use). The rule is
   transformers' exactly for a sequence whose longest forward call sets the same choice: within
   the original length with a short served context; past it, in one call, with a long one. It
-  differs where transformers itself is inconsistent (a prompt within the original whose
-  generation crosses it keeps keys rotated by the short factors beside queries rotated by the
-  long ones).
+  differs for a sequence that stays within the original under a long served context (the long
+  factors here, the short ones there: the price of a choice that no batch can change), and
+  where transformers is itself inconsistent (a prompt within the original whose generation
+  crosses it keeps keys rotated by the short factors beside queries rotated by the long ones).
 - dynamic (NTK): transformers keeps the plain frequencies until a forward's length passes
   max_position_embeddings, then grows the base for that length. The served context never
   passes max_position_embeddings (the runner caps max_model_len there for every model), so the
