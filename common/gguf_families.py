@@ -19,6 +19,11 @@ them), and llama.cpp's fixed choices where the file holds no key:
                                                                           else head_dim
     smollm3   (none)                             no_rope_layer_interval   4 (every 4th: no rope)
     mistral   attention.sliding_window           sliding_window           none
+    phi3      attention.sliding_window           sliding_window           none
+              rope.dimension_count (< head_dim)  partial_rotary_factor    1 (Phi-4-mini: 96 of 128)
+              rope_factors_long/short tensors    longrope's long/short    plain rope
+              rope.scaling.original_context_length  its original length   (required with them)
+              rope.scaling.attn_factor           attention_factor         sqrt(1 + ln(s)/ln(orig))
 
 llama.cpp's converter writes no window for a Mistral (a "llama" file): such a file attends to
 its whole context, as llama.cpp runs it; a file with the key gets the window on every layer.
@@ -28,8 +33,11 @@ takes it off again).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 GEMMA_ARCHITECTURES = frozenset({"gemma2", "gemma3"})
 # llama.cpp's 27B of each Gemma, told apart by its layer count: its attention scale is
@@ -54,6 +62,34 @@ def family_config(arch: str, model_type: str, value: Value, base: dict[str, Any]
         window = value("attention.sliding_window", None)
         return {"sliding_window": int(window) if window else None}
     return {}
+
+
+def phi3_rope_config(
+    value: Value, base: dict[str, Any], factors: dict[str, list[float]] | None
+) -> dict[str, Any]:
+    """A phi3 file's rope as config.json has it: a rope.dimension_count below head_dim is
+    its partial_rotary_factor; `factors` (its rope_factors_short/long tensors, None if it
+    has none) make it LongRoPE over rope.scaling.original_context_length, scaled by
+    rope.scaling.attn_factor where that is not the default (read back from float32)."""
+    head_dim = base["head_dim"]
+    rope = dict(base["rope_parameters"])
+    rotary_dims = int(value("rope.dimension_count", head_dim))
+    if rotary_dims != head_dim:
+        rope["partial_rotary_factor"] = rotary_dims / head_dim
+    config: dict[str, Any] = {"rope_parameters": rope}
+    if factors is None:
+        return config
+    original = value("rope.scaling.original_context_length", None)
+    if original is None:
+        raise ValueError("phi3.rope.scaling.original_context_length is missing (longrope)")
+    rope.update(rope_type="longrope", **factors)
+    config["original_max_position_embeddings"] = int(original)
+    scale = base["max_position_embeddings"] / int(original)
+    default = math.sqrt(1 + math.log(scale) / math.log(int(original))) if scale > 1 else 1.0
+    attn = value("rope.scaling.attn_factor", None)
+    if attn is not None and np.float32(attn) != np.float32(default):
+        rope["attention_factor"] = float(attn)
+    return config
 
 
 def _gemma_config(arch: str, value: Value, base: dict[str, Any]) -> dict[str, Any]:

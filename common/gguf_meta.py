@@ -11,7 +11,9 @@ Mixtures of experts: qwen2moe and qwen3moe files, and Mixtral's (a "llama" file 
 `llama.expert_count`); each projection's experts are one 3-D tensor (`ffn_gate_exps`...).
 
 Dense families: llama (Mistral is a "llama" file named so), qwen2, qwen3, phi3, smollm3,
-gemma2, gemma3; what each adds to the Llama keys is read by common/gguf_families.py.
+gemma2, gemma3; what each adds to the Llama keys is read by common/gguf_families.py. Two kinds
+of tensor are config, not weights (CONFIG_TENSORS): a Llama 3 rope scaling's rope_freqs, and a
+Phi-3 long-context file's LongRoPE factors (rope_factors_long/short).
 
 Names: llama.cpp's converter renames Hugging Face tensors (`model.layers.3.mlp.up_proj.weight`
 -> `blk.3.ffn_up.weight`); hf_tensor_name undoes it. The converter also permutes the rows of
@@ -30,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from common.gguf_families import GEMMA_ARCHITECTURES, family_config
+from common.gguf_families import GEMMA_ARCHITECTURES, family_config, phi3_rope_config
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
@@ -67,6 +69,12 @@ SUPPORTED_TYPES = (
     "Q6_K",
 )
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3 rope scaling as factors: read into the config
+# Phi-3's LongRoPE factors (long- and short-context variants): read into the config
+ROPE_FACTORS = {
+    "rope_factors_long.weight": "long_factor",
+    "rope_factors_short.weight": "short_factor",
+}
+CONFIG_TENSORS = frozenset({ROPE_FREQS, *ROPE_FACTORS})  # no model weight: the config's
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -159,7 +167,7 @@ def check_tensor_types(reader: GGUFReader, path: str | Path) -> None:
     for tensor in reader.tensors:
         if tensor.tensor_type.name not in SUPPORTED_TYPES:
             arch = str(field_value(reader, "general.architecture", ""))
-            known = tensor.name != ROPE_FREQS
+            known = tensor.name not in CONFIG_TENSORS
             hf = hf_tensor_name(tensor.name, arch) if known else "rope scaling"
             raise UnsupportedTensorType(tensor.name, hf, tensor.tensor_type.name, path)
 
@@ -175,6 +183,9 @@ def read_gguf_config(path: str | Path, reader: GGUFReader | None = None) -> dict
     if arch == "llama" and field_value(reader, "llama.expert_count"):
         model_type = "mixtral"  # llama.cpp writes Mixtral as a llama with experts
 
+    def value(suffix: str, default: Any) -> Any:
+        return field_value(reader, f"{arch}.{suffix}", default)
+
     def key(suffix: str, default: Any = None) -> Any:
         value = field_value(reader, f"{arch}.{suffix}", default)
         if value is None:
@@ -187,12 +198,10 @@ def read_gguf_config(path: str | Path, reader: GGUFReader | None = None) -> dict
             f"{path}: rope scaling {scaling!r} is not supported (default, linear, llama3)"
         )
     names = {t.name: t for t in reader.tensors}
-    if "rope_factors_long.weight" in names:  # Phi-3's long-context variants
-        raise ValueError(
-            f"{path}: rope_type 'longrope' (rope_factors_long.weight) is not supported"
-        )
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
-    head_dim = int(key("attention.key_length", key("rope.dimension_count", hidden // heads)))
+    # (a phi3 file's rope.dimension_count is its rotated dims: Phi-4-mini's 96 of 128)
+    rotary = hidden // heads if arch == "phi3" else key("rope.dimension_count", hidden // heads)
+    head_dim = int(key("attention.key_length", rotary))
     theta = float(key("rope.freq_base", 10000.0))
     # (Gemma's converter writes no vocab_size: the embedding's rows are the vocabulary)
     vocab = key("vocab_size", _embedding_rows(names) or None)
@@ -218,9 +227,9 @@ def read_gguf_config(path: str | Path, reader: GGUFReader | None = None) -> dict
     if scaling == "linear":
         factor = float(key("rope.scaling.factor"))
         config["rope_parameters"] = {"rope_theta": theta, "rope_type": "linear", "factor": factor}
-    config.update(
-        family_config(arch, model_type, lambda k, d: field_value(reader, f"{arch}.{k}", d), config)
-    )
+    config.update(family_config(arch, model_type, value, config))
+    if arch == "phi3":
+        config.update(phi3_rope_config(value, config, _rope_factors(names, path)))
     if arch in MOE_ARCHITECTURES:
         config.update(_moe_config(reader, arch, config["num_hidden_layers"], names))
     if model_type == "mixtral":  # every layer sparse, experts of feed_forward_length
@@ -235,6 +244,19 @@ def read_gguf_config(path: str | Path, reader: GGUFReader | None = None) -> dict
         if token_id is not None:
             config[f"{_TOKEN_KEYS[field]}_token_id"] = int(token_id)
     return config
+
+
+def _rope_factors(names: dict[str, Any], path: str | Path) -> dict[str, list[float]] | None:
+    """A phi3 file's LongRoPE factors by config name (both tensors, or None for neither)."""
+    present = [name for name in ROPE_FACTORS if name in names]
+    if not present:
+        return None
+    if len(present) != len(ROPE_FACTORS):
+        raise ValueError(f"{path}: {present[0]} without its pair {sorted(ROPE_FACTORS)}")
+    return {
+        ROPE_FACTORS[name]: np.asarray(names[name].data, dtype=np.float32).tolist()
+        for name in ROPE_FACTORS
+    }
 
 
 def _embedding_rows(names: dict[str, Any]) -> int:

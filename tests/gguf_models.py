@@ -149,6 +149,10 @@ def write_gguf(
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama3_rope_freqs(cfg, rope))
+    if rope.get("rope_type") == "longrope":  # Phi-3's long-context variants, as llama.cpp
+        for kind in ("long", "short"):
+            factors = np.asarray(rope[f"{kind}_factor"], dtype=np.float32)
+            writer.add_tensor(f"rope_factors_{kind}.weight", factors)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -167,7 +171,8 @@ def _write_hparams(writer: gguf.GGUFWriter, arch: str, cfg: dict[str, Any]) -> N
         ("feed_forward_length", cfg["intermediate_size"]),
         ("attention.head_count", cfg["num_attention_heads"]),
         ("attention.head_count_kv", cfg["num_key_value_heads"]),
-        ("rope.dimension_count", head_dim),
+        # llama.cpp's converter writes a phi3's rotated dims (partial_rotary_factor) here
+        ("rope.dimension_count", int(head_dim * rope.get("partial_rotary_factor", 1.0))),
         ("vocab_size", cfg["vocab_size"]),
     )
     for key, value in fields:
@@ -182,6 +187,12 @@ def _write_hparams(writer: gguf.GGUFWriter, arch: str, cfg: dict[str, Any]) -> N
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
     if arch in ("phi3", "llama") and cfg.get("sliding_window"):
         writer.add_uint32(f"{arch}.attention.sliding_window", int(cfg["sliding_window"]))
+    if rope.get("rope_type") == "longrope":  # llama.cpp's Phi3MiniModel.set_gguf_parameters
+        original = cfg["original_max_position_embeddings"]
+        scale = cfg["max_position_embeddings"] / original
+        attn = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+        writer.add_uint32(f"{arch}.rope.scaling.original_context_length", original)
+        writer.add_float32(f"{arch}.rope.scaling.attn_factor", attn)
     if rope.get("rope_type") == "linear":
         writer.add_string(f"{arch}.rope.scaling.type", "linear")
         writer.add_float32(f"{arch}.rope.scaling.factor", float(rope["factor"]))

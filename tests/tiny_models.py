@@ -15,6 +15,11 @@ to end. Creation is deterministic (torch.manual_seed). The shapes vary on purpos
     llama-linear     llama with linear rope scaling (factor 2)
     phi3             Phi-3-mini's config (fused qkv/gate_up weights, no biases, untied, a
                      sliding window of about half the context: 2047 of 4096 there, 15 here)
+    phi3-longrope    Phi-3-mini-128k's / Phi-3.5-mini's (longrope: short and long factors over
+                     an original 32 positions of max_position_embeddings 128 here, 4096 of
+                     131072 there; no window to speak of: 262144 there, none here)
+    phi4-mini        Phi-4-mini's (phi3 with longrope and partial_rotary_factor 0.75: head_dim
+                     16 here, 12 dims rotate; 128 there, 96 rotate; GQA, tied)
     gemma2           Gemma 2's config (4 layers alternating sliding 16 / full, head_dim 32
                      != hidden / heads, query_pre_attn_scalar 24 != head_dim as in 27b,
                      attention and final soft caps 50 and 30, tied)
@@ -37,8 +42,9 @@ from common.prepare_model import default_model_dir
 TINY_ARCHS = (
     *("llama", "qwen2", "qwen3", "mistral"),
     *("mistral-window", "qwen2-window", "qwen3-yarn", "llama-linear", "phi3"),
-    *("gemma2", "gemma3", "smollm3"),
+    *("gemma2", "gemma3", "smollm3", "phi3-longrope", "phi4-mini"),
 )
+LONGROPE_ORIGINAL = 32  # the tiny longrope models' original_max_position_embeddings
 VOCAB_SIZE = 49152  # SmolLM2's tokenizer
 EOS_TOKEN_ID = 2  # "<|im_end|>" in SmolLM2's tokenizer
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -143,6 +149,8 @@ def _config(arch: str, num_layers: int, vocab_size: int = VOCAB_SIZE) -> Any:
             tie_word_embeddings=False,
             rope_parameters=dict(rope_type="default", rope_theta=10000.0),
         )
+    if arch in ("phi3-longrope", "phi4-mini"):
+        return _phi3_longrope_config(arch, common)
     if arch == "qwen2-window":
         return transformers.Qwen2Config(
             **common,
@@ -153,6 +161,34 @@ def _config(arch: str, num_layers: int, vocab_size: int = VOCAB_SIZE) -> Any:
             max_window_layers=1,
         )
     raise ValueError(f"unknown tiny arch {arch!r}; known: {TINY_ARCHS}")
+
+
+def _phi3_longrope_config(arch: str, common: dict[str, Any]) -> Any:
+    """Phi-3-mini-128k's or Phi-4-mini's rope with the sizes shrunk: factors that differ per
+    pair (the real ones run 1.0 .. ~1.2 short, 1 .. ~60 long), so short and long tables differ."""
+    import transformers
+
+    partial = 0.75 if arch == "phi4-mini" else 1.0
+    pairs = int(common["hidden_size"] // common["num_attention_heads"] * partial) // 2
+    short = [1.0 + 0.05 * i for i in range(pairs)]
+    long = [1.0 + 1.5 * i * i for i in range(pairs)]
+    # partial_rotary_factor in the rope parameters, where transformers 5 keeps it (Phi-4-mini's
+    # config.json has it at the top level: tests/unit/gpu_worker/models/test_rope.py reads that)
+    rope = dict(
+        rope_type="longrope",
+        rope_theta=10000.0,
+        short_factor=short,
+        long_factor=long,
+        partial_rotary_factor=partial,
+    )
+    return transformers.Phi3Config(
+        **dict(common, max_position_embeddings=128),
+        num_key_value_heads=4 if arch == "phi3-longrope" else 2,
+        sliding_window=None,
+        tie_word_embeddings=arch == "phi4-mini",
+        original_max_position_embeddings=LONGROPE_ORIGINAL,
+        rope_parameters=rope,
+    )
 
 
 def _perturb_norms_and_biases(model: torch.nn.Module) -> None:

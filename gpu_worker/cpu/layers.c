@@ -87,11 +87,14 @@ void rms_norm(const void *x, const void *add, const void *w, float eps, void *ou
 }
 
 /* x [tokens, heads, head_dim] (token stride `stride` elements, heads contiguous) rotated in
- * place by position: pairs (i, i + head_dim/2), HF's rotate_half. cos/sin [positions, half],
- * float32 (rounded to bf16 here for a bf16 x, as the torch path casts them). */
+ * place by position: pairs (i, i + rotary_dim/2) of each head's first rotary_dim dims, HF's
+ * rotate_half; the dims past rotary_dim are left as they are (Phi-3's partial rotary).
+ * cos/sin [positions, rotary_dim/2], float32 (rounded to bf16 here for a bf16 x, as the torch
+ * path casts them). */
 void rotary_neox(void *x, const int64_t *positions, const float *cos_t, const float *sin_t,
-                 int tokens, int heads, int head_dim, int64_t stride, int nthreads, int bf16) {
-    int half = head_dim / 2;
+                 int tokens, int heads, int head_dim, int rotary_dim, int64_t stride,
+                 int nthreads, int bf16) {
+    int half = rotary_dim / 2;
 #pragma omp parallel for num_threads(nthreads) if (tokens >= PAR_ROWS)
     for (int t = 0; t < tokens; t++) {
         const float *c = cos_t + positions[t] * half, *s = sin_t + positions[t] * half;

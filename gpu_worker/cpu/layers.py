@@ -30,7 +30,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.rms_norm.restype = None
     lib.rms_norm.argtypes = [p, p, p, f, p, p, i, i, i, i]
     lib.rotary_neox.restype = None
-    lib.rotary_neox.argtypes = [p, p, p, p, i, i, i, i64, i, i]
+    lib.rotary_neox.argtypes = [p, p, p, p, i, i, i, i, i64, i, i]
     lib.silu_mul.restype = None
     lib.silu_mul.argtypes = [p, p, i, i, i, i]
 
@@ -101,10 +101,14 @@ def rotary_neox(
     x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> torch.Tensor:
     """x [tokens, heads, head_dim] (heads contiguous, any token stride) rotated in place;
-    cos/sin float32 tables whatever x's dtype."""
+    cos/sin float32 tables [positions, rotary_dim // 2] whatever x's dtype: each head's first
+    rotary_dim dims rotate, the rest are left as they are."""
     tokens, heads, head_dim = x.shape
+    rotary_dim = 2 * cos.shape[1]
     assert x.stride(2) == 1 and x.stride(1) == head_dim, "heads must be contiguous per token"
     assert positions.dtype == torch.int64 and positions.is_contiguous()
+    assert rotary_dim <= head_dim and sin.shape == cos.shape, f"tables {tuple(cos.shape)}"
+    assert cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
     _lib_loaded().rotary_neox(
         x.data_ptr(),
         positions.data_ptr(),
@@ -113,6 +117,7 @@ def rotary_neox(
         tokens,
         heads,
         head_dim,
+        rotary_dim,
         x.stride(0),
         torch.get_num_threads(),
         _is_bf16(x),

@@ -115,9 +115,10 @@ static int run_linear(const decode_linear_t *L, const float *x, int n, float *y,
  * [layers, 2, blocks, bs, kvh, row] (rows as kv_kind stores them, paged_decode.c: float32,
  * bf16, int8 with its scale, fp8 e4m3 / e5m2; each new row quantized once): layer l's K at
  * l * layer_stride, its V half_stride further (elements). lora_slots [n]: each row's adapter
- * slot (-1: none), or NULL when no row has one (the step then costs nothing more). */
+ * slot (-1: none), or NULL when no row has one (the step then costs nothing more). Each head
+ * of d dims rotates its first rot (cos_t / sin_t [positions, rot / 2]). */
 int decode_forward(const decode_layer_t *layers, int num_layers, float *x, int n, int hidden,
-                   int heads, int kvh, int d, int inter, float eps, const float *cos_t,
+                   int heads, int kvh, int d, int rot, int inter, float eps, const float *cos_t,
                    const float *sin_t, const int64_t *positions, const int64_t *slots,
                    void *kv_base, int64_t layer_stride, int64_t half_stride,
                    const int32_t *tables, int table_stride, const int32_t *seq_lens, int bs,
@@ -144,8 +145,8 @@ int decode_forward(const decode_layer_t *layers, int num_layers, float *x, int n
         char *v_cache = k_cache + half_stride * size;
         rms_norm(x, NULL, w->input_norm, eps, h, NULL, n, hidden, nthreads, 0);
         code |= run_linear(&w->qkv, h, n, qkv, qkv_size, hidden, tmp, lora_slots, nthreads);
-        rotary_neox(qkv, positions, cos_t, sin_t, n, heads, d, qkv_size, nthreads, 0);
-        rotary_neox(qkv + q_size, positions, cos_t, sin_t, n, kvh, d, qkv_size, nthreads, 0);
+        rotary_neox(qkv, positions, cos_t, sin_t, n, heads, d, rot, qkv_size, nthreads, 0);
+        rotary_neox(qkv + q_size, positions, cos_t, sin_t, n, kvh, d, rot, qkv_size, nthreads, 0);
         for (int i = 0; i < n; i++) {
             const float *row = qkv + (size_t)i * qkv_size;
             memcpy(q + (size_t)i * q_size, row, sizeof(float) * q_size);

@@ -107,7 +107,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     i, f, i64 = ctypes.c_int, ctypes.c_float, ctypes.c_int64
     lib.decode_forward.restype = i
     lib.decode_forward.argtypes = [
-        *(_P, i, _P, i, i, i, i, i, i, f),  # layers .. eps
+        *(_P, i, _P, i, i, i, i, i, i, i, f),  # layers .. rot, inter, eps
         *(_P, _P, _P, _P, _P, i64, i64),  # cos .. half_stride
         *(_P, i, _P, i, f, i, _P, i),  # tables .. kv_kind, lora_slots, nthreads
     ]
@@ -330,6 +330,7 @@ class OneCallStep:
             attn.num_heads,
             attn.num_kv_heads,
             attn.head_dim,
+            2 * cos.shape[1],  # the rotated dims: the tables' width (partial rotary)
             _linears(layer)[3].in_features,
             layer.input_layernorm.eps,
             cos.data_ptr(),

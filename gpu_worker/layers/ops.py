@@ -38,13 +38,13 @@ class LayerOps(Protocol):
     def rope(
         self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
     ) -> Rope:
-        """What `rotate` needs for the step's tokens, from the [max_positions, head_dim // 2]
-        cos/sin tables."""
+        """What `rotate` needs for the step's tokens, from the [max_positions, rotary_dim // 2]
+        cos/sin tables (rotary_dim <= head_dim: the first rotary_dim dims of a head rotate)."""
         ...
 
     def rotate(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
-        """x [T, heads, head_dim] rotated pair by pair (neox layout: pairs (i, i + d/2));
-        may rotate x in place."""
+        """x [T, heads, head_dim] rotated pair by pair (neox layout: pairs (i, i + d/2) of its
+        first d = rotary_dim dims, the rest unchanged); may rotate x in place."""
         ...
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -53,10 +53,14 @@ class LayerOps(Protocol):
 
 
 def rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim] rotated by per-token cos/sin [T, 1, head_dim // 2]: HF's
-    rotate_half."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """x [T, heads, head_dim] rotated by per-token cos/sin [T, 1, rotary_dim // 2]: HF's
+    rotate_half on the first rotary_dim dims, the rest passed through (Phi-3's partial rotary)."""
+    half = cos.shape[-1]
+    if 2 * half == x.shape[-1]:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
 
 
 class TorchLayerOps:

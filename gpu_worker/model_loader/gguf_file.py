@@ -33,8 +33,8 @@ import torch
 
 from common.gguf_families import GEMMA_ARCHITECTURES
 from common.gguf_meta import (
+    CONFIG_TENSORS,
     PERMUTED_ARCHITECTURES,
-    ROPE_FREQS,
     SUPPORTED_TYPES,
     UnsupportedTensorType,
     check_tensor_types,
@@ -95,7 +95,7 @@ def read_gguf_tensors(path: str | Path) -> dict[str, GGUFTensor]:
     permuted = arch in PERMUTED_ARCHITECTURES
     tensors: dict[str, GGUFTensor] = {}
     for entry in reader.tensors:
-        if entry.name == ROPE_FREQS:  # already in config["rope_parameters"]
+        if entry.name in CONFIG_TENSORS:  # already in config["rope_parameters"]
             continue
         name = hf_tensor_name(entry.name, arch)
         tensor = _to_tensor(entry)

@@ -51,7 +51,13 @@ from gpu_worker.models.config_checks import (
     rope_layers,
 )
 from gpu_worker.models.moe import MoeConfig, SparseMoeBlock
-from gpu_worker.models.rope import rope_attention_factor, rope_inv_freq, rope_scaling, rope_theta
+from gpu_worker.models.rope import (
+    rope_attention_factor,
+    rope_inv_freq,
+    rope_scaling,
+    rope_theta,
+    rotary_dim,
+)
 
 DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", *GEMMA_TYPES)
 # the mixture-of-experts families: gpu_worker/models/moe.py
@@ -72,7 +78,7 @@ class LlamaConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict[str, Any] | None  # llama3/linear/yarn parameters, None for plain rope
+    rope_scaling: dict[str, Any] | None  # gpu_worker/models/rope.py's, None for plain rope
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
@@ -101,6 +107,13 @@ class LlamaConfig:
     local_rope_scaling: dict[str, Any] | None = None
     # gpt-oss: a learned logit per head in each softmax (the attention backends' sinks)
     attention_sinks: bool = False
+    # how many of each head's dims rotate (0: all; Phi-4-mini's partial_rotary_factor 0.75)
+    partial_rotary_dim: int = 0
+
+    @property
+    def rotary_dim(self) -> int:
+        """The rotated dims of each head (the first ones; the rest pass through)."""
+        return self.partial_rotary_dim or self.head_dim
 
     def sliding_window(self, layer: int) -> int:
         """Layer `layer`'s sliding window, 0 for the whole context."""
@@ -142,6 +155,8 @@ class LlamaConfig:
         if model_type == "gpt_oss":
             attention_bias = bool(cfg.get("attention_bias", True))
         no_rope = model_type == "smollm3" and not all(rope_layers(cfg))
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        rotated = rotary_dim(cfg, head_dim)
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -150,7 +165,7 @@ class LlamaConfig:
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta(cfg),
             rope_scaling=rope_scaling(cfg),
@@ -165,6 +180,7 @@ class LlamaConfig:
             sliding_windows=windows if any(windows) else (),
             rope_layers=rope_layers(cfg) if no_rope else (),
             attention_sinks=model_type == "gpt_oss",
+            partial_rotary_dim=rotated if rotated != head_dim else 0,
         )
 
     @classmethod
@@ -172,6 +188,7 @@ class LlamaConfig:
         num_heads, num_layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
         attention_bias = bool(cfg.get("attention_bias", False))
         rope_cfg, local_cfg = gemma3_ropes(cfg) if model_type == "gemma3_text" else (cfg, None)
+        rotary_dim(cfg, cfg.get("head_dim") or cfg["hidden_size"] // num_heads)  # refuses partial
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -218,11 +235,14 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotates q and k by position; cos/sin tables are precomputed for every position."""
+    """Rotates q and k by position; cos/sin tables are precomputed for every position up to
+    `max_positions` (the served context, which also fixes longrope's factors: rope.py). The
+    tables are [max_positions, rotary_dim // 2]: their width says how many of a head's dims
+    rotate, to every layer op that reads them."""
 
     def __init__(
         self,
-        head_dim: int,
+        rotary_dim: int,
         max_positions: int,
         theta: float,
         scaling: dict[str, Any] | None,
@@ -230,10 +250,10 @@ class RotaryEmbedding(nn.Module):
         is_neox_style: bool = True,
     ) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling).to(device)
+        inv_freq = rope_inv_freq(rotary_dim, theta, scaling, max_positions).to(device)
         positions = torch.arange(max_positions, device=device, dtype=torch.float)
-        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
-        factor = rope_attention_factor(scaling)  # yarn's, as transformers scales cos and sin
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, rotary_dim // 2]
+        factor = rope_attention_factor(scaling)  # yarn's / longrope's, as transformers has it
         self.register_buffer("cos", freqs.cos() * factor, persistent=False)
         self.register_buffer("sin", freqs.sin() * factor, persistent=False)
         self.is_neox_style = is_neox_style
@@ -241,12 +261,12 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, 1, head_dim // 2] for the step's tokens: one angle per pair."""
+        """cos and sin [T, 1, rotary_dim // 2] for the step's tokens: one angle per pair."""
         cos, sin = self.tables()
         return cos[positions].unsqueeze(1).to(dtype), sin[positions].unsqueeze(1).to(dtype)
 
     def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cos and sin buffers [max_positions, head_dim // 2] (typed: register_buffer
+        """The cos and sin buffers [max_positions, rotary_dim // 2] (typed: register_buffer
         attributes read as Tensor | Module to a type checker)."""
         cos, sin = self.cos, self.sin
         assert isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)
@@ -256,6 +276,7 @@ class RotaryEmbedding(nn.Module):
         """x [T, heads, head_dim] rotated pair by pair."""
         if self.is_neox_style:  # pairs are (i, i + d/2): HF's rotate_half
             return rotate_neox(x, cos, sin)
+        assert 2 * cos.shape[-1] == x.shape[-1], "GPT-J pairs rotate the whole head"
         x1, x2 = x[..., 0::2], x[..., 1::2]  # pairs are (2i, 2i + 1): GPT-J
         return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
 
@@ -435,7 +456,7 @@ class LlamaModel(nn.Module):
         )
         # built on `device` explicitly: the loader constructs the rest on "meta"
         self.rotary = RotaryEmbedding(
-            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device
+            cfg.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device
         )
         # Gemma 3's sliding layers' rope, None where every layer rotates by `rotary`
         self.local_rotary = (

@@ -368,4 +368,4 @@ def test_config_reads_legacy_rope_fields() -> None:
     cfg = LlamaConfig.from_hf(dict(base, rope_parameters=dict(rope_theta=1e6, rope_type="default")))
     assert cfg.rope_theta == 1e6 and cfg.rope_scaling is None and cfg.head_dim == 4
     with pytest.raises(ValueError, match="rope_type"):
-        LlamaConfig.from_hf(dict(base, rope_parameters=dict(rope_type="dynamic", factor=4.0)))
+        LlamaConfig.from_hf(dict(base, rope_parameters=dict(rope_type="su", factor=4.0)))

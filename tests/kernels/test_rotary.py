@@ -38,6 +38,27 @@ def test_q_and_k_match_reference(num_heads, num_kv_heads, head_dim, device) -> N
     assert torch.equal(qkv[:, (num_heads + num_kv_heads) * head_dim :], v_before)
 
 
+@pytest.mark.parametrize("head_dim, rotary_dim", [(16, 12), (128, 96), (96, 64)])
+def test_partial_rotary_leaves_the_dims_past_rotary_dim(head_dim, rotary_dim, device) -> None:
+    """Phi-4-mini's partial_rotary_factor 0.75 (and a 2/3): tables rotary_dim // 2 wide."""
+    rope = _tables(rotary_dim, device)
+    num_tokens, num_heads, num_kv_heads = 7, 6, 2
+    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, seed=3, device=device)
+    q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim]
+    k = k.view(num_tokens, num_kv_heads, head_dim)
+    positions = torch.tensor([0, 1, 17, 300, 511, 2, 64], device=device)
+    expect_q = rotate_reference(q, positions, rope.cos, rope.sin)
+    expect_k = rotate_reference(k, positions, rope.cos, rope.sin)
+    model_q = rope.rotate(q.clone(), *rope(positions, q.dtype))
+    q_pass, k_pass = q[..., rotary_dim:].clone(), k[..., rotary_dim:].clone()
+    rotary_embedding(positions, q, k, rope.cos, rope.sin)
+    assert (q - expect_q).abs().max().item() <= 2e-3
+    assert (k - expect_k).abs().max().item() <= 2e-3
+    assert (q - model_q).abs().max().item() <= 2e-3
+    assert torch.equal(q[..., rotary_dim:], q_pass) and torch.equal(k[..., rotary_dim:], k_pass)
+
+
 def test_matches_the_model_rotate(device) -> None:
     rope = _tables(64, device)
     x = randn(5, 2, 64, seed=1, device=device)
@@ -70,5 +91,8 @@ def test_launcher_rejects_bad_inputs(device) -> None:
     q = randn(2, 2, 16, seed=0, device=device)
     with pytest.raises(AssertionError, match="positions"):
         rotary_embedding(torch.tensor([0, 1], device=device).int(), q, None, rope.cos, rope.sin)
-    with pytest.raises(AssertionError, match="cos_cache"):
+    with pytest.raises(AssertionError, match="sin_cache"):  # not as wide as cos_cache
         rotary_embedding(torch.tensor([0, 1], device=device), q, None, rope.cos[:, :4], rope.sin)
+    with pytest.raises(AssertionError, match="rotary dims 32 of a 16-dim head"):
+        wide = _tables(32, device)
+        rotary_embedding(torch.tensor([0, 1], device=device), q, None, wide.cos, wide.sin)

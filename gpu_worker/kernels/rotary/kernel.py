@@ -1,4 +1,6 @@
-"""Neox-style rotary embedding in Triton, in place on q and k: one program per token."""
+"""Neox-style rotary embedding in Triton, in place on q and k: one program per token. The
+tables' width sets the rotated dims: pairs (i, i + half) for i < half = cos_cache.shape[1], so
+a head's dims past 2 * half are not touched (Phi-3's partial rotary)."""
 
 from __future__ import annotations
 
@@ -60,7 +62,7 @@ def _rotary_kernel(
 
 def _check_heads(name: str, x: torch.Tensor, num_tokens: int, head_dim: int) -> None:
     assert x.dim() == 3 and x.shape[0] == num_tokens, f"{name} {tuple(x.shape)}"
-    assert x.shape[2] == head_dim and head_dim % 2 == 0, f"{name} head_dim {x.shape[2]}"
+    assert x.shape[2] == head_dim, f"{name} head_dim {x.shape[2]}"
     assert x.stride(2) == 1, f"{name} needs a contiguous head_dim"
 
 
@@ -68,18 +70,20 @@ def rotary_embedding(
     positions: torch.Tensor,  # [T] int64
     q: torch.Tensor,  # [T, num_heads, head_dim], rotated in place (a strided view is fine)
     k: torch.Tensor | None,  # [T, num_kv_heads, head_dim], rotated in place; None: q only
-    cos_cache: torch.Tensor,  # [max_positions, head_dim // 2]
-    sin_cache: torch.Tensor,  # [max_positions, head_dim // 2]
+    cos_cache: torch.Tensor,  # [max_positions, rotary_dim // 2], rotary_dim <= head_dim
+    sin_cache: torch.Tensor,  # [max_positions, rotary_dim // 2]
 ) -> None:
-    """Rotate q (and k) in place by each token's position, pairs (i, i + head_dim/2)."""
-    num_tokens, head_dim = positions.shape[0], q.shape[-1]
+    """Rotate q (and k) in place by each token's position, pairs (i, i + rotary_dim/2) of each
+    head's first rotary_dim dims; the rest are left as they are."""
+    num_tokens, head_dim, half = positions.shape[0], q.shape[-1], cos_cache.shape[-1]
     assert positions.dim() == 1 and positions.dtype == torch.int64, "positions: [T] int64"
     _check_heads("q", q, num_tokens, head_dim)
     if k is not None:
         _check_heads("k", k, num_tokens, head_dim)
         assert k.dtype == q.dtype, f"k is {k.dtype}, q {q.dtype}"
+    assert 0 < 2 * half <= head_dim, f"rotary dims {2 * half} of a {head_dim}-dim head"
     for name, table in (("cos_cache", cos_cache), ("sin_cache", sin_cache)):
-        assert table.dim() == 2 and table.shape[1] == head_dim // 2, f"{name} {table.shape}"
+        assert table.dim() == 2 and table.shape[1] == half, f"{name} {table.shape}"
         assert table.stride(1) == 1, f"{name} rows must be contiguous"
     check_device(positions, q, cos_cache, sin_cache, *([] if k is None else [k]))
     if num_tokens == 0:
@@ -89,8 +93,8 @@ def rotary_embedding(
         positions, q, kk, cos_cache, sin_cache,
         q.stride(0), q.stride(1), kk.stride(0), kk.stride(1),
         cos_cache.stride(0), sin_cache.stride(0),
-        q.shape[1], kk.shape[1], head_dim // 2,
+        q.shape[1], kk.shape[1], half,
         HAS_K=k is not None,
         BLOCK_HQ=next_power_of_2(q.shape[1]), BLOCK_HK=next_power_of_2(kk.shape[1]),
-        BLOCK_HALF=next_power_of_2(head_dim // 2),
+        BLOCK_HALF=next_power_of_2(half),
     )  # fmt: skip

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from gpu_worker.cpu import layers
+from gpu_worker.kernels.rotary.reference import rotate_reference
 from gpu_worker.layers.ops_cpu import CpuLayerOps, cpu_layer_ops
 from gpu_worker.models.llama import MLP, LlamaConfig, RMSNorm, RotaryEmbedding
 
@@ -40,6 +41,27 @@ def test_rotary_in_place_on_a_strided_view(tokens: int) -> None:
     cos, sin = rope.tables()
     layers.rotary_neox(q, positions, cos, sin)
     torch.testing.assert_close(q, expected, **CLOSE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_partial_rotary_rotates_the_first_dims_and_passes_the_rest(dtype: torch.dtype) -> None:
+    """Phi-4-mini's shape: tables 12 wide rotate the first 24 of each 32-dim head."""
+    rope = RotaryEmbedding(24, 512, 10000.0, None, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(3)
+    tokens = 20  # over PAR_ROWS: both threads
+    qkv = torch.randn(tokens, 5 * 32 + 2 * 32, generator=gen).to(dtype)
+    q = qkv[:, : 5 * 32].view(tokens, 5, 32)
+    before = q.clone()
+    positions = torch.randint(0, 512, (tokens,), generator=gen)
+    expected = rope.rotate(q.clone(), *rope(positions, dtype))
+    reference = rotate_reference(q, positions, *rope.tables())
+    layers.rotary_neox(q, positions, *rope.tables())
+    assert torch.equal(q[..., 24:], before[..., 24:])
+    if dtype == torch.bfloat16:
+        assert torch.equal(q, expected)  # the torch path's roundings, bit for bit
+    torch.testing.assert_close(q, expected, **CLOSE)
+    close = CLOSE if dtype == torch.float32 else dict(rtol=2**-6, atol=2**-6)
+    torch.testing.assert_close(q.float(), reference, **close)
 
 
 def test_silu_mul_is_the_swiglu_activation() -> None:

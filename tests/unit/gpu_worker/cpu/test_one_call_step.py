@@ -1,9 +1,9 @@
 """The one-call step (gpu_worker/cpu/one_call_step.py, one_call_step.c) against the
 layer-by-layer path it replaces: the same kernels in the same order, so the same hidden states
 bit for bit and the same K/V written, for every batch size it takes and on the models it
-takes; with LoRA adapters (lora.c inside one_call_step.c) against the layers with the "cpu"
-LoRA kernel, for decode steps that mix adapters and the base model, and the layer path against
-the contract's torch reference."""
+takes (Phi-4-mini's partial rotary among them); with LoRA adapters (lora.c inside
+one_call_step.c) against the layers with the "cpu" LoRA kernel, for decode steps that mix
+adapters and the base model, and the layer path against the contract's torch reference."""
 
 from __future__ import annotations
 
@@ -61,7 +61,8 @@ def _layer_by_layer(model: LlamaForCausalLM, *args: torch.Tensor) -> torch.Tenso
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("one-call-step")
-    return {arch: make_tiny_model(root / arch, arch, num_layers=3) for arch in ("llama", "qwen2")}
+    archs = ("llama", "qwen2", "phi4-mini")  # phi4-mini: 12 of each 16-dim head rotate
+    return {arch: make_tiny_model(root / arch, arch, num_layers=3) for arch in archs}
 
 
 def _step(model: LlamaForCausalLM, n: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -86,7 +87,7 @@ def _step(model: LlamaForCausalLM, n: int, seed: int) -> tuple[torch.Tensor, ...
     return ids, kv, meta  # type: ignore[return-value]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi4-mini"])
 @pytest.mark.parametrize("n", [1, 2, 5, 8])
 def test_one_call_equals_the_layers_bit_for_bit(tiny: dict[str, Path], arch: str, n: int) -> None:
     model = _model(tiny[arch])

@@ -158,19 +158,44 @@ def test_dequantize_of_a_float_tensor_is_float32(k_model: Path, tmp_path: Path) 
     assert dataclasses.is_dataclass(tensor)
 
 
-def test_phi3_long_rope_factors_are_refused_by_name(tmp_path: Path) -> None:
-    """Phi-3's long-context files carry longrope as rope_factors_long/short tensors."""
+@pytest.mark.parametrize("arch", ["phi3-longrope", "phi4-mini"])
+def test_phi3_longrope_and_partial_rotary_read_back(arch: str, tmp_path: Path) -> None:
+    """Phi-3-128k's and Phi-4-mini's files: rope_factors_long/short tensors (no weights),
+    rope.scaling.original_context_length, rope.dimension_count the rotated dims (12 of 16),
+    as llama.cpp's converter writes them; the config is the folder's, its factors in float32."""
+    folder = make_tiny_model(tmp_path / arch, arch, vocab_size=96)
+    path = tmp_path / f"{arch}.gguf"
+    write_gguf(folder, path, Q.F32, name=f"tiny {arch}")
+    weights = load_file(str(folder / "model.safetensors"))
+    assert sorted(read_gguf_tensors(path)) == sorted(weights)
+    hf = json.loads((folder / "config.json").read_text())
+    hf["rms_norm_eps"] = _as_f32(hf["rms_norm_eps"])
+    rope = hf["rope_parameters"]
+    for name in ("short_factor", "long_factor"):  # the file's float32 values
+        rope[name] = [_as_f32(v) for v in rope[name]]
+    if rope["partial_rotary_factor"] == 1.0:  # a file says 1 by saying nothing
+        del rope["partial_rotary_factor"]
+    ours = LlamaConfig.from_hf(read_gguf_config(path))
+    assert ours == LlamaConfig.from_hf(hf)
+    assert ours.rotary_dim == (12 if arch == "phi4-mini" else 16)
+    assert ours.rope_scaling is not None and ours.rope_scaling["rope_type"] == "longrope"
+
+
+def test_phi3_long_rope_factors_alone_are_refused(tmp_path: Path) -> None:
     import gguf
 
     path = tmp_path / "phi3-128k.gguf"
     writer = gguf.GGUFWriter(str(path), "phi3")
-    for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
-        writer.add_tensor(name, np.ones(4, dtype=np.float32))
+    keys = ("embedding_length", "attention.head_count", "feed_forward_length", "block_count")
+    for key in (*keys, "context_length", "vocab_size"):
+        writer.add_uint32(f"phi3.{key}", 64)
+    writer.add_float32("phi3.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_tensor("rope_factors_long.weight", np.ones(4, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="rope_type 'longrope' \\(rope_factors_long.weight\\)"):
+    with pytest.raises(ValueError, match="rope_factors_long.weight without its pair"):
         read_gguf_config(path)
 
 
