@@ -99,7 +99,7 @@ def random_blocks(qtype: Q, rows: int, cols: int, seed: int) -> np.ndarray:
     gen = np.random.default_rng(seed)
     blocks = gen.integers(0, 256, (rows * cols // block_size, type_size), dtype=np.uint8)
     for offset in _FP16_OFFSETS[qtype]:
-        scales = gen.uniform(0.001, 0.01, blocks.shape[0]).astype(np.float16)
+        scales = np.asarray(gen.uniform(0.001, 0.01, blocks.shape[0]), dtype=np.float16)
         blocks[:, offset : offset + 2] = scales.view(np.uint8).reshape(-1, 2)
     return blocks.reshape(rows, -1)
 
@@ -243,7 +243,7 @@ def llama3_rope_factors_reference(
     freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     low_freq_wavelen = old_context_len / low_freq_factor
     high_freq_wavelen = old_context_len / high_freq_factor
-    rope_factors = []
+    rope_factors: list[float] = []
     for freq in freqs:
         wavelen = 2 * math.pi / freq
         if wavelen < high_freq_wavelen:
