@@ -28,7 +28,9 @@
  *   2 int8 [D] then the row's float32 scale (4 bytes): x = q * scale
  *   3 fp8 e4m3fn [D], 4 fp8 e5m2 [D] (scale 1): x = the fp8 value
  *
- * Quantized rows are converted to float32 as they are read (a table of the 256 fp8 values).
+ * Rows other than float32 are converted to float32 as they are read (fp8 by bit manipulation:
+ * fp8_e4m3_value); an int8 row's scale multiplies its dot product and its weight p, not each
+ * value (attend_fixed).
  */
 #include <math.h>
 #include <stdint.h>
