@@ -1,6 +1,7 @@
 """Time the CPU decode attention kernel alone over each KV cache format (ms per decode step).
 
     .venv/bin/python -m tools.benchmarks.kv_attention [--batch 64] [--context 300] [--threads 2]
+    .venv/bin/python -m tools.benchmarks.kv_attention --cpu-time     # one thread, CPU time
 
 One decode step of SmolLM2-135M's attention: `--batch` sequences of about `--context` tokens
 (contexts spread over +-15%), 9 query heads over 3 KV heads of 64, one call of the C kernel
@@ -9,7 +10,9 @@ reads its KV from memory as a served step does, not from a cache that fits in L3
 the server's default size scattered at random. Formats: float32, bfloat16 and the quantized
 rows of `--kv-cache-dtype` (gpu_worker/kv_quant.py), all from the same float32 values. A
 repeat times `--steps` steps of every format in turn (neighbours' load then weighs on all
-alike); each figure is the median over `--repeats` repeats of one step's mean time.
+alike); each figure is the median over `--repeats` repeats of one step's mean time. On a machine
+whose cores are busy elsewhere, `--cpu-time` runs one thread and counts the CPU time it used
+(what a core costs, less the neighbours' effect on the caches and memory).
 """
 
 from __future__ import annotations
@@ -78,12 +81,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     samples: dict[str, list[float]] = {name: [] for name in args.formats}
     for name in args.formats:
         step(name)  # warm: the library built, pages touched
+    clock = time.thread_time if args.cpu_time else time.perf_counter
     for _ in range(args.repeats):
         for name in args.formats:
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(args.steps):
                 step(name)
-            samples[name].append((time.perf_counter() - t0) / args.steps * 1e3)
+            samples[name].append((clock() - t0) / args.steps * 1e3)
     rows = []
     for name in args.formats:
         per_step = sum(c[0].nbytes + c[1].nbytes for c in caches[name]) / num_blocks
@@ -92,7 +96,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         rows.append({"format": name, "ms": ms, "samples_ms": samples[name],
                      "kv_mb": read / 1e6, "gb_s": read / ms / 1e6})  # fmt: skip
     return {
-        "machine": cpu_identity() | {"threads": args.threads, "load": os.getloadavg()},
+        "machine": cpu_identity()
+        | {"threads": args.threads, "load": os.getloadavg(), "cpu_time": args.cpu_time},
         "shape": {
             "batch": args.batch,
             "context": args.context,
@@ -101,15 +106,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "kv_heads": KV_HEADS,
             "head_dim": HEAD_DIM,
             "block_size": args.block_size,
-        },  # fmt: skip
+        },
         "rows": rows,
     }
 
 
 def render(result: dict[str, Any]) -> str:
     m, s = result["machine"], result["shape"]
+    threads = f"{m['threads']} threads" + (" (CPU time)" if m["cpu_time"] else "")
     lines = [
-        f"CPU: {m['cpu']}, flags {' '.join(m['flags'])}; {m['threads']} threads; "
+        f"CPU: {m['cpu']}, flags {' '.join(m['flags'])}; {threads}; "
         f"load average {' '.join(f'{x:.2f}' for x in m['load'])}",
         f"{s['batch']} sequences of ~{s['context']} tokens, {s['layers']} layers of "
         f"{s['heads']}/{s['kv_heads']} heads x {s['head_dim']}, blocks of {s['block_size']}",
@@ -134,7 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5, help="steps per repeat")
     p.add_argument("--repeats", type=int, default=3, help="the figure is their median")
     p.add_argument("--formats", type=lambda s: s.split(","), default=list(FORMATS))
+    p.add_argument("--cpu-time", action="store_true", help="one thread, its CPU time")
     args = p.parse_args(argv)
+    if args.cpu_time:
+        args.threads = 1
     unknown = set(args.formats) - set(FORMATS)
     if unknown:
         p.error(f"unknown formats {sorted(unknown)}; choose from {list(FORMATS)}")
