@@ -268,7 +268,8 @@ block_rows(const int D, const int kind, const uint8_t *rows, int64_t stride, int
     for (int j = j0; j < n; j++) {
         const uint8_t *row = rows + j * stride;
         float *o = buf + (int64_t)j * D;
-        _Pragma("omp simd") for (int x = 0; x < D; x++) o[x] = row_value(row, kind, x);
+#pragma omp simd
+        for (int x = 0; x < D; x++) o[x] = row_value(row, kind, x);
         scales[j] = row_scale(row, kind, D);
     }
     *stride_out = D;
@@ -294,7 +295,8 @@ attend_fixed(const int D, const int kind, const float *q, const void *k_cache,
     int first = start - start % bs; /* the block holding position `start` */
     for (int l0 = first; l0 < seq_len; l0 += bs) {
         int n = seq_len - l0 < bs ? seq_len - l0 : bs, j0 = l0 < start ? start - l0 : 0;
-        const uint8_t *block = (const uint8_t *)k_cache + table[l0 / bs] * bs * rs + h0 * rb;
+        int64_t at = (int64_t)table[l0 / bs] * bs * rs + h0 * rb; /* its row of head h0 */
+        const uint8_t *block = (const uint8_t *)k_cache + at;
         for (int hh = 0; hh < nh; hh++) {
             int64_t stride;
             if (hh == 0) /* the next block's rows, one position's at a time */
@@ -308,8 +310,8 @@ attend_fixed(const int D, const int kind, const float *q, const void *k_cache,
                 for (int j = j0; j < n; j++) {
                     const float *kj = k + j * stride;
                     float s = 0.0f;
-                    _Pragma("omp simd reduction(+ : s)") for (int x = 0; x < D; x++) s +=
-                        qr[x] * kj[x];
+#pragma omp simd reduction(+ : s)
+                    for (int x = 0; x < D; x++) s += qr[x] * kj[x];
                     float sk = kind == KV_INT8 ? scales[j] : 1.0f;
                     scores[(int64_t)r * seq_len + l0 + j] = s * sk * scale;
                 }
@@ -321,7 +323,8 @@ attend_fixed(const int D, const int kind, const float *q, const void *k_cache,
         if (softcap > 0.0f) soft_cap(s + start, seq_len - start, softcap);
         for (int l = start; l < seq_len; l++) m = s[l] > m ? s[l] : m;
         if (sinks && sinks[r] > m) m = sinks[r];
-        _Pragma("omp simd reduction(+ : sum)") for (int l = start; l < seq_len; l++) {
+#pragma omp simd reduction(+ : sum)
+        for (int l = start; l < seq_len; l++) {
             s[l] = expf(s[l] - m);
             sum += s[l];
         }
@@ -332,7 +335,8 @@ attend_fixed(const int D, const int kind, const float *q, const void *k_cache,
     }
     for (int l0 = first; l0 < seq_len; l0 += bs) {
         int n = seq_len - l0 < bs ? seq_len - l0 : bs, j0 = l0 < start ? start - l0 : 0;
-        const uint8_t *block = (const uint8_t *)v_cache + table[l0 / bs] * bs * rs + h0 * rb;
+        int64_t at = (int64_t)table[l0 / bs] * bs * rs + h0 * rb; /* its row of head h0 */
+        const uint8_t *block = (const uint8_t *)v_cache + at;
         for (int hh = 0; hh < nh; hh++) {
             int64_t stride;
             if (hh == 0)
@@ -344,13 +348,16 @@ attend_fixed(const int D, const int kind, const float *q, const void *k_cache,
             for (int r = hh * g; r < (hh + 1) * g; r++) {
                 const float *p = scores + (int64_t)r * seq_len + l0;
                 float acc[D], *o = out + (int64_t)r * D;
-                _Pragma("omp simd") for (int x = 0; x < D; x++) acc[x] = o[x];
+#pragma omp simd
+                for (int x = 0; x < D; x++) acc[x] = o[x];
                 for (int j = j0; j < n; j++) {
                     const float *vj = v + j * stride;
                     float pj = kind == KV_INT8 ? p[j] * scales[j] : p[j];
-                    _Pragma("omp simd") for (int x = 0; x < D; x++) acc[x] += pj * vj[x];
+#pragma omp simd
+                    for (int x = 0; x < D; x++) acc[x] += pj * vj[x];
                 }
-                _Pragma("omp simd") for (int x = 0; x < D; x++) o[x] = acc[x];
+#pragma omp simd
+                for (int x = 0; x < D; x++) o[x] = acc[x];
             }
         }
     }
