@@ -210,6 +210,28 @@ static inline void prefetch_ahead(const void *cache, int kind, const int32_t *ta
     for (int64_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch(row + byte, 0, 2);
 }
 
+/* Each of `rows` rows of scores [rows][seq_len] (positions start..seq_len - 1) soft-capped
+ * (softcap > 0) and turned into its softmax, with its sink's logit in the denominator
+ * (sinks: NULL for none); out [rows][d], the weighted sums to come, zeroed. */
+static void softmax_rows(float *scores, int rows, int start, int seq_len, float softcap,
+                         const float *sinks, float *out, int d) {
+    for (int r = 0; r < rows; r++) {
+        float *s = scores + (int64_t)r * seq_len, m = -INFINITY, sum = 0.0f;
+        if (softcap > 0.0f) soft_cap(s + start, seq_len - start, softcap);
+        for (int l = start; l < seq_len; l++) m = s[l] > m ? s[l] : m;
+        if (sinks && sinks[r] > m) m = sinks[r];
+#pragma omp simd reduction(+ : sum)
+        for (int l = start; l < seq_len; l++) {
+            s[l] = expf(s[l] - m);
+            sum += s[l];
+        }
+        if (sinks) sum += expf(sinks[r] - m);
+        float inv = 1.0f / sum;
+        for (int l = start; l < seq_len; l++) s[l] *= inv;
+    }
+    memset(out, 0, sizeof(float) * (size_t)rows * d);
+}
+
 /* Query rows of KV heads [h0, h0 + nh) of one sequence. Positions are walked in order and
  * each position's rows of those heads are adjacent in memory, so a block streams through
  * once per pass (K, then V) instead of once per head. */
@@ -225,22 +247,7 @@ static void attend(const float *q, const void *k_cache, const void *v_cache, int
         for (int r = 0; r < rows; r++)
             scores[(int64_t)r * seq_len + l] = dot(q + (int64_t)r * d, k + (r / g) * d, d) * scale;
     }
-    for (int r = 0; r < rows; r++) {
-        float *s = scores + (int64_t)r * seq_len, m = -INFINITY, sum = 0.0f;
-        if (softcap > 0.0f) soft_cap(s + start, seq_len - start, softcap);
-        for (int l = start; l < seq_len; l++) m = s[l] > m ? s[l] : m;
-        if (sinks && sinks[r] > m) m = sinks[r];
-#pragma omp simd reduction(+ : sum)
-        for (int l = start; l < seq_len; l++) {
-            s[l] = expf(s[l] - m);
-            sum += s[l];
-        }
-        if (sinks) sum += expf(sinks[r] - m);
-        float inv = 1.0f / sum;
-        for (int l = start; l < seq_len; l++) s[l] *= inv;
-        float *o = out + (int64_t)r * d;
-        for (int x = 0; x < d; x++) o[x] = 0.0f;
-    }
+    softmax_rows(scores, rows, start, seq_len, softcap, sinks, out, d);
     for (int l = start; l < seq_len; l++) {
         int64_t slot = (int64_t)table[l / bs] * bs + l % bs;
         prefetch_ahead(v_cache, kind, table, l, seq_len, bs, kvh, h0, d, nh * d);
@@ -318,21 +325,7 @@ attend_fixed(const int D, const int kind, const float *q, const void *k_cache,
             }
         }
     }
-    for (int r = 0; r < rows; r++) {
-        float *s = scores + (int64_t)r * seq_len, m = -INFINITY, sum = 0.0f;
-        if (softcap > 0.0f) soft_cap(s + start, seq_len - start, softcap);
-        for (int l = start; l < seq_len; l++) m = s[l] > m ? s[l] : m;
-        if (sinks && sinks[r] > m) m = sinks[r];
-#pragma omp simd reduction(+ : sum)
-        for (int l = start; l < seq_len; l++) {
-            s[l] = expf(s[l] - m);
-            sum += s[l];
-        }
-        if (sinks) sum += expf(sinks[r] - m);
-        float inv = 1.0f / sum;
-        for (int l = start; l < seq_len; l++) s[l] *= inv;
-        for (int x = 0; x < D; x++) out[(int64_t)r * D + x] = 0.0f;
-    }
+    softmax_rows(scores, rows, start, seq_len, softcap, sinks, out, D);
     for (int l0 = first; l0 < seq_len; l0 += bs) {
         int n = seq_len - l0 < bs ? seq_len - l0 : bs, j0 = l0 < start ? start - l0 : 0;
         int64_t at = (int64_t)table[l0 / bs] * bs * rs + h0 * rb; /* its row of head h0 */
