@@ -113,7 +113,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def render(result: dict[str, Any]) -> str:
     m, s = result["machine"], result["shape"]
-    threads = f"{m['threads']} threads" + (" (CPU time)" if m["cpu_time"] else "")
+    threads = "1 thread (CPU time)" if m["cpu_time"] else f"{m['threads']} threads"
     lines = [
         f"CPU: {m['cpu']}, flags {' '.join(m['flags'])}; {threads}; "
         f"load average {' '.join(f'{x:.2f}' for x in m['load'])}",
