@@ -28,7 +28,9 @@
  *   2 int8 [D] then the row's float32 scale (4 bytes): x = q * scale
  *   3 fp8 e4m3fn [D], 4 fp8 e5m2 [D] (scale 1): x = the fp8 value
  *
- * Quantized rows are converted to float32 as they are read (a table of the 256 fp8 values).
+ * Rows other than float32 are converted to float32 as they are read (fp8 by bit manipulation:
+ * fp8_e4m3_value); an int8 row's scale multiplies its dot product and its weight p, not each
+ * value (attend_fixed).
  */
 #include <math.h>
 #include <stdint.h>
@@ -65,28 +67,53 @@ static inline int64_t row_bytes(int kind, int d) {
     }
 }
 
-/* the 256 values of each fp8 format, filled once (fp8_tables_init) before any thread reads */
-static float fp8_e4m3[256], fp8_e5m2[256];
-static int fp8_ready;
-
-static float fp8_value(int bits, int exp_bits, int man_bits, int e4m3fn) {
-    int sign = bits >> 7, e = (bits >> man_bits) & ((1 << exp_bits) - 1);
-    int m = bits & ((1 << man_bits) - 1), bias = (1 << (exp_bits - 1)) - 1;
-    float v;
-    if (e4m3fn && e == 15 && m == 7) v = NAN;
-    else if (!e4m3fn && e == 31) v = m ? NAN : INFINITY;
-    else if (e == 0) v = ldexpf((float)m / (float)(1 << man_bits), 1 - bias);
-    else v = ldexpf(1.0f + (float)m / (float)(1 << man_bits), e - bias);
-    return sign ? -v : v;
+static inline float bits_to_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
 }
 
-static void fp8_tables_init(void) {
-    if (fp8_ready) return;
-    for (int b = 0; b < 256; b++) {
-        fp8_e4m3[b] = fp8_value(b, 4, 3, 1);
-        fp8_e5m2[b] = fp8_value(b, 5, 2, 0);
+/* The float32 value of fp8 bits b, exactly as torch reads them (NaN and, for e5m2, the
+ * infinities included), in integer and float operations only, so that a loop of them
+ * vectorizes: a normal number moves its exponent and mantissa into float32's fields (the bias
+ * difference added, or as much as makes the exponent 255 for NaN/inf), a subnormal one is its
+ * mantissa times the smallest subnormal. (A 256-entry table of the values costs a gather per
+ * vector instead, ~2x slower measured on Zen 4.) */
+static inline float fp8_e4m3_value(uint32_t b) { /* s eeee mmm, bias 7, NaN: eeee mmm all 1 */
+    uint32_t em = b & 0x7f, sign = (b & 0x80) << 24;
+    uint32_t normal = (em << 20) + ((em == 0x7f ? 240u : 120u) << 23);
+    float sub = (float)(int)em * 0x1p-9f; /* m * 2^-6 / 8 */
+    uint32_t sub_bits;
+    memcpy(&sub_bits, &sub, 4);
+    return bits_to_f32((em < 8 ? sub_bits : normal) | sign);
+}
+
+static inline float fp8_e5m2_value(uint32_t b) { /* s eeeee mm, bias 15, inf/NaN: eeeee 1s */
+    uint32_t em = b & 0x7f, sign = (b & 0x80) << 24;
+    uint32_t normal = (em << 21) + ((em >= 0x7c ? 224u : 112u) << 23);
+    float sub = (float)(int)em * 0x1p-16f; /* m * 2^-14 / 4 */
+    uint32_t sub_bits;
+    memcpy(&sub_bits, &sub, 4);
+    return bits_to_f32((em < 4 ? sub_bits : normal) | sign);
+}
+
+/* Element x of a row stored as `kind` (not float32), before the row's scale (row_scale):
+ * exact, a bf16 or fp8 value or an int8 integer as float32 */
+static inline float row_value(const uint8_t *row, int kind, int x) {
+    switch (kind) {
+    case KV_BF16: return bf16_to_f32(((const uint16_t *)row)[x]);
+    case KV_INT8: return (float)((const int8_t *)row)[x];
+    case KV_FP8_E4M3: return fp8_e4m3_value(row[x]);
+    default: return fp8_e5m2_value(row[x]);
     }
-    fp8_ready = 1;
+}
+
+/* what a row's values are multiplied by: an int8 row's scale (the 4 bytes after its d
+ * values), else 1 */
+static inline float row_scale(const uint8_t *row, int kind, int d) {
+    float sc = 1.0f;
+    if (kind == KV_INT8) memcpy(&sc, row + d, sizeof sc);
+    return sc;
 }
 
 /* x [d] rounded to fp8 bits (RNE, clamped to +-max): exact power-of-2 scalings and rintf, as
@@ -145,23 +172,21 @@ static inline const float *load_rows(const void *cache, int kind, int64_t slot, 
     int64_t first = slot * kvh + h0;
     if (kind == KV_F32) return (const float *)cache + first * d;
     if (kind == KV_BF16) {
-        const uint16_t *src = (const uint16_t *)cache + first * d;
-        for (int x = 0; x < nh * d; x++) buf[x] = bf16_to_f32(src[x]);
+        const uint8_t *src = (const uint8_t *)((const uint16_t *)cache + first * d);
+        for (int x = 0; x < nh * d; x++) buf[x] = row_value(src, KV_BF16, x);
         return buf;
     }
     int64_t rb = row_bytes(kind, d);
     for (int hh = 0; hh < nh; hh++) {
         const uint8_t *row = (const uint8_t *)cache + (first + hh) * rb;
         float *o = buf + (int64_t)hh * d;
-        if (kind == KV_INT8) {
-            float sc;
-            memcpy(&sc, row + d, sizeof sc);
-            const int8_t *qv = (const int8_t *)row;
-            for (int x = 0; x < d; x++) o[x] = (float)qv[x] * sc;
-        } else {
-            const float *table = kind == KV_FP8_E4M3 ? fp8_e4m3 : fp8_e5m2;
-            for (int x = 0; x < d; x++) o[x] = table[row[x]];
-        }
+        float sc = row_scale(row, kind, d);
+        if (kind == KV_INT8)
+            for (int x = 0; x < d; x++) o[x] = row_value(row, KV_INT8, x) * sc;
+        else if (kind == KV_FP8_E4M3)
+            for (int x = 0; x < d; x++) o[x] = row_value(row, KV_FP8_E4M3, x);
+        else
+            for (int x = 0; x < d; x++) o[x] = row_value(row, KV_FP8_E5M2, x);
     }
     return buf;
 }
@@ -185,6 +210,28 @@ static inline void prefetch_ahead(const void *cache, int kind, const int32_t *ta
     for (int64_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch(row + byte, 0, 2);
 }
 
+/* Each of `rows` rows of scores [rows][seq_len] (positions start..seq_len - 1) soft-capped
+ * (softcap > 0) and turned into its softmax, with its sink's logit in the denominator
+ * (sinks: NULL for none); out [rows][d], the weighted sums to come, zeroed. */
+static void softmax_rows(float *scores, int rows, int start, int seq_len, float softcap,
+                         const float *sinks, float *out, int d) {
+    for (int r = 0; r < rows; r++) {
+        float *s = scores + (int64_t)r * seq_len, m = -INFINITY, sum = 0.0f;
+        if (softcap > 0.0f) soft_cap(s + start, seq_len - start, softcap);
+        for (int l = start; l < seq_len; l++) m = s[l] > m ? s[l] : m;
+        if (sinks && sinks[r] > m) m = sinks[r];
+#pragma omp simd reduction(+ : sum)
+        for (int l = start; l < seq_len; l++) {
+            s[l] = expf(s[l] - m);
+            sum += s[l];
+        }
+        if (sinks) sum += expf(sinks[r] - m);
+        float inv = 1.0f / sum;
+        for (int l = start; l < seq_len; l++) s[l] *= inv;
+    }
+    memset(out, 0, sizeof(float) * (size_t)rows * d);
+}
+
 /* Query rows of KV heads [h0, h0 + nh) of one sequence. Positions are walked in order and
  * each position's rows of those heads are adjacent in memory, so a block streams through
  * once per pass (K, then V) instead of once per head. */
@@ -200,22 +247,7 @@ static void attend(const float *q, const void *k_cache, const void *v_cache, int
         for (int r = 0; r < rows; r++)
             scores[(int64_t)r * seq_len + l] = dot(q + (int64_t)r * d, k + (r / g) * d, d) * scale;
     }
-    for (int r = 0; r < rows; r++) {
-        float *s = scores + (int64_t)r * seq_len, m = -INFINITY, sum = 0.0f;
-        if (softcap > 0.0f) soft_cap(s + start, seq_len - start, softcap);
-        for (int l = start; l < seq_len; l++) m = s[l] > m ? s[l] : m;
-        if (sinks && sinks[r] > m) m = sinks[r];
-#pragma omp simd reduction(+ : sum)
-        for (int l = start; l < seq_len; l++) {
-            s[l] = expf(s[l] - m);
-            sum += s[l];
-        }
-        if (sinks) sum += expf(sinks[r] - m);
-        float inv = 1.0f / sum;
-        for (int l = start; l < seq_len; l++) s[l] *= inv;
-        float *o = out + (int64_t)r * d;
-        for (int x = 0; x < d; x++) o[x] = 0.0f;
-    }
+    softmax_rows(scores, rows, start, seq_len, softcap, sinks, out, d);
     for (int l = start; l < seq_len; l++) {
         int64_t slot = (int64_t)table[l / bs] * bs + l % bs;
         prefetch_ahead(v_cache, kind, table, l, seq_len, bs, kvh, h0, d, nh * d);
@@ -229,97 +261,139 @@ static void attend(const float *q, const void *k_cache, const void *v_cache, int
     }
 }
 
-/* attend() for a head size known when compiled (64, 128): a block of positions at a time,
- * each output row's accumulator stays in vector registers across the block's positions
- * (attend() loads and stores every row at every position), and the cache is read in place in
- * either dtype. The sums are those of attend() in another order. */
-#define DEFINE_ATTEND_FIXED(D)                                                                 \
-    static void attend_##D(const float *q, const void *k_cache, const void *v_cache,           \
-                           int is_bf16, const int32_t *table, int start, int seq_len, int h0,  \
-                           int nh, int kvh, int g, int bs, float scale, float softcap,         \
-                           const float *sinks, float *out, float *scores) {                    \
-        int rows = nh * g;                                                                     \
-        int64_t rs = (int64_t)kvh * D; /* elements from one position's row to the next */      \
-        const float *kf = k_cache, *vf = v_cache;                                              \
-        const uint16_t *kh = k_cache, *vh = v_cache;                                           \
-        int first = start - start % bs; /* the block holding position `start` */               \
-        for (int l0 = first; l0 < seq_len; l0 += bs) {                                         \
-            int n = seq_len - l0 < bs ? seq_len - l0 : bs;                                     \
-            int64_t base = (int64_t)table[l0 / bs] * bs * rs + (int64_t)h0 * D;                \
-            for (int j = l0 < start ? start - l0 : 0; j < n; j++) {                            \
-                prefetch_ahead(k_cache, is_bf16, table, l0 + j, seq_len, bs, kvh, h0, D,       \
-                               nh * D);                                                        \
-                for (int r = 0; r < rows; r++) {                                               \
-                    int64_t off = base + j * rs + (int64_t)(r / g) * D;                        \
-                    const float *qr = q + (int64_t)r * D;                                      \
-                    float s = 0.0f;                                                            \
-                    if (is_bf16) {                                                             \
-                        _Pragma("omp simd reduction(+ : s)") for (int x = 0; x < D; x++) s +=  \
-                            qr[x] * bf16_to_f32(kh[off + x]);                                  \
-                    } else {                                                                   \
-                        _Pragma("omp simd reduction(+ : s)") for (int x = 0; x < D; x++) s +=  \
-                            qr[x] * kf[off + x];                                               \
-                    }                                                                          \
-                    scores[(int64_t)r * seq_len + l0 + j] = s * scale;                         \
-                }                                                                              \
-            }                                                                                  \
-        }                                                                                      \
-        for (int r = 0; r < rows; r++) {                                                       \
-            float *s = scores + (int64_t)r * seq_len, m = -INFINITY, sum = 0.0f;               \
-            if (softcap > 0.0f) soft_cap(s + start, seq_len - start, softcap);                 \
-            for (int l = start; l < seq_len; l++) m = s[l] > m ? s[l] : m;                     \
-            if (sinks && sinks[r] > m) m = sinks[r];                                           \
-            _Pragma("omp simd reduction(+ : sum)") for (int l = start; l < seq_len; l++) {     \
-                s[l] = expf(s[l] - m);                                                         \
-                sum += s[l];                                                                   \
-            }                                                                                  \
-            if (sinks) sum += expf(sinks[r] - m);                                              \
-            float inv = 1.0f / sum;                                                            \
-            for (int l = start; l < seq_len; l++) s[l] *= inv;                                 \
-            for (int x = 0; x < D; x++) out[(int64_t)r * D + x] = 0.0f;                        \
-        }                                                                                      \
-        for (int l0 = first; l0 < seq_len; l0 += bs) {                                         \
-            int n = seq_len - l0 < bs ? seq_len - l0 : bs;                                     \
-            int64_t base = (int64_t)table[l0 / bs] * bs * rs + (int64_t)h0 * D;                \
-            int j0 = l0 < start ? start - l0 : 0;                                              \
-            for (int r = 0; r < rows; r++) {                                                   \
-                const float *p = scores + (int64_t)r * seq_len + l0;                           \
-                int64_t off = base + (int64_t)(r / g) * D + (int64_t)j0 * rs;                  \
-                float acc[D], *o = out + (int64_t)r * D;                                       \
-                _Pragma("omp simd") for (int x = 0; x < D; x++) acc[x] = o[x];                 \
-                for (int j = j0; j < n; j++, off += rs) {                                      \
-                    float pj = p[j];                                                           \
-                    if (r == 0) /* the next block, spread over the first row's positions */    \
-                        prefetch_ahead(v_cache, is_bf16, table, l0 + j, seq_len, bs, kvh, h0,  \
-                                       D, nh * D);                                             \
-                    if (is_bf16) {                                                             \
-                        _Pragma("omp simd") for (int x = 0; x < D; x++) acc[x] +=              \
-                            pj * bf16_to_f32(vh[off + x]);                                     \
-                    } else {                                                                   \
-                        _Pragma("omp simd") for (int x = 0; x < D; x++) acc[x] +=              \
-                            pj * vf[off + x];                                                  \
-                    }                                                                          \
-                }                                                                              \
-                _Pragma("omp simd") for (int x = 0; x < D; x++) o[x] = acc[x];                 \
-            }                                                                                  \
-        }                                                                                      \
+/* Rows j0 <= j < n of one block and KV head, row j at `rows` + j * stride bytes, as float32:
+ * in place for float32 (*stride_out: floats from one row to the next), else each row's values
+ * converted once into buf [n][D] (the head's g query rows then read them from L1) and its
+ * scale into scales[j]. */
+static inline __attribute__((always_inline)) const float *
+block_rows(const int D, const int kind, const uint8_t *rows, int64_t stride, int j0, int n,
+           float *buf, float *scales, int64_t *stride_out) {
+    if (kind == KV_F32) {
+        *stride_out = stride / (int64_t)sizeof(float);
+        return (const float *)rows;
     }
-DEFINE_ATTEND_FIXED(64)
-DEFINE_ATTEND_FIXED(128)
+    for (int j = j0; j < n; j++) {
+        const uint8_t *row = rows + j * stride;
+        float *o = buf + (int64_t)j * D;
+#pragma omp simd
+        for (int x = 0; x < D; x++) o[x] = row_value(row, kind, x);
+        scales[j] = row_scale(row, kind, D);
+    }
+    *stride_out = D;
+    return buf;
+}
+
+/* attend() for a head size D known when compiled (64, 128) and one row format: a block of
+ * positions and one KV head at a time, its rows converted to float32 once (block_rows) for
+ * the head's g query rows; each output row's accumulator stays in vector registers across
+ * the block's positions (attend() loads and stores every row at every position). An int8
+ * row's scale multiplies the sums, not each element: s = scale_k * (q . k8), and
+ * o += (p * scale_v) v8. The sums are those of attend() in another order; a token's are
+ * the same whatever its batch (they depend on its own rows and D alone). buf holds bs * D
+ * floats and bs scales. */
+static inline __attribute__((always_inline)) void
+attend_fixed(const int D, const int kind, const float *q, const void *k_cache,
+             const void *v_cache, const int32_t *table, int start, int seq_len, int h0, int nh,
+             int kvh, int g, int bs, float scale, float softcap, const float *sinks, float *out,
+             float *scores, float *buf) {
+    int rows = nh * g;
+    int64_t rb = row_bytes(kind, D), rs = kvh * rb; /* bytes from one position's row to the next */
+    float *scales = buf + (int64_t)bs * D;
+    int first = start - start % bs; /* the block holding position `start` */
+    for (int l0 = first; l0 < seq_len; l0 += bs) {
+        int n = seq_len - l0 < bs ? seq_len - l0 : bs, j0 = l0 < start ? start - l0 : 0;
+        int64_t at = (int64_t)table[l0 / bs] * bs * rs + h0 * rb; /* its row of head h0 */
+        const uint8_t *block = (const uint8_t *)k_cache + at;
+        for (int hh = 0; hh < nh; hh++) {
+            int64_t stride;
+            if (hh == 0) /* the next block's rows, one position's at a time */
+                for (int j = j0; j < n; j++)
+                    prefetch_ahead(k_cache, kind, table, l0 + j, seq_len, bs, kvh, h0, D,
+                                   nh * D);
+            const float *k = block_rows(D, kind, block + hh * rb, rs, j0, n, buf, scales,
+                                        &stride);
+            for (int r = hh * g; r < (hh + 1) * g; r++) {
+                const float *qr = q + (int64_t)r * D;
+                for (int j = j0; j < n; j++) {
+                    const float *kj = k + j * stride;
+                    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                    for (int x = 0; x < D; x++) s += qr[x] * kj[x];
+                    float sk = kind == KV_INT8 ? scales[j] : 1.0f;
+                    scores[(int64_t)r * seq_len + l0 + j] = s * sk * scale;
+                }
+            }
+        }
+    }
+    softmax_rows(scores, rows, start, seq_len, softcap, sinks, out, D);
+    for (int l0 = first; l0 < seq_len; l0 += bs) {
+        int n = seq_len - l0 < bs ? seq_len - l0 : bs, j0 = l0 < start ? start - l0 : 0;
+        int64_t at = (int64_t)table[l0 / bs] * bs * rs + h0 * rb; /* its row of head h0 */
+        const uint8_t *block = (const uint8_t *)v_cache + at;
+        for (int hh = 0; hh < nh; hh++) {
+            int64_t stride;
+            if (hh == 0)
+                for (int j = j0; j < n; j++)
+                    prefetch_ahead(v_cache, kind, table, l0 + j, seq_len, bs, kvh, h0, D,
+                                   nh * D);
+            const float *v = block_rows(D, kind, block + hh * rb, rs, j0, n, buf, scales,
+                                        &stride);
+            for (int r = hh * g; r < (hh + 1) * g; r++) {
+                const float *p = scores + (int64_t)r * seq_len + l0;
+                float acc[D], *o = out + (int64_t)r * D;
+#pragma omp simd
+                for (int x = 0; x < D; x++) acc[x] = o[x];
+                for (int j = j0; j < n; j++) {
+                    const float *vj = v + j * stride;
+                    float pj = kind == KV_INT8 ? p[j] * scales[j] : p[j];
+#pragma omp simd
+                    for (int x = 0; x < D; x++) acc[x] += pj * vj[x];
+                }
+#pragma omp simd
+                for (int x = 0; x < D; x++) o[x] = acc[x];
+            }
+        }
+    }
+}
+
+/* attend_fixed's instances: one function per head size and row format */
+typedef void attend_fn(const float *q, const void *k_cache, const void *v_cache,
+                       const int32_t *table, int start, int seq_len, int h0, int nh, int kvh,
+                       int g, int bs, float scale, float softcap, const float *sinks,
+                       float *out, float *scores, float *buf);
+#define DEFINE_ATTEND_FIXED(D, KIND)                                                           \
+    static void attend_##D##_##KIND(const float *q, const void *k_cache, const void *v_cache,  \
+                                    const int32_t *table, int start, int seq_len, int h0,      \
+                                    int nh, int kvh, int g, int bs, float scale,               \
+                                    float softcap, const float *sinks, float *out,             \
+                                    float *scores, float *buf) {                               \
+        attend_fixed(D, KIND, q, k_cache, v_cache, table, start, seq_len, h0, nh, kvh, g, bs,  \
+                     scale, softcap, sinks, out, scores, buf);                                 \
+    }
+#define DEFINE_ATTEND_FIXED_KINDS(D)                                                           \
+    DEFINE_ATTEND_FIXED(D, KV_F32)                                                             \
+    DEFINE_ATTEND_FIXED(D, KV_BF16)                                                            \
+    DEFINE_ATTEND_FIXED(D, KV_INT8)                                                            \
+    DEFINE_ATTEND_FIXED(D, KV_FP8_E4M3)                                                        \
+    DEFINE_ATTEND_FIXED(D, KV_FP8_E5M2)                                                        \
+    static attend_fn *const attend_##D[] = {attend_##D##_KV_F32, attend_##D##_KV_BF16,          \
+                                            attend_##D##_KV_INT8, attend_##D##_KV_FP8_E4M3,     \
+                                            attend_##D##_KV_FP8_E5M2};
+DEFINE_ATTEND_FIXED_KINDS(64)
+DEFINE_ATTEND_FIXED_KINDS(128)
 
 /* Returns 0, or -1 when a shape is outside what the kernel handles (the caller falls back).
  * kind: the caches' row format (see the top); window: the sliding window, 0 for the whole
  * context; softcap: the scores' soft cap, 0 for none; sinks: [num_heads] float32 logits, or
- * NULL for none. The fixed-size loops read float32 and bf16 rows; quantized rows go through
- * attend(), which converts each position's rows once into a buffer. */
+ * NULL for none. Head sizes 64 and 128 run attend_fixed's instance for the row format,
+ * others attend(). */
 int paged_decode(const float *q, const void *k_cache, const void *v_cache, int kind,
                  const int32_t *block_tables, int table_stride, const int32_t *seq_lens,
                  int n, int num_heads, int kvh, int d, int bs, float scale, int window,
                  float softcap, const float *sinks, float *out, int num_threads) {
     int g = num_heads / kvh, max_len = 0;
     if (n <= 0 || num_threads <= 0 || kind < KV_F32 || kind > KV_FP8_E5M2) return -1;
-    if (kind >= KV_INT8) fp8_tables_init();
-    int is_bf16 = kind == KV_BF16, fixed = kind <= KV_BF16;
+    attend_fn *fixed = d == 64 ? attend_64[kind] : d == 128 ? attend_128[kind] : NULL;
     for (int i = 0; i < n; i++)
         if (seq_lens[i] > max_len) max_len = seq_lens[i];
     /* whole sequences per task when there are enough of them, else one KV head per task */
@@ -327,7 +401,9 @@ int paged_decode(const float *q, const void *k_cache, const void *v_cache, int k
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = malloc(sizeof(float) * ((size_t)nh * g * max_len + (size_t)nh * d));
+        /* the scores, then attend()'s rows or attend_fixed's block of rows and scales */
+        size_t rows_floats = (size_t)(nh * d > bs * (d + 1) ? nh * d : bs * (d + 1));
+        float *scores = malloc(sizeof(float) * ((size_t)nh * g * max_len + rows_floats));
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -340,16 +416,13 @@ int paged_decode(const float *q, const void *k_cache, const void *v_cache, int k
             const int32_t *table = block_tables + (int64_t)i * table_stride;
             int len = seq_lens[i], start = window > 0 && len > window ? len - window : 0;
             const float *task_sinks = sinks ? sinks + (int64_t)h0 * g : NULL; /* its rows' */
-            if (fixed && d == 64)
-                attend_64(q + row, k_cache, v_cache, is_bf16, table, start, len, h0, nh, kvh, g,
-                          bs, scale, softcap, task_sinks, out + row, scores);
-            else if (fixed && d == 128)
-                attend_128(q + row, k_cache, v_cache, is_bf16, table, start, len, h0, nh, kvh, g,
-                           bs, scale, softcap, task_sinks, out + row, scores);
+            float *rows_buf = scores + (size_t)nh * g * max_len;
+            if (fixed)
+                fixed(q + row, k_cache, v_cache, table, start, len, h0, nh, kvh, g, bs, scale,
+                      softcap, task_sinks, out + row, scores, rows_buf);
             else
                 attend(q + row, k_cache, v_cache, kind, table, start, len, h0, nh, kvh, g, d,
-                       bs, scale, softcap, task_sinks, out + row, scores,
-                       scores + (size_t)nh * g * max_len);
+                       bs, scale, softcap, task_sinks, out + row, scores, rows_buf);
         }
         free(scores);
     }

@@ -76,11 +76,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
 
 
 # --- the machine -----------------------------------------------------------------------------
-def machine(model_dir: str, dtype: str, threads: int) -> dict[str, Any]:
-    """CPU model and flags, memory read bandwidth, and the single-stream decode limit."""
-    import torch
-
-    info: dict[str, Any] = {"cpu": "", "flags": [], "threads": threads}
+def cpu_identity() -> dict[str, Any]:
+    """{"cpu": the CPU's model name, "flags": those of FLAGS_OF_INTEREST it has}."""
+    info: dict[str, Any] = {"cpu": "", "flags": []}
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name") and not info["cpu"]:
@@ -88,6 +86,14 @@ def machine(model_dir: str, dtype: str, threads: int) -> dict[str, Any]:
             if line.startswith("flags") and not info["flags"]:
                 have = set(line.split(":", 1)[1].split())
                 info["flags"] = [f for f in FLAGS_OF_INTEREST if f in have]
+    return info
+
+
+def machine(model_dir: str, dtype: str, threads: int) -> dict[str, Any]:
+    """CPU model and flags, memory read bandwidth, and the single-stream decode limit."""
+    import torch
+
+    info: dict[str, Any] = cpu_identity() | {"threads": threads}
     weight_bytes = served_weight_bytes(model_dir, dtype)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)

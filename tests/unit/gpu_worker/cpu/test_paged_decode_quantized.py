@@ -207,3 +207,66 @@ def test_c_store_writes_the_bits_torch_writes(name: str) -> None:
     got = torch.empty_like(want)
     lib.shuttle_test_store_row(got.data_ptr(), fmt.kind, x.data_ptr(), 64, 400)
     assert torch.equal(got, want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("head_dim", [32, 64, 128])  # attend() and attend_fixed's instances
+def test_kernel_reads_every_code_as_torch_does(name: str, head_dim: int) -> None:
+    """A one-token sequence's output is its V row (p = 1): every fp8 code (NaN and the
+    infinities included) and int8 rows of any scale read back exactly as dequantize reads
+    them."""
+    fmt = KVFormat.create(name, torch.float32)
+    rows = 512 // head_dim  # every one of the 256 codes, twice over
+    if name == "int8":
+        gen = torch.Generator().manual_seed(7)
+        v = (
+            torch.randn(rows, 1, head_dim, generator=gen)
+            * torch.logspace(-6, 4, rows)[:, None, None]
+        )
+        v_rows = fmt.quantize(v)
+    else:
+        codes = torch.arange(512, dtype=torch.int32) % 256
+        v_rows = codes.to(torch.uint8).view(rows, 1, head_dim)
+    k_rows = fmt.quantize(torch.zeros(rows, 1, head_dim))  # finite scores
+    cache = torch.stack((k_rows, v_rows))[:, :, None]  # [2, rows (blocks), 1, 1, row]
+    q = torch.randn(rows, 1, head_dim)
+    tables = torch.arange(rows, dtype=torch.int32)[:, None]
+    lens = torch.ones(rows, dtype=torch.int32)
+    out = paged_decode.paged_decode(q, cache, tables, lens, 0.125, kv_format=fmt)
+    assert out is not None
+    want = fmt.dequantize(v_rows, torch.float32)
+    assert torch.equal(out.isnan(), want.isnan())
+    assert torch.equal(out.nan_to_num(), want.nan_to_num())
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["auto", *FORMATS])
+@pytest.mark.parametrize("head_dim", [64, 128, 96])
+def test_kernel_token_same_bits_in_any_batch(name: str, head_dim: int) -> None:
+    """A sequence's output alone, in a batch of 40 (whole sequences per task) or of 3 (one
+    KV head per task), on 1 or 2 threads: the same bits."""
+    fmt = KVFormat.create(name, torch.float32)
+    contexts = [1 + (53 * i) % 200 for i in range(40)]
+    q, stored, _, tables = _case(
+        contexts, block_size=16, num_kv_heads=2, q_per_kv=3, head_dim=head_dim, fmt=fmt
+    )
+    meta = build_metadata([c - 1 for c in contexts], [1] * 40, tables, 16)
+
+    def run(rows: slice) -> torch.Tensor:
+        out = paged_decode.paged_decode(
+            q[rows], stored, meta.block_tables[rows], meta.seq_lens[rows], 0.1, kv_format=fmt
+        )
+        assert out is not None
+        return out
+
+    whole = run(slice(0, 40))
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for i in (0, 7, 39):
+                assert torch.equal(run(slice(i, i + 1)), whole[i : i + 1]), (t, i)
+            assert torch.equal(run(slice(5, 8)), whole[5:8]), t
+    finally:
+        torch.set_num_threads(threads)
