@@ -206,10 +206,10 @@ class SparseMoeBlock(nn.Module):
         if moe.shared_expert_width:
             self.shared_expert = SharedExpert(hidden_size, moe.shared_expert_width // size, ops)
             self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, self.gate(x))
         if self.shared_expert is not None and self.shared_expert_gate is not None:
-            shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-            out = out + shared
+            out = self.ops.add_gated(out, self.shared_expert(x), self.shared_expert_gate(x))
         return out
