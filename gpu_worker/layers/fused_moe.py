@@ -359,7 +359,8 @@ class CKernelExperts:
         self, layer: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     ) -> torch.Tensor:
         if x.dtype == torch.float32 and self._runs_moe_c():
-            desc = self.one_call_experts(layer, Keep())
+            keep = Keep()  # alive through the call: the descriptor may point at its copies
+            desc = self.one_call_experts(layer, keep)
             done = None if desc is None else cpu_moe.experts(desc, x, ids, weights)
             if done is not None:
                 y, counts = done
