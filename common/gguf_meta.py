@@ -7,7 +7,8 @@ tokenizer files, generation_config.json), under `<cache>/gguf/<version>/`, so th
 detokenizer and model facts read it like any model folder (common/model_paths.tokenizer_dir).
 The tensors themselves are read by gpu_worker/model_loader/gguf_file.py.
 
-Mixtures of experts: qwen2moe and qwen3moe files, and Mixtral's (a "llama" file with
+Mixtures of experts: qwen2moe, qwen3moe and olmoe files (OLMoE: q/k norms over the whole
+projections, `attn_q_norm` / `attn_k_norm`), and Mixtral's (a "llama" file with
 `llama.expert_count`); each projection's experts are one 3-D tensor (`ffn_gate_exps`...).
 
 Names: llama.cpp's converter renames Hugging Face tensors (`model.layers.3.mlp.up_proj.weight`
@@ -31,7 +32,9 @@ if TYPE_CHECKING:
 
 _MIB = 1 << 20
 # mixture-of-experts architectures (llama.cpp's names) -> model_type
-MOE_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+MOE_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+# model types whose GGUF config transformers does not read (its tokenizer is given ours)
+UNREAD_BY_TRANSFORMERS = frozenset({"olmoe"})
 MARKER = "shuttle_gguf"  # config.json entry of a GGUF's tokenizer folder: {"path": file}
 # general.architecture -> model_type; a "llama" file named like Mistral is a mistral
 ARCHITECTURES = {
@@ -217,7 +220,9 @@ def _moe_config(
     reader: GGUFReader, arch: str, num_layers: int, names: dict[str, Any]
 ) -> dict[str, Any]:
     """A MoE file's expert fields as config.json names them. llama.cpp renormalises the top-k
-    weights for qwen3moe and not for qwen2moe; a layer without a router is dense."""
+    weights for qwen3moe and not for qwen2moe or olmoe; a layer without a router is dense.
+    OLMoE's experts are `feed_forward_length` wide (no expert_feed_forward_length: 0, which
+    MoeConfig reads as intermediate_size)."""
     experts = field_value(reader, f"{arch}.expert_count")
     if experts is None:
         raise ValueError(f"GGUF metadata {arch}.expert_count is missing")
@@ -240,6 +245,7 @@ _HF_CLASSES = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -323,9 +329,14 @@ def gguf_tokenizer_folder(path: str | Path) -> Path:
 def _fill_tokenizer_folder(
     tmp: Path, path: Path, reader: GGUFReader, config: dict[str, Any]
 ) -> None:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    # AutoTokenizer reads the file's config first; where transformers reads none, the fast
+    # tokenizer class reads the file's tokenizer alone
+    auto = config["model_type"] not in UNREAD_BY_TRANSFORMERS
+    tokenizer = (AutoTokenizer if auto else PreTrainedTokenizerFast).from_pretrained(
+        path.parent, gguf_file=path.name
+    )
     tokenizer.save_pretrained(tmp)
     eos = [config["eos_token_id"]] if "eos_token_id" in config else []
     eot = field_value(reader, "tokenizer.ggml.eot_token_id")
