@@ -7,7 +7,8 @@ tokenizer files, generation_config.json), under `<cache>/gguf/<version>/`, so th
 detokenizer and model facts read it like any model folder (common/model_paths.tokenizer_dir).
 The tensors themselves are read by gpu_worker/model_loader/gguf_file.py.
 
-Mixtures of experts: qwen2moe and qwen3moe files, and Mixtral's (a "llama" file with
+Mixtures of experts: qwen2moe, qwen3moe and olmoe files (OLMoE: q/k norms over the whole
+projections, `attn_q_norm` / `attn_k_norm`), and Mixtral's (a "llama" file with
 `llama.expert_count`); each projection's experts are one 3-D tensor (`ffn_gate_exps`...).
 
 Dense families: llama (Mistral is a "llama" file named so), qwen2, qwen3, phi3, smollm3,
@@ -39,7 +40,9 @@ if TYPE_CHECKING:
 
 _MIB = 1 << 20
 # mixture-of-experts architectures (llama.cpp's names) -> model_type
-MOE_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+MOE_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+# model types whose GGUF config transformers does not read (its tokenizer is given ours)
+UNREAD_BY_TRANSFORMERS = frozenset({"olmoe", "smollm3"})  # (transformers 5 reads neither)
 MARKER = "shuttle_gguf"  # config.json entry of a GGUF's tokenizer folder: {"path": file}
 # general.architecture -> model_type; a "llama" file named like Mistral is a mistral
 ARCHITECTURES = {
@@ -268,7 +271,9 @@ def _moe_config(
     reader: GGUFReader, arch: str, num_layers: int, names: dict[str, Any]
 ) -> dict[str, Any]:
     """A MoE file's expert fields as config.json names them. llama.cpp renormalises the top-k
-    weights for qwen3moe and not for qwen2moe; a layer without a router is dense."""
+    weights for qwen3moe and not for qwen2moe or olmoe; a layer without a router is dense.
+    OLMoE's experts are `feed_forward_length` wide (no expert_feed_forward_length: 0, which
+    MoeConfig reads as intermediate_size)."""
     experts = field_value(reader, f"{arch}.expert_count")
     if experts is None:
         raise ValueError(f"GGUF metadata {arch}.expert_count is missing")
@@ -291,6 +296,7 @@ _HF_CLASSES = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -300,7 +306,6 @@ _HF_CLASSES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
-_NO_TRANSFORMERS_CONFIG = frozenset({"smollm3"})  # (transformers 5 reads no SmolLM3 GGUF)
 _TOKEN_KEYS = {"bos": "bos", "eos": "eos", "padding": "pad", "unknown": "unk"}
 
 
@@ -380,11 +385,12 @@ def _fill_tokenizer_folder(
 ) -> None:
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    # AutoTokenizer reads the file's model config first, which transformers does not for
-    # every architecture; the tokenizer itself is the tokenizer.ggml.* metadata either way
-    arch = str(field_value(reader, "general.architecture"))
-    tokenizer_class = PreTrainedTokenizerFast if arch in _NO_TRANSFORMERS_CONFIG else AutoTokenizer
-    tokenizer = tokenizer_class.from_pretrained(path.parent, gguf_file=path.name)
+    # AutoTokenizer reads the file's config first; where transformers reads none, the fast
+    # tokenizer class reads the file's tokenizer alone
+    auto = config["model_type"] not in UNREAD_BY_TRANSFORMERS
+    tokenizer = (AutoTokenizer if auto else PreTrainedTokenizerFast).from_pretrained(
+        path.parent, gguf_file=path.name
+    )
     tokenizer.save_pretrained(tmp)
     eos = [config["eos_token_id"]] if "eos_token_id" in config else []
     eot = field_value(reader, "tokenizer.ggml.eot_token_id")

@@ -1,10 +1,12 @@
 """Write tiny mixture-of-experts GGUF files for tests, in llama.cpp's layout (its
-convert_hf_to_gguf.py for Qwen2MoeModel / Qwen3MoeModel): each projection's experts stacked
-in one 3-D tensor `blk.{i}.ffn_{gate,up,down}_exps.weight` [experts, out, in] of the file's
-block type, the router `ffn_gate_inp` and the shared expert's gate `ffn_gate_inp_shexp` (a
-vector) in F32, the shared expert's projections `ffn_{gate,up,down}_shexp`, and the expert
-counts and widths as `{arch}.expert_*` metadata. Everything else as tests/gguf_models.py
-writes a dense file. llama.cpp's qwen2moe/qwen3moe have experts in every layer."""
+convert_hf_to_gguf.py for Qwen2MoeModel / Qwen3MoeModel / OlmoeModel): each projection's
+experts stacked in one 3-D tensor `blk.{i}.ffn_{gate,up,down}_exps.weight` [experts, out, in]
+of the file's block type, the router `ffn_gate_inp` and the shared expert's gate
+`ffn_gate_inp_shexp` (a vector) in F32, the shared expert's projections
+`ffn_{gate,up,down}_shexp`, and the expert counts and widths as `{arch}.expert_*` metadata.
+Everything else as tests/gguf_models.py writes a dense file (OLMoE's whole-projection q/k
+norms `attn_{q,k}_norm` as F32 vectors; no q/k permutation but Mixtral's "llama" file's).
+llama.cpp's qwen2moe/qwen3moe/olmoe have experts in every layer."""
 
 from __future__ import annotations
 
@@ -20,7 +22,12 @@ from safetensors.torch import load_file
 from tests.gguf_models import _write_hparams, _write_tokenizer, encode, gguf_name, permute
 
 # Mixtral: llama.cpp's "llama" architecture with experts (q/k rows permuted as a llama's)
-MOE_GGUF_ARCHS = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+MOE_GGUF_ARCHS = {
+    "qwen2_moe": "qwen2moe",
+    "qwen3_moe": "qwen3moe",
+    "olmoe": "olmoe",
+    "mixtral": "llama",
+}
 _MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _SHARED = {"gate_proj": "ffn_gate_shexp", "up_proj": "ffn_up_shexp", "down_proj": "ffn_down_shexp"}
 
@@ -102,7 +109,7 @@ def _unmixtral(name: str) -> str:
 def hf_folder_of(expected: dict[str, torch.Tensor], like: str | Path, folder: str | Path) -> Path:
     """A Hugging Face folder of the float weights a file stands for (write_moe_gguf's
     `expected`), with `like`'s config and tokenizer: the reference for an architecture whose
-    GGUF transformers does not read (Mixtral). Returns the folder."""
+    GGUF transformers does not read (Mixtral, OLMoE). Returns the folder."""
     import shutil
 
     from safetensors.torch import save_file

@@ -111,13 +111,15 @@ def make_tiny_moe_model(folder: str | Path, arch: str, *, seed: int = 0, **overr
     return folder
 
 
-def make_tiny_mxfp4_gpt_oss(folder: str | Path, seed: int = 0) -> tuple[Path, Path]:
+def make_tiny_mxfp4_gpt_oss(
+    folder: str | Path, seed: int = 0, **overrides: Any
+) -> tuple[Path, Path]:
     """A tiny gpt-oss in the shipped layout: its experts' gate/up and down as MXFP4
     (`*_blocks` uint8 [E, out, in / 32, 16] of random E2M1 nibbles, `*_scales` uint8
     [E, out, in / 32] of random E8M0 exponents 2 ** -5 .. 2 ** -3), everything else float,
     config.json with quantization_config {"quant_method": "mxfp4", ...} as gpt-oss-20b's.
     Returns (that folder, a float folder of the same model with the experts dequantized:
-    what transformers computes on)."""
+    what transformers computes on). `overrides` change the config as make_tiny_moe_model's."""
     import json
 
     from safetensors.torch import load_file, save_file
@@ -128,7 +130,7 @@ def make_tiny_mxfp4_gpt_oss(folder: str | Path, seed: int = 0) -> tuple[Path, Pa
     packed, dense = folder / "mxfp4", folder / "dequantized"
     if (packed / "config.json").is_file() and (dense / "config.json").is_file():
         return packed, dense
-    base = make_tiny_moe_model(folder / "float", "gpt_oss", seed=seed)
+    base = make_tiny_moe_model(folder / "float", "gpt_oss", seed=seed, **overrides)
     gen = torch.Generator().manual_seed(seed + 1)
     tensors: dict[str, torch.Tensor] = {}
     for f in sorted(base.glob("*.safetensors")):

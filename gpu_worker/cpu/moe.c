@@ -1,13 +1,21 @@
-/* A mixture of experts' layer on GGUF block-quantized experts, one call per layer and step.
+/* A mixture of experts' layer on the CPU, one call per layer and step: the routing (router
+ * logits to each token's top-k experts and weights) and the experts themselves, for every
+ * weight kind the CPU MoE methods keep (gpu_worker/layers/moe_methods/): float32 / bf16
+ * (linear.c), GGUF blocks (gguf.c), int8 W8A8 (int8.c), MXFP4 (mxfp4.c).
  *
  * The step's (token, slot) pairs are grouped by expert with a stable counting sort (an
  * expert's rows keep the tokens' order, as lora.c groups rows by slot); each selected
- * expert's rows are gathered and run through gguf.c's kernels as a dense layer's would be
- * (the few-row int8 kernel up to GGUF_MOE_FEW_ROWS rows, the int8 GEMM beyond where it takes
- * the type: both give a row the same bits), gate|up, then silu(gate) * up, then down; only
- * the selected experts' bytes are read. Each token's outputs are then added in increasing
- * expert id order from zero, each times its routing weight. A token's result therefore never
+ * expert's rows are gathered and run through its kernels as a dense layer's would be, gate|up
+ * (+ bias), the activation, then down (+ bias); only the selected experts' bytes are read.
+ * Each token's outputs are then added in increasing expert id order from zero, each times its
+ * routing weight. Every kernel gives a row the same bits whatever other rows share its call
+ * (linear.c at most MAX_ROWS rows a call; GGUF's few-row kernel up to GGUF_MOE_FEW_ROWS rows
+ * and its int8 GEMM beyond, which agree; int8 and MXFP4 per row), so a token's result never
  * depends on the other tokens of the step.
+ *
+ * Both paths run this code: the layers one by one (gpu_worker/cpu/moe.py, called by the CPU
+ * MoE methods and the CPU layer ops' routing) and the one-call step (one_call_step.c includes
+ * this file), so the two give a token the same bits.
  *
  * Built at first use by gpu_worker/cpu/build.py; called from gpu_worker/cpu/moe.py.
  */
@@ -16,34 +24,170 @@
 #include <stdlib.h>
 #include <string.h>
 
+#ifndef SHUTTLE_STEP_KERNELS /* one_call_step.c includes these itself */
+#include "linear.c"
 #include "gguf.c"
+#include "int8.c"
+#include "layers.c"
+#endif
+#undef TILE /* linear.c's; mxfp4.c has its own */
+#include "mxfp4.c"
 
 #define GGUF_MOE_FEW_ROWS 4 /* gguf.py's MAX_KERNEL_ROWS */
 
-/* y [n, out] = x [n, in] @ W.T for one expert's GGUF bytes w [out, row_bytes] */
-static int moe_project(const float *x, int n, const uint8_t *w, int qt, float *y, int out,
-                       int in, int nthreads) {
-    if (n > GGUF_MOE_FEW_ROWS) {
-        int rc = gguf_linear_many(x, n, w, qt, NULL, y, out, in, nthreads);
-        if (rc != 1) return rc;
+/* routing (fused_moe.py's SCORINGS): softmax over every expert then the top k, or the top k
+ * logits then a softmax over them (gpt-oss) */
+enum { MOE_SOFTMAX = 0, MOE_TOPK_SOFTMAX = 1 };
+/* the experts' weights (moe.py's kinds) */
+enum { MOE_F32 = 0, MOE_BF16 = 1, MOE_GGUF = 2, MOE_INT8 = 3, MOE_MXFP4 = 4 };
+/* the activation (fused_moe.py's ACTIVATIONS): silu(gate) * up on [gate | up] halves, or
+ * gpt-oss's clamped SwiGLU on interleaved gate/up columns */
+enum { MOE_SILU = 0, MOE_SWIGLU_CLAMP = 1 };
+
+/* One layer's experts as its method keeps them: w13 [E, 2I, ...] (gate rows then up rows, or
+ * interleaved for MOE_SWIGLU_CLAMP) and w2 [E, H, ...]:
+ *   MOE_F32, MOE_BF16  [E, out, in] float32 / bfloat16
+ *   MOE_GGUF           [E, out, row_bytes] of GGUF type qt13 / qt2
+ *   MOE_INT8           [E, out, in] int8 with s13 / s2 float32 [E, out]
+ *   MOE_MXFP4          [E, out, in / 32, 16] uint8 with s13 / s2 uint8 [E, out, in / 32]
+ * b13 [E, 2I], b2 [E, H]: float32 biases or NULL. */
+typedef struct {
+    int kind, num_experts, width, hidden;
+    const void *w13, *w2, *s13, *s2;
+    int qt13, qt2;
+    const float *b13, *b2;
+    int activation;
+    float limit, alpha;
+} moe_experts_t;
+
+/* wts [T, k], ids [T, k] from logits [T, E]: a token's experts by decreasing score (ties: the
+ * lower id first). Returns 0; 1 for a shape it does not take. */
+int moe_route(const float *logits, int T, int E, int k, int scoring, int renormalize,
+              float *wts, int64_t *ids) {
+    if (T < 0 || E < 1 || k < 1 || k > E || k > 64) return 1;
+    for (int t = 0; t < T; t++) {
+        const float *l = logits + (int64_t)t * E;
+        float *w = wts + (int64_t)t * k;
+        int64_t *id = ids + (int64_t)t * k;
+        float score[1024];
+        const float *s = l;
+        if (scoring == MOE_SOFTMAX) { /* softmax over every expert */
+            if (E > 1024) return 1;
+            float mx = l[0], sum = 0.f;
+            for (int e = 1; e < E; e++) mx = l[e] > mx ? l[e] : mx;
+            for (int e = 0; e < E; e++) sum += score[e] = expf(l[e] - mx);
+            for (int e = 0; e < E; e++) score[e] /= sum;
+            s = score;
+        }
+        for (int j = 0; j < k; j++) { /* selection: the best not yet taken */
+            int best = -1;
+            for (int e = 0; e < E; e++) {
+                int taken = 0;
+                for (int m = 0; m < j; m++) taken |= id[m] == e;
+                if (!taken && (best < 0 || s[e] > s[best])) best = e;
+            }
+            id[j] = best, w[j] = s[best];
+        }
+        if (scoring == MOE_TOPK_SOFTMAX) { /* a softmax over the k logits */
+            float mx = w[0], sum = 0.f;
+            for (int j = 0; j < k; j++) sum += w[j] = expf(w[j] - mx);
+            for (int j = 0; j < k; j++) w[j] /= sum;
+        } else if (renormalize) {
+            float sum = 0.f;
+            for (int j = 0; j < k; j++) sum += w[j];
+            for (int j = 0; j < k; j++) w[j] /= sum;
+        }
     }
-    return gguf_linear_rows(x, n, w, qt, NULL, y, out, in, nthreads);
+    return 0;
 }
 
-/* y [T, H] = the layer's output for x [T, H] routed to ids [T, k] with weights [T, k];
- * w13 [E, 2 * I, row_bytes(qt13, H)] (gate rows then up rows) and w2 [E, H, row_bytes(qt2, I)]
- * GGUF bytes. counts [E] gets each expert's number of pairs. Returns 0; 1 for a type, shape
- * or expert id it does not take; 2 when memory ran out. */
-int gguf_moe(const float *x, int T, const int64_t *ids, const float *wts, int k, int E,
-             const uint8_t *w13, int qt13, const uint8_t *w2, int qt2, int I, int H, float *y,
-             int64_t *counts, int nthreads) {
-    if (T < 1 || k < 1 || E < 1 || gguf_check(1, qt13, 2 * I, H) || gguf_check(1, qt2, H, I))
+/* y [n, out] = x [n, in] @ W.T (+ b) for expert e's weight of projection `down` (0: w13) */
+static int moe_project(const moe_experts_t *M, int down, int e, const float *x, int n, float *y,
+                       int nthreads) {
+    int out = down ? M->hidden : 2 * M->width, in = down ? M->width : M->hidden;
+    const void *w = down ? M->w2 : M->w13;
+    const void *s = down ? M->s2 : M->s13;
+    const float *b = down ? M->b2 : M->b13;
+    if (b) b += (int64_t)e * out;
+    int64_t rows = (int64_t)e * out;
+    switch (M->kind) {
+    case MOE_F32:
+    case MOE_BF16: {
+        int bf16 = M->kind == MOE_BF16;
+        const char *we = (const char *)w + rows * in * (bf16 ? 2 : 4);
+        for (int lo = 0; lo < n; lo += MAX_ROWS) { /* at most MAX_ROWS rows a call */
+            int nb = n - lo < MAX_ROWS ? n - lo : MAX_ROWS;
+            int rc = linear_small(x + (int64_t)lo * in, nb, we, bf16, b, y + (int64_t)lo * out,
+                                  out, in, nthreads);
+            if (rc) return rc;
+        }
+        return 0;
+    }
+    case MOE_GGUF: {
+        int qt = down ? M->qt2 : M->qt13;
+        const uint8_t *we = (const uint8_t *)w + rows * (in / gguf_block_values(qt)) *
+                                                     gguf_block_bytes(qt);
+        if (n > GGUF_MOE_FEW_ROWS) {
+            int rc = gguf_linear_many(x, n, we, qt, b, y, out, in, nthreads);
+            if (rc != 1) return rc;
+        }
+        return gguf_linear_rows(x, n, we, qt, b, y, out, in, nthreads);
+    }
+    case MOE_INT8:
+        return int8_linear_rows(x, n, (const int8_t *)w + rows * in, (const float *)s + rows, b,
+                                y, out, in, nthreads);
+    case MOE_MXFP4: {
+        int64_t groups = in / 32;
+        return mxfp4_linear_rows(x, n, in, (const uint8_t *)w + rows * groups * 16,
+                                 (const uint8_t *)s + rows * groups, b, out, y, nthreads) ? 1 : 0;
+    }
+    default:
         return 1;
+    }
+}
+
+/* a [n, I] = the activation of h [n, 2I] */
+static void moe_activate(const moe_experts_t *M, const float *h, int n, float *a) {
+    int I = M->width;
+    for (int j = 0; j < n; j++) {
+        const float *hj = h + (int64_t)j * 2 * I;
+        float *aj = a + (int64_t)j * I;
+        if (M->activation == MOE_SILU) {
+            for (int i = 0; i < I; i++) aj[i] = hj[i] / (1.f + expf(-hj[i])) * hj[I + i];
+            continue;
+        }
+        for (int i = 0; i < I; i++) { /* gate 2i, up 2i + 1 */
+            float g = hj[2 * i] < M->limit ? hj[2 * i] : M->limit;
+            float u = hj[2 * i + 1];
+            u = u < -M->limit ? -M->limit : u > M->limit ? M->limit : u;
+            float glu = g / (1.f + expf(-g * M->alpha));
+            aj[i] = (u + 1.f) * glu;
+        }
+    }
+}
+
+static int moe_check(const moe_experts_t *M) {
+    if (M->kind < MOE_F32 || M->kind > MOE_MXFP4 || M->num_experts < 1 || M->width < 1 ||
+        M->hidden < 1)
+        return 1;
+    if (M->kind == MOE_GGUF &&
+        (gguf_check(1, M->qt13, 2 * M->width, M->hidden) || gguf_check(1, M->qt2, M->hidden,
+                                                                        M->width)))
+        return 1;
+    if (M->kind == MOE_MXFP4 && (M->hidden % 32 || M->width % 32)) return 1;
+    return 0;
+}
+
+/* y [T, H] = the layer's output for x [T, H] routed to ids [T, k] with weights [T, k].
+ * counts [E] gets each expert's number of pairs. Returns 0; 1 for a kind, shape or expert id
+ * it does not take; 2 when memory ran out or a kernel failed. */
+int moe_experts(const moe_experts_t *M, const float *x, int T, const int64_t *ids,
+                const float *wts, int k, float *y, int64_t *counts, int nthreads) {
+    int E = M->num_experts, I = M->width, H = M->hidden;
+    if (T < 1 || k < 1 || k > 64 || moe_check(M)) return 1;
     int P = T * k;
     for (int p = 0; p < P; p++)
         if (ids[p] < 0 || ids[p] >= E) return 1;
-    int64_t rb13 = (int64_t)(H / gguf_block_values(qt13)) * gguf_block_bytes(qt13);
-    int64_t rb2 = (int64_t)(I / gguf_block_values(qt2)) * gguf_block_bytes(qt2);
     int *start = (int *)calloc((size_t)E + 1, sizeof(int));
     int *fill = (int *)malloc(sizeof(int) * ((size_t)E + 1));
     int *order = (int *)malloc(sizeof(int) * (size_t)P);
@@ -68,14 +212,10 @@ int gguf_moe(const float *x, int T, const int64_t *ids, const float *wts, int k,
         if (n == 0) continue;
         for (int j = 0; j < n; j++)
             memcpy(xe + (int64_t)j * H, x + (int64_t)(order[s + j] / k) * H, sizeof(float) * H);
-        rc = moe_project(xe, n, w13 + (int64_t)e * 2 * I * rb13, qt13, h, 2 * I, H, nthreads);
+        rc = moe_project(M, 0, e, xe, n, h, nthreads);
         if (rc) break;
-        for (int j = 0; j < n; j++) {
-            const float *g = h + (int64_t)j * 2 * I, *u = g + I;
-            float *aj = a + (int64_t)j * I;
-            for (int i = 0; i < I; i++) aj[i] = g[i] / (1.f + expf(-g[i])) * u[i];
-        }
-        rc = moe_project(a, n, w2 + (int64_t)e * H * rb2, qt2, oe, H, I, nthreads);
+        moe_activate(M, h, n, a);
+        rc = moe_project(M, 1, e, a, n, oe, nthreads);
         if (rc) break;
         for (int j = 0; j < n; j++)
             memcpy(out + (int64_t)order[s + j] * H, oe + (int64_t)j * H, sizeof(float) * H);
@@ -84,9 +224,8 @@ int gguf_moe(const float *x, int T, const int64_t *ids, const float *wts, int k,
     /* each token's weighted sum, its experts in increasing id order, from zero */
     for (int t = 0; t < T; t++) {
         int slot[64];
-        int kk = k < 64 ? k : 64;
-        for (int j = 0; j < kk; j++) slot[j] = j;
-        for (int j = 1; j < kk; j++) /* insertion sort of the slots by expert id */
+        for (int j = 0; j < k; j++) slot[j] = j;
+        for (int j = 1; j < k; j++) /* insertion sort of the slots by expert id */
             for (int m = j; m > 0 && ids[(int64_t)t * k + slot[m - 1]] > ids[(int64_t)t * k + slot[m]]; m--) {
                 int tmp = slot[m];
                 slot[m] = slot[m - 1];
@@ -94,7 +233,7 @@ int gguf_moe(const float *x, int T, const int64_t *ids, const float *wts, int k,
             }
         float *yt = y + (int64_t)t * H;
         for (int i = 0; i < H; i++) yt[i] = 0.f;
-        for (int j = 0; j < kk; j++) {
+        for (int j = 0; j < k; j++) {
             int64_t p = (int64_t)t * k + slot[j];
             const float *op = out + p * H;
             float wgt = wts[p];
@@ -103,5 +242,13 @@ int gguf_moe(const float *x, int T, const int64_t *ids, const float *wts, int k,
     }
 done:
     free(start), free(fill), free(order), free(xe), free(h), free(a), free(oe), free(out);
-    return rc;
+    return rc ? (rc == 1 ? 1 : 2) : 0;
+}
+
+/* y [T, H] += sigmoid(g [T]) * s [T, H]: Qwen2-MoE's gated shared expert */
+void moe_add_gated(float *y, const float *s, const float *g, int T, int H) {
+    for (int t = 0; t < T; t++) {
+        float gate = 1.f / (1.f + expf(-g[t]));
+        for (int i = 0; i < H; i++) y[(int64_t)t * H + i] += gate * s[(int64_t)t * H + i];
+    }
 }

@@ -5,13 +5,14 @@ them alone, so the kernels' package imports no model class."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
 from gpu_worker.kv_quant import KVFormat
 
 if TYPE_CHECKING:
+    from gpu_worker.cpu.moe import MoEExperts
     from gpu_worker.cpu.one_call_step import DecodeLinear, Keep
 
 
@@ -57,6 +58,11 @@ class OneCallNorm(Protocol):
     @property
     def eps(self) -> float: ...
 
+    @property
+    def offset(self) -> float:
+        """Gemma's multiply by (offset + weight); the step takes 0 only."""
+        ...
+
 
 class OneCallAttention(Protocol):
     @property
@@ -69,7 +75,20 @@ class OneCallAttention(Protocol):
     def head_dim(self) -> int: ...
 
     @property
-    def q_norm(self) -> object | None: ...
+    def q_norm(self) -> OneCallNorm | None: ...
+
+    @property
+    def k_norm(self) -> OneCallNorm | None: ...
+
+    @property
+    def qk_norm_whole(self) -> bool:
+        """The q/k norms span the whole projections (OLMoE), not each head."""
+        ...
+
+    @property
+    def sinks(self) -> torch.Tensor | None:
+        """gpt-oss's logit per head in each softmax, or None."""
+        ...
 
     @property
     def sliding_window(self) -> int:
@@ -106,15 +125,72 @@ class OneCallLayer(Protocol):
 
     @property
     def mlp(self) -> object:
-        """A dense MLP (OneCallMLP: `dense_mlp` gives it), or a mixture of experts' block,
-        which the step does not take."""
+        """A dense MLP (OneCallMLP: `dense_mlp` gives it), or a mixture of experts' block
+        (OneCallSparseMLP: `sparse_mlp` gives it)."""
         ...
+
+
+class OneCallRouting(Protocol):
+    """gpu_worker/layers/fused_moe.py's Routing."""
+
+    @property
+    def top_k(self) -> int: ...
+
+    @property
+    def scoring(self) -> str: ...
+
+    @property
+    def renormalize(self) -> bool: ...
+
+
+class OneCallExpertsMethod(Protocol):
+    def one_call_experts(self, layer: Any, keep: Keep) -> MoEExperts | None:
+        """The experts as moe.c reads them, or None when moe.c cannot run them."""
+        ...
+
+
+class OneCallExperts(Protocol):
+    """gpu_worker/layers/fused_moe.py's FusedMoE."""
+
+    @property
+    def num_experts(self) -> int: ...
+
+    @property
+    def routing(self) -> OneCallRouting: ...
+
+    @property
+    def method(self) -> OneCallExpertsMethod: ...
+
+    def count_tokens(self, counts: list[int]) -> None: ...
+
+
+class OneCallSparseMLP(Protocol):
+    """gpu_worker/models/moe.py's SparseMoeBlock: router, experts, Qwen2-MoE's shared expert."""
+
+    @property
+    def gate(self) -> OneCallLinear: ...
+
+    @property
+    def experts(self) -> OneCallExperts: ...
+
+    @property
+    def shared_expert(self) -> OneCallMLP | None: ...
+
+    @property
+    def shared_expert_gate(self) -> OneCallLinear | None: ...
 
 
 def dense_mlp(layer: OneCallLayer) -> OneCallMLP | None:
     """The layer's MLP if it is dense (gate_up_proj and down_proj), else None."""
     mlp = layer.mlp
     return cast(OneCallMLP, mlp) if hasattr(mlp, "gate_up_proj") else None
+
+
+def sparse_mlp(layer: OneCallLayer) -> OneCallSparseMLP | None:
+    """The layer's MLP if it is a mixture of experts' block (a router and experts), else
+    None."""
+    mlp = layer.mlp
+    return cast(OneCallSparseMLP, mlp) if hasattr(mlp, "experts") else None
 
 
 class OneCallRotary(Protocol):

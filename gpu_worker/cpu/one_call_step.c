@@ -11,9 +11,14 @@
  *   a = paged attention(q);  x += a Wo^T (+b);  h = rmsnorm(x) w_post
  *   x += (silu(h Wg^T) * (h Wu^T)) Wd^T          (gate and up are one weight, [2I, hidden])
  *
+ * with q and k normed (per head or over the whole projections) before rotary where the
+ * layer has q/k norms, and each head's sink logit in the softmax where it has sinks. A mixture
+ * of experts' layer runs its sparse MLP instead (run_moe: the router, moe.c's routing and
+ * experts, Qwen2-MoE's gated shared expert), the same C functions its layers call.
+ *
  * x [n, hidden] is the residual stream, updated in place; what comes out is the input of the
- * final norm. The kernels are linear.c, gguf.c, int8.c, layers.c, lora.c and paged_decode.c, compiled in
- * here.
+ * final norm. The kernels are linear.c, gguf.c, int8.c, layers.c, lora.c, paged_decode.c and
+ * moe.c (with mxfp4.c), compiled in here.
  *
  * Each linear runs the kernel of its layer's linear method (run_linear): float32 or bf16
  * weights (linear.c), GGUF blocks (gguf.c), int8 W8A8 (int8.c), the same kernels the layers
@@ -35,6 +40,8 @@
 #include "layers.c"
 #include "lora.c"
 #include "paged_decode.c"
+#define SHUTTLE_STEP_KERNELS /* moe.c: the kernels above are here already */
+#include "moe.c"
 
 /* K (and as many V) elements below which one thread attends: gpu_worker/cpu/
  * paged_decode.py's SMALL_WORK, the same choice */
@@ -60,12 +67,32 @@ typedef struct {
     int lora_bf16, lora_slices, lora_rank, lora_loras;
 } decode_linear_t;
 
-/* One layer: its norms' weights (float32), its four linears and its attention's sliding
- * window (0: the whole context) */
+/* A sparse layer's MLP (gpu_worker/models/moe.py's SparseMoeBlock): its router (a linear to
+ * one logit per expert, + bias), the routing (moe.c's scoring, top_k, renormalize), the
+ * experts (moe.c), and Qwen2-MoE's shared expert (shared_width 0: none): gate_up, down and
+ * its gate, a linear to one logit, whose sigmoid scales it. counts [E] gets each expert's
+ * (token, slot) pairs of the step. */
+typedef struct {
+    decode_linear_t router;
+    int top_k, scoring, renormalize;
+    moe_experts_t experts;
+    decode_linear_t shared_gate_up, shared_down, shared_gate;
+    int shared_width;
+    int64_t *counts;
+} decode_moe_t;
+
+/* One layer: its norms' weights (float32), its four linears (gate_up and down: a dense MLP
+ * of width `inter`) or its sparse MLP (`moe`, not NULL), its attention's sliding window (0:
+ * the whole context), its q/k norms (NULL: none; over each head, or over the whole q and k
+ * projections with qk_norm_whole: OLMoE) and its sinks (a logit per head, NULL: none) */
 typedef struct {
     const float *input_norm, *post_norm;
     decode_linear_t qkv, o, gate_up, down;
-    int window;
+    int window, inter;
+    const float *q_norm, *k_norm;
+    int qk_norm_whole;
+    const float *sinks;
+    const decode_moe_t *moe;
 } decode_layer_t;
 
 static int run_base(const decode_linear_t *L, const float *x, int n, float *y, int out, int in,
@@ -110,13 +137,66 @@ static int run_linear(const decode_linear_t *L, const float *x, int n, float *y,
                     L->lora_bounds, out, lora_slots, L->lora_loras, y, 0, nthreads);
 }
 
+/* q and k of each row of qkv [n, qkv_size] normed in place (layers.c's rms_norm, as the
+ * layers' RMSNorm calls it): per head, or over the whole projections */
+static void qk_norm(const decode_layer_t *w, float *qkv, int n, int heads, int kvh, int d,
+                    int qkv_size, float eps) {
+    for (int i = 0; i < n; i++) {
+        float *q = qkv + (size_t)i * qkv_size, *k = q + (size_t)heads * d;
+        if (w->qk_norm_whole) {
+            rms_norm(q, NULL, w->q_norm, eps, q, NULL, 1, heads * d, 1, 0);
+            rms_norm(k, NULL, w->k_norm, eps, k, NULL, 1, kvh * d, 1, 0);
+        } else {
+            rms_norm(q, NULL, w->q_norm, eps, q, NULL, heads, d, 1, 0);
+            rms_norm(k, NULL, w->k_norm, eps, k, NULL, kvh, d, 1, 0);
+        }
+    }
+}
+
+/* y [n, hidden] = the sparse MLP of h [n, hidden] (see decode_moe_t): the same kernels, in
+ * the same order, as the layers (gpu_worker/models/moe.py) */
+static int run_moe(const decode_moe_t *M, const float *h, int n, float *y, int hidden,
+                   float *tmp, int nthreads) {
+    int E = M->experts.num_experts, k = M->top_k, S = M->shared_width;
+    size_t floats = (size_t)n * (E + k + (S ? 3 * S + hidden + 1 : 0));
+    float *logits = malloc(sizeof(float) * floats);
+    int64_t *ids = malloc(sizeof(int64_t) * (size_t)n * k);
+    int64_t *counts = malloc(sizeof(int64_t) * (size_t)E);
+    int code = 0;
+    if (!logits || !ids || !counts) {
+        code = 2;
+        goto done;
+    }
+    float *wts = logits + (size_t)n * E;
+    code |= run_linear(&M->router, h, n, logits, E, hidden, tmp, NULL, nthreads);
+    code |= moe_route(logits, n, E, k, M->scoring, M->renormalize, wts, ids);
+    if (code) goto done;
+    code |= moe_experts(&M->experts, h, n, ids, wts, k, y, counts, nthreads);
+    for (int e = 0; e < E && !code; e++) M->counts[e] += counts[e];
+    if (S && !code) {
+        float *gate_up = wts + (size_t)n * k, *act = gate_up + (size_t)n * 2 * S;
+        float *shared = act + (size_t)n * S, *g = shared + (size_t)n * hidden;
+        code |= run_linear(&M->shared_gate_up, h, n, gate_up, 2 * S, hidden, tmp, NULL,
+                           nthreads);
+        silu_mul(gate_up, act, n, S, nthreads, 0);
+        code |= run_linear(&M->shared_down, act, n, shared, hidden, S, tmp, NULL, nthreads);
+        code |= run_linear(&M->shared_gate, h, n, g, 1, hidden, tmp, NULL, nthreads);
+        if (!code) moe_add_gated(y, shared, g, n, hidden);
+    }
+done:
+    free(logits), free(ids), free(counts);
+    return code ? 2 : 0;
+}
+
 /* Returns 0; 1 when the shapes are outside what it takes (n > MAX_ROWS), 2 when memory ran
  * out or a kernel refused (the caller runs the layers one by one). kv_base is the cache
  * [layers, 2, blocks, bs, kvh, row] (rows as kv_kind stores them, paged_decode.c: float32,
  * bf16, int8 with its scale, fp8 e4m3 / e5m2; each new row quantized once): layer l's K at
  * l * layer_stride, its V half_stride further (elements). lora_slots [n]: each row's adapter
  * slot (-1: none), or NULL when no row has one (the step then costs nothing more). Each head
- * of d dims rotates its first rot (cos_t / sin_t [positions, rot / 2]). */
+ * of d dims rotates its first rot (cos_t / sin_t [positions, rot / 2]). inter sizes the
+ * buffers: the widest of the layers' dense MLPs and shared experts, and half the widest
+ * router's outputs (each layer's own width is its decode_layer_t's). */
 int decode_forward(const decode_layer_t *layers, int num_layers, float *x, int n, int hidden,
                    int heads, int kvh, int d, int rot, int inter, float eps, const float *cos_t,
                    const float *sin_t, const int64_t *positions, const int64_t *slots,
@@ -145,6 +225,7 @@ int decode_forward(const decode_layer_t *layers, int num_layers, float *x, int n
         char *v_cache = k_cache + half_stride * size;
         rms_norm(x, NULL, w->input_norm, eps, h, NULL, n, hidden, nthreads, 0);
         code |= run_linear(&w->qkv, h, n, qkv, qkv_size, hidden, tmp, lora_slots, nthreads);
+        if (w->q_norm) qk_norm(w, qkv, n, heads, kvh, d, qkv_size, eps);
         rotary_neox(qkv, positions, cos_t, sin_t, n, heads, d, rot, qkv_size, nthreads, 0);
         rotary_neox(qkv + q_size, positions, cos_t, sin_t, n, kvh, d, rot, qkv_size, nthreads, 0);
         for (int i = 0; i < n; i++) {
@@ -158,15 +239,20 @@ int decode_forward(const decode_layer_t *layers, int num_layers, float *x, int n
             }
         }
         if (paged_decode(q, k_cache, v_cache, kv_kind, tables, table_stride, seq_lens, n, heads, kvh,
-                         d, bs, scale, w->window, 0.0f, NULL, att, attend_threads) != 0)
+                         d, bs, scale, w->window, 0.0f, w->sinks, att, attend_threads) != 0)
             code = 2;
         code |= run_linear(&w->o, att, n, proj, hidden, q_size, tmp, lora_slots, nthreads);
         /* x + proj into x, and its norm into h (the post-attention add-and-norm) */
         rms_norm(proj, x, w->post_norm, eps, h, x, n, hidden, nthreads, 0);
-        code |= run_linear(&w->gate_up, h, n, gate_up, 2 * inter, hidden, tmp, lora_slots,
-                           nthreads);
-        silu_mul(gate_up, act, n, inter, nthreads, 0);
-        code |= run_linear(&w->down, act, n, proj, hidden, inter, tmp, lora_slots, nthreads);
+        if (w->moe) {
+            code |= run_moe(w->moe, h, n, proj, hidden, tmp, nthreads);
+        } else {
+            int width = w->inter;
+            code |= run_linear(&w->gate_up, h, n, gate_up, 2 * width, hidden, tmp, lora_slots,
+                               nthreads);
+            silu_mul(gate_up, act, n, width, nthreads, 0);
+            code |= run_linear(&w->down, act, n, proj, hidden, width, tmp, lora_slots, nthreads);
+        }
         for (size_t i = 0; i < (size_t)n * hidden; i++) x[i] += proj[i];
     }
     free(buf);

@@ -16,11 +16,17 @@ here, or None when the C loop cannot run it.
 
 `one_call_step_for(model)` (asked by gpu_worker/layers/kernel_choice.py, beside the C layer
 ops only) gives a model of the shape the kernels take its step: float32 or bfloat16
-activations on the CPU, one tensor-parallel rank, no per-head q/k norm, neox rotary, the torch
-attention backend with its C decode kernel, and every linear with a descriptor. The step takes
-a decode-only step of at most linear.MAX_ROWS sequences (per weight dtype) and returns None
-otherwise, so the model runs its layers (prefill and extend chunks, larger batches,
-speculative verification).
+activations on the CPU, one tensor-parallel rank, q/k norms per head (Qwen3) or over the
+whole projections (OLMoE) without Gemma's offset, sinks (gpt-oss), neox rotary, the torch
+attention backend with its C decode kernel, every linear with a descriptor, and every
+mixture of experts' layer with its experts' (`MoEMethod.one_call_experts`: float32 / bf16,
+GGUF of one block type per projection, int8 and MXFP4 on their "cpu" kernels; moe.c runs
+the router's routing, the experts and Qwen2-MoE's gated shared expert, as the layers' CPU
+methods do). A part without a descriptor (experts on torch's or Triton's arithmetic, GGUF
+experts of mixed block types, top-k past moe.MAX_TOP_K) keeps the model on its layers. The
+step takes a decode-only step of at most linear.MAX_ROWS sequences (per weight dtype) and
+returns None otherwise, so the model runs its layers (prefill and extend chunks, larger
+batches, speculative verification).
 
 LoRA: a LoraLinearMethod with the "cpu" kernel gives its base method's descriptor plus its
 adapter slots, and the step the model's token slots (`Keep.lora`); the step passes them to the
@@ -42,12 +48,16 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from gpu_worker.cpu import linear
+from gpu_worker.cpu import moe as cpu_moe
 from gpu_worker.cpu.build import KernelLibrary
+from gpu_worker.cpu.moe import MoEExperts
 from gpu_worker.cpu.one_call_model import (
     OneCallLayer,
     OneCallLinear,
     OneCallModel,
+    OneCallSparseMLP,
     dense_mlp,
+    sparse_mlp,
 )
 
 if TYPE_CHECKING:  # annotations only: the attention package imports this one's kernels
@@ -59,7 +69,7 @@ INCLUDES = tuple(
     HERE / name
     for name in (
         *("bf16.h", "linear.c", "gguf.c", "gguf.h", "gguf_rows.h", "gguf_gemm.h"),
-        *("int8.c", "layers.c", "lora.c", "paged_decode.c"),
+        *("int8.c", "layers.c", "lora.c", "paged_decode.c", "moe.c", "mxfp4.c"),
     )
 )
 _P = ctypes.c_void_p
@@ -89,8 +99,27 @@ class DecodeLinear(ctypes.Structure):
     ]
 
 
+class DecodeMoE(ctypes.Structure):
+    """one_call_step.c's decode_moe_t: a sparse layer's router, routing, experts (moe.c),
+    Qwen2-MoE's shared expert, and the step's tokens per expert."""
+
+    _fields_ = [
+        ("router", DecodeLinear),
+        ("top_k", ctypes.c_int),
+        ("scoring", ctypes.c_int),
+        ("renormalize", ctypes.c_int),
+        ("experts", MoEExperts),
+        ("shared_gate_up", DecodeLinear),
+        ("shared_down", DecodeLinear),
+        ("shared_gate", DecodeLinear),
+        ("shared_width", ctypes.c_int),
+        ("counts", _P),
+    ]
+
+
 class DecodeLayer(ctypes.Structure):
-    """one_call_step.c's decode_layer_t: one layer's norms, linears and sliding window."""
+    """one_call_step.c's decode_layer_t: one layer's norms, linears or sparse MLP, sliding
+    window, q/k norms and sinks."""
 
     _fields_ = [
         ("input_norm", _P),
@@ -100,6 +129,12 @@ class DecodeLayer(ctypes.Structure):
         ("gate_up", DecodeLinear),
         ("down", DecodeLinear),
         ("window", ctypes.c_int),
+        ("inter", ctypes.c_int),
+        ("q_norm", _P),
+        ("k_norm", _P),
+        ("qk_norm_whole", ctypes.c_int),
+        ("sinks", _P),
+        ("moe", ctypes.POINTER(DecodeMoE)),
     ]
 
 
@@ -174,6 +209,7 @@ class Keep:
     def __init__(self) -> None:
         self.copies: list[torch.Tensor] = []
         self.lora: LoraSlots | None = None
+        self.structs: list[ctypes.Structure] = []  # the sparse layers' DecodeMoE
 
     def float32(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """t as a contiguous float32 tensor (a copy, kept here, when it is not)."""
@@ -201,11 +237,9 @@ def with_lora(
     return desc
 
 
-def _linears(layer: OneCallLayer) -> tuple[OneCallLinear, ...]:
-    """A layer's linears in decode_layer_t's order."""
-    attn, mlp = layer.self_attn, dense_mlp(layer)
-    assert mlp is not None, "can_use takes dense layers only"
-    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+def _attention_linears(layer: OneCallLayer) -> tuple[OneCallLinear, OneCallLinear]:
+    attn = layer.self_attn
+    return attn.qkv_proj, attn.o_proj
 
 
 def _descriptor(layer: OneCallLinear, keep: Keep) -> DecodeLinear | None:
@@ -219,22 +253,99 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _layer_table(model: OneCallModel, keep: Keep) -> ctypes.Array[DecodeLayer] | None:
+def _moe(mlp: OneCallSparseMLP, counts: torch.Tensor, keep: Keep) -> DecodeMoE | None:
+    """A sparse MLP's descriptor (its router, routing, experts and shared expert), counting
+    its tokens per expert into `counts` [E] int64; None when a part has none."""
+    experts, routing = mlp.experts, mlp.experts.routing
+    if routing.top_k > cpu_moe.MAX_TOP_K or experts.num_experts > cpu_moe.MAX_EXPERTS:
+        return None
+    router = _descriptor(mlp.gate, keep)
+    desc = experts.method.one_call_experts(experts, keep)
+    if router is None or desc is None:
+        return None
+    moe = DecodeMoE(router=router, experts=desc, top_k=routing.top_k, counts=counts.data_ptr())
+    moe.scoring = cpu_moe.SCORINGS[routing.scoring]
+    moe.renormalize = int(routing.renormalize)
+    shared, gate = mlp.shared_expert, mlp.shared_expert_gate
+    if shared is not None and gate is not None:
+        gate_up, down = _descriptor(shared.gate_up_proj, keep), _descriptor(shared.down_proj, keep)
+        gate_desc = _descriptor(gate, keep)
+        if gate_up is None or down is None or gate_desc is None:
+            return None
+        moe.shared_gate_up, moe.shared_down, moe.shared_gate = gate_up, down, gate_desc
+        moe.shared_width = shared.down_proj.in_features
+    keep.structs.append(moe)
+    return moe
+
+
+def _mlp(slot: DecodeLayer, layer: OneCallLayer, counts: torch.Tensor, keep: Keep) -> bool:
+    """The layer's MLP into slot: a dense one's linears, or a sparse one's DecodeMoE; False
+    when a part has no descriptor."""
+    dense, sparse = dense_mlp(layer), sparse_mlp(layer)
+    if dense is not None:
+        gate_up, down = _descriptor(dense.gate_up_proj, keep), _descriptor(dense.down_proj, keep)
+        if gate_up is None or down is None:
+            return False
+        slot.gate_up, slot.down, slot.inter = gate_up, down, dense.down_proj.in_features
+        return True
+    moe = None if sparse is None else _moe(sparse, counts, keep)
+    if moe is None:
+        return False
+    slot.moe = ctypes.pointer(moe)
+    return True
+
+
+def _attention(slot: DecodeLayer, layer: OneCallLayer, keep: Keep) -> bool:
+    """The layer's attention into slot; False when a linear has no descriptor."""
+    attn = layer.self_attn
+    slot.window = attn.sliding_window
+    slot.sinks = _ptr(keep.float32(attn.sinks))
+    if attn.q_norm is not None and attn.k_norm is not None:
+        slot.q_norm = _ptr(keep.float32(attn.q_norm.weight))
+        slot.k_norm = _ptr(keep.float32(attn.k_norm.weight))
+        slot.qk_norm_whole = int(attn.qk_norm_whole)
+    for name, linear_layer in zip(("qkv", "o"), _attention_linears(layer), strict=True):
+        desc = _descriptor(linear_layer, keep)
+        if desc is None:
+            return False
+        setattr(slot, name, desc)
+    return True
+
+
+def _layer_table(
+    model: OneCallModel, counts: torch.Tensor, keep: Keep
+) -> ctypes.Array[DecodeLayer] | None:
     """Every layer's descriptor, in order: the linears' weights as their methods keep them,
-    the norms' weights and the biases in float32 (copies in `keep` for a bf16 model); None
-    when a linear's method has no descriptor."""
+    the sparse layers' experts as theirs (counting into counts [layers, E]), the norms'
+    weights, the sinks and the biases in float32 (copies in `keep` for a bf16 model); None
+    when a part has no descriptor."""
     table = (DecodeLayer * len(model.layers))()
-    for slot, layer in zip(table, model.layers, strict=True):
+    for i, (slot, layer) in enumerate(zip(table, model.layers, strict=True)):
         slot.input_norm = _ptr(keep.float32(layer.input_layernorm.weight))
         slot.post_norm = _ptr(keep.float32(layer.post_attention_layernorm.weight))
-        slot.window = layer.self_attn.sliding_window
-        names = ("qkv", "o", "gate_up", "down")
-        for name, linear_layer in zip(names, _linears(layer), strict=True):
-            desc = _descriptor(linear_layer, keep)
-            if desc is None:
-                return None
-            setattr(slot, name, desc)
+        if not _attention(slot, layer, keep) or not _mlp(slot, layer, counts[i], keep):
+            return None
     return table
+
+
+def _widest_mlp(model: OneCallModel) -> int:
+    """decode_forward's `inter`, which sizes its buffers: the widest dense MLP, shared
+    expert, or half a router's outputs (each layer's MLP writes at most twice it)."""
+    widest = 1
+    for layer in model.layers:
+        dense, sparse = dense_mlp(layer), sparse_mlp(layer)
+        if dense is not None:
+            widest = max(widest, dense.down_proj.in_features)
+        if sparse is not None:
+            widest = max(widest, (sparse.experts.num_experts + 1) // 2)
+            if sparse.shared_expert is not None:
+                widest = max(widest, sparse.shared_expert.down_proj.in_features)
+    return widest
+
+
+def _num_experts(model: OneCallModel) -> int:
+    sparse = [m for m in (sparse_mlp(layer) for layer in model.layers) if m is not None]
+    return max((m.experts.num_experts for m in sparse), default=0)
 
 
 def _weights_key(model: OneCallModel) -> tuple[int, int]:
@@ -253,6 +364,7 @@ class OneCallStep:
     _weights_at: tuple[int, int] = (0, 0)
     _keep: Keep
     _rope: tuple[torch.Tensor, torch.Tensor]
+    _counts: torch.Tensor  # [layers, experts] int64: the step's tokens per expert
 
     def forward(
         self,
@@ -286,7 +398,8 @@ class OneCallStep:
         key = _weights_key(model)
         if self._table is None or self._weights_at != key:
             self._keep = keep = Keep()
-            self._table = _layer_table(model, keep)
+            self._counts = torch.zeros(len(model.layers), _num_experts(model), dtype=torch.int64)
+            self._table = _layer_table(model, self._counts, keep)
             self._weights_at = key
             cos, sin = (keep.float32(t) for t in model.rotary.tables())
             assert cos is not None and sin is not None
@@ -317,6 +430,7 @@ class OneCallStep:
         assert tables.dtype == torch.int32 and lens.dtype == torch.int32
         slots, pos = meta.slot_mapping, positions.to(torch.int64).contiguous()
         n, hidden = x.shape
+        self._counts.zero_()
         lora, lora_slots = self._keep.lora, None
         if lora is not None and lora.active:
             assert lora.num_tokens == n, "the LoRA mapping is not this step's"
@@ -331,7 +445,7 @@ class OneCallStep:
             attn.num_kv_heads,
             attn.head_dim,
             2 * cos.shape[1],  # the rotated dims: the tables' width (partial rotary)
-            _linears(layer)[3].in_features,
+            _widest_mlp(model),
             layer.input_layernorm.eps,
             cos.data_ptr(),
             sin.data_ptr(),
@@ -349,7 +463,20 @@ class OneCallStep:
             lora_slots,
             torch.get_num_threads(),
         )
-        return code == 0
+        if code != 0:
+            return False
+        self._count_tokens(model)
+        return True
+
+    def _count_tokens(self, model: OneCallModel) -> None:
+        """The step's tokens per expert into each sparse layer's counters (as its layer
+        counts them)."""
+        if self._counts.shape[1] == 0:
+            return
+        for layer, counts in zip(model.layers, self._counts.tolist(), strict=True):
+            sparse = sparse_mlp(layer)
+            if sparse is not None:
+                sparse.experts.count_tokens(counts[: sparse.experts.num_experts])
 
 
 def can_use(model: OneCallModel) -> bool:
@@ -358,13 +485,13 @@ def can_use(model: OneCallModel) -> bool:
         return False
     for layer in model.layers:
         attn = layer.self_attn
-        if attn.q_norm is not None or not attn.backend.cpu_decode_kernel:
+        if not attn.backend.cpu_decode_kernel:
             return False
-        if dense_mlp(layer) is None:  # a mixture of experts' block
+        norms = (attn.q_norm, attn.k_norm)
+        if any(n is not None and n.offset != 0 for n in norms):  # Gemma's (1 + weight)
             return False
-        if any(_descriptor(m, Keep()) is None for m in _linears(layer)):
-            return False
-    return True
+    counts = torch.zeros(len(model.layers), _num_experts(model), dtype=torch.int64)
+    return _layer_table(model, counts, Keep()) is not None
 
 
 def _one_float_dtype(model: OneCallModel) -> bool:

@@ -17,6 +17,13 @@ before q/k/v and gate/up are fused) are cut like this:
     norms (q_norm, k_norm too)               replicated
     MoE experts.{e}.gate/up/down (w1/w3/w2)  each expert like a dense MLP; the router (gate)
                                              and a shared expert's gate replicated
+    gpt-oss's stacked experts                gate_up_proj [E, in, 2W] by its columns (dim 2:
+                                             adjacent gate/up pairs stay together), its bias
+                                             [E, 2W] by dim 1; down_proj [E, W, out] by rows
+                                             (dim 1), its bias rank 0 only; MXFP4 blocks and
+                                             scales [E, out, groups, ...] of gate/up by out
+                                             (dim 1), of down by their 32-value groups (dim 2)
+    gpt-oss's sinks [heads]                  split with the heads (dim 0)
     int8 layers (compressed-tensors)         weight and weight_packed as the weight; the scale
                                              [out, 1] split with the rows of a column-parallel
                                              layer, whole on every rank of a row-parallel one
@@ -38,10 +45,13 @@ class Split(enum.Enum):
     ROW_BIAS = "row_bias"  # a row-parallel layer's bias: rank 0 only
     VOCAB = "vocab"  # dim 0, padded shards
     FUSED = "fused"  # dim 0, each of the stacked parts split evenly (fused_ranges)
+    DIM2 = "dim2"  # dim 2, even split (gpt-oss's stacked experts)
 
     @property
     def dim(self) -> int | None:
-        return {Split.COLUMN: 0, Split.ROW: 1, Split.VOCAB: 0, Split.FUSED: 0}.get(self)
+        return {Split.COLUMN: 0, Split.ROW: 1, Split.VOCAB: 0, Split.FUSED: 0, Split.DIM2: 2}.get(
+            self
+        )
 
 
 # (w1, w3, w2: Mixtral's experts' gate, up and down)
@@ -51,6 +61,17 @@ _FUSED = ("qkv_proj", "gate_up_proj")  # Phi-3's checkpoint stores them fused
 _VOCAB = ("embed_tokens.weight", "lm_head.weight")
 # an int8 compressed-tensors checkpoint's shape of a packed weight: whole on every rank
 _INT8_META = ("weight_shape",)
+# gpt-oss's stacked experts (`mlp.experts.<name>`), float and MXFP4
+_STACKED_EXPERTS = {
+    "gate_up_proj": Split.DIM2,
+    "gate_up_proj_bias": Split.ROW,
+    "down_proj": Split.ROW,
+    "down_proj_bias": Split.ROW_BIAS,
+    "gate_up_proj_blocks": Split.ROW,
+    "gate_up_proj_scales": Split.ROW,
+    "down_proj_blocks": Split.DIM2,
+    "down_proj_scales": Split.DIM2,
+}
 
 
 def split_of(name: str) -> Split:
@@ -61,6 +82,10 @@ def split_of(name: str) -> Split:
     layer = parts[-2] if len(parts) >= 2 else ""
     if parts[-1] in _INT8_META:
         return Split.REPLICATED
+    if layer == "experts" and parts[-1] in _STACKED_EXPERTS:
+        return _STACKED_EXPERTS[parts[-1]]
+    if parts[-1] == "sinks":
+        return Split.COLUMN
     if layer in _COLUMN:
         return Split.COLUMN
     if layer in _FUSED:

@@ -26,8 +26,12 @@ kernels this process runs, gpu_worker/layers/moe_methods/) follow `Linear`'s pat
 
     method.load_weights(layer, experts)           the checkpoint's per-expert tensors
     method.process_weights_after_loading(layer)
+    method.select_experts(layer, logits)          step 1 (torch, or moe.c's for a C method)
     method.gate_up(layer, e, x) / .down(...)      expert e's projections of rows x
-    method.apply(layer, x, weights, ids)          the whole layer (default: `grouped_experts`)
+    method.apply(layer, x, weights, ids)          the whole layer (`grouped_experts`, or
+                                                  moe.c's one call: CKernelExperts)
+    method.one_call_experts(layer, keep)          the experts as moe.c reads them (the CPU's
+                                                  one-call step runs the same), or None
 
 `FusedMoE.tokens_per_expert` counts the (token, expert) pairs each expert has computed since
 load: the routing skew an operator sees in /admin/stats and /metrics.
@@ -42,6 +46,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_worker.cpu import moe as cpu_moe
+from gpu_worker.cpu.moe import MoEExperts
+from gpu_worker.cpu.one_call_step import Keep
 from gpu_worker.layers.linear import set_parameter
 from gpu_worker.layers.linear_methods.weights import CheckpointWeight
 from gpu_worker.layers.ops import TORCH_OPS, LayerOps
@@ -137,6 +144,20 @@ class MoEMethod(Protocol):
     def load_weights(self, layer: FusedMoE, experts: ExpertWeights) -> None: ...
 
     def process_weights_after_loading(self, layer: FusedMoE) -> None: ...
+
+    def select_experts(
+        self, layer: FusedMoE, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k], expert ids [T, k]) from router logits [T, E], by the layer's
+        routing: `select_experts` (torch), or moe.c's where the method's experts are
+        (the one-call step routes so too)."""
+        ...
+
+    def one_call_experts(self, layer: FusedMoE, keep: Keep) -> MoEExperts | None:
+        """The experts as moe.c reads them (the one-call step's, and the layer's own C call),
+        or None when moe.c does not run this method's arithmetic. Tensors made for the
+        descriptor go to `keep`, which outlives it."""
+        ...
 
     def gate_up(self, layer: FusedMoE, expert: int, x: torch.Tensor) -> torch.Tensor:
         """x [rows, hidden] @ expert's gate/up weight.T (+ bias): [rows, 2 * width]."""
@@ -238,7 +259,7 @@ class FusedMoE(nn.Module):
         self.tokens_per_expert = [0] * num_experts
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(router_logits, self.routing)
+        weights, ids = self.method.select_experts(self, router_logits)
         return self.method.apply(self, x, weights, ids)
 
     def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -296,10 +317,96 @@ def check_shape(layer: FusedMoE, name: str, got: tuple[int, ...]) -> None:
         raise ValueError(f"MoE {name} {list(got)} does not fit a layer {list(want)}")
 
 
-class ProjectedExperts:
+class TorchRouting:
+    """The routing and layer of a method moe.c does not run: torch's select_experts, no
+    descriptor."""
+
+    def select_experts(
+        self, layer: FusedMoE, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return select_experts(logits, layer.routing)
+
+    def one_call_experts(self, layer: FusedMoE, keep: Keep) -> MoEExperts | None:
+        return None
+
+
+class CKernelExperts:
+    """What a method whose "cpu" kernel is moe.c shares (gpu_worker/cpu/moe.py): routing by
+    moe.c, and the whole layer in one C call where its `one_call_experts` descriptor takes it
+    (float32 activations), else `grouped_experts` over its own projections. The one-call
+    step calls the same C functions, so both give a token the same bits."""
+
+    def one_call_experts(self, layer: FusedMoE, keep: Keep) -> MoEExperts | None:
+        raise NotImplementedError
+
+    def gate_up(self, layer: FusedMoE, expert: int, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def down(self, layer: FusedMoE, expert: int, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def select_experts(
+        self, layer: FusedMoE, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        r = layer.routing
+        if self._runs_moe_c():
+            done = cpu_moe.route(logits, r.top_k, r.scoring, r.renormalize)
+            if done is not None:
+                return done
+        return select_experts(logits, r)
+
+    def apply(
+        self, layer: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        if x.dtype == torch.float32 and self._runs_moe_c():
+            keep = Keep()  # alive through the call: the descriptor may point at its copies
+            desc = self.one_call_experts(layer, keep)
+            done = None if desc is None else cpu_moe.experts(desc, x, ids, weights)
+            if done is not None:
+                y, counts = done
+                layer.count_tokens(counts)
+                return y
+        return grouped_experts(self, layer, x, weights, ids)
+
+    def _runs_moe_c(self) -> bool:
+        """Whether the method's kernel is moe.c's (its "cpu" kernel)."""
+        raise NotImplementedError
+
+
+def moe_c_experts(
+    layer: FusedMoE,
+    kind: int,
+    keep: Keep,
+    *,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    qtypes: tuple[int, int] = (0, 0),
+) -> MoEExperts | None:
+    """The layer's stacked w13 / w2 weights as moe.c's descriptor of `kind`, with its biases
+    (float32, copies in `keep` where they are not) and activation."""
+    return cpu_moe.experts_desc(
+        kind,
+        layer.w13_weight,
+        layer.w2_weight,
+        layer.width,
+        layer.hidden_size,
+        scales=scales,
+        qtypes=qtypes,
+        biases=(keep.float32(layer.w13_bias), keep.float32(layer.w2_bias)),
+        activation=layer.activation,
+        limit=layer.swiglu_limit,
+        alpha=layer.swiglu_alpha,
+    )
+
+
+class ProjectedExperts(CKernelExperts):
     """What a method whose experts are stored per projection shares: gate_up and down are
-    its `_project` of the stacked "w13" / "w2" weights, the layer runs grouped_experts, and
-    nothing is resident beside the weights."""
+    its `_project` of the stacked "w13" / "w2" weights, the layer runs moe.c or
+    grouped_experts (CKernelExperts), and nothing is resident beside the weights."""
+
+    kernel: str
+
+    def _runs_moe_c(self) -> bool:
+        return self.kernel == "cpu"
 
     def _project(self, layer: FusedMoE, prefix: str, expert: int, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -310,16 +417,11 @@ class ProjectedExperts:
     def down(self, layer: FusedMoE, expert: int, x: torch.Tensor) -> torch.Tensor:
         return self._project(layer, "w2", expert, x)
 
-    def apply(
-        self, layer: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-    ) -> torch.Tensor:
-        return grouped_experts(self, layer, x, weights, ids)
-
     def extra_bytes(self, layer: FusedMoE) -> int:
         return 0
 
 
-class FloatMoEMethod:
+class FloatMoEMethod(TorchRouting):
     """Float experts [E, out, in] multiplied by torch (`F.linear` per expert group): the
     reference everywhere, the method on CUDA and for the torch-only CPU path."""
 

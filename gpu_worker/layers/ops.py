@@ -21,7 +21,8 @@ Rope = tuple[torch.Tensor, ...]
 
 
 class LayerOps(Protocol):
-    """Norms, residual add, rotary and SwiGLU activation (see the module docstring)."""
+    """Norms, residual add, rotary, SwiGLU activation and the shared expert's gate (see the
+    module docstring)."""
 
     name: str
 
@@ -49,6 +50,12 @@ class LayerOps(Protocol):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for gate_up = [gate | up] on the last dimension."""
+        ...
+
+    def add_gated(
+        self, out: torch.Tensor, shared: torch.Tensor, gate: torch.Tensor
+    ) -> torch.Tensor:
+        """out + sigmoid(gate [T, 1]) * shared [T, H]: Qwen2-MoE's gated shared expert."""
         ...
 
 
@@ -92,6 +99,11 @@ class TorchLayerOps:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def add_gated(
+        self, out: torch.Tensor, shared: torch.Tensor, gate: torch.Tensor
+    ) -> torch.Tensor:
+        return out + torch.sigmoid(gate) * shared
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

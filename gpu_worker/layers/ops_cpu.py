@@ -1,13 +1,14 @@
 """The layer ops (gpu_worker/layers/ops.py) on the CPU: the C kernels of
-gpu_worker/cpu/layers.py (layers.c), float32 and bfloat16 models; chosen at load by
-gpu_worker/layers/kernel_choice.py."""
+gpu_worker/cpu/layers.py (layers.c) and moe.c's shared-expert gate (gpu_worker/cpu/moe.py),
+float32 and bfloat16 models; chosen at load by gpu_worker/layers/kernel_choice.py."""
 
 from __future__ import annotations
 
 import torch
 
 from gpu_worker.cpu import layers
-from gpu_worker.layers.ops import Rope
+from gpu_worker.cpu import moe as cpu_moe
+from gpu_worker.layers.ops import TORCH_OPS, Rope
 
 
 class CpuLayerOps:
@@ -44,6 +45,13 @@ class CpuLayerOps:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return layers.silu_mul(gate_up)
+
+    def add_gated(
+        self, out: torch.Tensor, shared: torch.Tensor, gate: torch.Tensor
+    ) -> torch.Tensor:
+        # moe.c's, as the one-call step adds it (float32; torch otherwise)
+        done = cpu_moe.add_gated(out, shared, gate)
+        return TORCH_OPS.add_gated(out, shared, gate) if done is None else done
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -138,6 +138,8 @@ def _read_shard(
     start, end = shard_range(split, shape, tp.rank, tp.size)
     if split is Split.ROW:
         return sliced[:, start:end]
+    if split is Split.DIM2:
+        return sliced[:, :, start:end]
     part = sliced[start:end]
     if split is Split.VOCAB:  # pad the last shards to the common size with zero rows
         rows = vocab_shard_size(shape[0], tp.size)

@@ -129,9 +129,10 @@ class LlamaConfig:
 
     @property
     def is_llama_layout(self) -> bool:
-        """The plain Llama layer (what the CPU's one-call step computes)."""
+        """The plain Llama layer (what the CPU's one-call step computes: gpt-oss's sinks
+        included)."""
         gemma = self.sandwich_norms or self.gelu_tanh or self.norm_offset or self.embed_scale != 1.0
-        scores = self.attn_softcap or self.final_softcap or self.attention_sinks
+        scores = self.attn_softcap or self.final_softcap
         return not (gemma or scores or self.local_rope_theta or self.rope_layers)
 
     def attention_options(self) -> dict[str, Any]:

@@ -12,15 +12,17 @@ and added. Which layers are sparse: every `decoder_sparse_step`-th layer not in
 projections (before the heads are split). gpt-oss's router (`mlp.router`, read as `gate`) has a
 bias and takes the top-k logits then a softmax over them; its experts have biases and the
 clamped SwiGLU on alternate gate/up columns; its attention (biases, sinks, alternating
-windows) is llama.py's with `LlamaConfig.attention_sinks`. It is served on one rank.
+windows) is llama.py's with `LlamaConfig.attention_sinks`.
 
 `MoeConfig.from_hf` reads the fields; a field that would change outputs and is not served
 (a sliding window, OLMoE's `clip_qkv`, another activation) is refused by name.
 
 Under tensor parallelism the router (and the shared expert's gate) is replicated and every
 expert's FFN is sharded like a dense MLP: gate/up by output rows, down by input columns
-(the checkpoint's per-expert names shard as the dense ones do), so each rank's block output
-is a partial sum the decoder layer's all-reduce joins.
+(the checkpoint's per-expert names shard as the dense ones do; gpt-oss's stacked experts,
+float or MXFP4, as gpu_worker/distributed/sharding.py draws them, its sinks with the heads,
+its down biases on rank 0), so each rank's block output is a partial sum the decoder layer's
+all-reduce joins. OLMoE's q/k norms span every head: it is served on one rank.
 """
 
 from __future__ import annotations
@@ -143,11 +145,6 @@ def check_tensor_parallel(moe: MoeConfig, model_type: str, world: int, model: st
     """Refuse (ValueError naming --tensor-parallel-size) a MoE model that does not split."""
     if world == 1:
         return
-    if model_type == "gpt_oss":
-        raise ValueError(
-            f"--tensor-parallel-size {world}: {model} is gpt_oss, served on one rank "
-            "(its attention sinks and interleaved expert gate/up columns are not sharded)"
-        )
     if model_type == "olmoe":
         raise ValueError(
             f"--tensor-parallel-size {world}: {model} is olmoe, whose q/k norms span every "
@@ -206,10 +203,10 @@ class SparseMoeBlock(nn.Module):
         if moe.shared_expert_width:
             self.shared_expert = SharedExpert(hidden_size, moe.shared_expert_width // size, ops)
             self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, self.gate(x))
         if self.shared_expert is not None and self.shared_expert_gate is not None:
-            shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-            out = out + shared
+            out = self.ops.add_gated(out, self.shared_expert(x), self.shared_expert_gate(x))
         return out

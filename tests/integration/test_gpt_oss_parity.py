@@ -50,7 +50,7 @@ def test_config_reads_gpt_oss_fields() -> None:
     assert cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "yarn"
     assert cfg.moe is not None and cfg.moe.routing.scoring == "topk_softmax"
     assert cfg.moe.router_bias and cfg.moe.expert_bias and cfg.moe.activation == "swiglu_clamp"
-    assert not cfg.is_llama_layout  # the one-call step has no sinks
+    assert cfg.is_llama_layout  # the one-call step carries sinks and windows
     default = moe_config("gpt_oss").to_dict()
     default.pop("layer_types")  # transformers' default: even layers slide
     assert LlamaConfig.from_hf(default).sliding_windows == (16, 0, 16, 0)
@@ -65,7 +65,8 @@ def test_gpt_oss_parity(gpt_oss, kernels: str) -> None:
     assert len(experts) == 4
     c_path = kernels == "cpu-kernels" and linear_kernel() is not None
     assert all(isinstance(e.method, CpuFloatMoEMethod) == c_path for e in experts)
-    assert runner.model.model.one_call_step is None
+    # the one-call step carries gpt-oss's sinks, windows and experts beside the C kernels
+    assert (runner.model.model.one_call_step is not None) == c_path
     assert run_greedy(runner, prompts, NUM_NEW, together=False) == expected
     assert run_greedy(runner, prompts, NUM_NEW) == expected
     assert run_greedy(runner, prompts, NUM_NEW, token_budget=7) == expected
@@ -118,11 +119,13 @@ def test_gpt_oss_engine_prefix_hits_n_and_preemption(gpt_oss) -> None:
 
 
 def test_gpt_oss_refusals() -> None:
-    # 2 KV heads: a shape that would split, refused for the family
+    # served under tensor parallelism where its heads and widths split (2 KV heads), not
+    # where they do not (the tiny config's one KV head)
     cfg = LlamaConfig.from_hf(moe_config("gpt_oss", num_key_value_heads=2).to_dict())
-    check_tensor_parallel(cfg, 1)
-    with pytest.raises(ValueError, match="--tensor-parallel-size 2.*gpt_oss"):
-        check_tensor_parallel(cfg, 2)
+    check_tensor_parallel(cfg, 2)
+    one_kv_head = LlamaConfig.from_hf(moe_config("gpt_oss").to_dict())
+    with pytest.raises(ValueError, match="--tensor-parallel-size 2.*KV heads"):
+        check_tensor_parallel(one_kv_head, 2)
     bad = moe_config("gpt_oss").to_dict()
     bad["layer_types"] = ["chunked_attention"] * 4
     with pytest.raises(ValueError, match="layer_types"):

@@ -1,14 +1,15 @@
 """Mixture-of-experts GGUF files in llama.cpp's layout (tests/gguf_moe_models.py: stacked
 3-D experts, router, shared expert) served as they are: Qwen2-MoE (shared expert) in F32,
 Q8_0 and Q4_1, Qwen3-MoE in Q4_1, Mixtral (a "llama" file with experts, q/k rows permuted)
-in F32 and Q4_1.
+in F32 and Q4_1, OLMoE (an "olmoe" file: whole-projection q/k norms) in F32 and Q8_0.
 
 The reference for Qwen-MoE is transformers loading the same GGUF file (its qwen2moe/qwen3moe
 GGUF support dequantizes every tensor to float32). Its GGUF config mapping does not read the
 experts' widths (`expert_feed_forward_length`, `expert_shared_feed_forward_length`), so it
 is given the model's config.json beside the file; the weights are the file's. transformers
-does not read a Mixtral GGUF (it would load a dense llama): its reference is transformers on
-the dequantized weights the file stands for, saved as a Hugging Face folder.
+does not read a Mixtral GGUF (it would load a dense llama) nor an OLMoE one (no olmoe in its
+GGUF architectures): their reference is transformers on the dequantized weights the file
+stands for, saved as a Hugging Face folder.
 
     torch kernels  GGUF experts dequantized at load, float arithmetic: transformers' tokens
                    for every type
@@ -46,6 +47,7 @@ ALL_SPARSE: dict[str, dict] = {
     "qwen2_moe": dict(decoder_sparse_step=1),
     "qwen3_moe": dict(mlp_only_layers=[]),
     "mixtral": {},
+    "olmoe": {},
 }
 # (each file costs a tokenizer folder and a transformers load: Qwen3-MoE in one type)
 CASES = [
@@ -55,7 +57,10 @@ CASES = [
     ("qwen3_moe", Q.Q4_1),
     ("mixtral", Q.F32),
     ("mixtral", Q.Q4_1),
+    ("olmoe", Q.F32),
+    ("olmoe", Q.Q8_0),
 ]
+FOLDER_REFERENCE = ("mixtral", "olmoe")  # transformers reads no GGUF of theirs
 IDS = [f"{arch}-{q.name}" for arch, q in CASES]
 
 
@@ -64,7 +69,7 @@ def _file(root: str, arch: str, qtype: Q) -> Path:
     folder = make_tiny_moe_model(Path(root) / arch, arch, **ALL_SPARSE[arch])
     path = Path(root) / f"{arch}-{qtype.name}.gguf"
     expected = write_moe_gguf(folder, path, qtype)
-    if arch == "mixtral":  # the float weights the file stands for, as a folder
+    if arch in FOLDER_REFERENCE:  # the float weights the file stands for, as a folder
         hf_folder_of(expected, folder, Path(root) / f"{arch}-{qtype.name}-dequantized")
     return path
 
@@ -74,7 +79,7 @@ def _reference(root: str, arch: str, qtype: Q) -> tuple[list[list[int]], list[li
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = _file(root, arch, qtype)
-    if arch == "mixtral":
+    if arch in FOLDER_REFERENCE:
         folder = Path(root) / f"{arch}-{qtype.name}-dequantized"
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     else:
@@ -108,6 +113,7 @@ def test_gguf_moe_c_kernels(root: str, arch: str, qtype: Q) -> None:
     runner = ModelRunner(str(_file(root, arch, qtype)), RunnerOptions(block_size=4, num_blocks=256))
     experts = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
     assert len(experts) == runner.model.config.num_layers
+    assert runner.model.model.one_call_step is not None  # decode steps in one C call
     alone = run_greedy(runner, prompts, NUM_NEW, together=False)
     if qtype == Q.F32:
         assert alone == expected

@@ -3,7 +3,10 @@ shared expert) under tensor parallelism 2 (each expert's FFN and the shared expe
 the routers replicated) equals transformers batched under a small pool (preemption),
 chunked, alone and after a prefix hit, with n-gram drafts verified
 (tests/integration/test_tensor_parallel.py's checks),
-and /admin/stats and /metrics report each expert's (token, expert) pairs."""
+and /admin/stats and /metrics report each expert's (token, expert) pairs. Every other served
+family under tensor parallelism 2 equals transformers alone and batched (gpt-oss by default,
+float; the others, and gpt-oss's MXFP4 experts, marked slow); OLMoE is served on one rank
+(tests/unit/gpu_worker/models/test_moe_tensor_parallel.py)."""
 
 from __future__ import annotations
 
@@ -21,10 +24,12 @@ from tests.integration.test_tensor_parallel import (
     _gib,
     _prompts,
     _stats,
+    _together,
+    _tokens,
 )
 from tests.reference import hf_greedy
 from tests.server import running_server
-from tests.tiny_moe_models import make_tiny_moe_model
+from tests.tiny_moe_models import make_tiny_moe_model, make_tiny_mxfp4_gpt_oss
 
 # per rank: 3 layers, K/V, 16 slots, 1 KV head of 16 (hidden 64 / 4 heads), float32
 BLOCK_BYTES = 3 * 2 * 16 * 1 * 16 * 4
@@ -53,6 +58,30 @@ def test_tp2_qwen2_moe_equals_transformers_and_counts_expert_tokens(qwen2_moe: P
                               metrics, re.M)  # fmt: skip
         assert sorted(int(e) for e, _ in exported) == list(range(8))
         assert sum(float(v) for _, v in exported) >= sum(counts)
+
+
+TP2_FAMILIES = [
+    "gpt_oss",
+    pytest.param("qwen3_moe", marks=pytest.mark.slow),
+    pytest.param("mixtral", marks=pytest.mark.slow),
+    pytest.param("gpt_oss_mxfp4", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("family", TP2_FAMILIES)
+def test_tp2_family_equals_transformers_alone_and_batched(family: str, tmp_path_factory) -> None:
+    root = tmp_path_factory.mktemp(family)
+    kv_heads = {"num_key_value_heads": 2}  # gpt-oss's tiny config has one: not splittable
+    if family == "gpt_oss_mxfp4":
+        folder, reference = make_tiny_mxfp4_gpt_oss(root, **kv_heads)
+    else:
+        fields = kv_heads if family == "gpt_oss" else {}
+        folder = reference = make_tiny_moe_model(root / family, family, **fields)
+    prompts = _prompts((3, 17, 30))
+    expected = [hf_greedy(reference, p, NUM_NEW) for p in prompts]
+    with running_server("--model", str(folder), "--tensor-parallel-size", "2") as server:
+        assert _together(server, prompts) == expected
+        assert [_tokens(server, p) for p in prompts] == expected
 
 
 def test_hot_swap_between_a_dense_and_a_moe_model(qwen2_moe: Path, tmp_path_factory) -> None:

@@ -1,7 +1,9 @@
-"""Float32 and bfloat16 experts on the CPU by linear.c's row-by-row kernel (gpu_worker/cpu/
-linear.py), at most linear.MAX_ROWS rows per call: a row's result never depends on the
-others in its call, so an expert's output for a token is the same bits however many tokens
-the step routes to it. Dtypes the kernel does not take go to torch."""
+"""Float32 and bfloat16 experts on the CPU by linear.c's row-by-row kernel, at most
+linear.MAX_ROWS rows per call: a row's result never depends on the others in its call, so an
+expert's output for a token is the same bits however many tokens the step routes to it. A
+float32 layer runs whole in moe.c (gpu_worker/cpu/moe.py: routing, the same kernel, the
+weighted sum), as the one-call step does; bfloat16 activations loop over the experts in
+Python (gpu_worker/cpu/linear.py), and dtypes the kernel does not take go to torch."""
 
 from __future__ import annotations
 
@@ -9,7 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.cpu import linear
-from gpu_worker.layers.fused_moe import FloatMoEMethod, FusedMoE
+from gpu_worker.cpu import moe as cpu_moe
+from gpu_worker.cpu.moe import MoEExperts
+from gpu_worker.cpu.one_call_step import Keep
+from gpu_worker.layers.fused_moe import CKernelExperts, FloatMoEMethod, FusedMoE, moe_c_experts
 
 
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -26,10 +31,20 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-class CpuFloatMoEMethod(FloatMoEMethod):
+class CpuFloatMoEMethod(CKernelExperts, FloatMoEMethod):
     """Float experts [E, out, in] on the CPU (see the module docstring)."""
 
     name = "cpu_float"
+
+    def _runs_moe_c(self) -> bool:
+        return True
+
+    def one_call_experts(self, layer: FusedMoE, keep: Keep) -> MoEExperts | None:
+        w13 = layer.w13_weight
+        if w13.dtype not in (torch.float32, torch.bfloat16) or layer.w2_weight.dtype != w13.dtype:
+            return None
+        kind = cpu_moe.KIND_BF16 if w13.dtype == torch.bfloat16 else cpu_moe.KIND_F32
+        return moe_c_experts(layer, kind, keep)
 
     def gate_up(self, layer: FusedMoE, expert: int, x: torch.Tensor) -> torch.Tensor:
         bias = None if layer.w13_bias is None else layer.w13_bias[expert]

@@ -5,9 +5,10 @@ an expert's bytes are read only when a token selects it.
 The layer keeps each shard's bytes stacked over the experts, uint8 [E, rows, row_bytes]:
 `w13_weight` (gate then up; `w13_weight_1` when up's type differs from gate's) and `w2_weight`.
 The "torch" kernel dequantizes them once at load to float [E, out, in] (the reference). The
-"cpu" kernel runs the whole layer in one C call (gpu_worker/cpu/moe.py: grouping, gguf.c's
-kernels, activation, weighted sum) where it takes the layer, else loops over the experts in
-Python with the same kernels."""
+"cpu" kernel runs the whole layer in one C call (gpu_worker/cpu/moe.py: routing, grouping,
+gguf.c's kernels, activation, weighted sum; the one-call step runs the same) where it takes
+the layer (one block type per projection), else loops over the experts in Python with the
+same kernels."""
 
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.cpu import moe as cpu_moe
+from gpu_worker.cpu.moe import MoEExperts
+from gpu_worker.cpu.one_call_step import Keep
 from gpu_worker.layers.fused_moe import (
     ExpertWeights,
     FusedMoE,
     ProjectedExperts,
     check_shape,
-    grouped_experts,
+    moe_c_experts,
 )
 from gpu_worker.layers.linear import set_parameter
 from gpu_worker.layers.linear_methods.gguf import _shard_matmul, dequantize_weight, shard_names
@@ -49,7 +52,6 @@ class GGUFMoEMethod(ProjectedExperts):
         # per projection ("w13", "w2"): the shards' types and rows
         self.qtypes: dict[str, tuple[int, ...]] = {}
         self.rows: dict[str, tuple[int, ...]] = {}
-        self._fused = False  # the layer by moe.c's one call (process_weights_after_loading)
 
     def load_weights(self, layer: FusedMoE, experts: ExpertWeights) -> None:
         for prefix, parts, what in (
@@ -74,14 +76,14 @@ class GGUFMoEMethod(ProjectedExperts):
         set_parameter(layer, "w2_bias", experts.down_bias)
 
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
-        # moe.c takes one block type per projection, no biases, silu(gate) * up
-        self._fused = (
-            self.kernel == "cpu"
-            and all(len(q) == 1 for q in self.qtypes.values())
-            and layer.w13_bias is None
-            and layer.w2_bias is None
-            and layer.activation == "silu"
-        )
+        pass
+
+    def one_call_experts(self, layer: FusedMoE, keep: Keep) -> MoEExperts | None:
+        # moe.c runs gguf.c's arithmetic on one block type per projection
+        if self.kernel != "cpu" or any(len(q) != 1 for q in self.qtypes.values()):
+            return None
+        qtypes = (self.qtypes["w13"][0], self.qtypes["w2"][0])
+        return moe_c_experts(layer, cpu_moe.KIND_GGUF, keep, qtypes=qtypes)
 
     def _project(self, layer: FusedMoE, prefix: str, expert: int, x: torch.Tensor) -> torch.Tensor:
         bias = (
@@ -101,20 +103,6 @@ class GGUFMoEMethod(ProjectedExperts):
         ]
         y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         return y if b is None else y + b
-
-    def apply(
-        self, layer: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-    ) -> torch.Tensor:
-        if self._fused:  # the whole layer in one C call (gpu_worker/cpu/moe.py)
-            done = cpu_moe.gguf_moe(
-                x, ids, weights, layer.w13_weight, self.qtypes["w13"][0],
-                layer.w2_weight, self.qtypes["w2"][0], layer.width,
-            )  # fmt: skip
-            if done is not None:
-                y, counts = done
-                layer.count_tokens(counts)
-                return y
-        return grouped_experts(self, layer, x, weights, ids)
 
     @property
     def storage(self) -> str:

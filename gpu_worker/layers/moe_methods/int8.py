@@ -9,7 +9,16 @@ from __future__ import annotations
 import torch
 
 from gpu_worker.cpu import int8
-from gpu_worker.layers.fused_moe import ExpertWeights, FusedMoE, ProjectedExperts, check_shape
+from gpu_worker.cpu import moe as cpu_moe
+from gpu_worker.cpu.moe import MoEExperts
+from gpu_worker.cpu.one_call_step import Keep
+from gpu_worker.layers.fused_moe import (
+    ExpertWeights,
+    FusedMoE,
+    ProjectedExperts,
+    check_shape,
+    moe_c_experts,
+)
 from gpu_worker.layers.linear import set_parameter
 from gpu_worker.layers.linear_methods.weights import CheckpointWeight, Int8Weight
 
@@ -47,6 +56,12 @@ class Int8MoEMethod(ProjectedExperts):
 
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
         pass
+
+    def one_call_experts(self, layer: FusedMoE, keep: Keep) -> MoEExperts | None:
+        if self.kernel != "cpu":  # moe.c runs int8.c's arithmetic only
+            return None
+        scales = (layer.get_parameter("w13_scale"), layer.get_parameter("w2_scale"))
+        return moe_c_experts(layer, cpu_moe.KIND_INT8, keep, scales=scales)
 
     def _project(self, layer: FusedMoE, prefix: str, expert: int, x: torch.Tensor) -> torch.Tensor:
         w = layer.get_parameter(f"{prefix}_weight")[expert]

@@ -7,8 +7,10 @@ The layer holds them stacked over the experts: `w13_weight` uint8 [E, 2 * width,
 16] with `w13_scale` uint8 [E, 2 * width, hidden / 32], `w2_weight` / `w2_scale` likewise
 for down, and the float biases. Two kernels:
 
-    "cpu"    mxfp4.c (gpu_worker/cpu/mxfp4.py): each selected expert's rows dot the expert's
-             groups unpacked one at a time; a row's result is the same bits in any batch
+    "cpu"    mxfp4.c: each selected expert's rows dot the expert's groups unpacked one at a
+             time; a row's result is the same bits in any batch. The whole layer runs in
+             moe.c's one call (gpu_worker/cpu/moe.py, as the one-call step does) for float32
+             activations, else per expert (gpu_worker/cpu/mxfp4.py)
     "triton" CUDA: gpu_worker/kernels/mxfp4_matmul, a GEMM that decodes each 32-value group
              of the packed tile and multiplies it by tl.dot (float32 sums)
     "torch"  the reference (and the path without a compiler or Triton): the selected
@@ -23,8 +25,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from gpu_worker.cpu import moe as cpu_moe
 from gpu_worker.cpu import mxfp4 as cpu_mxfp4
-from gpu_worker.layers.fused_moe import ExpertWeights, FusedMoE, ProjectedExperts, check_shape
+from gpu_worker.cpu.moe import MoEExperts
+from gpu_worker.cpu.one_call_step import Keep
+from gpu_worker.layers.fused_moe import (
+    ExpertWeights,
+    FusedMoE,
+    ProjectedExperts,
+    check_shape,
+    moe_c_experts,
+)
 from gpu_worker.layers.linear import set_parameter
 from gpu_worker.layers.linear_methods.weights import CheckpointWeight, MXFP4Weight
 
@@ -89,6 +100,12 @@ class MXFP4MoEMethod(ProjectedExperts):
 
             if not interpreting():  # (the interpreter runs the kernel on the CPU: tests)
                 self.kernel = "torch"
+
+    def one_call_experts(self, layer: FusedMoE, keep: Keep) -> MoEExperts | None:
+        if self.kernel != "cpu":  # moe.c runs mxfp4.c's arithmetic only
+            return None
+        scales = (layer.get_parameter("w13_scale"), layer.get_parameter("w2_scale"))
+        return moe_c_experts(layer, cpu_moe.KIND_MXFP4, keep, scales=scales)
 
     def _project(self, layer: FusedMoE, prefix: str, expert: int, x: torch.Tensor) -> torch.Tensor:
         blocks = layer.get_parameter(f"{prefix}_weight")[expert]

@@ -61,7 +61,7 @@ def _layer_by_layer(model: LlamaForCausalLM, *args: torch.Tensor) -> torch.Tenso
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("one-call-step")
-    archs = ("llama", "qwen2", "phi4-mini")  # phi4-mini: 12 of each 16-dim head rotate
+    archs = ("llama", "qwen2", "qwen3", "phi4-mini")  # phi4-mini: 12 of each 16-dim head rotate
     return {arch: make_tiny_model(root / arch, arch, num_layers=3) for arch in archs}
 
 
@@ -87,7 +87,7 @@ def _step(model: LlamaForCausalLM, n: int, seed: int) -> tuple[torch.Tensor, ...
     return ids, kv, meta  # type: ignore[return-value]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi4-mini"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi4-mini"])
 @pytest.mark.parametrize("n", [1, 2, 5, 8])
 def test_one_call_equals_the_layers_bit_for_bit(tiny: dict[str, Path], arch: str, n: int) -> None:
     model = _model(tiny[arch])
@@ -176,8 +176,8 @@ def test_only_models_it_takes_get_it(tiny: dict[str, Path], tmp_path: Path) -> N
     plain = _model(tiny["llama"], cpu_layers=False)  # torch layers: not the kernels' shape
     assert plain.model.one_call_step is None
     assert one_call_step.one_call_step_for(plain.model) is None
-    qk_norm = _model(make_tiny_model(tmp_path / "qwen3", "qwen3", num_layers=1))
-    assert qk_norm.model.one_call_step is None
+    offset_norms = _model(make_tiny_model(tmp_path / "gemma3", "gemma3", num_layers=1))
+    assert offset_norms.model.one_call_step is None  # Gemma's q/k norms by (1 + weight)
 
 
 # --- with LoRA adapters ---------------------------------------------------------------

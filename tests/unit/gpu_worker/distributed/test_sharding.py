@@ -65,6 +65,17 @@ from services.worker_group import check_parallel, rank_name, rank_specs
         # Phi-3's fused projections: each part split
         ("model.layers.0.self_attn.qkv_proj.weight", Split.FUSED),
         ("model.layers.0.mlp.gate_up_proj.weight", Split.FUSED),
+        # gpt-oss: stacked experts [E, in, out] (float) or [E, out, groups, 16] (MXFP4)
+        ("model.layers.0.mlp.experts.gate_up_proj", Split.DIM2),
+        ("model.layers.0.mlp.experts.gate_up_proj_bias", Split.ROW),
+        ("model.layers.0.mlp.experts.down_proj", Split.ROW),
+        ("model.layers.0.mlp.experts.down_proj_bias", Split.ROW_BIAS),
+        ("model.layers.0.mlp.experts.gate_up_proj_blocks", Split.ROW),
+        ("model.layers.0.mlp.experts.gate_up_proj_scales", Split.ROW),
+        ("model.layers.0.mlp.experts.down_proj_blocks", Split.DIM2),
+        ("model.layers.0.mlp.experts.down_proj_scales", Split.DIM2),
+        ("model.layers.0.mlp.router.weight", Split.REPLICATED),
+        ("model.layers.0.self_attn.sinks", Split.COLUMN),
     ],
 )
 def test_each_checkpoint_tensor_has_its_split(name: str, split: Split) -> None:

@@ -272,32 +272,51 @@ def test_gguf_experts_read_only_the_selected_experts_bytes() -> None:
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
 def test_the_c_moe_kernel_equals_the_per_expert_loop(kind: str) -> None:
-    """moe.c's one call (grouping, gguf.c's kernels, activation, weighted sum) against the
-    Python loop over the same kernels: the same result to float rounding (its silu and sum
-    are its own), the same counts, and it is what the layer runs."""
+    """moe.c's one call (routing, grouping, gguf.c's kernels, activation, weighted sum)
+    against the Python loop over the same kernels: the same result to float rounding (its
+    silu and sum are its own), the same counts, and it is what the layer runs."""
     from gpu_worker.cpu import moe as cpu_moe
+    from gpu_worker.cpu.one_call_step import Keep
+    from gpu_worker.layers.fused_moe import grouped_experts
 
     if cpu_moe.load() is None:
         pytest.skip("moe.c cannot be built here")
     layer = _layer(kind)
     method = layer.method
-    assert isinstance(method, GGUFMoEMethod) and method._fused
+    assert isinstance(method, GGUFMoEMethod)
+    desc = method.one_call_experts(layer, Keep())
+    assert desc is not None
     gen = torch.Generator().manual_seed(4)
     x, logits = torch.randn(23, HIDDEN, generator=gen), torch.randn(23, EXPERTS, generator=gen)
-    weights, ids = select_experts(logits, layer.routing)
-    qt13, qt2 = method.qtypes["w13"][0], method.qtypes["w2"][0]
-    done = cpu_moe.gguf_moe(x, ids, weights, layer.w13_weight, qt13, layer.w2_weight, qt2, WIDTH)
+    weights, ids = method.select_experts(layer, logits)
+    done = cpu_moe.experts(desc, x, ids, weights)
     assert done is not None
     fused, counts = done
     with torch.no_grad():
         assert torch.equal(layer(x, logits), fused)
-        method._fused = False
-        looped = layer(x, logits)
+        looped = grouped_experts(method, layer, x, weights, ids)
     torch.testing.assert_close(fused, looped, rtol=1e-5, atol=1e-5)
     assert counts == torch.bincount(ids.flatten(), minlength=EXPERTS).tolist()
     bad = ids.clone()
     bad[0, 0] = EXPERTS  # an expert id out of range: refused, the caller loops
-    assert (
-        cpu_moe.gguf_moe(x, bad, weights, layer.w13_weight, qt13, layer.w2_weight, qt2, WIDTH)
-        is None
-    )
+    assert cpu_moe.experts(desc, x, bad, weights) is None
+
+
+def test_the_c_routing_equals_torchs_routing() -> None:
+    """moe.c's routing (every CPU method's, and the one-call step's) against select_experts:
+    the same experts, the same weights to float rounding, for every scoring."""
+    from gpu_worker.cpu import moe as cpu_moe
+
+    if cpu_moe.load() is None:
+        pytest.skip("moe.c cannot be built here")
+    logits = torch.randn(31, EXPERTS, generator=torch.Generator().manual_seed(5))
+    for routing in (
+        Routing(2, renormalize=True),
+        Routing(3, renormalize=False),
+        Routing(4, renormalize=False, scoring="topk_softmax"),
+    ):
+        done = cpu_moe.route(logits, routing.top_k, routing.scoring, routing.renormalize)
+        assert done is not None
+        want_weights, want_ids = select_experts(logits, routing)
+        assert torch.equal(done[1], want_ids)
+        torch.testing.assert_close(done[0], want_weights, rtol=1e-6, atol=1e-7)
