@@ -34,8 +34,12 @@ SOURCE = Path(__file__).with_name("int8.c")
 MAX_KERNEL_ROWS = 4
 # the float32 GEMM's sums stay exact integers over this many products (127 * 128 * 1024 < 2**24)
 EXACT_K = 1024
-# CPU flags with which oneDNN sums int8 products exactly (u8 x s8 -> s32 instructions)
-VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+# the CPU flag with which oneDNN runs its int8 GEMMs, exactly and fast: with VNNI alone (an
+# AMD EPYC Zen 4: avx512_vnni, no AMX) torch 2.13's oneDNN runs qlinear on its reference
+# implementation (`ref_int8:any` in ONEDNN_VERBOSE: 300 ms for 64 x 576 x 576, a test that
+# takes seconds ran 10 minutes), and without VNNI its sums saturate (off by 7% of the largest
+# sum, measured with ONEDNN_MAX_CPU_ISA=AVX2); the C kernel takes every row count there
+ONEDNN_INT8_FLAGS = ("amx_int8",)
 QMAX = 127
 # the widest rows whose int32 sums cannot overflow (127 * 128 * MAX_IN_FEATURES < 2**31): int8.c
 MAX_IN_FEATURES = 131072
@@ -85,10 +89,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def can_pack() -> bool:
-    """Whether oneDNN's int8 GEMMs sum exactly here: oneDNN available and a CPU with VNNI_FLAGS
-    (without them its int8 sums saturate: off by 7% of the largest sum, measured with
-    ONEDNN_MAX_CPU_ISA=AVX2; `torch._int_mm` too)."""
-    return torch.backends.mkldnn.is_available() and any(f in cpu_flags() for f in VNNI_FLAGS)
+    """Whether oneDNN's int8 GEMMs (and `torch._int_mm`) are exact and fast here: oneDNN
+    available and a CPU with ONEDNN_INT8_FLAGS (see there)."""
+    return torch.backends.mkldnn.is_available() and any(f in cpu_flags() for f in ONEDNN_INT8_FLAGS)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
