@@ -189,3 +189,19 @@ def test_multi_turn_workload_sends_each_conversation_with_its_replies(
     assert r["cached_tokens"] == sum(t["cached_tokens"] for t in rows)
     assert r["server_counters"]["prefix_cache_queries"] == r["prompt_tokens"]
     assert r["working_set_blocks"] > 0 and r["device_pool_blocks"] > 0
+
+
+def test_bursts_workload_times_the_streams_and_the_bursts(
+    synthetic: Server, tmp_path: Path
+) -> None:
+    r = _run(
+        synthetic,
+        tmp_path,
+        *("--workload", "bursts", "--streams", "2", "--stream-input-len", "8"),
+        *("--bursts", "2", "--burst-size", "2", "--input-len", "40:60", "--quiet-s", "0.2"),
+        *("--burst-gap-s", "0", "--burst-output-len", "2"),
+    )
+    assert r["failed"] == 0 and r["errors"] == []
+    assert r["spec"]["burst_input_len"] == [40, 60] and r["spec"]["streams"] == 2
+    assert 4 * 40 <= r["burst_prompt_tokens"] <= 4 * 60
+    assert r["burst_ttft_s"]["median"] > 0  # every burst prompt answered

@@ -7,6 +7,8 @@
     tools/bench --compare shuttle,vllm,llamacpp --json out/peers.json    (peers.py)
     tools/bench --workload multi-turn --conversations 16 --turns 6 --concurrency 2 \
         --output-len 16 --admin-token t    # chat conversations: the prefix cache's hit rate
+    tools/bench --workload bursts --streams 8 --burst-size 2 --input-len 1024:2048 \
+        --server-flags "--num-threads 2"  # decode streams' ITL while long prompts arrive
     tools/bench --num-prompts 64 --input-len 32:512 --output-len 16:256 \
         --logprobs 5 --repetition-penalty 1.1     # the mixed load, every request asking
     tools/bench --num-prompts 64 --input-len 32:512 --output-len 16:256 \
@@ -46,6 +48,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from tools.benchmarks.baselines import hf_baseline  # noqa: E402
+from tools.benchmarks.bursts import add_flags as add_burst_flags  # noqa: E402
 from tools.benchmarks.load import INF, Extras, ProgressLine, run_load  # noqa: E402
 from tools.benchmarks.multi_turn import add_flags as add_multi_turn_flags  # noqa: E402
 from tools.benchmarks.peers import add_flags as add_compare_flags  # noqa: E402
@@ -156,6 +159,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     add_compare_flags(p)
     add_multi_turn_flags(p)
+    add_burst_flags(p)
     args = p.parse_args(argv)
     if not 0.0 <= args.structured_share <= 1.0:
         p.error(f"--structured-share: must be 0..1, got {args.structured_share}")
@@ -233,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         return _compare(args, model_dir, flags, threads)
     if args.workload == "multi-turn":
         return _multi_turn(args, model_dir, flags)
+    if args.workload == "bursts":
+        return _bursts(args, model_dir, flags)
     if args.url:
         runs = run_rates(args.url, args, wl, slo)
         server_stats = _server_stats(args.url, args.admin_token)
@@ -360,3 +366,25 @@ def _server_stats(url: str, token: str) -> dict[str, Any]:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _bursts(args: argparse.Namespace, model_dir: str, flags: list[str]) -> int:
+    """--workload bursts: steady streams under prompt bursts against one server (bursts.py)."""
+    from common.model_paths import hf_config_of
+    from tools.benchmarks.bursts import print_summary, run, spec_from_args
+
+    spec, vocab = spec_from_args(args), hf_config_of(model_dir)["vocab_size"]
+    if args.url:
+        model = asyncio.run(_served_model(args.url, args.model))
+        result = run(args.url, model, spec, vocab)
+    else:
+        from tests.server import running_server
+
+        with running_server("--model", model_dir, *flags) as server:
+            result = run(server.url, server.model, spec, vocab)
+    result["server_flags"] = " ".join(flags) if not args.url else "external"
+    print_summary(result)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+    return 0 if result["failed"] == 0 else 1

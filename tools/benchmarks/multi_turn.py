@@ -266,9 +266,10 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--workload",
         default="random",
-        choices=["random", "multi-turn"],
+        choices=["random", "multi-turn", "bursts"],
         help="random: --num-prompts independent prompts (or --jsonl); multi-turn: chat "
-        "conversations (multi_turn.py; --output-len is each reply's max_tokens)",
+        "conversations (multi_turn.py; --output-len is each reply's max_tokens); bursts: "
+        "steady decode streams under bursts of long prompts (bursts.py)",
     )
     p.add_argument("--conversations", type=int, default=16, help="multi-turn: how many")
     p.add_argument("--turns", type=int, default=6, help="multi-turn: turns per conversation")
