@@ -146,7 +146,8 @@ async def _burst_request(
 
 
 async def run_bursts(url: str, model: str, spec: BurstSpec, vocab: int) -> dict[str, Any]:
-    clock, stop, errors = _Clock(), asyncio.Event(), []
+    clock, stop = _Clock(), asyncio.Event()
+    errors: list[str] = []
     firsts = [asyncio.Event() for _ in range(spec.streams)]
     tasks = [
         asyncio.create_task(_stream(url, model, spec, vocab, i, clock, firsts[i], stop, errors))
