@@ -36,6 +36,7 @@
 #include "gguf.h"
 #include "gguf_rows.h"
 #include "gguf_gemm.h"
+#include "gguf_amx.h"
 
 #define GGUF_CHUNK 16   /* weight rows per scheduling unit */
 
@@ -62,9 +63,11 @@ __attribute__((unused)) static void gguf_quantize_x(const float *x, int rows, gg
     }
 }
 
-/* x quantized (gguf_quantize_x) into one allocation; 2 when memory ran out */
-__attribute__((unused)) static int gguf_xq_make(const float *x, int rows, int in, gguf_xq *xq) {
-    size_t n = (size_t)rows * in, nb = (size_t)rows * (in / 32);
+/* x quantized (gguf_quantize_x) into one allocation, q with zero rows up to `padded` rows
+ * (the AMX tiles' multiple of 16); 2 when memory ran out */
+__attribute__((unused)) static int gguf_xq_make_padded(const float *x, int rows, int padded,
+                                                       int in, gguf_xq *xq) {
+    size_t n = (size_t)padded * in, nb = (size_t)rows * (in / 32);
     char *mem = (char *)malloc(2 * n + nb * (2 * sizeof(float) + sizeof(int32_t)));
     if (!mem) return 2;
     xq->d = (float *)mem;
@@ -75,7 +78,13 @@ __attribute__((unused)) static int gguf_xq_make(const float *x, int rows, int in
     xq->in = in;
     xq->nu = in / 32;
     gguf_quantize_x(x, rows, xq);
+    memset(xq->q + (size_t)rows * in, 0, (size_t)(padded - rows) * in);
     return 0;
+}
+
+/* x quantized (gguf_quantize_x) into one allocation; 2 when memory ran out */
+__attribute__((unused)) static int gguf_xq_make(const float *x, int rows, int in, gguf_xq *xq) {
+    return gguf_xq_make_padded(x, rows, rows, in, xq);
 }
 
 /* weight rows [lo, hi) of the float path: each dequantized into wf, then fp32 dots */
@@ -196,16 +205,28 @@ static void gguf_gemm_tile(int qt, const gguf_tile_unit *tile, const gguf_xq *xq
 }
 #endif
 
-/* y [rows, out] = x [rows, in] @ dequantize(w).T (+ bias) for many rows, by the int8 GEMM of
- * gguf_gemm.h. Returns 0; 1 for a type, shape or CPU it does not take (the caller dequantizes
- * and multiplies in float), 2 when memory ran out. */
-int gguf_linear_many(const float *x, int rows, const uint8_t *w, int qtype, const float *bias,
-                     float *y, int out, int in, int nthreads) {
+/* whether gguf_linear_many takes the AMX tiles here: built with AMX-INT8 and the tile state
+ * granted to this process by Linux */
+int gguf_amx_available(void) {
+#if GGUF_AMX
+    return gguf_amx_ready();
+#else
+    return 0;
+#endif
+}
+
+/* gguf_linear_many on `path`: 0 AMX where gguf_amx_available(), else the AVX GEMM; 1 the AVX
+ * (VNNI / AVX2) GEMM; 2 AMX (returns 1 where it is not available) */
+int gguf_linear_many_path(const float *x, int rows, const uint8_t *w, int qtype,
+                          const float *bias, float *y, int out, int in, int nthreads, int path) {
 #if defined(__AVX2__)
     if (gguf_check(rows, qtype, out, in) || !gguf_gemm_takes(qtype)) return 1;
+    int amx = path == 1 ? 0 : gguf_amx_available();
+    if (path == 2 && !amx) return 1;
     int64_t row_bytes = (int64_t)(in / 32) * gguf_block_bytes(qtype);
     gguf_xq xq;
-    if (gguf_xq_make(x, rows, in, &xq)) return 2;
+    int padded = amx ? (rows + 15) / 16 * 16 : rows;
+    if (gguf_xq_make_padded(x, rows, padded, in, &xq)) return 2;
     int tiles = (out + GGUF_GW - 1) / GGUF_GW, failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -215,21 +236,43 @@ int gguf_linear_many(const float *x, int rows, const uint8_t *w, int qtype, cons
 #pragma omp atomic write
             failed = 1;
         }
+#if GGUF_AMX
+        if (amx) gguf_amx_configure();
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (int t = 0; t < tiles; t++) {
             if (!tile) continue;
             gguf_gemm_unpack(qtype, w, row_bytes, GGUF_GW * t, out, xq.nu, tile);
+#if GGUF_AMX
+            if (amx) {
+                gguf_amx_offset(qtype, tile, xq.nu);
+                gguf_amx_tile(qtype, tile, &xq, rows, GGUF_GW * t, out, bias, y);
+                continue;
+            }
+#endif
             gguf_gemm_tile(qtype, tile, &xq, rows, GGUF_GW * t, out, bias, y);
         }
+#if GGUF_AMX
+        if (amx) _tile_release();
+#endif
         free(tile);
     }
     free(xq.d);
     return failed ? 2 : 0;
 #else
     (void)x, (void)rows, (void)w, (void)qtype, (void)bias, (void)y, (void)out, (void)in;
-    (void)nthreads;
+    (void)nthreads, (void)path;
     return 1;
 #endif
+}
+
+/* y [rows, out] = x [rows, in] @ dequantize(w).T (+ bias) for many rows, by the int8 GEMM of
+ * gguf_gemm.h (on AMX tiles where the CPU and the OS allow: gguf_amx.h). Returns 0; 1 for a
+ * type, shape or CPU it does not take (the caller dequantizes and multiplies in float), 2 when
+ * memory ran out. */
+int gguf_linear_many(const float *x, int rows, const uint8_t *w, int qtype, const float *bias,
+                     float *y, int out, int in, int nthreads) {
+    return gguf_linear_many_path(x, rows, w, qtype, bias, y, out, in, nthreads, 0);
 }
 
 /* y [out, in] float32 = w [out, row_bytes] dequantized. Returns 0; 1 for a type or shape it
