@@ -29,7 +29,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #define GGUF_AMX 1
-#define GGUF_AMX_ROWS 16 /* rows of x per tile; x is padded to a multiple */
+#define GGUF_AMX_ROWS 32 /* rows of x per pass (two A tiles); x is padded to a multiple */
+#define GGUF_AMX_OUT 32  /* weight rows per pass (two B tiles) */
 
 #define GGUF_ARCH_GET_XCOMP_PERM 0x1022
 #define GGUF_ARCH_REQ_XCOMP_PERM 0x1023
@@ -57,16 +58,14 @@ typedef struct {
     uint8_t rows[16];
 } gguf_amx_config;
 
-/* tiles 0, 1: C (16 x 16 int32); 2, 3: A (16 rows of x, 32 int8); 4, 5: B (8 x 64 bytes) */
+/* tiles 0-3: C (16 x 16 int32); 4, 5: A (16 rows of x, 32 int8); 6, 7: B (8 x 64 bytes) */
 static void gguf_amx_configure(void) {
     gguf_amx_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    for (int t = 0; t < 2; t++) {
-        c.colsb[t] = 64, c.rows[t] = 16;
-        c.colsb[2 + t] = 32, c.rows[2 + t] = 16;
-        c.colsb[4 + t] = 64, c.rows[4 + t] = 8;
-    }
+    for (int t = 0; t < 4; t++) c.colsb[t] = 64, c.rows[t] = 16;
+    for (int t = 4; t < 6; t++) c.colsb[t] = 32, c.rows[t] = 16;
+    for (int t = 6; t < 8; t++) c.colsb[t] = 64, c.rows[t] = 8;
     _tile_loadconfig(&c);
 }
 
@@ -79,70 +78,83 @@ static void gguf_amx_offset(int qt, gguf_tile_unit *tile, int nu) {
             tile[u].t[g] = _mm512_sub_epi8(tile[u].t[g], _mm512_set1_epi8((char)off));
 }
 
-/* block u's 16 x 16 dots (c) into the 16 rows' accumulators */
+/* block u's dots c[a * 2 + b] (x rows 16a.., weight tile b) into the accumulators
+ * acc[32 rows][32 outputs] */
 static inline __attribute__((always_inline)) void gguf_amx_epilogue(
-    int has_min, const gguf_tile_unit *tu, const int32_t *c, const gguf_xq *x, const int *rr,
-    int u, __m512 *acc) {
-    for (int j = 0; j < 16; j++) {
-        int64_t xr = (int64_t)rr[j] * x->nu + u;
-        __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)(c + 16 * j)));
-        acc[j] = _mm512_fmadd_ps(dot, _mm512_mul_ps(tu->d, _mm512_set1_ps(x->d[xr])), acc[j]);
-        if (has_min) acc[j] = _mm512_fmadd_ps(tu->m, _mm512_set1_ps(x->s[xr]), acc[j]);
-    }
+    int has_min, const gguf_tile_unit *t0, const gguf_tile_unit *t1, const int32_t *c,
+    const gguf_xq *x, const int *rr, int u, float *acc) {
+    for (int a = 0; a < 2; a++)
+        for (int j = 0; j < 16; j++) {
+            int64_t xr = (int64_t)rr[16 * a + j] * x->nu + u;
+            __m512 dx = _mm512_set1_ps(x->d[xr]), sx = _mm512_set1_ps(x->s[xr]);
+            for (int b = 0; b < 2; b++) {
+                const gguf_tile_unit *tu = b ? t1 : t0;
+                float *ac = acc + (16 * a + j) * 32 + 16 * b;
+                __m512 dot = _mm512_cvtepi32_ps(
+                    _mm512_load_si512((const void *)(c + 256 * (2 * a + b) + 16 * j)));
+                __m512 v = _mm512_fmadd_ps(dot, _mm512_mul_ps(tu->d, dx), _mm512_load_ps(ac));
+                if (has_min) v = _mm512_fmadd_ps(tu->m, sx, v);
+                _mm512_store_ps(ac, v);
+            }
+        }
 }
 
-/* rows [r0, r0 + 16) of x (q padded with zero rows past `rows`) against the weight tile of
- * rows [o0, o0 + 16): y[r, o0 ..] for the rows below `rows` */
+/* block u's four tile products: x rows [16a, 16a + 16) (AMX tiles from xa) against weight
+ * tile b, into c[2a + b] */
+static inline __attribute__((always_inline)) void gguf_amx_products(
+    const int8_t *xa, int64_t in, const gguf_tile_unit *t0, const gguf_tile_unit *t1, int u,
+    int32_t *c) {
+    _tile_loadd(4, xa + 512 * u, 32);
+    _tile_loadd(5, xa + 16 * in + 512 * u, 32);
+    _tile_loadd(6, t0[u].t, 64);
+    _tile_loadd(7, t1[u].t, 64);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_dpbssd(0, 4, 6);
+    _tile_dpbssd(1, 4, 7);
+    _tile_dpbssd(2, 5, 6);
+    _tile_dpbssd(3, 5, 7);
+    _tile_stored(0, c, 64);
+    _tile_stored(1, c + 256, 64);
+    _tile_stored(2, c + 512, 64);
+    _tile_stored(3, c + 768, 64);
+}
+
+/* rows [r0, r0 + 32) of x (q padded with zero rows past `rows`) against the weight tiles t0
+ * (rows [o0, o0 + 16)) and t1 (the next 16): y[r, o0 .. o0 + 32) for r < rows, o < out */
 static inline __attribute__((always_inline)) void gguf_amx_rows(
-    int has_min, const gguf_tile_unit *tile, const gguf_xq *x, int r0, int rows, int o0,
-    int out, const float *bias, float *y) {
+    int has_min, const gguf_tile_unit *t0, const gguf_tile_unit *t1, const gguf_xq *x, int r0,
+    int rows, int o0, int out, const float *bias, float *y) {
     const int nu = x->nu;
-    int rr[16];
-    __m512 acc[16];
-    int32_t c[2][256] __attribute__((aligned(64)));
-    for (int j = 0; j < 16; j++) {
-        rr[j] = r0 + j < rows ? r0 + j : rows - 1;
-        acc[j] = _mm512_setzero_ps();
+    int rr[32];
+    float acc[32 * 32] __attribute__((aligned(64)));
+    int32_t c[2][1024] __attribute__((aligned(64)));
+    for (int j = 0; j < 32; j++) rr[j] = r0 + j < rows ? r0 + j : rows - 1;
+    memset(acc, 0, sizeof acc);
+    const int8_t *xa = x->qa + (int64_t)r0 * x->in;
+    /* block u's tile products issued before block u - 1's epilogue: the tiles work while the
+     * vector units do */
+    gguf_amx_products(xa, x->in, t0, t1, 0, c[0]);
+    for (int u = 1; u < nu; u++) {
+        gguf_amx_products(xa, x->in, t0, t1, u, c[u & 1]);
+        gguf_amx_epilogue(has_min, t0 + u - 1, t1 + u - 1, c[(u - 1) & 1], x, rr, u - 1, acc);
     }
-    const int8_t *xq = x->q + (int64_t)r0 * x->in;
-    int u = 0;
-    for (; u + 1 < nu; u += 2) {
-        _tile_loadd(2, xq + 32 * u, x->in);
-        _tile_loadd(4, tile[u].t, 64);
-        _tile_zero(0);
-        _tile_dpbssd(0, 2, 4);
-        _tile_loadd(3, xq + 32 * (u + 1), x->in);
-        _tile_loadd(5, tile[u + 1].t, 64);
-        _tile_zero(1);
-        _tile_dpbssd(1, 3, 5);
-        _tile_stored(0, c[0], 64);
-        gguf_amx_epilogue(has_min, tile + u, c[0], x, rr, u, acc);
-        _tile_stored(1, c[1], 64);
-        gguf_amx_epilogue(has_min, tile + u + 1, c[1], x, rr, u + 1, acc);
-    }
-    if (u < nu) {
-        _tile_loadd(2, xq + 32 * u, x->in);
-        _tile_loadd(4, tile[u].t, 64);
-        _tile_zero(0);
-        _tile_dpbssd(0, 2, 4);
-        _tile_stored(0, c[0], 64);
-        gguf_amx_epilogue(has_min, tile + u, c[0], x, rr, u, acc);
-    }
-    for (int j = 0; j < 16 && r0 + j < rows; j++) {
-        float v[16];
-        _mm512_storeu_ps(v, acc[j]);
-        for (int i = 0; i < 16 && o0 + i < out; i++)
-            y[(int64_t)(r0 + j) * out + o0 + i] = v[i] + (bias ? bias[o0 + i] : 0.f);
-    }
+    gguf_amx_epilogue(has_min, t0 + nu - 1, t1 + nu - 1, c[(nu - 1) & 1], x, rr, nu - 1, acc);
+    for (int j = 0; j < 32 && r0 + j < rows; j++)
+        for (int i = 0; i < 32 && o0 + i < out; i++)
+            y[(int64_t)(r0 + j) * out + o0 + i] = acc[32 * j + i] + (bias ? bias[o0 + i] : 0.f);
 }
 
-/* every row of x against the weight tile of rows [o0, o0 + 16) */
-static void gguf_amx_tile(int qt, const gguf_tile_unit *tile, const gguf_xq *x, int rows, int o0,
-                          int out, const float *bias, float *y) {
+/* every row of x against the weight tiles t0, t1 of rows [o0, o0 + 32) */
+static void gguf_amx_tile(int qt, const gguf_tile_unit *t0, const gguf_tile_unit *t1,
+                          const gguf_xq *x, int rows, int o0, int out, const float *bias,
+                          float *y) {
     const int has_min = qt == GGUF_Q4_1 || qt == GGUF_Q5_1;
     for (int r0 = 0; r0 < rows; r0 += GGUF_AMX_ROWS) {
-        if (has_min) gguf_amx_rows(1, tile, x, r0, rows, o0, out, bias, y);
-        else gguf_amx_rows(0, tile, x, r0, rows, o0, out, bias, y);
+        if (has_min) gguf_amx_rows(1, t0, t1, x, r0, rows, o0, out, bias, y);
+        else gguf_amx_rows(0, t0, t1, x, r0, rows, o0, out, bias, y);
     }
 }
 #else
