@@ -46,7 +46,9 @@
 __attribute__((unused)) static void gguf_quantize_x(const float *x, int rows, gguf_xq *xq) {
     for (int64_t u = 0; u < (int64_t)rows * xq->nu; u++) {
         const float *xb = x + u * 32;
-        int8_t *q = xq->q + u * 32;
+        int64_t r = u / xq->nu, k = u % xq->nu; /* row r, unit k */
+        /* tiled: row r % 16 of unit k's tile in the row tile r / 16; else row-major */
+        int8_t *q = xq->qa ? xq->qa + (((r / 16) * xq->nu + k) * 16 + r % 16) * 32 : xq->q + u * 32;
         float amax = 0.f;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
         __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
@@ -64,44 +66,42 @@ __attribute__((unused)) static void gguf_quantize_x(const float *x, int rows, gg
         __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
         __m256i b = _mm256_set_m128i(_mm512_cvtsepi32_epi8(i1), _mm512_cvtsepi32_epi8(i0));
         _mm256_storeu_si256((__m256i *)q, b);
-        _mm256_storeu_si256((__m256i *)(xq->xu + u * 32),
-                            _mm256_xor_si256(b, _mm256_set1_epi8((char)0x80)));
+        if (!xq->qa)
+            _mm256_storeu_si256((__m256i *)(xq->xu + u * 32),
+                                _mm256_xor_si256(b, _mm256_set1_epi8((char)0x80)));
         isum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
 #else
         for (int i = 0; i < 32; i++) {
             int8_t qi = (int8_t)__builtin_lrintf(xb[i] * id);
             q[i] = qi;
-            xq->xu[u * 32 + i] = (uint8_t)(qi + 128);
+            if (!xq->qa) xq->xu[u * 32 + i] = (uint8_t)(qi + 128);
             isum += qi;
         }
 #endif
-        if (xq->qa) { /* row r, unit k: tile r / 16, row r % 16 of its unit k */
-            int64_t r = u / xq->nu, k = u % xq->nu;
-            memcpy(xq->qa + (((r / 16) * xq->nu + k) * 16 + r % 16) * 32, q, 32);
-        }
         xq->isum[u] = isum;
         xq->d[u] = d;
         xq->s[u] = d * (float)isum;
     }
 }
 
-/* x quantized (gguf_quantize_x) into one allocation; with `tiled`, also in AMX tiles (qa),
- * zero rows up to a multiple of 32 rows; 2 when memory ran out */
+/* x quantized (gguf_quantize_x) into one allocation; with `tiled`, q in AMX tiles only (qa,
+ * zero rows up to a multiple of 32 rows; q and xu NULL); 2 when memory ran out */
 __attribute__((unused)) static int gguf_xq_make_tiled(const float *x, int rows, int in, int tiled,
                                                       gguf_xq *xq) {
     int padded = tiled ? (rows + 31) / 32 * 32 : 0;
-    size_t n = (size_t)rows * in, na = (size_t)padded * in, nb = (size_t)rows * (in / 32);
+    size_t n = tiled ? 0 : (size_t)rows * in, na = (size_t)padded * in;
+    size_t nb = (size_t)rows * (in / 32);
     char *mem = (char *)malloc(2 * n + na + nb * (2 * sizeof(float) + sizeof(int32_t)));
     if (!mem) return 2;
     xq->d = (float *)mem;
     xq->s = xq->d + nb;
     xq->isum = (int32_t *)(xq->s + nb);
-    xq->q = (int8_t *)(xq->isum + nb);
-    xq->xu = (uint8_t *)xq->q + n;
-    xq->qa = tiled ? (int8_t *)xq->xu + n : NULL;
+    xq->q = tiled ? NULL : (int8_t *)(xq->isum + nb);
+    xq->xu = tiled ? NULL : (uint8_t *)xq->q + n;
+    xq->qa = tiled ? (int8_t *)(xq->isum + nb) : NULL;
     xq->in = in;
     xq->nu = in / 32;
-    if (tiled) memset(xq->qa + n, 0, na - n);
+    if (tiled) memset(xq->qa + (size_t)rows * in, 0, na - (size_t)rows * in);
     gguf_quantize_x(x, rows, xq);
     return 0;
 }
