@@ -31,8 +31,8 @@
 
 #include "gguf.h"
 #include "gguf_gemm.h"
-#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512F__) && \
-    defined(GGUF_GW) && GGUF_GW == 16
+#if defined(__linux__) && defined(__AMX_INT8__) && defined(__AMX_TILE__) && \
+    defined(__AVX512F__) && defined(GGUF_GW) && GGUF_GW == 16
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
