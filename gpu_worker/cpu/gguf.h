@@ -179,6 +179,9 @@ typedef struct {
      * 1.2% above its float32 perplexity against llama.cpp's 0.2% */
     float *s;
     uint8_t *xu;   /* q + 128 (the GEMM's unsigned operand) */
+    /* NULL; or for the AMX GEMM, x's int8 in tiles of 16 rows, [rows / 16][nu][16][32]
+     * (then q and xu are NULL) */
+    int8_t *qa;
     int32_t *isum; /* the block's sum of q */
     int in, nu;
 } gguf_xq;

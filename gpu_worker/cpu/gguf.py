@@ -5,9 +5,11 @@ of the matrix = in_features / block_values blocks, laid out as ggml stores them)
 x is quantized to int8 per 32 values (per row, so a row's output never depends on the other
 rows of its batch). Up to MAX_KERNEL_ROWS rows (decode) go to the few-row kernel, which
 streams the weights once in their block format; more rows (prefill chunks, big decode
-batches) to an int8 GEMM on 8 weight rows at a time (Q4_0, Q4_1, Q5_0, Q5_1; Q8_0 on CPUs
-with VNNI); CPUs without AVX2 dequantize to float32 and multiply with torch.
-The two int8 paths do the same float operations in the same order, so a row's result is the
+batches) to an int8 GEMM on 8 or 16 weight rows at a time (Q4_0, Q4_1, Q5_0, Q5_1; Q8_0 on
+CPUs with VNNI), on AMX int8 tiles where the CPU has them and Linux grants the process their
+state (gguf_amx.h; the AVX GEMM elsewhere); CPUs without AVX2 dequantize to float32 and
+multiply with torch.
+The int8 paths do the same float operations in the same order, so a row's result is the
 same bits in a batch of any size (K-quants take the few-row kernel for every row count):
 greedy tokens never depend on the batch, the chunking or a speculative verification.
 
@@ -28,7 +30,9 @@ import torch.nn.functional as F
 from gpu_worker.cpu.build import KernelLibrary
 
 SOURCE = Path(__file__).with_name("gguf.c")
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("gguf.h", "gguf_rows.h", "gguf_gemm.h"))
+HEADERS = tuple(
+    Path(__file__).with_name(n) for n in ("gguf.h", "gguf_rows.h", "gguf_gemm.h", "gguf_amx.h")
+)
 _T = gguf.GGMLQuantizationType
 SUPPORTED = frozenset({_T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1, _T.Q8_0, _T.Q4_K, _T.Q5_K, _T.Q6_K})
 # the most rows of x the few-row kernel takes; more go to the int8 GEMM: where the two met for
@@ -41,6 +45,8 @@ MAX_KERNEL_ROWS = 4
 # its other matrices, whole or tiled, within noise), one thread of a busy Sapphire Rapids
 TILE_ABOVE_BYTES = 8 << 20
 TILE_BYTES = 1 << 20
+# gguf_linear_many_path's path argument per GEMM path name ("rows" and "f32" are other entries)
+_PATHS = {"rows": -1, "f32": -1, "many": 0, "many_avx": 1, "amx": 2}
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -49,6 +55,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn = getattr(lib, name)
         fn.restype = i
         fn.argtypes = [p, i, p, i, p, p, i, i, i]
+    lib.gguf_linear_many_path.restype = i
+    lib.gguf_linear_many_path.argtypes = [p, i, p, i, p, p, i, i, i, i]
+    lib.gguf_amx_available.restype = i
+    lib.gguf_amx_available.argtypes = []
     lib.gguf_dequantize.restype = i
     lib.gguf_dequantize.argtypes = [p, i, p, i, i, i]
     lib.gguf_sum_bytes.restype = ctypes.c_uint64
@@ -109,9 +119,12 @@ class GgufKernels:
         path: str = "rows",
     ) -> torch.Tensor:
         """x [rows, in] float32 @ W.T (+ bias) -> [rows, out] float32, W in its block format:
-        by the few-row int8 kernel ("rows"), the int8 GEMM ("many"), or each weight row
-        dequantized and multiplied in float32 ("f32"). ValueError where the path does not
-        take the type on this CPU (the GEMM: Q4_0, Q4_1, Q5_0, Q5_1; Q8_0 with VNNI)."""
+        by the few-row int8 kernel ("rows"), the int8 GEMM ("many": on AMX tiles where
+        available, else "many_avx"), the GEMM on AVX registers only ("many_avx": VNNI or
+        AVX2), the GEMM on AMX tiles only ("amx"), or each weight row dequantized and
+        multiplied in float32 ("f32"). ValueError where the path does not take the type on
+        this CPU (the GEMM: Q4_0, Q4_1, Q5_0, Q5_1; Q8_0 with VNNI; "amx" only where
+        `amx_available()`)."""
         y, code = self._run(path, x, weight, qtype, out_features, in_features, bias)
         if code == 1:
             raise ValueError(f"the {path!r} path does not take type {qtype} on this CPU")
@@ -149,12 +162,9 @@ class GgufKernels:
             return y, 0
         bf = bias.to(torch.float32).contiguous() if bias is not None else None
         lib = self._lib()
-        fn = {
-            "rows": lib.gguf_linear_rows,
-            "f32": lib.gguf_linear_rows_f32,
-            "many": lib.gguf_linear_many,
-        }[path]
-        code = fn(
+        if path not in _PATHS:
+            raise ValueError(f"path must be one of {sorted(_PATHS)}, got {path!r}")
+        args = (
             xf.data_ptr(),
             xf.shape[0],
             weight.data_ptr(),
@@ -165,9 +175,21 @@ class GgufKernels:
             in_features,
             torch.get_num_threads(),
         )
+        if path == "rows":
+            code = lib.gguf_linear_rows(*args)
+        elif path == "f32":
+            code = lib.gguf_linear_rows_f32(*args)
+        else:
+            code = lib.gguf_linear_many_path(*args, _PATHS[path])
         if code not in (0, 1):
             raise RuntimeError(f"GGUF {path} kernel failed ({code})")
         return y, code
+
+    def amx_available(self) -> bool:
+        """Whether the GEMM runs on AMX int8 tiles here: the library was built with AMX-INT8
+        (this CPU has it) and Linux granted the process the tile state."""
+        lib = self.load()
+        return lib is not None and bool(lib.gguf_amx_available())
 
     def dequantize(
         self, weight: torch.Tensor, qtype: int, out_features: int, in_features: int

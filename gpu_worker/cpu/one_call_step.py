@@ -68,7 +68,7 @@ SOURCE = HERE / "one_call_step.c"
 INCLUDES = tuple(
     HERE / name
     for name in (
-        *("bf16.h", "linear.c", "gguf.c", "gguf.h", "gguf_rows.h", "gguf_gemm.h"),
+        *("bf16.h", "linear.c", "gguf.c", "gguf.h", "gguf_rows.h", "gguf_gemm.h", "gguf_amx.h"),
         *("int8.c", "layers.c", "lora.c", "paged_decode.c", "moe.c", "mxfp4.c"),
     )
 )

@@ -235,6 +235,82 @@ def test_a_row_is_the_same_bits_alone_and_in_any_batch(march: str, qtype: int) -
         assert torch.equal(many, k.linear_rows(x, wt, qtype, out, inn, None))
 
 
+NATIVE_AMX = KERNELS["native"].amx_available()
+needs_amx = pytest.mark.skipif(
+    not NATIVE_AMX,
+    reason="no AMX int8 tiles here (the CPU lacks amx_int8 / amx_tile, or Linux did not grant "
+    "the process the tile state): the AMX GEMM is not built or not taken",
+)
+# shapes off the AMX tiles' sizes (32 weight rows, 16 x 32 bytes of x a tile): out not a
+# multiple of 16 or 32, in an odd number of 32-value blocks; row counts ragged around 32
+AMX_SHAPES = [(40, 96), (50, 64), (200, 576), (576, 1536)]
+AMX_BATCHES = [(0, 1), (5, 22), (3, 35), (11, 43), (0, 77)]
+
+
+@needs_amx
+@pytest.mark.parametrize("qtype", SMALL_TYPES)
+def test_the_amx_gemm_is_the_same_bits_as_the_avx_gemm_and_the_few_row_kernel(qtype: int) -> None:
+    """AMX tiles compute each block's integer dot exactly and the same float epilogue in the
+    same order: every output equals the AVX GEMM's and the few-row kernel's bits, for a row
+    alone and in batches of any size, bias included."""
+    k = KERNELS["native"]
+    for i, (out, inn) in enumerate(AMX_SHAPES):
+        wt = torch.from_numpy(random_weight(qtype, out, inn, 20 + i))
+        gen = torch.Generator().manual_seed(20 + i)
+        x, bias = torch.randn(77, inn, generator=gen), torch.randn(out, generator=gen)
+        amx = k.linear_rows(x, wt, qtype, out, inn, bias, path="amx")
+        assert torch.equal(amx, k.linear_rows(x, wt, qtype, out, inn, bias, path="many_avx"))
+        assert torch.equal(amx, k.linear_rows(x, wt, qtype, out, inn, bias, path="rows"))
+        assert torch.equal(amx, k.linear(x, wt, qtype, out, inn, bias))
+        for lo, hi in AMX_BATCHES:
+            part = k.linear_rows(x[lo:hi], wt, qtype, out, inn, bias, path="amx")
+            assert torch.equal(part, amx[lo:hi])
+
+
+# builds for other instruction sets than this CPU's, where it can run them: the same bits
+OTHER_BUILDS = {
+    "haswell": {"avx2", "fma", "f16c"},  # AVX2: 8-lane GEMM, maddubs
+    "skylake-avx512": {"avx512f", "avx512bw", "avx512vl"},  # AVX-512 without VNNI
+    "icelake-server": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"},  # VNNI, no AMX
+}
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 builds only")
+def test_every_build_gives_a_row_the_same_bits() -> None:
+    """The few-row kernel and the GEMM of an AVX2, an AVX-512 and an AVX-512 VNNI build give
+    this CPU's build's bits (its AMX GEMM where it has one): a model's outputs do not depend
+    on the machine's instruction set."""
+    builds = {m: GgufKernels(m) for m, need in OTHER_BUILDS.items() if need <= cpu_flags()}
+    if not builds:
+        pytest.skip("this CPU runs none of the other builds (no AVX2)")
+    out, inn = 200, 576
+    for qtype in SMALL_TYPES:
+        wt = torch.from_numpy(random_weight(qtype, out, inn, 30))
+        gen = torch.Generator().manual_seed(30)
+        x, bias = torch.randn(45, inn, generator=gen), torch.randn(out, generator=gen)
+        native = KERNELS["native"].linear(x, wt, qtype, out, inn, bias)
+        for march, k in builds.items():
+            assert not k.amx_available()
+            assert torch.equal(k.linear_rows(x, wt, qtype, out, inn, bias), native), march
+            many = k.linear_many(x, wt, qtype, out, inn, bias)
+            if many is not None:  # Q8_0 needs VNNI (maddubs would saturate)
+                assert torch.equal(many, native), march
+
+
+def test_the_gemm_paths_are_named_and_amx_is_refused_where_absent() -> None:
+    k = KERNELS["native"]
+    wt = torch.from_numpy(random_weight(T.Q4_1, 8, 64, 0))
+    with pytest.raises(ValueError, match="path must be one of"):
+        k.linear_rows(torch.randn(40, 64), wt, T.Q4_1, 8, 64, path="tiles")
+    if not NATIVE_AMX:
+        with pytest.raises(ValueError, match="'amx' path does not take"):
+            k.linear_rows(torch.randn(40, 64), wt, T.Q4_1, 8, 64, path="amx")
+    for march in [m for m in KERNELS if m != "native"]:  # builds without AMX never take it
+        assert not KERNELS[march].amx_available()
+    if "amx_int8" not in cpu_flags():
+        assert not NATIVE_AMX
+
+
 def test_gguf_linear_takes_any_leading_shape_and_bfloat16() -> None:
     out, inn, qtype = 192, 576, T.Q4_1
     w = random_weight(qtype, out, inn, 11)

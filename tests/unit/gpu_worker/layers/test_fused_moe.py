@@ -226,6 +226,23 @@ def test_a_token_is_the_same_bits_alone_and_in_any_batch(kind: str) -> None:
     assert sum(layer.tokens_per_expert) == (41 + 3 + 17) * 3
 
 
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
+def test_experts_with_many_rows_are_the_same_bits_alone(kind: str) -> None:
+    """A prefill-sized batch gives experts 32 rows and more: moe.c sends them to gguf.c's GEMM
+    (on AMX tiles where the CPU has them); a token alone (the few-row kernel) gets the same
+    bits."""
+    if cpu_gguf.load() is None:
+        pytest.skip("gguf.c cannot be built here")
+    layer = _layer(kind)
+    gen = torch.Generator().manual_seed(6)
+    x, logits = torch.randn(160, HIDDEN, generator=gen), torch.randn(160, EXPERTS, generator=gen)
+    with torch.no_grad():
+        batch = layer(x, logits)
+        assert max(layer.tokens_per_expert) >= 32
+        for i in (0, 81, 159):
+            assert torch.equal(layer(x[i : i + 1], logits[i : i + 1])[0], batch[i]), i
+
+
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", "int8"])
 def test_quantized_experts_match_their_dequantized_reference(kind: str) -> None:
     """GGUF and int8 experts against float experts of the dequantized weights (the layer's
