@@ -38,6 +38,16 @@ class LayerGroups:
     def is_dense(self) -> bool:
         return self.windows == (0,)
 
+    @property
+    def ref_group(self) -> int:
+        return reference_group(self.windows)
+
+
+def reference_group(windows: tuple[int, ...] | list[int]) -> int:
+    """The group whose table stands for a request where one table is asked for (its length
+    is the sequence's): the widest window, a global group if there is one."""
+    return max(range(len(windows)), key=lambda g: windows[g] or 2**62)
+
 
 def layer_groups(windows: list[int] | tuple[int, ...], num_layers: int) -> LayerGroups:
     """Group the layers by window (`windows` per layer, empty or all 0: no window)."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter, OrderedDict, deque
 
-from common.kv_groups import PLACEHOLDER
+from common.kv_groups import PLACEHOLDER, reference_group
 from common.prefix_hash import block_hash, num_matchable_blocks
 
 GroupTables = list[list[int]]  # per group: a block table
@@ -80,9 +80,8 @@ class GroupedBlockManager:
         self._owner_of: list[str] = [""] * num_blocks
         self._by_hash: list[dict[int, int]] = [{} for _ in self.windows]
         self.tables: dict[str, GroupTables] = {}
-        # the group whose table stands for the request where one table is asked for (the
-        # widest window; a global group if there is one): its length is the sequence's
-        self.ref_group = max(range(self.num_groups), key=lambda g: self.windows[g] or 2**62)
+        # the group whose table stands for the request where one table is asked for
+        self.ref_group = reference_group(self.windows)
         self.block_tables: dict[str, list[int]] = {}  # the ref group's tables
         self._released: dict[str, list[int]] = {}  # per request and group: entries released
         self._chains: dict[str, list[int]] = {}

@@ -198,6 +198,8 @@ class SchedulingPolicy:
 
     def _reserve(self, req: Request, index: int, num_tokens: int, out: SchedulerOutput) -> bool:
         """Make room for req's blocks by preempting running requests not yet scheduled."""
+        if isinstance(self.blocks, GroupedBlockManager):  # what its windows no longer read
+            self.blocks.release_out_of_window(req.request_id, req.num_computed_tokens)
         need = self.blocks.num_new_blocks(req.request_id, num_tokens)
         need += self.blocks.is_shared(req.request_id, req.num_computed_tokens)
         while not self.blocks.can_allocate(need):
