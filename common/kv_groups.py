@@ -78,3 +78,31 @@ def layer_groups(windows: list[int] | tuple[int, ...], num_layers: int) -> Layer
         slot_of=tuple(slot_of),
         num_slots=size,
     )
+
+
+def blocks_held(windows: tuple[int, ...] | list[int], block_size: int, num_tokens: int,
+                chunk: int) -> int:  # fmt: skip
+    """The most blocks one sequence of `num_tokens` holds over all groups, computed in
+    chunks of at most `chunk` tokens: a global group every block, a sliding group those
+    from the window of a chunk's first token to its last (fewer if the sequence is short)."""
+    whole = -(-num_tokens // block_size)
+    held = 0
+    for w in windows:
+        held += whole if not w else min(whole, -(-(w - 1 + chunk) // block_size) + 1)
+    return held
+
+
+def max_tokens_in_pool(
+    windows: tuple[int, ...] | list[int], num_blocks: int, block_size: int, chunk: int, limit: int
+) -> int:
+    """The longest sequence (at most `limit` tokens) whose blocks fit in `num_blocks`."""
+    if blocks_held(windows, block_size, limit, chunk) <= num_blocks:
+        return limit
+    lo, hi = 0, limit  # held(lo) fits, held(hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if blocks_held(windows, block_size, mid, chunk) <= num_blocks:
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -189,7 +189,8 @@ class EngineCore:
         root = cache_root(
             name, info.weights_version, info.tokenizer_fingerprint, info.position_config
         )
-        self.served = CurrentModel(info=info, name=name, root=root)
+        chunk = self.policy_config.max_num_batched_tokens
+        self.served = CurrentModel(info=info, name=name, root=root, chunk=chunk)
         policy.set_version(self.served.version, root)
         self.window.expert_tokens = []  # a MoE's per-expert counts are the served model's
         if old_fingerprint not in (None, self.served.tokenizer_fingerprint):
