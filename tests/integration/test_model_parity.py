@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from common.kv_groups import PLACEHOLDER
 from common.messages.scheduler_worker import StepPlan
 from common.messages.types import SamplingParams
 from common.prepare_model import default_model_dir
@@ -72,7 +73,7 @@ class MiniScheduler:
         req = self.reqs[req_id]
         self.free.extend(req.blocks)
         for table in req.group_blocks:
-            self.free.extend(table)
+            self.free.extend(b for b in table if b != PLACEHOLDER)
         req.blocks, req.group_blocks, req.num_computed = [], [], 0
         self.preempted.append(req_id)
 
@@ -113,7 +114,14 @@ class MiniScheduler:
         if not req.group_blocks:
             req.group_blocks = [[] for _ in groups.windows]
         added = []
-        for table in req.group_blocks:
+        for window, table in zip(groups.windows, req.group_blocks, strict=True):
+            # a sliding group lets go of the blocks before the window of the step's first
+            # token (the worker keeps their ids in its table: it never reads them)
+            first = max(0, req.num_computed - window + 1) // block_size if window else 0
+            for i in range(first):
+                if table[i] != PLACEHOLDER:
+                    self.free.append(table[i])
+                    table[i] = PLACEHOLDER
             added.append([self.free.pop() for _ in range(max(0, want - len(table)))])
             table.extend(added[-1])
         return added
@@ -147,7 +155,7 @@ class MiniScheduler:
             self.done[req_id] = req.output
             self.free.extend(req.blocks)
             for table in req.group_blocks:
-                self.free.extend(table)
+                self.free.extend(b for b in table if b != PLACEHOLDER)
             del self.reqs[req_id]
             self.finished.append(req_id)
 
