@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.kv_groups import PLACEHOLDER, layer_groups
-from common.messages import FinishReason, SamplingParams
+from common.kv_groups import PLACEHOLDER, blocks_held, layer_groups, max_tokens_in_pool
+from common.messages import FinishReason, ModelInfo, SamplingParams
+from services.scheduler.current_model import CurrentModel
 from services.scheduler.grouped_blocks import GroupedBlockManager
 from services.scheduler.policy import PolicyConfig, SchedulerOutput, SchedulingPolicy
 from services.scheduler.request import Request
@@ -289,3 +290,17 @@ def test_policy_preempts_and_recomputes_with_groups() -> None:
         s.check_integrity()
     assert s.num_preemptions >= 1
     assert not s.requests and bm.num_used_blocks == 0
+
+
+def test_the_longest_sequence_a_grouped_pool_holds() -> None:
+    # global group: every block; sliding group (window 8, chunks of 8): at most 5
+    assert blocks_held([0, 8], 4, 100, 8) == 25 + 5
+    assert max_tokens_in_pool([0, 8], 30, 4, 8, 1000) == 100
+    assert max_tokens_in_pool([8], 6, 4, 8, 1000) == 1000  # all sliding: the window only
+    assert max_tokens_in_pool([0], 30, 4, 8, 50) == 50
+    info = ModelInfo(
+        model_type="gemma3_text", num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32",
+        num_blocks=30, block_size=4, max_model_len=1000, vocab_size=0, eos_token_ids=[],
+        weights_version="v", kv_group_windows=[0, 8],
+    )  # fmt: skip
+    assert CurrentModel(info=info, name="m", root=1, chunk=8).max_model_len == 100
