@@ -57,16 +57,11 @@ def draft_kv_share(
 
 def kv_layer_groups(config: LlamaConfig, options: RunnerOptions) -> LayerGroups | None:
     """The model's KV layer groups (common/kv_groups.py), or None for the dense layout: a
-    model without windows, or one served with what groups do not take yet (swap
-    preemption, the KV tiers, a draft model: each moves or reads a block as every layer's)."""
+    model without windows, or one served with what groups do not take yet (the KV tiers,
+    keyed by a block's hash alone, and a draft model, which reads the target's tables)."""
     if not config.sliding_windows:
         return None
-    if (
-        options.swap_space_gib
-        or options.kv_offload_memory_gib
-        or options.kv_offload_dir
-        or options.draft_model
-    ):
+    if options.kv_offload_memory_gib or options.kv_offload_dir or options.draft_model:
         return None
     return layer_groups(config.sliding_windows, config.num_layers)
 

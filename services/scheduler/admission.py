@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 
 from common.model_facts import lora_root, salted_root
 from common.prefix_hash import block_hash, num_matchable_blocks
-from services.scheduler.block_manager import BlockManager
 from services.scheduler.grouped_blocks import NO_HITS, GroupedBlockManager
 from services.scheduler.kv_tiers import DISK, FETCHING, HOST
 from services.scheduler.request import Request, Status
@@ -131,11 +130,20 @@ def _admit_swapped(
 ) -> int:
     n = min(req.num_tokens - req.num_computed_tokens, budget)
     bm = policy.blocks
-    assert isinstance(bm, BlockManager), "swap preemption is refused with layer groups"
-    need = bm.num_blocks_for(req.num_computed_tokens + n)
-    if n <= 0 or not _fits(policy, need, need):
-        return 0
-    gpu = bm.allocate(req.request_id, req.num_computed_tokens)
+    if isinstance(bm, GroupedBlockManager):  # each group's blocks where they were
+        assert req.host_layout is not None and req.host_blocks is not None
+        start = req.num_computed_tokens
+        want = bm.num_blocks_for(start + n)
+        need = len(req.host_blocks) + sum(max(0, want - len(t)) for t in req.host_layout)
+        if n <= 0 or not _fits(policy, need, need):
+            return 0
+        gpu = bm.allocate_layout(req.request_id, req.host_layout)
+        req.host_layout = None
+    else:
+        need = bm.num_blocks_for(req.num_computed_tokens + n)
+        if n <= 0 or not _fits(policy, need, need):
+            return 0
+        gpu = bm.allocate(req.request_id, req.num_computed_tokens)
     assert req.host_blocks is not None and len(gpu) == len(req.host_blocks)
     out.swap_in.extend(zip(req.host_blocks, gpu, strict=True))
     policy.host_pool.free(req.host_blocks)

@@ -316,6 +316,28 @@ class GroupedBlockManager:
             added.append(new_ids)
         return added
 
+    def layout(self, req_id: str) -> tuple[list[int], list[list[bool]]]:
+        """The request's blocks, group by group in table order, and which entries of each
+        table are blocks (a swap-out copies those, a swap-in puts them back)."""
+        tables = self.tables.get(req_id, [])
+        blocks = [b for t in tables for b in t if b != PLACEHOLDER]
+        return blocks, [[b != PLACEHOLDER for b in t] for t in tables]
+
+    def allocate_layout(self, req_id: str, layout: list[list[bool]]) -> list[int]:
+        """Tables of fresh blocks where `layout` has blocks (PLACEHOLDER elsewhere) for a
+        request swapped back in; returns the blocks in layout's order."""
+        need = sum(sum(t) for t in layout)
+        if need > self.num_free_blocks:
+            raise MemoryError(f"{req_id} needs {need} blocks, {self.num_free_blocks} free")
+        assert not self.tables.get(req_id) or not any(self.tables[req_id])
+        tables = [
+            [self._fresh(g) if real else PLACEHOLDER for real in t] for g, t in enumerate(layout)
+        ]
+        self._set_tables(req_id, tables)
+        self._released[req_id] = [sum(1 for b in t if b == PLACEHOLDER) for t in tables]
+        self._chains[req_id] = []
+        return [b for t in tables for b in t if b != PLACEHOLDER]
+
     def release_out_of_window(self, req_id: str, position: int) -> int:
         """The next token `req_id` computes is at `position`: each sliding group lets go
         of the blocks before that token's window. Returns how many went back."""

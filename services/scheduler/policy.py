@@ -55,10 +55,10 @@ class SchedulingPolicy:
     ) -> None:
         if config.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"unknown preemption mode {config.preemption_mode!r}")
-        if blocks.grouped and (config.preemption_mode == "swap" or tiers is not None):
+        if blocks.grouped and tiers is not None:
             raise ValueError(
-                "--preemption-mode swap and the KV tiers (--kv-offload-memory, "
-                "--kv-offload-dir) are not supported with sliding-window layer groups"
+                "the KV tiers (--kv-offload-memory, --kv-offload-dir) are not supported "
+                "with sliding-window layer groups"
             )
         self.blocks = blocks
         self.config = config
@@ -220,13 +220,16 @@ class SchedulingPolicy:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         table = self.blocks.block_tables.get(req.request_id, [])
+        layout = None
+        if isinstance(self.blocks, GroupedBlockManager):  # every group's blocks
+            table, layout = self.blocks.layout(req.request_id)
         # a token still pending from the step in flight is fine: the copy-out runs after that
         # step on the worker, and the request is not scheduled again before its result
         swap = self.config.preemption_mode == "swap" and self.host_pool.can_allocate(len(table))
         if swap:
             host = self.host_pool.allocate(len(table))
             out.swap_out.extend(zip(table, host, strict=True))
-            req.host_blocks = host
+            req.host_blocks, req.host_layout = host, layout
             self.num_swaps += 1
         else:
             req.num_computed_tokens = 0
@@ -390,7 +393,7 @@ class SchedulingPolicy:
             self.waiting.remove(req)
         if req.host_blocks is not None:
             self.host_pool.free(req.host_blocks)
-            req.host_blocks = None
+            req.host_blocks = req.host_layout = None
         req.status = Status.FINISHED
         req.finish_reason = reason
         self.blocks.free(req.request_id)

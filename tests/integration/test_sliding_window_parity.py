@@ -49,7 +49,8 @@ def _serve(engine, prompts: list[list[int]], sp: SamplingParams = GREEDY):  # ty
 
 
 def _runner(path: str) -> ModelRunner:
-    return ModelRunner(path, RunnerOptions(block_size=4, num_blocks=512, num_threads=2))
+    options = RunnerOptions(block_size=4, num_blocks=512, num_threads=2, swap_space_gib=0.01)
+    return ModelRunner(path, options)
 
 
 def test_alone_then_batched_in_chunks_then_from_the_prefix_cache(model) -> None:
@@ -93,3 +94,12 @@ def test_n_forks_and_preemption_keep_outputs(model, request) -> None:
     assert [o[0] for o in _serve(engine, prompts)] == expected
     assert engine.policy.num_preemptions > 0 or all(groups.windows)
     assert engine.policy.blocks.num_released > 0
+    # the same, preempted by swapping each group's blocks out and back in
+    engine = LocalEngine(
+        runner,
+        PolicyConfig(max_num_batched_tokens=64, watermark=0.0, preemption_mode="swap"),
+        num_blocks=num_blocks,
+        prefix_caching=False,
+    )
+    assert [o[0] for o in _serve(engine, prompts)] == expected
+    assert engine.policy.num_swaps > 0 or all(groups.windows)

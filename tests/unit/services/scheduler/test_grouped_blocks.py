@@ -13,8 +13,10 @@ from hypothesis import strategies as st
 
 from common.kv_groups import PLACEHOLDER, blocks_held, layer_groups, max_tokens_in_pool
 from common.messages import FinishReason, ModelInfo, SamplingParams
+from services.scheduler.block_manager import HostBlockPool
 from services.scheduler.current_model import CurrentModel
 from services.scheduler.grouped_blocks import GroupedBlockManager
+from services.scheduler.kv_tiers import TierIndex
 from services.scheduler.policy import PolicyConfig, SchedulerOutput, SchedulingPolicy
 from services.scheduler.request import Request
 
@@ -153,9 +155,9 @@ def test_blocks_per_group_for_stats() -> None:
     ]
 
 
-def test_policy_refuses_swap_and_tiers_by_name() -> None:
-    with pytest.raises(ValueError, match="preemption-mode swap"):
-        SchedulingPolicy(GroupedBlockManager(8, 4, [0, 4]), PolicyConfig(preemption_mode="swap"))
+def test_policy_refuses_tiers_by_name() -> None:
+    with pytest.raises(ValueError, match="KV tiers"):
+        SchedulingPolicy(GroupedBlockManager(8, 4, [0, 4]), tiers=TierIndex(4, 0))
 
 
 class _Worker:
@@ -207,9 +209,10 @@ class _Worker:
     budget=st.integers(1, 40),
     depth=st.sampled_from([1, 2]),
     windows=st.sampled_from([[0, 6], [0, 9, 9], [5], [0, 4, 12]]),
+    mode=st.sampled_from(["recompute", "swap"]),
 )
 def test_random_operations_keep_every_invariant_with_groups(
-    seed: int, num_blocks: int, budget: int, depth: int, windows: list[int]
+    seed: int, num_blocks: int, budget: int, depth: int, windows: list[int], mode: str
 ) -> None:
     rng = random.Random(seed)
     clock = [0.0]
@@ -220,7 +223,9 @@ def test_random_operations_keep_every_invariant_with_groups(
             max_num_seqs=rng.randint(1, 8),
             max_num_batched_tokens=budget,
             watermark=0.0,
+            preemption_mode=mode,
         ),
+        host_pool=HostBlockPool(rng.choice([0, 8, 64])),
         clock=lambda: clock[0],
     )
     worker, in_flight, root, n_ids = _Worker(bm), deque(), 1, 0
@@ -272,11 +277,14 @@ def test_random_operations_keep_every_invariant_with_groups(
         s.check_integrity()
     assert not s.requests and not in_flight
     assert bm.num_used_blocks == 0 and bm.num_free_blocks == num_blocks
+    assert s.host_pool.num_free_blocks == s.host_pool.num_blocks
 
 
-def test_policy_preempts_and_recomputes_with_groups() -> None:
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_policy_preempts_with_groups(mode: str) -> None:
     bm = GroupedBlockManager(14, 4, [0, 8])
-    s = SchedulingPolicy(bm, PolicyConfig(max_num_batched_tokens=64, watermark=0.0))
+    config = PolicyConfig(max_num_batched_tokens=64, watermark=0.0, preemption_mode=mode)
+    s = SchedulingPolicy(bm, config, host_pool=HostBlockPool(32))
     for rid in ("a", "b"):
         s.add(Request(rid, [1] * 12, SamplingParams(max_tokens=20), eos_token_ids=(0,),
                       max_model_len=64, cache_root=1))  # fmt: skip
@@ -288,8 +296,9 @@ def test_policy_preempts_and_recomputes_with_groups() -> None:
         sampled = [x.request.request_id for x in out.scheduled if x.samples]
         s.update(sampled, [5] * len(sampled))
         s.check_integrity()
-    assert s.num_preemptions >= 1
+    assert s.num_preemptions >= 1 and (s.num_swaps >= 1) == (mode == "swap")
     assert not s.requests and bm.num_used_blocks == 0
+    assert s.host_pool.num_free_blocks == 32
 
 
 def test_the_longest_sequence_a_grouped_pool_holds() -> None:
