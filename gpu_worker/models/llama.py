@@ -494,7 +494,7 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         groups = meta.group_metas  # KV layer groups: each layer its group's tables
-        if self.one_call_step is not None and not groups:
+        if self.one_call_step is not None:
             hidden = self.one_call_step.forward(self, input_ids, positions, kv_cache, meta)
             if hidden is not None:
                 return hidden
