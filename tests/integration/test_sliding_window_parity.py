@@ -103,3 +103,16 @@ def test_n_forks_and_preemption_keep_outputs(model, request) -> None:
     )
     assert [o[0] for o in _serve(engine, prompts)] == expected
     assert engine.policy.num_swaps > 0 or all(groups.windows)
+
+
+def test_ngram_speculation_trims_every_group(model) -> None:
+    """Drafts (prompt lookup) verified in the step: rejected drafts' blocks leave every
+    group's table, on both sides, and the tokens stay transformers'."""
+    path, prompts, expected = model
+    options = RunnerOptions(
+        block_size=4, num_blocks=512, num_threads=2, speculative="ngram", prompt_lookup_min=1
+    )
+    runner = ModelRunner(path, options)
+    engine = LocalEngine(runner, PolicyConfig(max_num_batched_tokens=32, num_speculative_tokens=3))
+    assert [o[0] for o in _serve(engine, prompts)] == expected
+    assert engine.policy.num_spec_rounds > 0 and engine.policy.blocks.num_released > 0
