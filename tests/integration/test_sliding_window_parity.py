@@ -18,6 +18,7 @@ from common.kv_groups import blocks_held
 from common.messages import SamplingParams
 from gpu_worker.runner.model_runner import ModelRunner
 from gpu_worker.runner.options import RunnerOptions
+from services.scheduler.engine_view import stats
 from services.scheduler.grouped_blocks import GroupedBlockManager
 from services.scheduler.policy import PolicyConfig
 from tests.engine import LocalEngine
@@ -64,6 +65,10 @@ def test_alone_then_batched_in_chunks_then_from_the_prefix_cache(model) -> None:
     assert [o[0] for o in _serve(engine, prompts)] == expected
     blocks = engine.policy.blocks
     assert isinstance(blocks, GroupedBlockManager) and blocks.num_released > 0
+    shown = stats(engine.core)  # /admin/stats: blocks per group (all cached now, none used)
+    assert [g["window"] for g in shown["kv_groups"]] == list(blocks.windows)
+    assert sum(g["num_used_blocks"] for g in shown["kv_groups"]) == 0
+    assert shown["kv_released_blocks"] == blocks.num_released
     hits = engine.policy.blocks.num_cached_hits
     assert [o[0] for o in _serve(engine, prompts)] == expected  # again: from the cache
     assert engine.policy.blocks.num_cached_hits - hits >= sum(len(p) for p in prompts) // 2
