@@ -51,6 +51,10 @@ class StepPlan:
     num_computed_tokens: list[int] = dataclasses.field(default_factory=list)  # [num_reqs]
     num_new_tokens: list[int] = dataclasses.field(default_factory=list)  # [num_reqs]
     new_block_ids: list[list[int]] = dataclasses.field(default_factory=list)  # [num_reqs][*]
+    # KV layer groups (ModelInfo.kv_group_windows): each group's new entries, -1 where a
+    # sliding group's block went back (never read: out of the window); new_block_ids is
+    # then the reference group's. Empty: one dense group
+    new_group_block_ids: list[list[list[int]]] = dataclasses.field(default_factory=list)
     # speculative decoding: slots for up to this many draft tokens after a decode's token
     # (the worker proposes them and verifies them in this step's forward); empty: none
     num_spec_tokens: list[int] = dataclasses.field(default_factory=list)  # [num_reqs]
@@ -67,6 +71,7 @@ class StepPlan:
     copy_index: list[int] = dataclasses.field(default_factory=list)  # [c]
     copy_src: list[int] = dataclasses.field(default_factory=list)  # [c]
     copy_dst: list[int] = dataclasses.field(default_factory=list)  # [c]
+    copy_groups: list[int] = dataclasses.field(default_factory=list)  # [c] with layer groups
     # the prefix cache's lower tiers (host slots and files, keyed by the block's hash chain
     # key, version root included); the worker does them before the step computes, in this
     # order: drops, spills, fetches, saves; then (after swap_out) loads. Absent: none.

@@ -166,6 +166,9 @@ class ModelInfo:
     kv_pool_id: str = ""  # a new id: the worker allocated a new KV pool (start, drain swap),
     # whose blocks hold nothing: the scheduler's prefix cache of the old pool is forgotten
     kv_cache_dtype: str = ""  # how KV rows are stored: the float dtype, int8, fp8_e4m3, fp8_e5m2
+    # KV layer groups (common/kv_groups.py): each group's window (0: the whole context),
+    # one block table per group in the scheduler; empty: one dense group (no windows)
+    kv_group_windows: list[int] = dataclasses.field(default_factory=list)
     device: str = ""
     speculative: str = ""  # the speculative method, "" = off
     tensor_parallel_size: int = 1

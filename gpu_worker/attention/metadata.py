@@ -13,6 +13,7 @@ into the model's forward, never read from a global.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 
@@ -34,6 +35,10 @@ class AttentionMetadata:
     query_start_loc_host: list[int]
     seq_lens_host: list[int]
     num_computed_host: list[int]
+    # KV layer groups (common/kv_groups.py): per group, this metadata with the group's block
+    # tables and slot mapping (a layer of group g attends with group_metas[g]); () for one
+    # dense group
+    group_metas: tuple[AttentionMetadata, ...] = dataclasses.field(default=(), kw_only=True)
 
     @property
     def num_reqs(self) -> int:
@@ -86,6 +91,35 @@ def build_metadata(
         query_start_loc_host=qsl,
         seq_lens_host=seq_lens,
         num_computed_host=list(num_computed),
+    )
+
+
+def group_metadata(
+    meta: AttentionMetadata,
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """`meta` (of the same batch, in the same order) with another layer group's block
+    tables and slot mapping. A sliding group's table holds -1 where its block went back to
+    the pool: such an entry is out of the window of every token of the step, never read; it
+    becomes block 0 here (a valid index for a backend that gathers the whole table and masks)."""
+    max_blocks = max(1, max(len(t) for t in block_tables))
+    table = torch.zeros(len(block_tables), max_blocks, dtype=torch.int32)
+    for i, blocks in enumerate(block_tables):
+        table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    table.clamp_(min=0)
+    _, slots = _positions_and_slots(
+        meta.num_computed_host,
+        [b - a for a, b in itertools.pairwise(meta.query_start_loc_host)],
+        meta.query_start_loc_host,
+        table,
+        block_size,
+    )
+    return dataclasses.replace(
+        meta,
+        slot_mapping=slots.to(device, non_blocking=True),
+        block_tables=table.to(device, non_blocking=True),
     )
 
 

@@ -202,7 +202,11 @@ int decode_forward(const decode_layer_t *layers, int num_layers, float *x, int n
                    const float *sin_t, const int64_t *positions, const int64_t *slots,
                    void *kv_base, int64_t layer_stride, int64_t half_stride,
                    const int32_t *tables, int table_stride, const int32_t *seq_lens, int bs,
-                   float scale, int kv_kind, const int32_t *lora_slots, int nthreads) {
+                   float scale, int kv_kind, const int32_t *lora_slots, int nthreads,
+                   const int64_t *groups) {
+    /* groups (NULL: one dense group): per layer 4 int64, its KV layer group's view
+       (common/kv_groups.py): the slot of the KV tensor it keeps its K/V in, the address of
+       its group's block tables, their row stride, and the address of its slot mapping */
     if (n < 1 || n > MAX_ROWS || heads % kvh != 0) return 1;
     int q_size = heads * d, kv_size = kvh * d, qkv_size = q_size + 2 * kv_size;
     int64_t work = 0;
@@ -221,7 +225,18 @@ int decode_forward(const decode_layer_t *layers, int num_layers, float *x, int n
     int64_t size = kv_kind == KV_F32 ? 4 : kv_kind == KV_BF16 ? 2 : 1, rb = row_bytes(kv_kind, d);
     for (int l = 0; l < num_layers && code == 0; l++) {
         const decode_layer_t *w = layers + l;
-        char *k_cache = (char *)kv_base + l * layer_stride * size;
+        int64_t kv_slot = l;
+        const int32_t *l_tables = tables;
+        int l_stride = table_stride;
+        const int64_t *l_slots = slots;
+        if (groups) {
+            const int64_t *g = groups + 4 * (size_t)l;
+            kv_slot = g[0];
+            l_tables = (const int32_t *)(intptr_t)g[1];
+            l_stride = (int)g[2];
+            l_slots = (const int64_t *)(intptr_t)g[3];
+        }
+        char *k_cache = (char *)kv_base + kv_slot * layer_stride * size;
         char *v_cache = k_cache + half_stride * size;
         rms_norm(x, NULL, w->input_norm, eps, h, NULL, n, hidden, nthreads, 0);
         code |= run_linear(&w->qkv, h, n, qkv, qkv_size, hidden, tmp, lora_slots, nthreads);
@@ -233,12 +248,12 @@ int decode_forward(const decode_layer_t *layers, int num_layers, float *x, int n
             memcpy(q + (size_t)i * q_size, row, sizeof(float) * q_size);
             const float *k = row + q_size, *v = k + kv_size;
             for (int hh = 0; hh < kvh; hh++) { /* each row stored (quantized) once */
-                int64_t at = (slots[i] * kvh + hh) * rb;
+                int64_t at = (l_slots[i] * kvh + hh) * rb;
                 store_row(k_cache + at, kv_kind, k + (size_t)hh * d, d);
                 store_row(v_cache + at, kv_kind, v + (size_t)hh * d, d);
             }
         }
-        if (paged_decode(q, k_cache, v_cache, kv_kind, tables, table_stride, seq_lens, n, heads, kvh,
+        if (paged_decode(q, k_cache, v_cache, kv_kind, l_tables, l_stride, seq_lens, n, heads, kvh,
                          d, bs, scale, w->window, 0.0f, w->sinks, att, attend_threads) != 0)
             code = 2;
         code |= run_linear(&w->o, att, n, proj, hidden, q_size, tmp, lora_slots, nthreads);

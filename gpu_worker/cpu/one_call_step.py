@@ -145,6 +145,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         *(_P, i, _P, i, i, i, i, i, i, i, f),  # layers .. rot, inter, eps
         *(_P, _P, _P, _P, _P, i64, i64),  # cos .. half_stride
         *(_P, i, _P, i, f, i, _P, i),  # tables .. kv_kind, lora_slots, nthreads
+        _P,  # groups: per layer (slot, tables, table stride, slot mapping), or NULL
     ]
 
 
@@ -435,6 +436,18 @@ class OneCallStep:
         if lora is not None and lora.active:
             assert lora.num_tokens == n, "the LoRA mapping is not this step's"
             lora_slots = lora.buffer.data_ptr()
+        groups = None  # KV layer groups: each layer its slot, its group's tables and slots
+        if meta.group_metas:
+            kv_slot, kv_group = model.kv_slot, model.kv_group
+            views = []
+            for m in meta.group_metas:
+                assert m.block_tables.dtype == torch.int32 and m.block_tables.is_contiguous()
+                assert m.slot_mapping.dtype == torch.int64 and m.slot_mapping.is_contiguous()
+                views.append(
+                    (m.block_tables.data_ptr(), m.block_tables.stride(0), m.slot_mapping.data_ptr())
+                )
+            rows = [(kv_slot[i], *views[kv_group[i]]) for i in range(len(model.layers))]
+            groups = torch.tensor(rows, dtype=torch.int64)
         code = lib.decode_forward(
             table,
             len(model.layers),
@@ -462,6 +475,7 @@ class OneCallStep:
             kv_format.kind,  # float32, bf16, or a quantized row (kv_quant.py)
             lora_slots,
             torch.get_num_threads(),
+            groups.data_ptr() if groups is not None else None,
         )
         if code != 0:
             return False

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.kv_groups import layer_groups
 from gpu_worker.attention import AttentionBackend, AttentionMetadata
 from gpu_worker.distributed.sharding import vocab_shard_size
 from gpu_worker.distributed.tensor_parallel import TensorParallel, VocabParallelEmbedding
@@ -468,6 +469,9 @@ class LlamaModel(nn.Module):
             else None
         )
         self.uses_local_rope = [cfg.uses_local_rope(i) for i in range(cfg.num_layers)]
+        # KV layer groups (used when the step's metadata has group_metas)
+        groups = layer_groups(cfg.sliding_windows, cfg.num_layers)
+        self.kv_slot, self.kv_group = groups.slot_of, groups.group_of
         self.embed_scale = cfg.embed_scale
         # a ModuleList (registered submodules), typed as what it holds
         self.layers = cast(
@@ -489,6 +493,7 @@ class LlamaModel(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        groups = meta.group_metas  # KV layer groups: each layer its group's tables
         if self.one_call_step is not None:
             hidden = self.one_call_step.forward(self, input_ids, positions, kv_cache, meta)
             if hidden is not None:
@@ -500,6 +505,11 @@ class LlamaModel(nn.Module):
         rope = self.ops.rope(*self.rotary.tables(), positions, x.dtype)
         local = self.local_rotary
         local_rope = rope if local is None else self.ops.rope(*local.tables(), positions, x.dtype)
+        if groups:  # layer i keeps its KV in slot kv_slot[i] of its group's blocks
+            for i, layer in enumerate(self.layers):
+                r = local_rope if self.uses_local_rope[i] else rope
+                x = layer(x, r, kv_cache[self.kv_slot[i]], groups[self.kv_group[i]])
+            return x
         for i, layer in enumerate(self.layers):
             x = layer(x, local_rope if self.uses_local_rope[i] else rope, kv_cache[i], meta)
         return x  # before the final norm, which only the sampled positions need

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from common.kv_groups import LayerGroups, layer_groups
 from gpu_worker.distributed.tensor_parallel import TensorParallel
 from gpu_worker.kv_cache import GIB, KVCache, bytes_per_block, cuda_kv_budget_bytes
 from gpu_worker.model_loader.hf_folder import read_hf_config
@@ -54,11 +55,28 @@ def draft_kv_share(
     return theirs / (mine + theirs)
 
 
-def allocate_kv_pool(config: LlamaConfig, options: RunnerOptions, tp: TensorParallel) -> KVCache:
+def kv_layer_groups(config: LlamaConfig, options: RunnerOptions) -> LayerGroups | None:
+    """The model's KV layer groups (common/kv_groups.py), or None for the dense layout: a
+    model without windows, or one served with what groups do not take yet (the KV tiers,
+    keyed by a block's hash alone, and a draft model, which reads the target's tables)."""
+    if not config.sliding_windows:
+        return None
+    if options.kv_offload_memory_gib or options.kv_offload_dir or options.draft_model:
+        return None
+    return layer_groups(config.sliding_windows, config.num_layers)
+
+
+def allocate_kv_pool(
+    config: LlamaConfig,
+    options: RunnerOptions,
+    tp: TensorParallel,
+    groups: LayerGroups | None = None,
+) -> KVCache:
     """The target's pool for a model of `config`: this rank's KV heads, in the blocks the
-    options' budget holds after the draft model's share (or exactly `options.num_blocks`)."""
+    options' budget holds after the draft model's share (or exactly `options.num_blocks`).
+    With layer groups a block holds one group's layers (`groups.num_slots` of them)."""
     layout = dict(
-        num_layers=config.num_layers,
+        num_layers=groups.num_slots if groups is not None else config.num_layers,
         block_size=options.block_size,
         num_kv_heads=config.num_kv_heads // tp.size,
         head_dim=config.head_dim,

@@ -45,7 +45,7 @@ from gpu_worker.models.llama import LlamaConfig, LlamaForCausalLM
 from gpu_worker.runner.base import PlanRunner
 from gpu_worker.runner.builder import load_weights
 from gpu_worker.runner.cuda_graphs import CUDAGraphRunner, maybe_capture_graphs, run_model
-from gpu_worker.runner.kv_pool import allocate_kv_pool
+from gpu_worker.runner.kv_pool import allocate_kv_pool, kv_layer_groups
 from gpu_worker.runner.options import DEFAULT_OPTIONS, RunnerOptions
 from gpu_worker.runner.request_table import RequestState, RequestTable
 from gpu_worker.runner.step_batch import StepBatch, accept, prepare_batch, propose
@@ -99,7 +99,10 @@ class ModelRunner(PlanRunner[ModelVersion]):
             self.lora = LoraManager(options.lora, config, (self.tp.rank, self.tp.size))
         backend, model = self._load_weights(model_path, hf_config)
         self.progress("allocating the KV cache")
-        self.kv_cache = allocate_kv_pool(config, options, self.tp)
+        # sliding-window layers: one block table per layer group, blocks of one group's
+        # layers (common/kv_groups.py); None: the dense layout
+        self.kv_groups = kv_layer_groups(config, options)
+        self.kv_cache = allocate_kv_pool(config, options, self.tp, self.kv_groups)
         self.kv_pool_id = uuid.uuid4().hex  # (the scheduler forgets another pool's prefixes)
         self.drafter = self._init_drafter(config, backend.name)
         self.num_host_blocks = self.kv_cache.allocate_host(int(options.swap_space_gib * GIB))
@@ -127,6 +130,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
             on_drop=self._release_counts,
             new_grammar=self._new_grammar,
             loras=self.lora.registry if self.lora else None,
+            group_windows=self.kv_groups.windows if self.kv_groups else (),
         )
         self.grammars = GrammarCache(self.versions.tokenizer_info)
         load_start_modules(self.load_lora, options.lora.modules if options.lora else ())
@@ -207,8 +211,11 @@ class ModelRunner(PlanRunner[ModelVersion]):
             self.kv_cache.tensor,
             block_size=self.block_size,
             max_model_len=self.max_model_len,
-            # a MoE layer groups tokens by expert on the host (data-dependent): eager
-            enforce_eager=self.options.eager or model.config.moe is not None,
+            # a MoE layer groups tokens by expert on the host (data-dependent): eager; so
+            # are KV layer groups (a block table per group: the graphs capture one)
+            enforce_eager=self.options.eager
+            or model.config.moe is not None
+            or getattr(self, "kv_groups", None) is not None,
             max_graph_batch_size=self.options.max_graph_batch_size,
         )
 
@@ -243,6 +250,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
             eos_token_ids=list(self.eos_token_ids),
             weights_version=self.default_version,
             num_host_blocks=self.num_host_blocks,
+            kv_group_windows=list(self.kv_groups.windows) if self.kv_groups else [],
             **self._tier_info(),
             kv_cache_dtype=self.kv_cache.format.describe(),
             device=str(self.device),

@@ -26,6 +26,7 @@ import dataclasses
 from collections.abc import Callable, Collection, Container
 from typing import TYPE_CHECKING, Protocol
 
+from common.kv_groups import PLACEHOLDER, reference_group
 from common.messages.scheduler_worker import StepPlan
 from common.messages.types import SamplingParams
 
@@ -59,6 +60,9 @@ class RequestState:
     lora_name: str = ""  # the LoRA adapter it runs with ("": the base model)
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)  # what min_tokens masks
     block_table: list[int] = dataclasses.field(default_factory=list)
+    # KV layer groups: one table per group (-1 where a sliding group's block went back);
+    # block_table is then the reference group's, the same list. None: one dense group
+    group_tables: list[list[int]] | None = None
     num_computed: int = 0  # tokens whose K/V are in the cache
     generator: torch.Generator | None = None  # the model runner's, for sampled requests
     draft_computed: int = 0  # tokens whose K/V are in the draft model's pool (if any)
@@ -105,8 +109,12 @@ class RequestTable:
         on_drop: Callable[[RequestState], None] | None = None,
         new_grammar: Callable[[SamplingParams, str], RowGrammar | None] | None = None,
         loras: Container[str] | None = None,
+        group_windows: tuple[int, ...] = (),
     ) -> None:
         self.block_size = block_size
+        # KV layer groups (common/kv_groups.py): each group's window; empty: one dense group
+        self.group_windows = group_windows
+        self.ref_group = reference_group(group_windows) if group_windows else 0
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
         self._new_generator = new_generator
@@ -156,7 +164,7 @@ class RequestTable:
             kv.tier_load(plan.tier_load_src, plan.tier_load_dst)  # swap-outs: blocks reused)
         for req_id in plan.preempted_req_ids:
             state = self._states[req_id]
-            state.block_table = []
+            self._reset_tables(state)
             state.num_computed = 0
             state.draft_computed = 0  # swaps and recomputes restore only the target's KV
         self._add_new(plan, default_version, versions)
@@ -205,6 +213,7 @@ class RequestTable:
                 stop_token_ids=list(stops),
                 generator=generator,
             )
+            self._reset_tables(state)
             if params.is_structured:
                 if self._new_grammar is None:
                     raise ValueError(f"request {req_id}: this runner has no structured outputs")
@@ -215,17 +224,29 @@ class RequestTable:
                 state.prompt_logprob_ranks.append(0)
             self._states[req_id] = state
 
+    def _reset_tables(self, state: RequestState) -> None:
+        """An empty table (per group with layer groups)."""
+        if self.group_windows:
+            state.group_tables = [[] for _ in self.group_windows]
+            state.block_table = state.group_tables[self.ref_group]
+        else:
+            state.block_table = []
+
     def _copy_on_write(self, plan: StepPlan, kv: KVCopier | None) -> None:
         copies = list(zip(plan.copy_req_ids, plan.copy_index, plan.copy_dst, strict=True))
         unknown = [req_id for req_id, _, _ in copies if req_id not in self._states]
         if unknown:
             raise ValueError(f"copy-on-write for unknown request {unknown[0]}")
+        groups = plan.copy_groups or [self.ref_group] * len(copies)
+        if len(groups) != len(copies) or (self.group_windows and not plan.copy_groups and copies):
+            raise ValueError(f"step {plan.step_id}: copy-on-write without its layer groups")
         if kv is not None and plan.copy_src:
             kv.copy_blocks(plan.copy_src, plan.copy_dst)
-        for req_id, index, dst in copies:
+        for (req_id, index, dst), group in zip(copies, groups, strict=True):
             state = self._states[req_id]
-            if index < len(state.block_table):  # else the table arrives whole, this step
-                state.block_table[index] = dst
+            table = state.group_tables[group] if state.group_tables else state.block_table
+            if index < len(table):  # else the table arrives whole, this step
+                table[index] = dst
             # the copy is the target's KV only: the draft pool restarts before the block
             state.draft_computed = min(state.draft_computed, index * self.block_size)
 
@@ -241,6 +262,8 @@ class RequestTable:
             len(plan.new_block_ids),
             len(slots),
         }
+        if self.group_windows:
+            lengths.add(len(plan.new_group_block_ids))
         if lengths != {num_reqs}:
             raise ValueError(f"step {plan.step_id}: batch fields differ in length")
         if len(set(plan.req_ids)) != num_reqs:
@@ -268,10 +291,15 @@ class RequestTable:
                 f"request {req_id}: cannot compute tokens [{num_computed}, {end}) of "
                 f"{len(state.token_ids)} known (max_model_len {self.max_model_len})"
             )
-        bad = [b for b in plan.new_block_ids[i] if not 0 <= b < self.num_blocks]
-        if bad:
-            raise ValueError(f"request {req_id}: block ids {bad} outside [0, {self.num_blocks})")
-        state.block_table.extend(plan.new_block_ids[i])
+        if state.group_tables is not None:
+            self._extend_groups(req_id, state.group_tables, plan.new_group_block_ids[i])
+        else:
+            bad = [b for b in plan.new_block_ids[i] if not 0 <= b < self.num_blocks]
+            if bad:
+                raise ValueError(
+                    f"request {req_id}: block ids {bad} outside [0, {self.num_blocks})"
+                )
+            state.block_table.extend(plan.new_block_ids[i])
         if len(state.block_table) * self.block_size < end:
             raise ValueError(
                 f"request {req_id}: {len(state.block_table)} blocks cannot hold {end} tokens"
@@ -280,6 +308,17 @@ class RequestTable:
             self._check_draft_slots(req_id, state, end, num_spec)
         state.num_computed = end
         return state
+
+    def _extend_groups(self, req_id: str, tables: list[list[int]], new: list[list[int]]) -> None:
+        if len(new) != len(tables):
+            raise ValueError(f"request {req_id}: {len(new)} block tables for {len(tables)} groups")
+        for table, ids in zip(tables, new, strict=True):
+            bad = [b for b in ids if not (0 <= b < self.num_blocks or b == PLACEHOLDER)]
+            if bad:
+                raise ValueError(
+                    f"request {req_id}: block ids {bad} outside [0, {self.num_blocks})"
+                )
+            table.extend(ids)
 
     def _check_draft_slots(self, req_id: str, state: RequestState, end: int, num_spec: int) -> None:
         """Draft slots follow a request's last token, inside its blocks and max_model_len,

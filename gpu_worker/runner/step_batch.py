@@ -26,6 +26,7 @@ import torch
 
 from common.messages.scheduler_worker import StepPlan
 from gpu_worker.attention import AttentionBackend, AttentionMetadata, build_metadata
+from gpu_worker.attention.metadata import group_metadata
 from gpu_worker.runner.request_table import RequestState
 from gpu_worker.sample.logits_controls import History, TokenCounts
 from gpu_worker.sample.logprobs import prompt_positions
@@ -133,10 +134,15 @@ def prepare_batch(
         input_ids.extend(states[i].token_ids[num_computed : num_computed + plan.num_new_tokens[i]])
         first_row[i] = len(input_ids) - 1
         input_ids.extend(drafts.tokens[i])
+    grouped = states[order[0]].group_tables is not None if order else False
     meta = build_metadata(
         [plan.num_computed_tokens[i] for i in order],
         [num_new[i] for i in order],
-        [states[i].block_table for i in order],
+        # (a sliding reference group's -1 entries, never read, as block 0)
+        [
+            [max(b, 0) for b in states[i].block_table] if grouped else states[i].block_table
+            for i in order
+        ],  # fmt: skip
         block_size,
         device,
     )
@@ -154,9 +160,23 @@ def prepare_batch(
             logits_indices += [chunk_start + p - num_computed for p in positions]
             prompt_rows.append((states[i], positions))
     slots = spec_slots(plan)
+    built = backend.build_metadata(meta)
+    if grouped:  # each layer group attends through its own tables (common/kv_groups.py)
+        num_groups = len(states[order[0]].group_tables or ())
+        built = dataclasses.replace(
+            built,
+            group_metas=tuple(
+                backend.build_metadata(
+                    group_metadata(
+                        meta, [(states[i].group_tables or [])[g] for i in order], block_size, device
+                    )
+                )
+                for g in range(num_groups)
+            ),
+        )
     return StepBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.int64).to(device),
-        meta=backend.build_metadata(meta),
+        meta=built,
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
         sampling_req_ids=[plan.req_ids[i] for i in sampling],
         sampling_states=[states[i] for i in sampling],
@@ -219,6 +239,8 @@ def accept(
             out[j] = verdict.tokens
             state.num_computed += verdict.num_accepted
             del state.block_table[-(-state.num_computed // block_size) :]
+            for table in state.group_tables or ():
+                del table[-(-state.num_computed // block_size) :]
             state.draft_computed = min(batch.draft_computed[j], state.num_computed)
         state.token_ids.extend(out[j])
     return out

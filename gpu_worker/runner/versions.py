@@ -72,9 +72,10 @@ class ModelVersion:
         return cls(backend, model, graphs, config, path, eos_token_ids(path, hf_config), counts)
 
 
-def kv_layout(config: LlamaConfig) -> tuple[int, int, int]:
-    """What must match for two models to share one KV pool: (layers, KV heads, head size)."""
-    return config.num_layers, config.num_kv_heads, config.head_dim
+def kv_layout(config: LlamaConfig) -> tuple[int, int, int, tuple[int, ...]]:
+    """What must match for two models to share one KV pool: (layers, KV heads, head size,
+    the layers' windows: they make the KV layer groups)."""
+    return config.num_layers, config.num_kv_heads, config.head_dim, config.sliding_windows
 
 
 class ModelVersions(VersionTable[ModelVersion]):
@@ -95,7 +96,8 @@ class ModelVersions(VersionTable[ModelVersion]):
         config = LlamaConfig.from_hf(hf_config)
         if kv_layout(config) != self.kv_layout:
             raise IncompatibleModel(
-                f"{path} has KV layout (layers, kv heads, head dim) {kv_layout(config)}, "
+                f"{path} has KV layout (layers, kv heads, head dim, windows) "
+                f"{kv_layout(config)}, "
                 f"the pool holds {self.kv_layout}: swap it in drain mode"
             )
         version = version or weights_version(path)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from common.model_facts import lora_root, salted_root
 from common.prefix_hash import block_hash, num_matchable_blocks
+from services.scheduler.grouped_blocks import NO_HITS, GroupedBlockManager
 from services.scheduler.kv_tiers import DISK, FETCHING, HOST
 from services.scheduler.request import Request, Status
 from services.scheduler.step_output import SchedulerOutput
@@ -35,6 +36,8 @@ def admit(policy: SchedulingPolicy, req: Request, budget: int, out: SchedulerOut
     # prompt logprobs need the logits of every prompt position, mean pooling (embeddings)
     # its hidden state: no prefix hits (vLLM disables prefix caching for such requests)
     every_position = req.sampling.prompt_logprobs is not None or req.sampling.pooling == "mean"
+    if isinstance(bm, GroupedBlockManager):
+        return _admit_grouped(policy, bm, req, root, every_position, budget)
     hits = [] if every_position else bm.match_prefix(root, req.all_token_ids)
     loaded = [] if every_position else _tier_hits(policy, req, root, hits)
     if loaded is None:
@@ -57,6 +60,31 @@ def admit(policy: SchedulingPolicy, req: Request, budget: int, out: SchedulerOut
     return n
 
 
+def _admit_grouped(
+    policy: SchedulingPolicy,
+    bm: GroupedBlockManager,
+    req: Request,
+    root: int,
+    every_position: bool,
+    budget: int,
+) -> int:
+    """admit() with layer groups (no lower tiers: refused for them): the prefix hit every
+    group serves; a sliding group needs blocks for its window only, so the whole prompt
+    counts what its last chunk reads."""
+    hits = NO_HITS if every_position else bm.match_prefix(root, req.all_token_ids)
+    cached = bm.hit_tokens(hits)
+    n = min(req.num_tokens - cached, budget)
+    whole = bm.start_need(hits, max(cached, req.num_tokens - n), req.num_tokens)
+    chunk = bm.start_need(hits, cached, cached + n)
+    if n <= 0 or not _fits(policy, whole, chunk):
+        return 0
+    if req.version is None:
+        req.version, req.cache_root = policy.version, root
+    bm.take_prefix(req.request_id, req.cache_root, hits, req.num_prompt_tokens)
+    req.num_computed_tokens = req.num_cached_tokens = cached
+    return n
+
+
 def _tier_hits(
     policy: SchedulingPolicy, req: Request, root: int, hits: list[int]
 ) -> list[tuple[int, tuple[int, ...]]] | None:
@@ -64,7 +92,7 @@ def _tier_hits(
     in order), or None when the request must wait: its prefix goes on on disk and is read
     up now (once per request: what a failed or crowded-out read leaves is recomputed)."""
     tiers, bm = policy.tiers, policy.blocks
-    if tiers is None or not tiers.enabled:
+    if tiers is None or not tiers.enabled or isinstance(bm, GroupedBlockManager):
         return []
     tokens, bs = req.all_token_ids, bm.block_size
     parent, run = bm.hash_after(root, hits), []
@@ -101,10 +129,21 @@ def _admit_swapped(
     policy: SchedulingPolicy, req: Request, budget: int, out: SchedulerOutput
 ) -> int:
     n = min(req.num_tokens - req.num_computed_tokens, budget)
-    need = policy.blocks.num_blocks_for(req.num_computed_tokens + n)
-    if n <= 0 or not _fits(policy, need, need):
-        return 0
-    gpu = policy.blocks.allocate(req.request_id, req.num_computed_tokens)
+    bm = policy.blocks
+    if isinstance(bm, GroupedBlockManager):  # each group's blocks where they were
+        assert req.host_layout is not None and req.host_blocks is not None
+        start = req.num_computed_tokens
+        want = bm.num_blocks_for(start + n)
+        need = len(req.host_blocks) + sum(max(0, want - len(t)) for t in req.host_layout)
+        if n <= 0 or not _fits(policy, need, need):
+            return 0
+        gpu = bm.allocate_layout(req.request_id, req.host_layout)
+        req.host_layout = None
+    else:
+        need = bm.num_blocks_for(req.num_computed_tokens + n)
+        if n <= 0 or not _fits(policy, need, need):
+            return 0
+        gpu = bm.allocate(req.request_id, req.num_computed_tokens)
     assert req.host_blocks is not None and len(gpu) == len(req.host_blocks)
     out.swap_in.extend(zip(req.host_blocks, gpu, strict=True))
     policy.host_pool.free(req.host_blocks)
@@ -137,8 +176,10 @@ def _admit_fork(policy: SchedulingPolicy, req: Request, budget: int) -> int:
     )
     if leader.status != Status.RUNNING or ready < k:
         return 0  # wait for the leader's prefill
-    # blocks past the shared ones, plus one for the copy of a shared partial block
-    need = bm.num_blocks_for(req.num_tokens) - bm.num_blocks_for(k) + 1
+    if isinstance(bm, GroupedBlockManager) and not bm.can_fork(leader.request_id, k):
+        req.fork_of = None  # a sliding group let go of blocks the fork reads: alone
+        return admit(policy, req, budget, SchedulerOutput())
+    need = bm.fork_need(k, req.num_tokens)
     if not _fits(policy, need, need):
         return 0
     bm.fork(leader.request_id, req.request_id, k)

@@ -28,6 +28,8 @@ from common.prefix_hash import block_hash, num_matchable_blocks
 
 
 class BlockManager:
+    grouped = False  # (grouped_blocks.py: one table per layer group, for sliding windows)
+
     def __init__(
         self,
         num_blocks: int,
@@ -90,6 +92,10 @@ class BlockManager:
 
     def can_allocate(self, num_blocks: int, reserve: int = 0) -> bool:
         return num_blocks + reserve <= self.num_free_blocks
+
+    def fork_need(self, num_shared_tokens: int, num_tokens: int) -> int:
+        """Blocks past the shared ones, plus one for the copy of a shared partial block."""
+        return self.num_blocks_for(num_tokens) - self.num_blocks_for(num_shared_tokens) + 1
 
     def is_shared(self, req_id: str, position: int) -> bool:
         """Does writing token `position` of req_id land in a block another table holds?"""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from common.kv_groups import max_tokens_in_pool
 from common.messages import ModelInfo
 
 
@@ -14,6 +15,7 @@ class CurrentModel:
     info: ModelInfo
     name: str
     root: int
+    chunk: int = 0  # the most tokens of a prompt one step computes (the token budget)
 
     @property
     def version(self) -> str:
@@ -25,7 +27,16 @@ class CurrentModel:
 
     @property
     def max_model_len(self) -> int:
-        return min(self.info.max_model_len, self.info.num_blocks * self.info.block_size)
+        info = self.info
+        if info.kv_group_windows:  # a sliding layer group holds its window only
+            return max_tokens_in_pool(
+                info.kv_group_windows,
+                info.num_blocks,
+                info.block_size,
+                self.chunk or info.max_model_len,
+                info.max_model_len,
+            )
+        return min(info.max_model_len, info.num_blocks * info.block_size)
 
     @property
     def vocab_size(self) -> int:

@@ -49,6 +49,7 @@ from services.scheduler import detok_messages, intake
 from services.scheduler.block_manager import BlockManager, HostBlockPool
 from services.scheduler.current_model import CurrentModel
 from services.scheduler.grammar_wait import GrammarWait
+from services.scheduler.grouped_blocks import GroupedBlockManager
 from services.scheduler.kv_tiers import TierIndex
 from services.scheduler.lora_registry import ServedAdapters
 from services.scheduler.outbox import EngineOutbox
@@ -131,7 +132,15 @@ class EngineCore:
         self.window.clear()
         self.policy = None
 
-    def _block_manager(self, info: ModelInfo) -> BlockManager:
+    def _block_manager(self, info: ModelInfo) -> BlockManager | GroupedBlockManager:
+        if info.kv_group_windows:  # sliding-window layers: one table per layer group
+            return GroupedBlockManager(
+                info.num_blocks,
+                info.block_size,
+                info.kv_group_windows,
+                enable_prefix_caching=self.config.cache.enable_prefix_caching,
+                track_hash_changes=self.config.data_parallel.data_parallel_size > 1,
+            )
         return BlockManager(
             info.num_blocks,
             info.block_size,
@@ -158,7 +167,12 @@ class EngineCore:
         assert policy is not None
         name = self.served.name if self.served else info.model_name
         blocks = policy.blocks
-        layout = (info.num_blocks, info.block_size) != (blocks.num_blocks, blocks.block_size)
+        windows = list(blocks.windows) if isinstance(blocks, GroupedBlockManager) else []
+        layout = (info.num_blocks, info.block_size, info.kv_group_windows) != (
+            blocks.num_blocks,
+            blocks.block_size,
+            windows,
+        )
         if layout or info.kv_pool_id != self._kv_pool_id:
             # a drain swap (or a failed one, which rebuilt the old model): the worker's new
             # pool holds nothing, so the prefixes cached in the old one are forgotten (the
@@ -175,7 +189,8 @@ class EngineCore:
         root = cache_root(
             name, info.weights_version, info.tokenizer_fingerprint, info.position_config
         )
-        self.served = CurrentModel(info=info, name=name, root=root)
+        chunk = self.policy_config.max_num_batched_tokens
+        self.served = CurrentModel(info=info, name=name, root=root, chunk=chunk)
         policy.set_version(self.served.version, root)
         self.window.expert_tokens = []  # a MoE's per-expert counts are the served model's
         if old_fingerprint not in (None, self.served.tokenizer_fingerprint):

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from services.scheduler.engine_core import EngineCore
+from services.scheduler.grouped_blocks import GroupedBlockManager
 from services.scheduler.request import Request, Status
 
 
@@ -56,6 +57,9 @@ def stats(core: EngineCore) -> dict[str, Any]:
         "kv_cache_usage": b.usage,
         "prefix_cache_queries": b.num_cached_queries,
         "prefix_cache_hits": b.num_cached_hits,
+        # KV layer groups (sliding windows): per group its window and blocks; [] if dense
+        "kv_groups": b.num_blocks_by_group() if isinstance(b, GroupedBlockManager) else [],
+        "kv_released_blocks": b.num_released if isinstance(b, GroupedBlockManager) else 0,
         # the prefix cache's lower tiers (kv_offload_*: blocks, bytes and hits per tier)
         **_tier_stats(core),
         "num_preemptions": p.num_preemptions,

@@ -36,6 +36,9 @@ def to_plan(step_id: int, out: SchedulerOutput) -> StepPlan:
         num_computed_tokens=[s.num_computed_tokens for s in out.scheduled],
         num_new_tokens=[s.num_new_tokens for s in out.scheduled],
         new_block_ids=[s.new_block_ids for s in out.scheduled],
+        new_group_block_ids=[
+            s.new_group_block_ids for s in out.scheduled if s.new_group_block_ids is not None
+        ],
         num_spec_tokens=(
             [s.num_spec_tokens for s in out.scheduled]
             if any(s.num_spec_tokens for s in out.scheduled)
@@ -49,6 +52,7 @@ def to_plan(step_id: int, out: SchedulerOutput) -> StepPlan:
         copy_index=[c[1] for c in out.copies],
         copy_src=[c[2] for c in out.copies],
         copy_dst=[c[3] for c in out.copies],
+        copy_groups=out.copy_groups,
         tier_drop_keys=t.drops,
         tier_spill_slots=[s for s, _, _ in t.spills],
         tier_spill_keys=[k for _, k, _ in t.spills],

@@ -29,6 +29,7 @@ from common.messages import FinishReason
 from services.scheduler.admission import admit
 from services.scheduler.batching import BatchGate
 from services.scheduler.block_manager import BlockManager, HostBlockPool
+from services.scheduler.grouped_blocks import GroupedBlockManager
 from services.scheduler.kv_tiers import TierIndex
 from services.scheduler.lora_admission import AdmissionVerdict, LoraGate
 from services.scheduler.policy_config import PolicyConfig
@@ -46,7 +47,7 @@ class SchedulingPolicy:
 
     def __init__(
         self,
-        blocks: BlockManager,
+        blocks: BlockManager | GroupedBlockManager,
         config: PolicyConfig = PolicyConfig(),
         host_pool: HostBlockPool | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -54,6 +55,11 @@ class SchedulingPolicy:
     ) -> None:
         if config.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"unknown preemption mode {config.preemption_mode!r}")
+        if blocks.grouped and tiers is not None:
+            raise ValueError(
+                "the KV tiers (--kv-offload-memory, --kv-offload-dir) are not supported "
+                "with sliding-window layer groups"
+            )
         self.blocks = blocks
         self.config = config
         self.host_pool = host_pool or HostBlockPool(0)
@@ -192,6 +198,8 @@ class SchedulingPolicy:
 
     def _reserve(self, req: Request, index: int, num_tokens: int, out: SchedulerOutput) -> bool:
         """Make room for req's blocks by preempting running requests not yet scheduled."""
+        if isinstance(self.blocks, GroupedBlockManager):  # what its windows no longer read
+            self.blocks.release_out_of_window(req.request_id, req.num_computed_tokens)
         need = self.blocks.num_new_blocks(req.request_id, num_tokens)
         need += self.blocks.is_shared(req.request_id, req.num_computed_tokens)
         while not self.blocks.can_allocate(need):
@@ -212,13 +220,16 @@ class SchedulingPolicy:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         table = self.blocks.block_tables.get(req.request_id, [])
+        layout = None
+        if isinstance(self.blocks, GroupedBlockManager):  # every group's blocks
+            table, layout = self.blocks.layout(req.request_id)
         # a token still pending from the step in flight is fine: the copy-out runs after that
         # step on the worker, and the request is not scheduled again before its result
         swap = self.config.preemption_mode == "swap" and self.host_pool.can_allocate(len(table))
         if swap:
             host = self.host_pool.allocate(len(table))
             out.swap_out.extend(zip(table, host, strict=True))
-            req.host_blocks = host
+            req.host_blocks, req.host_layout = host, layout
             self.num_swaps += 1
         else:
             req.num_computed_tokens = 0
@@ -265,15 +276,19 @@ class SchedulingPolicy:
     ) -> ScheduledReq:
         before = req.num_computed_tokens
         req.scheduled_in, req.computed_before_step = self.num_schedules, before
-        copy = self.blocks.copy_on_write(req.request_id, before)
-        if copy is not None:
-            out.copies.append((req.request_id, *copy))
-        table_len = len(self.blocks.block_tables.get(req.request_id, ()))
-        self.blocks.allocate(req.request_id, before + num_new + spec)
+        bm, group_blocks = self.blocks, None
+        if isinstance(bm, GroupedBlockManager):
+            new_blocks, group_blocks = self._take_grouped(bm, req, before + num_new + spec, out)
+        else:
+            copy = bm.copy_on_write(req.request_id, before)
+            if copy is not None:
+                out.copies.append((req.request_id, *copy))
+            table_len = len(bm.block_tables.get(req.request_id, ()))
+            bm.allocate(req.request_id, before + num_new + spec)
+            table = bm.block_tables[req.request_id]
+            # the worker's table is empty for a new or preempted request: send all of it
+            new_blocks = table[table_len:] if req.worker_has_table else list(table)
         req.num_spec_in_flight = spec
-        table = self.blocks.block_tables[req.request_id]
-        # the worker's table is empty for a new or preempted request: send all of it
-        new_blocks = table[table_len:] if req.worker_has_table else list(table)
         req.worker_has_table = True
         req.num_computed_tokens += num_new
         self.num_computed_tokens_total += num_new
@@ -289,7 +304,25 @@ class SchedulingPolicy:
             min(req.num_computed_tokens, known),
             owner=req.lora_name,
         )
-        return ScheduledReq(req, num_new, new_blocks, before, samples, spec)
+        return ScheduledReq(req, num_new, new_blocks, before, samples, spec, group_blocks)
+
+    def _take_grouped(
+        self, bm: GroupedBlockManager, req: Request, num_tokens: int, out: SchedulerOutput
+    ) -> tuple[list[int], list[list[int]]]:
+        """_take's block moves with layer groups: per group a copy-on-write and the new
+        entries of its table (the whole table for a worker that has none)."""
+        before = req.num_computed_tokens
+        # a sliding group's blocks before the window of this step's first token go back to
+        # the pool: no token this step or later reads them, and the steps that did read
+        # them ran before this plan (the worker runs plans in order)
+        bm.release_out_of_window(req.request_id, before)
+        for group, index, src, dst in bm.copy_on_write(req.request_id, before):
+            out.copies.append((req.request_id, index, src, dst))
+            out.copy_groups.append(group)
+        lengths = bm.table_lengths(req.request_id)
+        bm.allocate(req.request_id, num_tokens)
+        tables = bm.blocks_since(req.request_id, lengths if req.worker_has_table else None)
+        return tables[bm.ref_group], tables
 
     # results ------------------------------------------------------------------------------
     def update(
@@ -360,7 +393,7 @@ class SchedulingPolicy:
             self.waiting.remove(req)
         if req.host_blocks is not None:
             self.host_pool.free(req.host_blocks)
-            req.host_blocks = None
+            req.host_blocks = req.host_layout = None
         req.status = Status.FINISHED
         req.finish_reason = reason
         self.blocks.free(req.request_id)

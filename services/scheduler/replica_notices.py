@@ -8,13 +8,15 @@ from __future__ import annotations
 from common.messages import ReplicaNotice
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.engine_core import EngineCore
+from services.scheduler.grouped_blocks import GroupedBlockManager
 
 
 class NoticeBuilder:
     def __init__(self, replica: int) -> None:
         self.replica = replica
         self._received: set[str] = set()  # request ids received and not yet reported ended
-        self._blocks: BlockManager | None = None  # the pool the router has heard of
+        # the pool the router has heard of
+        self._blocks: BlockManager | GroupedBlockManager | None = None
         self._was_ready: bool | None = None
         self._root = 0
         self._loras: dict[str, str] | None = None  # the adapters the router heard of

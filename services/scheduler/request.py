@@ -60,6 +60,9 @@ class Request:
         self.is_known_to_worker = False
         self.worker_has_table = False  # False when new or preempted: the next plan sends it all
         self.host_blocks: list[int] | None = None  # set while swapped out
+        # KV layer groups: which entries of each group's table were blocks (False: a
+        # sliding group had let it go) when it was swapped out, host_blocks in that order
+        self.host_layout: list[list[bool]] | None = None
         self.tier_read_up = False  # its prefix was read up from disk once (admission.py)
         self.num_preemptions = 0
         self.scheduled_in = -1  # the last schedule() that gave it tokens

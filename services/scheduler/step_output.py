@@ -18,6 +18,9 @@ class ScheduledReq:
     num_computed_tokens: int  # before this step
     samples: bool  # the step reaches the request's last known token and samples the next
     num_spec_tokens: int = 0  # draft slots after its token (speculative decoding)
+    # layer groups (sliding windows): per group its new entries (PLACEHOLDER where a block
+    # went back); new_block_ids is then the reference group's. None: one dense group
+    new_group_block_ids: list[list[int]] | None = None
 
 
 @dataclasses.dataclass
@@ -30,6 +33,7 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (host, gpu)
     copies: list[tuple[str, int, int, int]] = dataclasses.field(default_factory=list)
     # copy-on-write: (request, index in its table, source block, new block)
+    copy_groups: list[int] = dataclasses.field(default_factory=list)  # per copy, with groups
     tiers: TierMoves = dataclasses.field(default_factory=TierMoves)  # lower-tier moves
 
     @property

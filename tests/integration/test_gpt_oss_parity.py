@@ -106,10 +106,13 @@ def test_gpt_oss_engine_prefix_hits_n_and_preemption(gpt_oss) -> None:
     ids = [engine.add(p, n2) for p in prompts[:3]]
     out = engine.run()
     assert [[out[s] for s in seqs] for seqs in ids] == [[e, e] for e in expected[:3]]
+    # blocks of one layer group's layers (windows 0 and 16): 22 hold the longest sequence
+    # (20) but not all, and a running one is preempted (found by driving the policy alone)
+    assert runner.kv_groups is not None and runner.kv_groups.windows == (0, 16)
     small = LocalEngine(
         runner,
         PolicyConfig(max_num_batched_tokens=48, watermark=0.0),
-        num_blocks=14,
+        num_blocks=22,
         prefix_caching=False,
     )
     ids = [small.add(p, sp) for p in prompts]

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from common.kv_groups import PLACEHOLDER
 from common.messages.scheduler_worker import StepPlan
 from common.messages.types import SamplingParams
 from common.prepare_model import default_model_dir
@@ -40,6 +41,8 @@ class _Req:
     max_tokens: int
     output: list[int] = dataclasses.field(default_factory=list)
     blocks: list[int] = dataclasses.field(default_factory=list)
+    # KV layer groups (a windowed model): each group's table (none released here)
+    group_blocks: list[list[int]] = dataclasses.field(default_factory=list)
     num_computed: int = 0
     sent: bool = False
 
@@ -69,7 +72,9 @@ class MiniScheduler:
     def preempt(self, req_id: str) -> None:
         req = self.reqs[req_id]
         self.free.extend(req.blocks)
-        req.blocks, req.num_computed = [], 0
+        for table in req.group_blocks:
+            self.free.extend(b for b in table if b != PLACEHOLDER)
+        req.blocks, req.group_blocks, req.num_computed = [], [], 0
         self.preempted.append(req_id)
 
     def run(self) -> dict[str, list[int]]:
@@ -98,14 +103,32 @@ class MiniScheduler:
     def _samples(self, req: _Req) -> bool:
         return req.num_computed == req.num_tokens
 
-    def _allocate(self, req: _Req, num_new: int) -> list[int]:
-        block_size = self.runner.block_size
-        needed = -(-(req.num_computed + num_new) // block_size) - len(req.blocks)
-        new_blocks = [self.free.pop() for _ in range(max(0, needed))]
-        req.blocks.extend(new_blocks)
-        return new_blocks
+    def _allocate(self, req: _Req, num_new: int) -> list[list[int]]:
+        """Each layer group's new blocks (one group for a model without windows)."""
+        block_size, groups = self.runner.block_size, self.runner.kv_groups
+        want = -(-(req.num_computed + num_new) // block_size)
+        if groups is None:
+            new_blocks = [self.free.pop() for _ in range(max(0, want - len(req.blocks)))]
+            req.blocks.extend(new_blocks)
+            return [new_blocks]
+        if not req.group_blocks:
+            req.group_blocks = [[] for _ in groups.windows]
+        added = []
+        for window, table in zip(groups.windows, req.group_blocks, strict=True):
+            # a sliding group lets go of the blocks before the window of the step's first
+            # token (the worker keeps their ids in its table: it never reads them)
+            first = max(0, req.num_computed - window + 1) // block_size if window else 0
+            for i in range(first):
+                if table[i] != PLACEHOLDER:
+                    self.free.append(table[i])
+                    table[i] = PLACEHOLDER
+            added.append([self.free.pop() for _ in range(max(0, want - len(table)))])
+            table.extend(added[-1])
+        return added
 
-    def _plan(self, batch: list[tuple[str, int, list[int]]]) -> StepPlan:
+    def _plan(self, batch: list[tuple[str, int, list[list[int]]]]) -> StepPlan:
+        groups = self.runner.kv_groups
+        ref = groups.ref_group if groups else 0
         new_ids = [r for r, _, _ in batch if not self.reqs[r].sent]
         for req_id in new_ids:
             self.reqs[req_id].sent = True
@@ -119,7 +142,8 @@ class MiniScheduler:
             req_ids=[r for r, _, _ in batch],
             num_computed_tokens=[self.reqs[r].num_computed for r, _, _ in batch],
             num_new_tokens=[n for _, n, _ in batch],
-            new_block_ids=[blocks for _, _, blocks in batch],
+            new_block_ids=[blocks[ref] for _, _, blocks in batch],
+            new_group_block_ids=[blocks for _, _, blocks in batch] if groups else [],
         )
         self.finished, self.preempted = [], []
         return plan
@@ -130,6 +154,8 @@ class MiniScheduler:
         if len(req.output) == req.max_tokens:
             self.done[req_id] = req.output
             self.free.extend(req.blocks)
+            for table in req.group_blocks:
+                self.free.extend(b for b in table if b != PLACEHOLDER)
             del self.reqs[req_id]
             self.finished.append(req_id)
 

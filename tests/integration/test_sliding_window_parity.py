@@ -1,6 +1,7 @@
 """Greedy parity with transformers for models with sliding-window layers, through the real
 scheduling policy and runner in this process: prompts that cross the window several times,
-alone and in one batch with chunked prefill, prefix-cache hits, n > 1 forks and preemption.
+alone and in one batch with chunked prefill, prefix-cache hits, n > 1 forks and preemption,
+with the KV layer groups (common/kv_groups.py) releasing the blocks out of each window.
 
     mistral-window  every layer slides over 16 positions (Mistral's sliding_window)
     qwen2-window    the second layer slides over 8 (use_sliding_window, max_window_layers 1)
@@ -13,9 +14,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.kv_groups import blocks_held
 from common.messages import SamplingParams
 from gpu_worker.runner.model_runner import ModelRunner
 from gpu_worker.runner.options import RunnerOptions
+from services.scheduler.engine_view import stats
+from services.scheduler.grouped_blocks import GroupedBlockManager
 from services.scheduler.policy import PolicyConfig
 from tests.engine import LocalEngine
 from tests.reference import hf_greedy
@@ -46,7 +50,8 @@ def _serve(engine, prompts: list[list[int]], sp: SamplingParams = GREEDY):  # ty
 
 
 def _runner(path: str) -> ModelRunner:
-    return ModelRunner(path, RunnerOptions(block_size=4, num_blocks=512, num_threads=2))
+    options = RunnerOptions(block_size=4, num_blocks=512, num_threads=2, swap_space_gib=0.01)
+    return ModelRunner(path, options)
 
 
 def test_alone_then_batched_in_chunks_then_from_the_prefix_cache(model) -> None:
@@ -58,23 +63,61 @@ def test_alone_then_batched_in_chunks_then_from_the_prefix_cache(model) -> None:
     # one batch, prefills cut into chunks of at most 13 tokens beside the decodes
     engine = LocalEngine(runner, PolicyConfig(max_num_batched_tokens=13))
     assert [o[0] for o in _serve(engine, prompts)] == expected
+    blocks = engine.policy.blocks
+    assert isinstance(blocks, GroupedBlockManager) and blocks.num_released > 0
+    shown = stats(engine.core)  # /admin/stats: blocks per group (all cached now, none used)
+    assert [g["window"] for g in shown["kv_groups"]] == list(blocks.windows)
+    assert sum(g["num_used_blocks"] for g in shown["kv_groups"]) == 0
+    assert shown["kv_released_blocks"] == blocks.num_released
     hits = engine.policy.blocks.num_cached_hits
     assert [o[0] for o in _serve(engine, prompts)] == expected  # again: from the cache
     assert engine.policy.blocks.num_cached_hits - hits >= sum(len(p) for p in prompts) // 2
 
 
-def test_n_forks_and_preemption_keep_outputs(model) -> None:
+def test_n_forks_and_preemption_keep_outputs(model, request) -> None:
     path, prompts, expected = model
+    arch = request.node.callspec.params["model"]
     runner = _runner(path)
     sp = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True, n=2)
     engine = LocalEngine(runner, PolicyConfig(max_num_batched_tokens=64), prefix_caching=False)
     assert _serve(engine, prompts[:3], sp) == [[e, e] for e in expected[:3]]
-    # 40 blocks of 4 tokens for prompts of up to 101 + 24 tokens: they cannot all fit
+    # a pool (a block holds one layer group's layers) that holds the longest sequence,
+    # 101 + 24 tokens in chunks of 64, but not all of them: a running sequence is preempted
+    # as the global layers' tables grow (sizes found by driving the policy alone); where
+    # every layer slides (Mistral) a sequence holds its window only, never grows, and waits
+    assert runner.kv_groups is not None
+    groups = runner.kv_groups
+    longest = blocks_held(groups.windows, 4, 125, 64)
+    num_blocks = {"qwen2-window": 80, "gemma2": 90, "gemma3": 190}.get(arch, longest)
+    assert num_blocks >= longest
     engine = LocalEngine(
         runner,
         PolicyConfig(max_num_batched_tokens=64, watermark=0.0),
-        num_blocks=40,
+        num_blocks=num_blocks,
         prefix_caching=False,
     )
     assert [o[0] for o in _serve(engine, prompts)] == expected
-    assert engine.policy.num_preemptions > 0
+    assert engine.policy.num_preemptions > 0 or all(groups.windows)
+    assert engine.policy.blocks.num_released > 0
+    # the same, preempted by swapping each group's blocks out and back in
+    engine = LocalEngine(
+        runner,
+        PolicyConfig(max_num_batched_tokens=64, watermark=0.0, preemption_mode="swap"),
+        num_blocks=num_blocks,
+        prefix_caching=False,
+    )
+    assert [o[0] for o in _serve(engine, prompts)] == expected
+    assert engine.policy.num_swaps > 0 or all(groups.windows)
+
+
+def test_ngram_speculation_trims_every_group(model) -> None:
+    """Drafts (prompt lookup) verified in the step: rejected drafts' blocks leave every
+    group's table, on both sides, and the tokens stay transformers'."""
+    path, prompts, expected = model
+    options = RunnerOptions(
+        block_size=4, num_blocks=512, num_threads=2, speculative="ngram", prompt_lookup_min=1
+    )
+    runner = ModelRunner(path, options)
+    engine = LocalEngine(runner, PolicyConfig(max_num_batched_tokens=32, num_speculative_tokens=3))
+    assert [o[0] for o in _serve(engine, prompts)] == expected
+    assert engine.policy.num_spec_rounds > 0 and engine.policy.blocks.num_released > 0

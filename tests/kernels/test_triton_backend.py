@@ -64,8 +64,12 @@ def test_auto_picks_torch_on_cpu_and_triton_rejects_cpu_without_interpreter(monk
         _backend("triton", torch.device("cpu"))
 
 
-def _plan(step: int, reqs: list[tuple[str, int, int, list[int]]], new=()) -> StepPlan:
-    """reqs: (id, num_computed, num_new, new blocks); `new`: (id, prompt) sent this step."""
+def _plan(
+    step: int, reqs: list[tuple[str, int, int, list[int]]], new=(), num_groups: int = 0
+) -> StepPlan:
+    """reqs: (id, num_computed, num_new, new blocks); `new`: (id, prompt) sent this step;
+    with KV layer groups (a windowed model) group g takes blocks 8 g + those."""
+    groups = [[[b + 8 * g for b in r[3]] for g in range(num_groups)] for r in reqs]
     return StepPlan(
         step,
         new_req_ids=[r for r, _ in new],
@@ -75,18 +79,23 @@ def _plan(step: int, reqs: list[tuple[str, int, int, list[int]]], new=()) -> Ste
         num_computed_tokens=[r[1] for r in reqs],
         num_new_tokens=[r[2] for r in reqs],
         new_block_ids=[r[3] for r in reqs],
+        new_group_block_ids=groups if num_groups else [],
     )
 
 
 def _greedy_tokens(runner: ModelRunner) -> list[tuple[list[str], list[int]]]:
     a, b = [5, 6, 7, 8, 9, 10, 11], [21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33]
+    k = runner.kv_groups.num_groups if runner.kv_groups else 0
+    assert k <= 2, "16 blocks: 8 per group"
     plans = [
-        _plan(0, [("a", 0, 7, [0, 1]), ("b", 0, 6, [2, 3])], new=[("a", a), ("b", b)]),
+        _plan(
+            0, [("a", 0, 7, [0, 1]), ("b", 0, 6, [2, 3])], new=[("a", a), ("b", b)], num_groups=k
+        ),
         # b's prefix of 6 tokens ends mid-block (block_size 4): an extend, beside a decode
-        _plan(1, [("a", 7, 1, []), ("b", 6, 7, [4, 5])]),
-        _plan(2, [("b", 13, 1, []), ("a", 8, 1, [6])]),
-        _plan(3, [("a", 9, 1, []), ("b", 14, 1, [])]),
-        _plan(4, [("a", 10, 1, []), ("b", 15, 1, [])]),
+        _plan(1, [("a", 7, 1, []), ("b", 6, 7, [4, 5])], num_groups=k),
+        _plan(2, [("b", 13, 1, []), ("a", 8, 1, [6])], num_groups=k),
+        _plan(3, [("a", 9, 1, []), ("b", 14, 1, [])], num_groups=k),
+        _plan(4, [("a", 10, 1, []), ("b", 15, 1, [])], num_groups=k),
     ]
     results = [runner.execute(plan) for plan in plans]
     return [(r.req_ids, r.token_ids) for r in results]

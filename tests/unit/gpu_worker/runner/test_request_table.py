@@ -484,3 +484,57 @@ def test_a_compiled_grammar_is_answered_at_the_next_step_while_plans_keep_coming
     assert [type(m) for m in outbox.sent[-2:]] == [StepResult, GrammarCompiled]
     answer = outbox.sent[-1]
     assert answer.request_id == "g" and answer.error == "" and not worker._compiles
+
+
+def test_layer_groups_keep_one_table_per_group() -> None:
+    """KV layer groups: each group's entries extend its own table (-1 where a sliding group
+    let a block go), copy-on-write names its group, a preemption empties every table, and
+    a plan without the groups' entries is refused."""
+    table = RequestTable(
+        block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_model_len=64, group_windows=(8, 0)
+    )
+    assert table.ref_group == 1  # the global group stands for the request
+    first = StepPlan(
+        0,
+        new_req_ids=["a"],
+        new_prompt_token_ids=[list(range(3, 15))],
+        new_sampling=[GREEDY],
+        req_ids=["a"],
+        num_computed_tokens=[0],
+        num_new_tokens=[12],
+        new_block_ids=[[3, 4, 5]],
+        new_group_block_ids=[[[0, 1, 2], [3, 4, 5]]],
+    )
+    table.apply_diffs(first, "v", {"v"})
+    (state,) = table.schedule(first)
+    assert state.group_tables == [[0, 1, 2], [3, 4, 5]] and state.block_table == [3, 4, 5]
+    state.token_ids.append(99)
+    second = StepPlan(
+        1,
+        req_ids=["a"],
+        num_computed_tokens=[12],
+        num_new_tokens=[1],
+        new_block_ids=[[6]],
+        new_group_block_ids=[[[7], [6]]],
+        copy_req_ids=["a"],
+        copy_index=[2],
+        copy_src=[2],
+        copy_dst=[8],
+        copy_groups=[0],
+    )
+    table.apply_diffs(second, "v", {"v"})
+    table.schedule(second)
+    assert state.group_tables == [[0, 1, 8, 7], [3, 4, 5, 6]]
+    with pytest.raises(ValueError, match="batch fields differ"):
+        table.schedule(dataclasses.replace(second, step_id=2, new_group_block_ids=[]))
+    whole = StepPlan(3, preempted_req_ids=["a"], req_ids=["a"], num_computed_tokens=[0],
+                     num_new_tokens=[13], new_block_ids=[[3, 4, 5, 6]],
+                     new_group_block_ids=[[[-1, -1, 9, 10], [3, 4, 5, 6]]])  # fmt: skip
+    table.apply_diffs(whole, "v", {"v"})
+    table.schedule(whole)
+    assert state.group_tables == [[-1, -1, 9, 10], [3, 4, 5, 6]]
+    bad = dataclasses.replace(whole, step_id=4, preempted_req_ids=["a"],
+                              new_group_block_ids=[[[99], [3, 4, 5, 6]]])  # fmt: skip
+    table.apply_diffs(bad, "v", {"v"})
+    with pytest.raises(ValueError, match=r"block ids \[99\] outside"):
+        table.schedule(bad)

@@ -77,8 +77,8 @@ def test_a_model_with_another_kv_layout_is_refused_before_its_weights_load(
     folders: dict[str, str],
 ) -> None:
     versions = _versions(folders["a"])
-    assert versions.kv_layout == (2, 2, 16)  # layers, KV heads, head size
-    with pytest.raises(IncompatibleModel, match=r"\(2, 1, 16\).*drain mode"):
+    assert versions.kv_layout == (2, 2, 16, ())  # layers, KV heads, head size, windows
+    with pytest.raises(IncompatibleModel, match=r"\(2, 1, 16, \(\)\).*drain mode"):
         versions.load(folders["qwen2"])
     assert list(versions) == ["v1"]
 
