@@ -159,6 +159,15 @@ def replica_gpus(visible: list[str], size: int) -> list[list[str]]:
     return [visible[i * per : (i + 1) * per] for i in range(size)]
 
 
+def replica_roles(config: Config) -> list[str]:
+    """Each replica's part, by index: with --prefill-replicas P --decode-replicas D the
+    first P prefill and the next D decode; otherwise every one both."""
+    dp = config.data_parallel
+    if not dp.is_disaggregated:
+        return ["both"] * dp.data_parallel_size
+    return ["prefill"] * dp.prefill_replicas + ["decode"] * dp.decode_replicas
+
+
 def kv_transfer_dir(config: Config) -> str:
     """Where a prefill replica's worker writes the blocks it hands over and a decode
     replica's reads them (--kv-transfer shm): --kv-transfer-dir, else a folder of this run

@@ -36,7 +36,7 @@ from common.messages import (
     StatsQuery,
     TokenizedRequest,
 )
-from common.topology import replica_addrs, replica_name, router_addr
+from common.topology import replica_addrs, replica_name, replica_roles, router_addr
 from services.router.policy import ReplicaView, Router
 
 log = logging.getLogger(__name__)
@@ -50,8 +50,9 @@ class RouterActor(Actor):
     def __init__(self, config: Config) -> None:
         super().__init__(config, inbox_addr=router_addr(config))
         dp = config.data_parallel
-        roles = [dp.role_of(i) for i in range(dp.data_parallel_size)]
-        self.router = Router(dp.data_parallel_size, dp.dp_routing, dp.dp_load_bound, roles)
+        self.router = Router(
+            dp.data_parallel_size, dp.dp_routing, dp.dp_load_bound, replica_roles(config)
+        )
         # prefill/decode replicas: the shm folders of hand-overs a decode replica holds,
         # removed when it reports the request ended or dies (it may die before its import)
         self.transfers: dict[str, list[str]] = {}
