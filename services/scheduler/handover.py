@@ -124,7 +124,8 @@ class Handover:
         self._unsent_exports: list[_Export] = []
         self._unsent_imports: list[_Import] = []
         self._send_after_tokens: list[_Export] = []  # nothing to move: sent after the step
-        self._tombstones: OrderedDict[tuple[str, int | None], None] = OrderedDict()
+        # (request id, sequence or None: all) -> when its abort came (wall clock)
+        self._tombstones: OrderedDict[tuple[str, int | None], float] = OrderedDict()
         self.stats = HandoverStats()
 
     @property
@@ -350,15 +351,19 @@ class Handover:
         _remove(msg.transfer_dir)
 
     def was_aborted(self, msg: KvHandover) -> bool:
-        return (msg.request_id, None) in self._tombstones or (
-            msg.request_id,
-            msg.seq_index,
-        ) in self._tombstones
+        """Was this sequence cancelled before its hand-over arrived? (An abort newer than
+        the request: a client may use an id again for a later request.)"""
+        for key in ((msg.request_id, None), (msg.request_id, msg.seq_index)):
+            when = self._tombstones.get(key)
+            if when is not None and msg.arrival_time <= when:
+                return True
+        return False
 
     def remember_abort(self, request_id: str, seq_index: int | None) -> None:
-        """An abort for a sequence this replica does not hold: its hand-over may be on its
-        way (the abort reached every replica first); it is dropped when it arrives."""
-        self._tombstones[(request_id, seq_index)] = None
+        """An abort for a sequence this replica may not hold yet: its hand-over may be on
+        its way (the abort reached every replica first); it is dropped when it arrives."""
+        self._tombstones[(request_id, seq_index)] = time.time()
+        self._tombstones.move_to_end((request_id, seq_index))
         while len(self._tombstones) > MAX_TOMBSTONES:
             self._tombstones.popitem(last=False)
 

@@ -207,3 +207,17 @@ def test_a_dead_worker_voids_the_moves_in_flight() -> None:
     assert error.resumable
     decode.on_worker_ready(_info(boot_id="boot-2"))
     _settled(decode)
+
+
+def test_an_abort_older_than_the_request_does_not_drop_its_hand_over() -> None:
+    import dataclasses
+    import time
+
+    prefill, p_out, sent, decode, d_out = _pair()
+    prefill.add(_request("r", max_tokens=3, prompt=PROMPT))
+    _run(prefill, p_out)
+    decode.abort(["r"], FinishReason.CANCELLED)  # an earlier request that used the id
+    decode.on_handover(dataclasses.replace(sent[0], arrival_time=time.time() + 60))
+    _run(decode, d_out)
+    assert _tokens(d_out)[("r", 0)] == [7, 7]
+    _settled(decode)
