@@ -2,7 +2,8 @@
 every request's prompt runs on the prefill replica, its first token streams from there, its
 full KV blocks move to the decode replica (shared memory; and over the messages, --kv-transfer
 tcp), which continues the stream. Greedy parity with transformers through the hand-over,
-batched and chunked, n > 1, with prefix hits on both sides; a cancel storm over every phase;
+batched and chunked, n > 1, with prefix hits on both sides; logprobs and prompt logprobs
+against log_softmax of transformers' logits; a cancel storm over every phase;
 a replica killed under load: nothing leaks on either side (blocks, or the transfer's files).
 
 A tiny random model, one server per transport: ~60 s on 2 cores."""
@@ -218,3 +219,35 @@ def test_parity_through_the_hand_over_over_tcp(model: Path) -> None:
     scheduler -> worker, ZeroMQ), no shared folder."""
     with running_server(*PD, "--model", str(model), "--kv-transfer", "tcp") as s:
         _check_parity(s, model)
+
+
+def test_logprobs_through_the_hand_over(shm: Server, model: Path) -> None:
+    """Output logprobs (the first token's from the prefill replica, the rest from the decode
+    replica) and prompt logprobs (the prefill replica's) equal log_softmax of transformers'
+    logits."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompt = AutoTokenizer.from_pretrained(model).encode(TEXTS[2])[:40]
+    body = {"model": shm.model, "prompt": prompt, "max_tokens": 6, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True, "logprobs": 2,
+            "prompt_logprobs": 1}  # fmt: skip
+    r = httpx.post(shm.url + "/v1/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    output = choice["token_ids"]
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(input_ids=torch.tensor([prompt + output])).logits[0].float()
+    ref = torch.log_softmax(logits, dim=-1)
+    n = len(prompt)
+    values = choice["logprobs"]["token_logprobs"]
+    assert len(values) == len(output) == 6
+    for j, (token, value) in enumerate(zip(output, values, strict=True)):
+        assert abs(value - float(ref[n - 1 + j, token])) < 1e-4, j
+    prompt_entries = choice["prompt_logprobs"]
+    assert len(prompt_entries) == n and prompt_entries[0] is None
+    for pos in range(1, n):
+        entry = prompt_entries[pos][str(prompt[pos])]
+        assert abs(entry["logprob"] - float(ref[pos - 1, prompt[pos]])) < 1e-4, pos
+    wait_until(lambda: _idle(shm), 60, "both replicas idle, every block free")
