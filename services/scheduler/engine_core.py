@@ -80,6 +80,7 @@ class EngineCore:
         self.policy_config = policy_config or PolicyConfig.from_config(config)
         self.policy: SchedulingPolicy | None = None  # None until a worker is ready
         self.served: CurrentModel | None = None
+        self.previous: CurrentModel | None = None  # the model served before the last adopt
         self.groups: dict[str, list[Request]] = {}  # request id -> its live sequences
         self.grammar_wait = GrammarWait()  # constrained requests until their grammar compiles
         # speculative decoding needs each step's result (how many drafts were accepted)
@@ -197,6 +198,7 @@ class EngineCore:
         root = cache_root(
             name, info.weights_version, info.tokenizer_fingerprint, info.position_config
         )
+        self.previous = self.served  # (an overlap swap serves it until it retires)
         self.served = CurrentModel(info=info, name=name, root=root)
         policy.set_version(self.served.version, root)
         self.window.expert_tokens = []  # a MoE's per-expert counts are the served model's
@@ -528,6 +530,14 @@ class EngineCore:
         for req in self.handover.on_imported(msg, self.policy.blocks):
             self.policy.add(req)
 
+    def _serving(self) -> list[CurrentModel]:
+        """The models a sequence may run on here: the served one, and during an overlap
+        swap's retirement the one before (its requests still run on it)."""
+        swap = self.swaps.swap
+        retiring = swap is not None and swap.phase == "retiring"
+        previous = [self.previous] if retiring and self.previous is not None else []
+        return [m for m in (self.served, *previous) if m is not None]
+
     def on_handover(self, msg: KvHandover) -> None:
         """A decode replica takes a sequence a prefill replica computed: it imports the
         blocks it does not cache, then queues the sequence (handover.py). One it cannot
@@ -536,7 +546,7 @@ class EngineCore:
         assert self.handover is not None
         req = decode_sequence(msg, self.served)
         refusal = "" if self.policy is not None else "the decode replica's worker is restarting"
-        refusal = refusal or self.handover.refusal(msg, self.served)
+        refusal = refusal or self.handover.refusal(msg, self._serving())
         if self.handover.was_aborted(msg) or refusal:
             self.handover.drop(msg)
             req.status = Status.FINISHED

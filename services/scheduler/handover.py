@@ -272,19 +272,21 @@ class Handover:
         )
 
     # the decode side -----------------------------------------------------------------------
-    def refusal(self, msg: KvHandover, served: CurrentModel | None) -> str:
-        """Why this replica cannot take `msg` ("": it can): it serves another model
-        version, tokenizer or root (its KV is never accepted), or it has no worker."""
-        if served is None:
+    def refusal(self, msg: KvHandover, serving: list[CurrentModel]) -> str:
+        """Why this replica cannot take `msg` ("": it can): none of the models it runs
+        sequences on (`serving`: the served one, a retiring one) has its version, tokenizer
+        and root (its KV is never accepted), or it has no worker."""
+        if not serving:
             return "the decode replica's worker is restarting"
-        if msg.version != served.version or msg.cache_root != salted_root(
-            served.root, msg.cache_salt
-        ):
-            return (
-                f"the decode replica serves model version {served.version}, the prefill "
-                f"replica computed {msg.version or '?'}"
-            )
-        return ""
+        for model in serving:
+            if msg.version == model.version and msg.cache_root == salted_root(
+                model.root, msg.cache_salt
+            ):
+                return ""
+        return (
+            f"the decode replica serves model version {serving[0].version}, the prefill "
+            f"replica computed {msg.version or '?'}"
+        )
 
     def receive(self, msg: KvHandover, req: Request, blocks: BlockManager, reserve: int) -> bool:
         """Plan the import of `msg`'s blocks that this replica does not cache, after checking
@@ -440,4 +442,6 @@ def decode_sequence(msg: KvHandover, served: CurrentModel | None) -> Request:
         seq_index=msg.seq_index,
     )
     req.output_token_ids = list(msg.output_token_ids)
+    # it started on the prefill replica: it stays on that version (a swap waits for it)
+    req.version, req.cache_root = msg.version, msg.cache_root
     return req

@@ -25,12 +25,12 @@ from common.config import Config
 from common.topology import kv_transfer_dir
 from tests.integration.test_data_parallel import _pid_of
 from tests.integration.test_parity_serving import NUM_NEW, TEXTS, _complete
+from tests.integration.test_swap import TOKEN  # (the token its swap helper sends)
 from tests.reference import hf_greedy
 from tests.server import Server, running_server
 from tests.tiny_models import make_tiny_model
 from tests.waiting import wait_until
 
-TOKEN = "pd-admin"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 PD = ("--prefill-replicas", "1", "--decode-replicas", "1", "--admin-token", TOKEN,
       "--num-threads", "1", "--max-num-seqs", "32", "--max-num-batched-tokens", "32")  # fmt: skip
@@ -251,3 +251,25 @@ def test_logprobs_through_the_hand_over(shm: Server, model: Path) -> None:
         entry = prompt_entries[pos][str(prompt[pos])]
         assert abs(entry["logprob"] - float(ref[pos - 1, prompt[pos]])) < 1e-4, pos
     wait_until(lambda: _idle(shm), 60, "both replicas idle, every block free")
+
+
+def test_an_overlap_swap_of_both_pools_under_hand_overs(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """tools/swap-model under load swaps both replicas: a sequence handed over keeps the
+    version it started on (the decode replica runs it on the retiring one), so every output
+    is one version's greedy tokens; then both pools are idle."""
+    from tests.integration import test_swap
+
+    root = tmp_path_factory.mktemp("pd-swap")
+    a = make_tiny_model(root / "tiny-a", "llama", seed=1)
+    b = make_tiny_model(root / "tiny-b", "llama", seed=2)
+    with running_server(*PD, "--model", str(a), "--model-root", str(root)) as s:
+        outs, result = test_swap._swap_under_load(s, b, "overlap", "v-b")
+        assert result["returncode"] == 0 and result["ok"], result
+        for (text, finish, version), prompt in zip(outs, test_swap.PROMPTS, strict=True):
+            folder = b if version == "v-b" else a
+            assert finish == "length", (finish, version)
+            assert text == test_swap._reference(folder, prompt), (prompt, version)
+        assert {r["version"] for r in test_swap._stats(s)["replicas"]} == {"v-b"}
+        wait_until(lambda: _idle(s), 60, "both replicas idle, every block free")
