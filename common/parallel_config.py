@@ -8,6 +8,8 @@ import dataclasses
 from common.config_base import ConfigError, check_field, config_field
 
 ROUTINGS = ("prefix", "round-robin")
+ROLES = ("both", "prefill", "decode")
+KV_TRANSFERS = ("shm", "tcp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,8 +29,42 @@ class DataParallelConfig:
     router_addr: str = config_field("", "router inbox (data parallelism)")
     scheduler_addrs: str = config_field("", "comma-separated scheduler inboxes, one per replica")
     worker_addrs: str = config_field("", "comma-separated worker inboxes, one per replica")
+    # prefill/decode disaggregation (docs/architecture.md, "Prefill and decode replicas")
+    prefill_replicas: int = config_field(
+        0,
+        "replicas that compute prompts and hand each request's KV blocks over (the first P "
+        "replicas; with --decode-replicas; 0: every replica does both)",
+    )
+    decode_replicas: int = config_field(
+        0, "replicas that continue the requests the prefill replicas hand over (the next D)"
+    )
+    role: str = config_field(
+        "both",
+        "this replica's part: both, prefill or decode (with --prefill-replicas/"
+        "--decode-replicas it follows --replica-index; given, it must agree)",
+    )
+    kv_transfer: str = config_field(
+        "shm",
+        "how handed-over KV blocks travel: shm (files in shared memory, one host) or tcp "
+        "(in ZeroMQ messages, across hosts)",
+    )
+    kv_transfer_dir: str = config_field(
+        "", "shm transfer: the folder (default: /dev/shm/shuttle-kv-<run>, else the run dir)"
+    )
 
     def __post_init__(self) -> None:
+        p, d = self.prefill_replicas, self.decode_replicas
+        if p or d:
+            check_field(p >= 1 and d >= 1, "prefill_replicas", ">= 1, with --decode-replicas >= 1")
+            if self.data_parallel_size == 1:  # (frozen: resolved once, here)
+                object.__setattr__(self, "data_parallel_size", p + d)
+            check_field(
+                self.data_parallel_size == p + d,
+                "data_parallel_size",
+                f"--prefill-replicas + --decode-replicas ({p + d}) when both are given",
+            )
+        check_field(self.role in ROLES, "role", "both, prefill or decode")
+        check_field(self.kv_transfer in KV_TRANSFERS, "kv_transfer", "shm or tcp")
         if self.data_parallel_size < 1:
             raise ConfigError("--data-parallel-size must be >= 1")
         if self.dp_routing not in ROUTINGS:
@@ -37,6 +73,32 @@ class DataParallelConfig:
             raise ConfigError("--dp-load-bound must be >= 1")
         if not 0 <= self.replica_index < self.data_parallel_size:
             raise ConfigError("--replica-index must be in [0, --data-parallel-size)")
+        if self.role != "both" and not self.is_disaggregated:
+            raise ConfigError(
+                f"--role {self.role} needs --prefill-replicas and --decode-replicas (the router "
+                "places requests by role)"
+            )
+        if self.role != "both" and self.role != self.role_of(self.replica_index):
+            raise ConfigError(
+                f"--role {self.role} disagrees with --replica-index {self.replica_index}: "
+                f"replicas 0..{self.prefill_replicas - 1} prefill, the others decode"
+            )
+
+    @property
+    def is_disaggregated(self) -> bool:
+        """Prefill and decode run on separate replicas."""
+        return self.prefill_replicas > 0
+
+    def role_of(self, index: int) -> str:
+        """Replica `index`'s part: the first --prefill-replicas prefill, the next decode."""
+        if not self.is_disaggregated:
+            return "both"
+        return "prefill" if index < self.prefill_replicas else "decode"
+
+    @property
+    def own_role(self) -> str:
+        """This process's replica's part."""
+        return self.role_of(self.replica_index)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,7 @@ worker addresses are the replica's, so the scheduler and worker code need not kn
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import TYPE_CHECKING
 
@@ -156,3 +157,29 @@ def replica_gpus(visible: list[str], size: int) -> list[list[str]]:
         return [list(visible)] * size
     per = len(visible) // size
     return [visible[i * per : (i + 1) * per] for i in range(size)]
+
+
+def replica_roles(config: Config) -> list[str]:
+    """Each replica's part, by index: with --prefill-replicas P --decode-replicas D the
+    first P prefill and the next D decode; otherwise every one both."""
+    dp = config.data_parallel
+    if not dp.is_disaggregated:
+        return ["both"] * dp.data_parallel_size
+    return ["prefill"] * dp.prefill_replicas + ["decode"] * dp.decode_replicas
+
+
+def kv_transfer_dir(config: Config) -> str:
+    """Where a prefill replica's worker writes the blocks it hands over and a decode
+    replica's reads them (--kv-transfer shm): --kv-transfer-dir, else a folder of this run
+    in /dev/shm (shared memory), else in the run directory; "" with --kv-transfer tcp (the
+    blocks travel in the messages)."""
+    dp = config.data_parallel
+    if dp.kv_transfer != "shm":
+        return ""
+    if dp.kv_transfer_dir:
+        return dp.kv_transfer_dir
+    run_dir = config.server.run_dir
+    if os.path.isdir("/dev/shm"):
+        tag = hashlib.sha256(os.path.abspath(run_dir or ".").encode()).hexdigest()[:16]
+        return f"/dev/shm/shuttle-kv-{tag}"
+    return os.path.join(run_dir or ".", "kv-handover")

@@ -98,6 +98,21 @@ def decode_block(
     return flat.view(dtype).reshape(shape)
 
 
+def block_layout(kv: KVCache, tp: TensorParallel) -> dict[str, Any]:
+    """What a block's file names of its layout, all of which a reader must share."""
+    shape = kv.block_shape
+    return {
+        # the KV format, not only the tensor's dtype: fp8 e4m3 and e5m2 rows are both
+        # uint8, and one must never read the other's bytes
+        "dtype": kv.format.describe(),
+        "shape": list(shape),
+        "num_layers": shape[0],
+        "block_size": kv.block_size,
+        "tp_rank": tp.rank,
+        "tp_size": tp.size,
+    }
+
+
 class DiskTier:
     """This rank's block files: written by a background thread, read in the step."""
 
@@ -261,19 +276,11 @@ class KVTierStore:
         disk, num_disk = None, 0
         if folder:
             num_disk = tp.agree_min(int(disk_gib * GIB) // per_block)
-            shape = kv.block_shape
-            layout = {
-                # the KV format, not only the tensor's dtype: fp8 e4m3 and e5m2 rows are
-                # both uint8, and one must never read the other's bytes
-                "dtype": kv.format.describe(),
-                "shape": list(shape),
-                "num_layers": shape[0],
-                "block_size": kv.block_size,
-                "tp_rank": tp.rank,
-                "tp_size": tp.size,
-            }
             disk = DiskTier(
-                Path(folder) / f"rank{tp.rank}of{tp.size}", layout, version, kv.tensor.dtype
+                Path(folder) / f"rank{tp.rank}of{tp.size}",
+                block_layout(kv, tp),
+                version,
+                kv.tensor.dtype,
             )
             disk.scan(num_disk)
         log.info(

@@ -312,6 +312,7 @@ class WorkerActor(Actor):
                 token_ids=[],
                 # its tier reads are not known to have landed: the scheduler forgets them
                 tier_fetch_failed_keys=plan.tier_fetch_keys,
+                kv_import_failed_dst=plan.kv_import_dst,  # (nor its hand-over's imports)
                 error=f"{type(e).__name__}: {e}",
             )
         self.scheduler.send(result)

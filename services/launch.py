@@ -38,6 +38,7 @@ from common.topology import (
     gateway_addrs,
     gateway_index,
     gateway_name,
+    kv_transfer_dir,
     num_gateways,
     replica_addrs,
     replica_config,
@@ -462,6 +463,8 @@ def serve(argv: list[str] | None = None) -> int:
         code = 1
     finally:
         sup.shutdown()
+        if config.data_parallel.is_disaggregated and not config.data_parallel.kv_transfer_dir:
+            shutil.rmtree(kv_transfer_dir(config), ignore_errors=True)  # (hand-overs' files)
         if created_run_dir:
             shutil.rmtree(run_dir, ignore_errors=True)
         else:

@@ -43,7 +43,7 @@ from common.messages.gateway_tokenizer import (
     TokenizeResult,
 )
 from common.messages.scheduler_detokenizer import DetokNew, TokenBatch
-from common.messages.scheduler_router import ReplicaNotice
+from common.messages.scheduler_router import KvHandover, ReplicaNotice
 from common.messages.scheduler_worker import (
     CompileGrammar,
     GrammarCompiled,
@@ -92,6 +92,7 @@ __all__ = [
     "GrammarCompiled",
     "ProcessDown",
     "Reset",
+    "KvHandover",
     "ReplicaNotice",
     "Drain",
     "Drained",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from common.codec import message
+from common.messages.types import SamplingParams
 
 
 @message("replica_notice")
@@ -28,3 +29,36 @@ class ReplicaNotice:
     # the adapter's cache root); None when unchanged since the previous notice
     lora_names: list[str] | None = None  # [num_adapters]
     lora_hashes: list[str] | None = None  # [num_adapters]
+
+
+@message("kv_handover")
+class KvHandover:
+    """prefill scheduler -> router -> decode scheduler: one sequence whose prompt a prefill
+    replica computed and whose first token it sampled (and streamed), to be continued by a
+    decode replica the router picks by load. Its full blocks travel as the prefix cache's
+    files (gpu_worker/kv_handover.py): in `transfer_dir` (shm) or in `block_data` (tcp); the
+    decode side imports those whose key its own chain gives, registers them in its prefix
+    cache, and runs the sequence as a resumed one (its outputs known, the tail recomputed)."""
+
+    request_id: str  # the wire id (the detokenizer and gateway know it already)
+    seq_index: int
+    prompt_token_ids: list[int]  # [num_prompt]
+    output_token_ids: list[int]  # [num_out] sampled so far (streamed already)
+    sampling: SamplingParams  # the sequence's own (its seed offset), prompt logprobs done
+    eos_token_ids: list[int]
+    arrival_time: float
+    priority: int
+    timeout: float | None
+    tokenizer_fingerprint: str
+    cache_salt: str
+    version: str  # the model version whose weights computed the KV
+    cache_root: int  # the chain's root (version, salt): the decode side's must be equal
+    block_keys: list[int]  # [num_blocks] chain hash of each full block, in order
+    block_tokens: list[list[int]]  # [num_blocks][block_size]
+    transfer_dir: str = ""  # shm: the folder holding the blocks' files
+    block_data: list[str] = dataclasses.field(default_factory=list)  # [num_blocks] tcp: base64
+    num_bytes: int = 0  # the blocks' bytes, as moved
+    prefill_queue_s: float = 0.0  # TTFT's parts on the prefill replica: waiting to start,
+    prefill_s: float = 0.0  # computing the prompt and sampling the first token,
+    export_s: float = 0.0  # and writing the blocks out
+    sent_at: float = 0.0  # wall clock when the prefill scheduler sent it

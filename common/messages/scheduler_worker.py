@@ -91,6 +91,24 @@ class StepPlan:
     # host slot -> device block (a prefix hit in host memory)
     tier_load_src: list[int] = dataclasses.field(default_factory=list)  # [l] host slots
     tier_load_dst: list[int] = dataclasses.field(default_factory=list)  # [l] device blocks
+    # prefill/decode hand-over (gpu_worker/kv_handover.py), before the step computes, in the
+    # tier files' format (header: layout, key, tokens, version; checksum). A prefill replica
+    # exports full blocks of a request it hands over: to a file (shm), or, where the path
+    # is "", as bytes in the result (tcp)
+    kv_export_src: list[int] = dataclasses.field(default_factory=list)  # [e] device blocks
+    kv_export_keys: list[int] = dataclasses.field(default_factory=list)  # [e] chain hashes
+    kv_export_tokens: list[list[int]] = dataclasses.field(default_factory=list)  # [e][bs]
+    kv_export_versions: list[str] = dataclasses.field(default_factory=list)  # [e]
+    kv_export_paths: list[str] = dataclasses.field(default_factory=list)  # [e] "": in result
+    # a decode replica imports them into fresh device blocks: from a file, or from the bytes
+    # here (base64, tcp) where the path is ""; each is checked against key, tokens, layout,
+    # version and checksum, and one that does not match is not written (answered failed)
+    kv_import_dst: list[int] = dataclasses.field(default_factory=list)  # [i] device blocks
+    kv_import_keys: list[int] = dataclasses.field(default_factory=list)  # [i]
+    kv_import_tokens: list[list[int]] = dataclasses.field(default_factory=list)  # [i][bs]
+    kv_import_versions: list[str] = dataclasses.field(default_factory=list)  # [i]
+    kv_import_paths: list[str] = dataclasses.field(default_factory=list)  # [i]
+    kv_import_data: list[str] = dataclasses.field(default_factory=list)  # [i] base64 or ""
 
     @property
     def num_tokens(self) -> int:
@@ -130,6 +148,11 @@ class StepResult:
     # unreadable or corrupted file, or one whose header does not match its key)
     tier_fetched_keys: list[int] = dataclasses.field(default_factory=list)  # [ok]
     tier_fetch_failed_keys: list[int] = dataclasses.field(default_factory=list)  # [failed]
+    # the plan's hand-over: exported blocks' bytes where no path was given (base64, plan
+    # order; [] when none), and the import destinations not written (a block that failed
+    # its checks: its tokens are recomputed)
+    kv_export_data: list[str] = dataclasses.field(default_factory=list)  # [e]
+    kv_import_failed_dst: list[int] = dataclasses.field(default_factory=list)  # [failed]
     forward_s: float = 0.0  # worker time for the step, model + sampling
     # a mixture of experts: (token, expert) pairs each expert computed this step, summed over
     # the model's MoE layers (routing skew, /admin/stats); empty for a dense model

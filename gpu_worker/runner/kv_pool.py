@@ -58,10 +58,13 @@ def draft_kv_share(
 def kv_layer_groups(config: LlamaConfig, options: RunnerOptions) -> LayerGroups | None:
     """The model's KV layer groups (common/kv_groups.py), or None for the dense layout: a
     model without windows, or one served with what groups do not take yet (the KV tiers,
-    keyed by a block's hash alone, and a draft model, which reads the target's tables)."""
+    keyed by a block's hash alone, a draft model, which reads the target's tables, and
+    prefill/decode replicas, whose hand-over moves whole blocks of every layer)."""
     if not config.sliding_windows:
         return None
     if options.kv_offload_memory_gib or options.kv_offload_dir or options.draft_model:
+        return None
+    if options.kv_handover:
         return None
     return layer_groups(config.sliding_windows, config.num_layers)
 

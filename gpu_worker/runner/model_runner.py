@@ -34,6 +34,7 @@ from common.messages.types import ModelInfo, SamplingParams
 from gpu_worker.attention import AttentionBackend
 from gpu_worker.distributed.tensor_parallel import TensorParallel
 from gpu_worker.kv_cache import GIB
+from gpu_worker.kv_handover import KVHandover
 from gpu_worker.kv_tiers import KVTierStore
 from gpu_worker.layers.fused_moe import add_counts, take_tokens_per_expert
 from gpu_worker.layers.linear import quantization_of, resident_weight_bytes
@@ -106,6 +107,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
         self.kv_pool_id = uuid.uuid4().hex  # (the scheduler forgets another pool's prefixes)
         self.drafter = self._init_drafter(config, backend.name)
         self.num_host_blocks = self.kv_cache.allocate_host(int(options.swap_space_gib * GIB))
+        self.handover = KVHandover(self.kv_cache, self.tp)  # prefill/decode replicas
         self.tiers = KVTierStore.create(
             self.kv_cache,
             memory_gib=options.kv_offload_memory_gib,
@@ -329,6 +331,7 @@ class ModelRunner(PlanRunner[ModelVersion]):
         start = time.perf_counter()
         fetched, failed = self.tiers.apply(plan) if self.tiers is not None else ([], [])
         tiers: dict[str, Any] = dict(tier_fetched_keys=fetched, tier_fetch_failed_keys=failed)
+        tiers |= self.handover.apply(plan)  # (blocks handed over: before the step writes)
         states = self._begin_step(plan, self.kv_cache)
         if not plan.req_ids:
             return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[], **tiers)

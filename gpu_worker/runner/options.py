@@ -60,6 +60,7 @@ class RunnerOptions:
     prompt_lookup_min: int = 2  # ngram: shortest suffix looked up
     prompt_lookup_max: int = 4  # ngram: longest suffix looked up
     lora: LoraConfig | None = None  # LoRA adapters (None: --enable-lora is off)
+    kv_handover: bool = False  # a prefill or decode replica: its blocks move between replicas
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -110,6 +111,7 @@ class RunnerOptions:
             prompt_lookup_min=spec.prompt_lookup_min,
             prompt_lookup_max=spec.prompt_lookup_max,
             lora=config.lora if config.lora.enable_lora else None,
+            kv_handover=config.data_parallel.is_disaggregated,
         )
 
     @property

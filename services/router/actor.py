@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 from typing import Any
 
 from common.actor import Actor
 from common.config import Config
 from common.messages import (
+    KvHandover,
     ProcessDown,
     ReplicaNotice,
     RequestError,
@@ -34,7 +36,7 @@ from common.messages import (
     StatsQuery,
     TokenizedRequest,
 )
-from common.topology import replica_addrs, replica_name, router_addr
+from common.topology import replica_addrs, replica_name, replica_roles, router_addr
 from services.router.policy import ReplicaView, Router
 
 log = logging.getLogger(__name__)
@@ -48,7 +50,12 @@ class RouterActor(Actor):
     def __init__(self, config: Config) -> None:
         super().__init__(config, inbox_addr=router_addr(config))
         dp = config.data_parallel
-        self.router = Router(dp.data_parallel_size, dp.dp_routing, dp.dp_load_bound)
+        self.router = Router(
+            dp.data_parallel_size, dp.dp_routing, dp.dp_load_bound, replica_roles(config)
+        )
+        # prefill/decode replicas: the shm folders of hand-overs a decode replica holds,
+        # removed when it reports the request ended or dies (it may die before its import)
+        self.transfers: dict[str, list[str]] = {}
         self.names = [
             replica_name("scheduler", i, dp.data_parallel_size)
             for i in range(dp.data_parallel_size)
@@ -62,6 +69,7 @@ class RouterActor(Actor):
                 ReplicaNotice: self._on_notice,
                 ProcessDown: self._on_process_down,
                 StatsQuery: self._on_stats_query,
+                KvHandover: self._on_handover,
             }
         )
 
@@ -84,8 +92,27 @@ class RouterActor(Actor):
             return
         self.replica_boxes[decision.replica].send(req)
 
+    def _on_handover(self, msg: KvHandover) -> None:
+        """A prefill replica hands a sequence over: to the least loaded decode replica."""
+        chosen = self.router.route_handover(msg.request_id, msg.tokenizer_fingerprint)
+        if chosen is None:
+            if msg.transfer_dir:
+                shutil.rmtree(msg.transfer_dir, ignore_errors=True)
+            self._fail(msg.request_id, "no decode replica is ready (restarting)")
+            return
+        if msg.transfer_dir:
+            self.transfers.setdefault(msg.request_id, []).append(msg.transfer_dir)
+        self.replica_boxes[chosen.index].send(msg)
+
+    def _forget_transfers(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            for folder in self.transfers.pop(request_id, []):
+                shutil.rmtree(folder, ignore_errors=True)
+
     def _on_notice(self, msg: ReplicaNotice) -> None:
         self.router.on_notice(msg)
+        if self.router.replicas[msg.replica].role == "decode":
+            self._forget_transfers(msg.ended_request_ids)
         if self.was_ever_ready:
             return
         first_ready = msg.is_ready and not any(r.is_ready for r in self._others(msg.replica))
@@ -114,6 +141,7 @@ class RouterActor(Actor):
             return  # a worker's death reaches us as its scheduler's notice
         index = self.names.index(msg.name)
         lost = self.router.on_replica_down(index)
+        self._forget_transfers(lost)
         log.error("%s died: routing around it; %d requests fail", msg.name, len(lost))
         for request_id in lost:
             self._fail(request_id, f"the {msg.name} process restarted")

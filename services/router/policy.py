@@ -36,6 +36,7 @@ MAX_PENDING_HASHES = 8192
 @dataclasses.dataclass
 class ReplicaView:
     index: int
+    role: str = "both"  # both, prefill (takes new requests) or decode (takes hand-overs)
     is_ready: bool = False
     cache_root: int = 0
     block_size: int = 0
@@ -84,15 +85,23 @@ class Decision:
 class Router:
     """Routes requests among `num_replicas` replicas; see the module docstring."""
 
-    def __init__(self, num_replicas: int, routing: str = "prefix", load_bound: float = 1.25):
+    def __init__(
+        self,
+        num_replicas: int,
+        routing: str = "prefix",
+        load_bound: float = 1.25,
+        roles: list[str] | None = None,
+    ):
         if routing not in ("prefix", "round-robin"):
             raise ValueError(f"unknown routing {routing!r}")
-        self.replicas = [ReplicaView(i) for i in range(num_replicas)]
+        roles = roles or ["both"] * num_replicas
+        self.replicas = [ReplicaView(i, role) for i, role in enumerate(roles)]
         self.routing = routing
         self.load_bound = load_bound
         self._turn = 0
         self.num_prefix_routed = 0  # sent to a replica holding a prefix of the prompt
         self.num_least_loaded_routed = 0  # a miss (or every holder too busy): least loaded
+        self.num_handovers_routed = 0  # sequences handed from a prefill to a decode replica
 
     # notices -------------------------------------------------------------------------------
     def on_notice(self, msg: ReplicaNotice) -> None:
@@ -131,7 +140,7 @@ class Router:
         whose model has the request's tokenizer come first (elsewhere it is tokenised again);
         a request of a LoRA adapter goes to a replica that has the adapter, then by prefix
         (hashed under the adapter's root)."""
-        ready = [r for r in self.replicas if r.is_ready]
+        ready = [r for r in self.replicas if r.is_ready and r.role != "decode"]
         if not ready:
             return None
         same = [r for r in ready if r.tokenizer_fingerprint == tokenizer_fingerprint]
@@ -147,6 +156,22 @@ class Router:
         chosen.num_routed += 1
         chosen.expect(hashes)
         return Decision(chosen.index, hits)
+
+    def route_handover(
+        self, request_id: str, tokenizer_fingerprint: str = ""
+    ) -> ReplicaView | None:
+        """The decode replica that continues a handed-over sequence: the least loaded ready
+        one (mid-swap, one serving the tokenizer it was made with first); None: none is."""
+        ready = [r for r in self.replicas if r.is_ready and r.role != "prefill"]
+        same = [r for r in ready if r.tokenizer_fingerprint == tokenizer_fingerprint]
+        ready = same or ready
+        if not ready:
+            return None
+        chosen = min(ready, key=lambda r: (r.load, r.num_routed, r.index))
+        chosen.live.add(request_id)
+        chosen.num_routed += 1
+        self.num_handovers_routed += 1
+        return chosen
 
     def _next_in_turn(self, ready: list[ReplicaView]) -> ReplicaView:
         chosen = min(ready, key=lambda r: (r.index - self._turn) % len(self.replicas))
@@ -187,9 +212,11 @@ class Router:
             "routing": self.routing,
             "num_prefix_routed": self.num_prefix_routed,
             "num_least_loaded_routed": self.num_least_loaded_routed,
+            "num_handovers_routed": self.num_handovers_routed,
             "replicas": [
                 {
                     "replica": r.index,
+                    "role": r.role,
                     "is_ready": r.is_ready,
                     "load": r.load,
                     "num_routed": r.num_routed,

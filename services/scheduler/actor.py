@@ -20,6 +20,7 @@ from common.messages import (
     Abort,
     FinishReason,
     GrammarCompiled,
+    KvHandover,
     LoadLoraAdapter,
     LoraAdapterResult,
     LoraLoaded,
@@ -82,7 +83,13 @@ class SchedulerActor(Actor):
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
-        self.core = EngineCore(config, _Sockets(self))
+        # a prefill replica sends the sequences it hands over to the router
+        to_router = (
+            self.outbox(router_addr(config)).send
+            if config.data_parallel.own_role == "prefill"
+            else None
+        )
+        self.core = EngineCore(config, _Sockets(self), to_router=to_router)
         self.worker_name = own_name(config, "worker")
         # data parallelism: tell the router what this replica caches and holds
         dp = config.data_parallel
@@ -101,6 +108,7 @@ class SchedulerActor(Actor):
                 LoadLoraAdapter: self.core.load_lora,
                 UnloadLoraAdapter: self.core.unload_lora,
                 LoraLoaded: self.core.on_lora_loaded,
+                KvHandover: self._on_handover,
             }
         )
         self.ticker: asyncio.Task[None] | None = None
@@ -135,6 +143,11 @@ class SchedulerActor(Actor):
         if self.notices is not None:
             self.notices.received(msg.request_id)
         self.core.add(msg)
+
+    def _on_handover(self, msg: KvHandover) -> None:
+        if self.notices is not None:
+            self.notices.received(msg.request_id)
+        self.core.on_handover(msg)
 
     def _notify(self) -> None:
         """Data parallelism: the router hears what changed (cached blocks, ended requests)."""

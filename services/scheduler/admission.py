@@ -8,6 +8,7 @@ request computes this step, or 0 when it cannot start now (policy.py stops there
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from common.model_facts import lora_root, salted_root
@@ -51,6 +52,7 @@ def admit(policy: SchedulingPolicy, req: Request, budget: int, out: SchedulerOut
         return 0
     if req.version is None:
         req.version, req.cache_root = policy.version, root
+        req.started_at = time.time()
     bm.take_prefix(rid, req.cache_root, hits, req.num_prompt_tokens)
     if loaded:
         assert policy.tiers is not None

@@ -51,6 +51,9 @@ class BlockManager:
         self._owner_of: list[str] = [""] * num_blocks  # the LoRA adapter of a hashed block
         self._by_hash: dict[int, int] = {}
         self.block_tables: dict[str, list[int]] = {}
+        # prefill/decode hand-over: blocks being written by an import (ref 1, in no table),
+        # by key; each becomes cached under its key once the import landed, or free
+        self._importing: dict[int, int] = {}
         self._chains: dict[str, list[int]] = {}  # per request: hashes of its full blocks
         self.num_cached_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_cached_hits = 0  # of which found
@@ -229,6 +232,36 @@ class BlockManager:
         self._hash_changes = {}
         return [h for h, c in changes.items() if c], [h for h, c in changes.items() if not c]
 
+    # prefill/decode hand-over ---------------------------------------------------------------
+    def cached_block(self, key: int, tokens: tuple[int, ...]) -> int | None:
+        """The block cached (or in use) under `key` holding `tokens`, or None."""
+        block = self._by_hash.get(key)
+        return block if block is not None and self._tokens_of[block] == tokens else None
+
+    def is_importing(self, key: int) -> bool:
+        return key in self._importing
+
+    def import_block(self, key: int) -> int:
+        """The block the import of `key` writes."""
+        return self._importing[key]
+
+    def reserve_import(self, key: int) -> int:
+        """A fresh block for the import of `key` (the caller checked can_allocate)."""
+        block = self._fresh()
+        self._importing[key] = block
+        return block
+
+    def finish_import(self, key: int, tokens: tuple[int, ...], landed: bool) -> None:
+        """The import of `key` ended: its block is cached under it (a later request's prefix
+        hit), or, when it did not land or the key is cached meanwhile, free."""
+        block = self._importing.pop(key)
+        if landed and self.enable_prefix_caching and key not in self._by_hash:
+            self._hash_of[block], self._tokens_of[block] = key, tokens
+            self._by_hash[key] = block
+            if self._hash_changes is not None:
+                self._hash_changes[key] = True
+        self._unref(block)
+
     # allocation ---------------------------------------------------------------------------
     def allocate(self, req_id: str, num_tokens: int) -> list[int]:
         """Grow the request's table to hold `num_tokens`; return the blocks added."""
@@ -330,6 +363,7 @@ class BlockManager:
     def check_integrity(self) -> None:
         """Raise AssertionError if any block is lost, double-owned or miscounted."""
         held = Counter(b for table in self.block_tables.values() for b in table)
+        held.update(self._importing.values())
         free, lru = set(self._free), set(self._lru)
         assert len(free) == len(self._free), "a block is on the free list twice"
         assert not free & lru, "a block is both free and cached"

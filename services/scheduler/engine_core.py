@@ -23,13 +23,14 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from common.config import Config
 from common.messages import (
     CompileGrammar,
     FinishReason,
     GrammarCompiled,
+    KvHandover,
     LoadLoraAdapter,
     LoraLoaded,
     ModelChanged,
@@ -44,12 +45,14 @@ from common.messages import (
     UnloadLoraAdapter,
 )
 from common.model_facts import cache_root
+from common.topology import kv_transfer_dir
 from common.wire_id import owner
 from services.scheduler import detok_messages, intake
 from services.scheduler.block_manager import BlockManager, HostBlockPool
 from services.scheduler.current_model import CurrentModel
 from services.scheduler.grammar_wait import GrammarWait
 from services.scheduler.grouped_blocks import GroupedBlockManager
+from services.scheduler.handover import Handover, decode_sequence
 from services.scheduler.kv_tiers import TierIndex
 from services.scheduler.lora_registry import ServedAdapters
 from services.scheduler.outbox import EngineOutbox
@@ -66,7 +69,11 @@ class EngineCore:
     """The scheduler's engine: requests in, step plans out, step results in, tokens out."""
 
     def __init__(
-        self, config: Config, outbox: EngineOutbox, policy_config: PolicyConfig | None = None
+        self,
+        config: Config,
+        outbox: EngineOutbox,
+        policy_config: PolicyConfig | None = None,
+        to_router: Callable[[KvHandover], None] | None = None,
     ) -> None:
         self.config = config
         self.outbox = outbox
@@ -74,6 +81,7 @@ class EngineCore:
         self.policy_config = policy_config or PolicyConfig.from_config(config)
         self.policy: SchedulingPolicy | None = None  # None until a worker is ready
         self.served: CurrentModel | None = None
+        self.previous: CurrentModel | None = None  # the model served before the last adopt
         self.groups: dict[str, list[Request]] = {}  # request id -> its live sequences
         self.grammar_wait = GrammarWait()  # constrained requests until their grammar compiles
         # speculative decoding needs each step's result (how many drafts were accepted)
@@ -88,6 +96,13 @@ class EngineCore:
         self._checked_at, self._checked_at_step = 0.0, -1  # the last block-by-block check
         self._tier_store_id = ""  # the worker's tiers the policy's index describes
         self._kv_pool_id = ""  # the worker's KV pool the policy's block manager describes
+        # prefill/decode replicas: the hand-over of sequences and their blocks (handover.py)
+        dp = config.data_parallel
+        self.handover = (
+            Handover(dp.own_role, kv_transfer_dir(config), to_router)
+            if dp.is_disaggregated
+            else None
+        )
 
     @property
     def is_ready(self) -> bool:
@@ -96,7 +111,11 @@ class EngineCore:
     @property
     def has_work(self) -> bool:
         """Steps to plan, or results to wait for."""
-        return bool(self.window.in_flight) or (self.policy is not None and self.policy.has_work())
+        return (
+            bool(self.window.in_flight)
+            or (self.policy is not None and self.policy.has_work())
+            or self._has_moves
+        )
 
     # the worker ----------------------------------------------------------------------------
     def on_worker_ready(self, info: ModelInfo) -> None:
@@ -108,6 +127,8 @@ class EngineCore:
                 return  # the answer to our own Reset at start-up: nothing changed
             log.warning("worker re-announced itself; resetting the block pool")
             self.fail_all("the worker restarted", resumable=True)
+            if self.handover is not None:
+                self.handover.reset()
         s = self.config.scheduler
         self.policy = SchedulingPolicy(
             self._block_manager(info),
@@ -131,6 +152,8 @@ class EngineCore:
         self.fail_all(why, resumable=True)
         self.window.clear()
         self.policy = None
+        if self.handover is not None:
+            self.handover.reset()
 
     def _block_manager(self, info: ModelInfo) -> BlockManager | GroupedBlockManager:
         if info.kv_group_windows:  # sliding-window layers: one table per layer group
@@ -190,6 +213,7 @@ class EngineCore:
             name, info.weights_version, info.tokenizer_fingerprint, info.position_config
         )
         chunk = self.policy_config.max_num_batched_tokens
+        self.previous = self.served  # (an overlap swap serves it until it retires)
         self.served = CurrentModel(info=info, name=name, root=root, chunk=chunk)
         policy.set_version(self.served.version, root)
         self.window.expert_tokens = []  # a MoE's per-expert counts are the served model's
@@ -259,6 +283,8 @@ class EngineCore:
             self._reject(msg.request_id, *error)
             return
         seqs = intake.sequences(msg, served, adapter)
+        if self.handover is not None and self.handover.is_prefill:
+            self.handover.cap(seqs)  # (each stops after one token and is handed over)
         if msg.sampling.is_structured:  # queued once its grammar is compiled (off the loop)
             self.grammar_wait.park(msg.request_id, seqs, msg.tokenizer_fingerprint)
             self.outbox.to_worker(
@@ -301,6 +327,10 @@ class EngineCore:
         for j, request_id in enumerate(request_ids):
             index = None if seq_indices is None else seq_indices[j]
             ended += self.grammar_wait.end(request_id, reason, index)
+            if self.handover is not None:  # in an export or an import, or on its way here
+                ended += self.handover.end(request_id, reason, index)
+                if not self.handover.is_prefill:
+                    self.handover.remember_abort(request_id, index)
             for r in list(self.groups.get(request_id, ())):
                 if seq_indices is None or r.seq_index == seq_indices[j]:
                     if self.policy.abort(r.request_id, reason) is not None:
@@ -325,7 +355,11 @@ class EngineCore:
         process died, not the request) sends it again; the detokenizer drops it."""
         if self.policy is not None:
             self._fail(
-                [*self.policy.requests.values(), *self.grammar_wait.end_all(FinishReason.ERROR)],
+                [
+                    *self.policy.requests.values(),
+                    *self.grammar_wait.end_all(FinishReason.ERROR),
+                    *(self.handover.end_all(FinishReason.ERROR) if self.handover else ()),
+                ],
                 503,
                 f"{why}; the request was not completed, retry it",
                 resumable,
@@ -351,6 +385,8 @@ class EngineCore:
     def _forget_finished_groups(self, reqs: Iterable[Request]) -> None:
         for request_id in {r.group_id for r in reqs}:
             seqs = self.groups.get(request_id)
+            if self.handover is not None and self.handover.holds(request_id):
+                continue  # (a sequence is being handed over: the router counts it here)
             if seqs is not None and all(r.is_finished for r in seqs):
                 del self.groups[request_id]
 
@@ -435,16 +471,19 @@ class EngineCore:
         policy = self.policy
         if policy is None:
             return
-        while self.window.has_room and policy.has_work():
+        handover = self.handover
+        while self.window.has_room and (policy.has_work() or self._has_moves):
             out = policy.schedule()
-            if out.is_empty:
+            if out.is_empty and not self._has_moves:
                 break
             step_id = self.window.open([s.request.request_id for s in out.scheduled])
-            self.outbox.to_worker(to_plan(step_id, out))
+            moves = handover.planned(step_id) if handover is not None else None
+            self.outbox.to_worker(to_plan(step_id, out, moves))
         self.window.planned()
         self.swaps.advance(policy, in_flight=bool(self.window.in_flight))
         self._advance_unloads()
-        if not self.window.in_flight and not policy.has_work() and not policy.requests:
+        idle = not self.window.in_flight and not policy.has_work() and not policy.requests
+        if idle and not (handover is not None and handover.busy):
             # whenever idle, every block is free (O(1)); block by block now and then (a
             # pool of 65k blocks takes ~7 ms to walk: not in the way of every request)
             policy.check_idle()
@@ -462,6 +501,8 @@ class EngineCore:
             return
         if self.policy.tiers is not None:  # (a failed step reports its fetches failed)
             self.policy.tiers.on_fetched(msg.tier_fetched_keys, msg.tier_fetch_failed_keys)
+        if self.handover is not None:  # (a failed step reports its imports failed)
+            self._on_moved(msg)
         if msg.error:
             log.error("step %d failed on the worker: %s", msg.step_id, msg.error)
             reqs = [r for key in step.seq_keys if (r := self.policy.requests.get(key))]
@@ -469,8 +510,78 @@ class EngineCore:
             return
         self.window.count(step, msg)
         results = self.policy.update(msg.req_ids, msg.token_ids, msg.num_tokens, msg.num_proposed)
+        if self.handover is not None and self.handover.is_prefill:
+            results = [self._hand_over_if_done(*result) for result in results]
         pooled = self.policy.pooled(msg.pooled_req_ids)  # embeddings: done, with a vector
         results += pooled
         if results:
             self.outbox.to_detokenizer(detok_messages.step_tokens(msg, results, len(pooled)))
             self._forget_finished_groups(r for r, _, f in results if f != FinishReason.NONE)
+        if self.handover is not None and self.handover.is_prefill and self.served is not None:
+            sent = self.handover.send_unmoved(self.served.tokenizer_fingerprint)
+            self._forget_finished_groups(sent)
+
+    # prefill/decode hand-over (handover.py) ----------------------------------------------
+    @property
+    def _has_moves(self) -> bool:
+        return self.handover is not None and not self.handover.pending.is_empty
+
+    def _hand_over_if_done(
+        self, req: Request, tokens: list[int], reason: FinishReason
+    ) -> tuple[Request, list[int], FinishReason]:
+        """A prefill replica's sequence that stopped only because prefill stops there is
+        not finished for the client: its blocks are exported in the next plan."""
+        assert self.handover is not None and self.policy is not None
+        if not self.handover.is_handed_over(req, reason):
+            return req, tokens, reason
+        self.handover.export(req, self._dense_blocks())
+        return req, tokens, FinishReason.NONE
+
+    def _dense_blocks(self) -> BlockManager:
+        """The pool a hand-over moves blocks of: a prefill or decode replica's worker keeps
+        the dense layout (gpu_worker/runner/kv_pool.py), so it is never grouped."""
+        assert self.policy is not None
+        blocks = self.policy.blocks
+        assert isinstance(blocks, BlockManager), "a prefill/decode replica's pool is grouped"
+        return blocks
+
+    def _on_moved(self, msg: StepResult) -> None:
+        """A plan's exports and imports ended: hand-overs leave; imported sequences queue."""
+        assert self.handover is not None and self.policy is not None and self.served
+        sent = self.handover.on_exported(msg, self.served.tokenizer_fingerprint)
+        self._forget_finished_groups(sent)
+        for req in self.handover.on_imported(msg, self._dense_blocks()):
+            self.policy.add(req)
+
+    def _serving(self) -> list[CurrentModel]:
+        """The models a sequence may run on here: the served one, and during an overlap
+        swap's retirement the one before (its requests still run on it)."""
+        swap = self.swaps.swap
+        retiring = swap is not None and swap.phase == "retiring"
+        previous = [self.previous] if retiring and self.previous is not None else []
+        return [m for m in (self.served, *previous) if m is not None]
+
+    def on_handover(self, msg: KvHandover) -> None:
+        """A decode replica takes a sequence a prefill replica computed: it imports the
+        blocks it does not cache, then queues the sequence (handover.py). One it cannot
+        take (another model version, no worker) fails retryably; one cancelled on its way
+        ends as cancelled."""
+        assert self.handover is not None
+        req = decode_sequence(msg, self.served)
+        refusal = "" if self.policy is not None else "the decode replica's worker is restarting"
+        refusal = refusal or self.handover.refusal(msg, self._serving())
+        if self.handover.was_aborted(msg) or refusal:
+            self.handover.drop(msg)
+            req.status = Status.FINISHED
+            req.finish_reason = FinishReason.ERROR if refusal else FinishReason.CANCELLED
+            if refusal:
+                why = f"{refusal}; the request was not completed, retry it"
+                self._reject(msg.request_id, 503, why, resumable=True)
+            self.outbox.to_detokenizer(detok_messages.ended([req]))
+            return
+        assert self.policy is not None
+        self.groups.setdefault(msg.request_id, []).append(req)
+        if not self.handover.receive(
+            msg, req, self._dense_blocks(), self.policy.num_watermark_blocks
+        ):
+            self.policy.add(req)  # (nothing to import: its blocks are cached here already)

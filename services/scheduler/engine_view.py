@@ -62,6 +62,8 @@ def stats(core: EngineCore) -> dict[str, Any]:
         "kv_released_blocks": b.num_released if isinstance(b, GroupedBlockManager) else 0,
         # the prefix cache's lower tiers (kv_offload_*: blocks, bytes and hits per tier)
         **_tier_stats(core),
+        # prefill/decode replicas: this replica's part and its hand-overs (kv_handover_*)
+        **_handover_stats(core),
         "num_preemptions": p.num_preemptions,
         "num_swaps": p.num_swaps,
         "num_steps": core.window.num_steps,
@@ -106,3 +108,13 @@ def _state_name(r: Request) -> str:
     if r.status == Status.WAITING:
         return "preempted" if r.num_preemptions else "waiting"
     return "prefill" if r.num_computed_tokens < r.num_prompt_tokens else "decoding"
+
+
+def _handover_stats(core: EngineCore) -> dict[str, Any]:
+    """The hand-over's counters (services/scheduler/handover.py); none on a `both` replica."""
+    h = core.handover
+    if h is None:
+        return {}
+    return {"role": h.role} | {
+        f"kv_handover_{k}": v for k, v in dataclasses.asdict(h.stats).items()
+    }

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from common.messages import StepPlan
+from services.scheduler.handover import Moves
 from services.scheduler.step_output import SchedulerOutput
 
+_NO_MOVES = Moves()
 
-def to_plan(step_id: int, out: SchedulerOutput) -> StepPlan:
-    t = out.tiers
+
+def to_plan(step_id: int, out: SchedulerOutput, moves: Moves | None = None) -> StepPlan:
+    t, h = out.tiers, moves or _NO_MOVES
     return StepPlan(
         step_id=step_id,
         new_req_ids=[r.request_id for r in out.new_requests],
@@ -64,4 +67,15 @@ def to_plan(step_id: int, out: SchedulerOutput) -> StepPlan:
         tier_save_dst=[s for _, s in t.saves],
         tier_load_src=[s for s, _ in t.loads],
         tier_load_dst=[b for _, b in t.loads],
+        kv_export_src=[e[0] for e in h.exports],
+        kv_export_keys=[e[1] for e in h.exports],
+        kv_export_tokens=[e[2] for e in h.exports],
+        kv_export_versions=[e[3] for e in h.exports],
+        kv_export_paths=[e[4] for e in h.exports],
+        kv_import_dst=[i[0] for i in h.imports],
+        kv_import_keys=[i[1] for i in h.imports],
+        kv_import_tokens=[i[2] for i in h.imports],
+        kv_import_versions=[i[3] for i in h.imports],
+        kv_import_paths=[i[4] for i in h.imports],
+        kv_import_data=[i[5] for i in h.imports] if any(i[5] for i in h.imports) else [],
     )

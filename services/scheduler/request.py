@@ -78,6 +78,10 @@ class Request:
         self.deadline = None if timeout is None else self.arrival_time + timeout
         self.fork_of = fork_of  # n > 1: share this leader's prompt blocks once computed
         self.max_total_tokens = min(max_model_len, len(prompt_token_ids) + sampling.max_tokens)
+        # a prefill replica's sequence stops at its first token and is handed over to a
+        # decode replica, which goes on to this limit (None: not handed over)
+        self.handover_limit: int | None = None
+        self.started_at = 0.0  # wall clock when it first started (its queue time ends)
         self._stop_ids = frozenset(sampling.stop_token_ids) | (
             frozenset() if sampling.ignore_eos else frozenset(eos_token_ids)
         )

@@ -265,3 +265,34 @@ def test_sigterm_on_the_gateway_drains_like_compose_stop(harness: ComposeHarness
     assert done["status"] == 200 and done["usage"]["completion_tokens"] == 200
     grace = float(harness.services["gateway"]["stop_grace_period"].rstrip("s"))
     assert gateway.wait(grace) == 0
+
+
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_the_prefill_decode_profile_is_one_prefill_and_one_decode_replica(profile: str) -> None:
+    """The pd-* profile: the router and replica 1 as in dp2-*, and with one prefill and one
+    decode replica set, every process agrees that replica 0 prefills and replica 1 decodes,
+    the blocks travelling over TCP (the containers share no /dev/shm)."""
+    profiles = [profile, f"pd-{profile}"]
+    env = {"SHUTTLE_PREFILL_REPLICAS": "1", "SHUTTLE_DECODE_REPLICAS": "1"}
+    out = subprocess.run(
+        [str(_binary()), "-f", str(COMPOSE_FILE), "--profile", profiles[0], "--profile",
+         profiles[1], "config", "--quiet"],
+        capture_output=True, text=True, env=clean_env(**env), timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    services = compose_config(profiles, env)["services"]
+    worker, worker_1 = (
+        ("worker", "worker-1") if profile == "gpu" else ("worker-cpu", "worker-cpu-1")
+    )
+    assert set(services) == PROCESSES | ONE_OFFS | {worker, worker_1, "router", "scheduler-1"}
+
+    def config_of(name: str) -> Config:
+        env = {k: str(v) for k, v in services[name]["environment"].items() if v is not None}
+        return from_args(argparse.Namespace(), env)
+
+    for name, role in (("scheduler", "prefill"), (worker, "prefill"), ("scheduler-1", "decode"),
+                       (worker_1, "decode")):  # fmt: skip
+        dp = config_of(name).data_parallel
+        assert (dp.own_role, dp.data_parallel_size, dp.kv_transfer) == (role, 2, "tcp"), name
+    for name in ("gateway", "tokenizer-0", "router"):
+        assert config_of(name).data_parallel.is_disaggregated, name

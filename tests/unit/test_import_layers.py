@@ -15,6 +15,7 @@ first (a unit imports only units below it, or beside it without a circle):
     attention               the attention backends (call the kernels)
     distributed, kv_cache,  tensor parallelism; the KV cache's memory, and the prefix
     kv_tiers                cache's lower tiers (host slots, files)
+    kv_handover             prefill/decode hand-over of blocks (in kv_tiers' file format)
     layers                  linear methods and layer ops: bind the kernels, once, at load
     models                  the model code (names no kernel)
     model_loader            reads checkpoints into a model
@@ -210,6 +211,7 @@ WORKER_ORDER: tuple[tuple[str, ...], ...] = (
     ("kernels", "cpu"),
     ("attention",),
     ("distributed", "kv_cache", "kv_tiers"),
+    ("kv_handover",),
     ("layers",),
     ("models",),
     ("model_loader",),

@@ -43,6 +43,20 @@ _SUMMED = (
     "spec_num_draft_tokens",
     "spec_num_accepted_tokens",
 )
+# prefill/decode replicas (services/scheduler/handover.py): summed where replicas have roles
+_HANDOVER_SUMMED = (
+    "kv_handover_num_handed_over",
+    "kv_handover_num_received",
+    "kv_handover_num_refused",
+    "kv_handover_bytes_sent",
+    "kv_handover_bytes_received",
+    "kv_handover_blocks_received",
+    "kv_handover_blocks_hit",
+    "kv_handover_blocks_failed",
+    "kv_handover_prefill_queue_s",
+    "kv_handover_prefill_s",
+    "kv_handover_transfer_s",
+)
 
 
 class Replies(Generic[T]):
@@ -100,6 +114,8 @@ def merge_stats(replies: dict[str, dict[str, Any]], num_replicas: int) -> dict[s
         per[replica_index(name)] = data
     ready = [d for d in per if d.get("ready")]
     merged: dict[str, Any] = {key: sum(d.get(key, 0) for d in ready) for key in _SUMMED}
+    if any("role" in d for d in ready):
+        merged |= {key: sum(d.get(key, 0) for d in ready) for key in _HANDOVER_SUMMED}
     merged["ready"] = bool(ready)
     merged["kv_cache_usage"] = merged["num_used_blocks"] / max(1, merged["num_total_blocks"])
     drafts = merged["spec_num_draft_tokens"]

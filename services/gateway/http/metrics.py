@@ -345,6 +345,32 @@ class _SchedulerStats:
         ),
     )
 
+    # prefill/decode replicas (services/scheduler/handover.py): per replica, only where the
+    # replicas have roles; TTFT's parts are sums (divide by the sequences handed over)
+    HANDOVER = (
+        ("kv_handover_sequences", "kv_handover_num_handed_over",
+         "Prefill/decode: sequences a prefill replica handed over."),
+        ("kv_handover_received_sequences", "kv_handover_num_received",
+         "Prefill/decode: sequences a decode replica took."),
+        ("kv_handover_refused", "kv_handover_num_refused",
+         "Prefill/decode: hand-overs refused (another version, no worker) or cancelled."),
+        ("kv_handover_sent_bytes", "kv_handover_bytes_sent", "Prefill/decode: KV bytes sent."),
+        ("kv_handover_received_bytes", "kv_handover_bytes_received",
+         "Prefill/decode: KV bytes received."),
+        ("kv_handover_received_blocks", "kv_handover_blocks_received",
+         "Prefill/decode: blocks imported into the decode replica's pool."),
+        ("kv_handover_cached_blocks", "kv_handover_blocks_hit",
+         "Prefill/decode: blocks the decode replica cached already (not moved)."),
+        ("kv_handover_failed_blocks", "kv_handover_blocks_failed",
+         "Prefill/decode: blocks that failed their checks on arrival (recomputed)."),
+        ("kv_handover_prefill_queue_seconds", "kv_handover_prefill_queue_s",
+         "Prefill/decode: TTFT's part waiting on the prefill replica, summed."),
+        ("kv_handover_prefill_seconds", "kv_handover_prefill_s",
+         "Prefill/decode: TTFT's part computing the prompt on the prefill replica, summed."),
+        ("kv_handover_transfer_seconds", "kv_handover_transfer_s",
+         "Prefill/decode: export, travel and import of the blocks, summed."),
+    )  # fmt: skip
+
     def __init__(self, model_name: Callable[[], str], prefix: str = "shuttle") -> None:
         self.model_name = model_name
         self.prefix = prefix
@@ -352,6 +378,7 @@ class _SchedulerStats:
         # data parallelism: each replica's last values, exported labelled replica="<i>", and
         # the router's decisions
         self.last_by_replica: dict[str, dict[str, float]] = {}
+        self.roles: dict[str, str] = {}  # prefill/decode replicas: each one's role
         self.routed: dict[str, float] = {}
         # a mixture of experts: (token, expert) pairs per expert (the scheduler's
         # moe_expert_tokens), exported as moe_expert_tokens_total{expert="<i>"}
@@ -373,6 +400,8 @@ class _SchedulerStats:
         for row in stats.get("replicas", ()):
             if row.get("ready"):
                 self.last_by_replica[str(row["replica"])] = self._values(row)
+                if isinstance(row.get("role"), str):
+                    self.roles[str(row["replica"])] = row["role"]
         if stats.get("ready", True):
             self.last.update(self._values(stats))
             experts = stats.get("moe_expert_tokens")
@@ -382,7 +411,7 @@ class _SchedulerStats:
     def _values(self, stats: dict[str, Any]) -> dict[str, float]:
         return {
             key: float(stats[key])
-            for _, key, _ in (*self.GAUGES, *self.COUNTERS)
+            for _, key, _ in (*self.GAUGES, *self.COUNTERS, *self.HANDOVER)
             if isinstance(stats.get(key), int | float)
         }
 
@@ -442,6 +471,24 @@ class _SchedulerStats:
                 for replica, values in sorted(self.last_by_replica.items()):
                     family.add_metric([model, replica], values.get(key, 0.0))
                 yield family
+        if self.roles:
+            yield from self._collect_handover(model, labels)
+
+    def _collect_handover(self, model: str, labels: list[str]) -> Iterator[Metric]:
+        """Prefill/decode replicas: each one's role, and its hand-over counters."""
+        roles = GaugeMetricFamily(
+            f"{self.prefix}:replica_role_info",
+            "Prefill/decode: each replica's role (join it to the per-replica queue depths).",
+            labels=[*labels, "role"],
+        )
+        for replica, role in sorted(self.roles.items()):
+            roles.add_metric([model, replica, role], 1.0)
+        yield roles
+        for name, key, doc in self.HANDOVER:
+            family = CounterMetricFamily(f"{self.prefix}:{name}", doc, labels=labels)
+            for replica, values in sorted(self.last_by_replica.items()):
+                family.add_metric([model, replica], values.get(key, 0.0))
+            yield family
 
 
 def install_metrics(app: FastAPI, engine: EngineClient, vllm_names: bool = False) -> GatewayMetrics:

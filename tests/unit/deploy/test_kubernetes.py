@@ -78,7 +78,7 @@ def with_components(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return mine
 
 
-@pytest.fixture(scope="module", params=[*OVERLAYS, "components"])
+@pytest.fixture(scope="module", params=[*OVERLAYS, "overlays/prefill-decode", "components"])
 def rendered(request: pytest.FixtureRequest, with_components: Path) -> list[Obj]:
     folder = with_components if request.param == "components" else KUBE / request.param
     return render(folder)
@@ -271,6 +271,22 @@ def test_the_cpu_and_gpu_variants(overlay: str) -> None:
     assert images == {f"shuttle:{'cuda' if gpu else 'cpu'}"}
     if not gpu:  # torch's threads are the CPUs the pod asked for, not every core of the node
         assert int(env["SHUTTLE_NUM_THREADS"]) == int(c["resources"]["requests"]["cpu"])
+
+
+def test_the_prefill_decode_overlay_splits_each_pod_into_the_two_roles() -> None:
+    """Each pod: one prefill and one decode replica (shuttle serve's), its KV handed over
+    through the pod's memory-backed /dev/shm; the threads of its two workers fill its CPUs."""
+    objs = render(KUBE / "overlays" / "prefill-decode")
+    env, c = settings(objs), container(objs)
+    config = from_args(argparse.Namespace(), env)
+    dp = config.data_parallel
+    assert (dp.prefill_replicas, dp.decode_replicas, dp.kv_transfer) == (1, 1, "shm")
+    assert dp.data_parallel_size == 2 and [dp.role_of(i) for i in (0, 1)] == ["prefill", "decode"]
+    workers = dp.data_parallel_size
+    assert int(env["SHUTTLE_NUM_THREADS"]) * workers == int(c["resources"]["requests"]["cpu"])
+    (shm,) = [m for m in c["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    (volume,) = [v for v in pod_spec(objs)["volumes"] if v["name"] == shm["name"]]
+    assert volume["emptyDir"]["medium"] == "Memory"
 
 
 def test_the_models_component_mounts_your_models_instead_of_converting(

@@ -215,3 +215,24 @@ def test_decisions_keep_their_rules(ops: list[tuple[str, int, int]], bound: floa
         assert [r.load for r in router.replicas] == [
             sum(1 for v in live.values() if v == i) for i in range(3)
         ]
+
+
+def test_roles_new_requests_go_to_prefill_replicas_and_hand_overs_to_decode_ones() -> None:
+    router = Router(4, "prefix", 1.25, ["prefill", "prefill", "decode", "decode"])
+    for i in range(4):
+        router.on_notice(_notice(i))
+    tokens = list(range(40))
+    placed = {router.route(f"r{i}", tokens).replica for i in range(6)}  # type: ignore[union-attr]
+    assert placed <= {0, 1}
+    router.on_notice(_notice(2, ended_request_ids=[]))
+    first = router.route_handover("a", "tok")
+    second = router.route_handover("b", "tok")
+    assert first is not None and second is not None
+    assert {first.index, second.index} == {2, 3}  # by load: one each
+    router.on_notice(_notice(first.index, ended_request_ids=["a"]))
+    third = router.route_handover("c", "tok")
+    assert third is not None and third.index == first.index  # the less loaded one
+    assert router.stats()["num_handovers_routed"] == 3
+    router.on_notice(_notice(2, is_ready=False))
+    router.on_notice(_notice(3, is_ready=False))
+    assert router.route_handover("d") is None  # no decode replica ready: the caller fails it

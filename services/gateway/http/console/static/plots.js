@@ -106,6 +106,22 @@ class Plots {
     this.previous = null;
   }
 
+  // prefill/decode replicas: TTFT's parts per handed-over sequence (the prefill queue, the
+  // prefill, the transfer of its blocks) and the KV bytes moved per second
+  addHandover(stats, was, t, dt) {
+    const delta = (key) => (stats[key] || 0) - (was[key] || 0);
+    const handed = delta("kv_handover_num_handed_over");
+    if (handed > 0) {
+      this.latency.push("prefill queue", t, delta("kv_handover_prefill_queue_s") / handed);
+      this.latency.push("prefill", t, delta("kv_handover_prefill_s") / handed);
+    }
+    const received = delta("kv_handover_num_received");
+    if (received > 0) this.latency.push("KV transfer", t, delta("kv_handover_transfer_s") / received);
+    if (stats.kv_handover_bytes_received !== undefined) {
+      this.throughput.push("KV moved (KiB/s)", t, delta("kv_handover_bytes_received") / 1024 / dt);
+    }
+  }
+
   add(snapshot) {
     const t = snapshot.t;
     const stats = snapshot.stats || {};
@@ -121,6 +137,14 @@ class Plots {
       this.queues.push("waiting", t, stats.num_waiting);
       this.queues.push("swapped", t, stats.num_swapped);
     }
+    // prefill/decode replicas: the queue depths of each role
+    const withRoles = replicas.filter((r) => r.ready && r.role);
+    for (const role of withRoles.length ? ["prefill", "decode"] : []) {
+      const mine = withRoles.filter((r) => r.role === role);
+      const sum = (key) => mine.reduce((total, r) => total + (r[key] || 0), 0);
+      this.queues.push(`${role} waiting`, t, sum("num_waiting"));
+      this.queues.push(`${role} running`, t, sum("num_running"));
+    }
     const before = this.previous;
     if (before && t > before.t) {
       const totals = snapshot.totals;
@@ -134,6 +158,7 @@ class Plots {
       const queries = (stats.prefix_cache_queries || 0) - (before.stats.prefix_cache_queries || 0);
       const hits = (stats.prefix_cache_hits || 0) - (before.stats.prefix_cache_hits || 0);
       if (queries > 0) this.prefix.push("hits / queried tokens", t, hits / queries);
+      this.addHandover(stats, before.stats, t, dt);
     }
     if (stats.ready !== false) this.previous = snapshot;
     for (const plot of [this.kv, this.prefix, this.queues, this.throughput, this.latency]) {

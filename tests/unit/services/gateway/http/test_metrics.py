@@ -293,6 +293,32 @@ def test_metrics_are_labelled_by_replica() -> None:
     ]
 
 
+def test_prefill_and_decode_replicas_export_their_roles_and_hand_overs() -> None:
+    collector = _SchedulerStats(lambda: "m")
+    prefill = _stats(role="prefill", kv_handover_num_handed_over=3, kv_handover_bytes_sent=900)
+    decode = _stats(role="decode", kv_handover_num_received=3, kv_handover_transfer_s=0.25)
+    merged = merge_stats({"scheduler-0": prefill, "scheduler-1": decode}, 2)
+    assert merged["kv_handover_num_handed_over"] == 3 and merged["kv_handover_transfer_s"] == 0.25
+    collector.update(merged)
+    families = {f.name: f for f in collector.collect()}
+    roles = families["shuttle:replica_role_info"]
+    assert sorted((s.labels["replica"], s.labels["role"]) for s in roles.samples) == [
+        ("0", "prefill"),
+        ("1", "decode"),
+    ]
+    sent = families["shuttle:kv_handover_sent_bytes"]
+    assert [(s.labels["replica"], s.value) for s in sent.samples if s.name.endswith("_total")] == [
+        ("0", 900.0),
+        ("1", 0.0),
+    ]
+    assert "shuttle:kv_handover_transfer_seconds" in families
+    plain = _SchedulerStats(lambda: "m")  # replicas without roles: no such family
+    plain.update(merge_stats({"scheduler-0": _stats(), "scheduler-1": _stats()}, 2))
+    names = {f.name for f in plain.collect()}
+    assert not {n for n in names if "handover" in n or "role" in n}
+    assert "kv_handover_num_handed_over" not in merge_stats({"scheduler-0": _stats()}, 1)
+
+
 def test_kv_cache_dtype_and_blocks_are_exported() -> None:
     """--kv-cache-dtype: the pool's blocks as a gauge and vLLM's cache_config_info, alone and
     merged over replicas."""

@@ -1,0 +1,95 @@
+"""Prefill/decode hand-over on the worker: a request's full KV blocks leave a prefill
+replica's pool and enter a decode replica's, in the prefix cache's file format
+(gpu_worker/kv_tiers.py: a header naming layout, key, tokens and model version, and a
+checksum of the bytes), so that one format and one set of checks serve both:
+
+    prefill worker                                    decode worker
+    device block --encode_block--> file in the shm folder ----read, decode_block--> block
+                                   or base64 in StepResult --(scheduler, router,
+                                      scheduler: ZeroMQ/TCP)--> base64 in StepPlan
+
+The scheduler decides every move (services/scheduler/handover.py) and names them in a
+plan; both run at the start of the plan, before its step writes any block: an exported
+block freed by the scheduler may be reused by that same plan, and an imported one is
+computed on only by a later plan, after the result said it landed.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from common.messages.scheduler_worker import StepPlan
+from gpu_worker.distributed.tensor_parallel import TensorParallel
+from gpu_worker.kv_cache import KVCache
+from gpu_worker.kv_tiers import CorruptBlock, block_layout, decode_block, encode_block
+
+log = logging.getLogger(__name__)
+
+
+class KVHandover:
+    """Exports and imports of whole blocks for one runner's KV cache."""
+
+    def __init__(self, kv: KVCache, tp: TensorParallel) -> None:
+        self.kv = kv
+        self.layout = block_layout(kv, tp)
+        self.num_exported = self.num_imported = self.num_import_failed = 0
+
+    def apply(self, plan: StepPlan) -> dict[str, Any]:
+        """The plan's exports, then its imports; StepResult's fields for them."""
+        if not (plan.kv_export_src or plan.kv_import_dst):
+            return {}
+        return {"kv_export_data": self._export(plan), "kv_import_failed_dst": self._import(plan)}
+
+    def _export(self, plan: StepPlan) -> list[str]:
+        data: list[str] = []
+        moves = zip(
+            plan.kv_export_src,
+            plan.kv_export_keys,
+            plan.kv_export_tokens,
+            plan.kv_export_versions,
+            plan.kv_export_paths,
+            strict=True,
+        )
+        for block, key, tokens, version, path in moves:
+            header = {**self.layout, "key": key, "tokens": tokens, "version": version}
+            raw = encode_block(header, self.kv.tensor[:, :, block].to("cpu"))
+            if path:
+                target = Path(path)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+                tmp.write_bytes(raw)
+                os.replace(tmp, target)  # (a reader never sees half a file)
+            data.append("" if path else base64.b64encode(raw).decode("ascii"))
+            self.num_exported += 1
+        return data if any(data) else []
+
+    def _import(self, plan: StepPlan) -> list[int]:
+        failed: list[int] = []
+        data = plan.kv_import_data or [""] * len(plan.kv_import_dst)
+        moves = zip(
+            plan.kv_import_dst,
+            plan.kv_import_keys,
+            plan.kv_import_tokens,
+            plan.kv_import_versions,
+            plan.kv_import_paths,
+            data,
+            strict=True,
+        )
+        shape, dtype = self.kv.block_shape, self.kv.tensor.dtype
+        for dst, key, tokens, version, path, encoded in moves:
+            expect = {**self.layout, "key": key, "tokens": tokens, "version": version}
+            try:
+                raw = Path(path).read_bytes() if path else base64.b64decode(encoded)
+                block = decode_block(raw, expect, dtype, shape)
+            except (OSError, ValueError, CorruptBlock) as e:
+                log.warning("KV hand-over: block %016x refused: %s", key & ((1 << 64) - 1), e)
+                failed.append(dst)
+                self.num_import_failed += 1
+                continue
+            self.kv.tensor[:, :, dst] = block.to(self.kv.tensor.device)
+            self.num_imported += 1
+        return failed

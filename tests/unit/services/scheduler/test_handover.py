@@ -1,0 +1,223 @@
+"""The scheduler's part of the prefill/decode hand-over (services/scheduler/handover.py), on
+two real EngineCores (a prefill and a decode replica) with no processes: a fake worker
+answers each plan (every sequence at its last known token samples 7; an export answers
+bytes, an import lands unless told otherwise), and a hand-over goes straight from one core
+to the other. Blocks are checked after every scenario: none used, the pool consistent."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from common.config import Config
+from common.messages import (
+    FinishReason,
+    KvHandover,
+    RequestError,
+    StepPlan,
+    StepResult,
+    TokenBatch,
+)
+from services.scheduler.block_manager import BlockManager
+from services.scheduler.engine_core import EngineCore
+from tests.unit.services.scheduler.test_engine_core import Outbox, _info, _request, _tokens
+
+
+class Worker(Outbox):
+    """Outbox's worker, plus the hand-over's answers (bytes out, imports landed)."""
+
+    failing: set[int] = set()  # import destinations that fail their checks
+
+    def answer(self, plan: StepPlan) -> StepResult:
+        result = super().answer(plan)
+        return StepResult(
+            step_id=result.step_id,
+            req_ids=result.req_ids,
+            token_ids=result.token_ids,
+            kv_export_data=[f"block-{k}" for k in plan.kv_export_keys],
+            kv_import_failed_dst=[b for b in plan.kv_import_dst if b in self.failing],
+        )
+
+
+def _pair() -> tuple[EngineCore, Worker, list[KvHandover], EngineCore, Worker]:
+    sent: list[KvHandover] = []
+    dp: dict[str, Any] = {"prefill_replicas": 1, "decode_replicas": 1, "kv_transfer": "tcp"}
+    cores = []
+    for index in (0, 1):
+        out = Worker()
+        config = Config().replace(
+            scheduler={"async_scheduling": False}, data_parallel={**dp, "replica_index": index}
+        )
+        core = EngineCore(config, out, to_router=sent.append if index == 0 else None)
+        core.on_worker_ready(_info())
+        cores.append((core, out))
+    (prefill, p_out), (decode, d_out) = cores
+    return prefill, p_out, sent, decode, d_out
+
+
+def _step_once(core: EngineCore, out: Worker) -> None:
+    """Plan what can be planned and answer it."""
+    core.step()
+    waiting = {s.step_id for s in core.window.in_flight}
+    for plan in [p for p in out.of(StepPlan) if p.step_id in waiting]:
+        core.on_step_result(out.answer(plan))
+
+
+def _run(core: EngineCore, out: Worker) -> None:
+    for _ in range(100):
+        _step_once(core, out)
+        if not core.has_work:
+            return
+    raise AssertionError("the engine did not finish")
+
+
+def _settled(core: EngineCore) -> None:
+    assert core.policy is not None and core.handover is not None
+    assert not core.handover.busy and not core.groups
+    assert core.policy.blocks.num_used_blocks == 0
+    core.policy.check_integrity()
+    core.policy.check_idle()
+
+
+def _blocks(core: EngineCore) -> BlockManager:
+    assert core.policy is not None
+    return core.policy.blocks
+
+
+PROMPT = list(range(10, 20))  # 10 tokens, blocks of 4: 2 full blocks and a tail of 2
+
+
+def test_a_request_prefills_on_one_replica_and_decodes_on_the_other() -> None:
+    prefill, p_out, sent, decode, d_out = _pair()
+    prefill.add(_request("r", max_tokens=5, prompt=PROMPT))
+    _run(prefill, p_out)
+    (first,) = p_out.of(TokenBatch)
+    assert first.token_ids == [[7]] and first.finish_reasons == [int(FinishReason.NONE)]
+    (msg,) = sent
+    assert (msg.request_id, msg.seq_index, msg.output_token_ids) == ("r", 0, [7])
+    assert len(msg.block_keys) == 2 and msg.block_tokens == [PROMPT[:4], PROMPT[4:8]]
+    assert msg.block_data == [f"block-{k}" for k in msg.block_keys]
+    (export,) = [p for p in p_out.of(StepPlan) if p.kv_export_src]
+    assert export.kv_export_keys == msg.block_keys and export.kv_export_paths == ["", ""]
+    _settled(prefill)
+
+    decode.on_handover(msg)
+    _run(decode, d_out)
+    (imp,) = [p for p in d_out.of(StepPlan) if p.kv_import_dst]
+    assert imp.kv_import_keys == msg.block_keys and imp.kv_import_data == msg.block_data
+    (new,) = [p for p in d_out.of(StepPlan) if p.new_req_ids]
+    assert new.new_num_output_tokens == [1]  # a resumed sequence: its first token known
+    assert new.num_computed_tokens == [8]  # the imported blocks are its prefix hits
+    assert _tokens(d_out)[("r", 0)] == [7] * 4  # 5 in all, the first from the prefill side
+    assert d_out.of(TokenBatch)[-1].finish_reasons == [int(FinishReason.LENGTH)]
+    assert _blocks(decode).num_cached_blocks >= 2  # registered in its prefix cache
+    _settled(decode)
+
+    decode.on_handover(msg)  # the same blocks again: found cached, nothing imported
+    _run(decode, d_out)
+    assert len([p for p in d_out.of(StepPlan) if p.kv_import_dst]) == 1
+    _settled(decode)
+
+
+def test_a_block_that_fails_on_arrival_is_recomputed() -> None:
+    prefill, p_out, sent, decode, d_out = _pair()
+    prefill.add(_request("r", max_tokens=3, prompt=PROMPT))
+    _run(prefill, p_out)
+    d_out.failing = {0, 1, 2, 3, 4, 5, 6, 7}
+    decode.on_handover(sent[0])
+    _run(decode, d_out)
+    (new,) = [p for p in d_out.of(StepPlan) if p.new_req_ids]
+    assert new.num_computed_tokens == [0]  # nothing landed: the prompt is computed again
+    assert decode.handover is not None and decode.handover.stats.blocks_failed == 2
+    _settled(decode)
+
+
+def test_a_one_token_request_stays_on_the_prefill_replica() -> None:
+    prefill, p_out, sent, _, _ = _pair()
+    prefill.add(_request("one", max_tokens=1, prompt=PROMPT))
+    _run(prefill, p_out)
+    assert not sent and p_out.of(TokenBatch)[-1].finish_reasons == [int(FinishReason.LENGTH)]
+    _settled(prefill)
+
+
+def test_n_sequences_are_handed_over_one_by_one() -> None:
+    prefill, p_out, sent, decode, d_out = _pair()
+    prefill.add(_request("r", n=3, max_tokens=4, prompt=PROMPT))
+    _run(prefill, p_out)
+    assert sorted(m.seq_index for m in sent) == [0, 1, 2]
+    _settled(prefill)
+    for msg in sent:
+        decode.on_handover(msg)
+    _run(decode, d_out)
+    assert {k: len(v) for k, v in _tokens(d_out).items()} == {("r", i): 3 for i in range(3)}
+    _settled(decode)
+
+
+def test_a_cancel_during_the_export_sends_nothing() -> None:
+    prefill, p_out, sent, _, _ = _pair()
+    prefill.add(_request("r", max_tokens=5, prompt=PROMPT))
+    while not (prefill.handover and prefill.handover.pending.exports):
+        _step_once(prefill, p_out)
+    prefill.abort(["r"], FinishReason.CANCELLED)
+    assert p_out.of(TokenBatch)[-1].finish_reasons == [int(FinishReason.CANCELLED)]
+    _run(prefill, p_out)
+    assert not sent
+    _settled(prefill)
+
+
+def test_a_cancel_on_the_way_or_during_the_import_frees_everything() -> None:
+    prefill, p_out, sent, decode, d_out = _pair()
+    for rid in ("a", "b"):
+        prefill.add(_request(rid, max_tokens=5, prompt=PROMPT))
+    _run(prefill, p_out)
+    on_the_way, importing = sent
+    decode.abort(["a"], FinishReason.CANCELLED)  # before its hand-over arrives
+    decode.on_handover(on_the_way)
+    assert d_out.of(TokenBatch)[-1].finish_reasons == [int(FinishReason.CANCELLED)]
+    decode.on_handover(importing)
+    decode.step()  # the import is planned ...
+    assert _blocks(decode).num_used_blocks == 2
+    decode.abort(["b"], FinishReason.CANCELLED)  # ... and cancelled before it lands
+    assert d_out.of(TokenBatch)[-1].request_ids == ["b"]
+    _run(decode, d_out)
+    assert not [p for p in d_out.of(StepPlan) if p.new_req_ids]
+    assert _blocks(decode).num_cached_blocks == 2  # (the landed blocks stay cached)
+    _settled(decode)
+
+
+def test_a_hand_over_of_another_version_is_refused_retryably() -> None:
+    prefill, p_out, sent, decode, d_out = _pair()
+    prefill.add(_request("r", max_tokens=5, prompt=PROMPT))
+    _run(prefill, p_out)
+    decode.on_worker_ready(_info(version="v2", boot_id="boot-2"))
+    decode.on_handover(sent[0])
+    (error,) = d_out.of(RequestError)
+    assert error.status == 503 and error.resumable and "version v2" in error.message
+    assert not decode.has_work
+    _settled(decode)
+
+
+def test_a_dead_worker_voids_the_moves_in_flight() -> None:
+    prefill, p_out, sent, decode, d_out = _pair()
+    prefill.add(_request("r", max_tokens=5, prompt=PROMPT))
+    _run(prefill, p_out)
+    decode.on_handover(sent[0])
+    decode.step()
+    decode.on_worker_down("the worker process restarted")
+    (error,) = d_out.of(RequestError)
+    assert error.resumable
+    decode.on_worker_ready(_info(boot_id="boot-2"))
+    _settled(decode)
+
+
+def test_an_abort_older_than_the_request_does_not_drop_its_hand_over() -> None:
+    import dataclasses
+    import time
+
+    prefill, p_out, sent, decode, d_out = _pair()
+    prefill.add(_request("r", max_tokens=3, prompt=PROMPT))
+    _run(prefill, p_out)
+    decode.abort(["r"], FinishReason.CANCELLED)  # an earlier request that used the id
+    decode.on_handover(dataclasses.replace(sent[0], arrival_time=time.time() + 60))
+    _run(decode, d_out)
+    assert _tokens(d_out)[("r", 0)] == [7, 7]
+    _settled(decode)
