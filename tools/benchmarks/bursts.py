@@ -28,6 +28,7 @@ import random
 import time
 from typing import Any
 
+import httpx
 import orjson
 
 from tools.benchmarks.client import HttpError, SseConnection
@@ -86,6 +87,7 @@ def _body(model: str, prompt: list[int], max_tokens: int) -> bytes:
 
 
 async def _stream(
+    sent: list[int],
     url: str,
     model: str,
     spec: BurstSpec,
@@ -102,7 +104,9 @@ async def _stream(
     conn = SseConnection(url)
     try:
         while not stop.is_set():
-            body = _body(model, _prompt(rng, spec.stream_input_len, vocab), spec.stream_output_len)
+            prompt = _prompt(rng, spec.stream_input_len, vocab)
+            sent.append(len(prompt))
+            body = _body(model, prompt, spec.stream_output_len)
             last = 0.0
             async for data in conn.stream("/v1/completions", body):
                 if data == b"[DONE]":
@@ -148,9 +152,12 @@ async def _burst_request(
 async def run_bursts(url: str, model: str, spec: BurstSpec, vocab: int) -> dict[str, Any]:
     clock, stop = _Clock(), asyncio.Event()
     errors: list[str] = []
+    sent: list[int] = []  # every prompt's length, streams' and bursts'
     firsts = [asyncio.Event() for _ in range(spec.streams)]
     tasks = [
-        asyncio.create_task(_stream(url, model, spec, vocab, i, clock, firsts[i], stop, errors))
+        asyncio.create_task(
+            _stream(sent, url, model, spec, vocab, i, clock, firsts[i], stop, errors)
+        )
         for i in range(spec.streams)
     ]
     rng = random.Random(f"{spec.seed}:bursts")
@@ -168,6 +175,7 @@ async def run_bursts(url: str, model: str, spec: BurstSpec, vocab: int) -> dict[
                 for _ in range(spec.burst_size)
             ]
             burst_tokens += sum(map(len, prompts))
+            sent += map(len, prompts)
             results = await asyncio.gather(
                 *(_burst_request(url, model, p, spec.burst_output_len) for p in prompts)
             )
@@ -192,6 +200,7 @@ async def run_bursts(url: str, model: str, spec: BurstSpec, vocab: int) -> dict[
         "burst_ttft_s": percentiles(ttfts),
         "burst_prompt_tokens": burst_tokens,
         "burst_phase_s": burst_s,
+        "prompt_tokens_sent": sum(sent),
     }
 
 
@@ -211,6 +220,14 @@ def print_summary(s: dict[str, Any]) -> None:
     print(f"  ITL p99 under bursts / p50 quiet: {s['p99_bursts_over_p50_quiet']:.2f}x")
     p = s["burst_ttft_s"]
     print(f"  burst TTFT ms  p50 {p['median'] * 1e3:8.1f}  p99 {p['p99'] * 1e3:8.1f}")
+    h = s.get("handover") or {}
+    if h:
+        print(
+            f"  hand-overs: {h.get('num_handed_over', 0)} sequences, "
+            f"{h.get('bytes_sent', 0) / 2**20:.1f} MiB, {h['tokens_moved']} tokens moved; "
+            f"transfer {h['transfer_ms_per_1k_tokens']:.1f} ms per 1k tokens against prefill "
+            f"{h['prefill_ms_per_1k_prompt_tokens']:.1f} ms per 1k prompt tokens"
+        )
     for e in s["errors"]:
         print(f"  error: {e}")
 
@@ -241,5 +258,36 @@ def spec_from_args(args: argparse.Namespace) -> BurstSpec:
     )
 
 
-def run(url: str, model: str, spec: BurstSpec, vocab: int) -> dict[str, Any]:
-    return asyncio.run(run_bursts(url, model, spec, vocab))
+def _stats(url: str, token: str) -> dict[str, Any]:
+    if not token:
+        return {}
+    r = httpx.get(url + "/admin/stats", headers={"Authorization": f"Bearer {token}"}, timeout=60)
+    return r.json() if r.status_code == 200 else {}
+
+
+def handover_figures(
+    before: dict[str, Any], after: dict[str, Any], prompt_tokens: int
+) -> dict[str, Any]:
+    """Prefill/decode replicas: the hand-overs' counters over the run (kv_handover_* of
+    /admin/stats), the transfer's time per 1k tokens moved against the prefill's time per
+    1k prompt tokens (what recomputing them would cost). Empty for a `both` replica."""
+    keys = [k for k in after if k.startswith("kv_handover_")]
+    if not keys:
+        return {}
+    d = {k[len("kv_handover_") :]: after[k] - before.get(k, 0) for k in keys}
+    moved = d.get("blocks_received", 0) * int(after.get("block_size") or 16)
+    return {
+        **d,
+        "tokens_moved": moved,
+        "transfer_ms_per_1k_tokens": 1e6 * d.get("transfer_s", 0.0) / moved if moved else 0.0,
+        "prefill_ms_per_1k_prompt_tokens": (
+            1e6 * d.get("prefill_s", 0.0) / prompt_tokens if prompt_tokens else 0.0
+        ),
+    }
+
+
+def run(url: str, model: str, spec: BurstSpec, vocab: int, token: str = "") -> dict[str, Any]:
+    before = _stats(url, token)
+    result = asyncio.run(run_bursts(url, model, spec, vocab))
+    result["handover"] = handover_figures(before, _stats(url, token), result["prompt_tokens_sent"])
+    return result

@@ -376,12 +376,13 @@ def _bursts(args: argparse.Namespace, model_dir: str, flags: list[str]) -> int:
     spec, vocab = spec_from_args(args), hf_config_of(model_dir)["vocab_size"]
     if args.url:
         model = asyncio.run(_served_model(args.url, args.model))
-        result = run(args.url, model, spec, vocab)
+        result = run(args.url, model, spec, vocab, args.admin_token)
     else:
         from tests.server import running_server
 
-        with running_server("--model", model_dir, *flags) as server:
-            result = run(server.url, server.model, spec, vocab)
+        token = args.admin_token or "bench"
+        with running_server("--model", model_dir, "--admin-token", token, *flags) as server:
+            result = run(server.url, server.model, spec, vocab, token)
     result["server_flags"] = " ".join(flags) if not args.url else "external"
     print_summary(result)
     if args.json:
