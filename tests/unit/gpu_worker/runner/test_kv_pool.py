@@ -73,8 +73,8 @@ def test_the_pool_holds_the_blocks_of_its_budget_or_exactly_those_asked(
 
 def test_a_windowed_model_gets_layer_groups_and_blocks_of_one_group(tmp_path) -> None:
     """Gemma 3's 5 sliding : 1 global: 6 groups of one layer, so a block is one layer's
-    and the same memory holds 6 times the blocks; the tiers and a draft model keep the
-    dense layout (they move a block as every layer's)."""
+    and the same memory holds 6 times the blocks; the tiers, a draft model and prefill/
+    decode replicas keep the dense layout (they move a block as every layer's)."""
     config = _config(str(make_tiny_model(tmp_path / "gemma3", "gemma3")))
     options = RunnerOptions(block_size=4, kv_cache_memory_gib=1 / 1024)
     groups = kv_pool.kv_layer_groups(config, options)
@@ -84,7 +84,11 @@ def test_a_windowed_model_gets_layer_groups_and_blocks_of_one_group(tmp_path) ->
     dense = allocate_kv_pool(config, options, TensorParallel())
     assert grouped.tensor.shape[0] == 1 and dense.tensor.shape[0] == 6
     assert grouped.num_blocks == 6 * dense.num_blocks + 4  # (1024 // 1 and 1024 // 6)
-    for other in ({"kv_offload_memory_gib": 0.5}, {"kv_offload_dir": "/tmp/x"}):
+    for other in (
+        {"kv_offload_memory_gib": 0.5},
+        {"kv_offload_dir": "/tmp/x"},
+        {"kv_handover": True},
+    ):
         assert kv_pool.kv_layer_groups(config, RunnerOptions(**other)) is None
     assert kv_pool.kv_layer_groups(_config_of_llama(tmp_path), options) is None
 

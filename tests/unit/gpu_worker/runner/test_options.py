@@ -132,3 +132,11 @@ def test_derived_settings_follow_the_device() -> None:
     assert cuda.torch_device == torch.device("cuda", 1)
     assert RunnerOptions(dtype="bfloat16").torch_dtype == torch.bfloat16
     assert RunnerOptions(prompt_lookup_min=1, prompt_lookup_max=3).prompt_lookup == (1, 3)
+
+
+def test_a_prefill_or_decode_replica_hands_its_kv_over() -> None:
+    config = Config().replace(data_parallel={"prefill_replicas": 1, "decode_replicas": 1})
+    assert RunnerOptions.from_config(config).kv_handover
+    assert not RunnerOptions.from_config(
+        Config().replace(data_parallel={"data_parallel_size": 2})
+    ).kv_handover
