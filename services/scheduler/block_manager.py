@@ -27,7 +27,37 @@ from collections import Counter, OrderedDict, deque
 from common.prefix_hash import block_hash, num_matchable_blocks
 
 
-class BlockManager:
+class PoolCapacity:
+    """What a pool of `num_blocks` blocks of `block_size` tokens holds: its free list and its
+    LRU of cached blocks nobody uses (BlockManager's and GroupedBlockManager's)."""
+
+    num_blocks: int
+    block_size: int
+    _free: deque[int]
+    _lru: OrderedDict[int, None]
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a new allocation can take: free ones and cached ones nobody uses."""
+        return len(self._free) + len(self._lru)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._lru)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+
+class BlockManager(PoolCapacity):
     grouped = False  # (grouped_blocks.py: one table per layer group, for sliding windows)
 
     def __init__(
@@ -67,27 +97,7 @@ class BlockManager:
             [] if record_evictions else None
         )
 
-    # capacity -----------------------------------------------------------------------------
-    @property
-    def num_free_blocks(self) -> int:
-        """Blocks a new allocation can take: free ones and cached ones nobody uses."""
-        return len(self._free) + len(self._lru)
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self._lru)
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
-
-    @property
-    def usage(self) -> float:
-        return self.num_used_blocks / self.num_blocks
-
-    def num_blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
+    # capacity: PoolCapacity's ------------------------------------------------------------
     def num_new_blocks(self, req_id: str, num_tokens: int) -> int:
         """Blocks `req_id` must add so that its table holds `num_tokens` tokens."""
         have = len(self.block_tables.get(req_id, ()))

@@ -31,6 +31,7 @@ from collections import Counter, OrderedDict, deque
 
 from common.kv_groups import PLACEHOLDER, reference_group
 from common.prefix_hash import block_hash, num_matchable_blocks
+from services.scheduler.block_manager import PoolCapacity
 
 GroupTables = list[list[int]]  # per group: a block table
 
@@ -51,7 +52,7 @@ class GroupHits:
 NO_HITS = GroupHits([], [])
 
 
-class GroupedBlockManager:
+class GroupedBlockManager(PoolCapacity):
     grouped = True
 
     def __init__(
@@ -91,26 +92,7 @@ class GroupedBlockManager:
         self.num_released = 0  # blocks sliding groups let go of (out of their window)
         self._hash_changes: dict[int, bool] | None = {} if track_hash_changes else None
 
-    # capacity -----------------------------------------------------------------------------
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self._free) + len(self._lru)
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self._lru)
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
-
-    @property
-    def usage(self) -> float:
-        return self.num_used_blocks / self.num_blocks
-
-    def num_blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
+    # capacity (num_free_blocks, usage, ...: PoolCapacity's) ------------------------------
     def window_start(self, group: int, position: int) -> int:
         """The first block of `group` that a token at `position` reads."""
         w = self.windows[group]

@@ -28,10 +28,10 @@ import random
 import time
 from typing import Any
 
-import httpx
 import orjson
 
 from tools.benchmarks.client import HttpError, SseConnection
+from tools.benchmarks.multi_turn import admin_stats
 from tools.benchmarks.report import percentiles
 from tools.benchmarks.workload import parse_range
 
@@ -258,13 +258,6 @@ def spec_from_args(args: argparse.Namespace) -> BurstSpec:
     )
 
 
-def _stats(url: str, token: str) -> dict[str, Any]:
-    if not token:
-        return {}
-    r = httpx.get(url + "/admin/stats", headers={"Authorization": f"Bearer {token}"}, timeout=60)
-    return r.json() if r.status_code == 200 else {}
-
-
 def handover_figures(
     before: dict[str, Any], after: dict[str, Any], prompt_tokens: int
 ) -> dict[str, Any]:
@@ -287,7 +280,8 @@ def handover_figures(
 
 
 def run(url: str, model: str, spec: BurstSpec, vocab: int, token: str = "") -> dict[str, Any]:
-    before = _stats(url, token)
+    before = admin_stats(url, token)
     result = asyncio.run(run_bursts(url, model, spec, vocab))
-    result["handover"] = handover_figures(before, _stats(url, token), result["prompt_tokens_sent"])
+    after = admin_stats(url, token)
+    result["handover"] = handover_figures(before, after, result["prompt_tokens_sent"])
     return result

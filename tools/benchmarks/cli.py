@@ -37,6 +37,7 @@ import asyncio
 import os
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -327,15 +328,48 @@ def _multi_turn(args: argparse.Namespace, model_dir: str, flags: list[str]) -> i
     from tools.benchmarks.multi_turn import print_summary, run, spec_from_args
 
     spec = spec_from_args(args)
+    return _one_server(
+        args,
+        model_dir,
+        flags,
+        lambda url, model, token: run(url, model, spec, args.concurrency, token),
+        print_summary,
+    )
+
+
+def _bursts(args: argparse.Namespace, model_dir: str, flags: list[str]) -> int:
+    """--workload bursts: steady streams under prompt bursts against one server (bursts.py)."""
+    from common.model_paths import hf_config_of
+    from tools.benchmarks.bursts import print_summary, run, spec_from_args
+
+    spec, vocab = spec_from_args(args), hf_config_of(model_dir)["vocab_size"]
+    return _one_server(
+        args,
+        model_dir,
+        flags,
+        lambda url, model, token: run(url, model, spec, vocab, token),
+        print_summary,
+    )
+
+
+def _one_server(
+    args: argparse.Namespace,
+    model_dir: str,
+    flags: list[str],
+    run: Callable[[str, str, str], dict[str, Any]],
+    print_summary: Callable[[dict[str, Any]], None],
+) -> int:
+    """A workload of its own (`run(url, model, admin token)`) against --url, or a shuttle
+    started here with `flags`; its summary printed and written to --json."""
     if args.url:
         model = asyncio.run(_served_model(args.url, args.model))
-        result = run(args.url, model, spec, args.concurrency, args.admin_token)
+        result = run(args.url, model, args.admin_token)
     else:
         from tests.server import running_server
 
         token = args.admin_token or "bench"
         with running_server("--model", model_dir, "--admin-token", token, *flags) as server:
-            result = run(server.url, server.model, spec, args.concurrency, token)
+            result = run(server.url, server.model, token)
     result["server_flags"] = " ".join(flags) if not args.url else "external"
     print_summary(result)
     if args.json:
@@ -366,26 +400,3 @@ def _server_stats(url: str, token: str) -> dict[str, Any]:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def _bursts(args: argparse.Namespace, model_dir: str, flags: list[str]) -> int:
-    """--workload bursts: steady streams under prompt bursts against one server (bursts.py)."""
-    from common.model_paths import hf_config_of
-    from tools.benchmarks.bursts import print_summary, run, spec_from_args
-
-    spec, vocab = spec_from_args(args), hf_config_of(model_dir)["vocab_size"]
-    if args.url:
-        model = asyncio.run(_served_model(args.url, args.model))
-        result = run(args.url, model, spec, vocab, args.admin_token)
-    else:
-        from tests.server import running_server
-
-        token = args.admin_token or "bench"
-        with running_server("--model", model_dir, "--admin-token", token, *flags) as server:
-            result = run(server.url, server.model, spec, vocab, token)
-    result["server_flags"] = " ".join(flags) if not args.url else "external"
-    print_summary(result)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
-    return 0 if result["failed"] == 0 else 1

@@ -290,7 +290,8 @@ def spec_from_args(args: argparse.Namespace) -> MultiTurnSpec:
     )
 
 
-def _stats(url: str, token: str) -> dict[str, Any]:
+def admin_stats(url: str, token: str) -> dict[str, Any]:
+    """/admin/stats ({} without an admin token or on a refusal)."""
     if not token:
         return {}
     r = httpx.get(url + "/admin/stats", headers={"Authorization": f"Bearer {token}"}, timeout=60)
@@ -299,7 +300,7 @@ def _stats(url: str, token: str) -> dict[str, Any]:
 
 def run(url: str, model: str, spec: MultiTurnSpec, concurrency: int, token: str) -> dict[str, Any]:
     """The whole workload against a server; its summary (see summarize_turns)."""
-    before = _stats(url, token)
+    before = admin_stats(url, token)
     results, duration = asyncio.run(run_conversations(url, model, spec, concurrency))
-    summary = summarize_turns(results, duration, before, _stats(url, token))
+    summary = summarize_turns(results, duration, before, admin_stats(url, token))
     return {"spec": {**dataclasses.asdict(spec), "concurrency": concurrency}, **summary}
