@@ -12,9 +12,11 @@ store only does them, in the plan's order, before the step computes:
 
 A file holds one block of this rank (tensor parallelism: each rank its own shard, in its own
 folder `rank<r>of<n>`), behind a header naming its key, tokens, dtype, shape, layer count,
-block size, rank and model version, and a checksum of its bytes:
+block size, rank and model version, and a checksum of its bytes (CRC-32: it guards against
+torn or damaged files, not against an adversary, and runs at memory speed, where blake2b
+took 0.76 ms of a 737 KiB block's 0.86 ms read on the decode side of a hand-over):
 
-    b"SHKV1\\n" | u32 header length | header (JSON) | K and V of every layer
+    b"SHKV2\\n" | u32 header length | header (JSON) | K and V of every layer
 
 A read checks all of it against what the scheduler asked for; a file that does not match is
 deleted and the read fails (never served). At start-up the folder is scanned: files of this
@@ -24,7 +26,6 @@ scheduler; the others (other weights, another dtype or block size) are deleted.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -32,6 +33,7 @@ import queue
 import struct
 import threading
 import uuid
+import zlib
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -44,7 +46,7 @@ from gpu_worker.kv_cache import GIB, KVCache
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"SHKV1\n"
+MAGIC = b"SHKV2\n"  # 2: the CRC-32 checksum (1: blake2b; its files are not read)
 _MASK = (1 << 64) - 1
 
 
@@ -56,12 +58,14 @@ def file_name(key: int) -> str:
     return f"{key & _MASK:016x}.kv"
 
 
+def checksum(payload: bytes | memoryview) -> str:
+    return f"crc32:{zlib.crc32(payload):08x}"
+
+
 def encode_block(header: dict[str, Any], block: torch.Tensor) -> bytes:
     """The file's bytes: `header` (layout, key, tokens, version) plus the checksum."""
     payload = block.contiguous().view(torch.uint8).numpy().tobytes()
-    head = json.dumps(
-        {**header, "checksum": hashlib.blake2b(payload, digest_size=16).hexdigest()}
-    ).encode()
+    head = json.dumps({**header, "checksum": checksum(payload)}).encode()
     return MAGIC + struct.pack("<I", len(head)) + head + payload
 
 
@@ -89,8 +93,8 @@ def decode_block(
     for field, want in expect.items():
         if header.get(field) != want:
             raise CorruptBlock(f"{field} is {header.get(field)!r}, wanted {want!r}")
-    payload = data[offset:]
-    if hashlib.blake2b(payload, digest_size=16).hexdigest() != header.get("checksum"):
+    payload = memoryview(data)[offset:]
+    if checksum(payload) != header.get("checksum"):
         raise CorruptBlock("checksum mismatch")
     flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     if flat.numel() != torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size():

@@ -52,7 +52,7 @@ def test_blocks_move_through_shared_files(tmp_path: Path) -> None:
 def test_blocks_move_as_bytes_and_int8_rows_keep_their_scales() -> None:
     prefill, decode = _kv(1, "int8"), _kv(2, "int8")
     data = _export(prefill, [2], [""])
-    assert len(data) == 1 and base64.b64decode(data[0]).startswith(b"SHKV1\n")
+    assert len(data) == 1 and base64.b64decode(data[0]).startswith(b"SHKV2\n")
     assert _import(decode, [2], [4], [""], data) == []
     assert torch.equal(decode.tensor[:, :, 4], prefill.tensor[:, :, 2])
 
