@@ -14,6 +14,11 @@ this module decides which blocks move, when, and what becomes of the sequence.
                                                        one (its outputs known) and admission
                                                        takes the imported blocks as hits
 
+Imports are chunked: a plan carries at most IMPORT_BLOCKS_PER_STEP of them (the worker reads
+them at the start of the step, which every running sequence waits for), so a long prompt's
+blocks land over a few decode steps instead of stalling one; its sequence is queued when the
+last of them has landed.
+
 Only full blocks move: the tail (the last partial block and the first token) is computed
 again on the decode side, as a prefix hit's tail is. A block that fails its checks on arrival
 (key, tokens, layout, model version, checksum) is not written and is recomputed too.
@@ -45,6 +50,12 @@ from services.scheduler.request import Request, Status
 log = logging.getLogger(__name__)
 
 MAX_TOMBSTONES = 4096  # recent aborts of sequences a decode replica did not hold
+# blocks one plan imports at most: ~0.3 ms each to read, check and copy in (a 737 KiB float32
+# block of SmolLM2-135M). Decode streams under prompt bursts (docs/benchmarks.md), ITL p99
+# over the quiet p50: all at once 2.04x, 32 a plan 1.74x, 16 1.69x, 8 1.55x; the price is
+# the moved sequence's wait for its last block (its second token): 8 a plan, ~1.9 s per 1k
+# tokens on 2 busy cores
+IMPORT_BLOCKS_PER_STEP = 8
 
 
 def file_name(key: int) -> str:
@@ -85,6 +96,7 @@ class _Import:
     tokens: list[tuple[int, ...]]
     msg: KvHandover
     cancelled: bool = False
+    num_landed: int = 0  # keys whose plan's result came back (landed or failed)
 
 
 @dataclasses.dataclass
@@ -120,9 +132,11 @@ class Handover:
         self.send = send
         self.pending = Moves()  # for the next plan
         self._exports: dict[int, list[_Export]] = {}  # step id -> exports it carries
-        self._imports: dict[int, list[_Import]] = {}  # step id -> imports it carries
+        # step id -> the imports it carries: each with the keys (and tokens) it carries
+        self._imports: dict[int, list[tuple[_Import, list[tuple[int, tuple[int, ...]]]]]] = {}
         self._unsent_exports: list[_Export] = []
-        self._unsent_imports: list[_Import] = []
+        self._unsent_imports: list[_Import] = []  # some of whose blocks are in no plan yet
+        self._import_owners: list[_Import] = []  # of each of pending.imports
         self._send_after_tokens: list[_Export] = []  # nothing to move: sent after the step
         # (request id, sequence or None: all) -> when its abort came (wall clock)
         self._tombstones: OrderedDict[tuple[str, int | None], float] = OrderedDict()
@@ -147,7 +161,7 @@ class Handover:
             for es in (*self._exports.values(), self._unsent_exports, self._send_after_tokens)
             for e in es
         ]
-        imports = [i for is_ in (*self._imports.values(), self._unsent_imports) for i in is_]
+        imports = self._import_entries()
         return [e.req for e in exports if not e.cancelled] + [
             i.req for i in imports if not i.cancelled
         ]
@@ -209,11 +223,19 @@ class Handover:
 
     def planned(self, step_id: int) -> Moves:
         """The moves of the plan `step_id`, which is being sent now."""
-        moves, self.pending = self.pending, Moves()
+        n = IMPORT_BLOCKS_PER_STEP
+        pending, owners = self.pending, self._import_owners
+        moves = Moves(exports=pending.exports, imports=pending.imports[:n])
+        self.pending, self._import_owners = Moves(imports=pending.imports[n:]), owners[n:]
         if self._unsent_exports:
             self._exports[step_id], self._unsent_exports = self._unsent_exports, []
-        if self._unsent_imports:
-            self._imports[step_id], self._unsent_imports = self._unsent_imports, []
+        carried: dict[int, tuple[_Import, list[tuple[int, tuple[int, ...]]]]] = {}
+        for imp, (_, key, tokens, *_rest) in zip(owners[:n], moves.imports, strict=True):
+            carried.setdefault(id(imp), (imp, []))[1].append((key, tuple(tokens)))
+        if carried:
+            self._imports[step_id] = list(carried.values())
+            left = {id(i) for i in self._import_owners}
+            self._unsent_imports = [i for i in self._unsent_imports if id(i) in left]
         return moves
 
     def on_exported(self, msg: StepResult, tokenizer_fingerprint: str) -> list[Request]:
@@ -320,7 +342,9 @@ class Handover:
             _remove(msg.transfer_dir)
             self._account(msg)
             return False
-        self._unsent_imports.append(_Import(req, keys, tokens, msg))
+        imp = _Import(req, keys, tokens, msg)
+        self._unsent_imports.append(imp)
+        self._import_owners += [imp] * len(keys)
         return True
 
     def on_imported(self, msg: StepResult, blocks: BlockManager) -> list[Request]:
@@ -328,12 +352,15 @@ class Handover:
         returns the sequences to queue now (not cancelled meanwhile)."""
         failed = set(msg.kv_import_failed_dst)
         ready = []
-        for imp in self._imports.pop(msg.step_id, []):
-            for key, block_tokens in zip(imp.keys, imp.tokens, strict=True):
+        for imp, carried in self._imports.pop(msg.step_id, []):
+            for key, block_tokens in carried:
                 landed = blocks.import_block(key) not in failed
                 blocks.finish_import(key, block_tokens, landed)
                 self.stats.blocks_received += landed
                 self.stats.blocks_failed += not landed
+            imp.num_landed += len(carried)
+            if imp.num_landed < len(imp.keys):
+                continue  # (the rest of its blocks come with later plans)
             _remove(imp.msg.transfer_dir)
             self._account(imp.msg)
             if not imp.cancelled:
@@ -387,9 +414,17 @@ class Handover:
         out: list[_Export | _Import] = []
         for es in (*self._exports.values(), self._unsent_exports, self._send_after_tokens):
             out += es
-        for is_ in (*self._imports.values(), self._unsent_imports):
-            out += is_
-        return out
+        return out + self._import_entries()
+
+    def _import_entries(self) -> list[_Import]:
+        """Every import in a plan or waiting for one, once each."""
+        seen: dict[int, _Import] = {}
+        for carried in self._imports.values():
+            for imp, _ in carried:
+                seen.setdefault(id(imp), imp)
+        for imp in self._unsent_imports:
+            seen.setdefault(id(imp), imp)
+        return list(seen.values())
 
     def end_all(self, reason: FinishReason) -> list[Request]:
         """Every sequence in a move ends (its blocks are settled by the plan's result)."""
@@ -408,6 +443,7 @@ class Handover:
         self._imports.clear()
         self._unsent_exports.clear()
         self._unsent_imports.clear()
+        self._import_owners.clear()
         self._send_after_tokens.clear()
         self.pending = Moves()
 

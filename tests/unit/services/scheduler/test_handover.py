@@ -17,6 +17,7 @@ from common.messages import (
     StepResult,
     TokenBatch,
 )
+from services.scheduler import handover
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.engine_core import EngineCore
 from tests.unit.services.scheduler.test_engine_core import Outbox, _info, _request, _tokens
@@ -220,4 +221,41 @@ def test_an_abort_older_than_the_request_does_not_drop_its_hand_over() -> None:
     decode.on_handover(dataclasses.replace(sent[0], arrival_time=time.time() + 60))
     _run(decode, d_out)
     assert _tokens(d_out)[("r", 0)] == [7, 7]
+    _settled(decode)
+
+
+def test_a_long_import_is_spread_over_plans_and_queued_when_it_has_all_landed(
+    monkeypatch,
+) -> None:
+    monkeypatch.setattr(handover, "IMPORT_BLOCKS_PER_STEP", 2)
+    prefill, p_out, sent, decode, d_out = _pair()
+    prompt = list(range(10, 31))  # 21 tokens: 5 full blocks of 4 and a tail
+    prefill.add(_request("r", max_tokens=4, prompt=prompt))
+    _run(prefill, p_out)
+    (msg,) = sent
+    assert len(msg.block_keys) == 5
+    decode.on_handover(msg)
+    _run(decode, d_out)
+    plans = d_out.of(StepPlan)
+    imports = [p.kv_import_keys for p in plans if p.kv_import_dst]
+    assert imports == [msg.block_keys[0:2], msg.block_keys[2:4], msg.block_keys[4:5]]
+    (new,) = [p for p in plans if p.new_req_ids]
+    assert new.step_id > max(p.step_id for p in plans if p.kv_import_dst)
+    assert new.num_computed_tokens == [20]  # every imported block is its prefix
+    assert decode.handover is not None and decode.handover.stats.blocks_received == 5
+    _settled(decode)
+
+
+def test_a_cancel_between_the_plans_of_one_import_frees_everything(monkeypatch) -> None:
+    monkeypatch.setattr(handover, "IMPORT_BLOCKS_PER_STEP", 2)
+    prefill, p_out, sent, decode, d_out = _pair()
+    prefill.add(_request("r", max_tokens=4, prompt=list(range(10, 31))))
+    _run(prefill, p_out)
+    decode.on_handover(sent[0])
+    _step_once(decode, d_out)  # the first 2 blocks land, 3 wait
+    assert decode.handover is not None and decode.handover.holds("r")
+    decode.abort(["r"], FinishReason.CANCELLED)
+    _run(decode, d_out)
+    assert not [p for p in d_out.of(StepPlan) if p.new_req_ids]
+    assert d_out.of(TokenBatch)[-1].finish_reasons == [int(FinishReason.CANCELLED)]
     _settled(decode)
