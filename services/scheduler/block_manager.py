@@ -28,13 +28,15 @@ from common.prefix_hash import block_hash, num_matchable_blocks
 
 
 class PoolCapacity:
-    """What a pool of `num_blocks` blocks of `block_size` tokens holds: its free list and its
-    LRU of cached blocks nobody uses (BlockManager's and GroupedBlockManager's)."""
+    """What a pool of `num_blocks` blocks of `block_size` tokens holds: its free list, its
+    LRU of cached blocks nobody uses and the ref counts (BlockManager's and
+    GroupedBlockManager's)."""
 
     num_blocks: int
     block_size: int
     _free: deque[int]
     _lru: OrderedDict[int, None]
+    _ref_counts: list[int]
 
     @property
     def num_free_blocks(self) -> int:
@@ -55,6 +57,12 @@ class PoolCapacity:
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def _ref(self, block: int) -> None:
+        """One more table holds `block` (a cached one with no user leaves the LRU)."""
+        if self._ref_counts[block] == 0:
+            del self._lru[block]
+        self._ref_counts[block] += 1
 
 
 class BlockManager(PoolCapacity):
@@ -353,11 +361,6 @@ class BlockManager(PoolCapacity):
             self.num_evictions += 1
         self._ref_counts[block] = 1
         return block
-
-    def _ref(self, block: int) -> None:
-        if self._ref_counts[block] == 0:
-            del self._lru[block]
-        self._ref_counts[block] += 1
 
     def _unref(self, block: int) -> bool:
         self._ref_counts[block] -= 1

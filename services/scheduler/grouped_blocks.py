@@ -434,11 +434,6 @@ class GroupedBlockManager(PoolCapacity):
         self._group_of[block] = group
         return block
 
-    def _ref(self, block: int) -> None:
-        if self._ref_counts[block] == 0:
-            del self._lru[block]
-        self._ref_counts[block] += 1
-
     def _unref(self, block: int) -> bool:
         self._ref_counts[block] -= 1
         if self._ref_counts[block]:
