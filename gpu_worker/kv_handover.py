@@ -19,10 +19,11 @@ from __future__ import annotations
 import base64
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common.messages.scheduler_worker import StepPlan
+from common.messages.scheduler_worker import KvExported, StepPlan
 from gpu_worker.distributed.tensor_parallel import TensorParallel
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.kv_tiers import CorruptBlock, block_layout, decode_block, encode_block
@@ -38,11 +39,22 @@ class KVHandover:
         self.layout = block_layout(kv, tp)
         self.num_exported = self.num_imported = self.num_import_failed = 0
 
-    def apply(self, plan: StepPlan) -> dict[str, Any]:
-        """The plan's exports, then its imports; StepResult's fields for them."""
+    def apply(
+        self, plan: StepPlan, report: Callable[[KvExported], None] | None = None
+    ) -> dict[str, Any]:
+        """The plan's exports, then its imports; StepResult's fields for them. With
+        `report`, the exports are reported at once (KvExported), before the step runs, and
+        not in the result: their hand-overs leave while the step computes."""
         if not (plan.kv_export_src or plan.kv_import_dst):
             return {}
-        return {"kv_export_data": self._export(plan), "kv_import_failed_dst": self._import(plan)}
+        fields: dict[str, Any] = {}
+        if plan.kv_export_src:
+            data = self._export(plan)
+            if report is not None:
+                report(KvExported(plan.step_id, data))
+            else:
+                fields["kv_export_data"] = data
+        return fields | {"kv_import_failed_dst": self._import(plan)}
 
     def _export(self, plan: StepPlan) -> list[str]:
         data: list[str] = []

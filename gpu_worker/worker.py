@@ -299,7 +299,7 @@ class WorkerActor(Actor):
 
     def _on_step_plan(self, plan: StepPlan) -> None:
         try:
-            result = self.runner.execute(plan)
+            result = self.runner.execute(plan, self.scheduler.send)
         except Exception as e:
             # A failed step must not wedge the scheduler: it fails that step's requests.
             self._stop_if_group_broken(e)

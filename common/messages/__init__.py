@@ -47,6 +47,7 @@ from common.messages.scheduler_router import KvHandover, ReplicaNotice
 from common.messages.scheduler_worker import (
     CompileGrammar,
     GrammarCompiled,
+    KvExported,
     LoadLora,
     LoadModel,
     LoraLoaded,
@@ -76,6 +77,7 @@ __all__ = [
     "StatsQuery",
     "StepPlan",
     "StepResult",
+    "KvExported",
     "TokenBatch",
     "TokenizedRequest",
     "SwapModel",

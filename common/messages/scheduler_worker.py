@@ -160,6 +160,16 @@ class StepResult:
     error: str = ""  # set when the step failed: its requests are failed, not retried
 
 
+@message("kv_exported")
+class KvExported:
+    """worker -> scheduler: a plan's hand-over exports are written, before its step runs
+    (they are read first): its hand-overs may leave now, overlapped with the step, rather
+    than with the step's result. `data` as StepResult.kv_export_data."""
+
+    step_id: int
+    data: list[str] = dataclasses.field(default_factory=list)
+
+
 @message("load_model")
 class LoadModel:
     """scheduler -> worker: load a model version. `overlap`: beside the served ones (same KV

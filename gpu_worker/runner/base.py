@@ -5,7 +5,8 @@ part of it every runner shares (the real `ModelRunner` and the compute-free
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from common.messages.scheduler_worker import StepPlan, StepResult
 from common.messages.types import ModelInfo
@@ -46,8 +47,9 @@ class Runner(Protocol):
         """The default version's end-of-sequence tokens."""
         ...
 
-    def execute(self, plan: StepPlan) -> StepResult:
-        """Apply the plan's diffs, run its batch, return the sampled tokens."""
+    def execute(self, plan: StepPlan, report: Callable[[Any], None] | None = None) -> StepResult:
+        """Apply the plan's diffs, run its batch, return the sampled tokens; `report` (the
+        scheduler's outbox) takes what is sent before the step ends (KvExported)."""
         ...
 
     def compile_grammar(

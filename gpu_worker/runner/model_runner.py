@@ -326,12 +326,17 @@ class ModelRunner(PlanRunner[ModelVersion]):
         return self.grammars.matcher(params, self.versions.fingerprint(version))
 
     # a step ----------------------------------------------------------------------------------
-    def execute(self, plan: StepPlan) -> StepResult:
-        """Apply the plan's diffs, run its batch, and return the sampled tokens."""
+    def execute(self, plan: StepPlan, report: Callable[[Any], None] | None = None) -> StepResult:
+        """Apply the plan's diffs, run its batch, and return the sampled tokens; `report`
+        sends what is done before the step (a hand-over's exports) at once."""
         start = time.perf_counter()
         fetched, failed = self.tiers.apply(plan) if self.tiers is not None else ([], [])
         tiers: dict[str, Any] = dict(tier_fetched_keys=fetched, tier_fetch_failed_keys=failed)
-        tiers |= self.handover.apply(plan)  # (blocks handed over: before the step writes)
+        # (blocks handed over: before the step writes; the exports reported at once where
+        # this process writes them all: with ranks, each writes its own, and the result,
+        # after the step's collectives, is what says every rank's are written)
+        early = report if self.tp.size == 1 else None
+        tiers |= self.handover.apply(plan, early)
         states = self._begin_step(plan, self.kv_cache)
         if not plan.req_ids:
             return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[], **tiers)

@@ -30,6 +30,7 @@ import hashlib
 import json
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -159,7 +160,7 @@ class SyntheticRunner(PlanRunner[str]):
     def unload_version(self, version: str) -> None:
         raise ValueError(f"version {version!r} is the synthetic model's only one")
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, report: Callable[[Any], None] | None = None) -> StepResult:
         """Apply the diffs, check the batch against them, "sample" at once."""
         start = time.perf_counter()
         states = self._begin_step(plan)

@@ -20,6 +20,7 @@ from common.messages import (
     Abort,
     FinishReason,
     GrammarCompiled,
+    KvExported,
     KvHandover,
     LoadLoraAdapter,
     LoraAdapterResult,
@@ -98,6 +99,7 @@ class SchedulerActor(Actor):
             {
                 TokenizedRequest: self._on_tokenized,
                 StepResult: self.core.on_step_result,
+                KvExported: self.core.on_kv_exported,
                 GrammarCompiled: self.core.on_grammar_compiled,
                 Abort: self._on_abort,
                 StatsQuery: self._on_stats_query,

@@ -30,6 +30,7 @@ from common.messages import (
     CompileGrammar,
     FinishReason,
     GrammarCompiled,
+    KvExported,
     KvHandover,
     LoadLoraAdapter,
     LoraLoaded,
@@ -548,10 +549,16 @@ class EngineCore:
     def _on_moved(self, msg: StepResult) -> None:
         """A plan's exports and imports ended: hand-overs leave; imported sequences queue."""
         assert self.handover is not None and self.policy is not None and self.served
-        sent = self.handover.on_exported(msg, self.served.tokenizer_fingerprint)
-        self._forget_finished_groups(sent)
+        self.on_kv_exported(KvExported(msg.step_id, msg.kv_export_data))
         for req in self.handover.on_imported(msg, self._dense_blocks()):
             self.policy.add(req)
+
+    def on_kv_exported(self, msg: KvExported) -> None:
+        """A plan's exports are written: its hand-overs leave (before or with its result)."""
+        if self.handover is None or self.served is None:
+            return
+        sent = self.handover.on_exported(msg.step_id, msg.data, self.served.tokenizer_fingerprint)
+        self._forget_finished_groups(sent)
 
     def _serving(self) -> list[CurrentModel]:
         """The models a sequence may run on here: the served one, and during an overlap

@@ -7,7 +7,7 @@ this module decides which blocks move, when, and what becomes of the sequence.
     result: its first token streams; its               keys is checked against its own root
       full blocks (cached now) are exported in         and tokens; keys it caches already
       the next plan (file or bytes)                    are prefix hits, the others are
-    that plan's result: KvHandover -> router           imported into fresh blocks (next plan)
+    written (KvExported): KvHandover -> router           imported into fresh blocks (next plan)
       -> the decode replica with the least load       that plan's result: the landed blocks
                                                        are cached under their keys; the
                                                        sequence joins the queue as a resumed
@@ -238,13 +238,16 @@ class Handover:
             self._unsent_imports = [i for i in self._unsent_imports if id(i) in left]
         return moves
 
-    def on_exported(self, msg: StepResult, tokenizer_fingerprint: str) -> list[Request]:
-        """The plan that exported ended: each sequence's KvHandover leaves (to the router);
+    def on_exported(
+        self, step_id: int, export_data: list[str], tokenizer_fingerprint: str
+    ) -> list[Request]:
+        """The plan `step_id`'s exports are written (the worker said so before its step
+        ran, or its result says so): each sequence's KvHandover leaves (to the router);
         returns the sequences whose hand-over is over here (sent or cancelled)."""
         done = []
-        data = iter(msg.kv_export_data)
-        for e in self._exports.pop(msg.step_id, []):
-            blocks = [next(data, "") for _ in e.keys] if msg.kv_export_data else []
+        data = iter(export_data)
+        for e in self._exports.pop(step_id, []):
+            blocks = [next(data, "") for _ in e.keys] if export_data else []
             done.append(e.req)
             if e.cancelled:
                 _remove(e.folder)

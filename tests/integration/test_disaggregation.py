@@ -253,19 +253,21 @@ def test_logprobs_through_the_hand_over(shm: Server, model: Path) -> None:
     wait_until(lambda: _idle(shm), 60, "both replicas idle, every block free")
 
 
-def test_an_overlap_swap_of_both_pools_under_hand_overs(
-    tmp_path_factory: pytest.TempPathFactory,
+@pytest.mark.parametrize("mode", ["overlap", "drain"])
+def test_a_swap_of_both_pools_under_hand_overs(
+    tmp_path_factory: pytest.TempPathFactory, mode: str
 ) -> None:
-    """tools/swap-model under load swaps both replicas: a sequence handed over keeps the
-    version it started on (the decode replica runs it on the retiring one), so every output
-    is one version's greedy tokens; then both pools are idle."""
+    """tools/swap-model under load swaps both replicas: overlap, a sequence handed over
+    keeps the version it started on (the decode replica runs it on the retiring one); drain,
+    both replicas finish what they hold (hand-overs included) before the new version loads.
+    Every output is one version's greedy tokens; then both pools are idle."""
     from tests.integration import test_swap
 
     root = tmp_path_factory.mktemp("pd-swap")
     a = make_tiny_model(root / "tiny-a", "llama", seed=1)
     b = make_tiny_model(root / "tiny-b", "llama", seed=2)
     with running_server(*PD, "--model", str(a), "--model-root", str(root)) as s:
-        outs, result = test_swap._swap_under_load(s, b, "overlap", "v-b")
+        outs, result = test_swap._swap_under_load(s, b, mode, "v-b")
         assert result["returncode"] == 0 and result["ok"], result
         for (text, finish, version), prompt in zip(outs, test_swap.PROMPTS, strict=True):
             folder = b if version == "v-b" else a

@@ -73,3 +73,18 @@ def test_a_block_that_does_not_match_is_refused_and_not_written(tmp_path: Path) 
     other = _kv(3, "int8")  # another KV dtype's layout never reads these
     assert _import(other, [1], [0], [paths[1]], []) == [0]
     assert _import(decode, [4], [0], [str(tmp_path / "missing.kv")], []) == [0]
+
+
+def test_exports_are_reported_at_once_when_asked() -> None:
+    """A report (the worker's outbox) takes the exports before the step runs; the result's
+    fields then carry only the imports."""
+    kv, reports = _kv(1), []
+    plan = StepPlan(step_id=7, kv_export_src=[2], kv_export_keys=[12], kv_export_tokens=[[2] * 4],
+                    kv_export_versions=["v1"], kv_export_paths=[""])  # fmt: skip
+    fields = KVHandover(kv, TensorParallel()).apply(plan, reports.append)
+    (report,) = reports
+    assert report.step_id == 7 and len(report.data) == 1
+    assert "kv_export_data" not in fields and fields["kv_import_failed_dst"] == []
+    decode = _kv(2)
+    assert _import(decode, [2], [4], [""], report.data) == []
+    assert torch.equal(decode.tensor[:, :, 4], kv.tensor[:, :, 2])

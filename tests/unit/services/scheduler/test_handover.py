@@ -11,6 +11,7 @@ from typing import Any
 from common.config import Config
 from common.messages import (
     FinishReason,
+    KvExported,
     KvHandover,
     RequestError,
     StepPlan,
@@ -259,3 +260,31 @@ def test_a_cancel_between_the_plans_of_one_import_frees_everything(monkeypatch) 
     assert not [p for p in d_out.of(StepPlan) if p.new_req_ids]
     assert d_out.of(TokenBatch)[-1].finish_reasons == [int(FinishReason.CANCELLED)]
     _settled(decode)
+
+
+def test_a_hand_over_leaves_when_its_exports_are_written_not_with_the_result() -> None:
+    """The worker reports a plan's exports before its step runs (KvExported): the hand-over
+    leaves then, and the step's result, which no longer carries them, sends nothing more."""
+    prefill, p_out, sent, _, _ = _pair()
+    prefill.add(_request("r", max_tokens=5, prompt=PROMPT))
+    for _ in range(10):
+        prefill.step()
+        (plan,) = [
+            p
+            for p in p_out.of(StepPlan)
+            if p.step_id in {s.step_id for s in prefill.window.in_flight}
+        ]
+        if plan.kv_export_src:
+            break
+        prefill.on_step_result(p_out.answer(plan))
+    else:
+        raise AssertionError("no plan exported")
+    assert not sent
+    prefill.on_kv_exported(KvExported(plan.step_id, [f"b{k}" for k in plan.kv_export_keys]))
+    (msg,) = sent
+    assert msg.block_data == [f"b{k}" for k in plan.kv_export_keys]
+    result = p_out.answer(plan)
+    prefill.on_step_result(StepResult(result.step_id, result.req_ids, result.token_ids))
+    assert len(sent) == 1
+    _run(prefill, p_out)
+    _settled(prefill)
