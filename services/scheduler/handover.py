@@ -7,7 +7,7 @@ this module decides which blocks move, when, and what becomes of the sequence.
     result: its first token streams; its               keys is checked against its own root
       full blocks (cached now) are exported in         and tokens; keys it caches already
       the next plan (file or bytes)                    are prefix hits, the others are
-    written (KvExported): KvHandover -> router           imported into fresh blocks (next plan)
+    written (KvExported): KvHandover -> router         imported into fresh blocks (next plan)
       -> the decode replica with the least load       that plan's result: the landed blocks
                                                        are cached under their keys; the
                                                        sequence joins the queue as a resumed
