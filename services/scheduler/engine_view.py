@@ -115,6 +115,9 @@ def _handover_stats(core: EngineCore) -> dict[str, Any]:
     h = core.handover
     if h is None:
         return {}
-    return {"role": h.role} | {
-        f"kv_handover_{k}": v for k, v in dataclasses.asdict(h.stats).items()
+    counters = {f"kv_handover_{k}": v for k, v in dataclasses.asdict(h.stats).items()}
+    in_flight = {
+        "kv_handover_num_exporting": h.num_exporting,
+        "kv_handover_num_importing": h.num_importing,
     }
+    return {"role": h.role} | counters | in_flight

@@ -151,6 +151,17 @@ class Handover:
         """Moves planned or in flight (the pool is not idle)."""
         return bool(self._exports or self._imports or self._unsent_exports or self._unsent_imports)
 
+    @property
+    def num_exporting(self) -> int:
+        """Sequences whose blocks are being exported here (planned, not yet sent)."""
+        exports = (*self._exports.values(), self._unsent_exports, self._send_after_tokens)
+        return sum(not e.cancelled for es in exports for e in es)
+
+    @property
+    def num_importing(self) -> int:
+        """Sequences whose blocks are being imported here (some not landed yet)."""
+        return sum(not i.cancelled for i in self._import_entries())
+
     def holds(self, request_id: str) -> bool:
         """A sequence of this request is in an export or an import here."""
         return any(r.group_id == request_id for r in self._live())

@@ -56,6 +56,8 @@ _HANDOVER_SUMMED = (
     "kv_handover_prefill_queue_s",
     "kv_handover_prefill_s",
     "kv_handover_transfer_s",
+    "kv_handover_num_exporting",
+    "kv_handover_num_importing",
 )
 
 

@@ -370,6 +370,12 @@ class _SchedulerStats:
         ("kv_handover_transfer_seconds", "kv_handover_transfer_s",
          "Prefill/decode: export, travel and import of the blocks, summed."),
     )  # fmt: skip
+    HANDOVER_GAUGES = (
+        ("kv_handover_exports_in_flight", "kv_handover_num_exporting",
+         "Prefill/decode: sequences whose blocks a prefill replica is exporting now."),
+        ("kv_handover_imports_in_flight", "kv_handover_num_importing",
+         "Prefill/decode: sequences whose blocks a decode replica is importing now."),
+    )  # fmt: skip
 
     def __init__(self, model_name: Callable[[], str], prefix: str = "shuttle") -> None:
         self.model_name = model_name
@@ -484,11 +490,15 @@ class _SchedulerStats:
         for replica, role in sorted(self.roles.items()):
             roles.add_metric([model, replica, role], 1.0)
         yield roles
-        for name, key, doc in self.HANDOVER:
-            family = CounterMetricFamily(f"{self.prefix}:{name}", doc, labels=labels)
-            for replica, values in sorted(self.last_by_replica.items()):
-                family.add_metric([model, replica], values.get(key, 0.0))
-            yield family
+        for kind, metrics in (
+            (CounterMetricFamily, self.HANDOVER),
+            (GaugeMetricFamily, self.HANDOVER_GAUGES),
+        ):
+            for name, key, doc in metrics:
+                family = kind(f"{self.prefix}:{name}", doc, labels=labels)
+                for replica, values in sorted(self.last_by_replica.items()):
+                    family.add_metric([model, replica], values.get(key, 0.0))
+                yield family
 
 
 def install_metrics(app: FastAPI, engine: EngineClient, vllm_names: bool = False) -> GatewayMetrics:

@@ -312,6 +312,7 @@ def test_prefill_and_decode_replicas_export_their_roles_and_hand_overs() -> None
         ("1", 0.0),
     ]
     assert "shuttle:kv_handover_transfer_seconds" in families
+    assert families["shuttle:kv_handover_imports_in_flight"].type == "gauge"
     plain = _SchedulerStats(lambda: "m")  # replicas without roles: no such family
     plain.update(merge_stats({"scheduler-0": _stats(), "scheduler-1": _stats()}, 2))
     names = {f.name for f in plain.collect()}
