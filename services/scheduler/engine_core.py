@@ -564,9 +564,8 @@ class EngineCore:
     def on_handover(self, msg: KvHandover) -> None:
         """A decode replica takes a sequence a prefill replica computed: it imports the
         blocks it does not cache, then queues the sequence (handover.py). One it cannot
-        take (another model version, an adapter it does not serve so, no worker) fails
-        retryably; one cancelled on its way
-        ends as cancelled."""
+        take (another model version, an adapter it does not serve with the same weights,
+        no worker) fails retryably; one cancelled on its way ends as cancelled."""
         assert self.handover is not None
         req = decode_sequence(msg, self.served)
         refusal = "" if self.policy is not None else "the decode replica's worker is restarting"
