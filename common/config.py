@@ -360,10 +360,6 @@ class Config:
     data_parallel: DataParallelConfig = dataclasses.field(default_factory=DataParallelConfig)
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
-    def __post_init__(self) -> None:
-        if self.data_parallel.is_disaggregated:
-            _refuse_across_the_split(self)
-
     def addr(self, name: str) -> str:
         """Inbox address of actor `name` (gateway, scheduler, worker, detokenizer, supervisor)."""
         explicit = getattr(self.addresses, f"{name}_addr", "")
@@ -402,21 +398,6 @@ class Config:
             self,
             **{s: dataclasses.replace(getattr(self, s), **v) for s, v in sections.items()},
         )
-
-
-def _refuse_across_the_split(config: Config) -> None:
-    """What does not go through a prefill -> decode hand-over yet is refused by name."""
-    refused = {
-        "--speculative": config.speculative.speculative,
-        "--draft-model": config.speculative.draft_model,
-        "--enable-lora": config.lora.enable_lora,
-    }
-    for flag, value in refused.items():
-        if value:
-            raise ConfigError(
-                f"{flag} is not supported with --prefill-replicas/--decode-replicas yet "
-                "(the hand-over does not carry it): use one of them"
-            )
 
 
 def _sections() -> list[tuple[str, type]]:

@@ -8,6 +8,10 @@ checksum of the bytes), so that one format and one set of checks serve both:
                                    or base64 in StepResult --(scheduler, router,
                                       scheduler: ZeroMQ/TCP)--> base64 in StepPlan
 
+Only the target's KV moves: a draft model (--speculative draft) computes its own KV of a
+received sequence from its tokens at its first proposal, as for any prefix hit
+(gpu_worker/sample/speculative.py, DraftModel), so its pool's copy of a block never travels.
+
 The scheduler decides every move (services/scheduler/handover.py) and names them in a
 plan; both run at the start of the plan, before its step writes any block: an exported
 block freed by the scheduler may be reused by that same plan, and an imported one is

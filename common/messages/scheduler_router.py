@@ -52,9 +52,13 @@ class KvHandover:
     tokenizer_fingerprint: str
     cache_salt: str
     version: str  # the model version whose weights computed the KV
-    cache_root: int  # the chain's root (version, salt): the decode side's must be equal
+    cache_root: int  # the chain's root (version, salt, adapter): the decode side's must be equal
     block_keys: list[int]  # [num_blocks] chain hash of each full block, in order
     block_tokens: list[list[int]]  # [num_blocks][block_size]
+    # the LoRA adapter that computed the KV ("": the base model) and its weights hash: the
+    # decode replica continues it only with the same adapter, of the same weights
+    lora_name: str = ""
+    lora_hash: str = ""
     transfer_dir: str = ""  # shm: the folder holding the blocks' files
     block_data: list[str] = dataclasses.field(default_factory=list)  # [num_blocks] tcp: base64
     num_bytes: int = 0  # the blocks' bytes, as moved

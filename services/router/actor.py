@@ -94,7 +94,9 @@ class RouterActor(Actor):
 
     def _on_handover(self, msg: KvHandover) -> None:
         """A prefill replica hands a sequence over: to the least loaded decode replica."""
-        chosen = self.router.route_handover(msg.request_id, msg.tokenizer_fingerprint)
+        chosen = self.router.route_handover(
+            msg.request_id, msg.tokenizer_fingerprint, (msg.lora_name, msg.lora_hash)
+        )
         if chosen is None:
             if msg.transfer_dir:
                 shutil.rmtree(msg.transfer_dir, ignore_errors=True)

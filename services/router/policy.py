@@ -158,13 +158,18 @@ class Router:
         return Decision(chosen.index, hits)
 
     def route_handover(
-        self, request_id: str, tokenizer_fingerprint: str = ""
+        self, request_id: str, tokenizer_fingerprint: str = "", lora: tuple[str, str] = ("", "")
     ) -> ReplicaView | None:
         """The decode replica that continues a handed-over sequence: the least loaded ready
-        one (mid-swap, one serving the tokenizer it was made with first); None: none is."""
+        one (mid-swap, one serving the tokenizer it was made with first; for an adapter's
+        sequence, `lora` (name, weights hash), one serving that adapter so first); None:
+        none is."""
         ready = [r for r in self.replicas if r.is_ready and r.role != "prefill"]
         same = [r for r in ready if r.tokenizer_fingerprint == tokenizer_fingerprint]
         ready = same or ready
+        name, weights_hash = lora
+        having = [r for r in ready if name and r.loras.get(name) == weights_hash]
+        ready = having or ready
         if not ready:
             return None
         chosen = min(ready, key=lambda r: (r.load, r.num_routed, r.index))

@@ -269,12 +269,16 @@ class BlockManager(PoolCapacity):
         self._importing[key] = block
         return block
 
-    def finish_import(self, key: int, tokens: tuple[int, ...], landed: bool) -> None:
+    def finish_import(
+        self, key: int, tokens: tuple[int, ...], landed: bool, owner: str = ""
+    ) -> None:
         """The import of `key` ended: its block is cached under it (a later request's prefix
-        hit), or, when it did not land or the key is cached meanwhile, free."""
+        hit; `owner`: the LoRA adapter that computed it), or, when it did not land or the
+        key is cached meanwhile, free."""
         block = self._importing.pop(key)
         if landed and self.enable_prefix_caching and key not in self._by_hash:
             self._hash_of[block], self._tokens_of[block] = key, tokens
+            self._owner_of[block] = owner
             self._by_hash[key] = block
             if self._hash_changes is not None:
                 self._hash_changes[key] = True

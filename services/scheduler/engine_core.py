@@ -571,12 +571,13 @@ class EngineCore:
     def on_handover(self, msg: KvHandover) -> None:
         """A decode replica takes a sequence a prefill replica computed: it imports the
         blocks it does not cache, then queues the sequence (handover.py). One it cannot
-        take (another model version, no worker) fails retryably; one cancelled on its way
-        ends as cancelled."""
+        take (another model version, an adapter it does not serve with the same weights,
+        no worker) fails retryably; one cancelled on its way ends as cancelled."""
         assert self.handover is not None
         req = decode_sequence(msg, self.served)
         refusal = "" if self.policy is not None else "the decode replica's worker is restarting"
-        refusal = refusal or self.handover.refusal(msg, self._serving())
+        adapter = self.loras.handover_refusal(msg.lora_name, msg.lora_hash)
+        refusal = refusal or self.handover.refusal(msg, self._serving(), adapter)
         if self.handover.was_aborted(msg) or refusal:
             self.handover.drop(msg)
             req.status = Status.FINISHED

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from common.messages import FinishReason, KvHandover, StepResult
-from common.model_facts import salted_root
+from common.model_facts import lora_root, salted_root
 from common.prefix_hash import block_hash
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.current_model import CurrentModel
@@ -297,6 +297,8 @@ class Handover:
                 cache_root=req.cache_root,
                 block_keys=e.keys,
                 block_tokens=e.tokens,
+                lora_name=req.lora_name,
+                lora_hash=req.lora_hash,
                 transfer_dir=e.folder,
                 block_data=blocks,
                 num_bytes=num_bytes,
@@ -308,15 +310,20 @@ class Handover:
         )
 
     # the decode side -----------------------------------------------------------------------
-    def refusal(self, msg: KvHandover, serving: list[CurrentModel]) -> str:
-        """Why this replica cannot take `msg` ("": it can): none of the models it runs
-        sequences on (`serving`: the served one, a retiring one) has its version, tokenizer
-        and root (its KV is never accepted), or it has no worker."""
+    def refusal(self, msg: KvHandover, serving: list[CurrentModel], adapter_refusal: str) -> str:
+        """Why this replica cannot take `msg` ("": it can): it does not serve the sequence's
+        LoRA adapter with the same weights (`adapter_refusal`, from lora_registry.py), none
+        of the models it runs sequences on (`serving`: the served one, a retiring one) has
+        its version, tokenizer and root (adapter included: its KV is never accepted), or it
+        has no worker."""
         if not serving:
             return "the decode replica's worker is restarting"
+        if adapter_refusal:
+            return adapter_refusal
         for model in serving:
-            if msg.version == model.version and msg.cache_root == salted_root(
-                model.root, msg.cache_salt
+            root = salted_root(model.root, msg.cache_salt)
+            if msg.version == model.version and msg.cache_root == lora_root(
+                root, msg.lora_name, msg.lora_hash
             ):
                 return ""
         return (
@@ -369,7 +376,7 @@ class Handover:
         for imp, carried in self._imports.pop(msg.step_id, []):
             for key, block_tokens in carried:
                 landed = blocks.import_block(key) not in failed
-                blocks.finish_import(key, block_tokens, landed)
+                blocks.finish_import(key, block_tokens, landed, imp.req.lora_name)
                 self.stats.blocks_received += landed
                 self.stats.blocks_failed += not landed
             imp.num_landed += len(carried)
@@ -476,7 +483,8 @@ def _folder_bytes(folder: str) -> int:
 
 def decode_sequence(msg: KvHandover, served: CurrentModel | None) -> Request:
     """The decode side's record of a handed-over sequence: a resumed one, whose outputs so
-    far are known tokens without KV (admission takes the imported blocks as hits)."""
+    far are known tokens without KV (admission takes the imported blocks as hits), run
+    with the adapter the prefill replica ran it with (`refusal` checked this one serves it)."""
     req = Request(
         sequence_key(msg.request_id, msg.seq_index),
         msg.prompt_token_ids,
@@ -486,6 +494,8 @@ def decode_sequence(msg: KvHandover, served: CurrentModel | None) -> Request:
         arrival_time=msg.arrival_time,
         cache_root=salted_root(served.root, msg.cache_salt) if served is not None else 0,
         cache_salt=msg.cache_salt,
+        lora_name=msg.lora_name,
+        lora_hash=msg.lora_hash,
         priority=msg.priority,
         timeout=msg.timeout,
         group_id=msg.request_id,

@@ -227,6 +227,25 @@ class ServedAdapters:
         a.num_requests += 1
         return a
 
+    def handover_refusal(self, name: str, weights_hash: str) -> str:
+        """Why a decode replica cannot continue a sequence a prefill replica ran with the
+        adapter `name` of `weights_hash` ("": it can, or the base model ran it): its KV is
+        that adapter's, and its next tokens must be too."""
+        if not name:
+            return ""
+        a = self.adapters.get(name) if self.enabled else None
+        if a is None or a.state != "ready":
+            state = "" if a is None else f" ({a.state})"
+            return f"the decode replica does not serve the LoRA adapter `{name}`{state}"
+        if self.has_draft_model:
+            return f"the decode replica runs a draft model, which serves no LoRA adapter `{name}`"
+        if a.weights_hash != weights_hash:
+            return (
+                f"the decode replica serves the LoRA adapter `{name}` with other weights "
+                f"({a.weights_hash}) than the prefill replica ({weights_hash})"
+            )
+        return ""
+
     def advance(self, num_live: Counter[str], drop_blocks: Callable[[str], int] = len) -> None:
         """Finish the unloads whose adapter no live request uses any more."""
         for a in list(self.adapters.values()):

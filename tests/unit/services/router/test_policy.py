@@ -236,3 +236,18 @@ def test_roles_new_requests_go_to_prefill_replicas_and_hand_overs_to_decode_ones
     router.on_notice(_notice(2, is_ready=False))
     router.on_notice(_notice(3, is_ready=False))
     assert router.route_handover("d") is None  # no decode replica ready: the caller fails it
+
+
+def test_an_adapters_hand_over_goes_to_a_decode_replica_serving_that_adapter() -> None:
+    """First one serving the adapter with the same weights (the others would refuse it),
+    even if busier; none does: the least loaded (it refuses it, retryably)."""
+    router = Router(4, "prefix", 1.25, ["prefill", "decode", "decode", "decode"])
+    router.on_notice(_notice(0))
+    router.on_notice(_notice(1, lora_names=["a"], lora_hashes=["h2"]))  # other weights
+    router.on_notice(_notice(2, lora_names=["a"], lora_hashes=["h1"]))
+    router.on_notice(_notice(3))
+    for i in range(3):
+        chosen = router.route_handover(f"r{i}", "tok", ("a", "h1"))
+        assert chosen is not None and chosen.index == 2
+    other = router.route_handover("b", "tok", ("b", "h1"))
+    assert other is not None and other.index in (1, 3)

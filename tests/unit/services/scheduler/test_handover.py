@@ -6,7 +6,11 @@ to the other. Blocks are checked after every scenario: none used, the pool consi
 
 from __future__ import annotations
 
+import dataclasses
+from collections import Counter
 from typing import Any
+
+import pytest
 
 from common.config import Config
 from common.messages import (
@@ -17,7 +21,9 @@ from common.messages import (
     StepPlan,
     StepResult,
     TokenBatch,
+    TokenizedRequest,
 )
+from common.model_facts import lora_root
 from services.scheduler import handover
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.engine_core import EngineCore
@@ -40,17 +46,32 @@ class Worker(Outbox):
         )
 
 
-def _pair() -> tuple[EngineCore, Worker, list[KvHandover], EngineCore, Worker]:
+def _pair(
+    loras: tuple[dict[str, str], dict[str, str]] = ({}, {}),
+) -> tuple[EngineCore, Worker, list[KvHandover], EngineCore, Worker]:
+    """A prefill and a decode core; `loras`: the adapters each worker holds (name -> weights
+    hash), with --enable-lora when any."""
     sent: list[KvHandover] = []
     dp: dict[str, Any] = {"prefill_replicas": 1, "decode_replicas": 1, "kv_transfer": "tcp"}
     cores = []
     for index in (0, 1):
         out = Worker()
+        held = loras[index]
         config = Config().replace(
-            scheduler={"async_scheduling": False}, data_parallel={**dp, "replica_index": index}
+            scheduler={"async_scheduling": False},
+            data_parallel={**dp, "replica_index": index},
+            lora={"enable_lora": any(loras)},
         )
         core = EngineCore(config, out, to_router=sent.append if index == 0 else None)
-        core.on_worker_ready(_info())
+        core.on_worker_ready(
+            _info(
+                lora_names=list(held),
+                lora_paths=[f"/adapters/{n}" for n in held],
+                lora_weights_hashes=list(held.values()),
+                lora_ranks=[4] * len(held),
+                max_loras=2 if any(loras) else 0,
+            )
+        )
         cores.append((core, out))
     (prefill, p_out), (decode, d_out) = cores
     return prefill, p_out, sent, decode, d_out
@@ -288,3 +309,50 @@ def test_a_hand_over_leaves_when_its_exports_are_written_not_with_the_result() -
     assert len(sent) == 1
     _run(prefill, p_out)
     _settled(prefill)
+
+
+def _adapter_request(rid: str, lora_name: str) -> TokenizedRequest:
+    return dataclasses.replace(_request(rid, max_tokens=5, prompt=PROMPT), lora_name=lora_name)
+
+
+def test_an_adapters_sequence_is_decoded_with_the_same_adapter() -> None:
+    prefill, p_out, sent, decode, d_out = _pair(({"a0": "h1"}, {"a0": "h1"}))
+    prefill.add(_adapter_request("r", "a0"))
+    _run(prefill, p_out)
+    (msg,) = sent
+    assert (msg.lora_name, msg.lora_hash) == ("a0", "h1")
+    assert prefill.served is not None  # the blocks are keyed on the adapter's root
+    assert msg.cache_root == lora_root(prefill.served.root, "a0", "h1") != prefill.served.root
+    decode.on_handover(msg)
+    _run(decode, d_out)
+    (new,) = [p for p in d_out.of(StepPlan) if p.new_req_ids]
+    assert new.new_loras == ["a0"] and new.num_computed_tokens == [8]
+    assert _tokens(d_out)[("r", 0)] == [7] * 4
+    assert (
+        decode.loras.stats(Counter(), _blocks(decode).num_hashed_by_owner())["a0"][
+            "num_cached_blocks"
+        ]
+        >= 2
+    )  # (the imported blocks are the adapter's: an unload drops them)
+    _settled(decode)
+
+
+@pytest.mark.parametrize(
+    ("held", "why"),
+    [
+        ({}, "does not serve the LoRA adapter `a0`"),
+        ({"a0": "h2"}, "serves the LoRA adapter `a0` with other weights (h2)"),
+    ],
+)
+def test_an_adapters_kv_is_refused_where_that_adapter_is_not_served_so(
+    held: dict[str, str], why: str
+) -> None:
+    prefill, p_out, sent, decode, d_out = _pair(({"a0": "h1"}, held))
+    prefill.add(_adapter_request("r", "a0"))
+    _run(prefill, p_out)
+    decode.on_handover(sent[0])
+    (error,) = d_out.of(RequestError)
+    assert error.status == 503 and error.resumable and why in error.message
+    assert not [p for p in d_out.of(StepPlan) if p.kv_import_dst]  # its KV is never taken
+    assert not decode.has_work
+    _settled(decode)
