@@ -99,6 +99,7 @@ class EngineCore:
         self._kv_pool_id = ""  # the worker's KV pool the policy's block manager describes
         # prefill/decode replicas: the hand-over of sequences and their blocks (handover.py)
         dp = config.data_parallel
+        self._parked: list[KvHandover] = []  # hand-overs waiting for this replica's swap
         self.handover = (
             Handover(dp.own_role, kv_transfer_dir(config), to_router)
             if dp.is_disaggregated
@@ -473,6 +474,8 @@ class EngineCore:
         if policy is None:
             return
         handover = self.handover
+        if self._parked and self.swaps.swap is None:
+            self._take_parked()
         while self.window.has_room and (policy.has_work() or self._has_moves):
             out = policy.schedule()
             if out.is_empty and not self._has_moves:
@@ -481,7 +484,13 @@ class EngineCore:
             moves = handover.planned(step_id) if handover is not None else None
             self.outbox.to_worker(to_plan(step_id, out, moves))
         self.window.planned()
-        self.swaps.advance(policy, in_flight=bool(self.window.in_flight))
+        # (a drain waits for the hand-overs' moves too: the pool is rebuilt after it)
+        moving = handover is not None and handover.busy
+        self.swaps.advance(policy, in_flight=bool(self.window.in_flight) or moving)
+        if self._parked and self.swaps.swap is None:  # (the swap ended just now)
+            self._take_parked()
+            self.step()
+            return
         self._advance_unloads()
         idle = not self.window.in_flight and not policy.has_work() and not policy.requests
         if idle and not (handover is not None and handover.busy):
@@ -568,6 +577,23 @@ class EngineCore:
         previous = [self.previous] if retiring and self.previous is not None else []
         return [m for m in (self.served, *previous) if m is not None]
 
+    def _waits_for_swap(self, msg: KvHandover) -> bool:
+        """A hand-over of a version this replica does not serve while a swap is on: the
+        prefill replica may have finished its swap first (a drain, or an overlap's load), so
+        it waits for this replica's swap rather than fail (a cancel meanwhile is found by
+        its tombstone when it is taken again)."""
+        if self.swaps.swap is None or self.policy is None or self.handover is None:
+            return False
+        if self.handover.was_aborted(msg):
+            return False
+        return msg.version not in {m.version for m in self._serving()}
+
+    def _take_parked(self) -> None:
+        """The swap is over: the hand-overs that waited for it are taken (or refused) now."""
+        parked, self._parked = self._parked, []
+        for msg in parked:
+            self.on_handover(msg)
+
     def on_handover(self, msg: KvHandover) -> None:
         """A decode replica takes a sequence a prefill replica computed: it imports the
         blocks it does not cache, then queues the sequence (handover.py). One it cannot
@@ -578,6 +604,9 @@ class EngineCore:
         refusal = "" if self.policy is not None else "the decode replica's worker is restarting"
         adapter = self.loras.handover_refusal(msg.lora_name, msg.lora_hash)
         refusal = refusal or self.handover.refusal(msg, self._serving(), adapter)
+        if refusal and self._waits_for_swap(msg):
+            self._parked.append(msg)  # (taken again when the swap is over: `step`)
+            return
         if self.handover.was_aborted(msg) or refusal:
             self.handover.drop(msg)
             req.status = Status.FINISHED

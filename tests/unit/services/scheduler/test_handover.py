@@ -17,9 +17,12 @@ from common.messages import (
     FinishReason,
     KvExported,
     KvHandover,
+    LoadModel,
+    ModelLoaded,
     RequestError,
     StepPlan,
     StepResult,
+    SwapModel,
     TokenBatch,
     TokenizedRequest,
 )
@@ -355,4 +358,34 @@ def test_an_adapters_kv_is_refused_where_that_adapter_is_not_served_so(
     assert error.status == 503 and error.resumable and why in error.message
     assert not [p for p in d_out.of(StepPlan) if p.kv_import_dst]  # its KV is never taken
     assert not decode.has_work
+    _settled(decode)
+
+
+def test_a_hand_over_of_the_next_version_waits_for_the_decode_replicas_swap() -> None:
+    """Both replicas drain-swap to v2; the prefill replica is done first and hands over a
+    v2 sequence while the decode replica still drains (a v1 sequence of its own decoding):
+    the hand-over waits for the swap instead of failing, then lands on v2. The decode
+    replica's drain also waits for its own imports before its pool is rebuilt."""
+    prefill, p_out, sent, decode, d_out = _pair()
+    decode.add(_request("old", max_tokens=6, prompt=PROMPT))
+    decode.step()
+    for core in (prefill, decode):
+        core.swap(SwapModel(ticket=1, reply_to="gw", path="/models/v2", version="v2",
+                            mode="drain"))  # fmt: skip
+    _run(prefill, p_out)
+    prefill.on_model_loaded(ModelLoaded(version="v2", model=_info("v2")))
+    prefill.add(_request("new", max_tokens=5, prompt=PROMPT))
+    _run(prefill, p_out)
+    (msg,) = sent
+    assert msg.version == "v2"
+    decode.on_handover(msg)  # decode is still draining "old" on v1
+    assert not d_out.of(RequestError) and decode._parked == [msg]
+    _run(decode, d_out)  # "old" finishes; the drain loads v2
+    decode.step()
+    assert d_out.of(LoadModel)[-1].version == "v2"
+    decode.on_model_loaded(ModelLoaded(version="v2", model=_info("v2")))
+    _run(decode, d_out)
+    assert not d_out.of(RequestError) and not decode._parked
+    tokens = _tokens(d_out)
+    assert tokens[("old", 0)] == [7] * 6 and tokens[("new", 0)] == [7] * 4
     _settled(decode)
