@@ -48,12 +48,6 @@ class DataParallelConfig:
         "how handed-over KV blocks travel: shm (files in shared memory, one host) or tcp "
         "(in ZeroMQ messages, across hosts)",
     )
-    prefill_nice: int = config_field(
-        10,
-        "a prefill replica's worker lowers its CPU priority by this nice increment (0-19; "
-        "0: unchanged): where the roles share a host's cores, a decode step waits less for "
-        "the prefill's compute (docs/operations.md)",
-    )
     kv_transfer_dir: str = config_field(
         "", "shm transfer: the folder (default: /dev/shm/shuttle-kv-<run>, else the run dir)"
     )
@@ -71,7 +65,6 @@ class DataParallelConfig:
             )
         check_field(self.role in ROLES, "role", "both, prefill or decode")
         check_field(self.kv_transfer in KV_TRANSFERS, "kv_transfer", "shm or tcp")
-        check_field(0 <= self.prefill_nice <= 19, "prefill_nice", "in [0, 19]")
         if self.data_parallel_size < 1:
             raise ConfigError("--data-parallel-size must be >= 1")
         if self.dp_routing not in ROUTINGS:

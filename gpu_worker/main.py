@@ -6,7 +6,6 @@ tensor-parallel group when --tensor-parallel-size > 1); --rank R > 0 starts a fo
 """
 
 import argparse
-import os
 import sys
 
 from common.actor import Actor
@@ -22,10 +21,6 @@ def _flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _build(config: Config, args: argparse.Namespace) -> Actor:
-    dp = config.data_parallel
-    if dp.own_role == "prefill" and dp.prefill_nice:
-        # throughput-bound: on cores shared with decode replicas, their steps come first
-        os.nice(dp.prefill_nice)
     if args.rank == 0:
         return WorkerActor(config)
     from gpu_worker.rank import RankFollower

@@ -15,7 +15,11 @@ The streams are then closed (a closed stream is cancelled by the server).
 
 The figures: the streams' ITL p50/p99 in the quiet window and under the bursts, the ratio of
 the latter's p99 to the former's p50 (how much a prompt burst stalls running streams), and
-the bursts' TTFT. Co-located prefill stalls decode for each prefill chunk; a prefill/decode
+the bursts' TTFT. The streams' contexts grow as they decode (and each step's attention
+with them), so the quiet window, before the bursts, sees shorter ones than the bursts do:
+a control run follows on the same server (unless --no-control), the same streams and
+phases with no burst sent, and the bursts' p99 is compared with its p50 over the same phase
+as well. Co-located prefill stalls decode for each prefill chunk; a prefill/decode
 split keeps the streams' gaps flat (docs/benchmarks.md).
 """
 
@@ -48,6 +52,7 @@ class BurstSpec:
     burst_output_len: int = 4
     burst_gap_s: float = 2.0
     seed: int = 0
+    control: bool = True  # then the same run without bursts (its gaps over the same phase)
 
     def __post_init__(self) -> None:
         if self.streams < 1 or self.bursts < 0 or self.burst_size < 1:
@@ -149,7 +154,12 @@ async def _burst_request(
     return ttft, ""
 
 
-async def run_bursts(url: str, model: str, spec: BurstSpec, vocab: int) -> dict[str, Any]:
+async def run_bursts(
+    url: str, model: str, spec: BurstSpec, vocab: int, hold_s: float | None = None
+) -> dict[str, Any]:
+    """One run; with `hold_s`, the control run: the same streams and quiet window, then
+    `hold_s` of the bursts' phase with no burst sent (the streams' gaps at the contexts
+    they reach in the run with bursts)."""
     clock, stop = _Clock(), asyncio.Event()
     errors: list[str] = []
     sent: list[int] = []  # every prompt's length, streams' and bursts'
@@ -169,7 +179,7 @@ async def run_bursts(url: str, model: str, spec: BurstSpec, vocab: int) -> dict[
         await asyncio.sleep(spec.quiet_s)
         clock.phase = "bursts"
         start = time.perf_counter()
-        for _ in range(spec.bursts):
+        for _ in range(spec.bursts if hold_s is None else 0):
             prompts = [
                 _prompt(rng, rng.randint(*spec.burst_input_len), vocab)
                 for _ in range(spec.burst_size)
@@ -182,6 +192,8 @@ async def run_bursts(url: str, model: str, spec: BurstSpec, vocab: int) -> dict[
             ttfts += [t for t, e in results if not e]
             errors += [e for _, e in results if e]
             await asyncio.sleep(spec.burst_gap_s)
+        if hold_s is not None:
+            await asyncio.sleep(hold_s)
         burst_s = time.perf_counter() - start
         clock.phase = "after"
     finally:
@@ -218,6 +230,13 @@ def print_summary(s: dict[str, Any]) -> None:
             f"p99 {p['p99'] * 1e3:8.1f}  mean {p['mean'] * 1e3:8.1f}"
         )
     print(f"  ITL p99 under bursts / p50 quiet: {s['p99_bursts_over_p50_quiet']:.2f}x")
+    if "itl_control_s" in s:
+        p = s["itl_control_s"]
+        print(
+            f"  ITL control (same phase, no bursts) ms  p50 {p['median'] * 1e3:8.1f}  "
+            f"p99 {p['p99'] * 1e3:8.1f}; p99 under bursts / control p50: "
+            f"{s['p99_bursts_over_p50_control']:.2f}x"
+        )
     p = s["burst_ttft_s"]
     print(f"  burst TTFT ms  p50 {p['median'] * 1e3:8.1f}  p99 {p['p99'] * 1e3:8.1f}")
     h = s.get("handover") or {}
@@ -240,6 +259,11 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--burst-size", type=int, default=2, help="bursts: prompts per burst")
     p.add_argument("--burst-output-len", type=int, default=4, help="bursts: a prompt's tokens")
     p.add_argument("--burst-gap-s", type=float, default=2.0, help="bursts: pause between them")
+    p.add_argument(
+        "--no-control",
+        action="store_true",
+        help="bursts: skip the control run (the same streams and phases, no bursts)",
+    )
 
 
 def spec_from_args(args: argparse.Namespace) -> BurstSpec:
@@ -255,6 +279,7 @@ def spec_from_args(args: argparse.Namespace) -> BurstSpec:
         burst_output_len=args.burst_output_len,
         burst_gap_s=args.burst_gap_s,
         seed=args.seed,
+        control=not args.no_control,
     )
 
 
@@ -280,8 +305,20 @@ def handover_figures(
 
 
 def run(url: str, model: str, spec: BurstSpec, vocab: int, token: str = "") -> dict[str, Any]:
+    """The run with bursts, then (spec.control) the control run without them, on the same
+    server: the target compares the bursts' ITL p99 with the control's p50 over the same
+    phase, where the streams' contexts (which grow as they decode, and attention with them)
+    are the same; the quiet window before the bursts has shorter ones."""
     before = admin_stats(url, token)
     result = asyncio.run(run_bursts(url, model, spec, vocab))
     after = admin_stats(url, token)
     result["handover"] = handover_figures(before, after, result["prompt_tokens_sent"])
+    if spec.control:
+        control = asyncio.run(run_bursts(url, model, spec, vocab, result["burst_phase_s"]))
+        result["itl_control_s"] = p50 = control["itl_bursts_s"]
+        result["p99_bursts_over_p50_control"] = (
+            result["itl_bursts_s"]["p99"] / p50["median"] if p50["median"] else 0.0
+        )
+        result["failed"] += control["failed"]
+        result["errors"] += control["errors"][:5]
     return result
