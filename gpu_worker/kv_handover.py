@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import base64
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,14 @@ from typing import Any
 from common.messages.scheduler_worker import KvExported, StepPlan
 from gpu_worker.distributed.tensor_parallel import TensorParallel
 from gpu_worker.kv_cache import KVCache
-from gpu_worker.kv_tiers import CorruptBlock, block_layout, decode_block, encode_block
+from gpu_worker.kv_tiers import (
+    BlockReader,
+    CorruptBlock,
+    block_layout,
+    decode_block,
+    encode_block,
+    write_block_file,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +48,7 @@ class KVHandover:
         self.kv = kv
         self.layout = block_layout(kv, tp)
         self.num_exported = self.num_imported = self.num_import_failed = 0
+        self._reader = BlockReader()  # block files, read into the same pages each time
 
     def apply(
         self, plan: StepPlan, report: Callable[[KvExported], None] | None = None
@@ -72,14 +79,12 @@ class KVHandover:
         )
         for block, key, tokens, version, path in moves:
             header = {**self.layout, "key": key, "tokens": tokens, "version": version}
-            raw = encode_block(header, self.kv.tensor[:, :, block].to("cpu"))
+            rows = self.kv.tensor[:, :, block].to("cpu")
             if path:
-                target = Path(path)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
-                tmp.write_bytes(raw)
-                os.replace(tmp, target)  # (a reader never sees half a file)
-            data.append("" if path else base64.b64encode(raw).decode("ascii"))
+                write_block_file(Path(path), header, rows)
+                data.append("")
+            else:
+                data.append(base64.b64encode(encode_block(header, rows)).decode("ascii"))
             self.num_exported += 1
         return data if any(data) else []
 
@@ -99,13 +104,13 @@ class KVHandover:
         for dst, key, tokens, version, path, encoded in moves:
             expect = {**self.layout, "key": key, "tokens": tokens, "version": version}
             try:
-                raw = Path(path).read_bytes() if path else base64.b64decode(encoded)
+                raw = self._reader.read(path) if path else base64.b64decode(encoded)
                 block = decode_block(raw, expect, dtype, shape)
             except (OSError, ValueError, CorruptBlock) as e:
                 log.warning("KV hand-over: block %016x refused: %s", key & ((1 << 64) - 1), e)
                 failed.append(dst)
                 self.num_import_failed += 1
                 continue
-            self.kv.tensor[:, :, dst] = block.to(self.kv.tensor.device)
+            self.kv.tensor.select(2, dst).copy_(block)  # (before the next read reuses it)
             self.num_imported += 1
         return failed

@@ -62,21 +62,72 @@ def checksum(payload: bytes | memoryview) -> str:
     return f"crc32:{zlib.crc32(payload):08x}"
 
 
+def encode_parts(header: dict[str, Any], block: torch.Tensor) -> tuple[bytes, memoryview]:
+    """The file's two parts: its head (magic, `header`: layout, key, tokens, version, plus
+    the checksum) and the block's bytes, a view of one contiguous copy (for a writev)."""
+    payload = block.contiguous().view(torch.uint8).reshape(-1).numpy().data
+    head = json.dumps({**header, "checksum": checksum(payload)}).encode()
+    return MAGIC + struct.pack("<I", len(head)) + head, payload
+
+
 def encode_block(header: dict[str, Any], block: torch.Tensor) -> bytes:
     """The file's bytes: `header` (layout, key, tokens, version) plus the checksum."""
-    payload = block.contiguous().view(torch.uint8).numpy().tobytes()
-    head = json.dumps({**header, "checksum": checksum(payload)}).encode()
-    return MAGIC + struct.pack("<I", len(head)) + head + payload
+    head, payload = encode_parts(header, block)
+    return head + payload
 
 
-def read_header(data: bytes) -> tuple[dict[str, Any], int]:
+def write_block_file(path: Path, header: dict[str, Any], block: torch.Tensor) -> None:
+    """`path` holds the block's file once this returns, whole: written under a temporary
+    name, then renamed (a reader never sees half a file); head and bytes in one writev."""
+    head, payload = encode_parts(header, block)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        todo, parts = len(head) + len(payload), [memoryview(head), payload]
+        while todo:
+            n = os.writev(fd, parts)
+            todo -= n
+            while n and parts:  # (a short write: go on from where it stopped)
+                if n >= len(parts[0]):
+                    n -= len(parts.pop(0))
+                else:
+                    parts[0], n = parts[0][n:], 0
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+class BlockReader:
+    """Reads block files into one buffer, reused from file to file (the same pages each
+    time, none faulted in fresh); a read's view is valid until the next read."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def read(self, path: str) -> memoryview:
+        with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            if len(self._buffer) < size:  # (a new buffer: views of the old one stay valid)
+                self._buffer = bytearray(size + 4096)
+            view = memoryview(self._buffer)[:size]
+            got = 0
+            while got < size:
+                n = f.readinto(view[got:])
+                if not n:
+                    raise CorruptBlock("the file is shorter than it said")
+                got += n
+        return view
+
+
+def read_header(data: bytes | memoryview) -> tuple[dict[str, Any], int]:
     """(header, offset of the payload); CorruptBlock when it is not one."""
-    if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 4:
+    if bytes(data[: len(MAGIC)]) != MAGIC or len(data) < len(MAGIC) + 4:
         raise CorruptBlock("no block header")
     (n,) = struct.unpack_from("<I", data, len(MAGIC))
     start = len(MAGIC) + 4
     try:
-        header = json.loads(data[start : start + n])
+        header = json.loads(bytes(data[start : start + n]))
     except ValueError as e:
         raise CorruptBlock(f"unreadable header: {e}") from None
     if not isinstance(header, dict):
@@ -85,10 +136,11 @@ def read_header(data: bytes) -> tuple[dict[str, Any], int]:
 
 
 def decode_block(
-    data: bytes, expect: dict[str, Any], dtype: torch.dtype, shape: tuple[int, ...]
+    data: bytes | memoryview, expect: dict[str, Any], dtype: torch.dtype, shape: tuple[int, ...]
 ) -> torch.Tensor:
     """The block in `data`, checked: every field of `expect` (key, tokens, layout) as in
-    the header, and the checksum of its bytes; CorruptBlock otherwise."""
+    the header, and the checksum of its bytes; CorruptBlock otherwise. A writable `data`
+    (read_block_file's view) is not copied: the tensor shares its memory."""
     header, offset = read_header(data)
     for field, want in expect.items():
         if header.get(field) != want:
@@ -96,7 +148,8 @@ def decode_block(
     payload = memoryview(data)[offset:]
     if checksum(payload) != header.get("checksum"):
         raise CorruptBlock("checksum mismatch")
-    flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    writable = isinstance(data, memoryview) and not data.readonly
+    flat = torch.frombuffer(payload if writable else bytearray(payload), dtype=torch.uint8)
     if flat.numel() != torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size():
         raise CorruptBlock("wrong size")
     return flat.view(dtype).reshape(shape)
@@ -200,9 +253,7 @@ class DiskTier:
         tokens, block = item
         header = {**self.layout, "key": key, "tokens": tokens, "version": self.version}
         try:
-            tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-            tmp.write_bytes(encode_block(header, block))
-            os.replace(tmp, path)
+            write_block_file(path, header, block)
             self.num_writes += 1
         except OSError as e:  # a full disk: the block is lost, a later read fails
             self.num_write_errors += 1
