@@ -44,10 +44,18 @@ def admit(policy: SchedulingPolicy, req: Request, budget: int, out: SchedulerOut
     if loaded is None:
         return 0  # its prefix is being read up from disk: planned once it is in memory
     cached = (len(hits) + len(loaded)) * bm.block_size
+    # a handed-over sequence's partial last prompt block, imported (handover.py): it ends
+    # the table when the hits end where it starts, else it goes and its tokens are computed
+    tail = bm.tail_of(rid)
+    if tail is not None and cached + tail[1] != req.num_prompt_tokens:
+        bm.free_tail(rid)
+        tail = None
+    held = len(hits) + (tail is not None)  # (blocks it starts with that are not new)
+    cached += tail[1] if tail is not None else 0
     take = bm.num_hit_blocks_to_take(hits)
     n = min(req.num_tokens - cached, budget)
-    whole = bm.num_blocks_for(req.num_tokens) - len(hits) + take
-    chunk = bm.num_blocks_for(cached + n) - len(hits) + take
+    whole = bm.num_blocks_for(req.num_tokens) - held + take
+    chunk = bm.num_blocks_for(cached + n) - held + take
     if n <= 0 or not _fits(policy, whole, chunk):
         return 0
     if req.version is None:
@@ -58,6 +66,8 @@ def admit(policy: SchedulingPolicy, req: Request, budget: int, out: SchedulerOut
         assert policy.tiers is not None
         for (key, _), block in zip(loaded, bm.take_loaded(rid, loaded), strict=True):
             policy.tiers.load(key, block)
+    if tail is not None:
+        bm.take_tail(rid)
     req.num_computed_tokens = req.num_cached_tokens = cached
     return n
 

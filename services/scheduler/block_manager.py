@@ -92,6 +92,9 @@ class BlockManager(PoolCapacity):
         # prefill/decode hand-over: blocks being written by an import (ref 1, in no table),
         # by key; each becomes cached under its key once the import landed, or free
         self._importing: dict[int, int] = {}
+        # a handed-over sequence's last, partial prompt block, imported and held for it
+        # until admission adds it to its table: request id -> (block, tokens it holds)
+        self._tails: dict[str, tuple[int, int]] = {}
         self._chains: dict[str, list[int]] = {}  # per request: hashes of its full blocks
         self.num_cached_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_cached_hits = 0  # of which found
@@ -284,6 +287,29 @@ class BlockManager(PoolCapacity):
                 self._hash_changes[key] = True
         self._unref(block)
 
+    def finish_tail_import(self, key: int, req_id: str, num_tokens: int, landed: bool) -> None:
+        """The import of a sequence's partial last block (`key`: never cached) ended: held
+        for `req_id` until its admission (take_tail) when it landed, else free."""
+        block = self._importing.pop(key)
+        if landed:
+            self._tails[req_id] = (block, num_tokens)
+        else:
+            self._unref(block)
+
+    def tail_of(self, req_id: str) -> tuple[int, int] | None:
+        """(block, tokens) of the partial block held for `req_id`, if any."""
+        return self._tails.get(req_id)
+
+    def free_tail(self, req_id: str) -> None:
+        """The partial block held for `req_id` is not used: free."""
+        block, _ = self._tails.pop(req_id)
+        self._unref(block)
+
+    def take_tail(self, req_id: str) -> None:
+        """Admission: the held partial block ends `req_id`'s table (after its prefix hits)."""
+        block, _ = self._tails.pop(req_id)
+        self.block_tables.setdefault(req_id, []).append(block)
+
     # allocation ---------------------------------------------------------------------------
     def allocate(self, req_id: str, num_tokens: int) -> list[int]:
         """Grow the request's table to hold `num_tokens`; return the blocks added."""
@@ -341,10 +367,12 @@ class BlockManager(PoolCapacity):
         """Release the request's blocks (idempotent); return how many no longer have a user."""
         table = self.block_tables.pop(req_id, None)
         self._chains.pop(req_id, None)
+        tail = self._tails.pop(req_id, None)  # (never admitted: ended before it started)
+        released = self._unref(tail[0]) if tail is not None else 0
         if not table:
-            return 0
+            return released
         # tail first: in the LRU, a chain's head outlives its tail, as a prefix should
-        return sum(self._unref(b) for b in reversed(table))
+        return released + sum(self._unref(b) for b in reversed(table))
 
     def _fresh(self) -> int:
         if self._free:
@@ -381,6 +409,7 @@ class BlockManager(PoolCapacity):
         """Raise AssertionError if any block is lost, double-owned or miscounted."""
         held = Counter(b for table in self.block_tables.values() for b in table)
         held.update(self._importing.values())
+        held.update(block for block, _ in self._tails.values())
         free, lru = set(self._free), set(self._lru)
         assert len(free) == len(self._free), "a block is on the free list twice"
         assert not free & lru, "a block is both free and cached"

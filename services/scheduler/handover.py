@@ -31,6 +31,7 @@ hold: a hand-over that arrives for one is dropped), in an import (`_imports`), o
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import shutil
 import time
@@ -56,6 +57,14 @@ MAX_TOMBSTONES = 4096  # recent aborts of sequences a decode replica did not hol
 # the moved sequence's wait for its last block (its second token): 8 a plan, ~1.9 s per 1k
 # tokens on 2 busy cores
 IMPORT_BLOCKS_PER_STEP = 8
+
+
+def tail_key(parent: int, tokens: tuple[int, ...], request_id: str, seq_index: int) -> int:
+    """The key of a sequence's partial last prompt block in a hand-over: its tokens on its
+    chain, and the sequence (never cached, so never shared: two sequences of one prompt
+    each move their own), computed alike by both replicas (no per-process string hash)."""
+    digest = hashlib.blake2b(f"{request_id}:{seq_index}".encode(), digest_size=8).digest()
+    return block_hash(block_hash(parent, tokens), (int.from_bytes(digest, "little"), -1))
 
 
 def file_name(key: int) -> str:
@@ -97,6 +106,7 @@ class _Import:
     msg: KvHandover
     cancelled: bool = False
     num_landed: int = 0  # keys whose plan's result came back (landed or failed)
+    tail: tuple[int, int] | None = None  # (key, tokens) of its partial last prompt block
 
 
 @dataclasses.dataclass
@@ -217,6 +227,17 @@ class Handover:
             self.pending.exports.append(
                 (block, parent, list(block_tokens), req.version or "", path)
             )
+        n_full, num_tail = req.num_computed_tokens // bs, req.num_computed_tokens % bs
+        if num_tail and len(keys) == n_full and len(req.handover_blocks) > n_full:
+            # the partial last prompt block too (freed, not cached: read by the same next
+            # plan), so that the decode side computes only the first token, not the tail
+            tail = tuple(ids[n_full * bs : req.num_computed_tokens])
+            key = tail_key(parent, tail, req.group_id, req.seq_index)
+            keys.append(key)
+            tokens.append(list(tail))
+            path = f"{folder}/{file_name(key)}" if folder else ""
+            block = req.handover_blocks[n_full]
+            self.pending.exports.append((block, key, list(tail), req.version or "", path))
         entry = _Export(req, keys, tokens, folder if keys else "", time.monotonic())
         if keys:
             self._unsent_exports.append(entry)
@@ -341,15 +362,27 @@ class Handover:
         keys, tokens = [], []
         parent = req.cache_root
         data = msg.block_data or [""] * len(msg.block_keys)
+        tail: tuple[int, int] | None = None  # (key, tokens) of the partial last block
         for i, (key, claimed, raw) in enumerate(
             zip(msg.block_keys, msg.block_tokens, data, strict=True)
         ):
-            block_tokens = tuple(ids[i * bs : (i + 1) * bs])
-            parent = block_hash(parent, block_tokens)
-            if key != parent or tuple(claimed) != block_tokens:
-                log.warning("KV hand-over %s: block %d is not of this chain", msg.request_id, i)
-                break
-            if blocks.cached_block(key, block_tokens) is not None or blocks.is_importing(key):
+            if len(claimed) < bs:  # the partial last prompt block: this sequence's own
+                block_tokens = tuple(ids[i * bs : i * bs + len(claimed)])
+                want = tail_key(parent, block_tokens, msg.request_id, msg.seq_index)
+                ends_prompt = i * bs + len(claimed) == req.num_prompt_tokens
+                if key != want or tuple(claimed) != block_tokens or not ends_prompt:
+                    log.warning("KV hand-over %s: its last block does not fit", msg.request_id)
+                    break
+                tail = (key, len(claimed))
+            else:
+                block_tokens = tuple(ids[i * bs : (i + 1) * bs])
+                parent = block_hash(parent, block_tokens)
+                if key != parent or tuple(claimed) != block_tokens:
+                    log.warning("KV hand-over %s: block %d is not of this chain", msg.request_id, i)
+                    break
+            if tail is None and (
+                blocks.cached_block(key, block_tokens) is not None or blocks.is_importing(key)
+            ):
                 self.stats.blocks_hit += 1
                 continue
             if not blocks.can_allocate(1, reserve=reserve):
@@ -363,7 +396,9 @@ class Handover:
             _remove(msg.transfer_dir)
             self._account(msg)
             return False
-        imp = _Import(req, keys, tokens, msg)
+        if tail is not None and tail[0] not in keys:
+            tail = None  # (no room for it: the tail is computed again)
+        imp = _Import(req, keys, tokens, msg, tail=tail)
         self._unsent_imports.append(imp)
         self._import_owners += [imp] * len(keys)
         return True
@@ -376,7 +411,11 @@ class Handover:
         for imp, carried in self._imports.pop(msg.step_id, []):
             for key, block_tokens in carried:
                 landed = blocks.import_block(key) not in failed
-                blocks.finish_import(key, block_tokens, landed, imp.req.lora_name)
+                if imp.tail is not None and key == imp.tail[0]:  # (held for the sequence)
+                    held = landed and not imp.cancelled
+                    blocks.finish_tail_import(key, imp.req.request_id, imp.tail[1], held)
+                else:
+                    blocks.finish_import(key, block_tokens, landed, imp.req.lora_name)
                 self.stats.blocks_received += landed
                 self.stats.blocks_failed += not landed
             imp.num_landed += len(carried)

@@ -396,6 +396,8 @@ class SchedulingPolicy:
             req.host_blocks = req.host_layout = None
         req.status = Status.FINISHED
         req.finish_reason = reason
+        if req.handover_limit is not None:  # (a prefill replica's: its blocks may move)
+            req.handover_blocks = list(self.blocks.block_tables.get(req.request_id, ()))
         self.blocks.free(req.request_id)
         del self.requests[req.request_id]
         self._queued_at.pop(req.request_id, None)

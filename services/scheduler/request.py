@@ -81,6 +81,8 @@ class Request:
         # a prefill replica's sequence stops at its first token and is handed over to a
         # decode replica, which goes on to this limit (None: not handed over)
         self.handover_limit: int | None = None
+        # ... and the blocks it held when it finished there (its partial last block moves)
+        self.handover_blocks: list[int] = []
         self.started_at = 0.0  # wall clock when it first started (its queue time ends)
         self._stop_ids = frozenset(sampling.stop_token_ids) | (
             frozenset() if sampling.ignore_eos else frozenset(eos_token_ids)

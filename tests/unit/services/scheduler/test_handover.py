@@ -120,10 +120,11 @@ def test_a_request_prefills_on_one_replica_and_decodes_on_the_other() -> None:
     assert first.token_ids == [[7]] and first.finish_reasons == [int(FinishReason.NONE)]
     (msg,) = sent
     assert (msg.request_id, msg.seq_index, msg.output_token_ids) == ("r", 0, [7])
-    assert len(msg.block_keys) == 2 and msg.block_tokens == [PROMPT[:4], PROMPT[4:8]]
+    # its 2 full blocks, and its partial last one (the tail's own: never cached)
+    assert msg.block_tokens == [PROMPT[:4], PROMPT[4:8], PROMPT[8:]]
     assert msg.block_data == [f"block-{k}" for k in msg.block_keys]
     (export,) = [p for p in p_out.of(StepPlan) if p.kv_export_src]
-    assert export.kv_export_keys == msg.block_keys and export.kv_export_paths == ["", ""]
+    assert export.kv_export_keys == msg.block_keys and export.kv_export_paths == [""] * 3
     _settled(prefill)
 
     decode.on_handover(msg)
@@ -132,15 +133,17 @@ def test_a_request_prefills_on_one_replica_and_decodes_on_the_other() -> None:
     assert imp.kv_import_keys == msg.block_keys and imp.kv_import_data == msg.block_data
     (new,) = [p for p in d_out.of(StepPlan) if p.new_req_ids]
     assert new.new_num_output_tokens == [1]  # a resumed sequence: its first token known
-    assert new.num_computed_tokens == [8]  # the imported blocks are its prefix hits
+    assert new.num_computed_tokens == [10]  # the imported blocks: only its first token left
+    assert new.new_block_ids[0][2] == imp.kv_import_dst[2]  # (the tail ends its table)
     assert _tokens(d_out)[("r", 0)] == [7] * 4  # 5 in all, the first from the prefill side
     assert d_out.of(TokenBatch)[-1].finish_reasons == [int(FinishReason.LENGTH)]
     assert _blocks(decode).num_cached_blocks >= 2  # registered in its prefix cache
     _settled(decode)
 
-    decode.on_handover(msg)  # the same blocks again: found cached, nothing imported
+    decode.on_handover(msg)  # the same full blocks again: found cached; its tail moves
     _run(decode, d_out)
-    assert len([p for p in d_out.of(StepPlan) if p.kv_import_dst]) == 1
+    imports = [p.kv_import_keys for p in d_out.of(StepPlan) if p.kv_import_dst]
+    assert imports == [msg.block_keys, msg.block_keys[2:]]
     _settled(decode)
 
 
@@ -153,7 +156,7 @@ def test_a_block_that_fails_on_arrival_is_recomputed() -> None:
     _run(decode, d_out)
     (new,) = [p for p in d_out.of(StepPlan) if p.new_req_ids]
     assert new.num_computed_tokens == [0]  # nothing landed: the prompt is computed again
-    assert decode.handover is not None and decode.handover.stats.blocks_failed == 2
+    assert decode.handover is not None and decode.handover.stats.blocks_failed == 3
     _settled(decode)
 
 
@@ -201,12 +204,12 @@ def test_a_cancel_on_the_way_or_during_the_import_frees_everything() -> None:
     assert d_out.of(TokenBatch)[-1].finish_reasons == [int(FinishReason.CANCELLED)]
     decode.on_handover(importing)
     decode.step()  # the import is planned ...
-    assert _blocks(decode).num_used_blocks == 2
+    assert _blocks(decode).num_used_blocks == 3
     decode.abort(["b"], FinishReason.CANCELLED)  # ... and cancelled before it lands
     assert d_out.of(TokenBatch)[-1].request_ids == ["b"]
     _run(decode, d_out)
     assert not [p for p in d_out.of(StepPlan) if p.new_req_ids]
-    assert _blocks(decode).num_cached_blocks == 2  # (the landed blocks stay cached)
+    assert _blocks(decode).num_cached_blocks == 2  # (the landed full blocks stay cached)
     _settled(decode)
 
 
@@ -258,16 +261,16 @@ def test_a_long_import_is_spread_over_plans_and_queued_when_it_has_all_landed(
     prefill.add(_request("r", max_tokens=4, prompt=prompt))
     _run(prefill, p_out)
     (msg,) = sent
-    assert len(msg.block_keys) == 5
+    assert len(msg.block_keys) == 6
     decode.on_handover(msg)
     _run(decode, d_out)
     plans = d_out.of(StepPlan)
     imports = [p.kv_import_keys for p in plans if p.kv_import_dst]
-    assert imports == [msg.block_keys[0:2], msg.block_keys[2:4], msg.block_keys[4:5]]
+    assert imports == [msg.block_keys[0:2], msg.block_keys[2:4], msg.block_keys[4:6]]
     (new,) = [p for p in plans if p.new_req_ids]
     assert new.step_id > max(p.step_id for p in plans if p.kv_import_dst)
-    assert new.num_computed_tokens == [20]  # every imported block is its prefix
-    assert decode.handover is not None and decode.handover.stats.blocks_received == 5
+    assert new.num_computed_tokens == [21]  # every imported block is its prefix
+    assert decode.handover is not None and decode.handover.stats.blocks_received == 6
     _settled(decode)
 
 
@@ -329,7 +332,7 @@ def test_an_adapters_sequence_is_decoded_with_the_same_adapter() -> None:
     decode.on_handover(msg)
     _run(decode, d_out)
     (new,) = [p for p in d_out.of(StepPlan) if p.new_req_ids]
-    assert new.new_loras == ["a0"] and new.num_computed_tokens == [8]
+    assert new.new_loras == ["a0"] and new.num_computed_tokens == [10]
     assert _tokens(d_out)[("r", 0)] == [7] * 4
     assert (
         decode.loras.stats(Counter(), _blocks(decode).num_hashed_by_owner())["a0"][
