@@ -19,9 +19,10 @@ them at the start of the step, which every running sequence waits for), so a lon
 blocks land over a few decode steps instead of stalling one; its sequence is queued when the
 last of them has landed.
 
-Only full blocks move: the tail (the last partial block and the first token) is computed
-again on the decode side, as a prefix hit's tail is. A block that fails its checks on arrival
-(key, tokens, layout, model version, checksum) is not written and is recomputed too.
+The prompt's partial last block moves too (`tail_key`; never cached, held for its sequence
+until admission), so the decode side computes only the first token. A block that fails its
+checks on arrival (key, tokens, layout, model version, checksum) is not written and is
+recomputed (a tail whose full blocks did not all land is computed again too).
 
 A cancel finds the sequence wherever it is: in the prefill's queue or step (the policy), in
 an export (`_exports`), on its way (the decode side keeps the ids of recent aborts it did not
