@@ -212,9 +212,12 @@ static inline void prefetch_ahead(const void *cache, int kind, const int32_t *ta
 
 /* Each of `rows` rows of scores [rows][seq_len] (positions start..seq_len - 1) soft-capped
  * (softcap > 0) and turned into its softmax, with its sink's logit in the denominator
- * (sinks: NULL for none); out [rows][d], the weighted sums to come, zeroed. */
-static void softmax_rows(float *scores, int rows, int start, int seq_len, float softcap,
-                         const float *sinks, float *out, int d) {
+ * (sinks: NULL for none); out [rows][d], the weighted sums to come, zeroed. One compiled copy
+ * (noipa: never inlined or specialised per caller), so a row's softmax is the same machine
+ * code in attend_fixed and attend_tile. */
+__attribute__((noipa)) static void softmax_rows(float *scores, int rows, int start,
+                                               int seq_len, float softcap, const float *sinks,
+                                               float *out, int d) {
     for (int r = 0; r < rows; r++) {
         float *s = scores + (int64_t)r * seq_len, m = -INFINITY, sum = 0.0f;
         if (softcap > 0.0f) soft_cap(s + start, seq_len - start, softcap);
@@ -261,10 +264,68 @@ static void attend(const float *q, const void *k_cache, const void *v_cache, int
     }
 }
 
+/* The two steps of a query row against one block's rows j0 <= j < n, as block_rows reads them
+ * (row j at k + j * stride, an int8 row's scale in scales[j]), for a head size D known when
+ * compiled (64, 128) and one row format:
+ *
+ *   score_rows:      s[j] = (q . k_j) * scale_k * scale       (an omp simd dot over D)
+ *   accumulate_rows: o += sum_j (p[j] * scale_v) v_j, in j's order, o held in vector
+ *                    registers across the block (attend() loads and stores it per position)
+ *
+ * An int8 row's scale multiplies the sums, not each element. Each (D, format) pair has one
+ * compiled copy of each step (DEFINE_ROW_STEPS: noipa, never inlined or specialised per
+ * caller), and attend_fixed (a row's whole context) and attend_tile (a tile of a prefill
+ * chunk's rows) both call it, so a row's scores and sums are the same machine code, the same
+ * bits, on either path. */
+static inline __attribute__((always_inline)) void
+score_rows(const int D, const int kind, const float *qr, const float *k, int64_t stride,
+           const float *scales, int j0, int n, float scale, float *s) {
+    for (int j = j0; j < n; j++) {
+        const float *kj = k + j * stride;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int x = 0; x < D; x++) sum += qr[x] * kj[x];
+        float sk = kind == KV_INT8 ? scales[j] : 1.0f;
+        s[j] = sum * sk * scale;
+    }
+}
+
+static inline __attribute__((always_inline)) void
+accumulate_rows(const int D, const int kind, const float *p, const float *v, int64_t stride,
+                const float *scales, int j0, int n, float *o) {
+    float acc[D];
+#pragma omp simd
+    for (int x = 0; x < D; x++) acc[x] = o[x];
+    for (int j = j0; j < n; j++) {
+        const float *vj = v + j * stride;
+        float pj = kind == KV_INT8 ? p[j] * scales[j] : p[j];
+#pragma omp simd
+        for (int x = 0; x < D; x++) acc[x] += pj * vj[x];
+    }
+#pragma omp simd
+    for (int x = 0; x < D; x++) o[x] = acc[x];
+}
+
+typedef void score_fn(const float *qr, const float *k, int64_t stride, const float *scales,
+                      int j0, int n, float scale, float *s);
+typedef void accumulate_fn(const float *p, const float *v, int64_t stride, const float *scales,
+                           int j0, int n, float *o);
+#define DEFINE_ROW_STEPS(D, KIND)                                                              \
+    __attribute__((noipa)) static void score_##D##_##KIND(                                     \
+        const float *qr, const float *k, int64_t stride, const float *scales, int j0, int n,   \
+        float scale, float *s) {                                                               \
+        score_rows(D, KIND, qr, k, stride, scales, j0, n, scale, s);                           \
+    }                                                                                          \
+    __attribute__((noipa)) static void accumulate_##D##_##KIND(                                \
+        const float *p, const float *v, int64_t stride, const float *scales, int j0, int n,    \
+        float *o) {                                                                            \
+        accumulate_rows(D, KIND, p, v, stride, scales, j0, n, o);                              \
+    }
+
 /* Rows j0 <= j < n of one block and KV head, row j at `rows` + j * stride bytes, as float32:
  * in place for float32 (*stride_out: floats from one row to the next), else each row's values
- * converted once into buf [n][D] (the head's g query rows then read them from L1) and its
- * scale into scales[j]. */
+ * converted once into buf [n][D] (the query rows that use them then read them from L1) and
+ * its scale into scales[j]. */
 static inline __attribute__((always_inline)) const float *
 block_rows(const int D, const int kind, const uint8_t *rows, int64_t stride, int j0, int n,
            float *buf, float *scales, int64_t *stride_out) {
@@ -285,17 +346,14 @@ block_rows(const int D, const int kind, const uint8_t *rows, int64_t stride, int
 
 /* attend() for a head size D known when compiled (64, 128) and one row format: a block of
  * positions and one KV head at a time, its rows converted to float32 once (block_rows) for
- * the head's g query rows; each output row's accumulator stays in vector registers across
- * the block's positions (attend() loads and stores every row at every position). An int8
- * row's scale multiplies the sums, not each element: s = scale_k * (q . k8), and
- * o += (p * scale_v) v8. The sums are those of attend() in another order; a token's are
- * the same whatever its batch (they depend on its own rows and D alone). buf holds bs * D
- * floats and bs scales. */
+ * the head's g query rows, each row's scores and sums by the (D, format)'s row steps. The
+ * sums are those of attend() in another order; a token's are the same whatever its batch
+ * (they depend on its own rows and D alone). buf holds bs * D floats and bs scales. */
 static inline __attribute__((always_inline)) void
-attend_fixed(const int D, const int kind, const float *q, const void *k_cache,
-             const void *v_cache, const int32_t *table, int start, int seq_len, int h0, int nh,
-             int kvh, int g, int bs, float scale, float softcap, const float *sinks, float *out,
-             float *scores, float *buf) {
+attend_fixed(const int D, const int kind, score_fn *score, accumulate_fn *accumulate,
+             const float *q, const void *k_cache, const void *v_cache, const int32_t *table,
+             int start, int seq_len, int h0, int nh, int kvh, int g, int bs, float scale,
+             float softcap, const float *sinks, float *out, float *scores, float *buf) {
     int rows = nh * g;
     int64_t rb = row_bytes(kind, D), rs = kvh * rb; /* bytes from one position's row to the next */
     float *scales = buf + (int64_t)bs * D;
@@ -312,17 +370,9 @@ attend_fixed(const int D, const int kind, const float *q, const void *k_cache,
                                    nh * D);
             const float *k = block_rows(D, kind, block + hh * rb, rs, j0, n, buf, scales,
                                         &stride);
-            for (int r = hh * g; r < (hh + 1) * g; r++) {
-                const float *qr = q + (int64_t)r * D;
-                for (int j = j0; j < n; j++) {
-                    const float *kj = k + j * stride;
-                    float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-                    for (int x = 0; x < D; x++) s += qr[x] * kj[x];
-                    float sk = kind == KV_INT8 ? scales[j] : 1.0f;
-                    scores[(int64_t)r * seq_len + l0 + j] = s * sk * scale;
-                }
-            }
+            for (int r = hh * g; r < (hh + 1) * g; r++)
+                score(q + (int64_t)r * D, k, stride, scales, j0, n, scale,
+                      scores + (int64_t)r * seq_len + l0);
         }
     }
     softmax_rows(scores, rows, start, seq_len, softcap, sinks, out, D);
@@ -338,37 +388,97 @@ attend_fixed(const int D, const int kind, const float *q, const void *k_cache,
                                    nh * D);
             const float *v = block_rows(D, kind, block + hh * rb, rs, j0, n, buf, scales,
                                         &stride);
-            for (int r = hh * g; r < (hh + 1) * g; r++) {
-                const float *p = scores + (int64_t)r * seq_len + l0;
-                float acc[D], *o = out + (int64_t)r * D;
-#pragma omp simd
-                for (int x = 0; x < D; x++) acc[x] = o[x];
-                for (int j = j0; j < n; j++) {
-                    const float *vj = v + j * stride;
-                    float pj = kind == KV_INT8 ? p[j] * scales[j] : p[j];
-#pragma omp simd
-                    for (int x = 0; x < D; x++) acc[x] += pj * vj[x];
-                }
-#pragma omp simd
-                for (int x = 0; x < D; x++) o[x] = acc[x];
-            }
+            for (int r = hh * g; r < (hh + 1) * g; r++)
+                accumulate(scores + (int64_t)r * seq_len + l0, v, stride, scales, j0, n,
+                           out + (int64_t)r * D);
         }
     }
 }
 
-/* attend_fixed's instances: one function per head size and row format */
+/* The first position a query row of length len sees: len - window with a window, else 0 */
+static inline int visible_from(int len, int window) {
+    return window > 0 && len > window ? len - window : 0;
+}
+
+/* One pass (K, or V) of attend_tile over the tile's positions [lo, hi): each block's rows of
+ * head h converted once (block_rows) for all the tile's rows, then each row's own visible
+ * positions of it, [visible_from(len), len), by `step` (score_rows or accumulate_rows). */
+#define TILE_PASS(cache, STEP_CALL)                                                            \
+    for (int l0 = lo - lo % bs; l0 < hi; l0 += bs) {                                           \
+        int n = hi - l0 < bs ? hi - l0 : bs, j0 = l0 < lo ? lo - l0 : 0;                       \
+        const uint8_t *block = (const uint8_t *)(cache) + (int64_t)table[l0 / bs] * bs * rs +  \
+                               h * rb;                                                         \
+        for (int j = j0; j < n; j++)                                                           \
+            prefetch_ahead(cache, kind, table, l0 + j, hi, bs, kvh, h, D, D);                  \
+        int64_t stride;                                                                        \
+        const float *rows_ = block_rows(D, kind, block, rs, j0, n, buf, scales, &stride);      \
+        for (int t = 0; t < tile; t++) {                                                       \
+            int a = visible_from(len0 + t, window) - l0, b = len0 + t - l0;                    \
+            a = a < j0 ? j0 : a;                                                               \
+            b = b > n ? n : b;                                                                 \
+            for (int jj = 0; a < b && jj < g; jj++) {                                          \
+                int64_t r = (int64_t)t * g + jj, row = t * row_stride + jj * D;                \
+                STEP_CALL;                                                                     \
+            }                                                                                  \
+        }                                                                                      \
+    }
+
+/* `tile` consecutive query tokens of one sequence (a prefill chunk's rows t0.., the first of
+ * length len0: it sees positions < len0, the next < len0 + 1, ...) and the g query heads of
+ * KV head h: q and out [tile][..][D] with row_stride floats from one token to the next. Each
+ * block's K (then V) rows are read and converted once for the tile's tile * g rows instead of
+ * once per row; each row is scored, soft-maxed and summed by the same row steps and softmax
+ * as attend_fixed, over the same positions in the same order and blocks: a row's output is
+ * the same bits as attend_fixed gives it as a decode of its own length. scores holds
+ * tile * g rows of (len0 + tile - 1) floats; buf bs * D floats and bs scales. */
+static inline __attribute__((always_inline)) void
+attend_tile(const int D, const int kind, score_fn *score, accumulate_fn *accumulate,
+            const float *q, int64_t row_stride, const void *k_cache, const void *v_cache,
+            const int32_t *table, int len0, int tile, int window, int h, int kvh, int g, int bs,
+            float scale, float softcap, const float *sinks, float *out, float *scores,
+            float *buf) {
+    int64_t rb = row_bytes(kind, D), rs = kvh * rb;
+    float *scales = buf + (int64_t)bs * D;
+    int lo = visible_from(len0, window), hi = len0 + tile - 1; /* the positions any row sees */
+    TILE_PASS(k_cache, score(q + row, rows_, stride, scales, a, b, scale,
+                             scores + r * hi + l0))
+    for (int t = 0; t < tile; t++)
+        for (int jj = 0; jj < g; jj++)
+            softmax_rows(scores + ((int64_t)t * g + jj) * hi, 1, visible_from(len0 + t, window),
+                         len0 + t, softcap, sinks ? sinks + jj : NULL,
+                         out + t * row_stride + jj * D, D);
+    TILE_PASS(v_cache, accumulate(scores + r * hi + l0, rows_, stride, scales, a, b,
+                                  out + row))
+}
+
+/* attend_fixed's and attend_tile's instances: one function per head size and row format */
 typedef void attend_fn(const float *q, const void *k_cache, const void *v_cache,
                        const int32_t *table, int start, int seq_len, int h0, int nh, int kvh,
                        int g, int bs, float scale, float softcap, const float *sinks,
                        float *out, float *scores, float *buf);
+typedef void tile_fn(const float *q, int64_t row_stride, const void *k_cache,
+                     const void *v_cache, const int32_t *table, int len0, int tile, int window,
+                     int h, int kvh, int g, int bs, float scale, float softcap,
+                     const float *sinks, float *out, float *scores, float *buf);
 #define DEFINE_ATTEND_FIXED(D, KIND)                                                           \
+    DEFINE_ROW_STEPS(D, KIND)                                                                  \
     static void attend_##D##_##KIND(const float *q, const void *k_cache, const void *v_cache,  \
                                     const int32_t *table, int start, int seq_len, int h0,      \
                                     int nh, int kvh, int g, int bs, float scale,               \
                                     float softcap, const float *sinks, float *out,             \
                                     float *scores, float *buf) {                               \
-        attend_fixed(D, KIND, q, k_cache, v_cache, table, start, seq_len, h0, nh, kvh, g, bs,  \
-                     scale, softcap, sinks, out, scores, buf);                                 \
+        attend_fixed(D, KIND, score_##D##_##KIND, accumulate_##D##_##KIND, q, k_cache,         \
+                     v_cache, table, start, seq_len, h0, nh, kvh, g, bs, scale, softcap,       \
+                     sinks, out, scores, buf);                                                 \
+    }                                                                                          \
+    static void tile_##D##_##KIND(const float *q, int64_t row_stride, const void *k_cache,     \
+                                  const void *v_cache, const int32_t *table, int len0,         \
+                                  int tile, int window, int h, int kvh, int g, int bs,         \
+                                  float scale, float softcap, const float *sinks, float *out,  \
+                                  float *scores, float *buf) {                                 \
+        attend_tile(D, KIND, score_##D##_##KIND, accumulate_##D##_##KIND, q, row_stride,       \
+                    k_cache, v_cache, table, len0, tile, window, h, kvh, g, bs, scale,         \
+                    softcap, sinks, out, scores, buf);                                         \
     }
 #define DEFINE_ATTEND_FIXED_KINDS(D)                                                           \
     DEFINE_ATTEND_FIXED(D, KV_F32)                                                             \
@@ -378,7 +488,10 @@ typedef void attend_fn(const float *q, const void *k_cache, const void *v_cache,
     DEFINE_ATTEND_FIXED(D, KV_FP8_E5M2)                                                        \
     static attend_fn *const attend_##D[] = {attend_##D##_KV_F32, attend_##D##_KV_BF16,          \
                                             attend_##D##_KV_INT8, attend_##D##_KV_FP8_E4M3,     \
-                                            attend_##D##_KV_FP8_E5M2};
+                                            attend_##D##_KV_FP8_E5M2};                          \
+    static tile_fn *const tile_##D[] = {tile_##D##_KV_F32, tile_##D##_KV_BF16,                  \
+                                        tile_##D##_KV_INT8, tile_##D##_KV_FP8_E4M3,             \
+                                        tile_##D##_KV_FP8_E5M2};
 DEFINE_ATTEND_FIXED_KINDS(64)
 DEFINE_ATTEND_FIXED_KINDS(128)
 
@@ -423,6 +536,48 @@ int paged_decode(const float *q, const void *k_cache, const void *v_cache, int k
             else
                 attend(q + row, k_cache, v_cache, kind, table, start, len, h0, nh, kvh, g, d,
                        bs, scale, softcap, task_sinks, out + row, scores, rows_buf);
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}
+
+/* Query rows per attend_tile task: a block's K/V rows are read and converted once per TILE
+ * tokens (times the g heads of their group) instead of once per row */
+enum { TILE = 16 };
+
+/* A prefill chunk's n query tokens of one sequence, batch-invariant: token i (q, out [n][H][D]
+ * float32) attends to the first `first` + i + 1 positions of the sequence's blocks (table),
+ * each of its rows the same bits as paged_decode gives it as a decode of that length.
+ * One task per (tile of TILE tokens, KV head), the longest tiles first; which thread runs a
+ * task changes no bits. Returns 0, or -1 when the kernel does not cover the shape (head sizes
+ * other than 64 and 128: the caller keeps paged_decode's row-by-row path). */
+int paged_prefill(const float *q, const void *k_cache, const void *v_cache, int kind,
+                  const int32_t *table, int first, int n, int num_heads, int kvh, int d, int bs,
+                  float scale, int window, float softcap, const float *sinks, float *out,
+                  int num_threads) {
+    if (n <= 0 || first < 0 || num_threads <= 0 || kind < KV_F32 || kind > KV_FP8_E5M2)
+        return -1;
+    tile_fn *tile = d == 64 ? tile_64[kind] : d == 128 ? tile_128[kind] : NULL;
+    if (tile == NULL) return -1;
+    int g = num_heads / kvh, tiles = (n + TILE - 1) / TILE, failed = 0;
+    size_t score_floats = (size_t)TILE * g * (first + n);
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scores = malloc(sizeof(float) * (score_floats + (size_t)bs * (d + 1)));
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int task = 0; task < tiles * kvh; task++) {
+            if (scores == NULL) continue;
+            int t0 = (tiles - 1 - task / kvh) * TILE, h = task % kvh;
+            int count = n - t0 < TILE ? n - t0 : TILE;
+            int64_t at = ((int64_t)t0 * num_heads + (int64_t)h * g) * d;
+            tile(q + at, (int64_t)num_heads * d, k_cache, v_cache, table, first + t0 + 1, count,
+                 window, h, kvh, g, bs, scale, softcap, sinks ? sinks + (int64_t)h * g : NULL,
+                 out + at, scores, scores + score_floats);
         }
         free(scores);
     }

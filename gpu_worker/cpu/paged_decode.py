@@ -30,16 +30,32 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.paged_decode.restype = _I
     lib.paged_decode.argtypes = [_P, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _I]
     lib.paged_decode.argtypes += [ctypes.c_float, _I, ctypes.c_float, _P, _P, _I]
+    lib.paged_prefill.restype = _I
+    lib.paged_prefill.argtypes = [_P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I]
+    lib.paged_prefill.argtypes += [ctypes.c_float, _I, ctypes.c_float, _P, _P, _I]
 
 
-_LIBRARY = KernelLibrary(
-    SOURCE, _declare, "CPU paged-decode kernel", (Path(__file__).with_name("bf16.h"),)
-)
+_LIBRARIES: dict[str, KernelLibrary] = {}
 
 
-def load() -> ctypes.CDLL | None:
-    """The kernel library (built on first use), or None when it cannot be had."""
-    return _LIBRARY.load()
+def load(march: str = "native") -> ctypes.CDLL | None:
+    """The kernel library built for `march` ("native": this CPU's instruction set; tests also
+    build "haswell", AVX2 only), built on first use, or None when it cannot be had."""
+    if march not in _LIBRARIES:
+        what = "CPU paged-decode kernel" + ("" if march == "native" else f" ({march})")
+        includes = (Path(__file__).with_name("bf16.h"),)
+        _LIBRARIES[march] = KernelLibrary(SOURCE, _declare, what, includes, march)
+    return _LIBRARIES[march].load()
+
+
+def _cache_format(kv_cache: torch.Tensor, kv_format: KVFormat | None) -> KVFormat | None:
+    """How the cache's rows are stored (`kv_format`, or kv_cache's dtype when that is None or
+    not quantized), or None when the kernel cannot read them."""
+    if kv_format is None or not kv_format.quantized:
+        if kv_cache.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        return KVFormat.create("auto", kv_cache.dtype)
+    return kv_format if kv_cache.dtype == kv_format.storage_dtype else None
 
 
 def paged_decode(
@@ -52,18 +68,13 @@ def paged_decode(
     softcap: float = 0.0,  # scores soft-capped to softcap * tanh(s / softcap); 0 for none
     sinks: torch.Tensor | None = None,  # [num_heads]: a logit per head with no value
     kv_format: KVFormat | None = None,  # a quantized cache's rows (None: kv_cache's dtype)
+    march: str = "native",  # the library's instruction set (see load)
 ) -> torch.Tensor | None:
     """Decode attention over the paged cache, in q's dtype; None if the kernel is unavailable
     or the inputs are not CPU tensors of a supported layout (the caller falls back). The
     cache's rows are read as `kv_format` stores them (gpu_worker/kv_quant.py)."""
-    lib = load()
-    if kv_format is None or not kv_format.quantized:
-        if kv_cache.dtype not in (torch.float32, torch.bfloat16):
-            return None
-        kv_format = KVFormat.create("auto", kv_cache.dtype)
-    elif kv_cache.dtype != kv_format.storage_dtype:
-        return None
-    if lib is None or q.device.type != "cpu":
+    lib, kv_format = load(march), _cache_format(kv_cache, kv_format)
+    if lib is None or kv_format is None or q.device.type != "cpu":
         return None
     if not kv_cache.is_contiguous() or block_tables.stride(1) != 1:
         return None
@@ -89,6 +100,64 @@ def paged_decode(
         tables.data_ptr(),
         tables.stride(0),
         lens.data_ptr(),
+        n,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        window,
+        softcap,
+        None if head_sinks is None else head_sinks.data_ptr(),
+        out.data_ptr(),
+        threads,
+    )
+    if code != 0:
+        return None
+    return out.to(q.dtype)
+
+
+def paged_prefill(
+    q: torch.Tensor,  # [n, num_heads, head_dim]: a chunk's consecutive tokens of one sequence
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [>= blocks] int32: the sequence's blocks
+    num_computed: int,  # positions cached before the chunk: token i sees num_computed + i + 1
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,  # [num_heads]
+    kv_format: KVFormat | None = None,
+    march: str = "native",
+) -> torch.Tensor | None:
+    """A prefill chunk's causal attention over its sequence's paged cache (the chunk's own
+    K/V already stored), each token's row the same bits as `paged_decode` gives it as a
+    decode of its own length, but with each block's K/V rows read (and converted) once per
+    tile of tokens instead of once per token. None when the kernel is unavailable or does not
+    cover the shape (head sizes other than 64 and 128): the caller keeps the row-by-row path."""
+    lib, kv_format = load(march), _cache_format(kv_cache, kv_format)
+    if lib is None or kv_format is None or q.device.type != "cpu":
+        return None
+    if not kv_cache.is_contiguous() or block_table.stride(0) != 1:
+        return None
+    n, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, row = kv_cache.shape
+    assert kv_format.head_dim(row) == head_dim, f"cache rows of {row} for head_dim {head_dim}"
+    assert block_table.shape[0] * block_size >= num_computed + n, "block_table: too few blocks"
+    qf = q.to(torch.float32).contiguous()
+    table = block_table.to(torch.int32)
+    out = torch.empty(n, num_heads, head_dim, dtype=torch.float32)
+    head_sinks = None if sinks is None else sinks.to(torch.float32).contiguous()
+    assert head_sinks is None or head_sinks.shape == (num_heads,), "sinks: [num_heads]"
+    longest = num_computed + n if window <= 0 else min(num_computed + n, window)
+    work = n * longest * num_kv_heads * head_dim  # at most: each token's positions
+    threads = 1 if work < SMALL_WORK else torch.get_num_threads()
+    code = lib.paged_prefill(
+        qf.data_ptr(),
+        kv_cache[0].data_ptr(),
+        kv_cache[1].data_ptr(),
+        kv_format.kind,
+        table.data_ptr(),
+        num_computed,
         n,
         num_heads,
         num_kv_heads,
