@@ -15,7 +15,9 @@ cached blocks and uses an explicit mask, causal within the new tokens. With
 `batch_invariant` (quantized models: their activations are rounded to int8 per row, so a
 last-bit difference in attention can flip a rounding and, rarely, a greedy token) a chunk's
 queries go to the decode kernel instead, each as a decode of its own length: a token's
-attention is then the same bits however the prompt was chunked or batched.
+attention is then the same bits however the prompt was chunked or batched. (For head sizes
+64 and 128 a chunk goes to the blocked prefill kernel beside it, paged_prefill: the same
+bits for every row, each block's K/V read once per tile of 16 tokens rather than per token.)
 
 A layer with a sliding window passes it to `forward`: the decode kernel starts each sequence
 at its last `window` positions, the eager paths mask the keys before them. With a soft cap
@@ -284,8 +286,23 @@ class TorchAttentionBackend(AttentionBackend):
         sinks: torch.Tensor | None,
     ) -> torch.Tensor | None:
         """A chunk's queries as decodes of their own lengths (row i attends to the first
-        num_computed + i + 1 positions of request r's blocks), by the decode kernel."""
+        num_computed + i + 1 positions of request r's blocks): by the blocked prefill kernel,
+        which gives every row the decode kernel's bits while reading each block once per tile
+        of rows, else (head sizes other than 64 and 128) row by row by the decode kernel."""
         n, first = q.shape[0], meta.num_computed_host[r]
+        o = paged_decode.paged_prefill(
+            q,
+            kv_cache,
+            meta.block_tables[r],
+            first,
+            self.scale,
+            window,
+            self.softcap,
+            sinks,
+            kv_format=self.kv_format,
+        )
+        if o is not None:
+            return o
         table = meta.block_tables[r : r + 1].expand(n, -1)  # one table for every row
         lens = torch.arange(first + 1, first + n + 1, dtype=torch.int32)
         return paged_decode.paged_decode(
