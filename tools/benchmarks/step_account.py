@@ -103,6 +103,7 @@ def main() -> int:
         (gguf, "gguf_linear", QUANT),
         (int8, "int8_linear", QUANT),
         (paged_decode, "paged_decode", ATTENTION),
+        (paged_decode, "paged_prefill", ATTENTION),
         (torch_backend.TorchAttentionBackend, "_extend", EXTEND),
         (torch_backend, "_store_kv", STORE),
         (LlamaForCausalLM, "forward", "forward"),
