@@ -35,8 +35,16 @@ if platform.machine() == "x86_64" and "avx2" in cpu_flags():
     MARCHES.append("haswell")
 
 
-def _cache(context: int, *, block_size: int, num_kv_heads: int, head_dim: int,
-           fmt: KVFormat, dtype: torch.dtype, seed: int):  # fmt: skip
+def _cache(
+    context: int,
+    *,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    fmt: KVFormat,
+    dtype: torch.dtype,
+    seed: int,
+):
     """A stored cache with one sequence of `context` positions on shuffled blocks, and its
     block table."""
     gen = torch.Generator().manual_seed(seed)
@@ -60,8 +68,21 @@ def _by_rows(q, cache, table, first, fmt, march, scale, window=0, softcap=0.0, s
     return out
 
 
-def _check_same_bits(fmt_name, dtype, *, march="native", head_dim, q_per_kv, block_size, chunks, prefixes,
-                     window=0, softcap=0.0, with_sinks=False, seed=0):  # fmt: skip
+def _check_same_bits(
+    fmt_name,
+    dtype,
+    *,
+    march="native",
+    head_dim,
+    q_per_kv,
+    block_size,
+    chunks,
+    prefixes,
+    window=0,
+    softcap=0.0,
+    with_sinks=False,
+    seed=0,
+):
     fmt = KVFormat.create(fmt_name, dtype)
     num_kv_heads = 2
     num_heads = num_kv_heads * q_per_kv
@@ -69,8 +90,15 @@ def _check_same_bits(fmt_name, dtype, *, march="native", head_dim, q_per_kv, blo
     sinks = torch.randn(num_heads, generator=gen) * 3 if with_sinks else None
     for first in prefixes:
         for n in chunks:
-            cache, table = _cache(first + n, block_size=block_size, num_kv_heads=num_kv_heads,
-                                  head_dim=head_dim, fmt=fmt, dtype=dtype, seed=seed + n)  # fmt: skip
+            cache, table = _cache(
+                first + n,
+                block_size=block_size,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                fmt=fmt,
+                dtype=dtype,
+                seed=seed + n,
+            )
             q = (torch.randn(n, num_heads, head_dim, generator=gen) * 2).to(dtype)
             want = _by_rows(q, cache, table, first, fmt, march, 0.125, window, softcap, sinks)
             for threads in (1, 2):
@@ -98,8 +126,16 @@ def test_rows_same_bits_as_the_row_kernel(march, fmt_name, dtype, head_dim, q_pe
     """Chunks of 1, 3, 17, 64 tokens with no cached prefix and after 37 or 300 cached
     positions (300: enough work that 2 threads run), block sizes 16 and 32."""
     for block_size in (16, 32):
-        _check_same_bits(fmt_name, dtype, march=march, head_dim=head_dim, q_per_kv=q_per_kv,
-                         block_size=block_size, chunks=CHUNKS, prefixes=(0, 37, 300))  # fmt: skip
+        _check_same_bits(
+            fmt_name,
+            dtype,
+            march=march,
+            head_dim=head_dim,
+            q_per_kv=q_per_kv,
+            block_size=block_size,
+            chunks=CHUNKS,
+            prefixes=(0, 37, 300),
+        )
 
 
 @pytest.mark.parametrize(("fmt_name", "dtype"), FORMATS)
@@ -110,29 +146,41 @@ def test_rows_same_bits_as_the_row_kernel(march, fmt_name, dtype, head_dim, q_pe
 def test_window_softcap_and_sinks_same_bits(fmt_name, dtype, window, softcap, with_sinks) -> None:
     """Sliding windows narrower and wider than a block (rows whose first visible position
     differs inside one tile), Gemma 2's soft cap, gpt-oss's sinks."""
-    _check_same_bits(fmt_name, dtype, head_dim=64, q_per_kv=3, block_size=16, chunks=(17, 64),
-                     prefixes=(0, 45), window=window, softcap=softcap,
-                     with_sinks=with_sinks)  # fmt: skip
+    _check_same_bits(
+        fmt_name,
+        dtype,
+        head_dim=64,
+        q_per_kv=3,
+        block_size=16,
+        chunks=(17, 64),
+        prefixes=(0, 45),
+        window=window,
+        softcap=softcap,
+        with_sinks=with_sinks,
+    )
 
 
 def test_matches_naive_attention() -> None:
     """A chunk after a cached prefix, against the plain torch reference."""
     fmt = KVFormat.create("int8", torch.float32)
     first, n = 21, 19
-    cache, table = _cache(first + n, block_size=16, num_kv_heads=2, head_dim=64, fmt=fmt,
-                          dtype=torch.float32, seed=3)  # fmt: skip
+    cache, table = _cache(
+        first + n, block_size=16, num_kv_heads=2, head_dim=64, fmt=fmt, dtype=torch.float32, seed=3
+    )
     q = torch.randn(n, 6, 64, generator=torch.Generator().manual_seed(4))
     sinks = torch.tensor([2.0, -3.0, 0.0, 6.0, 1.5, -0.5])
     got = paged_decode.paged_prefill(q, cache, table, first, 0.3, 9, 5.0, sinks, kv_format=fmt)
-    ref = naive_attention(q, fmt.dequantize(cache, torch.float32), [first], [n],
-                          [table.tolist()], 9, 0.3, 5.0, sinks)  # fmt: skip
+    ref = naive_attention(
+        q, fmt.dequantize(cache, torch.float32), [first], [n], [table.tolist()], 9, 0.3, 5.0, sinks
+    )
     assert got is not None
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_other_head_sizes_left_to_the_row_path() -> None:
     fmt = KVFormat.create("auto", torch.float32)
-    cache, table = _cache(10, block_size=16, num_kv_heads=2, head_dim=96, fmt=fmt,
-                          dtype=torch.float32, seed=0)  # fmt: skip
+    cache, table = _cache(
+        10, block_size=16, num_kv_heads=2, head_dim=96, fmt=fmt, dtype=torch.float32, seed=0
+    )
     q = torch.randn(4, 4, 96)
     assert paged_decode.paged_prefill(q, cache, table, 6, 0.1, kv_format=fmt) is None
