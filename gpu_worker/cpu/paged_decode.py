@@ -58,6 +58,69 @@ def _cache_format(kv_cache: torch.Tensor, kv_format: KVFormat | None) -> KVForma
     return kv_format if kv_cache.dtype == kv_format.storage_dtype else None
 
 
+class _Call:
+    """What both entry points share: the library, the cache's format, q as float32, the
+    output, the sinks, the shapes; `run` passes the common arguments around an entry's own
+    (its rows' tables and lengths) and gives the output in q's dtype, or None."""
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        sinks: torch.Tensor | None,
+        kv_format: KVFormat | None,
+        march: str,
+    ) -> None:
+        self.lib, self.format = load(march), _cache_format(kv_cache, kv_format)
+        self.ok = (
+            self.lib is not None
+            and self.format is not None
+            and q.device.type == "cpu"
+            and kv_cache.is_contiguous()
+        )
+        if not self.ok:
+            return
+        assert self.format is not None
+        self.q, self.kv_cache = q, kv_cache
+        self.n, self.num_heads, self.head_dim = q.shape
+        _, _, self.block_size, self.num_kv_heads, row = kv_cache.shape
+        assert self.format.head_dim(row) == self.head_dim, f"rows of {row}, D {self.head_dim}"
+        self.qf = q.to(torch.float32).contiguous()
+        self.out = torch.empty(self.n, self.num_heads, self.head_dim, dtype=torch.float32)
+        self.sinks = None if sinks is None else sinks.to(torch.float32).contiguous()
+        assert self.sinks is None or self.sinks.shape == (self.num_heads,), "sinks: [heads]"
+
+    def threads(self, work: int) -> int:
+        """A few short rows: one thread reads their K/V faster than waking a second one (a
+        sleeping OpenMP thread takes tens of microseconds to wake, per layer)."""
+        return (
+            1 if work * self.num_kv_heads * self.head_dim < SMALL_WORK else torch.get_num_threads()
+        )
+
+    def run(
+        self, entry: str, rows: list[int], scale: float, window: int, softcap: float, work: int
+    ) -> torch.Tensor | None:
+        assert self.format is not None
+        code = getattr(self.lib, entry)(
+            self.qf.data_ptr(),
+            self.kv_cache[0].data_ptr(),
+            self.kv_cache[1].data_ptr(),
+            self.format.kind,
+            *rows,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.block_size,
+            scale,
+            window,
+            softcap,
+            None if self.sinks is None else self.sinks.data_ptr(),
+            self.out.data_ptr(),
+            self.threads(work),
+        )
+        return self.out.to(self.q.dtype) if code == 0 else None
+
+
 def paged_decode(
     q: torch.Tensor,  # [n, num_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -73,48 +136,14 @@ def paged_decode(
     """Decode attention over the paged cache, in q's dtype; None if the kernel is unavailable
     or the inputs are not CPU tensors of a supported layout (the caller falls back). The
     cache's rows are read as `kv_format` stores them (gpu_worker/kv_quant.py)."""
-    lib, kv_format = load(march), _cache_format(kv_cache, kv_format)
-    if lib is None or kv_format is None or q.device.type != "cpu":
+    call = _Call(q, kv_cache, sinks, kv_format, march)
+    if not call.ok or block_tables.stride(1) != 1:
         return None
-    if not kv_cache.is_contiguous() or block_tables.stride(1) != 1:
-        return None
-    n, num_heads, head_dim = q.shape
-    _, _, block_size, num_kv_heads, row = kv_cache.shape
-    assert kv_format.head_dim(row) == head_dim, f"cache rows of {row} for head_dim {head_dim}"
-    qf = q.to(torch.float32).contiguous()
     tables = block_tables.to(torch.int32)
     lens = seq_lens.to(torch.int32).contiguous()
-    out = torch.empty(n, num_heads, head_dim, dtype=torch.float32)
-    head_sinks = None if sinks is None else sinks.to(torch.float32).contiguous()
-    assert head_sinks is None or head_sinks.shape == (num_heads,), "sinks: [num_heads]"
-    # a few short sequences: one thread reads their K/V faster than waking a second one
-    # (a sleeping OpenMP thread takes tens of microseconds to wake, per layer)
     read = lens.clamp(max=window) if window > 0 else lens
-    work = int(read.sum()) * num_kv_heads * head_dim
-    threads = 1 if work < SMALL_WORK else torch.get_num_threads()
-    code = lib.paged_decode(
-        qf.data_ptr(),
-        kv_cache[0].data_ptr(),
-        kv_cache[1].data_ptr(),
-        kv_format.kind,
-        tables.data_ptr(),
-        tables.stride(0),
-        lens.data_ptr(),
-        n,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        block_size,
-        scale,
-        window,
-        softcap,
-        None if head_sinks is None else head_sinks.data_ptr(),
-        out.data_ptr(),
-        threads,
-    )
-    if code != 0:
-        return None
-    return out.to(q.dtype)
+    rows = [tables.data_ptr(), tables.stride(0), lens.data_ptr(), call.n]
+    return call.run("paged_decode", rows, scale, window, softcap, int(read.sum()))
 
 
 def paged_prefill(
@@ -134,42 +163,12 @@ def paged_prefill(
     decode of its own length, but with each block's K/V rows read (and converted) once per
     tile of tokens instead of once per token. None when the kernel is unavailable or does not
     cover the shape (head sizes other than 64 and 128): the caller keeps the row-by-row path."""
-    lib, kv_format = load(march), _cache_format(kv_cache, kv_format)
-    if lib is None or kv_format is None or q.device.type != "cpu":
+    call = _Call(q, kv_cache, sinks, kv_format, march)
+    if not call.ok or block_table.stride(0) != 1:
         return None
-    if not kv_cache.is_contiguous() or block_table.stride(0) != 1:
-        return None
-    n, num_heads, head_dim = q.shape
-    _, _, block_size, num_kv_heads, row = kv_cache.shape
-    assert kv_format.head_dim(row) == head_dim, f"cache rows of {row} for head_dim {head_dim}"
-    assert block_table.shape[0] * block_size >= num_computed + n, "block_table: too few blocks"
-    qf = q.to(torch.float32).contiguous()
+    n = call.n
+    assert block_table.shape[0] * call.block_size >= num_computed + n, "too few blocks"
     table = block_table.to(torch.int32)
-    out = torch.empty(n, num_heads, head_dim, dtype=torch.float32)
-    head_sinks = None if sinks is None else sinks.to(torch.float32).contiguous()
-    assert head_sinks is None or head_sinks.shape == (num_heads,), "sinks: [num_heads]"
     longest = num_computed + n if window <= 0 else min(num_computed + n, window)
-    work = n * longest * num_kv_heads * head_dim  # at most: each token's positions
-    threads = 1 if work < SMALL_WORK else torch.get_num_threads()
-    code = lib.paged_prefill(
-        qf.data_ptr(),
-        kv_cache[0].data_ptr(),
-        kv_cache[1].data_ptr(),
-        kv_format.kind,
-        table.data_ptr(),
-        num_computed,
-        n,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        block_size,
-        scale,
-        window,
-        softcap,
-        None if head_sinks is None else head_sinks.data_ptr(),
-        out.data_ptr(),
-        threads,
-    )
-    if code != 0:
-        return None
-    return out.to(q.dtype)
+    rows = [table.data_ptr(), num_computed, n]
+    return call.run("paged_prefill", rows, scale, window, softcap, n * longest)
