@@ -10,10 +10,34 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 
-/* 16 bytes of nibbles -> 32 bytes: the low nibbles, then the high ones */
+/* 16 bytes of nibbles -> 32 bytes: the low nibbles, then the high ones (a broadcast load and
+ * a per-lane shift: no cross-lane shuffle, whose one port the dot products' reduction needs) */
 static inline __m256i gguf_nib32(const uint8_t *qs) {
-    __m128i v = _mm_loadu_si128((const __m128i *)qs), m = _mm_set1_epi8(0x0f);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+    __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    v = _mm256_srlv_epi64(v, _mm256_set_epi64x(4, 4, 0, 0));
+    return _mm256_and_si256(v, _mm256_set1_epi8(0x0f));
+}
+
+/* the first 4 bytes of 8 blocks (b[i]: block i): lane i of *d is block i's half-float scale
+ * (bytes 0-1), of *m its min (bytes 2-3, Q4_1/Q5_1). Loaded as 32-bit words and packed in
+ * registers: halves stored to the stack one by one then loaded as a vector stall on store
+ * forwarding, which cost the Q4_1 decode kernel ~40% of its time (Sapphire Rapids). */
+static inline void gguf_scales8(const uint8_t *const *b, __m256 *d, __m256 *m) {
+    uint64_t pair[4];
+    for (int i = 0; i < 4; i++) {
+        uint32_t lo, hi;
+        memcpy(&lo, b[2 * i], 4);
+        memcpy(&hi, b[2 * i + 1], 4);
+        pair[i] = (uint64_t)lo | (uint64_t)hi << 32;
+    }
+    __m256i v = _mm256_set_epi64x((int64_t)pair[3], (int64_t)pair[2], (int64_t)pair[1],
+                                  (int64_t)pair[0]);
+    /* per 128-bit lane: the low halves, then the high halves; then lanes' quarters reordered */
+    const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                           0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    v = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, split), 0xd8);
+    *d = _mm256_cvtph_ps(_mm256_castsi256_si128(v));
+    *m = _mm256_cvtph_ps(_mm256_extracti128_si256(v, 1));
 }
 
 /* 32 bits at p -> 32 bytes, 0x10 where bit j is set (the 5th bit of a Q5 quant) */
@@ -145,13 +169,34 @@ static inline __attribute__((always_inline)) void gguf_dot32(int qt, const uint8
     for (int r = 0; r < nr; r++) res[r] = _mm_cvtss_f32(acc[r]);
 }
 
-/* lanes i of p[0..7] summed into lane i (exact int32 adds) */
+/* lanes i of p[0..7] summed into lane i (exact int32 adds), by hadd: fewest uops */
 static inline __m256i gguf_hsum8x8(const __m256i *p) {
     __m256i a0 = _mm256_hadd_epi32(p[0], p[1]), a1 = _mm256_hadd_epi32(p[2], p[3]);
     __m256i a2 = _mm256_hadd_epi32(p[4], p[5]), a3 = _mm256_hadd_epi32(p[6], p[7]);
     __m256i b0 = _mm256_hadd_epi32(a0, a1), b1 = _mm256_hadd_epi32(a2, a3);
     return _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20),
                             _mm256_permute2x128_si256(b0, b1, 0x31));
+}
+
+/* the same sums by shifts and blends (any port) where they do, three shuffles in all (hadd
+ * takes 14 uops on the one shuffle port): faster where the unpacking, not the dot products,
+ * dominates (one or two rows of x) */
+static inline __m256i gguf_hsum8x8_blend(const __m256i *p) {
+    __m256i r[4], s[2];
+    for (int j = 0; j < 4; j++) { /* 64-bit lane k of r[j]: p[2j]'s pair k sum, p[2j+1]'s */
+        __m256i a = p[2 * j], b = p[2 * j + 1];
+        a = _mm256_add_epi32(a, _mm256_srli_epi64(a, 32));
+        b = _mm256_add_epi32(b, _mm256_slli_epi64(b, 32));
+        r[j] = _mm256_blend_epi32(a, b, 0xaa);
+    }
+    for (int j = 0; j < 2; j++) { /* per 128-bit lane: the four rows' sums of its half */
+        __m256i a = r[2 * j], b = r[2 * j + 1];
+        __m256i x = _mm256_blend_epi32(a, b, 0xcc);
+        __m256i y = _mm256_shuffle_epi32(_mm256_blend_epi32(b, a, 0xcc), 0x4e);
+        s[j] = _mm256_add_epi32(x, y);
+    }
+    return _mm256_add_epi32(_mm256_blend_epi32(s[0], s[1], 0xf0),
+                            _mm256_permute2x128_si256(s[0], s[1], 0x21));
 }
 
 /* The 32-value block types, 8 weight rows (wr[0..7]) at once against nr rows of x: lane i of
@@ -170,36 +215,32 @@ static inline __attribute__((always_inline)) void gguf_dot32x8(int qt, const uin
     for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
     for (int u = 0; u < nu; u++) {
         __m256i q[8], qa[8];
-        uint16_t dh[8], mh[8];
+        const uint8_t *bs[8];
         for (int i = 0; i < 8; i++) {
-            const uint8_t *b = wr[i] + (int64_t)u * bb;
+            const uint8_t *b = bs[i] = wr[i] + (int64_t)u * bb;
             _mm_prefetch((const char *)b + GGUF_PREFETCH, _MM_HINT_T0);
-            memcpy(dh + i, b, 2);
-            mh[i] = 0;
             if (qt == GGUF_Q8_0) {
                 q[i] = _mm256_loadu_si256((const __m256i *)(b + 2));
                 qa[i] = _mm256_abs_epi8(q[i]);
             } else if (qt == GGUF_Q4_0) {
                 q[i] = gguf_nib32(b + 2);
             } else if (qt == GGUF_Q4_1) {
-                memcpy(mh + i, b + 2, 2);
                 q[i] = gguf_nib32(b + 4);
             } else if (qt == GGUF_Q5_0) {
                 q[i] = _mm256_or_si256(gguf_nib32(b + 6), gguf_bits32(b + 2));
             } else { /* Q5_1 */
-                memcpy(mh + i, b + 2, 2);
                 q[i] = _mm256_or_si256(gguf_nib32(b + 8), gguf_bits32(b + 4));
             }
         }
-        __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dh));
-        __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)mh));
+        __m256 dw, mw; /* mw: the min where the type has one (else bytes of the quants) */
+        gguf_scales8(bs, &dw, &mw);
         for (int r = 0; r < nr; r++) {
             int64_t xr = (int64_t)(r0 + r) * x->nu + u;
             __m256i xv = _mm256_loadu_si256((const __m256i *)(x->q + xr * 32)), p[8];
             for (int i = 0; i < 8; i++)
                 p[i] = qt == GGUF_Q8_0 ? gguf_dot_us(qa[i], _mm256_sign_epi8(xv, q[i]))
                                        : gguf_dot_us(q[i], xv);
-            __m256i tot = gguf_hsum8x8(p);
+            __m256i tot = nr <= 2 ? gguf_hsum8x8_blend(p) : gguf_hsum8x8(p);
             if (off) tot = _mm256_sub_epi32(tot, _mm256_set1_epi32(off * x->isum[xr]));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot),
                                      _mm256_mul_ps(dw, _mm256_set1_ps(x->d[xr])), acc[r]);
