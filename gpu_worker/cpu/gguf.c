@@ -164,6 +164,41 @@ int gguf_linear_rows_f32(const float *x, int rows, const uint8_t *w, int qtype,
     return 0;
 }
 
+#if defined(__AVX2__)
+/* weight rows [lo, hi) of w (row_bytes each) against rows [r0, r0 + rows) of xq: y [rows, out]
+ * (y's row 0 is x's row r0), + bias. Per output, the same operations whatever the range and
+ * the rows around it: a caller may split a layer's outputs (and its rows) any way. */
+static void gguf_rows_range(const gguf_xq *xq, int r0, int rows, const uint8_t *w, int qtype,
+                            int64_t row_bytes, const float *bias, float *y, int out, int lo,
+                            int hi) {
+    float res[GGUF_ROW_TILE];
+    for (int t0 = 0; t0 < rows; t0 += GGUF_ROW_TILE) {
+        int nr = rows - t0 < GGUF_ROW_TILE ? rows - t0 : GGUF_ROW_TILE;
+        if (gguf_takes_x8(qtype)) { /* 8 weight rows at a time (the last one repeated) */
+            for (int o0 = lo; o0 < hi; o0 += 8) {
+                const uint8_t *wr[8];
+                __m256 acc[GGUF_ROW_TILE];
+                float v[8];
+                for (int i = 0; i < 8; i++)
+                    wr[i] = w + (int64_t)(o0 + i < hi ? o0 + i : hi - 1) * row_bytes;
+                gguf_dot_rows8(qtype, wr, xq->nu, xq, r0 + t0, nr, acc);
+                for (int r = 0; r < nr; r++) {
+                    _mm256_storeu_ps(v, acc[r]);
+                    for (int i = 0; i < 8 && o0 + i < hi; i++)
+                        y[(int64_t)(t0 + r) * out + o0 + i] = v[i] + (bias ? bias[o0 + i] : 0.f);
+                }
+            }
+            continue;
+        }
+        for (int o = lo; o < hi; o++) {
+            gguf_dot_row(qtype, w + (int64_t)o * row_bytes, xq, r0 + t0, nr, res);
+            for (int r = 0; r < nr; r++)
+                y[(int64_t)(t0 + r) * out + o] = res[r] + (bias ? bias[o] : 0.f);
+        }
+    }
+}
+#endif
+
 /* y [rows, out] = x [rows, in] @ dequantize(w).T (+ bias); w is [out, row_bytes] raw GGUF
  * blocks. Returns 0; 1 for a type or shape it does not take, 2 when memory ran out. */
 int gguf_linear_rows(const float *x, int rows, const uint8_t *w, int qtype, const float *bias,
@@ -177,32 +212,7 @@ int gguf_linear_rows(const float *x, int rows, const uint8_t *w, int qtype, cons
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
     for (int c = 0; c < chunks; c++) {
         int lo = c * GGUF_CHUNK, hi = lo + GGUF_CHUNK < out ? lo + GGUF_CHUNK : out;
-        float res[GGUF_ROW_TILE];
-        for (int r0 = 0; r0 < rows; r0 += GGUF_ROW_TILE) {
-            int nr = rows - r0 < GGUF_ROW_TILE ? rows - r0 : GGUF_ROW_TILE;
-            if (gguf_takes_x8(qtype)) { /* 8 weight rows at a time (the last one repeated) */
-                for (int o0 = lo; o0 < hi; o0 += 8) {
-                    const uint8_t *wr[8];
-                    __m256 acc[GGUF_ROW_TILE];
-                    float v[8];
-                    for (int i = 0; i < 8; i++)
-                        wr[i] = w + (int64_t)(o0 + i < hi ? o0 + i : hi - 1) * row_bytes;
-                    gguf_dot_rows8(qtype, wr, xq.nu, &xq, r0, nr, acc);
-                    for (int r = 0; r < nr; r++) {
-                        _mm256_storeu_ps(v, acc[r]);
-                        for (int i = 0; i < 8 && o0 + i < hi; i++)
-                            y[(int64_t)(r0 + r) * out + o0 + i] =
-                                v[i] + (bias ? bias[o0 + i] : 0.f);
-                    }
-                }
-                continue;
-            }
-            for (int o = lo; o < hi; o++) {
-                gguf_dot_row(qtype, w + (int64_t)o * row_bytes, &xq, r0, nr, res);
-                for (int r = 0; r < nr; r++)
-                    y[(int64_t)(r0 + r) * out + o] = res[r] + (bias ? bias[o] : 0.f);
-            }
-        }
+        gguf_rows_range(&xq, 0, rows, w, qtype, row_bytes, bias, y, out, lo, hi);
     }
     free(xq.d);
     return 0;

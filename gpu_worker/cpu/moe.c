@@ -166,6 +166,55 @@ static void moe_activate(const moe_experts_t *M, const float *h, int n, float *a
     }
 }
 
+/* projection `down` (0: w13) of every expert at once: expert e's rows are rows [start[e],
+ * start[e + 1]) of x [P, in] and y [P, out]. GGUF experts of at most GGUF_MOE_FEW_ROWS rows
+ * (a decode step's) share one quantization of x and one parallel loop over (expert, chunk of
+ * outputs): a step's k experts cost one OpenMP region, not k, with each output computed by the
+ * same kernel (gguf_rows_range) as one expert alone. Other experts: moe_project, one by one. */
+static int moe_projections(const moe_experts_t *M, int down, const int *start, const float *x,
+                           float *y, int nthreads) {
+    int E = M->num_experts, out = down ? M->hidden : 2 * M->width;
+    int in = down ? M->width : M->hidden, few = 0;
+#if defined(__AVX2__)
+    if (M->kind == MOE_GGUF) {
+        int qt = down ? M->qt2 : M->qt13;
+        int64_t row_bytes = (int64_t)(in / gguf_block_values(qt)) * gguf_block_bytes(qt);
+        int chunks = (out + GGUF_CHUNK - 1) / GGUF_CHUNK, items = 0;
+        int *item = (int *)malloc(sizeof(int) * (size_t)E);
+        if (!item) return 2;
+        for (int e = 0; e < E; e++) {
+            int n = start[e + 1] - start[e];
+            if (n > 0 && n <= GGUF_MOE_FEW_ROWS) item[items++] = e;
+        }
+        gguf_xq xq;
+        if (items && gguf_xq_make(x, start[E], in, &xq)) {
+            free(item);
+            return 2;
+        }
+        const uint8_t *w = (const uint8_t *)(down ? M->w2 : M->w13);
+        const float *b = down ? M->b2 : M->b13;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+        for (int i = 0; i < items * chunks; i++) {
+            int e = item[i / chunks], lo = (i % chunks) * GGUF_CHUNK;
+            int hi = lo + GGUF_CHUNK < out ? lo + GGUF_CHUNK : out, s = start[e];
+            gguf_rows_range(&xq, s, start[e + 1] - s, w + (int64_t)e * out * row_bytes, qt,
+                            row_bytes, b ? b + (int64_t)e * out : NULL, y + (int64_t)s * out,
+                            out, lo, hi);
+        }
+        if (items) free(xq.d);
+        free(item);
+        few = GGUF_MOE_FEW_ROWS;
+    }
+#endif
+    for (int e = 0; e < E; e++) {
+        int s = start[e], n = start[e + 1] - s;
+        if (n <= few) continue; /* none, or done above */
+        int rc = moe_project(M, down, e, x + (int64_t)s * in, n, y + (int64_t)s * out, nthreads);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
 static int moe_check(const moe_experts_t *M) {
     if (M->kind < MOE_F32 || M->kind > MOE_MXFP4 || M->num_experts < 1 || M->width < 1 ||
         M->hidden < 1)
@@ -206,20 +255,16 @@ int moe_experts(const moe_experts_t *M, const float *x, int T, const int64_t *id
     for (int e = 0; e < E; e++) start[e + 1] += start[e];
     memcpy(fill, start, sizeof(int) * ((size_t)E + 1));
     for (int p = 0; p < P; p++) order[fill[ids[p]]++] = p;
-    for (int e = 0; e < E && rc == 0; e++) {
-        int s = start[e], n = start[e + 1] - s;
-        counts[e] = n;
-        if (n == 0) continue;
-        for (int j = 0; j < n; j++)
-            memcpy(xe + (int64_t)j * H, x + (int64_t)(order[s + j] / k) * H, sizeof(float) * H);
-        rc = moe_project(M, 0, e, xe, n, h, nthreads);
-        if (rc) break;
-        moe_activate(M, h, n, a);
-        rc = moe_project(M, 1, e, a, n, oe, nthreads);
-        if (rc) break;
-        for (int j = 0; j < n; j++)
-            memcpy(out + (int64_t)order[s + j] * H, oe + (int64_t)j * H, sizeof(float) * H);
+    for (int j = 0; j < P; j++) /* each expert's rows, gathered in its block of xe */
+        memcpy(xe + (int64_t)j * H, x + (int64_t)(order[j] / k) * H, sizeof(float) * H);
+    for (int e = 0; e < E; e++) counts[e] = start[e + 1] - start[e];
+    rc = moe_projections(M, 0, start, xe, h, nthreads);
+    if (rc == 0) {
+        moe_activate(M, h, P, a);
+        rc = moe_projections(M, 1, start, a, oe, nthreads);
     }
+    for (int j = 0; j < P && rc == 0; j++)
+        memcpy(out + (int64_t)order[j] * H, oe + (int64_t)j * H, sizeof(float) * H);
     if (rc) goto done;
     /* each token's weighted sum, its experts in increasing id order, from zero */
     for (int t = 0; t < T; t++) {

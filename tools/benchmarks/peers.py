@@ -167,24 +167,46 @@ def _wait_healthy(url: str, proc: subprocess.Popen[Any], timeout: float, log: Pa
     raise RuntimeError(f"not healthy after {timeout:.0f} s: {log.read_text()[-3000:]}")
 
 
+NO_REPACK = "--no-repack"
+
+
 @contextlib.contextmanager
-def peer(name: str, args: argparse.Namespace, model_dir: str, log: Path) -> Iterator[str]:
-    """Start a peer by its script on a free port; yields its URL, stops it on exit."""
-    port = _free_port()
+def peer(
+    name: str, args: argparse.Namespace, model_dir: str, log: Path, notes: dict[str, str]
+) -> Iterator[str]:
+    """Start a peer by its script on a free port; yields its URL, stops it on exit. llama.cpp
+    runs with its default weight repacking; where that start dies on a signal (libggml-cpu's
+    repacked kernels fault on some AVX-512 CPUs), once more with --no-repack, and `notes`
+    says so (the table and the JSON carry it)."""
     script = Path(args.peers_scripts) / ("start-vllm.sh" if name == "vllm" else "start-llamacpp.sh")
-    cmd = ["bash", str(script), str(port)]
-    if name == "llamacpp":
-        cmd.append(llamacpp_weights(args, model_dir))
     env = {**os.environ, "MODEL_DIR": vllm_model(args, model_dir), "DTYPE": args.dtype}
     if args.peers_dir:
         env["PEERS_DIR"] = args.peers_dir
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    url = f"http://127.0.0.1:{port}"
+    while True:
+        port = _free_port()
+        cmd = ["bash", str(script), str(port)]
+        if name == "llamacpp":
+            cmd.append(llamacpp_weights(args, model_dir))
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_healthy(url, proc, args.start_timeout, log)
+            break
+        except RuntimeError:
+            retry = name == "llamacpp" and (proc.returncode or 0) < 0
+            if not retry or NO_REPACK in env.get("LLAMACPP_ARGS", ""):
+                raise
+            notes[name] = (
+                f"{NO_REPACK}: its default weight repacking died on signal {-proc.returncode}"
+            )
+            env["LLAMACPP_ARGS"] = f"{env.get('LLAMACPP_ARGS', '')} {NO_REPACK}".strip()
+    if name == "llamacpp" and name not in notes:
+        repack = NO_REPACK not in env.get("LLAMACPP_ARGS", "")
+        notes[name] = "default weight repacking" if repack else f"{NO_REPACK} (as asked)"
     try:
-        _wait_healthy(url, proc, args.start_timeout, log)
         yield url
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -198,7 +220,12 @@ def peer(name: str, args: argparse.Namespace, model_dir: str, log: Path) -> Iter
 
 @contextlib.contextmanager
 def server(
-    name: str, args: argparse.Namespace, model_dir: str, flags: list[str], log: Path
+    name: str,
+    args: argparse.Namespace,
+    model_dir: str,
+    flags: list[str],
+    log: Path,
+    notes: dict[str, str],
 ) -> Iterator[tuple[str, float | None]]:
     """(URL, seconds from launch to healthy, None for a server given by URL)."""
     given = {"vllm": args.vllm_url, "llamacpp": args.llamacpp_url}.get(name, "")
@@ -213,7 +240,7 @@ def server(
             _wait_healthy(s.url, s.proc, args.start_timeout, s.log_path)
             yield s.url, time.perf_counter() - t0
         return
-    with peer(name, args, model_dir, log) as url:
+    with peer(name, args, model_dir, log, notes) as url:
         yield url, time.perf_counter() - t0
 
 
@@ -252,6 +279,7 @@ def compare(
         "dtype": args.dtype,
         "workloads": {w: WORKLOADS[w] for w in loads},
         "servers": {},
+        "notes": {},
         "weights": {
             "shuttle": model_dir,
             **({"vllm": vllm_model(args, model_dir)} if "vllm" in names else {}),
@@ -262,11 +290,17 @@ def compare(
     print(f"server logs: {logs}", flush=True)
     for name in names:
         log = logs / f"compare-{name}.log"
-        with server(name, args, model_dir, flags, log) as (url, start_s):
-            result["servers"][name] = {
-                "start_s": start_s,
-                **load_server(url, loads, vocab, args.seed),
-            }
+        try:
+            with server(name, args, model_dir, flags, log, result["notes"]) as (url, start_s):
+                result["servers"][name] = {
+                    "start_s": start_s,
+                    **load_server(url, loads, vocab, args.seed),
+                }
+        except RuntimeError as e:  # one server that does not start costs only its column
+            if name == "shuttle":
+                raise
+            result["notes"][name] = f"did not start ({str(e)[:300]}); log {log}"
+            print(f"{name}: {result['notes'][name]}", flush=True)
     return result
 
 
@@ -312,4 +346,5 @@ def table(result: dict[str, Any]) -> str:
         f", {result['dtype']} activations): single-stream limit "
         f"{m['single_stream_limit_ms']:.1f} ms/token.",
     ]
+    lines += [f"{n}: {note}" for n, note in result.get("notes", {}).items()]
     return "\n".join(lines)
