@@ -37,6 +37,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.linear_small.restype = i
     lib.linear_small.argtypes = [p, i, p, i, p, p, i, i, i]
+    lib.linear_gemm.restype = i
+    lib.linear_gemm.argtypes = [p, i, p, p, p, i, i, i]
 
 
 _LIBRARY = KernelLibrary(
@@ -82,6 +84,40 @@ def linear_small(
     if code != 0:
         return None
     return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+def linear_gemm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """x [rows, in] @ weight.T (+ bias) for float32 x and weight, any number of rows, by
+    linear.c's GEMM whose every output is the same bits whatever the rows beside it (a float
+    expert's rows vary with the batch); None when the kernel does not take these inputs."""
+    lib = load()
+    if (
+        lib is None
+        or x.dim() != 2
+        or x.shape[0] == 0
+        or x.dtype != torch.float32
+        or weight.dtype != torch.float32
+        or x.device.type != "cpu"
+        or not weight.is_contiguous()
+    ):
+        return None
+    out_features, in_features = weight.shape
+    xf = x.contiguous()
+    bf = bias.to(torch.float32).contiguous() if bias is not None else None
+    y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    code = lib.linear_gemm(
+        xf.data_ptr(),
+        x.shape[0],
+        weight.data_ptr(),
+        bf.data_ptr() if bf is not None else None,
+        y.data_ptr(),
+        out_features,
+        in_features,
+        torch.get_num_threads(),
+    )
+    return y if code == 0 else None
 
 
 def can_pack(dtype: torch.dtype) -> bool:

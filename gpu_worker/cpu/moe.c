@@ -9,7 +9,7 @@
  * (+ bias), the activation, then down (+ bias); only the selected experts' bytes are read.
  * Each token's outputs are then added in increasing expert id order from zero, each times its
  * routing weight. Every kernel gives a row the same bits whatever other rows share its call
- * (linear.c at most MAX_ROWS rows a call; GGUF's few-row kernel up to GGUF_MOE_FEW_ROWS rows
+ * (float32: linear.c's GEMM, any rows; bf16: linear.c at most MAX_ROWS rows a call; GGUF's few-row kernel up to GGUF_MOE_FEW_ROWS rows
  * and its int8 GEMM beyond, which agree; int8 and MXFP4 per row), so a token's result never
  * depends on the other tokens of the step.
  *
@@ -111,13 +111,13 @@ static int moe_project(const moe_experts_t *M, int down, int e, const float *x, 
     if (b) b += (int64_t)e * out;
     int64_t rows = (int64_t)e * out;
     switch (M->kind) {
-    case MOE_F32:
+    case MOE_F32: /* a float GEMM whose outputs do not depend on n */
+        return linear_gemm(x, n, (const float *)w + rows * in, b, y, out, in, nthreads);
     case MOE_BF16: {
-        int bf16 = M->kind == MOE_BF16;
-        const char *we = (const char *)w + rows * in * (bf16 ? 2 : 4);
+        const char *we = (const char *)w + rows * in * 2;
         for (int lo = 0; lo < n; lo += MAX_ROWS) { /* at most MAX_ROWS rows a call */
             int nb = n - lo < MAX_ROWS ? n - lo : MAX_ROWS;
-            int rc = linear_small(x + (int64_t)lo * in, nb, we, bf16, b, y + (int64_t)lo * out,
+            int rc = linear_small(x + (int64_t)lo * in, nb, we, 1, b, y + (int64_t)lo * out,
                                   out, in, nthreads);
             if (rc) return rc;
         }

@@ -85,3 +85,26 @@ def test_many_rows_take_the_packed_weight_and_match_torch(rows: int, bias: bool)
     unpacked = CpuFloatLinearMethod(pack=False)
     _layer(3, 4, True, unpacked)
     assert unpacked.packed is None
+
+
+@pytest.mark.parametrize("shape", [(1024, 512), (70, 37), (13, 16), (96, 200)])
+def test_the_gemm_gives_each_row_the_same_bits_alone_and_in_any_batch(
+    shape: tuple[int, int],
+) -> None:
+    """linear_gemm: every output the same bits whatever the rows beside it (register tiles of
+    several rows, edge tiles, the in % lanes tail), and close to torch."""
+    if linear.load() is None:
+        pytest.skip("linear.c cannot be built here")
+    out, inn = shape
+    gen = torch.Generator().manual_seed(3)
+    w, b = torch.randn(out, inn, generator=gen), torch.randn(out, generator=gen)
+    x = torch.randn(41, inn, generator=gen)
+    batch = linear.linear_gemm(x, w, b)
+    assert batch is not None
+    torch.testing.assert_close(batch, F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+    for i in (0, 5, 40):
+        alone = linear.linear_gemm(x[i : i + 1], w, b)
+        assert alone is not None and torch.equal(alone[0], batch[i]), i
+    perm = torch.randperm(41, generator=gen)[:7]
+    part = linear.linear_gemm(x[perm], w, b)
+    assert part is not None and torch.equal(part, batch[perm])
