@@ -3,11 +3,16 @@
 
 from __future__ import annotations
 
+import ctypes
+import platform
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from common.cpu_features import cpu_flags
 from gpu_worker.cpu import linear
+from gpu_worker.cpu.build import KernelLibrary
 from gpu_worker.layers.linear import FloatLinearMethod, Linear, LinearMethod
 from gpu_worker.layers.linear_methods.cpu_float import CpuFloatLinearMethod
 
@@ -87,24 +92,57 @@ def test_many_rows_take_the_packed_weight_and_match_torch(rows: int, bias: bool)
     assert unpacked.packed is None
 
 
+def _gemm_builds() -> dict[str, ctypes.CDLL]:
+    """linear.c for this CPU and, on an AVX2 machine, for AVX2 alone and for plain x86-64:
+    each build's tiles and lane count differ (16 lanes 6 x 4, 8 lanes 3 x 4, scalar)."""
+    builds = {"native": linear.load()}
+    if platform.machine() == "x86_64" and "avx2" in cpu_flags():
+        for march in ("haswell", "x86-64"):
+            builds[march] = KernelLibrary(
+                linear.SOURCE, linear._declare, "linear.c", (linear.SOURCE.with_name("bf16.h"),),
+                march=march,
+            ).load()  # fmt: skip
+    return {k: lib for k, lib in builds.items() if lib is not None}
+
+
+GEMM_BUILDS = _gemm_builds()
+
+
+def _gemm(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    y = torch.empty(x.shape[0], w.shape[0])
+    x = x.contiguous()
+    code = lib.linear_gemm(
+        x.data_ptr(), x.shape[0], w.data_ptr(), b.data_ptr(), y.data_ptr(), w.shape[0],
+        w.shape[1], 2,
+    )  # fmt: skip
+    assert code == 0
+    return y
+
+
+@pytest.mark.parametrize("march", list(GEMM_BUILDS))
 @pytest.mark.parametrize("shape", [(1024, 512), (70, 37), (13, 16), (96, 200)])
 def test_the_gemm_gives_each_row_the_same_bits_alone_and_in_any_batch(
-    shape: tuple[int, int],
+    march: str, shape: tuple[int, int]
 ) -> None:
     """linear_gemm: every output the same bits whatever the rows beside it (register tiles of
-    several rows, edge tiles, the in % lanes tail), and close to torch."""
-    if linear.load() is None:
-        pytest.skip("linear.c cannot be built here")
-    out, inn = shape
+    several rows, edge tiles, the in % lanes tail), and close to torch, on every build."""
+    lib, (out, inn) = GEMM_BUILDS[march], shape
     gen = torch.Generator().manual_seed(3)
     w, b = torch.randn(out, inn, generator=gen), torch.randn(out, generator=gen)
     x = torch.randn(41, inn, generator=gen)
-    batch = linear.linear_gemm(x, w, b)
-    assert batch is not None
+    batch = _gemm(lib, x, w, b)
     torch.testing.assert_close(batch, F.linear(x, w, b), rtol=1e-4, atol=1e-4)
     for i in (0, 5, 40):
-        alone = linear.linear_gemm(x[i : i + 1], w, b)
-        assert alone is not None and torch.equal(alone[0], batch[i]), i
+        assert torch.equal(_gemm(lib, x[i : i + 1], w, b)[0], batch[i]), i
     perm = torch.randperm(41, generator=gen)[:7]
-    part = linear.linear_gemm(x[perm], w, b)
-    assert part is not None and torch.equal(part, batch[perm])
+    assert torch.equal(_gemm(lib, x[perm], w, b), batch[perm])
+
+
+def test_linear_gemm_wrapper_takes_float32_only() -> None:
+    if linear.load() is None:
+        pytest.skip("linear.c cannot be built here")
+    w, x = torch.randn(8, 32), torch.randn(3, 32)
+    y = linear.linear_gemm(x, w, None)
+    assert y is not None
+    torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert linear.linear_gemm(x.bfloat16(), w.bfloat16(), None) is None
