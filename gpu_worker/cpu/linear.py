@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -51,39 +52,49 @@ def load() -> ctypes.CDLL | None:
     return _LIBRARY.load()
 
 
-def linear_small(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+def _takes(lib: ctypes.CDLL | None, x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
+    """Whether the C kernels take x [1..rows, in] against weight (both on the CPU)."""
+    return (
+        lib is not None
+        and x.dim() == 2
+        and 0 < x.shape[0] <= rows
+        and x.device.type == "cpu"
+        and weight.is_contiguous()
+    )
+
+
+def _call(
+    fn: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *mid: int
 ) -> torch.Tensor | None:
-    """x [rows, in] @ weight.T (+ bias) by the C kernel, in x's dtype; None when the kernel
-    does not take these inputs (the caller uses torch)."""
-    lib = load()
-    if (
-        lib is None
-        or x.dim() != 2
-        or x.shape[0] > MAX_ROWS.get(weight.dtype, 0)
-        or x.shape[0] == 0
-        or x.device.type != "cpu"
-        or not weight.is_contiguous()
-    ):
-        return None
+    """y = fn(x, rows, w, *mid, bias, y, out, in, threads) in float32; None if it refused."""
     out_features, in_features = weight.shape
     xf = x.to(torch.float32).contiguous()
     bf = bias.to(torch.float32).contiguous() if bias is not None else None
     y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-    code = lib.linear_small(
+    code = fn(
         xf.data_ptr(),
         x.shape[0],
         weight.data_ptr(),
-        int(weight.dtype == torch.bfloat16),
+        *mid,
         bf.data_ptr() if bf is not None else None,
         y.data_ptr(),
         out_features,
         in_features,
         torch.get_num_threads(),
     )
-    if code != 0:
+    return y if code == 0 else None
+
+
+def linear_small(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """x [rows, in] @ weight.T (+ bias) by the C kernel, in x's dtype; None when the kernel
+    does not take these inputs (the caller uses torch)."""
+    lib = load()
+    if lib is None or not _takes(lib, x, weight, MAX_ROWS.get(weight.dtype, 0)):
         return None
-    return y if x.dtype == torch.float32 else y.to(x.dtype)
+    y = _call(lib.linear_small, x, weight, bias, int(weight.dtype == torch.bfloat16))
+    return y if y is None or x.dtype == torch.float32 else y.to(x.dtype)
 
 
 def linear_gemm(
@@ -93,31 +104,11 @@ def linear_gemm(
     linear.c's GEMM whose every output is the same bits whatever the rows beside it (a float
     expert's rows vary with the batch); None when the kernel does not take these inputs."""
     lib = load()
-    if (
-        lib is None
-        or x.dim() != 2
-        or x.shape[0] == 0
-        or x.dtype != torch.float32
-        or weight.dtype != torch.float32
-        or x.device.type != "cpu"
-        or not weight.is_contiguous()
-    ):
+    if lib is None or x.dtype != torch.float32 or weight.dtype != torch.float32:
         return None
-    out_features, in_features = weight.shape
-    xf = x.contiguous()
-    bf = bias.to(torch.float32).contiguous() if bias is not None else None
-    y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-    code = lib.linear_gemm(
-        xf.data_ptr(),
-        x.shape[0],
-        weight.data_ptr(),
-        bf.data_ptr() if bf is not None else None,
-        y.data_ptr(),
-        out_features,
-        in_features,
-        torch.get_num_threads(),
-    )
-    return y if code == 0 else None
+    if not _takes(lib, x, weight, x.shape[0] if x.dim() == 2 else 0):
+        return None
+    return _call(lib.linear_gemm, x, weight, bias)
 
 
 def can_pack(dtype: torch.dtype) -> bool:
