@@ -9,9 +9,9 @@
  * (+ bias), the activation, then down (+ bias); only the selected experts' bytes are read.
  * Each token's outputs are then added in increasing expert id order from zero, each times its
  * routing weight. Every kernel gives a row the same bits whatever other rows share its call
- * (float32: linear.c's GEMM, any rows; bf16: linear.c at most MAX_ROWS rows a call; GGUF's few-row kernel up to GGUF_MOE_FEW_ROWS rows
- * and its int8 GEMM beyond, which agree; int8 and MXFP4 per row), so a token's result never
- * depends on the other tokens of the step.
+ * (float32: linear.c's GEMM, any rows; bf16: linear.c at most MAX_ROWS rows a call; GGUF's
+ * few-row kernel up to GGUF_MOE_FEW_ROWS rows and its int8 GEMM beyond, which agree; int8 and
+ * MXFP4 per row), so a token's result never depends on the other tokens of the step.
  *
  * Both paths run this code: the layers one by one (gpu_worker/cpu/moe.py, called by the CPU
  * MoE methods and the CPU layer ops' routing) and the one-call step (one_call_step.c includes

@@ -124,29 +124,20 @@ def served_weight_bytes(model: str, dtype: str) -> int:
     the experts), and of an untied token embedding nothing (one row a token)."""
     path = Path(model)
     if path.suffix.lower() == ".gguf":
-        from gguf import GGUFReader
+        from common.gguf_meta import open_gguf, read_gguf_config
 
-        reader = GGUFReader(str(path))
-        field = {f.name: f for f in reader.fields.values()}
-        arch = str(bytes(field["general.architecture"].parts[-1]), "utf-8")
-
-        def meta(key: str) -> int:
-            f = field.get(f"{arch}.{key}")
-            return int(f.parts[-1][0]) if f is not None else 0
-
-        share = _routed_share(meta("expert_used_count"), meta("expert_count"))
+        reader = open_gguf(path)
+        share = _routed_share(read_gguf_config(path, reader))
         names = {t.name for t in reader.tensors}
-        total = 0.0
-        for t in reader.tensors:
-            if t.name == "token_embd.weight" and "output.weight" in names:
-                continue
-            total += int(t.n_bytes) * (share if "_exps." in t.name else 1.0)
-        return int(total)
+        return int(
+            sum(
+                int(t.n_bytes) * (share if "_exps." in t.name else 1.0)
+                for t in reader.tensors
+                if t.name != "token_embd.weight" or "output.weight" not in names
+            )
+        )
     config = json.loads((path / "config.json").read_text())
-    share = _routed_share(
-        int(config.get("num_experts_per_tok") or 0),
-        int(config.get("num_experts") or config.get("num_local_experts") or 0),
-    )
+    share = _routed_share(config)
     sizes = _safetensors_sizes(path)
     tied = "lm_head.weight" not in sizes
     stored = sum(
@@ -159,7 +150,10 @@ def served_weight_bytes(model: str, dtype: str) -> int:
     return int(stored) // 2  # a float32 folder served in bfloat16
 
 
-def _routed_share(top_k: int, experts: int) -> float:
+def _routed_share(config: dict[str, Any]) -> float:
+    """The share of a MoE's experts a token reads (top-k of them); 1 for a dense model."""
+    top_k = int(config.get("num_experts_per_tok") or 0)
+    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
     return top_k / experts if experts and top_k else 1.0
 
 

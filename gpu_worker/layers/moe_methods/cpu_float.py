@@ -1,10 +1,9 @@
 """Float32 experts on the CPU by linear.c's GEMM (linear_gemm), bfloat16 by its row-by-row
 kernel at most linear.MAX_ROWS rows per call: either way a row's result never depends on the
 others in its call, so an expert's output for a token is the same bits however many tokens the
-step routes to it. A
-float32 layer runs whole in moe.c (gpu_worker/cpu/moe.py: routing, the same kernel, the
-weighted sum), as the one-call step does; bfloat16 activations loop over the experts in
-Python (gpu_worker/cpu/linear.py), and dtypes the kernel does not take go to torch."""
+step routes to it. A float32 layer runs whole in moe.c (gpu_worker/cpu/moe.py: routing, the
+same kernel, the weighted sum), as the one-call step does; bfloat16 activations loop over the
+experts in Python (gpu_worker/cpu/linear.py), and dtypes the kernel does not take go to torch."""
 
 from __future__ import annotations
 
@@ -22,10 +21,9 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """x [rows, in] @ weight.T (+ bias): float32 by linear.c's GEMM (any rows, each output
     the same bits whatever the rows beside it: moe.c's kernel for float32 experts); bfloat16
     by linear.c's few-row kernel at most MAX_ROWS rows at a time."""
-    if x.shape[0] and x.dtype == weight.dtype == torch.float32:
-        y = linear.linear_gemm(x, weight, bias)
-        if y is not None:
-            return y
+    y = linear.linear_gemm(x, weight, bias)  # None but for float32
+    if y is not None:
+        return y
     step = linear.MAX_ROWS.get(weight.dtype, 0)
     if step == 0 or x.shape[0] == 0:
         return F.linear(x, weight, bias)
