@@ -96,7 +96,7 @@ typedef struct {
 } decode_layer_t;
 
 static int run_base(const decode_linear_t *L, const float *x, int n, float *y, int out, int in,
-                      float *tmp, int nthreads) {
+                    int nthreads) {
     switch (L->kind) {
     case LIN_F32:
     case LIN_BF16:
@@ -108,14 +108,9 @@ static int run_base(const decode_linear_t *L, const float *x, int n, float *y, i
         if (L->nshards == 1)
             return gguf_linear_rows(x, n, (const uint8_t *)L->w[0], L->qtype[0], L->b, y, out,
                                     in, nthreads);
-        for (int s = 0, at = 0; s < L->nshards; at += L->rows[s], s++) {
-            int rows = L->rows[s];
-            if (gguf_linear_rows(x, n, (const uint8_t *)L->w[s], L->qtype[s], NULL, tmp, rows,
-                                 in, nthreads))
-                return 1;
-            for (int i = 0; i < n; i++)
-                memcpy(y + (size_t)i * out + at, tmp + (size_t)i * rows, sizeof(float) * rows);
-        }
+        if (gguf_linear_shards(x, n, (const uint8_t *const *)L->w, L->qtype, L->rows,
+                               L->nshards, y, in, nthreads))
+            return 2;
         if (L->b)
             for (int i = 0; i < n; i++)
                 for (int o = 0; o < out; o++) y[(size_t)i * out + o] += L->b[o];
@@ -126,12 +121,10 @@ static int run_base(const decode_linear_t *L, const float *x, int n, float *y, i
 }
 
 /* y [n, out] = x [n, in] W^T (+ b) by the layer's kernel, plus each row's LoRA delta where
- * lora_slots (the rows' adapter slots) is not NULL and the layer has LoRA; tmp holds n * out
- * floats for a GGUF weight of several shards (each shard's columns are gathered into y's
- * rows) */
+ * lora_slots (the rows' adapter slots) is not NULL and the layer has LoRA */
 static int run_linear(const decode_linear_t *L, const float *x, int n, float *y, int out, int in,
-                      float *tmp, const int32_t *lora_slots, int nthreads) {
-    int code = run_base(L, x, n, y, out, in, tmp, nthreads);
+                      const int32_t *lora_slots, int nthreads) {
+    int code = run_base(L, x, n, y, out, in, nthreads);
     if (code || !lora_slots || !L->lora_a) return code;
     return lora_add(x, n, in, L->lora_a, L->lora_b, L->lora_bf16, L->lora_slices, L->lora_rank,
                     L->lora_bounds, out, lora_slots, L->lora_loras, y, 0, nthreads);
@@ -156,7 +149,7 @@ static void qk_norm(const decode_layer_t *w, float *qkv, int n, int heads, int k
 /* y [n, hidden] = the sparse MLP of h [n, hidden] (see decode_moe_t): the same kernels, in
  * the same order, as the layers (gpu_worker/models/moe.py) */
 static int run_moe(const decode_moe_t *M, const float *h, int n, float *y, int hidden,
-                   float *tmp, int nthreads) {
+                   int nthreads) {
     int E = M->experts.num_experts, k = M->top_k, S = M->shared_width;
     size_t floats = (size_t)n * (E + k + (S ? 3 * S + hidden + 1 : 0));
     float *logits = malloc(sizeof(float) * floats);
@@ -168,7 +161,7 @@ static int run_moe(const decode_moe_t *M, const float *h, int n, float *y, int h
         goto done;
     }
     float *wts = logits + (size_t)n * E;
-    code |= run_linear(&M->router, h, n, logits, E, hidden, tmp, NULL, nthreads);
+    code |= run_linear(&M->router, h, n, logits, E, hidden, NULL, nthreads);
     code |= moe_route(logits, n, E, k, M->scoring, M->renormalize, wts, ids);
     if (code) goto done;
     code |= moe_experts(&M->experts, h, n, ids, wts, k, y, counts, nthreads);
@@ -176,11 +169,11 @@ static int run_moe(const decode_moe_t *M, const float *h, int n, float *y, int h
     if (S && !code) {
         float *gate_up = wts + (size_t)n * k, *act = gate_up + (size_t)n * 2 * S;
         float *shared = act + (size_t)n * S, *g = shared + (size_t)n * hidden;
-        code |= run_linear(&M->shared_gate_up, h, n, gate_up, 2 * S, hidden, tmp, NULL,
+        code |= run_linear(&M->shared_gate_up, h, n, gate_up, 2 * S, hidden, NULL,
                            nthreads);
         silu_mul(gate_up, act, n, S, nthreads, 0);
-        code |= run_linear(&M->shared_down, act, n, shared, hidden, S, tmp, NULL, nthreads);
-        code |= run_linear(&M->shared_gate, h, n, g, 1, hidden, tmp, NULL, nthreads);
+        code |= run_linear(&M->shared_down, act, n, shared, hidden, S, NULL, nthreads);
+        code |= run_linear(&M->shared_gate, h, n, g, 1, hidden, NULL, nthreads);
         if (!code) moe_add_gated(y, shared, g, n, hidden);
     }
 done:
@@ -212,14 +205,12 @@ int decode_forward(const decode_layer_t *layers, int num_layers, float *x, int n
     int64_t work = 0;
     for (int i = 0; i < n; i++) work += (int64_t)seq_lens[i] * kv_size;
     int attend_threads = work < ATTEND_SMALL_WORK ? 1 : nthreads;
-    size_t widest = (size_t)(qkv_size > 2 * inter ? qkv_size : 2 * inter);
-    size_t floats = (size_t)n * (2 * hidden + qkv_size + 2 * q_size + 3 * inter + widest);
+    size_t floats = (size_t)n * (2 * hidden + qkv_size + 2 * q_size + 3 * inter);
     float *buf = malloc(sizeof(float) * floats);
     if (!buf) return 2;
     float *h = buf, *qkv = h + (size_t)n * hidden, *q = qkv + (size_t)n * qkv_size;
     float *att = q + (size_t)n * q_size, *proj = att + (size_t)n * q_size;
     float *gate_up = proj + (size_t)n * hidden, *act = gate_up + (size_t)n * 2 * inter;
-    float *tmp = act + (size_t)n * inter;
     int code = 0;
     if (kv_kind < KV_F32 || kv_kind > KV_FP8_E5M2) return 1;
     int64_t size = kv_kind == KV_F32 ? 4 : kv_kind == KV_BF16 ? 2 : 1, rb = row_bytes(kv_kind, d);
@@ -239,7 +230,7 @@ int decode_forward(const decode_layer_t *layers, int num_layers, float *x, int n
         char *k_cache = (char *)kv_base + kv_slot * layer_stride * size;
         char *v_cache = k_cache + half_stride * size;
         rms_norm(x, NULL, w->input_norm, eps, h, NULL, n, hidden, nthreads, 0);
-        code |= run_linear(&w->qkv, h, n, qkv, qkv_size, hidden, tmp, lora_slots, nthreads);
+        code |= run_linear(&w->qkv, h, n, qkv, qkv_size, hidden, lora_slots, nthreads);
         if (w->q_norm) qk_norm(w, qkv, n, heads, kvh, d, qkv_size, eps);
         rotary_neox(qkv, positions, cos_t, sin_t, n, heads, d, rot, qkv_size, nthreads, 0);
         rotary_neox(qkv + q_size, positions, cos_t, sin_t, n, kvh, d, rot, qkv_size, nthreads, 0);
@@ -256,17 +247,17 @@ int decode_forward(const decode_layer_t *layers, int num_layers, float *x, int n
         if (paged_decode(q, k_cache, v_cache, kv_kind, l_tables, l_stride, seq_lens, n, heads, kvh,
                          d, bs, scale, w->window, 0.0f, w->sinks, att, attend_threads) != 0)
             code = 2;
-        code |= run_linear(&w->o, att, n, proj, hidden, q_size, tmp, lora_slots, nthreads);
+        code |= run_linear(&w->o, att, n, proj, hidden, q_size, lora_slots, nthreads);
         /* x + proj into x, and its norm into h (the post-attention add-and-norm) */
         rms_norm(proj, x, w->post_norm, eps, h, x, n, hidden, nthreads, 0);
         if (w->moe) {
-            code |= run_moe(w->moe, h, n, proj, hidden, tmp, nthreads);
+            code |= run_moe(w->moe, h, n, proj, hidden, nthreads);
         } else {
             int width = w->inter;
-            code |= run_linear(&w->gate_up, h, n, gate_up, 2 * width, hidden, tmp, lora_slots,
+            code |= run_linear(&w->gate_up, h, n, gate_up, 2 * width, hidden, lora_slots,
                                nthreads);
             silu_mul(gate_up, act, n, width, nthreads, 0);
-            code |= run_linear(&w->down, act, n, proj, hidden, width, tmp, lora_slots, nthreads);
+            code |= run_linear(&w->down, act, n, proj, hidden, width, lora_slots, nthreads);
         }
         for (size_t i = 0; i < (size_t)n * hidden; i++) x[i] += proj[i];
     }
