@@ -213,16 +213,18 @@ static inline __attribute__((always_inline)) void gguf_dot32x8(int qt, const uin
     const int off = qt == GGUF_Q4_0 ? 8 : qt == GGUF_Q5_0 ? 16 : 0;
     const int has_min = qt == GGUF_Q4_1 || qt == GGUF_Q5_1;
     for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
-    /* the same unit of the rows GGUF_PREFETCH_GROUPS groups of 8 further on: the 8 rows read
-       side by side span 8 row lengths, so a fixed distance shorter than that lands in rows
-       this group is reading already */
-    const int64_t ahead = (int64_t)GGUF_PREFETCH_GROUPS * 8 * nu * bb;
+    /* the group of 8 rows GGUF_PREFETCH_GROUPS groups further on (its 8 row lengths are one
+       run of bytes: the rows are consecutive) swept into L2, 8 blocks' bytes a unit, each
+       line once: the 8 rows read side by side span 8 row lengths, so a fixed distance shorter
+       than that lands in rows this group is reading already */
+    const char *sweep = (const char *)wr[0] + (int64_t)GGUF_PREFETCH_GROUPS * 8 * nu * bb;
     for (int u = 0; u < nu; u++) {
         __m256i q[8], qa[8];
         const uint8_t *bs[8];
+        for (int l = u * 8 * bb; l < (u + 1) * 8 * bb; l += 64)
+            _mm_prefetch(sweep + l, _MM_HINT_T1);
         for (int i = 0; i < 8; i++) {
             const uint8_t *b = bs[i] = wr[i] + (int64_t)u * bb;
-            _mm_prefetch((const char *)b + ahead, _MM_HINT_T0);
             if (qt == GGUF_Q8_0) {
                 q[i] = _mm256_loadu_si256((const __m256i *)(b + 2));
                 qa[i] = _mm256_abs_epi8(q[i]);
