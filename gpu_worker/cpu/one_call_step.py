@@ -363,6 +363,7 @@ class OneCallStep:
 
     _table: ctypes.Array[DecodeLayer] | None = None
     _weights_at: tuple[int, int] = (0, 0)
+    _widest: int = 1  # _widest_mlp of the bound model
     _keep: Keep
     _rope: tuple[torch.Tensor, torch.Tensor]
     _counts: torch.Tensor  # [layers, experts] int64: the step's tokens per expert
@@ -402,6 +403,7 @@ class OneCallStep:
             self._counts = torch.zeros(len(model.layers), _num_experts(model), dtype=torch.int64)
             self._table = _layer_table(model, self._counts, keep)
             self._weights_at = key
+            self._widest = _widest_mlp(model)
             cos, sin = (keep.float32(t) for t in model.rotary.tables())
             assert cos is not None and sin is not None
             self._rope = cos, sin
@@ -458,7 +460,7 @@ class OneCallStep:
             attn.num_kv_heads,
             attn.head_dim,
             2 * cos.shape[1],  # the rotated dims: the tables' width (partial rotary)
-            _widest_mlp(model),
+            self._widest,
             layer.input_layernorm.eps,
             cos.data_ptr(),
             sin.data_ptr(),

@@ -40,6 +40,7 @@ load: the routing skew an operator sees in /admin/stats and /metrics.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Protocol
 
 import torch
@@ -285,14 +286,21 @@ class FusedMoE(nn.Module):
         )
 
 
+# each model's MoE layers, found once: walking a model's modules every step cost ~1 ms of a
+# 2-core Zen 4's ~8 ms decode step (a module tree is fixed once the model is loaded)
+_MOE_LAYERS: weakref.WeakKeyDictionary[nn.Module, list[FusedMoE]] = weakref.WeakKeyDictionary()
+
+
 def take_tokens_per_expert(model: nn.Module) -> list[int]:
     """The (token, expert) pairs each expert computed since the last call, summed over the
     model's MoE layers (empty for a dense model); the layers' counters restart at zero."""
+    layers = _MOE_LAYERS.get(model)
+    if layers is None:
+        layers = _MOE_LAYERS[model] = [m for m in model.modules() if isinstance(m, FusedMoE)]
     total: list[int] = []
-    for layer in model.modules():
-        if isinstance(layer, FusedMoE):
-            total = add_counts(total, layer.tokens_per_expert)
-            layer.tokens_per_expert = [0] * layer.num_experts
+    for layer in layers:
+        total = add_counts(total, layer.tokens_per_expert)
+        layer.tokens_per_expert = [0] * layer.num_experts
     return total
 
 
