@@ -193,12 +193,14 @@ int linear_gemm(const float *x, int nb, const float *w, const float *bias, float
                 int in, int nthreads) {
     if (nb < 1 || in < 1 || out < 1) return 1;
 #if defined(GEMM_VF)
-    /* x packed once, tile by tile: [nb / GEMM_MR][kv / GEMM_VF][GEMM_MR][GEMM_VF] */
+    /* x packed once, tile by tile: [nb / GEMM_MR][kv / GEMM_VF][GEMM_MR][GEMM_VF]; by the
+       calling thread but for prefill-sized batches (a region of its own would wake the threads
+       once more for every call, and a decode step makes one call per expert and projection) */
     const int kv = in / GEMM_VF * GEMM_VF, tiles = (nb + GEMM_MR - 1) / GEMM_MR;
-    const int64_t tile_floats = (int64_t)GEMM_MR * (kv > 0 ? kv : 1);
+    const int64_t tile_floats = (int64_t)GEMM_MR * (kv > 0 ? kv : GEMM_VF);
     float *xp = (float *)aligned_alloc(64, sizeof(float) * (size_t)(tiles * tile_floats));
     if (!xp) return 2;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (tiles >= 16)
     for (int t = 0; t < tiles; t++)
         for (int m = 0; m < GEMM_MR; m++) {
             int b = t * GEMM_MR + m;
