@@ -199,37 +199,17 @@ static void gguf_rows_range(const gguf_xq *xq, int r0, int rows, const uint8_t *
 }
 #endif
 
-/* y [rows, out] = x [rows, in] @ dequantize(w).T (+ bias); w is [out, row_bytes] raw GGUF
- * blocks. Returns 0; 1 for a type or shape it does not take, 2 when memory ran out. */
-int gguf_linear_rows(const float *x, int rows, const uint8_t *w, int qtype, const float *bias,
-                     float *y, int out, int in, int nthreads) {
-#if defined(__AVX2__)
-    if (gguf_check(rows, qtype, out, in)) return 1;
-    int64_t row_bytes = (int64_t)(in / gguf_block_values(qtype)) * gguf_block_bytes(qtype);
-    gguf_xq xq;
-    if (gguf_xq_make(x, rows, in, &xq)) return 2;
-    int chunks = (out + GGUF_CHUNK - 1) / GGUF_CHUNK;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-    for (int c = 0; c < chunks; c++) {
-        int lo = c * GGUF_CHUNK, hi = lo + GGUF_CHUNK < out ? lo + GGUF_CHUNK : out;
-        gguf_rows_range(&xq, 0, rows, w, qtype, row_bytes, bias, y, out, lo, hi);
-    }
-    free(xq.d);
-    return 0;
-#else
-    return gguf_linear_rows_f32(x, rows, w, qtype, bias, y, out, in, nthreads);
-#endif
-}
-
-/* y [rows, sum(shard_rows)] = x [rows, in] @ [W_0; W_1; ...].T: nshards weights of shard_rows[s]
- * rows each (GGUF type qtypes[s]), their outputs side by side in y's columns (a q|k|v or
- * gate|up projection stored as separate tensors). x is quantized once and every shard's
- * chunks go to one parallel loop: one wake of the threads instead of one per shard (on a
- * 2-core Zen 4 VM a sleeping thread's wake costs tens of microseconds, and a decode step of
- * one sequence runs a few hundred such loops). Each output is the same bits as
- * gguf_linear_rows gives it shard by shard. Returns as gguf_linear_rows. */
+/* y [rows, sum(shard_rows)] = x [rows, in] @ [W_0; W_1; ...].T (+ bias): nshards weights of
+ * shard_rows[s] rows each (GGUF type qtypes[s], raw blocks), their outputs side by side in
+ * y's columns (a q|k|v or gate|up projection stored as separate tensors); bias, where not
+ * NULL, runs over all of y's columns. x is quantized once and every shard's chunks go to one
+ * parallel loop: one wake of the threads instead of one per shard (on a 2-core Zen 4 VM a
+ * sleeping thread's wake costs tens of microseconds, and a decode step of one sequence runs
+ * a few hundred such loops). Each output is the same bits however the weights are split into
+ * shards. Returns 0; 1 for a type or shape it does not take, 2 when memory ran out. */
 int gguf_linear_shards(const float *x, int rows, const uint8_t *const *ws, const int *qtypes,
-                       const int *shard_rows, int nshards, float *y, int in, int nthreads) {
+                       const int *shard_rows, int nshards, const float *bias, float *y, int in,
+                       int nthreads) {
     int out = 0, chunks = 0;
     for (int s = 0; s < nshards; s++) {
         if (gguf_check(rows, qtypes[s], shard_rows[s], in)) return 1;
@@ -249,11 +229,14 @@ int gguf_linear_shards(const float *x, int rows, const uint8_t *const *ws, const
         int n = shard_rows[s], lo = (c - first) * GGUF_CHUNK;
         int hi = lo + GGUF_CHUNK < n ? lo + GGUF_CHUNK : n;
         int64_t rb = (int64_t)(in / gguf_block_values(qtypes[s])) * gguf_block_bytes(qtypes[s]);
-        gguf_rows_range(&xq, 0, rows, ws[s], qtypes[s], rb, NULL, y + at, out, lo, hi);
+        gguf_rows_range(&xq, 0, rows, ws[s], qtypes[s], rb, bias ? bias + at : NULL, y + at, out,
+                        lo, hi);
     }
     free(xq.d);
     return 0;
 #else
+    if (nshards == 1)
+        return gguf_linear_rows_f32(x, rows, ws[0], qtypes[0], bias, y, out, in, nthreads);
     float *part = (float *)malloc(sizeof(float) * (size_t)rows * out);
     if (!part) return 2;
     int code = 0;
@@ -265,8 +248,16 @@ int gguf_linear_shards(const float *x, int rows, const uint8_t *const *ws, const
                    sizeof(float) * shard_rows[s]);
     }
     free(part);
+    if (!code) gguf_add_bias(bias, y, rows, out);
     return code;
 #endif
+}
+
+/* y [rows, out] = x [rows, in] @ dequantize(w).T (+ bias); w is [out, row_bytes] raw GGUF
+ * blocks: gguf_linear_shards with one shard. Returns as it. */
+int gguf_linear_rows(const float *x, int rows, const uint8_t *w, int qtype, const float *bias,
+                     float *y, int out, int in, int nthreads) {
+    return gguf_linear_shards(x, rows, &w, &qtype, &out, 1, bias, y, in, nthreads);
 }
 
 #if defined(__AVX2__)

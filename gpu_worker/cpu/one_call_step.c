@@ -105,16 +105,8 @@ static int run_base(const decode_linear_t *L, const float *x, int n, float *y, i
         return int8_linear_rows(x, n, (const int8_t *)L->w[0], L->scale, L->b, y, out, in,
                                 nthreads);
     case LIN_GGUF:
-        if (L->nshards == 1)
-            return gguf_linear_rows(x, n, (const uint8_t *)L->w[0], L->qtype[0], L->b, y, out,
-                                    in, nthreads);
-        if (gguf_linear_shards(x, n, (const uint8_t *const *)L->w, L->qtype, L->rows,
-                               L->nshards, y, in, nthreads))
-            return 2;
-        if (L->b)
-            for (int i = 0; i < n; i++)
-                for (int o = 0; o < out; o++) y[(size_t)i * out + o] += L->b[o];
-        return 0;
+        return gguf_linear_shards(x, n, (const uint8_t *const *)L->w, L->qtype, L->rows,
+                                  L->nshards, L->b, y, in, nthreads);
     default:
         return 1;
     }
