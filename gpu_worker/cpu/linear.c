@@ -158,7 +158,7 @@ static inline float gemm_sum8(__m256 v) { /* a fixed order: halves, then pairs *
 static inline __attribute__((always_inline)) void gemm_tile(const float *xp, const float *x,
                                                             int mr, const float *w, int nr,
                                                             int in, const float *bias, float *y,
-                                                            int out) {
+                                                            int out, const float *pf) {
     const int kv = in / GEMM_VF * GEMM_VF;
     gemm_v acc[GEMM_MR][GEMM_NR];
     for (int m = 0; m < GEMM_MR; m++)
@@ -167,6 +167,9 @@ static inline __attribute__((always_inline)) void gemm_tile(const float *xp, con
         gemm_v xv[GEMM_MR];
         for (int m = 0; m < GEMM_MR; m++)
             if (m < mr) xv[m] = GEMM_LOAD(xp + m * GEMM_VF);
+        if ((i & 15) == 0) /* each line of the rows to come once (16 floats a line) */
+            for (int n = 0; n < GEMM_NR; n++)
+                _mm_prefetch((const char *)(pf + (int64_t)n * in + i), _MM_HINT_T1);
         for (int n = 0; n < GEMM_NR; n++) {
             if (n >= nr) continue;
             gemm_v wv = GEMM_LOAD(w + (int64_t)n * in + i);
@@ -186,63 +189,156 @@ static inline __attribute__((always_inline)) void gemm_tile(const float *xp, con
 }
 #endif
 
-/* y [nb, out] = x [nb, in] @ W.T (+ bias), W float32 [out, in], any nb >= 1: see above. Without
- * AVX2 the same contract by a scalar loop per output. Returns 0; 1 for a shape it does not
- * take; 2 when memory ran out. */
-int linear_gemm(const float *x, int nb, const float *w, const float *bias, float *y, int out,
-                int in, int nthreads) {
-    if (nb < 1 || in < 1 || out < 1) return 1;
 #if defined(GEMM_VF)
-    /* x packed once, tile by tile: [nb / GEMM_MR][kv / GEMM_VF][GEMM_MR][GEMM_VF]; by the
-       calling thread but for prefill-sized batches (a region of its own would wake the threads
-       once more for every call, and a decode step makes one call per expert and projection) */
-    const int kv = in / GEMM_VF * GEMM_VF, tiles = (nb + GEMM_MR - 1) / GEMM_MR;
-    const int64_t tile_floats = (int64_t)GEMM_MR * (kv > 0 ? kv : GEMM_VF);
-    float *xp = (float *)aligned_alloc(64, sizeof(float) * (size_t)(tiles * tile_floats));
-    if (!xp) return 2;
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (tiles >= 16)
-    for (int t = 0; t < tiles; t++)
-        for (int m = 0; m < GEMM_MR; m++) {
-            int b = t * GEMM_MR + m;
-            for (int i = 0; i < kv; i += GEMM_VF) {
-                float *dst = xp + t * tile_floats + (int64_t)i * GEMM_MR + m * GEMM_VF;
-                if (b < nb)
-                    memcpy(dst, x + (int64_t)b * in + i, sizeof(float) * GEMM_VF);
-                else
-                    memset(dst, 0, sizeof(float) * GEMM_VF);
+#ifndef GEMM_PF
+#define GEMM_PF 8 /* weight rows ahead the first tile of x prefetches */
+#endif
+
+/* floats of one packed tile of x: GEMM_MR rows of in / GEMM_VF * GEMM_VF (at least a vector) */
+static inline int64_t gemm_tile_floats(int in) {
+    return (int64_t)GEMM_MR * (in >= GEMM_VF ? in / GEMM_VF * GEMM_VF : GEMM_VF);
+}
+
+/* the tile's GEMM_MR rows, whole from m = 0 to mr (a register tile compiled per row count:
+ * a run-time mr would test each row in the inner loop, which cost a one-row tile, as each
+ * expert of a decoded token is, ~1.7x llama.cpp's f32 time) */
+#define GEMM_ROWS_CASE(M)                                                                      \
+    case M:                                                                                    \
+        gemm_tile(xt, xb, M, wo, GEMM_NR, in, bo, yo, out, pf);                                \
+        break;
+/* y rows [0, nb) of x [nb, in] (packed in xp) against W rows [lo, hi) */
+static void gemm_rows(const float *xp, const float *x, int nb, const float *w,
+                      const float *bias, float *y, int out, int in, int lo, int hi) {
+    const int64_t tile_floats = gemm_tile_floats(in);
+    for (int b = 0; b < nb; b += GEMM_MR) {
+        int mr = nb - b < GEMM_MR ? nb - b : GEMM_MR;
+        const float *xb = x + (int64_t)b * in, *xt = xp + b / GEMM_MR * tile_floats;
+        for (int o = lo; o < hi; o += GEMM_NR) {
+            int nr = hi - o < GEMM_NR ? hi - o : GEMM_NR;
+            const float *wo = w + (int64_t)o * in, *bo = bias ? bias + o : NULL;
+            /* the first tile of x reads W from memory: it sweeps the rows GEMM_PF ahead into
+               L2 as it goes (the later tiles find W there) */
+            const float *pf = b == 0 ? wo + (int64_t)GEMM_PF * in : wo;
+            float *yo = y + (int64_t)b * out + o;
+            if (nr < GEMM_NR) {
+                gemm_tile(xt, xb, mr, wo, nr, in, bo, yo, out, pf);
+                continue;
+            }
+            switch (mr) {
+                GEMM_ROWS_CASE(1)
+                GEMM_ROWS_CASE(2)
+                GEMM_ROWS_CASE(3)
+#if GEMM_MR > 3
+                GEMM_ROWS_CASE(4)
+                GEMM_ROWS_CASE(5)
+                GEMM_ROWS_CASE(6)
+#endif
             }
         }
-    /* weight rows a scheduling unit: a multiple of GEMM_NR, ~200 KB of W at in = 1024 (L2) */
-    const int unit = GEMM_NR * 8, chunks = (out + unit - 1) / unit;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-    for (int c = 0; c < chunks; c++) {
-        int lo = c * unit, hi = lo + unit < out ? lo + unit : out;
-        for (int b = 0; b < nb; b += GEMM_MR) {
-            int mr = nb - b < GEMM_MR ? nb - b : GEMM_MR;
-            const float *xb = x + (int64_t)b * in, *xt = xp + b / GEMM_MR * tile_floats;
-            for (int o = lo; o < hi; o += GEMM_NR) {
-                int nr = hi - o < GEMM_NR ? hi - o : GEMM_NR;
-                const float *wo = w + (int64_t)o * in, *bo = bias ? bias + o : NULL;
-                float *yo = y + (int64_t)b * out + o;
-                if (mr == GEMM_MR && nr == GEMM_NR) /* the full tile, its own code */
-                    gemm_tile(xt, xb, GEMM_MR, wo, GEMM_NR, in, bo, yo, out);
-                else
-                    gemm_tile(xt, xb, mr, wo, nr, in, bo, yo, out);
-            }
+    }
+}
+
+/* tile t of x [nb, in] packed into dst: [kv / GEMM_VF][GEMM_MR][GEMM_VF], rows past nb zero */
+static void gemm_pack_tile(const float *x, int nb, int in, int t, float *dst) {
+    const int kv = in / GEMM_VF * GEMM_VF;
+    for (int m = 0; m < GEMM_MR; m++) {
+        int b = t * GEMM_MR + m;
+        for (int i = 0; i < kv; i += GEMM_VF) {
+            float *d = dst + (int64_t)i * GEMM_MR + m * GEMM_VF;
+            if (b < nb)
+                memcpy(d, x + (int64_t)b * in + i, sizeof(float) * GEMM_VF);
+            else
+                memset(d, 0, sizeof(float) * GEMM_VF);
+        }
+    }
+}
+#endif
+
+/* weight rows a scheduling unit: a multiple of GEMM_NR, ~128 KB of W at in = 1024 (L2) */
+#define GEMM_UNIT 32
+
+/* Groups of rows, each against its own weight, in one parallel region: group g is rows
+ * [start[g], start[g + 1]) of x [start[groups], in] and y [start[groups], out], against W_g =
+ * w + g * out * in (float32 [out, in]) and bias + g * out (or no bias). Every group's tiles of
+ * x are packed, then every (group, unit of weight rows) pair is one work item: one wake of
+ * the threads for all of a mixture of experts' experts (one region per expert cost a decode
+ * step of a few rows an expert more than its arithmetic on a 2-core VM). Each output is the
+ * same bits as linear_gemm gives it (the same tile code); without AVX2 a scalar loop per
+ * output. Returns 0; 1 for a shape it does not take; 2 when memory ran out. */
+int linear_gemm_groups(const float *x, const int *start, int groups, const float *w,
+                       const float *bias, float *y, int out, int in, int nthreads) {
+    if (groups < 1 || in < 1 || out < 1 || start[0] != 0) return 1;
+    for (int g = 0; g < groups; g++)
+        if (start[g + 1] < start[g]) return 1;
+    int *item = (int *)malloc(sizeof(int) * (size_t)groups); /* the groups with rows */
+    int *tile0 = (int *)malloc(sizeof(int) * ((size_t)groups + 1)); /* each one's first tile */
+    if (!item || !tile0) {
+        free(item), free(tile0);
+        return 2;
+    }
+    int used = 0;
+    tile0[0] = 0;
+    for (int g = 0; g < groups; g++) {
+        int n = start[g + 1] - start[g];
+        if (n > 0) item[used++] = g;
+#if defined(GEMM_VF)
+        tile0[g + 1] = tile0[g] + (n + GEMM_MR - 1) / GEMM_MR;
+#endif
+    }
+    const int chunks = (out + GEMM_UNIT - 1) / GEMM_UNIT, items = used * chunks;
+#if defined(GEMM_VF)
+    const int tiles = tile0[groups];
+    const int64_t tile_floats = gemm_tile_floats(in);
+    float *xp = (float *)aligned_alloc(64, sizeof(float) * (size_t)(tiles * tile_floats + 16));
+    if (!xp) {
+        free(item), free(tile0);
+        return 2;
+    }
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int j = 0; j < used; j++) {
+            int g = item[j], n = start[g + 1] - start[g];
+            for (int t = tile0[g]; t < tile0[g + 1]; t++)
+                gemm_pack_tile(x + (int64_t)start[g] * in, n, in, t - tile0[g],
+                               xp + t * tile_floats);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int i = 0; i < items; i++) {
+            int g = item[i / chunks], lo = (i % chunks) * GEMM_UNIT, s = start[g];
+            int hi = lo + GEMM_UNIT < out ? lo + GEMM_UNIT : out;
+            gemm_rows(xp + tile0[g] * tile_floats, x + (int64_t)s * in, start[g + 1] - s,
+                      w + (int64_t)g * out * in, bias ? bias + (int64_t)g * out : NULL,
+                      y + (int64_t)s * out, out, in, lo, hi);
         }
     }
     free(xp);
 #else
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int o = 0; o < out; o++)
-        for (int b = 0; b < nb; b++) {
-            const float *xb = x + (int64_t)b * in, *wo = w + (int64_t)o * in;
-            float s = 0.f;
-            for (int i = 0; i < in; i++) s = fmaf(xb[i], wo[i], s);
-            y[(int64_t)b * out + o] = s + (bias ? bias[o] : 0.f);
-        }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int i = 0; i < items; i++) {
+        int g = item[i / chunks], lo = (i % chunks) * GEMM_UNIT;
+        int hi = lo + GEMM_UNIT < out ? lo + GEMM_UNIT : out;
+        const float *wg = w + (int64_t)g * out * in, *bg = bias ? bias + (int64_t)g * out : NULL;
+        for (int b = start[g]; b < start[g + 1]; b++)
+            for (int o = lo; o < hi; o++) {
+                const float *xb = x + (int64_t)b * in, *wo = wg + (int64_t)o * in;
+                float s = 0.f;
+                for (int k = 0; k < in; k++) s = fmaf(xb[k], wo[k], s);
+                y[(int64_t)b * out + o] = s + (bg ? bg[o] : 0.f);
+            }
+    }
 #endif
+    free(item), free(tile0);
     return 0;
+}
+
+/* y [nb, out] = x [nb, in] @ W.T (+ bias), W float32 [out, in], any nb >= 1: see above
+ * (linear_gemm_groups with one group). Returns as it. */
+int linear_gemm(const float *x, int nb, const float *w, const float *bias, float *y, int out,
+                int in, int nthreads) {
+    if (nb < 1) return 1;
+    int start[2] = {0, nb};
+    return linear_gemm_groups(x, start, 1, w, bias, y, out, in, nthreads);
 }
 
 /* Returns 0; 1 when nb is out of range, 2 when memory ran out (the caller uses torch). */

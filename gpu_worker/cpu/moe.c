@@ -111,8 +111,6 @@ static int moe_project(const moe_experts_t *M, int down, int e, const float *x, 
     if (b) b += (int64_t)e * out;
     int64_t rows = (int64_t)e * out;
     switch (M->kind) {
-    case MOE_F32: /* a float GEMM whose outputs do not depend on n */
-        return linear_gemm(x, n, (const float *)w + rows * in, b, y, out, in, nthreads);
     case MOE_BF16: {
         const char *we = (const char *)w + rows * in * 2;
         for (int lo = 0; lo < n; lo += MAX_ROWS) { /* at most MAX_ROWS rows a call */
@@ -146,9 +144,14 @@ static int moe_project(const moe_experts_t *M, int down, int e, const float *x, 
     }
 }
 
-/* a [n, I] = the activation of h [n, 2I] */
-static void moe_activate(const moe_experts_t *M, const float *h, int n, float *a) {
+/* pairs from which moe_experts' own loops (gathering x, the activation, the weighted sums) run
+ * on every thread: fewer, as in a decode step, cost less than waking the threads */
+#define MOE_PARALLEL_PAIRS 256
+
+/* a [n, I] = the activation of h [n, 2I] (each element by itself: any split of the rows) */
+static void moe_activate(const moe_experts_t *M, const float *h, int n, float *a, int nthreads) {
     int I = M->width;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (n >= MOE_PARALLEL_PAIRS)
     for (int j = 0; j < n; j++) {
         const float *hj = h + (int64_t)j * 2 * I;
         float *aj = a + (int64_t)j * I;
@@ -167,14 +170,19 @@ static void moe_activate(const moe_experts_t *M, const float *h, int n, float *a
 }
 
 /* projection `down` (0: w13) of every expert at once: expert e's rows are rows [start[e],
- * start[e + 1]) of x [P, in] and y [P, out]. GGUF experts of at most GGUF_MOE_FEW_ROWS rows
- * (a decode step's) share one quantization of x and one parallel loop over (expert, chunk of
- * outputs): a step's k experts cost one OpenMP region, not k, with each output computed by the
- * same kernel (gguf_rows_range) as one expert alone. Other experts: moe_project, one by one. */
+ * start[e + 1]) of x [P, in] and y [P, out]. Float32 experts: linear.c's grouped GEMM, every
+ * expert in one parallel region (its outputs do not depend on an expert's rows). GGUF experts
+ * of at most GGUF_MOE_FEW_ROWS rows (a decode step's) share one quantization of x and one
+ * parallel loop over (expert, chunk of outputs): a step's k experts cost one OpenMP region,
+ * not k, with each output computed by the same kernel (gguf_rows_range) as one expert alone.
+ * Other experts: moe_project, one by one. */
 static int moe_projections(const moe_experts_t *M, int down, const int *start, const float *x,
                            float *y, int nthreads) {
     int E = M->num_experts, out = down ? M->hidden : 2 * M->width;
     int in = down ? M->width : M->hidden, few = 0;
+    if (M->kind == MOE_F32)
+        return linear_gemm_groups(x, start, E, (const float *)(down ? M->w2 : M->w13),
+                                  down ? M->b2 : M->b13, y, out, in, nthreads);
 #if defined(__AVX2__)
     if (M->kind == MOE_GGUF) {
         int qt = down ? M->qt2 : M->qt13;
@@ -239,14 +247,13 @@ int moe_experts(const moe_experts_t *M, const float *x, int T, const int64_t *id
         if (ids[p] < 0 || ids[p] >= E) return 1;
     int *start = (int *)calloc((size_t)E + 1, sizeof(int));
     int *fill = (int *)malloc(sizeof(int) * ((size_t)E + 1));
-    int *order = (int *)malloc(sizeof(int) * (size_t)P);
+    int *order = (int *)malloc(sizeof(int) * (size_t)P), *pos = (int *)malloc(sizeof(int) * (size_t)P);
     float *xe = (float *)malloc(sizeof(float) * (size_t)P * H);
     float *h = (float *)malloc(sizeof(float) * (size_t)P * 2 * I);
     float *a = (float *)malloc(sizeof(float) * (size_t)P * I);
     float *oe = (float *)malloc(sizeof(float) * (size_t)P * H);
-    float *out = (float *)malloc(sizeof(float) * (size_t)P * H);
-    int rc = 0;
-    if (!start || !fill || !order || !xe || !h || !a || !oe || !out) {
+    int rc = 0, par = P >= MOE_PARALLEL_PAIRS;
+    if (!start || !fill || !order || !pos || !xe || !h || !a || !oe) {
         rc = 2;
         goto done;
     }
@@ -255,18 +262,19 @@ int moe_experts(const moe_experts_t *M, const float *x, int T, const int64_t *id
     for (int e = 0; e < E; e++) start[e + 1] += start[e];
     memcpy(fill, start, sizeof(int) * ((size_t)E + 1));
     for (int p = 0; p < P; p++) order[fill[ids[p]]++] = p;
+    for (int j = 0; j < P; j++) pos[order[j]] = j; /* pair p's row in expert order */
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (par)
     for (int j = 0; j < P; j++) /* each expert's rows, gathered in its block of xe */
         memcpy(xe + (int64_t)j * H, x + (int64_t)(order[j] / k) * H, sizeof(float) * H);
     for (int e = 0; e < E; e++) counts[e] = start[e + 1] - start[e];
     rc = moe_projections(M, 0, start, xe, h, nthreads);
     if (rc == 0) {
-        moe_activate(M, h, P, a);
+        moe_activate(M, h, P, a, nthreads);
         rc = moe_projections(M, 1, start, a, oe, nthreads);
     }
-    for (int j = 0; j < P && rc == 0; j++)
-        memcpy(out + (int64_t)order[j] * H, oe + (int64_t)j * H, sizeof(float) * H);
     if (rc) goto done;
     /* each token's weighted sum, its experts in increasing id order, from zero */
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (par)
     for (int t = 0; t < T; t++) {
         int slot[64];
         for (int j = 0; j < k; j++) slot[j] = j;
@@ -280,13 +288,13 @@ int moe_experts(const moe_experts_t *M, const float *x, int T, const int64_t *id
         for (int i = 0; i < H; i++) yt[i] = 0.f;
         for (int j = 0; j < k; j++) {
             int64_t p = (int64_t)t * k + slot[j];
-            const float *op = out + p * H;
+            const float *op = oe + (int64_t)pos[p] * H;
             float wgt = wts[p];
             for (int i = 0; i < H; i++) yt[i] += op[i] * wgt;
         }
     }
 done:
-    free(start), free(fill), free(order), free(xe), free(h), free(a), free(oe), free(out);
+    free(start), free(fill), free(order), free(pos), free(xe), free(h), free(a), free(oe);
     return rc ? (rc == 1 ? 1 : 2) : 0;
 }
 

@@ -226,13 +226,14 @@ def test_a_token_is_the_same_bits_alone_and_in_any_batch(kind: str) -> None:
     assert sum(layer.tokens_per_expert) == (41 + 3 + 17) * 3
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", "cpu_f32"])
 def test_experts_with_many_rows_are_the_same_bits_alone(kind: str) -> None:
-    """A prefill-sized batch gives experts 32 rows and more: moe.c sends them to gguf.c's GEMM
-    (on AMX tiles where the CPU has them); a token alone (the few-row kernel) gets the same
-    bits."""
-    if cpu_gguf.load() is None:
-        pytest.skip("gguf.c cannot be built here")
+    """A prefill-sized batch gives experts 32 rows and more: moe.c sends GGUF experts to
+    gguf.c's GEMM (on AMX tiles where the CPU has them), and from 256 (token, expert) pairs
+    runs its own loops (gathering, activation, weighted sums) on every thread; a token alone
+    (the few-row kernel, one thread) gets the same bits."""
+    if cpu_gguf.load() is None or cpu_linear.load() is None:
+        pytest.skip("the C kernels cannot be built here")
     layer = _layer(kind)
     gen = torch.Generator().manual_seed(6)
     x, logits = torch.randn(160, HIDDEN, generator=gen), torch.randn(160, EXPERTS, generator=gen)
