@@ -199,9 +199,9 @@ static inline int64_t gemm_tile_floats(int in) {
     return (int64_t)GEMM_MR * (in >= GEMM_VF ? in / GEMM_VF * GEMM_VF : GEMM_VF);
 }
 
-/* the tile's GEMM_MR rows, whole from m = 0 to mr (a register tile compiled per row count:
- * a run-time mr would test each row in the inner loop, which cost a one-row tile, as each
- * expert of a decoded token is, ~1.7x llama.cpp's f32 time) */
+/* the tile's rows, m = 0 to mr, by a register tile compiled for that row count (a run-time
+ * mr tests each row in the inner loop: a one-row tile, as each expert of a decoded token is,
+ * ran at half the speed) */
 #define GEMM_ROWS_CASE(M)                                                                      \
     case M:                                                                                    \
         gemm_tile(xt, xb, M, wo, GEMM_NR, in, bo, yo, out, pf);                                \
