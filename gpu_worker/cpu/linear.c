@@ -167,7 +167,7 @@ static inline __attribute__((always_inline)) void gemm_tile(const float *xp, con
         gemm_v xv[GEMM_MR];
         for (int m = 0; m < GEMM_MR; m++)
             if (m < mr) xv[m] = GEMM_LOAD(xp + m * GEMM_VF);
-        if ((i & 15) == 0) /* each line of the rows to come once (16 floats a line) */
+        if (pf && (i & 15) == 0) /* each line of the rows to come once (16 floats a line) */
             for (int n = 0; n < GEMM_NR; n++)
                 _mm_prefetch((const char *)(pf + (int64_t)n * in + i), _MM_HINT_T1);
         for (int n = 0; n < GEMM_NR; n++) {
@@ -201,12 +201,33 @@ static inline int64_t gemm_tile_floats(int in) {
 
 /* the tile's rows, m = 0 to mr, by a register tile compiled for that row count (a run-time
  * mr tests each row in the inner loop: a one-row tile, as each expert of a decoded token is,
- * ran at half the speed) */
-#define GEMM_ROWS_CASE(M)                                                                      \
+ * ran at half the speed), with the weight prefetch (pf) or without it (NULL: compiled out) */
+#define GEMM_ROWS_CASE(M, PF)                                                                  \
     case M:                                                                                    \
-        gemm_tile(xt, xb, M, wo, GEMM_NR, in, bo, yo, out, pf);                                \
+        gemm_tile(xt, xb, M, wo, GEMM_NR, in, bo, yo, out, PF);                                \
         break;
-/* y rows [0, nb) of x [nb, in] (packed in xp) against W rows [lo, hi) */
+#if GEMM_MR > 3
+#define GEMM_ROWS_SWITCH(PF)                                                                   \
+    switch (mr) {                                                                              \
+        GEMM_ROWS_CASE(1, PF)                                                                  \
+        GEMM_ROWS_CASE(2, PF)                                                                  \
+        GEMM_ROWS_CASE(3, PF)                                                                  \
+        GEMM_ROWS_CASE(4, PF)                                                                  \
+        GEMM_ROWS_CASE(5, PF)                                                                  \
+        GEMM_ROWS_CASE(6, PF)                                                                  \
+    }
+#else
+#define GEMM_ROWS_SWITCH(PF)                                                                   \
+    switch (mr) {                                                                              \
+        GEMM_ROWS_CASE(1, PF)                                                                  \
+        GEMM_ROWS_CASE(2, PF)                                                                  \
+        GEMM_ROWS_CASE(3, PF)                                                                  \
+    }
+#endif
+/* y rows [0, nb) of x [nb, in] (packed in xp) against W rows [lo, hi). The first tile of x
+ * reads W from memory: it sweeps the rows GEMM_PF ahead into L2 as it goes, and the later
+ * tiles, which find W there, run without the prefetches (they cost a many-row GEMM 10-15%
+ * on Zen 4). */
 static void gemm_rows(const float *xp, const float *x, int nb, const float *w,
                       const float *bias, float *y, int out, int in, int lo, int hi) {
     const int64_t tile_floats = gemm_tile_floats(in);
@@ -216,24 +237,14 @@ static void gemm_rows(const float *xp, const float *x, int nb, const float *w,
         for (int o = lo; o < hi; o += GEMM_NR) {
             int nr = hi - o < GEMM_NR ? hi - o : GEMM_NR;
             const float *wo = w + (int64_t)o * in, *bo = bias ? bias + o : NULL;
-            /* the first tile of x reads W from memory: it sweeps the rows GEMM_PF ahead into
-               L2 as it goes (the later tiles find W there) */
-            const float *pf = b == 0 ? wo + (int64_t)GEMM_PF * in : wo;
+            const float *pf = wo + (int64_t)GEMM_PF * in;
             float *yo = y + (int64_t)b * out + o;
-            if (nr < GEMM_NR) {
-                gemm_tile(xt, xb, mr, wo, nr, in, bo, yo, out, pf);
-                continue;
-            }
-            switch (mr) {
-                GEMM_ROWS_CASE(1)
-                GEMM_ROWS_CASE(2)
-                GEMM_ROWS_CASE(3)
-#if GEMM_MR > 3
-                GEMM_ROWS_CASE(4)
-                GEMM_ROWS_CASE(5)
-                GEMM_ROWS_CASE(6)
-#endif
-            }
+            if (nr < GEMM_NR)
+                gemm_tile(xt, xb, mr, wo, nr, in, bo, yo, out, b == 0 ? pf : NULL);
+            else if (b == 0)
+                GEMM_ROWS_SWITCH(pf)
+            else
+                GEMM_ROWS_SWITCH(NULL)
         }
     }
 }
