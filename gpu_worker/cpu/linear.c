@@ -108,174 +108,142 @@ static void rows(const float *x, int nb, const float *w, const float *bias, floa
 }
 
 /* A float32 GEMM whose every output is the same bits for any number of rows of x: y[b, o] =
- * x[b, :] . W[o, :] accumulated in one vector of GEMM_VF lanes (lane j: the products of i = j
- * mod GEMM_VF, fused multiply-adds from zero in increasing i), the lanes summed by one fixed
- * reduction, then the in % GEMM_VF last products, one by one. Register tiles of GEMM_MR rows
- * of x by GEMM_NR weight rows (each weight vector loaded once for GEMM_MR rows, each x vector
- * once for GEMM_NR) change where the operands come from, never an output's operations: a
- * token gets the same result alone as among a prefill's hundreds of rows (what a mixture of
- * experts' float experts need: the rows a step routes to an expert vary with the batch).
- * Measured on Sapphire Rapids, 2 threads, 1024x1024: ~210 GFLOP/s at 256 rows against
- * linear_small's 60-90 by 8 rows a call (oneDNN's own f32 GEMM ~300, batch-dependent); tiles
- * of 6 x 4 (a decode step's ~6 rows an expert in one pass) against 4 x 6, 8 x 3, 5 x 4:
- * 94 / 71 / 78 / 82 GFLOP/s at 6 rows streaming a 128 MB weight, 209 / 189 / 168 / 222 at 256
- * rows of a 4 MB one. Each tile's rows of x are first packed side by side (one stream for the
- * tile instead of GEMM_MR rows a row length apart, which at in = 1024 all fall in one L1 set
- * with the weight rows): on Zen 4, 2 threads, 1024x1024, 256 / 512 rows 125 -> 139 / 128 ->
- * 140 GFLOP/s (torch's oneDNN 151 / 173). Blocking over in (the accumulators stored between
- * blocks of 128-512) measured slower there. */
+ * the fused multiply-adds x[b, i] * W[o, i] in increasing i from zero, one after another,
+ * then + bias[o]. The weight is packed once at load into panels of GEMM_PW outputs
+ * ([ceil(out / GEMM_PW)][in][GEMM_PW], the outputs past `out` zero: linear.py's
+ * pack_panels), so that one vector load gives GEMM_PW outputs' weights at one i; a register
+ * tile of GEMM_MR rows of x by two vectors of outputs broadcasts each x[b, i] once to both
+ * (an outer product a step of i). A tile's shape changes where the operands come from, never
+ * an output's operations: a token gets the same result alone as among a prefill's hundreds of
+ * rows (what a mixture of experts' float experts need: the rows a step routes to an expert
+ * vary with the batch), and on every instruction set (the scalar path runs the same chain).
+ * Each tile's rows of x are first packed side by side ([in][GEMM_MR]): the broadcasts of one i
+ * read one line, where the rows themselves, `in` floats apart, would all fall in one L1 set.
+ * It replaced a dot-product GEMM on the row-major weight (lanes of i summed at the end), whose
+ * tile read GEMM_MR rows of x and 4 of W per step of i, more than L1 holds at in = 1024: see
+ * docs/benchmarks.md for both on Zen 4. */
+#define GEMM_PW 16 /* outputs a panel of the packed weight */
 #if defined(__AVX512F__)
 #include <immintrin.h>
-#define GEMM_VF 16
-#define GEMM_MR 6
-#define GEMM_NR 4
+#define GEMM_VF 16 /* floats a vector: a tile is 2 panels */
+#define GEMM_MR 12 /* rows of x a tile: 24 accumulators of 32 registers */
 typedef __m512 gemm_v;
 #define GEMM_ZERO() _mm512_setzero_ps()
 #define GEMM_LOAD(p) _mm512_loadu_ps(p)
+#define GEMM_BCAST(p) _mm512_set1_ps(*(p))
 #define GEMM_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define GEMM_SUM(v) _mm512_reduce_add_ps(v)
+static inline void gemm_store(float *y, gemm_v v, const float *bias, int n) {
+    __mmask16 k = (__mmask16)((1u << n) - 1);
+    __m512 b = bias ? _mm512_maskz_loadu_ps(k, bias) : _mm512_setzero_ps();
+    _mm512_mask_storeu_ps(y, k, _mm512_add_ps(v, b));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-#define GEMM_VF 8
-#define GEMM_MR 3
-#define GEMM_NR 4
+#define GEMM_VF 8 /* a tile is one panel */
+#define GEMM_MR 6 /* 12 accumulators of 16 registers */
 typedef __m256 gemm_v;
 #define GEMM_ZERO() _mm256_setzero_ps()
 #define GEMM_LOAD(p) _mm256_loadu_ps(p)
+#define GEMM_BCAST(p) _mm256_broadcast_ss(p)
 #define GEMM_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
-static inline float gemm_sum8(__m256 v) { /* a fixed order: halves, then pairs */
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+static inline void gemm_store(float *y, gemm_v v, const float *bias, int n) {
+    __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane);
+    __m256 b = bias ? _mm256_maskload_ps(bias, k) : _mm256_setzero_ps();
+    _mm256_maskstore_ps(y, k, _mm256_add_ps(v, b));
 }
-#define GEMM_SUM(v) gemm_sum8(v)
 #endif
 
 #if defined(GEMM_VF)
-/* y [mr, out] (row stride out) for x [mr, in] against W rows [nr, in], mr <= GEMM_MR, nr <=
- * GEMM_NR (compiled per tile shape by the callers' constants) */
-static inline __attribute__((always_inline)) void gemm_tile(const float *xp, const float *x,
-                                                            int mr, const float *w, int nr,
-                                                            int in, const float *bias, float *y,
-                                                            int out, const float *pf) {
-    const int kv = in / GEMM_VF * GEMM_VF;
-    gemm_v acc[GEMM_MR][GEMM_NR];
-    for (int m = 0; m < GEMM_MR; m++)
-        for (int n = 0; n < GEMM_NR; n++) acc[m][n] = GEMM_ZERO();
-    for (int i = 0; i < kv; i += GEMM_VF, xp += GEMM_MR * GEMM_VF) {
-        gemm_v xv[GEMM_MR];
-        for (int m = 0; m < GEMM_MR; m++)
-            if (m < mr) xv[m] = GEMM_LOAD(xp + m * GEMM_VF);
-        if (pf && (i & 15) == 0) /* each line of the rows to come once (16 floats a line) */
-            for (int n = 0; n < GEMM_NR; n++)
-                _mm_prefetch((const char *)(pf + (int64_t)n * in + i), _MM_HINT_T1);
-        for (int n = 0; n < GEMM_NR; n++) {
-            if (n >= nr) continue;
-            gemm_v wv = GEMM_LOAD(w + (int64_t)n * in + i);
-            for (int m = 0; m < GEMM_MR; m++)
-                if (m < mr) acc[m][n] = GEMM_FMA(xv[m], wv, acc[m][n]);
+#define GEMM_TN (2 * GEMM_VF) /* outputs a tile */
+
+/* y [mr, out] (row stride out), outputs [o, o + GEMM_TN) clipped to out, for the packed tile
+ * of x xp [in][GEMM_MR] against the packed weight wp (mr <= GEMM_MR: compiled per row count
+ * by gemm_rows' constants; an odd last panel under AVX-512 loads its own twice) */
+static inline __attribute__((always_inline)) void gemm_tile(const float *xp, int mr,
+                                                            const float *wp, int o, int in,
+                                                            const float *bias, float *y,
+                                                            int out) {
+    const float *w[2];
+    for (int v = 0; v < 2; v++) {
+        int c = o + v * GEMM_VF < out ? o + v * GEMM_VF : o;
+        w[v] = wp + (int64_t)(c / GEMM_PW) * in * GEMM_PW + c % GEMM_PW;
+    }
+    gemm_v acc[GEMM_MR][2];
+    for (int m = 0; m < GEMM_MR; m++) acc[m][0] = acc[m][1] = GEMM_ZERO();
+    for (int i = 0; i < in; i++) {
+        gemm_v w0 = GEMM_LOAD(w[0] + (int64_t)i * GEMM_PW);
+        gemm_v w1 = GEMM_LOAD(w[1] + (int64_t)i * GEMM_PW);
+        const float *xi = xp + (int64_t)i * GEMM_MR;
+        for (int m = 0; m < GEMM_MR; m++) {
+            if (m >= mr) continue;
+            gemm_v xv = GEMM_BCAST(xi + m);
+            acc[m][0] = GEMM_FMA(xv, w0, acc[m][0]);
+            acc[m][1] = GEMM_FMA(xv, w1, acc[m][1]);
         }
     }
-    for (int m = 0; m < mr; m++)
-        for (int n = 0; n < nr; n++) {
-            const float *xm = x + (int64_t)m * in, *wn = w + (int64_t)n * in;
-            float s = GEMM_SUM(acc[m][n]);
-            __m128 t = _mm_set_ss(s); /* scalar intrinsics: never reassociated */
-            for (int i = kv; i < in; i++)
-                t = _mm_fmadd_ss(_mm_set_ss(xm[i]), _mm_set_ss(wn[i]), t);
-            y[(int64_t)m * out + n] = _mm_cvtss_f32(t) + (bias ? bias[n] : 0.f);
-        }
-}
-#endif
-
-#if defined(GEMM_VF)
-#ifndef GEMM_PF
-#define GEMM_PF 8 /* weight rows ahead the first tile of x prefetches */
-#endif
-
-/* floats of one packed tile of x: GEMM_MR rows of in / GEMM_VF * GEMM_VF (at least a vector) */
-static inline int64_t gemm_tile_floats(int in) {
-    return (int64_t)GEMM_MR * (in >= GEMM_VF ? in / GEMM_VF * GEMM_VF : GEMM_VF);
+    for (int v = 0; v < 2; v++) {
+        int c = o + v * GEMM_VF, n = out - c < GEMM_VF ? out - c : GEMM_VF;
+        if (n <= 0) break;
+        for (int m = 0; m < mr; m++)
+            gemm_store(y + (int64_t)m * out + c, acc[m][v], bias ? bias + c : NULL, n);
+    }
 }
 
-/* the tile's rows, m = 0 to mr, by a register tile compiled for that row count (a run-time
- * mr tests each row in the inner loop: a one-row tile, as each expert of a decoded token is,
- * ran at half the speed), with the weight prefetch (pf) or without it (NULL: compiled out) */
-#define GEMM_ROWS_CASE(M, PF)                                                                  \
+#define GEMM_ROWS_CASE(M)                                                                      \
     case M:                                                                                    \
-        gemm_tile(xt, xb, M, wo, GEMM_NR, in, bo, yo, out, PF);                                \
+        gemm_tile(xt, M, wp, o, in, bias, yb, out);                                            \
         break;
-#if GEMM_MR > 3
-#define GEMM_ROWS_SWITCH(PF)                                                                   \
-    switch (mr) {                                                                              \
-        GEMM_ROWS_CASE(1, PF)                                                                  \
-        GEMM_ROWS_CASE(2, PF)                                                                  \
-        GEMM_ROWS_CASE(3, PF)                                                                  \
-        GEMM_ROWS_CASE(4, PF)                                                                  \
-        GEMM_ROWS_CASE(5, PF)                                                                  \
-        GEMM_ROWS_CASE(6, PF)                                                                  \
-    }
+#if GEMM_MR == 12
+#define GEMM_ROWS_SWITCH                                                                       \
+    GEMM_ROWS_CASE(1) GEMM_ROWS_CASE(2) GEMM_ROWS_CASE(3) GEMM_ROWS_CASE(4) GEMM_ROWS_CASE(5)  \
+    GEMM_ROWS_CASE(6) GEMM_ROWS_CASE(7) GEMM_ROWS_CASE(8) GEMM_ROWS_CASE(9)                   \
+    GEMM_ROWS_CASE(10) GEMM_ROWS_CASE(11) GEMM_ROWS_CASE(12)
 #else
-#define GEMM_ROWS_SWITCH(PF)                                                                   \
-    switch (mr) {                                                                              \
-        GEMM_ROWS_CASE(1, PF)                                                                  \
-        GEMM_ROWS_CASE(2, PF)                                                                  \
-        GEMM_ROWS_CASE(3, PF)                                                                  \
-    }
+#define GEMM_ROWS_SWITCH                                                                       \
+    GEMM_ROWS_CASE(1) GEMM_ROWS_CASE(2) GEMM_ROWS_CASE(3) GEMM_ROWS_CASE(4) GEMM_ROWS_CASE(5)  \
+    GEMM_ROWS_CASE(6)
 #endif
-/* y rows [0, nb) of x [nb, in] (packed in xp) against W rows [lo, hi). The first tile of x
- * reads W from memory: it sweeps the rows GEMM_PF ahead into L2 as it goes, and the later
- * tiles, which find W there, run without the prefetches (they cost a many-row GEMM 10-15%
- * on Zen 4). */
-static void gemm_rows(const float *xp, const float *x, int nb, const float *w,
-                      const float *bias, float *y, int out, int in, int lo, int hi) {
-    const int64_t tile_floats = gemm_tile_floats(in);
+/* y rows [0, nb) of x (packed tiles xp) against outputs [lo, hi) of the packed weight wp; a
+ * tile's rows by a register tile compiled for their count (a run-time count tests each row in
+ * the inner loop: a one-row tile, as each expert of a decoded token is, ran at half speed) */
+static void gemm_rows(const float *xp, int nb, const float *wp, const float *bias, float *y,
+                      int out, int in, int lo, int hi) {
     for (int b = 0; b < nb; b += GEMM_MR) {
         int mr = nb - b < GEMM_MR ? nb - b : GEMM_MR;
-        const float *xb = x + (int64_t)b * in, *xt = xp + b / GEMM_MR * tile_floats;
-        for (int o = lo; o < hi; o += GEMM_NR) {
-            int nr = hi - o < GEMM_NR ? hi - o : GEMM_NR;
-            const float *wo = w + (int64_t)o * in, *bo = bias ? bias + o : NULL;
-            const float *pf = wo + (int64_t)GEMM_PF * in;
-            float *yo = y + (int64_t)b * out + o;
-            if (nr < GEMM_NR)
-                gemm_tile(xt, xb, mr, wo, nr, in, bo, yo, out, b == 0 ? pf : NULL);
-            else if (b == 0)
-                GEMM_ROWS_SWITCH(pf)
-            else
-                GEMM_ROWS_SWITCH(NULL)
-        }
+        const float *xt = xp + (int64_t)(b / GEMM_MR) * GEMM_MR * in;
+        float *yb = y + (int64_t)b * out;
+        for (int o = lo; o < hi; o += GEMM_TN) switch (mr) { GEMM_ROWS_SWITCH }
     }
 }
 
-/* tile t of x [nb, in] packed into dst: [kv / GEMM_VF][GEMM_MR][GEMM_VF], rows past nb zero */
+/* tile t of x [nb, in] packed into dst [in][GEMM_MR], rows past nb zero */
 static void gemm_pack_tile(const float *x, int nb, int in, int t, float *dst) {
-    const int kv = in / GEMM_VF * GEMM_VF;
     for (int m = 0; m < GEMM_MR; m++) {
         int b = t * GEMM_MR + m;
-        for (int i = 0; i < kv; i += GEMM_VF) {
-            float *d = dst + (int64_t)i * GEMM_MR + m * GEMM_VF;
-            if (b < nb)
-                memcpy(d, x + (int64_t)b * in + i, sizeof(float) * GEMM_VF);
-            else
-                memset(d, 0, sizeof(float) * GEMM_VF);
-        }
+        const float *xb = x + (int64_t)b * in;
+        for (int i = 0; i < in; i++) dst[(int64_t)i * GEMM_MR + m] = b < nb ? xb[i] : 0.f;
     }
 }
 #endif
 
-/* weight rows a scheduling unit: a multiple of GEMM_NR, ~128 KB of W at in = 1024 (L2) */
+/* outputs a scheduling unit: a multiple of GEMM_TN and of GEMM_PW, 128 KB of W at in = 1024
+ * (L2: the unit's panels are read once for each tile of x) */
 #define GEMM_UNIT 32
 
+/* floats of one group's packed weight: ceil(out / GEMM_PW) panels of in x GEMM_PW */
+static inline int64_t gemm_weight_floats(int out, int in) {
+    return (int64_t)((out + GEMM_PW - 1) / GEMM_PW) * in * GEMM_PW;
+}
+
 /* Groups of rows, each against its own weight, in one parallel region: group g is rows
- * [start[g], start[g + 1]) of x [start[groups], in] and y [start[groups], out], against W_g =
- * w + g * out * in (float32 [out, in]) and bias + g * out (or no bias). Every group's tiles of
- * x are packed, then every (group, unit of weight rows) pair is one work item: one wake of
- * the threads for all of a mixture of experts' experts (one region per expert cost a decode
- * step of a few rows an expert more than its arithmetic on a 2-core VM). Each output is the
- * same bits as linear_gemm gives it (the same tile code); without AVX2 a scalar loop per
- * output. Returns 0; 1 for a shape it does not take; 2 when memory ran out. */
+ * [start[g], start[g + 1]) of x [start[groups], in] and y [start[groups], out], against the
+ * packed W_g = w + g * gemm_weight_floats(out, in) and bias + g * out (or no bias). Every
+ * group's tiles of x are packed, then every (group, unit of outputs) pair is one work item:
+ * one wake of the threads for all of a mixture of experts' experts (one region per expert cost
+ * a decode step of a few rows an expert more than its arithmetic on a 2-core VM). Without
+ * AVX2, a scalar chain per output (the same bits). Returns 0; 1 for a shape it does not take;
+ * 2 when memory ran out. */
 int linear_gemm_groups(const float *x, const int *start, int groups, const float *w,
                        const float *bias, float *y, int out, int in, int nthreads) {
     if (groups < 1 || in < 1 || out < 1 || start[0] != 0) return 1;
@@ -297,10 +265,11 @@ int linear_gemm_groups(const float *x, const int *start, int groups, const float
 #endif
     }
     const int chunks = (out + GEMM_UNIT - 1) / GEMM_UNIT, items = used * chunks;
+    const int64_t wfloats = gemm_weight_floats(out, in);
 #if defined(GEMM_VF)
-    const int tiles = tile0[groups];
-    const int64_t tile_floats = gemm_tile_floats(in);
-    float *xp = (float *)aligned_alloc(64, sizeof(float) * (size_t)(tiles * tile_floats + 16));
+    const int64_t tile_floats = (int64_t)GEMM_MR * in;
+    size_t xp_bytes = sizeof(float) * (size_t)(tile0[groups] * tile_floats + 16);
+    float *xp = (float *)aligned_alloc(64, xp_bytes);
     if (!xp) {
         free(item), free(tile0);
         return 2;
@@ -318,9 +287,9 @@ int linear_gemm_groups(const float *x, const int *start, int groups, const float
         for (int i = 0; i < items; i++) {
             int g = item[i / chunks], lo = (i % chunks) * GEMM_UNIT, s = start[g];
             int hi = lo + GEMM_UNIT < out ? lo + GEMM_UNIT : out;
-            gemm_rows(xp + tile0[g] * tile_floats, x + (int64_t)s * in, start[g + 1] - s,
-                      w + (int64_t)g * out * in, bias ? bias + (int64_t)g * out : NULL,
-                      y + (int64_t)s * out, out, in, lo, hi);
+            gemm_rows(xp + tile0[g] * tile_floats, start[g + 1] - s, w + g * wfloats,
+                      bias ? bias + (int64_t)g * out : NULL, y + (int64_t)s * out, out, in, lo,
+                      hi);
         }
     }
     free(xp);
@@ -329,12 +298,13 @@ int linear_gemm_groups(const float *x, const int *start, int groups, const float
     for (int i = 0; i < items; i++) {
         int g = item[i / chunks], lo = (i % chunks) * GEMM_UNIT;
         int hi = lo + GEMM_UNIT < out ? lo + GEMM_UNIT : out;
-        const float *wg = w + (int64_t)g * out * in, *bg = bias ? bias + (int64_t)g * out : NULL;
+        const float *wg = w + g * wfloats, *bg = bias ? bias + (int64_t)g * out : NULL;
         for (int b = start[g]; b < start[g + 1]; b++)
             for (int o = lo; o < hi; o++) {
-                const float *xb = x + (int64_t)b * in, *wo = wg + (int64_t)o * in;
+                const float *xb = x + (int64_t)b * in;
+                const float *wo = wg + (int64_t)(o / GEMM_PW) * in * GEMM_PW + o % GEMM_PW;
                 float s = 0.f;
-                for (int k = 0; k < in; k++) s = fmaf(xb[k], wo[k], s);
+                for (int k = 0; k < in; k++) s = fmaf(xb[k], wo[(int64_t)k * GEMM_PW], s);
                 y[(int64_t)b * out + o] = s + (bg ? bg[o] : 0.f);
             }
     }
@@ -343,7 +313,7 @@ int linear_gemm_groups(const float *x, const int *start, int groups, const float
     return 0;
 }
 
-/* y [nb, out] = x [nb, in] @ W.T (+ bias), W float32 [out, in], any nb >= 1: see above
+/* y [nb, out] = x [nb, in] @ W.T (+ bias), W float32 packed in panels (see above), any nb >= 1
  * (linear_gemm_groups with one group). Returns as it. */
 int linear_gemm(const float *x, int nb, const float *w, const float *bias, float *y, int out,
                 int in, int nthreads) {

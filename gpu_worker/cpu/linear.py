@@ -97,16 +97,52 @@ def linear_small(
     return y if y is None or x.dtype == torch.float32 else y.to(x.dtype)
 
 
+PANEL = 16  # linear.c's GEMM_PW: outputs a panel of a packed GEMM weight
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """float32 weight [..., out, in] in linear.c's GEMM layout: [..., ceil(out / PANEL), in,
+    PANEL], panel p holding outputs [p * PANEL, (p + 1) * PANEL) (those past `out` zero), one
+    vector load a step of `in` for PANEL outputs."""
+    *lead, out, in_features = weight.shape
+    panels = -(-out // PANEL)
+    if panels * PANEL != out:  # a copy only where outputs must be added
+        weight = torch.nn.functional.pad(weight, (0, 0, 0, panels * PANEL - out))
+    return weight.reshape(*lead, panels, PANEL, in_features).transpose(-1, -2).contiguous()
+
+
+def unpack_panels(panels: torch.Tensor, out: int) -> torch.Tensor:
+    """pack_panels' weight [..., out, in] again (a copy)."""
+    *lead, n, in_features, width = panels.shape
+    return panels.transpose(-1, -2).reshape(*lead, n * width, in_features)[..., :out, :]
+
+
 def linear_gemm(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out: int
 ) -> torch.Tensor | None:
-    """x [rows, in] @ weight.T (+ bias) for float32 x and weight, any number of rows, by
-    linear.c's GEMM whose every output is the same bits whatever the rows beside it (a float
-    expert's rows vary with the batch); None when the kernel does not take these inputs."""
+    """x [rows, in] @ W.T (+ bias) for float32 x and a float32 weight W [out, in] packed by
+    pack_panels, any number of rows, by linear.c's GEMM whose every output is the same bits
+    whatever the rows beside it (a float expert's rows vary with the batch); None when the
+    kernel does not take these inputs."""
     lib = load()
-    if lib is None or x.dtype != torch.float32 or weight.dtype != torch.float32:
+    if (
+        lib is None
+        or x.dtype != torch.float32
+        or panels.dtype != torch.float32
+        or panels.dim() != 3
+        or panels.shape[0] * PANEL < out
+        or not _takes(lib, x, panels, 1 << 30)
+        or x.shape[1] != panels.shape[1]
+    ):
         return None
-    return _call(lib.linear_gemm, x, weight, bias) if _takes(lib, x, weight, 1 << 30) else None
+    xf = x.contiguous()
+    bf = bias.to(torch.float32).contiguous() if bias is not None else None
+    y = torch.empty(x.shape[0], out, dtype=torch.float32)
+    code = lib.linear_gemm(
+        xf.data_ptr(), x.shape[0], panels.data_ptr(), bf.data_ptr() if bf is not None else None,
+        y.data_ptr(), out, x.shape[1], torch.get_num_threads(),
+    )  # fmt: skip
+    return y if code == 0 else None
 
 
 def can_pack(dtype: torch.dtype) -> bool:

@@ -46,7 +46,8 @@ enum { MOE_SILU = 0, MOE_SWIGLU_CLAMP = 1 };
 
 /* One layer's experts as its method keeps them: w13 [E, 2I, ...] (gate rows then up rows, or
  * interleaved for MOE_SWIGLU_CLAMP) and w2 [E, H, ...]:
- *   MOE_F32, MOE_BF16  [E, out, in] float32 / bfloat16
+ *   MOE_F32            [E, ceil(out / 16), in, 16] float32 in linear.c's GEMM panels
+ *   MOE_BF16           [E, out, in] bfloat16
  *   MOE_GGUF           [E, out, row_bytes] of GGUF type qt13 / qt2
  *   MOE_INT8           [E, out, in] int8 with s13 / s2 float32 [E, out]
  *   MOE_MXFP4          [E, out, in / 32, 16] uint8 with s13 / s2 uint8 [E, out, in / 32]
@@ -247,7 +248,8 @@ int moe_experts(const moe_experts_t *M, const float *x, int T, const int64_t *id
         if (ids[p] < 0 || ids[p] >= E) return 1;
     int *start = (int *)calloc((size_t)E + 1, sizeof(int));
     int *fill = (int *)malloc(sizeof(int) * ((size_t)E + 1));
-    int *order = (int *)malloc(sizeof(int) * (size_t)P), *pos = (int *)malloc(sizeof(int) * (size_t)P);
+    int *order = (int *)malloc(sizeof(int) * (size_t)P);
+    int *pos = (int *)malloc(sizeof(int) * (size_t)P);
     float *xe = (float *)malloc(sizeof(float) * (size_t)P * H);
     float *h = (float *)malloc(sizeof(float) * (size_t)P * 2 * I);
     float *a = (float *)malloc(sizeof(float) * (size_t)P * I);
@@ -277,9 +279,10 @@ int moe_experts(const moe_experts_t *M, const float *x, int T, const int64_t *id
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (par)
     for (int t = 0; t < T; t++) {
         int slot[64];
+        const int64_t *idt = ids + (int64_t)t * k;
         for (int j = 0; j < k; j++) slot[j] = j;
         for (int j = 1; j < k; j++) /* insertion sort of the slots by expert id */
-            for (int m = j; m > 0 && ids[(int64_t)t * k + slot[m - 1]] > ids[(int64_t)t * k + slot[m]]; m--) {
+            for (int m = j; m > 0 && idt[slot[m - 1]] > idt[slot[m]]; m--) {
                 int tmp = slot[m];
                 slot[m] = slot[m - 1];
                 slot[m - 1] = tmp;

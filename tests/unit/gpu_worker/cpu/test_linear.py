@@ -94,7 +94,7 @@ def test_many_rows_take_the_packed_weight_and_match_torch(rows: int, bias: bool)
 
 def _gemm_builds() -> dict[str, ctypes.CDLL]:
     """linear.c for this CPU and, on an AVX2 machine, for AVX2 alone and for plain x86-64:
-    each build's tiles and lane count differ (16 lanes 6 x 4, 8 lanes 3 x 4, scalar)."""
+    each build's tiles differ (AVX-512 12 rows x 32 outputs, AVX2 6 x 16, scalar)."""
     builds = {"native": linear.load()}
     if platform.machine() == "x86_64" and "avx2" in cpu_flags():
         for march in ("haswell", "x86-64"):
@@ -110,9 +110,9 @@ GEMM_BUILDS = _gemm_builds()
 
 def _gemm(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     y = torch.empty(x.shape[0], w.shape[0])
-    x = x.contiguous()
+    x, panels = x.contiguous(), linear.pack_panels(w)
     code = lib.linear_gemm(
-        x.data_ptr(), x.shape[0], w.data_ptr(), b.data_ptr(), y.data_ptr(), w.shape[0],
+        x.data_ptr(), x.shape[0], panels.data_ptr(), b.data_ptr(), y.data_ptr(), w.shape[0],
         w.shape[1], 2,
     )  # fmt: skip
     assert code == 0
@@ -120,12 +120,14 @@ def _gemm(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -
 
 
 @pytest.mark.parametrize("march", list(GEMM_BUILDS))
-@pytest.mark.parametrize("shape", [(1024, 512), (70, 37), (13, 16), (96, 200)])
+@pytest.mark.parametrize("shape", [(1024, 512), (70, 37), (13, 16), (96, 200), (48, 5)])
 def test_the_gemm_gives_each_row_the_same_bits_alone_and_in_any_batch(
     march: str, shape: tuple[int, int]
 ) -> None:
     """linear_gemm: every output the same bits whatever the rows beside it (register tiles of
-    several rows, edge tiles, the in % lanes tail), and close to torch, on every build."""
+    every row count, a last panel part empty, an odd last panel), close to torch, and the same
+    bits on every build (AVX-512, AVX2 and the scalar chain run one chain of fused
+    multiply-adds an output)."""
     lib, (out, inn) = GEMM_BUILDS[march], shape
     gen = torch.Generator().manual_seed(3)
     w, b = torch.randn(out, inn, generator=gen), torch.randn(out, generator=gen)
@@ -136,13 +138,25 @@ def test_the_gemm_gives_each_row_the_same_bits_alone_and_in_any_batch(
         assert torch.equal(_gemm(lib, x[i : i + 1], w, b)[0], batch[i]), i
     perm = torch.randperm(41, generator=gen)[:7]
     assert torch.equal(_gemm(lib, x[perm], w, b), batch[perm])
+    assert torch.equal(_gemm(GEMM_BUILDS["native"], x, w, b), batch)
+
+
+def test_panels_unpack_to_the_weight() -> None:
+    w = torch.randn(2, 37, 9)
+    panels = linear.pack_panels(w)
+    assert panels.shape == (2, 3, 9, linear.PANEL)
+    assert torch.equal(linear.unpack_panels(panels, 37), w)
+    assert not panels[:, 2, :, 5:].any()  # outputs past 37: zero
 
 
 def test_linear_gemm_wrapper_takes_float32_only() -> None:
     if linear.load() is None:
         pytest.skip("linear.c cannot be built here")
     w, x = torch.randn(8, 32), torch.randn(3, 32)
-    y = linear.linear_gemm(x, w, None)
+    panels = linear.pack_panels(w)
+    y = linear.linear_gemm(x, panels, None, 8)
     assert y is not None
     torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
-    assert linear.linear_gemm(x.bfloat16(), w.bfloat16(), None) is None
+    assert linear.linear_gemm(x.bfloat16(), panels, None, 8) is None
+    assert linear.linear_gemm(x, panels.bfloat16(), None, 8) is None
+    assert linear.linear_gemm(x, panels, None, 17) is None  # more outputs than its panels
