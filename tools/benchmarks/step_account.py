@@ -38,17 +38,33 @@ LINEAR, ATTENTION, LAYERS = "linear (C, weights streamed)", "attention (C)", "no
 ONE_CALL = "every decoder layer (C, one call)"
 PACKED, STORE = "linear (oneDNN, packed weights)", "K/V store (torch index_copy_)"
 QUANT = "linear (quantized: GGUF / int8 kernels)"
-EXTEND = "prefill attention (torch SDPA, flash)"
+EXTEND = "prefill attention (torch SDPA, gathers; besides its C kernel)"
 KERNELS = (ONE_CALL, LINEAR, PACKED, QUANT, ATTENTION, EXTEND, STORE, LAYERS)
 
 
+_inner: list[float] = []  # per timed kernel call in progress: the time of the calls inside it
+
+
 def _timed(spent: dict[str, float], key: str, f: Callable[..., Any]) -> Callable[..., Any]:
+    """f, its time added to spent[key]; a kernel's own time only, less the timed kernels it
+    calls (the prefill attention's _extend calls paged_prefill: counted once, under it). The
+    forward's time is its whole."""
+
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        own = key != "forward"
+        if own:
+            _inner.append(0.0)
         t = time.perf_counter()
         try:
             return f(*args, **kwargs)
         finally:
-            spent[key] += time.perf_counter() - t
+            took = time.perf_counter() - t
+            if own:
+                inside = _inner.pop()
+                if _inner:
+                    _inner[-1] += took
+                took -= inside
+            spent[key] += took
 
     return wrapper
 
