@@ -327,8 +327,8 @@ static inline __attribute__((always_inline)) vf8 sum16x8(const vf16 *a) {
 }
 
 static inline __attribute__((always_inline)) void
-score_rows(const int D, const int kind, const float *qr, const float *k, int64_t stride,
-           const float *scales, int j0, int n, float scale, float *s) {
+score_row(const int D, const int kind, const float *qr, const float *k, int64_t stride,
+          const float *scales, int j0, int n, float scale, float *s) {
     vf16 q[D / 16];
     for (int c = 0; c < D / 16; c++) q[c] = load16(qr + 16 * c);
     int j = j0;
@@ -349,36 +349,73 @@ score_rows(const int D, const int kind, const float *qr, const float *k, int64_t
     }
 }
 
+/* The g query rows of one KV head (q [g][D]; row r's scores at s + r * s_stride) */
 static inline __attribute__((always_inline)) void
-accumulate_rows(const int D, const int kind, const float *p, const float *v, int64_t stride,
-                const float *scales, int j0, int n, float *o) {
-    float acc[D];
-#pragma omp simd
-    for (int x = 0; x < D; x++) acc[x] = o[x];
-    for (int j = j0; j < n; j++) {
-        const float *vj = v + j * stride;
-        float pj = kind == KV_INT8 ? p[j] * scales[j] : p[j];
-#pragma omp simd
-        for (int x = 0; x < D; x++) acc[x] += pj * vj[x];
-    }
-#pragma omp simd
-    for (int x = 0; x < D; x++) o[x] = acc[x];
+score_rows(const int D, const int kind, const float *q, int g, const float *k, int64_t stride,
+           const float *scales, int j0, int n, float scale, float *s, int64_t s_stride) {
+    for (int r = 0; r < g; r++)
+        score_row(D, kind, q + (int64_t)r * D, k, stride, scales, j0, n, scale,
+                  s + r * s_stride);
 }
 
-typedef void score_fn(const float *qr, const float *k, int64_t stride, const float *scales,
-                      int j0, int n, float scale, float *s);
-typedef void accumulate_fn(const float *p, const float *v, int64_t stride, const float *scales,
-                           int j0, int n, float *o);
+/* The weight of value row j for a query row's probabilities p */
+#define VALUE_WEIGHT(p, j) (kind == KV_INT8 ? (p)[j] * scales[j] : (p)[j])
+
+/* The g query rows of one KV head (out [g][D]; row r's probabilities at p + r * p_stride),
+ * two at a time: each value row is loaded once for both, and their 2 * D / 16 sums are
+ * independent chains (one row's D / 16 leave the multiply-adds waiting on their latency);
+ * an odd last row alone. Each row's sums are the same operations in the same order either
+ * way, and a row of a head always takes the same way (its place among the g). */
+static inline __attribute__((always_inline)) void
+accumulate_rows(const int D, const int kind, const float *p, int64_t p_stride, int g,
+                const float *v, int64_t stride, const float *scales, int j0, int n, float *o) {
+    int r = 0;
+    for (; r + 2 <= g; r += 2) {
+        const float *p0 = p + r * p_stride, *p1 = p0 + p_stride;
+        float *o0 = o + (int64_t)r * D, *o1 = o0 + D;
+        vf16 a0[D / 16], a1[D / 16];
+        for (int c = 0; c < D / 16; c++) a0[c] = load16(o0 + 16 * c), a1[c] = load16(o1 + 16 * c);
+        for (int j = j0; j < n; j++) {
+            const float *vj = v + j * stride;
+            float w0 = VALUE_WEIGHT(p0, j), w1 = VALUE_WEIGHT(p1, j);
+            for (int c = 0; c < D / 16; c++) {
+                vf16 x = load16(vj + 16 * c);
+                a0[c] += w0 * x;
+                a1[c] += w1 * x;
+            }
+        }
+        memcpy(o0, a0, sizeof a0);
+        memcpy(o1, a1, sizeof a1);
+    }
+    if (r < g) {
+        const float *p0 = p + r * p_stride;
+        float *o0 = o + (int64_t)r * D;
+        vf16 a0[D / 16];
+        for (int c = 0; c < D / 16; c++) a0[c] = load16(o0 + 16 * c);
+        for (int j = j0; j < n; j++) {
+            const float *vj = v + j * stride;
+            float w0 = VALUE_WEIGHT(p0, j);
+            for (int c = 0; c < D / 16; c++) a0[c] += w0 * load16(vj + 16 * c);
+        }
+        memcpy(o0, a0, sizeof a0);
+    }
+}
+
+typedef void score_fn(const float *q, int g, const float *k, int64_t stride,
+                      const float *scales, int j0, int n, float scale, float *s,
+                      int64_t s_stride);
+typedef void accumulate_fn(const float *p, int64_t p_stride, int g, const float *v,
+                           int64_t stride, const float *scales, int j0, int n, float *o);
 #define DEFINE_ROW_STEPS(D, KIND)                                                              \
     __attribute__((noipa)) static void score_##D##_##KIND(                                     \
-        const float *qr, const float *k, int64_t stride, const float *scales, int j0, int n,   \
-        float scale, float *s) {                                                               \
-        score_rows(D, KIND, qr, k, stride, scales, j0, n, scale, s);                           \
+        const float *q, int g, const float *k, int64_t stride, const float *scales, int j0,    \
+        int n, float scale, float *s, int64_t s_stride) {                                      \
+        score_rows(D, KIND, q, g, k, stride, scales, j0, n, scale, s, s_stride);               \
     }                                                                                          \
     __attribute__((noipa)) static void accumulate_##D##_##KIND(                                \
-        const float *p, const float *v, int64_t stride, const float *scales, int j0, int n,    \
-        float *o) {                                                                            \
-        accumulate_rows(D, KIND, p, v, stride, scales, j0, n, o);                              \
+        const float *p, int64_t p_stride, int g, const float *v, int64_t stride,               \
+        const float *scales, int j0, int n, float *o) {                                        \
+        accumulate_rows(D, KIND, p, p_stride, g, v, stride, scales, j0, n, o);                 \
     }
 
 /* Rows j0 <= j < n of one block and KV head, row j at `rows` + j * stride bytes, as float32:
@@ -435,9 +472,8 @@ attend_fixed(const int D, const int kind, score_fn *score, accumulate_fn *accumu
                                    by_head ? h0 + hh : h0, D, by_head ? D : nh * D);
             const float *k = block_rows(D, kind, block + hh * rb, rs, j0, n, buf, scales,
                                         &stride);
-            for (int r = hh * g; r < (hh + 1) * g; r++)
-                score(q + (int64_t)r * D, k, stride, scales, j0, n, scale,
-                      scores + (int64_t)r * seq_len + l0);
+            score(q + (int64_t)hh * g * D, g, k, stride, scales, j0, n, scale,
+                  scores + (int64_t)hh * g * seq_len + l0, seq_len);
         }
     }
     softmax_rows(scores, rows, start, seq_len, softcap, sinks, out, D);
@@ -453,9 +489,8 @@ attend_fixed(const int D, const int kind, score_fn *score, accumulate_fn *accumu
                                    by_head ? h0 + hh : h0, D, by_head ? D : nh * D);
             const float *v = block_rows(D, kind, block + hh * rb, rs, j0, n, buf, scales,
                                         &stride);
-            for (int r = hh * g; r < (hh + 1) * g; r++)
-                accumulate(scores + (int64_t)r * seq_len + l0, v, stride, scales, j0, n,
-                           out + (int64_t)r * D);
+            accumulate(scores + (int64_t)hh * g * seq_len + l0, seq_len, g, v, stride, scales,
+                       j0, n, out + (int64_t)hh * g * D);
         }
     }
 }
@@ -481,10 +516,8 @@ static inline int visible_from(int len, int window) {
             int a = visible_from(len0 + t, window) - l0, b = len0 + t - l0;                    \
             a = a < j0 ? j0 : a;                                                               \
             b = b > n ? n : b;                                                                 \
-            for (int jj = 0; a < b && jj < g; jj++) {                                          \
-                int64_t r = (int64_t)t * g + jj, row = t * row_stride + jj * D;                \
-                STEP_CALL;                                                                     \
-            }                                                                                  \
+            int64_t r = (int64_t)t * g, row = t * row_stride; /* its first query row */        \
+            if (a < b) STEP_CALL;                                                              \
         }                                                                                      \
     }
 
@@ -505,14 +538,14 @@ attend_tile(const int D, const int kind, score_fn *score, accumulate_fn *accumul
     int64_t rb = row_bytes(kind, D), rs = kvh * rb;
     float *scales = buf + (int64_t)bs * D;
     int lo = visible_from(len0, window), hi = len0 + tile - 1; /* the positions any row sees */
-    TILE_PASS(k_cache, score(q + row, rows_, stride, scales, a, b, scale,
-                             scores + r * hi + l0))
+    TILE_PASS(k_cache, score(q + row, g, rows_, stride, scales, a, b, scale,
+                             scores + r * hi + l0, hi))
     for (int t = 0; t < tile; t++)
         for (int jj = 0; jj < g; jj++)
             softmax_rows(scores + ((int64_t)t * g + jj) * hi, 1, visible_from(len0 + t, window),
                          len0 + t, softcap, sinks ? sinks + jj : NULL,
                          out + t * row_stride + jj * D, D);
-    TILE_PASS(v_cache, accumulate(scores + r * hi + l0, rows_, stride, scales, a, b,
+    TILE_PASS(v_cache, accumulate(scores + r * hi + l0, hi, g, rows_, stride, scales, a, b,
                                   out + row))
 }
 
