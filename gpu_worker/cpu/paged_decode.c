@@ -278,36 +278,43 @@ static void attend(const float *q, const void *k_cache, const void *v_cache, int
  * chunk's rows) both call it, so a row's scores and sums are the same machine code, the same
  * bits, on either path.
  *
- * score_rows' dot products are 16 lanes wide whatever the build (GCC's vector extension: an
- * AVX2 build runs each as two 8-lane operations). q . k_j is a chain of multiply-adds per lane
- * over the D / 16 chunks, its 16 lanes then summed by a fixed halving tree: t_i = a_i + a_i+8,
- * u_i = t_i + t_i+4, v_i = u_i + u_i+2, v_0 + v_1. Eight key rows at a time run that tree
- * together (each level's shuffles and adds halve every row's lanes and pack the rows closer:
- * 3 operations a row instead of a horizontal sum's 8 each); a block's last rows share theirs
- * with zeros. A row's sum is the same tree, the same bits, whichever rows share its eight. 13% off the CPU time of a 512-token chunk's attention
- * and of a B=64 decode step's (Zen 4, one thread: tools/benchmarks/prefill_attention.py,
- * kv_attention.py --cpu-time). */
-typedef float vf16 __attribute__((vector_size(64)));
+ * score_rows' dot products are vectors of KV_LANES (16 with AVX-512, 8 on an AVX2 build)
+ * floats: q . k_j is a chain of multiply-adds per lane over the D / KV_LANES chunks, its lanes
+ * then summed by a fixed halving tree (t_i = a_i + a_i+8, u_i = t_i + t_i+4, v_i = u_i + u_i+2,
+ * v_0 + v_1; on 8 lanes the last three). Eight key rows at a time run that tree together (each
+ * level's shuffles and adds halve every row's lanes and pack the rows closer: 3 operations a
+ * row instead of a horizontal sum's 8); a block's last rows share theirs with zeros. A row's
+ * sum is the same tree, the same bits, whichever rows share its eight. 13% off the CPU time
+ * of a 512-token chunk's attention and of a B=64 decode step's (Zen 4, one thread:
+ * tools/benchmarks/prefill_attention.py, kv_attention.py --cpu-time). */
+#if defined(__AVX512F__)
+#define KV_LANES 16
+typedef float vfw __attribute__((vector_size(64)));
+#else /* AVX2: 16-lane vectors would be lowered to slow element-wise shuffles (5x slower) */
+#define KV_LANES 8
+typedef float vfw __attribute__((vector_size(32)));
+#endif
 typedef float vf8 __attribute__((vector_size(32)));
 /* (always inlined: a narrower build's note that such vectors pass differently does not apply) */
 #pragma GCC diagnostic ignored "-Wpsabi"
 
-static inline __attribute__((always_inline)) vf16 load16(const float *p) {
-    vf16 v;
+static inline __attribute__((always_inline)) vfw loadw(const float *p) {
+    vfw v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
-static inline __attribute__((always_inline)) vf16 row_dot(const int D, const vf16 *q,
-                                                          const float *k) {
-    vf16 acc = q[0] * load16(k);
-    for (int c = 1; c < D / 16; c++) acc += q[c] * load16(k + 16 * c);
+static inline __attribute__((always_inline)) vfw row_dot(const int D, const vfw *q,
+                                                         const float *k) {
+    vfw acc = q[0] * loadw(k);
+    for (int c = 1; c < D / KV_LANES; c++) acc += q[c] * loadw(k + KV_LANES * c);
     return acc;
 }
 
 /* The halving tree's sums of a[0..8), lane p of the result holding a[p]'s */
-static inline __attribute__((always_inline)) vf8 sum16x8(const vf16 *a) {
-    vf16 t[4], u[2], v;
+static inline __attribute__((always_inline)) vf8 sum_rows8(const vfw *a) {
+#if KV_LANES == 16
+    vfw t[4], u[2], v;
     for (int i = 0; i < 4; i++)
         t[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17,
                                        18, 19, 20, 21, 22, 23) +
@@ -324,26 +331,39 @@ static inline __attribute__((always_inline)) vf8 sum16x8(const vf16 *a) {
                                 30, 31);
     return __builtin_shufflevector(v, v, 0, 2, 4, 6, 8, 10, 12, 14) +
            __builtin_shufflevector(v, v, 1, 3, 5, 7, 9, 11, 13, 15);
+#else /* 8 lanes: t_i = a_i + a_i+4, u_i = t_i + t_i+2, u_0 + u_1, by shuffles within the
+         128-bit halves after the first (rows land in the order 0 2 4 6 1 3 5 7) */
+    vf8 t[4], u[2], v;
+    for (int i = 0; i < 4; i++)
+        t[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++)
+        u[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               __builtin_shufflevector(t[2 * i], t[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    v = __builtin_shufflevector(u[0], u[1], 0, 2, 8, 10, 4, 6, 12, 14) +
+        __builtin_shufflevector(u[0], u[1], 1, 3, 9, 11, 5, 7, 13, 15);
+    return __builtin_shufflevector(v, v, 0, 4, 1, 5, 2, 6, 3, 7);
+#endif
 }
 
 static inline __attribute__((always_inline)) void
 score_row(const int D, const int kind, const float *qr, const float *k, int64_t stride,
           const float *scales, int j0, int n, float scale, float *s) {
-    vf16 q[D / 16];
-    for (int c = 0; c < D / 16; c++) q[c] = load16(qr + 16 * c);
+    vfw q[D / KV_LANES];
+    for (int c = 0; c < D / KV_LANES; c++) q[c] = loadw(qr + KV_LANES * c);
     int j = j0;
     for (; j + 8 <= n; j += 8) {
-        vf16 acc[8];
+        vfw acc[8];
         for (int p = 0; p < 8; p++) acc[p] = row_dot(D, q, k + (j + p) * stride);
-        vf8 sums = sum16x8(acc);
+        vf8 sums = sum_rows8(acc);
         for (int p = 0; p < 8; p++)
             s[j + p] = sums[p] * (kind == KV_INT8 ? scales[j + p] : 1.0f) * scale;
     }
     if (j < n) { /* the last rows, and zeros (a separate loop: the one above keeps its eight
                     in registers) */
-        vf16 acc[8] = {0};
+        vfw acc[8] = {0};
         for (int p = 0; p < n - j; p++) acc[p] = row_dot(D, q, k + (j + p) * stride);
-        vf8 sums = sum16x8(acc);
+        vf8 sums = sum_rows8(acc);
         for (int p = 0; p < n - j; p++)
             s[j + p] = sums[p] * (kind == KV_INT8 ? scales[j + p] : 1.0f) * scale;
     }
@@ -373,13 +393,14 @@ accumulate_rows(const int D, const int kind, const float *p, int64_t p_stride, i
     for (; r + 2 <= g; r += 2) {
         const float *p0 = p + r * p_stride, *p1 = p0 + p_stride;
         float *o0 = o + (int64_t)r * D, *o1 = o0 + D;
-        vf16 a0[D / 16], a1[D / 16];
-        for (int c = 0; c < D / 16; c++) a0[c] = load16(o0 + 16 * c), a1[c] = load16(o1 + 16 * c);
+        vfw a0[D / KV_LANES], a1[D / KV_LANES];
+        for (int c = 0; c < D / KV_LANES; c++)
+            a0[c] = loadw(o0 + KV_LANES * c), a1[c] = loadw(o1 + KV_LANES * c);
         for (int j = j0; j < n; j++) {
             const float *vj = v + j * stride;
             float w0 = VALUE_WEIGHT(p0, j), w1 = VALUE_WEIGHT(p1, j);
-            for (int c = 0; c < D / 16; c++) {
-                vf16 x = load16(vj + 16 * c);
+            for (int c = 0; c < D / KV_LANES; c++) {
+                vfw x = loadw(vj + KV_LANES * c);
                 a0[c] += w0 * x;
                 a1[c] += w1 * x;
             }
@@ -390,12 +411,12 @@ accumulate_rows(const int D, const int kind, const float *p, int64_t p_stride, i
     if (r < g) {
         const float *p0 = p + r * p_stride;
         float *o0 = o + (int64_t)r * D;
-        vf16 a0[D / 16];
-        for (int c = 0; c < D / 16; c++) a0[c] = load16(o0 + 16 * c);
+        vfw a0[D / KV_LANES];
+        for (int c = 0; c < D / KV_LANES; c++) a0[c] = loadw(o0 + KV_LANES * c);
         for (int j = j0; j < n; j++) {
             const float *vj = v + j * stride;
             float w0 = VALUE_WEIGHT(p0, j);
-            for (int c = 0; c < D / 16; c++) a0[c] += w0 * load16(vj + 16 * c);
+            for (int c = 0; c < D / KV_LANES; c++) a0[c] += w0 * loadw(vj + KV_LANES * c);
         }
         memcpy(o0, a0, sizeof a0);
     }

@@ -160,16 +160,21 @@ def test_window_softcap_and_sinks_same_bits(fmt_name, dtype, window, softcap, wi
     )
 
 
-def test_matches_naive_attention() -> None:
-    """A chunk after a cached prefix, against the plain torch reference."""
-    fmt = KVFormat.create("int8", torch.float32)
+@pytest.mark.parametrize("march", MARCHES)
+@pytest.mark.parametrize("fmt_name", ["auto", "int8"])
+def test_matches_naive_attention(march: str, fmt_name: str) -> None:
+    """A chunk after a cached prefix, against the plain torch reference, on every build (the
+    AVX2 one sums its scores on 8 lanes, the AVX-512 one on 16)."""
+    fmt = KVFormat.create(fmt_name, torch.float32)
     first, n = 21, 19
     cache, table = _cache(
         first + n, block_size=16, num_kv_heads=2, head_dim=64, fmt=fmt, dtype=torch.float32, seed=3
     )
     q = torch.randn(n, 6, 64, generator=torch.Generator().manual_seed(4))
     sinks = torch.tensor([2.0, -3.0, 0.0, 6.0, 1.5, -0.5])
-    got = paged_decode.paged_prefill(q, cache, table, first, 0.3, 9, 5.0, sinks, kv_format=fmt)
+    got = paged_decode.paged_prefill(
+        q, cache, table, first, 0.3, 9, 5.0, sinks, kv_format=fmt, march=march
+    )
     ref = naive_attention(
         q, fmt.dequantize(cache, torch.float32), [first], [n], [table.tolist()], 9, 0.3, 5.0, sinks
     )
