@@ -268,7 +268,7 @@ static void attend(const float *q, const void *k_cache, const void *v_cache, int
  * (row j at k + j * stride, an int8 row's scale in scales[j]), for a head size D known when
  * compiled (64, 128) and one row format:
  *
- *   score_rows:      s[j] = (q . k_j) * scale_k * scale       (16-lane dot products, below)
+ *   score_rows:      s[j] = (q . k_j) * scale_k * scale       (vector dot products, below)
  *   accumulate_rows: o += sum_j (p[j] * scale_v) v_j, in j's order, o held in vector
  *                    registers across the block (attend() loads and stores it per position)
  *
@@ -382,8 +382,8 @@ score_rows(const int D, const int kind, const float *q, int g, const float *k, i
 #define VALUE_WEIGHT(p, j) (kind == KV_INT8 ? (p)[j] * scales[j] : (p)[j])
 
 /* The g query rows of one KV head (out [g][D]; row r's probabilities at p + r * p_stride),
- * two at a time: each value row is loaded once for both, and their 2 * D / 16 sums are
- * independent chains (one row's D / 16 leave the multiply-adds waiting on their latency);
+ * two at a time: each value row is loaded once for both, and their 2 * D / KV_LANES sums are
+ * independent chains (one row's D / KV_LANES leave the multiply-adds waiting on their latency);
  * an odd last row alone. Each row's sums are the same operations in the same order either
  * way, and a row of a head always takes the same way (its place among the g). */
 static inline __attribute__((always_inline)) void
