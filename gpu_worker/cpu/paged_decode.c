@@ -381,6 +381,25 @@ score_rows(const int D, const int kind, const float *q, int g, const float *k, i
 /* The weight of value row j for a query row's probabilities p */
 #define VALUE_WEIGHT(p, j) (kind == KV_INT8 ? (p)[j] * scales[j] : (p)[j])
 
+/* R (1 or 2) query rows' value sums, each value row loaded once for the R */
+static inline __attribute__((always_inline)) void
+accumulate_r(const int D, const int kind, const int R, const float *p, int64_t p_stride,
+             const float *v, int64_t stride, const float *scales, int j0, int n, float *o) {
+    vfw a[2][D / KV_LANES];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < D / KV_LANES; c++) a[r][c] = loadw(o + r * D + KV_LANES * c);
+    for (int j = j0; j < n; j++) {
+        const float *vj = v + j * stride;
+        float w[2];
+        for (int r = 0; r < R; r++) w[r] = VALUE_WEIGHT(p + r * p_stride, j);
+        for (int c = 0; c < D / KV_LANES; c++) {
+            vfw x = loadw(vj + KV_LANES * c);
+            for (int r = 0; r < R; r++) a[r][c] += w[r] * x;
+        }
+    }
+    for (int r = 0; r < R; r++) memcpy(o + r * D, a[r], sizeof a[r]);
+}
+
 /* The g query rows of one KV head (out [g][D]; row r's probabilities at p + r * p_stride),
  * two at a time: each value row is loaded once for both, and their 2 * D / KV_LANES sums are
  * independent chains (one row's D / KV_LANES leave the multiply-adds waiting on their latency);
@@ -390,36 +409,12 @@ static inline __attribute__((always_inline)) void
 accumulate_rows(const int D, const int kind, const float *p, int64_t p_stride, int g,
                 const float *v, int64_t stride, const float *scales, int j0, int n, float *o) {
     int r = 0;
-    for (; r + 2 <= g; r += 2) {
-        const float *p0 = p + r * p_stride, *p1 = p0 + p_stride;
-        float *o0 = o + (int64_t)r * D, *o1 = o0 + D;
-        vfw a0[D / KV_LANES], a1[D / KV_LANES];
-        for (int c = 0; c < D / KV_LANES; c++)
-            a0[c] = loadw(o0 + KV_LANES * c), a1[c] = loadw(o1 + KV_LANES * c);
-        for (int j = j0; j < n; j++) {
-            const float *vj = v + j * stride;
-            float w0 = VALUE_WEIGHT(p0, j), w1 = VALUE_WEIGHT(p1, j);
-            for (int c = 0; c < D / KV_LANES; c++) {
-                vfw x = loadw(vj + KV_LANES * c);
-                a0[c] += w0 * x;
-                a1[c] += w1 * x;
-            }
-        }
-        memcpy(o0, a0, sizeof a0);
-        memcpy(o1, a1, sizeof a1);
-    }
-    if (r < g) {
-        const float *p0 = p + r * p_stride;
-        float *o0 = o + (int64_t)r * D;
-        vfw a0[D / KV_LANES];
-        for (int c = 0; c < D / KV_LANES; c++) a0[c] = loadw(o0 + KV_LANES * c);
-        for (int j = j0; j < n; j++) {
-            const float *vj = v + j * stride;
-            float w0 = VALUE_WEIGHT(p0, j);
-            for (int c = 0; c < D / KV_LANES; c++) a0[c] += w0 * loadw(vj + KV_LANES * c);
-        }
-        memcpy(o0, a0, sizeof a0);
-    }
+    for (; r + 2 <= g; r += 2)
+        accumulate_r(D, kind, 2, p + r * p_stride, p_stride, v, stride, scales, j0, n,
+                     o + (int64_t)r * D);
+    if (r < g)
+        accumulate_r(D, kind, 1, p + r * p_stride, p_stride, v, stride, scales, j0, n,
+                     o + (int64_t)r * D);
 }
 
 typedef void score_fn(const float *q, int g, const float *k, int64_t stride,
