@@ -74,18 +74,16 @@ def build_metadata(
     for seq_len, blocks in zip(seq_lens, block_tables, strict=True):
         if len(blocks) * block_size < seq_len:
             raise ValueError(f"{len(blocks)} blocks of {block_size} cannot hold {seq_len} tokens")
-    max_blocks = max(1, max(len(t) for t in block_tables))
-    table = torch.zeros(num_reqs, max_blocks, dtype=torch.int32)
-    for i, blocks in enumerate(block_tables):
-        table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    table = _block_table(block_tables)
     positions, slots = _positions_and_slots(num_computed, num_new_tokens, qsl, table, block_size)
+    ints = torch.tensor([*qsl, *seq_lens, *num_computed], dtype=torch.int32)  # one conversion
     return AttentionMetadata(
-        positions=positions.to(device, non_blocking=True),
-        slot_mapping=slots.to(device, non_blocking=True),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        num_computed=torch.tensor(num_computed, dtype=torch.int32, device=device),
-        block_tables=table.to(device, non_blocking=True),
+        positions=_on(positions, device),
+        slot_mapping=_on(slots, device),
+        query_start_loc=_on(ints[: num_reqs + 1], device),
+        seq_lens=_on(ints[num_reqs + 1 : 2 * num_reqs + 1], device),
+        num_computed=_on(ints[2 * num_reqs + 1 :], device),
+        block_tables=_on(table, device),
         block_size=block_size,
         num_decodes=num_leading_decodes(num_new_tokens),
         query_start_loc_host=qsl,
@@ -104,11 +102,7 @@ def group_metadata(
     tables and slot mapping. A sliding group's table holds -1 where its block went back to
     the pool: such an entry is out of the window of every token of the step, never read; it
     becomes block 0 here (a valid index for a backend that gathers the whole table and masks)."""
-    max_blocks = max(1, max(len(t) for t in block_tables))
-    table = torch.zeros(len(block_tables), max_blocks, dtype=torch.int32)
-    for i, blocks in enumerate(block_tables):
-        table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-    table.clamp_(min=0)
+    table = _block_table(block_tables).clamp_(min=0)
     _, slots = _positions_and_slots(
         meta.num_computed_host,
         [b - a for a, b in itertools.pairwise(meta.query_start_loc_host)],
@@ -118,9 +112,26 @@ def group_metadata(
     )
     return dataclasses.replace(
         meta,
-        slot_mapping=slots.to(device, non_blocking=True),
-        block_tables=table.to(device, non_blocking=True),
+        slot_mapping=_on(slots, device),
+        block_tables=_on(table, device),
     )
+
+
+def _on(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """t (built on the host) on `device`: itself on the CPU (no dispatch)."""
+    return t if torch.device(device).type == "cpu" else t.to(device, non_blocking=True)
+
+
+def _block_table(block_tables: list[list[int]]) -> torch.Tensor:
+    """[B, max_blocks] int32, each row padded with block 0."""
+    width = max(1, max(len(t) for t in block_tables))
+    flat = [b for t in block_tables for b in (*t, *[0] * (width - len(t)))]
+    return torch.tensor(flat, dtype=torch.int32).view(len(block_tables), width)
+
+
+# tokens up to which positions and slots are listed in Python: a decode step's few cost less
+# so than as arrays (each array operation ~10 us right after a forward, caches cold)
+_LISTED_TOKENS = 256
 
 
 def _positions_and_slots(
@@ -130,8 +141,18 @@ def _positions_and_slots(
     table: torch.Tensor,
     block_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Vectorised on the host: token t of request r sits at num_computed[r] + (t - start[r])."""
-    counts = torch.tensor(num_new_tokens, dtype=torch.int64)
+    """Token t of request r sits at num_computed[r] + (t - start[r]); its slot is its
+    block's id * block_size + its offset in the block. [T] int64 each."""
+    if qsl[-1] <= _LISTED_TOKENS:
+        listed: list[int] = []  # the positions, then the slots
+        slot_of: list[int] = []
+        for blocks, c, n in zip(table.tolist(), num_computed, num_new_tokens, strict=True):
+            span = range(c, c + n)
+            listed += span
+            slot_of += (blocks[p // block_size] * block_size + p % block_size for p in span)
+        both = torch.tensor(listed + slot_of, dtype=torch.int64)  # (flat: a nested list
+        return both[: qsl[-1]], both[qsl[-1] :]  # converts ~5x slower)
+    counts = torch.tensor(num_new_tokens, dtype=torch.int64)  # vectorised on the host
     req_of_token = torch.repeat_interleave(torch.arange(len(counts)), counts)  # [T]
     starts = torch.tensor(qsl[:-1], dtype=torch.int64)[req_of_token]
     offsets = torch.tensor(num_computed, dtype=torch.int64)[req_of_token]

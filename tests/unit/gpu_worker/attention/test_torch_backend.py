@@ -147,6 +147,22 @@ def test_metadata_packs_positions_and_slots() -> None:
     assert num_leading_decodes([1, 1, 4, 1]) == 2
 
 
+@pytest.mark.parametrize("chunk", [3, 300])  # listed in Python / as tensors (> 256 tokens)
+def test_metadata_slots_of_every_token(chunk: int) -> None:
+    num_computed, num_new = [5, 0, 17], [1, chunk, 2]
+    tables = [[4, 8], [int(b) for b in torch.randperm(40)[:19] + 10], [3, 1]]
+    meta = build_metadata(num_computed, num_new, tables, block_size=16)
+    want = [
+        (p, tables[r][p // 16] * 16 + p % 16)
+        for r, (c, n) in enumerate(zip(num_computed, num_new, strict=True))
+        for p in range(c, c + n)
+    ]
+    assert meta.positions.dtype == meta.slot_mapping.dtype == torch.int64
+    assert list(zip(meta.positions.tolist(), meta.slot_mapping.tolist(), strict=True)) == want
+    assert meta.num_computed.tolist() == num_computed
+    assert meta.block_tables.dtype == torch.int32 and meta.block_tables.shape == (3, 19)
+
+
 def test_metadata_rejects_too_few_blocks() -> None:
     with pytest.raises(ValueError, match="cannot hold"):
         build_metadata([4], [1], [[3]], block_size=4)
