@@ -165,12 +165,14 @@ int gguf_linear_rows_f32(const float *x, int rows, const uint8_t *w, int qtype,
 }
 
 #if defined(__AVX2__)
-/* weight rows [lo, hi) of w (row_bytes each) against rows [r0, r0 + rows) of xq: y [rows, out]
- * (y's row 0 is x's row r0), + bias. Per output, the same operations whatever the range and
- * the rows around it: a caller may split a layer's outputs (and its rows) any way. */
+/* weight rows [lo, hi) of w (wrows rows of row_bytes) against rows [r0, r0 + rows) of xq: y
+ * [rows, out] (y's row 0 is x's row r0), + bias. Per output, the same operations whatever the
+ * range and the rows around it: a caller may split a layer's outputs (and its rows) any way.
+ * `next`: the weight rows read after w's (the prefetch runs on into them; w + wrows *
+ * row_bytes where they follow in memory). */
 static void gguf_rows_range(const gguf_xq *xq, int r0, int rows, const uint8_t *w, int qtype,
                             int64_t row_bytes, const float *bias, float *y, int out, int lo,
-                            int hi) {
+                            int hi, int wrows, const uint8_t *next) {
     float res[GGUF_ROW_TILE];
     for (int t0 = 0; t0 < rows; t0 += GGUF_ROW_TILE) {
         int nr = rows - t0 < GGUF_ROW_TILE ? rows - t0 : GGUF_ROW_TILE;
@@ -181,7 +183,10 @@ static void gguf_rows_range(const gguf_xq *xq, int r0, int rows, const uint8_t *
                 float v[8];
                 for (int i = 0; i < 8; i++)
                     wr[i] = w + (int64_t)(o0 + i < hi ? o0 + i : hi - 1) * row_bytes;
-                gguf_dot_rows8(qtype, wr, xq->nu, xq, r0 + t0, nr, acc);
+                int ahead = o0 + 8 * GGUF_PREFETCH_GROUPS;
+                const uint8_t *sweep = ahead < wrows ? w + (int64_t)ahead * row_bytes
+                                                     : next + (int64_t)(ahead - wrows) * row_bytes;
+                gguf_dot_rows8(qtype, wr, xq->nu, xq, r0 + t0, nr, acc, (const char *)sweep);
                 for (int r = 0; r < nr; r++) {
                     _mm256_storeu_ps(v, acc[r]);
                     for (int i = 0; i < 8 && o0 + i < hi; i++)
@@ -230,7 +235,7 @@ int gguf_linear_shards(const float *x, int rows, const uint8_t *const *ws, const
         int hi = lo + GGUF_CHUNK < n ? lo + GGUF_CHUNK : n;
         int64_t rb = (int64_t)(in / gguf_block_values(qtypes[s])) * gguf_block_bytes(qtypes[s]);
         gguf_rows_range(&xq, 0, rows, ws[s], qtypes[s], rb, bias ? bias + at : NULL, y + at, out,
-                        lo, hi);
+                        lo, hi, n, ws[s] + n * rb);
     }
     free(xq.d);
     return 0;

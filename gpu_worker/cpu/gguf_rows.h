@@ -220,17 +220,17 @@ static inline __m256i gguf_hsum8x8_blend(const __m256i *p) {
  * against ~27 one weight row at a time. */
 static inline __attribute__((always_inline)) void gguf_dot32x8(int qt, const uint8_t *const *wr,
                                                                int nu, const gguf_xq *x, int r0,
-                                                               int nr, __m256 *acc) {
+                                                               int nr, __m256 *acc,
+                                                               const char *sweep) {
     const int bb = gguf_block_bytes(qt);
     const int q8_sign = qt == GGUF_Q8_0 && !GGUF_Q8_BIASED; /* abs and sign (AVX2) */
     const int off = qt == GGUF_Q4_0 ? 8 : qt == GGUF_Q5_0 ? 16 : qt == GGUF_Q8_0 ? 128 : 0;
     const int has_min = qt == GGUF_Q4_1 || qt == GGUF_Q5_1;
     for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
-    /* the group of 8 rows GGUF_PREFETCH_GROUPS groups further on (its 8 row lengths are one
-       run of bytes: the rows are consecutive) swept into L2, 8 blocks' bytes a unit, each
-       line once: the 8 rows read side by side span 8 row lengths, so a fixed distance shorter
-       than that lands in rows this group is reading already */
-    const char *sweep = (const char *)wr[0] + (int64_t)GGUF_PREFETCH_GROUPS * 8 * nu * bb;
+    /* `sweep`: the group of 8 rows read GGUF_PREFETCH_GROUPS groups further on (its 8 row
+       lengths are one run of bytes: the rows are consecutive; gguf_rows_range), swept into L2,
+       8 blocks' bytes a unit, each line once: the 8 rows read side by side span 8 row lengths,
+       so a fixed distance shorter than that lands in rows this group is reading already */
     for (int u = 0; u < nu; u++) {
         __m256i q[8], qa[8];
         const uint8_t *bs[8];
@@ -274,7 +274,7 @@ static inline __attribute__((always_inline)) void gguf_dot32x8(int qt, const uin
 
 #define GGUF_NR8(T, N)                                                                         \
     case N:                                                                                    \
-        gguf_dot32x8(T, wr, nu, x, r0, N, acc);                                                \
+        gguf_dot32x8(T, wr, nu, x, r0, N, acc, sweep);                                         \
         break;
 #define GGUF_CASE8(T)                                                                          \
     case T:                                                                                    \
@@ -298,7 +298,7 @@ static inline int gguf_takes_x8(int qt) {
 
 /* 8 weight rows against rows [r0, r0 + nr) of x, nr <= GGUF_ROW_TILE (compiled per nr) */
 static void gguf_dot_rows8(int qt, const uint8_t *const *wr, int nu, const gguf_xq *x, int r0,
-                           int nr, __m256 *acc) {
+                           int nr, __m256 *acc, const char *sweep) {
     switch (qt) {
         GGUF_CASE8(GGUF_Q4_0)
         GGUF_CASE8(GGUF_Q4_1)

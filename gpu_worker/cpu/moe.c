@@ -206,9 +206,11 @@ static int moe_projections(const moe_experts_t *M, int down, const int *start, c
         for (int i = 0; i < items * chunks; i++) {
             int e = item[i / chunks], lo = (i % chunks) * GGUF_CHUNK;
             int hi = lo + GGUF_CHUNK < out ? lo + GGUF_CHUNK : out, s = start[e];
+            /* the prefetch runs on into the next selected expert, not the one after e */
+            int after = i / chunks + 1 < items ? item[i / chunks + 1] : e + 1;
             gguf_rows_range(&xq, s, start[e + 1] - s, w + (int64_t)e * out * row_bytes, qt,
                             row_bytes, b ? b + (int64_t)e * out : NULL, y + (int64_t)s * out,
-                            out, lo, hi);
+                            out, lo, hi, out, w + (int64_t)after * out * row_bytes);
         }
         if (items) free(xq.d);
         free(item);
