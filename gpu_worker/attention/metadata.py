@@ -75,7 +75,9 @@ def build_metadata(
         if len(blocks) * block_size < seq_len:
             raise ValueError(f"{len(blocks)} blocks of {block_size} cannot hold {seq_len} tokens")
     table = _block_table(block_tables)
-    positions, slots = _positions_and_slots(num_computed, num_new_tokens, qsl, table, block_size)
+    positions, slots = _positions_and_slots(
+        num_computed, num_new_tokens, qsl, block_tables, table, block_size
+    )
     ints = torch.tensor([*qsl, *seq_lens, *num_computed], dtype=torch.int32)  # one conversion
     return AttentionMetadata(
         positions=_on(positions, device),
@@ -107,6 +109,7 @@ def group_metadata(
         meta.num_computed_host,
         [b - a for a, b in itertools.pairwise(meta.query_start_loc_host)],
         meta.query_start_loc_host,
+        block_tables,
         table,
         block_size,
     )
@@ -138,15 +141,17 @@ def _positions_and_slots(
     num_computed: list[int],
     num_new_tokens: list[int],
     qsl: list[int],
+    block_tables: list[list[int]],
     table: torch.Tensor,
     block_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token t of request r sits at num_computed[r] + (t - start[r]); its slot is its
-    block's id * block_size + its offset in the block. [T] int64 each."""
+    block's id * block_size + its offset in the block (block_tables as lists, table the
+    same padded: a token's own block is never a padding or a -1 entry). [T] int64 each."""
     if qsl[-1] <= _LISTED_TOKENS:
         listed: list[int] = []  # the positions, then the slots
         slot_of: list[int] = []
-        for blocks, c, n in zip(table.tolist(), num_computed, num_new_tokens, strict=True):
+        for blocks, c, n in zip(block_tables, num_computed, num_new_tokens, strict=True):
             span = range(c, c + n)
             listed += span
             slot_of += (blocks[p // block_size] * block_size + p % block_size for p in span)
