@@ -224,7 +224,10 @@ static inline __attribute__((always_inline)) void gguf_dot32x8(int qt, const uin
                                                                const char *sweep) {
     const int bb = gguf_block_bytes(qt);
     const int q8_sign = qt == GGUF_Q8_0 && !GGUF_Q8_BIASED; /* abs and sign (AVX2) */
-    const int off = qt == GGUF_Q4_0 ? 8 : qt == GGUF_Q5_0 ? 16 : qt == GGUF_Q8_0 ? 128 : 0;
+    const int off = qt == GGUF_Q4_0                 ? 8 /* taken off with x's integer sum */
+                    : qt == GGUF_Q5_0               ? 16
+                    : qt == GGUF_Q8_0 && !q8_sign   ? 128
+                                                    : 0;
     const int has_min = qt == GGUF_Q4_1 || qt == GGUF_Q5_1;
     for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
     /* `sweep`: the group of 8 rows read GGUF_PREFETCH_GROUPS groups further on (its 8 row
@@ -263,8 +266,7 @@ static inline __attribute__((always_inline)) void gguf_dot32x8(int qt, const uin
                 p[i] = q8_sign ? gguf_dot_us(qa[i], _mm256_sign_epi8(xv, q[i]))
                                : gguf_dot_us(q[i], xv);
             __m256i tot = nr <= 2 ? gguf_hsum8x8_blend(p) : gguf_hsum8x8(p);
-            if (off && !q8_sign)
-                tot = _mm256_sub_epi32(tot, _mm256_set1_epi32(off * x->isum[xr]));
+            if (off) tot = _mm256_sub_epi32(tot, _mm256_set1_epi32(off * x->isum[xr]));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot),
                                      _mm256_mul_ps(dw, _mm256_set1_ps(x->d[xr])), acc[r]);
             if (has_min) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x->s[xr]), acc[r]);
