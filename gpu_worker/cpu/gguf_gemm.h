@@ -115,9 +115,69 @@ static void gguf_gemm_unpack8(int qt, const uint8_t *w, int64_t row_bytes, int o
     *wsum = _mm256_slli_epi32(s, 7);
 }
 
+#if GGUF_GW == 16
+/* 16 rows' 16 bytes (row i at p[i]) transposed as 4-byte groups: t[k] lane i = bytes 4k..4k+3
+ * of row i (a 4 x 4 transpose of 32-bit words in each 128-bit lane, rows 4L..4L+3 in lane L) */
+static inline void gguf_transpose16x16b(const uint8_t *const *p, __m512i *t) {
+    __m512i q[4];
+    for (int r = 0; r < 4; r++) {
+        q[r] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)p[r]));
+        q[r] = _mm512_inserti32x4(q[r], _mm_loadu_si128((const __m128i *)p[4 + r]), 1);
+        q[r] = _mm512_inserti32x4(q[r], _mm_loadu_si128((const __m128i *)p[8 + r]), 2);
+        q[r] = _mm512_inserti32x4(q[r], _mm_loadu_si128((const __m128i *)p[12 + r]), 3);
+    }
+    __m512i a0 = _mm512_unpacklo_epi32(q[0], q[1]), a1 = _mm512_unpackhi_epi32(q[0], q[1]);
+    __m512i a2 = _mm512_unpacklo_epi32(q[2], q[3]), a3 = _mm512_unpackhi_epi32(q[2], q[3]);
+    t[0] = _mm512_unpacklo_epi64(a0, a2);
+    t[1] = _mm512_unpackhi_epi64(a0, a2);
+    t[2] = _mm512_unpacklo_epi64(a1, a3);
+    t[3] = _mm512_unpackhi_epi64(a1, a3);
+}
+
+/* gguf_gemm_unpack's unit u for Q4_0, Q4_1 and Q8_0 on 16 rows: whole registers, no per-row
+ * nibble unpacking or 8 x 8 transposes; the same bytes, sums and scales */
+static void gguf_gemm_unpack16(int qt, const uint8_t *w, int64_t row_bytes, int o0, int out,
+                               int u, gguf_tile_unit *tu) {
+    const int bb = gguf_block_bytes(qt), qo = qt == GGUF_Q4_1 ? 4 : 2;
+    const uint8_t *p[16];
+    int32_t at[16];
+    for (int i = 0; i < 16; i++) {
+        int o = o0 + i < out ? o0 + i : out - 1;
+        at[i] = (int32_t)((o - o0) * row_bytes);
+    }
+    const uint8_t *b0 = w + (int64_t)o0 * row_bytes + (int64_t)u * bb;
+    for (int i = 0; i < 16; i++) p[i] = b0 + at[i] + qo;
+    if (qt == GGUF_Q8_0) {
+        gguf_transpose16x16b(p, tu->t);
+        for (int i = 0; i < 16; i++) p[i] += 16;
+        gguf_transpose16x16b(p, tu->t + 4);
+    } else {
+        __m512i r[4], lo = _mm512_set1_epi8(0x0f);
+        gguf_transpose16x16b(p, r);
+        for (int k = 0; k < 4; k++) {
+            tu->t[k] = _mm512_and_si512(r[k], lo);
+            tu->t[k + 4] = _mm512_and_si512(_mm512_srli_epi16(r[k], 4), lo);
+        }
+    }
+    __m512i s = _mm512_setzero_si512(), ones = _mm512_set1_epi8(1);
+    for (int g = 0; g < 8; g++) s = _mm512_dpbusd_epi32(s, ones, tu->t[g]);
+    tu->wsum128 = _mm512_slli_epi32(s, 7);
+    __m512i dm = _mm512_i32gather_epi32(_mm512_loadu_si512(at), b0, 1);
+    tu->d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
+    tu->m = qt == GGUF_Q4_1 ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)))
+                            : _mm512_setzero_ps();
+}
+#endif
+
 /* rows [o0, o0 + GGUF_GW) of w unpacked into tile[nu] */
 static void gguf_gemm_unpack(int qt, const uint8_t *w, int64_t row_bytes, int o0, int out, int nu,
                              gguf_tile_unit *tile) {
+#if GGUF_GW == 16
+    if (qt == GGUF_Q4_0 || qt == GGUF_Q4_1 || qt == GGUF_Q8_0) {
+        for (int u = 0; u < nu; u++) gguf_gemm_unpack16(qt, w, row_bytes, o0, out, u, tile + u);
+        return;
+    }
+#endif
     for (int u = 0; u < nu; u++) {
         __m256i t[GGUF_GW / 8][8], ws[GGUF_GW / 8];
         float d[GGUF_GW], m[GGUF_GW];
