@@ -9,9 +9,12 @@ K and V into a reused workspace, never per token), GQA is folded into the query 
     q [num_decodes, num_kv_heads, q_per_kv, head_dim]  x  K [num_decodes, num_kv_heads, L, head_dim]
 
 and positions past each sequence's end are masked. Prefill and extend chunks run one
-request at a time with `scaled_dot_product_attention` (fp32 softmax inside): a chunk that
-starts at position 0 attends to its own fresh K/V with `is_causal`, a later chunk gathers its
-cached blocks and uses an explicit mask, causal within the new tokens. With
+request at a time. In float32 on the CPU, where the head size is 64 or 128, a chunk goes to
+the blocked prefill kernel (paged_prefill, below): faster than SDPA's flash kernel on these
+chunks (2 threads, 16 heads over 4 of 64, a 512-token prompt 9.4 -> 6.4 ms a layer; 128
+tokens 0.74 -> 0.48). Elsewhere `scaled_dot_product_attention` (fp32 softmax inside): a chunk
+that starts at position 0 attends to its own fresh K/V with `is_causal`, a later chunk gathers
+its cached blocks and uses an explicit mask, causal within the new tokens. With
 `batch_invariant` (quantized models: their activations are rounded to int8 per row, so a
 last-bit difference in attention can flip a rounding and, rarely, a greedy token) a chunk's
 queries go to the decode kernel instead, each as a decode of its own length: a token's
@@ -222,6 +225,10 @@ class TorchAttentionBackend(AttentionBackend):
             o = self._extend_by_rows(q[start:end], kv_cache, meta, r, window, sinks)
             if o is not None:
                 return o
+        elif self.cpu_decode_kernel and q.dtype == torch.float32:
+            o = self._blocked_prefill(q[start:end], kv_cache, meta, r, window, sinks)
+            if o is not None:
+                return o
         mask = meta.extend_masks[r - meta.num_decodes]
         if window > 0 and meta.seq_lens_host[r] > window:  # some keys fall out of the window
             mask = self._window_mask(meta, r, window)
@@ -276,6 +283,29 @@ class TorchAttentionBackend(AttentionBackend):
         key_pos = torch.arange(seq_len, device=self.device)[None, :]
         return (key_pos <= query_pos) & (key_pos > query_pos - window)
 
+    def _blocked_prefill(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: TorchAttentionMetadata,
+        r: int,
+        window: int,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """Request r's chunk q by the blocked prefill kernel (paged_prefill), or None where it
+        does not cover the shape (head sizes other than 64 and 128)."""
+        return paged_decode.paged_prefill(
+            q,
+            kv_cache,
+            meta.block_tables[r],
+            meta.num_computed_host[r],
+            self.scale,
+            window,
+            self.softcap,
+            sinks,
+            kv_format=self.kv_format,
+        )
+
     def _extend_by_rows(
         self,
         q: torch.Tensor,
@@ -289,20 +319,10 @@ class TorchAttentionBackend(AttentionBackend):
         num_computed + i + 1 positions of request r's blocks): by the blocked prefill kernel,
         which gives every row the decode kernel's bits while reading each block once per tile
         of rows, else (head sizes other than 64 and 128) row by row by the decode kernel."""
-        n, first = q.shape[0], meta.num_computed_host[r]
-        o = paged_decode.paged_prefill(
-            q,
-            kv_cache,
-            meta.block_tables[r],
-            first,
-            self.scale,
-            window,
-            self.softcap,
-            sinks,
-            kv_format=self.kv_format,
-        )
+        o = self._blocked_prefill(q, kv_cache, meta, r, window, sinks)
         if o is not None:
             return o
+        n, first = q.shape[0], meta.num_computed_host[r]
         table = meta.block_tables[r : r + 1].expand(n, -1)  # one table for every row
         lens = torch.arange(first + 1, first + n + 1, dtype=torch.int32)
         return paged_decode.paged_decode(
