@@ -210,6 +210,60 @@ static inline __m256i gguf_hsum8x8_blend(const __m256i *p) {
 #define GGUF_Q8_BIASED 0
 #endif
 
+/* Q4_0 / Q4_1, 8 weight rows: rows i and i + 4 side by side in one register (the 16 bytes of
+ * each block's nibbles in a 128-bit lane), the low nibbles against x's first 16 values and
+ * the high ones against its last 16 accumulated in the same int32 lanes: four lanes a row,
+ * reduced by three horizontal adds to the 8 rows' exact block sums (against eight lanes a row
+ * and ten reductions when each row's 32 quants fill a register). The float operations as
+ * gguf_dot32x8's. */
+static inline __attribute__((always_inline)) void gguf_dot4x8(int qt, const uint8_t *const *wr,
+                                                              int nu, const gguf_xq *x, int r0,
+                                                              int nr, __m256 *acc,
+                                                              const char *sweep) {
+    const int bb = gguf_block_bytes(qt), qo = qt == GGUF_Q4_1 ? 4 : 2;
+    const int has_min = qt == GGUF_Q4_1;
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    __m256 a[GGUF_ROW_TILE];
+    for (int r = 0; r < nr; r++) a[r] = _mm256_setzero_ps();
+    for (int u = 0; u < nu; u++) {
+        __m256i lo[4], hi[4];
+        const uint8_t *bs[8];
+        for (int l = u * 8 * bb; l < (u + 1) * 8 * bb; l += 64)
+            _mm_prefetch(sweep + l, _MM_HINT_T1);
+        for (int i = 0; i < 8; i++) bs[i] = wr[i] + (int64_t)u * bb;
+        for (int p = 0; p < 4; p++) {
+            __m256i v = _mm256_inserti128_si256(
+                _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(bs[p] + qo))),
+                _mm_loadu_si128((const __m128i *)(bs[p + 4] + qo)), 1);
+            lo[p] = _mm256_and_si256(v, low);
+            hi[p] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        }
+        __m256 dw, mw;
+        gguf_scales8(bs, &dw, &mw);
+        for (int r = 0; r < nr; r++) {
+            int64_t xr = (int64_t)(r0 + r) * x->nu + u;
+            const __m128i *xp = (const __m128i *)(x->q + xr * 32);
+            __m256i x0 = _mm256_broadcastsi128_si256(_mm_loadu_si128(xp));
+            __m256i x1 = _mm256_broadcastsi128_si256(_mm_loadu_si128(xp + 1)), s[4];
+            for (int p = 0; p < 4; p++) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+                s[p] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo[p], x0),
+                                           hi[p], x1);
+#else
+                s[p] = _mm256_add_epi32(gguf_dot_us(lo[p], x0), gguf_dot_us(hi[p], x1));
+#endif
+            }
+            __m256i tot = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]),
+                                            _mm256_hadd_epi32(s[2], s[3]));
+            if (qt == GGUF_Q4_0) tot = _mm256_sub_epi32(tot, _mm256_set1_epi32(8 * x->isum[xr]));
+            a[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot),
+                                   _mm256_mul_ps(dw, _mm256_set1_ps(x->d[xr])), a[r]);
+            if (has_min) a[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x->s[xr]), a[r]);
+        }
+    }
+    for (int r = 0; r < nr; r++) acc[r] = a[r];
+}
+
 /* The 32-value block types, 8 weight rows (wr[0..7]) at once against nr rows of x: lane i of
  * acc[r] is row r's output for weight row i. Per unit: each row's 32 products summed to one
  * exact int32 (the 8 sums reduced together), then acc = fma(float(dot), dw * dx, acc) and for
@@ -229,7 +283,8 @@ static inline __attribute__((always_inline)) void gguf_dot32x8(int qt, const uin
                     : qt == GGUF_Q8_0 && !q8_sign   ? 128
                                                     : 0;
     const int has_min = qt == GGUF_Q4_1 || qt == GGUF_Q5_1;
-    for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
+    __m256 a[GGUF_ROW_TILE]; /* in registers: acc may alias the loads (char pointers) */
+    for (int r = 0; r < nr; r++) a[r] = _mm256_setzero_ps();
     /* `sweep`: the group of 8 rows read GGUF_PREFETCH_GROUPS groups further on (its 8 row
        lengths are one run of bytes: the rows are consecutive; gguf_rows_range), swept into L2,
        8 blocks' bytes a unit, each line once: the 8 rows read side by side span 8 row lengths,
@@ -267,16 +322,20 @@ static inline __attribute__((always_inline)) void gguf_dot32x8(int qt, const uin
                                : gguf_dot_us(q[i], xv);
             __m256i tot = nr <= 2 ? gguf_hsum8x8_blend(p) : gguf_hsum8x8(p);
             if (off) tot = _mm256_sub_epi32(tot, _mm256_set1_epi32(off * x->isum[xr]));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot),
-                                     _mm256_mul_ps(dw, _mm256_set1_ps(x->d[xr])), acc[r]);
-            if (has_min) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x->s[xr]), acc[r]);
+            a[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot),
+                                   _mm256_mul_ps(dw, _mm256_set1_ps(x->d[xr])), a[r]);
+            if (has_min) a[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x->s[xr]), a[r]);
         }
     }
+    for (int r = 0; r < nr; r++) acc[r] = a[r];
 }
 
 #define GGUF_NR8(T, N)                                                                         \
     case N:                                                                                    \
-        gguf_dot32x8(T, wr, nu, x, r0, N, acc, sweep);                                         \
+        if (T == GGUF_Q4_0 || T == GGUF_Q4_1)                                                  \
+            gguf_dot4x8(T, wr, nu, x, r0, N, acc, sweep);                                      \
+        else                                                                                   \
+            gguf_dot32x8(T, wr, nu, x, r0, N, acc, sweep);                                     \
         break;
 #define GGUF_CASE8(T)                                                                          \
     case T:                                                                                    \
