@@ -157,6 +157,15 @@ __attribute__((unused)) static void gguf_dequant_block(const uint8_t *b, int qty
     }
 }
 
+/* The most rows of x the few-row kernel takes (gguf.py's few_rows, moe.c); more go to the int8
+ * GEMM where it takes the type. Q4_0, Q4_1 and Q8_0 up to 8 (one pass of GGUF_ROW_TILE rows):
+ * 2 threads on a Zen 4 VM (tools/benchmarks/gguf_kernels.py, weights hot), Q4_1 [1536, 576]
+ * at 6 / 8 / 12 rows few-row 0.048 / 0.057 / 0.085 ms against the GEMM's 0.055 / 0.073 /
+ * 0.074, Q8_0 [49152, 576] 1.84 / 2.40 / 3.59 against 3.02 / 3.53 / 3.55; the other types 4 */
+static inline int gguf_few_rows(int qtype) {
+    return qtype == GGUF_Q4_0 || qtype == GGUF_Q4_1 || qtype == GGUF_Q8_0 ? 8 : 4;
+}
+
 /* x's rows quantized per 32 values, the int8 kernels' other operand (gguf.c fills it,
  * gguf_rows.h and gguf_gemm.h read it) */
 #define GGUF_ROW_TILE 8 /* rows of x per pass over a chunk of weight rows */

@@ -3,7 +3,7 @@
 The weight is the GGUF tensor's raw bytes, a uint8 tensor [out_features, row_bytes] (one row
 of the matrix = in_features / block_values blocks, laid out as ggml stores them). Each row of
 x is quantized to int8 per 32 values (per row, so a row's output never depends on the other
-rows of its batch). Up to MAX_KERNEL_ROWS rows (decode) go to the few-row kernel, which
+rows of its batch). Up to few_rows() rows (decode) go to the few-row kernel, which
 streams the weights once in their block format; more rows (prefill chunks, big decode
 batches) to an int8 GEMM on 8 or 16 weight rows at a time (Q4_0, Q4_1, Q5_0, Q5_1; Q8_0 on
 CPUs with VNNI), on AMX int8 tiles where the CPU has them and Linux grants the process their
@@ -38,8 +38,18 @@ SUPPORTED = frozenset({_T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1, _T.Q8_0, _T.Q4_K, _T.
 # the most rows of x the few-row kernel takes; more go to the int8 GEMM: where the two met for
 # SmolLM2's shapes (ms, 2 threads, tools/benchmarks/gguf_kernels.py, weights hot: Q4_1
 # [1536, 576] at 4 / 8 rows 0.063 / 0.108 vs 0.060 / 0.074, Q8_0 [49152, 576] 1.75 / 3.04 vs
-# 1.98 / 2.31; on a busy 2-core Sapphire Rapids)
+# 1.98 / 2.31; on a busy 2-core Sapphire Rapids). Q4_0, Q4_1 (whose few-row kernel pairs
+# weight rows) and Q8_0 take up to 8 rows, one pass of the kernel: gguf.h's gguf_few_rows,
+# the same choice, with its figures
 MAX_KERNEL_ROWS = 4
+EIGHT_ROW_TYPES = frozenset({_T.Q4_0, _T.Q4_1, _T.Q8_0})
+
+
+def few_rows(qtype: int) -> int:
+    """The most rows of x the few-row kernel takes for weights of GGUF type `qtype`."""
+    return 8 if qtype in EIGHT_ROW_TYPES else MAX_KERNEL_ROWS
+
+
 # many rows on a matrix of more float32 bytes than TILE_ABOVE_BYTES dequantize it TILE_BYTES at
 # a time: SmolLM2's [49152, 576] vocabulary at 64 rows 86 -> 36 ms (at 512 rows 400 -> 420-450;
 # its other matrices, whole or tiled, within noise), one thread of a busy Sapphire Rapids
@@ -225,13 +235,13 @@ class GgufKernels:
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [..., in] (float32 or bfloat16) @ W.T (+ bias) in x's dtype: the few-row int8
-        kernel for up to MAX_KERNEL_ROWS rows, the int8 GEMM beyond where it takes the type
+        kernel for up to few_rows(qtype) rows, the int8 GEMM beyond where it takes the type
         (both give a row the same bits), the few-row kernel for every row count elsewhere
         (K-quants); dequantization + torch only without the library."""
         x2 = x.reshape(-1, in_features)
         y: torch.Tensor | None = None
         if x2.shape[0] > 0 and self.load() is not None:
-            if x2.shape[0] > MAX_KERNEL_ROWS:
+            if x2.shape[0] > few_rows(qtype):
                 y = self.linear_many(x2, weight, qtype, out_features, in_features, bias)
             if y is None:  # few rows, or a type the GEMM does not take: the same bits
                 y = self.linear_rows(x2, weight, qtype, out_features, in_features, bias)

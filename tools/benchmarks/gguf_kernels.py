@@ -6,8 +6,8 @@ For each SmolLM2-135M shape, with the real Q4_1 file's tensors (its Q8_0 vocabul
 too), and each row count: milliseconds (best of a few calls, weights hot in cache) and GB/s
 of weight bytes read, for
   int8     the few-row kernel (gguf_linear_rows): x rounded to int8 per 32 values, weights
-           streamed in their block format (gguf_linear: up to MAX_KERNEL_ROWS rows)
-  gemm     the int8 GEMM (gguf_linear_many; gguf_linear: beyond MAX_KERNEL_ROWS rows)
+           streamed in their block format (gguf_linear: up to few_rows() rows)
+  gemm     the int8 GEMM (gguf_linear_many; gguf_linear: beyond few_rows() rows)
   f32path  gguf_linear_rows_f32: each weight row dequantized to float32, then fp32 dots
   deq+mm   dequantize to float32 (1 MB tiles above 8 MB), then torch (K-quants' many rows)
   fp32     torch's F.linear on the float32 matrix (4 bytes per weight)
