@@ -176,7 +176,7 @@ static inline int gguf_few_rows(int qtype) {
 #define GGUF_PREFETCH 2048
 #endif
 #ifndef GGUF_PREFETCH_GROUPS
-/* the 8-row kernel (gguf_dot32x8) prefetches the rows this many groups of 8 ahead instead: a
+/* the 8-row kernel (gguf_dot_rows8) prefetches the rows this many groups of 8 ahead instead: a
  * 213 MB Q4_1 / Q8_0 matrix streamed from DRAM at one row of x, 2 threads (Sapphire Rapids,
  * 25 GB/s): 12.4 / 15.5 GB/s with 2 KB ahead, 17.7-19.0 / 20.6-23.2 with 3-4 groups; matrices
  * that stay in the last-level cache unchanged. Each line of that group once, into L2, rather

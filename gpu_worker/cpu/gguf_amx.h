@@ -9,7 +9,7 @@
  * 8 rows of 64 bytes), `tdpbssd` into a zeroed 16 x 16 int32 tile C. Signed x against signed
  * quants (the raw quants, Q4_0/Q5_0 less their offset 8/16, Q8_0's int8), so C is exactly
  * the block's integer dot of the other two paths. C is stored and the float epilogue of
- * gguf_gemm_rows / gguf_dot32x8 runs per output, in block order:
+ * gguf_gemm_rows / gguf_dot_rows8 runs per output, in block order:
  *     acc = fma(float(dot), dw * dx, acc); acc = fma(mw, sx, acc) (Q4_1/Q5_1)
  * then y = acc + bias: the same operations in the same order, so a row gets the same bits on
  * the few-row kernel, the AVX GEMM and this one, alone or in any batch, on any build.

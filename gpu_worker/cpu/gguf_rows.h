@@ -215,12 +215,12 @@ static inline __m256i gguf_hsum8x8_blend(const __m256i *p) {
  * values and the high ones against its last 16 accumulated in the same int32 lanes (Q8_0:
  * quants 0..15 of both rows in one register, 16..31 in another): four lanes a row, reduced by
  * three horizontal adds to the 8 rows' exact block sums, against eight lanes a row and ten
- * reductions when each row's 32 quants fill a register. The float operations as
- * gguf_dot32x8's, so the same bits. One Zen 4 thread, weights hot, 1 / 2 / 4 / 8 rows of x:
- * Q4_1 [3072+576+960, 576] + [576, 1536] 0.135 / 0.191 / 0.331 / 0.516 -> 0.099 / 0.134 /
- * 0.207 / 0.359 ms; Q8_0 the same shapes 0.117 / 0.180 / 0.299 / 0.558 -> 0.114 / 0.146 /
- * 0.229 / 0.411 (an AVX2-only build on the same CPU, Q8_0: 0.155 / 0.241 / 0.381 -> 0.127 /
- * 0.204 / 0.342). */
+ * reductions when each row's 32 quants fill a register (gguf_dot32x8). Then, per row and in
+ * unit order, the GEMM's float operations (gguf_gemm.h), so the same bits. One Zen 4 thread,
+ * weights hot, 1 / 2 / 4 / 8 rows of x, Q4_1 [3072+576+960, 576] + [576, 1536]: 0.135 / 0.191
+ * / 0.331 / 0.516 -> 0.099 / 0.134 / 0.207 / 0.359 ms; Q8_0 the same shapes 0.117 / 0.180 /
+ * 0.299 / 0.558 -> 0.114 / 0.146 / 0.229 / 0.411 (an AVX2-only build on the same CPU, Q8_0:
+ * 0.155 / 0.241 / 0.381 -> 0.127 / 0.204 / 0.342). */
 static inline __attribute__((always_inline)) void gguf_dot4x8(int qt, const uint8_t *const *wr,
                                                               int nu, const gguf_xq *x, int r0,
                                                               int nr, __m256 *acc,
@@ -228,6 +228,7 @@ static inline __attribute__((always_inline)) void gguf_dot4x8(int qt, const uint
     const int bb = gguf_block_bytes(qt), qo = qt == GGUF_Q4_1 ? 4 : 2;
     const int has_min = qt == GGUF_Q4_1, q8 = qt == GGUF_Q8_0;
     const int q8_sign = q8 && !GGUF_Q8_BIASED; /* abs and sign (AVX2) */
+    const int off = qt == GGUF_Q4_0 ? 8 : q8 && !q8_sign ? 128 : 0; /* taken off with x's sum */
     const __m256i low = _mm256_set1_epi8(0x0f);
     __m256 a[GGUF_ROW_TILE];
     for (int r = 0; r < nr; r++) a[r] = _mm256_setzero_ps();
@@ -276,9 +277,7 @@ static inline __attribute__((always_inline)) void gguf_dot4x8(int qt, const uint
             }
             __m256i tot = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]),
                                             _mm256_hadd_epi32(s[2], s[3]));
-            if (qt == GGUF_Q4_0) tot = _mm256_sub_epi32(tot, _mm256_set1_epi32(8 * x->isum[xr]));
-            if (q8 && !q8_sign)
-                tot = _mm256_sub_epi32(tot, _mm256_set1_epi32(128 * x->isum[xr]));
+            if (off) tot = _mm256_sub_epi32(tot, _mm256_set1_epi32(off * x->isum[xr]));
             a[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot),
                                    _mm256_mul_ps(dw, _mm256_set1_ps(x->d[xr])), a[r]);
             if (has_min) a[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x->s[xr]), a[r]);
@@ -287,25 +286,20 @@ static inline __attribute__((always_inline)) void gguf_dot4x8(int qt, const uint
     for (int r = 0; r < nr; r++) acc[r] = a[r];
 }
 
-/* The 32-value block types, 8 weight rows (wr[0..7]) at once against nr rows of x: lane i of
- * acc[r] is row r's output for weight row i. Per unit: each row's 32 products summed to one
- * exact int32 (the 8 sums reduced together), then acc = fma(float(dot), dw * dx, acc) and for
- * Q4_1/Q5_1 acc = fma(mw, sum(x), acc): exactly the GEMM's per-output operations
- * (gguf_gemm.h), so both give a row the same bits. Unsigned raw quants against signed x, the
- * offset of Q4_0/Q5_0 taken off with x's integer sum (as the GEMM does); Q8_0's too as
- * q + 128 with VNNI (above), by the sign trick without. ~10 instructions per block and row
- * against ~27 one weight row at a time. */
+/* Q5_0 / Q5_1, 8 weight rows (wr[0..7]) at once against nr rows of x: lane i of acc[r] is row
+ * r's output for weight row i. Per unit: each row's 32 products summed to one exact int32 (the
+ * 8 sums reduced together), then acc = fma(float(dot), dw * dx, acc) and for Q5_1 acc =
+ * fma(mw, sum(x), acc): exactly the GEMM's per-output operations (gguf_gemm.h), so both give a
+ * row the same bits. Unsigned raw quants against signed x, Q5_0's offset taken off with x's
+ * integer sum (as the GEMM does). ~10 instructions per block and row against ~27 one weight
+ * row at a time. (Q4_0, Q4_1 and Q8_0: gguf_dot4x8, above.) */
 static inline __attribute__((always_inline)) void gguf_dot32x8(int qt, const uint8_t *const *wr,
                                                                int nu, const gguf_xq *x, int r0,
                                                                int nr, __m256 *acc,
                                                                const char *sweep) {
     const int bb = gguf_block_bytes(qt);
-    const int q8_sign = qt == GGUF_Q8_0 && !GGUF_Q8_BIASED; /* abs and sign (AVX2) */
-    const int off = qt == GGUF_Q4_0                 ? 8 /* taken off with x's integer sum */
-                    : qt == GGUF_Q5_0               ? 16
-                    : qt == GGUF_Q8_0 && !q8_sign   ? 128
-                                                    : 0;
-    const int has_min = qt == GGUF_Q4_1 || qt == GGUF_Q5_1;
+    const int off = qt == GGUF_Q5_0 ? 16 : 0; /* taken off with x's integer sum */
+    const int has_min = qt == GGUF_Q5_1;
     __m256 a[GGUF_ROW_TILE]; /* in registers: acc may alias the loads (char pointers) */
     for (int r = 0; r < nr; r++) a[r] = _mm256_setzero_ps();
     /* `sweep`: the group of 8 rows read GGUF_PREFETCH_GROUPS groups further on (its 8 row
@@ -313,36 +307,23 @@ static inline __attribute__((always_inline)) void gguf_dot32x8(int qt, const uin
        8 blocks' bytes a unit, each line once: the 8 rows read side by side span 8 row lengths,
        so a fixed distance shorter than that lands in rows this group is reading already */
     for (int u = 0; u < nu; u++) {
-        __m256i q[8], qa[8];
+        __m256i q[8];
         const uint8_t *bs[8];
         for (int l = u * 8 * bb; l < (u + 1) * 8 * bb; l += 64)
             _mm_prefetch(sweep + l, _MM_HINT_T1);
         for (int i = 0; i < 8; i++) {
             const uint8_t *b = bs[i] = wr[i] + (int64_t)u * bb;
-            if (qt == GGUF_Q8_0) {
-                q[i] = _mm256_loadu_si256((const __m256i *)(b + 2));
-                if (q8_sign)
-                    qa[i] = _mm256_abs_epi8(q[i]);
-                else
-                    q[i] = _mm256_xor_si256(q[i], _mm256_set1_epi8((char)0x80));
-            } else if (qt == GGUF_Q4_0) {
-                q[i] = gguf_nib32(b + 2);
-            } else if (qt == GGUF_Q4_1) {
-                q[i] = gguf_nib32(b + 4);
-            } else if (qt == GGUF_Q5_0) {
+            if (qt == GGUF_Q5_0)
                 q[i] = _mm256_or_si256(gguf_nib32(b + 6), gguf_bits32(b + 2));
-            } else { /* Q5_1 */
+            else /* Q5_1 */
                 q[i] = _mm256_or_si256(gguf_nib32(b + 8), gguf_bits32(b + 4));
-            }
         }
         __m256 dw, mw; /* mw: the min where the type has one (else bytes of the quants) */
         gguf_scales8(bs, &dw, &mw);
         for (int r = 0; r < nr; r++) {
             int64_t xr = (int64_t)(r0 + r) * x->nu + u;
             __m256i xv = _mm256_loadu_si256((const __m256i *)(x->q + xr * 32)), p[8];
-            for (int i = 0; i < 8; i++)
-                p[i] = q8_sign ? gguf_dot_us(qa[i], _mm256_sign_epi8(xv, q[i]))
-                               : gguf_dot_us(q[i], xv);
+            for (int i = 0; i < 8; i++) p[i] = gguf_dot_us(q[i], xv);
             __m256i tot = nr <= 2 ? gguf_hsum8x8_blend(p) : gguf_hsum8x8(p);
             if (off) tot = _mm256_sub_epi32(tot, _mm256_set1_epi32(off * x->isum[xr]));
             a[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot),
@@ -353,28 +334,25 @@ static inline __attribute__((always_inline)) void gguf_dot32x8(int qt, const uin
     for (int r = 0; r < nr; r++) acc[r] = a[r];
 }
 
-#define GGUF_NR8(T, N)                                                                         \
+#define GGUF_NR8(T, FN, N)                                                                     \
     case N:                                                                                    \
-        if (T == GGUF_Q4_0 || T == GGUF_Q4_1 || T == GGUF_Q8_0)                                \
-            gguf_dot4x8(T, wr, nu, x, r0, N, acc, sweep);                                      \
-        else                                                                                   \
-            gguf_dot32x8(T, wr, nu, x, r0, N, acc, sweep);                                     \
+        FN(T, wr, nu, x, r0, N, acc, sweep);                                                   \
         break;
-#define GGUF_CASE8(T)                                                                          \
+#define GGUF_CASE8(T, FN)                                                                      \
     case T:                                                                                    \
         switch (nr) {                                                                          \
-            GGUF_NR8(T, 1)                                                                     \
-            GGUF_NR8(T, 2)                                                                     \
-            GGUF_NR8(T, 3)                                                                     \
-            GGUF_NR8(T, 4)                                                                     \
-            GGUF_NR8(T, 5)                                                                     \
-            GGUF_NR8(T, 6)                                                                     \
-            GGUF_NR8(T, 7)                                                                     \
-            GGUF_NR8(T, 8)                                                                     \
+            GGUF_NR8(T, FN, 1)                                                                 \
+            GGUF_NR8(T, FN, 2)                                                                 \
+            GGUF_NR8(T, FN, 3)                                                                 \
+            GGUF_NR8(T, FN, 4)                                                                 \
+            GGUF_NR8(T, FN, 5)                                                                 \
+            GGUF_NR8(T, FN, 6)                                                                 \
+            GGUF_NR8(T, FN, 7)                                                                 \
+            GGUF_NR8(T, FN, 8)                                                                 \
         }                                                                                      \
         break;
 
-/* whether gguf_dot32x8 takes qt (the 32-value block types) */
+/* whether gguf_dot_rows8 takes qt (the 32-value block types) */
 static inline int gguf_takes_x8(int qt) {
     return qt == GGUF_Q4_0 || qt == GGUF_Q4_1 || qt == GGUF_Q5_0 || qt == GGUF_Q5_1 ||
            qt == GGUF_Q8_0;
@@ -384,11 +362,11 @@ static inline int gguf_takes_x8(int qt) {
 static void gguf_dot_rows8(int qt, const uint8_t *const *wr, int nu, const gguf_xq *x, int r0,
                            int nr, __m256 *acc, const char *sweep) {
     switch (qt) {
-        GGUF_CASE8(GGUF_Q4_0)
-        GGUF_CASE8(GGUF_Q4_1)
-        GGUF_CASE8(GGUF_Q5_0)
-        GGUF_CASE8(GGUF_Q5_1)
-        GGUF_CASE8(GGUF_Q8_0)
+        GGUF_CASE8(GGUF_Q4_0, gguf_dot4x8)
+        GGUF_CASE8(GGUF_Q4_1, gguf_dot4x8)
+        GGUF_CASE8(GGUF_Q5_0, gguf_dot32x8)
+        GGUF_CASE8(GGUF_Q5_1, gguf_dot32x8)
+        GGUF_CASE8(GGUF_Q8_0, gguf_dot4x8)
     }
 }
 
