@@ -334,22 +334,19 @@ static inline __attribute__((always_inline)) void gguf_dot32x8(int qt, const uin
     for (int r = 0; r < nr; r++) acc[r] = a[r];
 }
 
+/* C(T, FN, N) for each row count N of x, 1..GGUF_ROW_TILE: a kernel compiled once per count,
+ * so that its accumulators stay in registers (a runtime count kept them on the stack: 3x
+ * slower at 4 rows) */
+#define GGUF_EACH_NR(C, T, FN) C(T, FN, 1) C(T, FN, 2) C(T, FN, 3) C(T, FN, 4) \
+    C(T, FN, 5) C(T, FN, 6) C(T, FN, 7) C(T, FN, 8)
+
 #define GGUF_NR8(T, FN, N)                                                                     \
     case N:                                                                                    \
         FN(T, wr, nu, x, r0, N, acc, sweep);                                                   \
         break;
 #define GGUF_CASE8(T, FN)                                                                      \
     case T:                                                                                    \
-        switch (nr) {                                                                          \
-            GGUF_NR8(T, FN, 1)                                                                 \
-            GGUF_NR8(T, FN, 2)                                                                 \
-            GGUF_NR8(T, FN, 3)                                                                 \
-            GGUF_NR8(T, FN, 4)                                                                 \
-            GGUF_NR8(T, FN, 5)                                                                 \
-            GGUF_NR8(T, FN, 6)                                                                 \
-            GGUF_NR8(T, FN, 7)                                                                 \
-            GGUF_NR8(T, FN, 8)                                                                 \
-        }                                                                                      \
+        switch (nr) { GGUF_EACH_NR(GGUF_NR8, T, FN) }                                          \
         break;
 
 /* whether gguf_dot_rows8 takes qt (the 32-value block types) */
@@ -443,25 +440,14 @@ static inline __attribute__((always_inline)) void gguf_dotk(int qt, const uint8_
         res[r] = _mm_cvtss_f32(_mm_add_ss(_mm_set_ss(gguf_hsum(acc[r])), _mm_set_ss(macc[r])));
 }
 
-/* one weight row against rows [r0, r0 + nr) of x, compiled once per row count (1..8) so that
- * the accumulators stay in registers (a runtime count kept them on the stack: 3x slower at 4
- * rows) */
+/* one weight row against rows [r0, r0 + nr) of x (GGUF_EACH_NR: compiled per row count) */
 #define GGUF_NR(T, FN, N)                                                                      \
     case N:                                                                                    \
         FN(T, w, x->nu, x, r0, N, res, NULL);                                                  \
         return;
 #define GGUF_CASE(T, FN)                                                                       \
     case T:                                                                                    \
-        switch (nr) {                                                                          \
-            GGUF_NR(T, FN, 1)                                                                  \
-            GGUF_NR(T, FN, 2)                                                                  \
-            GGUF_NR(T, FN, 3)                                                                  \
-            GGUF_NR(T, FN, 4)                                                                  \
-            GGUF_NR(T, FN, 5)                                                                  \
-            GGUF_NR(T, FN, 6)                                                                  \
-            GGUF_NR(T, FN, 7)                                                                  \
-            GGUF_NR(T, FN, 8)                                                                  \
-        }                                                                                      \
+        switch (nr) { GGUF_EACH_NR(GGUF_NR, T, FN) }                                           \
         return;
 
 static void gguf_dot_row(int qt, const uint8_t *w, const gguf_xq *x, int r0, int nr,
