@@ -97,7 +97,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=1, help="sequences decoding together")
     p.add_argument("--context", type=int, default=200, help="tokens each has before")
-    p.add_argument("--steps", type=int, default=30, help="decode steps timed")
+    p.add_argument("--steps", type=int, default=30, help="decode steps timed (each one longer)")
     p.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     p.add_argument("--layer-by-layer", action="store_true", help="not the one-call C step")
     p.add_argument("--prefill", type=int, default=0, help="time N-token prefill steps instead")
@@ -152,8 +152,12 @@ def main() -> int:
             drv.step({}, [(r, 1) for r in rids])
         total = (time.perf_counter() - t0) / steps * 1e3
         ms = {k: v / steps * 1e3 for k, v in spent.items()}
+        # each step adds a token: the timed steps attend over `steps` growing lengths (after
+        # the prefill's `context` tokens and three untimed steps)
+        first = args.context + 4
         what = (
-            f"decode step (B={args.batch}, context {args.context}, {args.dtype}, "
+            f"decode step (B={args.batch}, attending {first}..{first + steps - 1} positions, "
+            f"{args.dtype}, "
             f"KV {args.kv_cache_dtype})"
         )
     kernels = sum(ms.get(k, 0.0) for k in KERNELS)
