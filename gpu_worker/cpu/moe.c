@@ -186,13 +186,18 @@ static int moe_projections(const moe_experts_t *M, int down, const int *start, c
     if (M->kind == MOE_GGUF) {
         int qt = down ? M->qt2 : M->qt13;
         int64_t row_bytes = (int64_t)(in / gguf_block_values(qt)) * gguf_block_bytes(qt);
-        int chunks = (out + GGUF_CHUNK - 1) / GGUF_CHUNK, items = 0;
+        int items = 0;
         int *item = (int *)malloc(sizeof(int) * (size_t)E);
         if (!item) return 2;
         for (int e = 0; e < E; e++) {
             int n = start[e + 1] - start[e];
             if (n > 0 && n <= gguf_few_rows(qt)) item[items++] = e;
         }
+        /* units of the loop's rows over every selected expert (gguf_unit_rows), one expert's
+           rows at most */
+        int unit = gguf_unit_rows(items * out, nthreads);
+        unit = unit < out ? unit : out;
+        int chunks = (out + unit - 1) / unit;
         gguf_xq xq;
         if (items && gguf_xq_make(x, start[E], in, &xq)) {
             free(item);
@@ -202,8 +207,8 @@ static int moe_projections(const moe_experts_t *M, int down, const int *start, c
         const float *b = down ? M->b2 : M->b13;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
         for (int i = 0; i < items * chunks; i++) {
-            int e = item[i / chunks], lo = (i % chunks) * GGUF_CHUNK;
-            int hi = lo + GGUF_CHUNK < out ? lo + GGUF_CHUNK : out, s = start[e];
+            int e = item[i / chunks], lo = (i % chunks) * unit;
+            int hi = lo + unit < out ? lo + unit : out, s = start[e];
             /* the prefetch runs on into the next selected expert, not the one after e */
             int after = i / chunks + 1 < items ? item[i / chunks + 1] : e + 1;
             gguf_rows_range(&xq, s, start[e + 1] - s, w + (int64_t)e * out * row_bytes, qt,
