@@ -39,15 +39,17 @@
 #include "gguf_amx.h"
 
 #define GGUF_CHUNK 16   /* weight rows per scheduling unit, at the least */
-#ifndef GGUF_UNITS_PER_THREAD
-#define GGUF_UNITS_PER_THREAD 4
-#endif
+#define GGUF_UNITS_PER_THREAD 2
 
 /* Weight rows a scheduling unit of a loop over `rows` rows: GGUF_CHUNK, or more where that
  * would make over GGUF_UNITS_PER_THREAD units a thread. Each unit a thread takes is an atomic
- * add on the loop's shared counter, whose cache line then moves between the cores: at 16 rows
- * a unit, a one-row product of Q4_1 [3072, 576] (192 units) took 51 us on two Zen 4 cores,
- * no less than on one (50). A unit's outputs are the same bits however the rows are split. */
+ * add on the loop's shared counter, whose cache line then moves between the cores, and its
+ * first rows come in unprefetched (gguf_rows_range sweeps them in at its start now): at 16
+ * rows a unit, a one-row product of Q4_1 [3072, 576] (192 units) took 51 us on two Zen 4
+ * cores, no less than on one (50). Two units a thread rather than one or four: a thread held
+ * up by another process leaves half its share to the other, and on the same 2-core VM a
+ * B=1 MoE Q8_0 step took 5.8-5.9 ms against 6.3 at four (served ITL p50 6.7-6.8 against 7.2).
+ * A unit's outputs are the same bits however the rows are split. */
 static inline int gguf_unit_rows(int rows, int nthreads) {
     int units = (nthreads > 0 ? nthreads : 1) * GGUF_UNITS_PER_THREAD;
     int per = (rows + units - 1) / units;
