@@ -291,8 +291,8 @@ def workload(name: str, vocab: int, seed: int) -> tuple[Workload, int, float]:
     return make_workload(n, input_len, output_len, vocab, seed), concurrency, rate
 
 
-def load_server(url: str, names: list[str], vocab: int, seed: int) -> dict[str, Any]:
-    """Warm-up, then every workload of `names`; their summaries by name."""
+def load_server(server: str, url: str, names: list[str], vocab: int, seed: int) -> dict[str, Any]:
+    """Warm-up, then every workload of `names`; their summaries (named for `server`) by name."""
     model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
     warm = make_workload(4, "64", "8", vocab, seed + 1)
     asyncio.run(run_load(url, model, warm, 0, INF, seed))
@@ -300,7 +300,7 @@ def load_server(url: str, names: list[str], vocab: int, seed: int) -> dict[str, 
     for name in names:
         wl, concurrency, rate = workload(name, vocab, seed)
         timings, duration, peak = asyncio.run(run_load(url, model, wl, concurrency, rate, seed))
-        out[name] = summarize(timings, duration, peak, wl, None)
+        out[name] = {**summarize(timings, duration, peak, wl, None), "name": server}
     return out
 
 
@@ -335,7 +335,7 @@ def compare(
             with server(name, args, model_dir, flags, log, result["notes"]) as (url, start_s):
                 result["servers"][name] = {
                     "start_s": start_s,
-                    **load_server(url, loads, vocab, args.seed),
+                    **load_server(name, url, loads, vocab, args.seed),
                 }
         except RuntimeError as e:  # one server that does not start costs only its column
             if name == "shuttle":
