@@ -391,6 +391,42 @@ int gguf_linear_many(const float *x, int rows, const uint8_t *w, int qtype, cons
     return gguf_linear_many_path(x, rows, w, qtype, bias, y, out, in, nthreads, 0);
 }
 
+/* gguf_linear_shards for any number of rows, on the kernel the layers take
+ * (gpu_worker/cpu/gguf.py's `linear`): beyond the few-row kernel's rows, each shard by the
+ * int8 GEMM (gguf_linear_many) into `part`, its columns then copied into y's and the bias added
+ * over all of them, as the layers concatenate the shards and add it. Both kernels give a row
+ * the same bits; this picks the faster one for the row count. Returns as gguf_linear_shards. */
+int gguf_linear_shards_any(const float *x, int rows, const uint8_t *const *ws, const int *qtypes,
+                           const int *shard_rows, int nshards, const float *bias, float *y,
+                           int in, int nthreads) {
+    int out = 0, many = 1;
+    for (int s = 0; s < nshards; s++) {
+        out += shard_rows[s];
+#if defined(__AVX2__)
+        if (rows <= gguf_few_rows(qtypes[s]) || !gguf_gemm_takes(qtypes[s])) many = 0;
+#else
+        many = 0;
+#endif
+    }
+    if (!many) return gguf_linear_shards(x, rows, ws, qtypes, shard_rows, nshards, bias, y, in,
+                                         nthreads);
+    if (nshards == 1)
+        return gguf_linear_many(x, rows, ws[0], qtypes[0], bias, y, out, in, nthreads);
+    float *part = (float *)malloc(sizeof(float) * (size_t)rows * out);
+    if (!part) return 2;
+    int code = 0;
+    for (int s = 0, at = 0; s < nshards && !code; at += shard_rows[s], s++) {
+        code = gguf_linear_many(x, rows, ws[s], qtypes[s], NULL, part, shard_rows[s], in,
+                                nthreads);
+        for (int r = 0; r < rows && !code; r++)
+            memcpy(y + (int64_t)r * out + at, part + (int64_t)r * shard_rows[s],
+                   sizeof(float) * shard_rows[s]);
+    }
+    free(part);
+    if (!code) gguf_add_bias(bias, y, rows, out);
+    return code;
+}
+
 /* y [out, in] float32 = w [out, row_bytes] dequantized. Returns 0; 1 for a type or shape it
  * does not take. */
 int gguf_dequantize(const uint8_t *w, int qtype, float *y, int out, int in, int nthreads) {

@@ -1,5 +1,6 @@
-/* Every decoder layer of a float32 Llama-family model for a decode step of a few sequences,
- * in one call: no interpreter between the kernels.
+/* Every decoder layer of a float32 Llama-family model for a decode step of a few sequences
+ * (of up to DECODE_MAX_ROWS where every linear is GGUF blocks: decode_many_rows), in one
+ * call: no interpreter between the kernels.
  *
  * A decode step of one sequence is ~20 ms of weight reads and, run layer by layer from
  * Python, ~6 ms of torch dispatch, tensor bookkeeping and ctypes calls around ~10 kernels per
@@ -108,8 +109,8 @@ static int run_base(const decode_linear_t *L, const float *x, int n, float *y, i
         return int8_linear_rows(x, n, (const int8_t *)L->w[0], L->scale, L->b, y, out, in,
                                 nthreads);
     case LIN_GGUF:
-        return gguf_linear_shards(x, n, (const uint8_t *const *)L->w, L->qtype, L->rows,
-                                  L->nshards, L->b, y, in, nthreads);
+        return gguf_linear_shards_any(x, n, (const uint8_t *const *)L->w, L->qtype, L->rows,
+                                      L->nshards, L->b, y, in, nthreads);
     default:
         return 1;
     }
@@ -176,15 +177,35 @@ done:
     return code ? 2 : 0;
 }
 
-/* Returns 0; 1 when the shapes are outside what it takes (n > MAX_ROWS), 2 when memory ran
- * out or a kernel refused (the caller runs the layers one by one). kv_base is the cache
- * [layers, 2, blocks, bs, kvh, row] (rows as kv_kind stores them, paged_decode.c: float32,
- * bf16, int8 with its scale, fp8 e4m3 / e5m2; each new row quantized once): layer l's K at
- * l * layer_stride, its V half_stride further (elements). lora_slots [n]: each row's adapter
- * slot (-1: none), or NULL when no row has one (the step then costs nothing more). Each head
- * of d dims rotates its first rot (cos_t / sin_t [positions, rot / 2]). inter sizes the
- * buffers: the widest of the layers' dense MLPs and shared experts, and half the widest
- * router's outputs (each layer's own width is its decode_layer_t's). */
+/* DECODE_MAX_ROWS where a step of these layers may take more than MAX_ROWS rows: every
+ * linear GGUF blocks without LoRA and every layer dense (gguf_linear_shards_any takes any rows
+ * on the kernel the layers take); else 0: MAX_ROWS at most (linear.c's float kernel; int8 and
+ * LoRA layers, and the experts, take other kernels beyond it). Layer by layer, a B=64 decode
+ * step of SmolLM2's Q4_1 file (2 Sapphire Rapids threads) spent ~6 ms of its ~97 in torch and
+ * Python between the kernels and ~2 storing K/V by torch; in one call it takes ~86. Its
+ * buffers grow with n; past DECODE_MAX_ROWS the layers' own overhead is small. */
+#define DECODE_MAX_ROWS 256
+static int takes_many(const decode_linear_t *L) { return L->kind == LIN_GGUF && !L->lora_a; }
+int decode_many_rows(const decode_layer_t *layers, int num_layers) {
+    for (int l = 0; l < num_layers; l++) {
+        const decode_layer_t *w = layers + l;
+        if (w->moe || !takes_many(&w->qkv) || !takes_many(&w->o) || !takes_many(&w->gate_up) ||
+            !takes_many(&w->down))
+            return 0;
+    }
+    return DECODE_MAX_ROWS;
+}
+
+/* Returns 0; 1 when the shapes are outside what it takes (n past MAX_ROWS, or past
+ * decode_many_rows where that is not 0), 2 when memory ran out or a kernel refused (the
+ * caller runs the layers one by one). kv_base is the cache [layers, 2, blocks, bs, kvh, row]
+ * (rows as kv_kind stores them, paged_decode.c: float32, bf16, int8 with its scale, fp8
+ * e4m3 / e5m2; each new row quantized once): layer l's K at l * layer_stride, its V
+ * half_stride further (elements). lora_slots [n]: each row's adapter slot (-1: none), or NULL
+ * when no row has one (the step then costs nothing more). Each head of d dims rotates its
+ * first rot (cos_t / sin_t [positions, rot / 2]). inter sizes the buffers: the widest of the
+ * layers' dense MLPs and shared experts, and half the widest router's outputs (each layer's
+ * own width is its decode_layer_t's). */
 int decode_forward(const decode_layer_t *layers, int num_layers, float *x, int n, int hidden,
                    int heads, int kvh, int d, int rot, int inter, float eps, const float *cos_t,
                    const float *sin_t, const int64_t *positions, const int64_t *slots,
@@ -195,7 +216,8 @@ int decode_forward(const decode_layer_t *layers, int num_layers, float *x, int n
     /* groups (NULL: one dense group): per layer 4 int64, its KV layer group's view
        (common/kv_groups.py): the slot of the KV tensor it keeps its K/V in, the address of
        its group's block tables, their row stride, and the address of its slot mapping */
-    if (n < 1 || n > MAX_ROWS || heads % kvh != 0) return 1;
+    int most = decode_many_rows(layers, num_layers);
+    if (n < 1 || n > (most ? most : MAX_ROWS) || heads % kvh != 0) return 1;
     int q_size = heads * d, kv_size = kvh * d, qkv_size = q_size + 2 * kv_size;
     int64_t work = 0;
     for (int i = 0; i < n; i++) work += (int64_t)seq_lens[i] * kv_size;

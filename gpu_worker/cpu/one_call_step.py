@@ -24,7 +24,9 @@ GGUF of one block type per projection, int8 and MXFP4 on their "cpu" kernels; mo
 the router's routing, the experts and Qwen2-MoE's gated shared expert, as the layers' CPU
 methods do). A part without a descriptor (experts on torch's or Triton's arithmetic, GGUF
 experts of mixed block types, top-k past moe.MAX_TOP_K) keeps the model on its layers. The
-step takes a decode-only step of at most linear.MAX_ROWS sequences (per weight dtype) and
+step takes a decode-only step of at most linear.MAX_ROWS sequences (per weight dtype), or of
+up to one_call_step.c's DECODE_MAX_ROWS where every linear is GGUF blocks without LoRA and
+every layer dense (gguf.c's kernels take any rows, on the kernel the layers choose), and
 returns None otherwise, so the model runs its layers (prefill and extend chunks, larger
 batches, speculative verification).
 
@@ -140,6 +142,8 @@ class DecodeLayer(ctypes.Structure):
 
 def _declare(lib: ctypes.CDLL) -> None:
     i, f, i64 = ctypes.c_int, ctypes.c_float, ctypes.c_int64
+    lib.decode_many_rows.restype = i
+    lib.decode_many_rows.argtypes = [_P, i]
     lib.decode_forward.restype = i
     lib.decode_forward.argtypes = [
         *(_P, i, _P, i, i, i, i, i, i, i, f),  # layers .. rot, inter, eps
@@ -358,12 +362,14 @@ def _weights_key(model: OneCallModel) -> tuple[int, int]:
 
 class OneCallStep:
     """A model's `one_call_step` (see the module docstring): a decode-only step of at most
-    linear.MAX_ROWS sequences through every layer in one C call. Holds the layers'
+    linear.MAX_ROWS sequences (more where every linear is GGUF: _many_rows) through every
+    layer in one C call. Holds the layers'
     descriptors, built once per weights."""
 
     _table: ctypes.Array[DecodeLayer] | None = None
     _weights_at: tuple[int, int] = (0, 0)
     _widest: int = 1  # _widest_mlp of the bound model
+    _many: int | None = None  # decode_many_rows of the bound model's table
     _keep: Keep
     _rope: tuple[torch.Tensor, torch.Tensor]
     _counts: torch.Tensor  # [layers, experts] int64: the step's tokens per expert
@@ -383,7 +389,7 @@ class OneCallStep:
             return None
         if (
             meta.num_decodes != meta.num_reqs
-            or n > linear.MAX_ROWS.get(dtype, 0)
+            or n > max(linear.MAX_ROWS.get(dtype, 0), self._many_rows(model))
             or not kv_cache.is_contiguous()
         ):
             return None
@@ -395,6 +401,18 @@ class OneCallStep:
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
+    def _many_rows(self, model: OneCallModel) -> int:
+        """The most rows a step takes where that is more than linear.MAX_ROWS (every linear
+        GGUF blocks without LoRA, every layer dense: one_call_step.c's decode_many_rows), else
+        0."""
+        lib = load()
+        table = None if lib is None else self._bind(model)
+        if lib is None or table is None:
+            return 0
+        if self._many is None:
+            self._many = int(lib.decode_many_rows(table, len(model.layers)))
+        return self._many
+
     def _bind(self, model: OneCallModel) -> ctypes.Array[DecodeLayer] | None:
         """The descriptors of the model's current weights (built again when they change)."""
         key = _weights_key(model)
@@ -403,6 +421,7 @@ class OneCallStep:
             self._counts = torch.zeros(len(model.layers), _num_experts(model), dtype=torch.int64)
             self._table = _layer_table(model, self._counts, keep)
             self._weights_at = key
+            self._many = None
             self._widest = _widest_mlp(model)
             cos, sin = (keep.float32(t) for t in model.rotary.tables())
             assert cos is not None and sin is not None

@@ -40,6 +40,14 @@ def make_generator(
     return generator
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first of equal largest values; NaN wins, as argmax), by
+    torch's max over the last dim: the same indices as argmax, which reads each row in one
+    thread and ~2.5x slower (rows of 49,152 logits on 2 Sapphire Rapids threads: 64 rows
+    2.31 -> 0.90 ms, one row 0.068 -> 0.026)."""
+    return logits.max(dim=-1).indices
+
+
 def sample(
     logits: torch.Tensor,  # [S, vocab_size] float32
     params: list[SamplingParams],  # [S]
@@ -51,7 +59,7 @@ def sample(
         logits = apply_controls(logits, params, history)
     else:
         assert not any(p.has_controls for p in params), "logits controls need the history"
-    tokens = logits.argmax(dim=-1)  # greedy rows, in one op; sampled rows are overwritten
+    tokens = greedy(logits)  # greedy rows, in one op; sampled rows are overwritten
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if rows:
         probs = probabilities(logits[rows], [params[i] for i in rows])

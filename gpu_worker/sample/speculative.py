@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from common.messages.types import SamplingParams
-from gpu_worker.sample.sampling import probabilities
+from gpu_worker.sample.sampling import greedy, probabilities
 
 
 # --- n-gram (prompt lookup) drafting -----------------------------------------------------------
@@ -69,7 +69,7 @@ def verify(
     m = len(drafts)
     assert logits.shape[0] == m + 1, "one row of logits per draft, plus one"
     if params.is_greedy:
-        target = logits.argmax(dim=-1).tolist()
+        target = greedy(logits).tolist()
         a = 0
         while a < m and drafts[a] == target[a]:
             a += 1

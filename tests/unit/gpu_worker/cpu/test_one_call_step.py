@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
 
 from gpu_worker.attention.metadata import build_metadata
 from gpu_worker.attention.torch_backend import TorchAttentionBackend
@@ -21,6 +22,7 @@ from gpu_worker.lora.layer import LoraLinearMethod, LoraMapping, enable_lora, lo
 from gpu_worker.model_loader.hf_folder import read_hf_config
 from gpu_worker.model_loader.loader import load_model
 from gpu_worker.models.llama import LlamaConfig, LlamaForCausalLM
+from tests.gguf_models import make_tiny_k_model, write_gguf
 from tests.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.skipif(one_call_step.load() is None, reason="no C compiler here")
@@ -65,18 +67,22 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {arch: make_tiny_model(root / arch, arch, num_layers=3) for arch in archs}
 
 
-def _step(model: LlamaForCausalLM, n: int, seed: int) -> tuple[torch.Tensor, ...]:
-    """A decode step of n sequences of different lengths over a randomly filled cache."""
+def _step(
+    model: LlamaForCausalLM, n: int, seed: int, num_blocks: int = NUM_BLOCKS
+) -> tuple[torch.Tensor, ...]:
+    """A decode step of n sequences of different lengths over a randomly filled cache (of
+    num_blocks blocks: up to 11 a sequence)."""
     gen = torch.Generator().manual_seed(seed)
     inner = model.model
     attn = inner.layers[0].self_attn
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     kv = torch.randn(
-        len(inner.layers), 2, NUM_BLOCKS, BLOCK_SIZE, attn.num_kv_heads, attn.head_dim,
+        len(inner.layers), 2, num_blocks, BLOCK_SIZE, attn.num_kv_heads, attn.head_dim,
         generator=gen,
-    ).to(attn.qkv_proj.weight.dtype)  # fmt: skip
+    ).to(dtype)  # fmt: skip
     kv = attn.backend.kv_format.quantize(kv)  # a quantized cache's rows (auto: as it is)
     computed = [int(c) for c in torch.randint(0, 40, (n,), generator=gen)]
-    blocks = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    blocks = torch.randperm(num_blocks, generator=gen).tolist()
     tables = []
     for c in computed:  # scattered blocks, enough for the new token
         need = c // BLOCK_SIZE + 1
@@ -148,6 +154,41 @@ def test_bfloat16_within_bf16_precision(tiny: dict[str, Path], n: int) -> None:
     changed = (kv != kv_layers).any(dim=-1).any(dim=-1).nonzero().tolist()
     assert all(b * BLOCK_SIZE + o in slots for _, _, b, o in changed)
     torch.testing.assert_close(kv.float(), kv_layers.float(), rtol=0.05, atol=0.05)
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny Llama (hidden 256: K-quants' rows) written with every matrix in each type."""
+    root = tmp_path_factory.mktemp("one-call-gguf")
+    folder = make_tiny_k_model(root / "k")
+    files = {}
+    for qtype in (Q.Q4_1, Q.Q8_0, Q.Q4_K):
+        files[qtype.name] = root / f"k-{qtype.name}.gguf"
+        write_gguf(folder, files[qtype.name], qtype)
+    return files
+
+
+@pytest.mark.parametrize(("qtype", "n"), [("Q4_1", 9), ("Q4_1", 40), ("Q8_0", 33), ("Q4_K", 12)])
+def test_gguf_models_take_more_rows_bit_for_bit(
+    gguf_files: dict[str, Path], qtype: str, n: int
+) -> None:
+    """Every linear GGUF blocks: the step takes more than linear.MAX_ROWS sequences, each
+    linear on the kernel the layers pick for the row count (the int8 GEMM past the few-row
+    kernel's rows, on AMX tiles from 32 rows where the CPU has them; K-quants' few-row
+    kernel for any rows), the same bits as the layers."""
+    model = _model(gguf_files[qtype])
+    step = model.model.one_call_step
+    assert isinstance(step, one_call_step.OneCallStep)
+    assert n > MAX_ROWS[torch.float32]
+    ids, kv, meta = _step(model, n, seed=30 + n, num_blocks=11 * n)
+    kv_layers = kv.clone()
+    with torch.inference_mode():
+        expected = _layer_by_layer(model, ids, meta.positions, kv_layers, meta)
+        took = step.forward(model.model, ids, meta.positions, kv.clone(), meta)
+        got = model.model(ids, meta.positions, kv, meta)
+    assert took is not None  # the C loop took the step (it did not fall back)
+    assert torch.equal(got, expected)
+    assert torch.equal(kv, kv_layers)
 
 
 def test_prefill_and_large_batches_take_the_layers(tiny: dict[str, Path]) -> None:

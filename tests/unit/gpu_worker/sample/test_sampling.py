@@ -15,6 +15,7 @@ from gpu_worker.sample.logits_controls import History, TokenCounts, apply_contro
 from gpu_worker.sample.sampling import (
     apply_min_p,
     apply_top_k_top_p,
+    greedy,
     make_generator,
     probabilities,
     sample,
@@ -26,6 +27,17 @@ VOCAB = 50
 
 def _logits(rows: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+@pytest.mark.parametrize("width", [1, 7, 50, 49152])
+def test_greedy_is_argmax_with_ties_nan_and_infinities(width: int) -> None:
+    """The first of equal largest values, a NaN where a row has one, -inf rows: as argmax."""
+    gen = torch.Generator().manual_seed(width)
+    logits = torch.randint(0, 3, (64, width), generator=gen).float()  # many ties
+    logits[1] = float("-inf")
+    logits[2, width // 2] = float("nan")
+    logits[3, -1] = float("inf")
+    assert torch.equal(greedy(logits), logits.argmax(dim=-1))
 
 
 def _gens(params: list[SamplingParams], seed: int = 0) -> list[torch.Generator | None]:
