@@ -318,10 +318,25 @@ int gguf_amx_available(void) {
 #endif
 }
 
-/* AMX from this many rows of x (fewer: the AVX GEMM; the same bits). Where the two met,
- * one thread of a busy Sapphire Rapids, CPU time, Q4_1 [576, 576] at 16 / 32 / 64 rows:
- * AMX 0.089 / 0.096 / 0.150 ms, AVX-512 VNNI 0.073 / 0.111 / 0.190 (x is padded to 32 rows) */
-#define GGUF_AMX_MIN_ROWS 32
+/* The most rows of x the few-row kernel takes here (gguf.py's few_rows, moe.c,
+ * gguf_linear_shards_any); more go to the int8 GEMM where it takes the type. gguf.h's
+ * gguf_few_rows where the GEMM runs on AVX; where it runs on AMX tiles, twice that for Q4_0,
+ * Q4_1 and Q8_0 (two passes of GGUF_ROW_TILE rows), past which the tiles are faster. 2 threads
+ * of a 2-core Sapphire Rapids VM, weights hot (tools/benchmarks/gguf_kernels.py's shapes), ms:
+ * Q4_1 [1536, 576] at 12 / 16 / 20 rows few-row 0.072 / 0.085 / 0.107, AMX 0.099 / 0.102 /
+ * 0.105 (the AVX GEMM 0.103 / 0.143 at 12 / 16); Q8_0 [49152, 576] at 16 / 17 rows few-row
+ * 2.45 / 3.07, AMX 2.98 / 2.94. The same bits on each. */
+int gguf_few_rows_here(int qtype) {
+    int eight = qtype == GGUF_Q4_0 || qtype == GGUF_Q4_1 || qtype == GGUF_Q8_0;
+    return eight && gguf_amx_available() ? 2 * gguf_few_rows(qtype) : gguf_few_rows(qtype);
+}
+
+/* AMX from this many rows of x (fewer: the AVX GEMM; the same bits). 2 threads of a 2-core
+ * Sapphire Rapids VM, weights hot, at 9 / 16 rows, ms: Q4_1 [1536, 576] AMX 0.094 / 0.098,
+ * the AVX-512 VNNI GEMM 0.102 / 0.143; Q8_0 [49152, 576] 2.62 / 2.63 against 3.08 / 4.14
+ * (x is padded to 32 rows); up to 16 rows gguf_few_rows_here sends them to the few-row
+ * kernel there */
+#define GGUF_AMX_MIN_ROWS 16
 
 /* gguf_linear_many on `path`: 0 AMX from GGUF_AMX_MIN_ROWS rows where gguf_amx_available(),
  * else the AVX GEMM; 1 the AVX (VNNI / AVX2) GEMM; 2 AMX (returns 1 where it is not
@@ -403,7 +418,7 @@ int gguf_linear_shards_any(const float *x, int rows, const uint8_t *const *ws, c
     for (int s = 0; s < nshards; s++) {
         out += shard_rows[s];
 #if defined(__AVX2__)
-        if (rows <= gguf_few_rows(qtypes[s]) || !gguf_gemm_takes(qtypes[s])) many = 0;
+        if (rows <= gguf_few_rows_here(qtypes[s]) || !gguf_gemm_takes(qtypes[s])) many = 0;
 #else
         many = 0;
 #endif

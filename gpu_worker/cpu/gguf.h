@@ -161,7 +161,8 @@ __attribute__((unused)) static void gguf_dequant_block(const uint8_t *b, int qty
  * GEMM where it takes the type. Q4_0, Q4_1 and Q8_0 up to 8 (one pass of GGUF_ROW_TILE rows):
  * 2 threads on a Zen 4 VM (tools/benchmarks/gguf_kernels.py, weights hot), Q4_1 [1536, 576]
  * at 6 / 8 / 12 rows few-row 0.048 / 0.057 / 0.085 ms against the GEMM's 0.055 / 0.073 /
- * 0.074, Q8_0 [49152, 576] 1.84 / 2.40 / 3.59 against 3.02 / 3.53 / 3.55; the other types 4 */
+ * 0.074, Q8_0 [49152, 576] 1.84 / 2.40 / 3.59 against 3.02 / 3.53 / 3.55; the other types 4.
+ * Where the GEMM runs on AMX tiles, gguf.c's gguf_few_rows_here doubles the 8. */
 static inline int gguf_few_rows(int qtype) {
     return qtype == GGUF_Q4_0 || qtype == GGUF_Q4_1 || qtype == GGUF_Q8_0 ? 8 : 4;
 }

@@ -3,8 +3,9 @@
 The weight is the GGUF tensor's raw bytes, a uint8 tensor [out_features, row_bytes] (one row
 of the matrix = in_features / block_values blocks, laid out as ggml stores them). Each row of
 x is quantized to int8 per 32 values (per row, so a row's output never depends on the other
-rows of its batch). Up to few_rows() rows (decode) go to the few-row kernel, which
-streams the weights once in their block format; more rows (prefill chunks, big decode
+rows of its batch). Up to GgufKernels.few_rows() rows (decode: 4 or 8 by type, 16 for Q4_0,
+Q4_1 and Q8_0 where the GEMM runs on AMX) go to the few-row kernel, which streams the
+weights once in their block format; more rows (prefill chunks, big decode
 batches) to an int8 GEMM on 8 or 16 weight rows at a time (Q4_0, Q4_1, Q5_0, Q5_1; Q8_0 on
 CPUs with VNNI), on AMX int8 tiles where the CPU has them and Linux grants the process their
 state (gguf_amx.h; the AVX GEMM elsewhere); CPUs without AVX2 dequantize to float32 and
@@ -46,7 +47,8 @@ EIGHT_ROW_TYPES = frozenset({_T.Q4_0, _T.Q4_1, _T.Q8_0})
 
 
 def few_rows(qtype: int) -> int:
-    """The most rows of x the few-row kernel takes for weights of GGUF type `qtype`."""
+    """The most rows of x the few-row kernel takes for weights of GGUF type `qtype` where the
+    GEMM runs on AVX (GgufKernels.few_rows: twice as many where it runs on AMX tiles)."""
     return 8 if qtype in EIGHT_ROW_TYPES else MAX_KERNEL_ROWS
 
 
@@ -69,6 +71,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gguf_linear_many_path.argtypes = [p, i, p, i, p, p, i, i, i, i]
     lib.gguf_amx_available.restype = i
     lib.gguf_amx_available.argtypes = []
+    lib.gguf_few_rows_here.restype = i
+    lib.gguf_few_rows_here.argtypes = [i]
     lib.gguf_dequantize.restype = i
     lib.gguf_dequantize.argtypes = [p, i, p, i, i, i]
     lib.gguf_sum_bytes.restype = ctypes.c_uint64
@@ -107,10 +111,22 @@ class GgufKernels:
         self._library = KernelLibrary(
             SOURCE, _declare, f"GGUF CPU kernels ({march})", HEADERS, march
         )
+        self._few: dict[int, int] = {}
 
     def load(self) -> ctypes.CDLL | None:
         """The library (built on first use), or None when it cannot be had."""
         return self._library.load()
+
+    def few_rows(self, qtype: int) -> int:
+        """The most rows of x `linear` gives the few-row kernel for GGUF type `qtype`: gguf.c's
+        gguf_few_rows_here (the module's few_rows, doubled where the GEMM runs on AMX tiles,
+        whose rows would be slower there)."""
+        most = self._few.get(qtype)
+        if most is None:
+            lib = self.load()
+            most = few_rows(qtype) if lib is None else int(lib.gguf_few_rows_here(qtype))
+            self._few[qtype] = most
+        return most
 
     def _lib(self) -> ctypes.CDLL:
         lib = self.load()
@@ -235,13 +251,13 @@ class GgufKernels:
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [..., in] (float32 or bfloat16) @ W.T (+ bias) in x's dtype: the few-row int8
-        kernel for up to few_rows(qtype) rows, the int8 GEMM beyond where it takes the type
+        kernel for up to self.few_rows(qtype) rows, the int8 GEMM beyond where it takes the type
         (both give a row the same bits), the few-row kernel for every row count elsewhere
         (K-quants); dequantization + torch only without the library."""
         x2 = x.reshape(-1, in_features)
         y: torch.Tensor | None = None
         if x2.shape[0] > 0 and self.load() is not None:
-            if x2.shape[0] > few_rows(qtype):
+            if x2.shape[0] > self.few_rows(qtype):
                 y = self.linear_many(x2, weight, qtype, out_features, in_features, bias)
             if y is None:  # few rows, or a type the GEMM does not take: the same bits
                 y = self.linear_rows(x2, weight, qtype, out_features, in_features, bias)

@@ -10,7 +10,7 @@
  * Each token's outputs are then added in increasing expert id order from zero, each times its
  * routing weight. Every kernel gives a row the same bits whatever other rows share its call
  * (float32: linear.c's GEMM, any rows; bf16: linear.c at most MAX_ROWS rows a call; GGUF's
- * few-row kernel up to gguf_few_rows() rows and its int8 GEMM beyond, which agree; int8 and
+ * few-row kernel up to gguf_few_rows_here() rows and its int8 GEMM beyond, which agree; int8 and
  * MXFP4 per row), so a token's result never depends on the other tokens of the step.
  *
  * Both paths run this code: the layers one by one (gpu_worker/cpu/moe.py, called by the CPU
@@ -124,7 +124,7 @@ static int moe_project(const moe_experts_t *M, int down, int e, const float *x, 
         int qt = down ? M->qt2 : M->qt13;
         const uint8_t *we = (const uint8_t *)w + rows * (in / gguf_block_values(qt)) *
                                                      gguf_block_bytes(qt);
-        if (n > gguf_few_rows(qt)) {
+        if (n > gguf_few_rows_here(qt)) {
             int rc = gguf_linear_many(x, n, we, qt, b, y, out, in, nthreads);
             if (rc != 1) return rc;
         }
@@ -171,7 +171,7 @@ static void moe_activate(const moe_experts_t *M, const float *h, int n, float *a
 /* projection `down` (0: w13) of every expert at once: expert e's rows are rows [start[e],
  * start[e + 1]) of x [P, in] and y [P, out]. Float32 experts: linear.c's grouped GEMM, every
  * expert in one parallel region (its outputs do not depend on an expert's rows). GGUF experts
- * of at most gguf_few_rows() rows (a decode step's) share one quantization of x and one
+ * of at most gguf_few_rows_here() rows (a decode step's) share one quantization of x and one
  * parallel loop over (expert, chunk of outputs): a step's k experts cost one OpenMP region,
  * not k, with each output computed by the same kernel (gguf_rows_range) as one expert alone.
  * Other experts: moe_project, one by one. */
@@ -191,7 +191,7 @@ static int moe_projections(const moe_experts_t *M, int down, const int *start, c
         if (!item) return 2;
         for (int e = 0; e < E; e++) {
             int n = start[e + 1] - start[e];
-            if (n > 0 && n <= gguf_few_rows(qt)) item[items++] = e;
+            if (n > 0 && n <= gguf_few_rows_here(qt)) item[items++] = e;
         }
         /* units of the loop's rows over every selected expert (gguf_unit_rows), one expert's
            rows at most */
@@ -217,7 +217,7 @@ static int moe_projections(const moe_experts_t *M, int down, const int *start, c
         }
         if (items) free(xq.d);
         free(item);
-        few = gguf_few_rows(qt);
+        few = gguf_few_rows_here(qt);
     }
 #endif
     for (int e = 0; e < E; e++) {

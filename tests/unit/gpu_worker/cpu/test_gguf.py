@@ -267,6 +267,16 @@ def test_the_amx_gemm_is_the_same_bits_as_the_avx_gemm_and_the_few_row_kernel(qt
             assert torch.equal(part, amx[lo:hi])
 
 
+def test_the_few_row_kernel_takes_twice_the_rows_where_the_gemm_runs_on_amx() -> None:
+    """`linear` sends up to 8 rows of Q4_0 / Q4_1 / Q8_0 (4 of the other types) to the
+    few-row kernel where the GEMM runs on AVX, 16 where it runs on AMX tiles (the few-row
+    kernel is faster there up to 16)."""
+    k = KERNELS["native"]
+    for qtype in (T.Q4_0, T.Q4_1, T.Q8_0):
+        assert k.few_rows(qtype) == (16 if NATIVE_AMX else 8)
+    assert k.few_rows(T.Q4_K) == k.few_rows(T.Q5_0) == 4
+
+
 # builds for other instruction sets than this CPU's, where it can run them: the same bits
 OTHER_BUILDS = {
     "haswell": {"avx2", "fma", "f16c"},  # AVX2: 8-lane GEMM, maddubs
