@@ -228,6 +228,33 @@ static void gguf_rows_range(const gguf_xq *xq, int r0, int rows, const uint8_t *
 }
 #endif
 
+/* a linear kernel's signature (gguf_linear_rows_f32, gguf_linear_many) */
+typedef int gguf_linear_fn(const float *x, int rows, const uint8_t *w, int qtype,
+                           const float *bias, float *y, int out, int in, int nthreads);
+
+/* y [rows, out] = the nshards weights' outputs side by side, each shard by `kernel` (the whole
+ * of y where there is one shard, bias included), else into a buffer whose columns are copied
+ * into y's, then the bias added over all of them, as the layers concatenate the shards and add
+ * it. Returns as the kernel; 2 when memory ran out. */
+static int gguf_shards_each(gguf_linear_fn *kernel, const float *x, int rows,
+                            const uint8_t *const *ws, const int *qtypes, const int *shard_rows,
+                            int nshards, const float *bias, float *y, int out, int in,
+                            int nthreads) {
+    if (nshards == 1) return kernel(x, rows, ws[0], qtypes[0], bias, y, out, in, nthreads);
+    float *part = (float *)malloc(sizeof(float) * (size_t)rows * out);
+    if (!part) return 2;
+    int code = 0;
+    for (int s = 0, at = 0; s < nshards && !code; at += shard_rows[s], s++) {
+        code = kernel(x, rows, ws[s], qtypes[s], NULL, part, shard_rows[s], in, nthreads);
+        for (int r = 0; r < rows && !code; r++)
+            memcpy(y + (int64_t)r * out + at, part + (int64_t)r * shard_rows[s],
+                   sizeof(float) * shard_rows[s]);
+    }
+    free(part);
+    if (!code) gguf_add_bias(bias, y, rows, out);
+    return code;
+}
+
 /* y [rows, sum(shard_rows)] = x [rows, in] @ [W_0; W_1; ...].T (+ bias): nshards weights of
  * shard_rows[s] rows each (GGUF type qtypes[s], raw blocks), their outputs side by side in
  * y's columns (a q|k|v or gate|up projection stored as separate tensors); bias, where not
@@ -265,21 +292,8 @@ int gguf_linear_shards(const float *x, int rows, const uint8_t *const *ws, const
     free(xq.d);
     return 0;
 #else
-    if (nshards == 1)
-        return gguf_linear_rows_f32(x, rows, ws[0], qtypes[0], bias, y, out, in, nthreads);
-    float *part = (float *)malloc(sizeof(float) * (size_t)rows * out);
-    if (!part) return 2;
-    int code = 0;
-    for (int s = 0, at = 0; s < nshards && !code; at += shard_rows[s], s++) {
-        code = gguf_linear_rows_f32(x, rows, ws[s], qtypes[s], NULL, part, shard_rows[s], in,
-                                    nthreads);
-        for (int r = 0; r < rows && !code; r++)
-            memcpy(y + (int64_t)r * out + at, part + (int64_t)r * shard_rows[s],
-                   sizeof(float) * shard_rows[s]);
-    }
-    free(part);
-    if (!code) gguf_add_bias(bias, y, rows, out);
-    return code;
+    return gguf_shards_each(gguf_linear_rows_f32, x, rows, ws, qtypes, shard_rows, nshards, bias,
+                            y, out, in, nthreads);
 #endif
 }
 
@@ -408,9 +422,8 @@ int gguf_linear_many(const float *x, int rows, const uint8_t *w, int qtype, cons
 
 /* gguf_linear_shards for any number of rows, on the kernel the layers take
  * (gpu_worker/cpu/gguf.py's `linear`): beyond the few-row kernel's rows, each shard by the
- * int8 GEMM (gguf_linear_many) into `part`, its columns then copied into y's and the bias added
- * over all of them, as the layers concatenate the shards and add it. Both kernels give a row
- * the same bits; this picks the faster one for the row count. Returns as gguf_linear_shards. */
+ * int8 GEMM (gguf_linear_many, by gguf_shards_each). Both kernels give a row the same bits;
+ * this picks the faster one for the row count. Returns as gguf_linear_shards. */
 int gguf_linear_shards_any(const float *x, int rows, const uint8_t *const *ws, const int *qtypes,
                            const int *shard_rows, int nshards, const float *bias, float *y,
                            int in, int nthreads) {
@@ -425,21 +438,8 @@ int gguf_linear_shards_any(const float *x, int rows, const uint8_t *const *ws, c
     }
     if (!many) return gguf_linear_shards(x, rows, ws, qtypes, shard_rows, nshards, bias, y, in,
                                          nthreads);
-    if (nshards == 1)
-        return gguf_linear_many(x, rows, ws[0], qtypes[0], bias, y, out, in, nthreads);
-    float *part = (float *)malloc(sizeof(float) * (size_t)rows * out);
-    if (!part) return 2;
-    int code = 0;
-    for (int s = 0, at = 0; s < nshards && !code; at += shard_rows[s], s++) {
-        code = gguf_linear_many(x, rows, ws[s], qtypes[s], NULL, part, shard_rows[s], in,
-                                nthreads);
-        for (int r = 0; r < rows && !code; r++)
-            memcpy(y + (int64_t)r * out + at, part + (int64_t)r * shard_rows[s],
-                   sizeof(float) * shard_rows[s]);
-    }
-    free(part);
-    if (!code) gguf_add_bias(bias, y, rows, out);
-    return code;
+    return gguf_shards_each(gguf_linear_many, x, rows, ws, qtypes, shard_rows, nshards, bias, y,
+                            out, in, nthreads);
 }
 
 /* y [out, in] float32 = w [out, row_bytes] dequantized. Returns 0; 1 for a type or shape it
