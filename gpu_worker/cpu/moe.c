@@ -187,11 +187,12 @@ static int moe_projections(const moe_experts_t *M, int down, const int *start, c
         int qt = down ? M->qt2 : M->qt13;
         int64_t row_bytes = (int64_t)(in / gguf_block_values(qt)) * gguf_block_bytes(qt);
         int items = 0;
+        few = gguf_few_rows_here(qt);
         int *item = (int *)malloc(sizeof(int) * (size_t)E);
         if (!item) return 2;
         for (int e = 0; e < E; e++) {
             int n = start[e + 1] - start[e];
-            if (n > 0 && n <= gguf_few_rows_here(qt)) item[items++] = e;
+            if (n > 0 && n <= few) item[items++] = e;
         }
         /* units of the loop's rows over every selected expert (gguf_unit_rows), one expert's
            rows at most */
@@ -217,7 +218,6 @@ static int moe_projections(const moe_experts_t *M, int down, const int *start, c
         }
         if (items) free(xq.d);
         free(item);
-        few = gguf_few_rows_here(qt);
     }
 #endif
     for (int e = 0; e < E; e++) {

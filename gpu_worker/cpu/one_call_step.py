@@ -363,13 +363,12 @@ def _weights_key(model: OneCallModel) -> tuple[int, int]:
 class OneCallStep:
     """A model's `one_call_step` (see the module docstring): a decode-only step of at most
     linear.MAX_ROWS sequences (more where every linear is GGUF: _many_rows) through every
-    layer in one C call. Holds the layers'
-    descriptors, built once per weights."""
+    layer in one C call. Holds the layers' descriptors, built once per weights."""
 
     _table: ctypes.Array[DecodeLayer] | None = None
     _weights_at: tuple[int, int] = (0, 0)
     _widest: int = 1  # _widest_mlp of the bound model
-    _many: int | None = None  # decode_many_rows of the bound model's table
+    _many: int = 0  # decode_many_rows of the bound model's table
     _keep: Keep
     _rope: tuple[torch.Tensor, torch.Tensor]
     _counts: torch.Tensor  # [layers, experts] int64: the step's tokens per expert
@@ -405,13 +404,7 @@ class OneCallStep:
         """The most rows a step takes where that is more than linear.MAX_ROWS (every linear
         GGUF blocks without LoRA, every layer dense: one_call_step.c's decode_many_rows), else
         0."""
-        lib = load()
-        table = None if lib is None else self._bind(model)
-        if lib is None or table is None:
-            return 0
-        if self._many is None:
-            self._many = int(lib.decode_many_rows(table, len(model.layers)))
-        return self._many
+        return 0 if load() is None or self._bind(model) is None else self._many
 
     def _bind(self, model: OneCallModel) -> ctypes.Array[DecodeLayer] | None:
         """The descriptors of the model's current weights (built again when they change)."""
@@ -419,9 +412,12 @@ class OneCallStep:
         if self._table is None or self._weights_at != key:
             self._keep = keep = Keep()
             self._counts = torch.zeros(len(model.layers), _num_experts(model), dtype=torch.int64)
-            self._table = _layer_table(model, self._counts, keep)
+            self._table = table = _layer_table(model, self._counts, keep)
             self._weights_at = key
-            self._many = None
+            lib = load()
+            self._many = (
+                0 if lib is None or table is None else lib.decode_many_rows(table, len(table))
+            )
             self._widest = _widest_mlp(model)
             cos, sin = (keep.float32(t) for t in model.rotary.tables())
             assert cos is not None and sin is not None

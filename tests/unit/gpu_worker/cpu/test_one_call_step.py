@@ -174,8 +174,8 @@ def test_gguf_models_take_more_rows_bit_for_bit(
 ) -> None:
     """Every linear GGUF blocks: the step takes more than linear.MAX_ROWS sequences, each
     linear on the kernel the layers pick for the row count (the int8 GEMM past the few-row
-    kernel's rows, on AMX tiles from 32 rows where the CPU has them; K-quants' few-row
-    kernel for any rows), the same bits as the layers."""
+    kernel's 8 rows, 16 where the GEMM runs on AMX tiles; K-quants' few-row kernel for any
+    rows), the same bits as the layers."""
     model = _model(gguf_files[qtype])
     step = model.model.one_call_step
     assert isinstance(step, one_call_step.OneCallStep)
