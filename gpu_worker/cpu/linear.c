@@ -156,6 +156,12 @@ static inline void gemm_store(float *y, gemm_v v, const float *bias, int n) {
 
 #if defined(GEMM_VF)
 #define GEMM_TN (2 * GEMM_VF) /* outputs a tile */
+/* Steps of i a tile prefetches its weight lines ahead (one 64-byte line a panel a step). A
+ * work item's first tile of rows reads its unit of the weight from memory, the others from
+ * L2; without the prefetch that first tile waited on the memory bus: a mixture of experts'
+ * float experts, 16 layers of 32 experts (SPR, 2 threads, 2026-12-07), ran 32.9 -> 28.0 ms a
+ * layer at 512 tokens and 10.5 -> 8.8 at 64. 32, 64 and 128 steps gave the same. */
+#define GEMM_AHEAD 64
 
 /* y [mr, out] (row stride out), outputs [o, o + GEMM_TN) clipped to out, for the packed tile
  * of x xp [in][GEMM_MR] against the packed weight wp (mr <= GEMM_MR: compiled per row count
@@ -172,6 +178,9 @@ static inline __attribute__((always_inline)) void gemm_tile(const float *xp, int
     gemm_v acc[GEMM_MR][2];
     for (int m = 0; m < GEMM_MR; m++) acc[m][0] = acc[m][1] = GEMM_ZERO();
     for (int i = 0; i < in; i++) {
+        /* the weight's lines GEMM_AHEAD steps on (past a panel's end: the next one's) */
+        __builtin_prefetch(w[0] + (int64_t)(i + GEMM_AHEAD) * GEMM_PW);
+        __builtin_prefetch(w[1] + (int64_t)(i + GEMM_AHEAD) * GEMM_PW);
         gemm_v w0 = GEMM_LOAD(w[0] + (int64_t)i * GEMM_PW);
         gemm_v w1 = GEMM_LOAD(w[1] + (int64_t)i * GEMM_PW);
         const float *xi = xp + (int64_t)i * GEMM_MR;
