@@ -235,10 +235,9 @@ static void gemm_rows(const float *xp, int nb, const float *wp, const float *bia
         float *yb = y + (int64_t)b * out;
         for (int o = lo; o < hi; o += GEMM_TN, tt++) {
             /* the first tile fetches its own unit (GEMM_AHEAD); tile tt >= 1 part tt - 1 of next */
-            int done = tt ? (tt - 1) * per_tile : next_lines;
-            int pf_lines = next ? next_lines - done : 0;
-            pf_lines = pf_lines < 0 ? 0 : pf_lines > per_tile ? per_tile : pf_lines;
-            const char *pf = next ? (const char *)next + (int64_t)done * 64 : NULL;
+            int done = (tt - 1) * per_tile, left = next && tt ? next_lines - done : 0;
+            int pf_lines = left < 0 ? 0 : left < per_tile ? left : per_tile;
+            const char *pf = pf_lines ? (const char *)next + (int64_t)done * 64 : NULL;
             switch (mr) { GEMM_ROWS_SWITCH }
         }
     }
