@@ -26,29 +26,17 @@ from pathlib import Path
 import torch
 
 from gpu_worker.cpu import linear, moe
-from gpu_worker.cpu.build import build_flags
+from gpu_worker.cpu.build import load_library
 
 HIDDEN, WIDTH, EXPERTS, TOP_K = 1024, 512, 32, 4
 
 
-def build(source_dir: Path, out: Path, march: str) -> ctypes.CDLL:
-    """moe.c of `source_dir` (with the files it #includes there) built as build.py does, for
-    the instruction set of gcc's -march=`march`."""
-    subprocess.run(
-        [
-            "gcc",
-            *build_flags(march),
-            "-I",
-            str(source_dir),
-            str(source_dir / "moe.c"),
-            "-o",
-            str(out),
-            "-lm",
-        ],
-        check=True,
-        timeout=300,
-    )
-    return ctypes.CDLL(str(out))
+def build(source_dir: Path, march: str) -> ctypes.CDLL:
+    """moe.c of `source_dir` and the sources beside it that it #includes, built (once, in the
+    kernels' cache) by build.py for gcc's -march=`march`."""
+    source = source_dir / "moe.c"
+    includes = tuple(sorted(p for p in source_dir.glob("*.[ch]") if p != source))
+    return load_library(source, includes, march)
 
 
 def sources_at(rev: str, into: Path) -> Path:
@@ -77,11 +65,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    work = Path(tempfile.mkdtemp(prefix="moe-experts-"))
-    libs = {"this checkout": build(Path(moe.HERE), work / "head.so", args.march)}
+    libs = {"this checkout": build(Path(moe.HERE), args.march)}
     if args.against:
-        old = sources_at(args.against, Path(tempfile.mkdtemp(dir=work)))
-        libs[args.against] = build(old, work / "against.so", args.march)
+        old = sources_at(args.against, Path(tempfile.mkdtemp(prefix="moe-experts-")))
+        libs[args.against] = build(old, args.march)
     layers = []
     for _ in range(args.layers):
         w13 = linear.pack_panels(torch.randn(EXPERTS, 2 * WIDTH, HIDDEN) * 0.03)
