@@ -117,7 +117,7 @@ def route(
     logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(weights [T, k] float32, expert ids [T, k] int64) for float32 router logits [T, E] on
-    the CPU (fused_moe.py's select_experts, in moe.c's arithmetic); None for anything else."""
+    the CPU (moe_routing.py's select_experts, in moe.c's arithmetic); None for anything else."""
     lib = load()
     num_tokens, num_experts = logits.shape
     if (

@@ -131,7 +131,7 @@ class OneCallLayer(Protocol):
 
 
 class OneCallRouting(Protocol):
-    """gpu_worker/layers/fused_moe.py's Routing."""
+    """gpu_worker/layers/moe_routing.py's Routing."""
 
     @property
     def top_k(self) -> int: ...

@@ -6,7 +6,7 @@ expert, and hands the logits to `FusedMoE`, which
 
     1. selects each token's top-k experts and their weights (`select_experts`, as the family
        defines it: softmax then top-k, renormalised or not; or top-k of the logits, then a
-       softmax over them);
+       softmax over them; gpu_worker/layers/moe_routing.py, with steps 2 and 4);
     2. groups the step's (token, slot) pairs by expert: a stable counting sort of the expert
        ids, so an expert's rows keep the tokens' order;
     3. runs each selected expert's rows through its gate/up projection, the activation and
@@ -15,9 +15,9 @@ expert, and hands the logits to `FusedMoE`, which
        starting from zero (transformers' order of additions).
 
 Grouping never changes a row's arithmetic: every kernel the methods call gives a row the same
-bits whatever other rows share its call (the CPU float method sends at most
-`linear.MAX_ROWS` rows per call to the row-by-row C kernel; GGUF and int8 quantize
-activations per row), and step 4's sum is per token. So a token's output is the same bits
+bits whatever other rows share its call (the CPU float method's GEMM keeps one order of
+operations per output; GGUF and int8 quantize activations per row), and step 4's sum is per
+token. So a token's output is the same bits
 alone or in any batch; only `FloatMoEMethod` (torch's GEMM, the reference and the CUDA path)
 leaves that to torch.
 
@@ -29,7 +29,7 @@ kernels this process runs, gpu_worker/layers/moe_methods/) follow `Linear`'s pat
     method.select_experts(layer, logits)          step 1 (torch, or moe.c's for a C method)
     method.gate_up(layer, e, x) / .down(...)      expert e's projections of rows x
     method.apply(layer, x, weights, ids)          the whole layer (`grouped_experts`, or
-                                                  moe.c's one call: CKernelExperts)
+                                                  moe.c's one call: moe_methods/c_kernel.py)
     method.one_call_experts(layer, keep)          the experts as moe.c reads them (the CPU's
                                                   one-call step runs the same), or None
 
@@ -47,78 +47,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.cpu import moe as cpu_moe
 from gpu_worker.cpu.moe import MoEExperts
 from gpu_worker.cpu.one_call_step import Keep
 from gpu_worker.layers.linear import set_parameter
 from gpu_worker.layers.linear_methods.weights import CheckpointWeight
+from gpu_worker.layers.moe_routing import Routing, combine, group_by_expert, select_experts
 from gpu_worker.layers.ops import TORCH_OPS, LayerOps
 
-SCORINGS = ("softmax", "topk_softmax")
 ACTIVATIONS = ("silu", "swiglu_clamp")
-
-
-@dataclasses.dataclass(frozen=True)
-class Routing:
-    """How a family turns router logits [T, E] into each token's experts and weights.
-
-    scoring       "softmax": softmax over every expert (float32), then the top k;
-                  "topk_softmax": the top k logits, then a softmax over those k (gpt-oss)
-    renormalize   divide the top-k probabilities by their sum (Mixtral always;
-                  `norm_topk_prob` for Qwen-MoE and OLMoE)
-    weights_in_logits_dtype  cast the weights back to the logits' dtype (Qwen-MoE, OLMoE);
-                  Mixtral keeps them float32
-    """
-
-    top_k: int
-    renormalize: bool
-    scoring: str = "softmax"
-    weights_in_logits_dtype: bool = True
-
-    def __post_init__(self) -> None:
-        if self.scoring not in SCORINGS:
-            raise ValueError(f"routing scoring {self.scoring!r} is not one of {SCORINGS}")
-        if self.top_k < 1:
-            raise ValueError(f"num_experts_per_tok must be >= 1, got {self.top_k}")
-
-
-def select_experts(logits: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k], expert ids [T, k] int64) from router logits [T, E], per token (each
-    row's result depends on that row alone)."""
-    if routing.scoring == "topk_softmax":
-        top, ids = torch.topk(logits, routing.top_k, dim=-1)
-        return F.softmax(top, dim=1, dtype=top.dtype), ids
-    probs = F.softmax(logits, dim=-1, dtype=torch.float32)
-    top, ids = torch.topk(probs, routing.top_k, dim=-1)
-    if routing.renormalize:
-        top = top / top.sum(dim=-1, keepdim=True)
-    if routing.weights_in_logits_dtype:
-        top = top.to(logits.dtype)
-    return top, ids
-
-
-def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
-    """The (token, slot) pairs of ids [T, k], flattened (pair p = token p // k, slot p % k),
-    ordered by expert, ties in token order (a stable counting sort), and each expert's count."""
-    flat = ids.reshape(-1)
-    counts = torch.bincount(flat, minlength=num_experts)
-    order = torch.sort(flat, stable=True).indices
-    return order, counts.tolist()
-
-
-def combine(
-    out: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:
-    """sum over each token's slots of out [T, k, H] * weights [T, k], in increasing expert id
-    order from zero, each term cast to `dtype` before it is added (transformers' index_add_
-    over the experts in order)."""
-    perm = torch.argsort(ids, dim=1)  # a token's expert ids are distinct: no ties
-    out = torch.gather(out, 1, perm[:, :, None].expand_as(out))
-    weights = torch.gather(weights, 1, perm)
-    acc = torch.zeros(out.shape[0], out.shape[2], dtype=dtype, device=out.device)
-    for j in range(out.shape[1]):
-        acc = acc + (out[:, j] * weights[:, j, None]).to(dtype)
-    return acc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,97 +272,6 @@ class TorchRouting:
 
     def one_call_experts(self, layer: FusedMoE, keep: Keep) -> MoEExperts | None:
         return None
-
-
-class CKernelExperts:
-    """What a method whose "cpu" kernel is moe.c shares (gpu_worker/cpu/moe.py): routing by
-    moe.c, and the whole layer in one C call where its `one_call_experts` descriptor takes it
-    (float32 activations), else `grouped_experts` over its own projections. The one-call
-    step calls the same C functions, so both give a token the same bits."""
-
-    def one_call_experts(self, layer: FusedMoE, keep: Keep) -> MoEExperts | None:
-        raise NotImplementedError
-
-    def gate_up(self, layer: FusedMoE, expert: int, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def down(self, layer: FusedMoE, expert: int, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def select_experts(
-        self, layer: FusedMoE, logits: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        r = layer.routing
-        if self._runs_moe_c():
-            done = cpu_moe.route(logits, r.top_k, r.scoring, r.renormalize)
-            if done is not None:
-                return done
-        return select_experts(logits, r)
-
-    def apply(
-        self, layer: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-    ) -> torch.Tensor:
-        if x.dtype == torch.float32 and self._runs_moe_c():
-            keep = Keep()  # alive through the call: the descriptor may point at its copies
-            desc = self.one_call_experts(layer, keep)
-            done = None if desc is None else cpu_moe.experts(desc, x, ids, weights)
-            if done is not None:
-                y, counts = done
-                layer.count_tokens(counts)
-                return y
-        return grouped_experts(self, layer, x, weights, ids)
-
-    def _runs_moe_c(self) -> bool:
-        """Whether the method's kernel is moe.c's (its "cpu" kernel)."""
-        raise NotImplementedError
-
-
-def moe_c_experts(
-    layer: FusedMoE,
-    kind: int,
-    keep: Keep,
-    *,
-    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-    qtypes: tuple[int, int] = (0, 0),
-) -> MoEExperts | None:
-    """The layer's stacked w13 / w2 weights as moe.c's descriptor of `kind`, with its biases
-    (float32, copies in `keep` where they are not) and activation."""
-    return cpu_moe.experts_desc(
-        kind,
-        layer.w13_weight,
-        layer.w2_weight,
-        layer.width,
-        layer.hidden_size,
-        scales=scales,
-        qtypes=qtypes,
-        biases=(keep.float32(layer.w13_bias), keep.float32(layer.w2_bias)),
-        activation=layer.activation,
-        limit=layer.swiglu_limit,
-        alpha=layer.swiglu_alpha,
-    )
-
-
-class ProjectedExperts(CKernelExperts):
-    """What a method whose experts are stored per projection shares: gate_up and down are
-    its `_project` of the stacked "w13" / "w2" weights, the layer runs moe.c or
-    grouped_experts (CKernelExperts), and nothing is resident beside the weights."""
-
-    kernel: str
-
-    def _runs_moe_c(self) -> bool:
-        return self.kernel == "cpu"
-
-    def _project(self, layer: FusedMoE, prefix: str, expert: int, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def gate_up(self, layer: FusedMoE, expert: int, x: torch.Tensor) -> torch.Tensor:
-        return self._project(layer, "w13", expert, x)
-
-    def down(self, layer: FusedMoE, expert: int, x: torch.Tensor) -> torch.Tensor:
-        return self._project(layer, "w2", expert, x)
-
-    def extra_bytes(self, layer: FusedMoE) -> int:
-        return 0
 
 
 class FloatMoEMethod(TorchRouting):

@@ -34,8 +34,9 @@ import torch
 from torch import nn
 
 from gpu_worker.distributed.tensor_parallel import TensorParallel
-from gpu_worker.layers.fused_moe import FusedMoE, Routing
+from gpu_worker.layers.fused_moe import FusedMoE
 from gpu_worker.layers.linear import Linear
+from gpu_worker.layers.moe_routing import Routing
 from gpu_worker.layers.ops import TORCH_OPS, LayerOps
 
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss")

@@ -10,7 +10,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 
 from gpu_worker.kernels.fused_moe.kernel import BLOCK_M, align_by_expert, fused_moe  # noqa: E402
 from gpu_worker.kernels.fused_moe.reference import fused_moe_reference  # noqa: E402
-from gpu_worker.layers.fused_moe import Routing, combine, select_experts  # noqa: E402
+from gpu_worker.layers.moe_routing import Routing, combine, select_experts  # noqa: E402
 
 
 def test_align_by_expert_pads_each_experts_run_to_the_block() -> None:

@@ -64,9 +64,10 @@ def test_a_bad_shape_is_refused(device) -> None:
 def test_the_triton_mxfp4_method_runs_a_layer_as_the_torch_reference(tokens: int, device) -> None:
     """gpt-oss's layer (top-4 of 8, router softmax over the top logits, clamped SwiGLU on
     alternate gate/up rows, experts' biases) with packed experts: Triton = torch reference."""
-    from gpu_worker.layers.fused_moe import ExpertWeights, FusedMoE, Routing
+    from gpu_worker.layers.fused_moe import ExpertWeights, FusedMoE
     from gpu_worker.layers.linear_methods.weights import MXFP4Weight
     from gpu_worker.layers.moe_methods.mxfp4 import MXFP4MoEMethod
+    from gpu_worker.layers.moe_routing import Routing
 
     experts, hidden, width = 8, 64, 32
     w13 = [_packed(2 * width, hidden, seed=10 + e) for e in range(experts)]

@@ -8,7 +8,7 @@ launches:
               routing weight -> out [pairs, hidden]
 
 then each token's pairs are added in increasing expert id order (gpu_worker/layers/
-fused_moe.py's `combine`, the order transformers adds in). A row's dot products never mix
+moe_routing.py's `combine`, the order transformers adds in). A row's dot products never mix
 with another row's, and the tiles are fixed, so a token's result does not depend on the
 other tokens of the step. `reference.py` is the same computation in torch.
 """

@@ -18,16 +18,11 @@ import torch.nn.functional as F
 from gpu_worker.cpu import moe as cpu_moe
 from gpu_worker.cpu.moe import MoEExperts
 from gpu_worker.cpu.one_call_step import Keep
-from gpu_worker.layers.fused_moe import (
-    ExpertWeights,
-    FusedMoE,
-    ProjectedExperts,
-    check_shape,
-    moe_c_experts,
-)
+from gpu_worker.layers.fused_moe import ExpertWeights, FusedMoE, check_shape
 from gpu_worker.layers.linear import set_parameter
 from gpu_worker.layers.linear_methods.gguf import _shard_matmul, dequantize_weight, shard_names
 from gpu_worker.layers.linear_methods.weights import CheckpointWeight, GGUFWeight
+from gpu_worker.layers.moe_methods.c_kernel import ProjectedExperts, moe_c_experts
 
 
 def _gguf(parts: list[CheckpointWeight], what: str) -> list[GGUFWeight]:

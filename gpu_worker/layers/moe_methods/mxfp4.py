@@ -29,15 +29,10 @@ from gpu_worker.cpu import moe as cpu_moe
 from gpu_worker.cpu import mxfp4 as cpu_mxfp4
 from gpu_worker.cpu.moe import MoEExperts
 from gpu_worker.cpu.one_call_step import Keep
-from gpu_worker.layers.fused_moe import (
-    ExpertWeights,
-    FusedMoE,
-    ProjectedExperts,
-    check_shape,
-    moe_c_experts,
-)
+from gpu_worker.layers.fused_moe import ExpertWeights, FusedMoE, check_shape
 from gpu_worker.layers.linear import set_parameter
 from gpu_worker.layers.linear_methods.weights import CheckpointWeight, MXFP4Weight
+from gpu_worker.layers.moe_methods.c_kernel import ProjectedExperts, moe_c_experts
 
 # E2M1's 16 values by nibble (sign bit 3), as transformers' FP4_VALUES
 _POSITIVE = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.layers.fused_moe import FloatMoEMethod, FusedMoE, combine, grouped_experts
+from gpu_worker.layers.fused_moe import FloatMoEMethod, FusedMoE, grouped_experts
+from gpu_worker.layers.moe_routing import combine
 
 
 class TritonMoEMethod(FloatMoEMethod):

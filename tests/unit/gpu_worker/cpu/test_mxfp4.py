@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.cpu import mxfp4 as cpu_mxfp4
-from gpu_worker.layers.fused_moe import ExpertWeights, FloatMoEMethod, FusedMoE, Routing
+from gpu_worker.layers.fused_moe import ExpertWeights, FloatMoEMethod, FusedMoE
 from gpu_worker.layers.linear_methods.weights import MXFP4Weight
 from gpu_worker.layers.moe_methods.mxfp4 import MXFP4MoEMethod, dequantize_mxfp4
+from gpu_worker.layers.moe_routing import Routing
 
 torch.set_num_threads(2)
 

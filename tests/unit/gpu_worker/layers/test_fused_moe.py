@@ -13,18 +13,12 @@ import torch
 from gpu_worker.cpu import gguf as cpu_gguf
 from gpu_worker.cpu import int8 as cpu_int8
 from gpu_worker.cpu import linear as cpu_linear
-from gpu_worker.layers.fused_moe import (
-    ExpertWeights,
-    FloatMoEMethod,
-    FusedMoE,
-    Routing,
-    group_by_expert,
-    select_experts,
-)
+from gpu_worker.layers.fused_moe import ExpertWeights, FloatMoEMethod, FusedMoE
 from gpu_worker.layers.linear_methods.weights import GGUFShard, GGUFWeight, Int8Weight
 from gpu_worker.layers.moe_methods.cpu_float import CpuFloatMoEMethod
 from gpu_worker.layers.moe_methods.gguf import GGUFMoEMethod
 from gpu_worker.layers.moe_methods.int8 import Int8MoEMethod
+from gpu_worker.layers.moe_routing import Routing, group_by_expert, select_experts
 from gpu_worker.models.moe import MoeConfig, SparseMoeBlock
 from tests.tiny_moe_models import MOE_ARCHS, moe_config
 
