@@ -42,7 +42,8 @@ from gpu_worker.lora.layer import (
     lora_layers,
 )
 from gpu_worker.lora.registry import LoadedAdapterSpecs
-from gpu_worker.models.llama import LlamaConfig, LlamaModel, OneCallStepProtocol
+from gpu_worker.models.llama import LlamaModel, OneCallStepProtocol
+from gpu_worker.models.llama_config import LlamaConfig
 
 Target = tuple[LoraLinearMethod, int]  # a fused layer's method and the module's slice in it
 

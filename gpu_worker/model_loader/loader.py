@@ -51,7 +51,8 @@ from gpu_worker.model_loader.hf_folder import read_hf_config, safetensors_files
 from gpu_worker.model_loader.moe_weights import fuse_expert_weights, split_stacked_experts
 from gpu_worker.model_loader.mxfp4 import check_mxfp4, is_mxfp4
 from gpu_worker.models import moe
-from gpu_worker.models.llama import LlamaConfig, LlamaForCausalLM
+from gpu_worker.models.llama import LlamaForCausalLM
+from gpu_worker.models.llama_config import LlamaConfig
 
 
 def fuse_weights(weights: dict[str, Any], cfg: LlamaConfig) -> dict[str, Any]:

@@ -21,7 +21,8 @@ from gpu_worker.distributed.tensor_parallel import TensorParallel
 from gpu_worker.layers.kernel_choice import choose_kernels
 from gpu_worker.layers.linear import quantization_of, resident_weight_bytes
 from gpu_worker.model_loader.loader import check_tensor_parallel, load_model, stores_quantized
-from gpu_worker.models.llama import LlamaConfig, LlamaForCausalLM
+from gpu_worker.models.llama import LlamaForCausalLM
+from gpu_worker.models.llama_config import LlamaConfig
 from gpu_worker.runner.options import RunnerOptions
 
 log = logging.getLogger(__name__)

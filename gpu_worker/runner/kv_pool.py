@@ -19,7 +19,7 @@ from common.kv_groups import LayerGroups, layer_groups
 from gpu_worker.distributed.tensor_parallel import TensorParallel
 from gpu_worker.kv_cache import GIB, KVCache, bytes_per_block, cuda_kv_budget_bytes
 from gpu_worker.model_loader.hf_folder import read_hf_config
-from gpu_worker.models.llama import LlamaConfig
+from gpu_worker.models.llama_config import LlamaConfig
 from gpu_worker.runner.options import RunnerOptions
 
 

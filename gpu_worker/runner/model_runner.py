@@ -42,7 +42,8 @@ from gpu_worker.lora.adapter import AdapterSpec, LoraAdapterError
 from gpu_worker.lora.manager import LoraManager, model_shape
 from gpu_worker.lora.registry import load_start_modules
 from gpu_worker.model_loader.hf_folder import read_hf_config, weights_version
-from gpu_worker.models.llama import LlamaConfig, LlamaForCausalLM
+from gpu_worker.models.llama import LlamaForCausalLM
+from gpu_worker.models.llama_config import LlamaConfig
 from gpu_worker.runner.base import PlanRunner
 from gpu_worker.runner.builder import load_weights
 from gpu_worker.runner.cuda_graphs import CUDAGraphRunner, maybe_capture_graphs, run_model

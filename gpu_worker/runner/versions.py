@@ -29,7 +29,8 @@ import xgrammar
 from common.model_facts import tokenizer_fingerprint
 from gpu_worker.attention import AttentionBackend
 from gpu_worker.model_loader.hf_folder import eos_token_ids, read_hf_config, weights_version
-from gpu_worker.models.llama import LlamaConfig, LlamaForCausalLM
+from gpu_worker.models.llama import LlamaForCausalLM
+from gpu_worker.models.llama_config import LlamaConfig
 from gpu_worker.runner.cuda_graphs import CUDAGraphRunner
 from gpu_worker.runner.version_table import VersionTable
 from gpu_worker.sample.logits_controls import TokenCounts

@@ -127,7 +127,7 @@ class DraftModel:
         from gpu_worker.kv_cache import KVCache
         from gpu_worker.model_loader.hf_folder import read_hf_config
         from gpu_worker.model_loader.loader import load_model
-        from gpu_worker.models.llama import LlamaConfig
+        from gpu_worker.models.llama_config import LlamaConfig
 
         self.path = path
         self.config = LlamaConfig.from_hf(read_hf_config(path))

@@ -20,7 +20,7 @@ from gpu_worker.layers.fused_moe import FusedMoE
 from gpu_worker.layers.moe_methods.cpu_float import CpuFloatMoEMethod
 from gpu_worker.layers.moe_methods.mxfp4 import MXFP4MoEMethod
 from gpu_worker.model_loader.loader import check_tensor_parallel
-from gpu_worker.models.llama import LlamaConfig
+from gpu_worker.models.llama_config import LlamaConfig
 from gpu_worker.runner.model_runner import ModelRunner
 from gpu_worker.runner.options import RunnerOptions
 from services.scheduler.policy import PolicyConfig

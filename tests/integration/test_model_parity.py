@@ -21,7 +21,7 @@ from common.messages.types import SamplingParams
 from common.prepare_model import default_model_dir
 from gpu_worker.cpu.linear import load as linear_kernel
 from gpu_worker.layers.linear_methods.cpu_float import CpuFloatLinearMethod
-from gpu_worker.models.llama import LlamaConfig
+from gpu_worker.models.llama_config import LlamaConfig
 from gpu_worker.runner.model_runner import ModelRunner
 from gpu_worker.runner.options import RunnerOptions
 from tests.tiny_models import LONGROPE_ARCHS, TINY_ARCHS, VOCAB_SIZE, make_tiny_model

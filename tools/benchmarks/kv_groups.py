@@ -38,7 +38,7 @@ from common.kv_groups import PLACEHOLDER  # noqa: E402
 from common.messages import SamplingParams  # noqa: E402
 from gpu_worker.kv_cache import bytes_per_block  # noqa: E402
 from gpu_worker.model_loader.hf_folder import read_hf_config  # noqa: E402
-from gpu_worker.models.llama import LlamaConfig  # noqa: E402
+from gpu_worker.models.llama_config import LlamaConfig  # noqa: E402
 from gpu_worker.runner.kv_pool import kv_layer_groups  # noqa: E402
 from gpu_worker.runner.model_runner import ModelRunner  # noqa: E402
 from gpu_worker.runner.options import RunnerOptions  # noqa: E402

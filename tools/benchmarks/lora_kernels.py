@@ -31,7 +31,8 @@ from collections.abc import Callable
 import torch
 
 from gpu_worker.cpu import lora
-from gpu_worker.models.llama import LlamaConfig, LlamaForCausalLM
+from gpu_worker.models.llama import LlamaForCausalLM
+from gpu_worker.models.llama_config import LlamaConfig
 
 RANK, ADAPTERS = 16, 8
 # (layer, in, slice bounds) of SmolLM2-135M

@@ -21,7 +21,7 @@ from gpu_worker.kv_cache import KVCache
 from gpu_worker.layers.kernel_choice import choose_kernels
 from gpu_worker.model_loader.hf_folder import read_hf_config
 from gpu_worker.model_loader.loader import load_model
-from gpu_worker.models.llama import LlamaConfig
+from gpu_worker.models.llama_config import LlamaConfig
 from gpu_worker.runner.cuda_graphs import CUDAGraphRunner, run_model
 from tools.gpu_check.kernels import time_ms
 

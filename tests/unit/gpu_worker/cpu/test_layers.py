@@ -11,7 +11,8 @@ from torch import nn
 from gpu_worker.cpu import layers
 from gpu_worker.kernels.rotary.reference import rotate_reference
 from gpu_worker.layers.ops_cpu import CpuLayerOps, cpu_layer_ops
-from gpu_worker.models.llama import MLP, LlamaConfig, RMSNorm, RotaryEmbedding
+from gpu_worker.models.llama import MLP, RMSNorm, RotaryEmbedding
+from gpu_worker.models.llama_config import LlamaConfig
 
 pytestmark = pytest.mark.skipif(layers.load() is None, reason="no C compiler here")
 

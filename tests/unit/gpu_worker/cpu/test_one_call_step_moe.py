@@ -105,7 +105,7 @@ def _int8(root: Path) -> LlamaForCausalLM:
     from gpu_worker.layers.kernel_choice import choose_kernels
     from gpu_worker.model_loader.hf_folder import read_hf_config
     from gpu_worker.model_loader.loader import load_model
-    from gpu_worker.models.llama import LlamaConfig
+    from gpu_worker.models.llama_config import LlamaConfig
 
     folder, cpu = _folder(root, "mixtral"), torch.device("cpu")
     cfg = LlamaConfig.from_hf(read_hf_config(folder))

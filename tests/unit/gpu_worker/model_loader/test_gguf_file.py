@@ -25,7 +25,7 @@ from gpu_worker.model_loader.gguf_file import (
     read_gguf_config,
     read_gguf_tensors,
 )
-from gpu_worker.models.llama import LlamaConfig
+from gpu_worker.models.llama_config import LlamaConfig
 from tests.gguf_models import default_gguf_file, make_tiny_k_model, write_gguf
 from tests.tiny_models import make_tiny_model
 

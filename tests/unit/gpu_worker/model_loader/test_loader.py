@@ -29,7 +29,8 @@ from gpu_worker.layers.linear import Linear, quantization_of
 from gpu_worker.lora.layer import enable_lora
 from gpu_worker.model_loader.hf_folder import read_hf_config
 from gpu_worker.model_loader.loader import load_model
-from gpu_worker.models.llama import LlamaConfig, LlamaForCausalLM
+from gpu_worker.models.llama import LlamaForCausalLM
+from gpu_worker.models.llama_config import LlamaConfig
 from tests.gguf_models import make_tiny_k_model, write_gguf
 from tests.tiny_models import make_tiny_model, make_tiny_model_own_vocab
 from tools.export_int8 import export_int8

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from gpu_worker.models.config_checks import layer_windows
-from gpu_worker.models.llama import LlamaConfig
+from gpu_worker.models.llama_config import LlamaConfig
 
 BASE: dict[str, Any] = dict(
     vocab_size=10,

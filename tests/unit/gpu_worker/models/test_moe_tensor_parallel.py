@@ -17,7 +17,8 @@ from gpu_worker.distributed.tensor_parallel import TensorParallel
 from gpu_worker.layers.kernel_choice import choose_kernels
 from gpu_worker.model_loader.hf_folder import read_hf_config
 from gpu_worker.model_loader.loader import check_tensor_parallel, load_model
-from gpu_worker.models.llama import LlamaConfig, LlamaForCausalLM
+from gpu_worker.models.llama import LlamaForCausalLM
+from gpu_worker.models.llama_config import LlamaConfig
 from tests.tiny_moe_models import make_tiny_moe_model, make_tiny_mxfp4_gpt_oss
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "gpt_oss_mxfp4")

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from gpu_worker.models.llama import LlamaConfig, RotaryEmbedding
+from gpu_worker.models.llama import RotaryEmbedding
+from gpu_worker.models.llama_config import LlamaConfig
 
 BASE: dict[str, Any] = dict(
     model_type="llama",

@@ -8,7 +8,7 @@ import torch
 
 from gpu_worker.distributed.tensor_parallel import TensorParallel
 from gpu_worker.model_loader.hf_folder import read_hf_config
-from gpu_worker.models.llama import LlamaConfig
+from gpu_worker.models.llama_config import LlamaConfig
 from gpu_worker.runner import kv_pool
 from gpu_worker.runner.kv_pool import allocate_kv_pool, draft_kv_share, kv_budget_bytes
 from gpu_worker.runner.options import RunnerOptions

@@ -14,7 +14,7 @@ from common.messages import SamplingParams, StepPlan
 from common.model_facts import tokenizer_fingerprint
 from gpu_worker.distributed.tensor_parallel import TensorParallel
 from gpu_worker.model_loader.hf_folder import read_hf_config, weights_version
-from gpu_worker.models.llama import LlamaConfig
+from gpu_worker.models.llama_config import LlamaConfig
 from gpu_worker.runner.builder import load_weights
 from gpu_worker.runner.model_runner import ModelRunner
 from gpu_worker.runner.options import RunnerOptions
