@@ -13,7 +13,7 @@ from gpu_worker.kv_quant import KVFormat
 
 if TYPE_CHECKING:
     from gpu_worker.cpu.moe import MoEExperts
-    from gpu_worker.cpu.one_call_step import DecodeLinear, Keep
+    from gpu_worker.cpu.one_call_descriptors import DecodeLinear, Keep
 
 
 class OneCallLinear(Protocol):

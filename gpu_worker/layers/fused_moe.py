@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.cpu.moe import MoEExperts
-from gpu_worker.cpu.one_call_step import Keep
+from gpu_worker.cpu.one_call_descriptors import Keep
 from gpu_worker.layers.linear import set_parameter
 from gpu_worker.layers.linear_methods.weights import CheckpointWeight
 from gpu_worker.layers.moe_routing import Routing, combine, group_by_expert, select_experts

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.cpu.one_call_step import DecodeLinear, Keep
+from gpu_worker.cpu.one_call_descriptors import DecodeLinear, Keep
 from gpu_worker.layers.linear_methods.weights import CheckpointWeight
 
 

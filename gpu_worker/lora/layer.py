@@ -34,8 +34,8 @@ import torch
 from torch import nn
 
 from gpu_worker.cpu import lora as cpu_lora
-from gpu_worker.cpu import one_call_step
-from gpu_worker.cpu.one_call_step import DecodeLinear, Keep
+from gpu_worker.cpu import one_call_descriptors
+from gpu_worker.cpu.one_call_descriptors import DecodeLinear, Keep
 from gpu_worker.layers.linear import Linear, LinearMethod
 from gpu_worker.layers.linear_methods.weights import CheckpointWeight
 
@@ -209,7 +209,7 @@ class LoraLinearMethod:
             return None
         assert keep.lora in (None, self.mapping), "one mapping per model"
         keep.lora = self.mapping
-        return one_call_step.with_lora(desc, self.lora_a, self.lora_b, self.bounds)
+        return one_call_descriptors.with_lora(desc, self.lora_a, self.lora_b, self.bounds)
 
     def _choose_kernel(self, kernel: str) -> Callable[[torch.Tensor, torch.Tensor], bool] | None:
         """The function adding the step's deltas into y [T, out] in place for x [T, in] (False:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.cpu import linear, one_call_step
-from gpu_worker.cpu.one_call_step import DecodeLinear, Keep
+from gpu_worker.cpu import linear, one_call_descriptors
+from gpu_worker.cpu.one_call_descriptors import DecodeLinear, Keep
 from gpu_worker.layers.linear import FloatLinearMethod, Linear
 from gpu_worker.layers.linear_methods.weights import CheckpointWeight
 
@@ -40,7 +40,7 @@ class CpuFloatLinearMethod:
         return F.linear(x, layer.weight, layer.bias)
 
     def one_call_linear(self, layer: Linear, keep: Keep) -> DecodeLinear | None:
-        return one_call_step.float_linear(layer.weight)
+        return one_call_descriptors.float_linear(layer.weight)
 
     def extra_bytes(self, layer: Linear) -> int:
         # the packed copy: as large as the weight

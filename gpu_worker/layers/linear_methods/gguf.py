@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.cpu import gguf as cpu_gguf
-from gpu_worker.cpu import one_call_step
-from gpu_worker.cpu.one_call_step import DecodeLinear, Keep
+from gpu_worker.cpu import one_call_descriptors
+from gpu_worker.cpu.one_call_descriptors import DecodeLinear, Keep
 from gpu_worker.layers.linear import Linear, set_parameter
 from gpu_worker.layers.linear_methods.weights import CheckpointWeight, GGUFWeight
 
@@ -120,7 +120,7 @@ class GGUFLinearMethod:
     def one_call_linear(self, layer: Linear, keep: Keep) -> DecodeLinear | None:
         if self._matmul is not _cpu_matmul:  # the C loop runs gguf.c's arithmetic only
             return None
-        return one_call_step.gguf_linear(self._each(layer))
+        return one_call_descriptors.gguf_linear(self._each(layer))
 
     def extra_bytes(self, layer: Linear) -> int:
         return 0

@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import torch
 
-from gpu_worker.cpu import int8, one_call_step
-from gpu_worker.cpu.one_call_step import DecodeLinear, Keep
+from gpu_worker.cpu import int8, one_call_descriptors
+from gpu_worker.cpu.one_call_descriptors import DecodeLinear, Keep
 from gpu_worker.layers.linear import Linear, set_parameter
 from gpu_worker.layers.linear_methods.weights import CheckpointWeight, Int8Weight
 
@@ -84,7 +84,7 @@ class Int8LinearMethod:
     def one_call_linear(self, layer: Linear, keep: Keep) -> DecodeLinear | None:
         if self._apply != self._apply_cpu:  # the C loop runs int8.c's arithmetic only
             return None
-        return one_call_step.int8_linear(layer.weight, layer.get_parameter("weight_scale"))
+        return one_call_descriptors.int8_linear(layer.weight, layer.get_parameter("weight_scale"))
 
     def extra_bytes(self, layer: Linear) -> int:
         # the packed copy: about the int8 weight and its scales

@@ -8,7 +8,7 @@ import torch
 
 from gpu_worker.cpu import moe as cpu_moe
 from gpu_worker.cpu.moe import MoEExperts
-from gpu_worker.cpu.one_call_step import Keep
+from gpu_worker.cpu.one_call_descriptors import Keep
 from gpu_worker.layers.fused_moe import FusedMoE, grouped_experts
 from gpu_worker.layers.moe_routing import select_experts
 

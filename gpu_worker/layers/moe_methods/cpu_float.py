@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from gpu_worker.cpu import linear
 from gpu_worker.cpu import moe as cpu_moe
 from gpu_worker.cpu.moe import MoEExperts
-from gpu_worker.cpu.one_call_step import Keep
+from gpu_worker.cpu.one_call_descriptors import Keep
 from gpu_worker.layers.fused_moe import ExpertWeights, FloatMoEMethod, FusedMoE
 from gpu_worker.layers.linear import set_parameter
 from gpu_worker.layers.moe_methods.c_kernel import CKernelExperts, moe_c_experts

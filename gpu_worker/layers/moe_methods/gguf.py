@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from gpu_worker.cpu import moe as cpu_moe
 from gpu_worker.cpu.moe import MoEExperts
-from gpu_worker.cpu.one_call_step import Keep
+from gpu_worker.cpu.one_call_descriptors import Keep
 from gpu_worker.layers.fused_moe import ExpertWeights, FusedMoE, check_shape
 from gpu_worker.layers.linear import set_parameter
 from gpu_worker.layers.linear_methods.gguf import _shard_matmul, dequantize_weight, shard_names

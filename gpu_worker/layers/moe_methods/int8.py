@@ -11,7 +11,7 @@ import torch
 from gpu_worker.cpu import int8
 from gpu_worker.cpu import moe as cpu_moe
 from gpu_worker.cpu.moe import MoEExperts
-from gpu_worker.cpu.one_call_step import Keep
+from gpu_worker.cpu.one_call_descriptors import Keep
 from gpu_worker.layers.fused_moe import ExpertWeights, FusedMoE, check_shape
 from gpu_worker.layers.linear import set_parameter
 from gpu_worker.layers.linear_methods.weights import CheckpointWeight, Int8Weight

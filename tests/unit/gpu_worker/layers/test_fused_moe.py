@@ -288,7 +288,7 @@ def test_the_c_moe_kernel_equals_the_per_expert_loop(kind: str) -> None:
     against the Python loop over the same kernels: the same result to float rounding (its
     silu and sum are its own), the same counts, and it is what the layer runs."""
     from gpu_worker.cpu import moe as cpu_moe
-    from gpu_worker.cpu.one_call_step import Keep
+    from gpu_worker.cpu.one_call_descriptors import Keep
     from gpu_worker.layers.fused_moe import grouped_experts
 
     if cpu_moe.load() is None:
