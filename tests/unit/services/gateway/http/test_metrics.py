@@ -13,7 +13,8 @@ from common.messages.types import SamplingParams
 from services.gateway.engine.client import OutputDelta
 from services.gateway.engine.replicas import merge_stats
 from services.gateway.http import metrics as metrics_module
-from services.gateway.http.metrics import GatewayMetrics, _SchedulerStats, install_metrics
+from services.gateway.http.metrics import GatewayMetrics, install_metrics
+from services.gateway.http.scheduler_metrics import SchedulerStats
 from tests.fake_engine import FakeEngine
 from tests.unit.services.gateway.engine.test_replicas import _stats
 
@@ -276,7 +277,7 @@ def test_an_unset_chat_max_tokens_is_not_observed_as_zero() -> None:
 
 
 def test_metrics_are_labelled_by_replica() -> None:
-    collector = _SchedulerStats(lambda: "m")
+    collector = SchedulerStats(lambda: "m")
     merged = merge_stats({"scheduler-0": _stats(), "scheduler-1": _stats()}, 2)
     merged["router"] = {"num_prefix_routed": 7, "num_least_loaded_routed": 3}
     collector.update(merged)
@@ -294,7 +295,7 @@ def test_metrics_are_labelled_by_replica() -> None:
 
 
 def test_prefill_and_decode_replicas_export_their_roles_and_hand_overs() -> None:
-    collector = _SchedulerStats(lambda: "m")
+    collector = SchedulerStats(lambda: "m")
     prefill = _stats(role="prefill", kv_handover_num_handed_over=3, kv_handover_bytes_sent=900)
     decode = _stats(role="decode", kv_handover_num_received=3, kv_handover_transfer_s=0.25)
     merged = merge_stats({"scheduler-0": prefill, "scheduler-1": decode}, 2)
@@ -313,7 +314,7 @@ def test_prefill_and_decode_replicas_export_their_roles_and_hand_overs() -> None
     ]
     assert "shuttle:kv_handover_transfer_seconds" in families
     assert families["shuttle:kv_handover_imports_in_flight"].type == "gauge"
-    plain = _SchedulerStats(lambda: "m")  # replicas without roles: no such family
+    plain = SchedulerStats(lambda: "m")  # replicas without roles: no such family
     plain.update(merge_stats({"scheduler-0": _stats(), "scheduler-1": _stats()}, 2))
     names = {f.name for f in plain.collect()}
     assert not {n for n in names if "handover" in n or "role" in n}
@@ -333,7 +334,7 @@ def test_kv_cache_dtype_and_blocks_are_exported() -> None:
             2,
         ),  # fmt: skip
     ):
-        collector = _SchedulerStats(lambda: "m")
+        collector = SchedulerStats(lambda: "m")
         collector.update(stats)
         families = {f.name: f for f in collector.collect()}
         (info,) = families["shuttle:cache_config_info"].samples
